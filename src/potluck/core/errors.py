@@ -1,0 +1,67 @@
+"""Every error potluck raises on purpose, in one place so callers can catch by kind."""
+
+from __future__ import annotations
+
+
+class PotluckError(Exception):
+    """Base of all potluck errors."""
+
+
+class SerializationError(PotluckError, ValueError):
+    """Data could not be encoded or was refused while decoding (malformed, unsafe, too large)."""
+
+
+class IdentityError(PotluckError):
+    """A key file is unreadable or a peer id / signature is malformed."""
+
+
+class AddressError(PotluckError, ValueError):
+    """An address string could not be parsed."""
+
+
+class NetworkError(PotluckError):
+    """Base of transport errors: something between two peers went wrong."""
+
+
+class ProtocolError(NetworkError):
+    """The remote side broke the wire protocol (garbage, truncated or oversized frames)."""
+
+
+class HandshakeError(NetworkError):
+    """The remote side could not prove the peer id we dialed, or refused ours."""
+
+
+class PeerUnreachable(NetworkError):
+    """No connection to the peer could be made (no address, refused, or dial timed out)."""
+
+
+class ConnectionLost(NetworkError):
+    """An open connection broke (peer died, reset, keepalive expired, or it was closed)."""
+
+
+class MessageTooLarge(NetworkError):
+    """A frame is over the agreed maximum frame size."""
+
+
+class RemoteError(NetworkError):
+    """The remote handler raised; the message carries its type and text."""
+
+    def __init__(self, message: str, remote_type: str = "Exception"):
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+class MethodNotFound(RemoteError):
+    """The remote peer has no handler for the requested method."""
+
+
+class DeadlineExceeded(NetworkError, TimeoutError):
+    """A call or stream did not finish before its deadline."""
+
+
+class CallCancelled(NetworkError):
+    """The other side cancelled the call or stream."""
+
+
+class EndOfStream(NetworkError):
+    """The other side finished sending on this stream; nothing more will arrive."""

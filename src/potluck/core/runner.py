@@ -1,0 +1,151 @@
+"""The per-process event loop: one asyncio loop in a background thread, and a synchronous facade.
+
+All networking of all peers in a process runs on this loop, so user code stays synchronous and a
+trainer stays one process. Peers take a reference with `acquire_runner()` and drop it with
+`release_runner()`; the loop thread stops when the last reference goes, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from potluck.core.errors import DeadlineExceeded
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long shutdown waits for tasks to react to cancellation before closing the loop anyway.
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (faster I/O), the standard loop otherwise; POTLUCK_UVLOOP=0 opts out."""
+    if os.environ.get("POTLUCK_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class LoopRunner:
+    """Owns an event loop running in a daemon thread; submits coroutines to it from any thread."""
+
+    def __init__(self, loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
+                 name: str = "potluck-loop"):
+        self.loop = loop_factory()
+        self._started = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; returns a thread-safe future."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the potluck event loop was shut down; create a new Peer")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result; on timeout cancel it and raise.
+
+        Calling this from the loop thread itself would deadlock, so it is refused: code running on
+        the loop must await the async twin instead.
+        """
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError("a blocking potluck call was made from inside the event loop; "
+                               "await the async method (e.g. `await dht.aget(...)`) instead")
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceeded(f"the operation did not finish within {timeout} s") from None
+        except BaseException:
+            future.cancel()
+            raise
+
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def shutdown(self, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
+        """Cancel every task still on the loop, stop it, join the thread and close the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(_cancel_everything(timeout), self.loop)
+            try:
+                fut.result(timeout + 1)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                logger.warning("tasks did not finish cleanly during shutdown", exc_info=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout + 1)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _cancel_everything(timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
+
+
+_lock = threading.Lock()
+_runner: LoopRunner | None = None
+_refs = 0
+
+
+def acquire_runner() -> LoopRunner:
+    """The process-wide runner, started on first use; pair every call with `release_runner()`."""
+    global _runner, _refs
+    with _lock:
+        if _runner is None or not _runner.is_running:
+            _runner = LoopRunner()
+        _refs += 1
+        return _runner
+
+
+def release_runner() -> None:
+    """Drop one reference; the last one stops the loop thread."""
+    global _runner, _refs
+    with _lock:
+        _refs = max(0, _refs - 1)
+        runner = _runner if _refs == 0 else None
+        if runner is not None:
+            _runner = None
+    if runner is not None:
+        runner.shutdown()
+
+
+async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking work (tensor math, file I/O) in the default thread pool, off the loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -1,0 +1,14 @@
+"""Networking: peer identity, addresses, the wire format, connections and transports.
+
+Imports only from `potluck.core`. Layers above use `Transport` (calls, streams, address book)
+and cannot tell the real TCP/TLS transport from the emulated network.
+"""
+
+from potluck.net.address import Multiaddr
+from potluck.net.connection import CallContext, Connection, Stream
+from potluck.net.identity import Identity, PeerID
+from potluck.net.tcp import TCPTransport
+from potluck.net.transport import Transport
+
+__all__ = ["CallContext", "Connection", "Identity", "Multiaddr", "PeerID", "Stream", "TCPTransport",
+           "Transport"]

@@ -1,0 +1,199 @@
+"""Multiaddr-style peer addresses: where a peer listens, and optionally who it is.
+
+Text forms (the ``/p2p/<peer id>`` suffix is optional)::
+
+    /ip4/127.0.0.1/tcp/31337/p2p/<peer id>
+    /ip6/::1/tcp/31337/p2p/<peer id>
+    /dns/example.org/tcp/443/p2p/<peer id>      (also dns4 / dns6)
+    /emu/<name>/p2p/<peer id>                   (the in-process emulated network)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+
+from potluck.core.errors import AddressError, IdentityError
+from potluck.net.identity import PeerID
+
+__all__ = ["Multiaddr"]
+
+# Addresses arrive from other peers (DHT records); bound the text we are willing to parse.
+MAX_ADDRESS_CHARS = 1024
+# Keep error messages readable when quoting an oversized or hostile input.
+_MAX_QUOTED_CHARS = 200
+# TCP ports are 16-bit.
+_MAX_PORT = 65535
+# A DNS name is at most 253 characters, each label at most 63 (RFC 1035).
+_DNS_NAME = re.compile(
+    r"(?=.{1,253}\.?$)"
+    r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?",
+    re.ASCII,
+)
+# Emulated-network node names: bounded, and free of '/' so they cannot break the text form.
+_EMU_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}", re.ASCII)
+
+_TCP_KINDS = ("ip4", "ip6", "dns", "dns4", "dns6")
+_KINDS = (*_TCP_KINDS, "emu")
+_EXAMPLES = "e.g. '/ip4/127.0.0.1/tcp/31337/p2p/<peer id>' or '/emu/<name>/p2p/<peer id>'"
+
+
+class _BadPart(Exception):
+    """One part of an address is wrong; the caller adds which address it was."""
+
+
+def _quote(text: str) -> str:
+    if len(text) > _MAX_QUOTED_CHARS:
+        return repr(text[:_MAX_QUOTED_CHARS]) + "..."
+    return repr(text)
+
+
+def _check_host(kind: str, host: object) -> str:
+    """Validate `host` for `kind` and return its canonical spelling."""
+    if not isinstance(host, str):
+        raise _BadPart(f"host must be a str, got {type(host).__name__}")
+    if "/" in host:
+        raise _BadPart(f"host {_quote(host)} contains '/'")
+    if kind == "ip4":
+        try:
+            return str(ipaddress.IPv4Address(host))
+        except ValueError:
+            raise _BadPart(f"bad IPv4 literal {_quote(host)}") from None
+    if kind == "ip6":
+        try:
+            return str(ipaddress.IPv6Address(host))
+        except ValueError:
+            raise _BadPart(f"bad IPv6 literal {_quote(host)}") from None
+    if kind == "emu":
+        if not _EMU_NAME.fullmatch(host):
+            raise _BadPart(
+                f"bad emulated node name {_quote(host)} (use 1-255 letters, digits, '-', '_', '.')"
+            )
+        return host
+    if not _DNS_NAME.fullmatch(host):
+        raise _BadPart(f"bad DNS name {_quote(host)}")
+    return host.lower()
+
+
+def _check_port(kind: str, port: object) -> int | None:
+    if kind == "emu":
+        if port is not None:
+            raise _BadPart("emulated addresses have no port")
+        return None
+    if port is None:
+        raise _BadPart("missing port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= _MAX_PORT:
+        raise _BadPart(f"port {port!r} is not an int in 0..{_MAX_PORT}")
+    return port
+
+
+def _parse_port(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(_MAX_PORT))):
+        raise _BadPart(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
+    port = int(text)
+    if port > _MAX_PORT:
+        raise _BadPart(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
+    return port
+
+
+@dataclasses.dataclass(frozen=True)
+class Multiaddr:
+    """A peer's network address; `str()` gives the canonical text that `parse` reads back."""
+
+    kind: str
+    host: str
+    port: int | None = None
+    peer_id: PeerID | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            if self.kind not in _KINDS:
+                raise _BadPart(f"unknown protocol {self.kind!r} (known: {', '.join(_KINDS)})")
+            object.__setattr__(self, "host", _check_host(self.kind, self.host))
+            object.__setattr__(self, "port", _check_port(self.kind, self.port))
+            if self.peer_id is not None and not isinstance(self.peer_id, PeerID):
+                raise _BadPart(f"peer_id must be a PeerID, got {type(self.peer_id).__name__}")
+        except _BadPart as exc:
+            raise AddressError(
+                f"bad address fields: {exc}; valid addresses look {_EXAMPLES}"
+            ) from None
+
+    @classmethod
+    def parse(cls, text: str) -> Multiaddr:
+        """Read the text form, with an error that says which part is wrong."""
+        if not isinstance(text, str):
+            raise AddressError(f"an address must be a str, got {type(text).__name__}")
+        try:
+            return cls._parse(text)
+        except _BadPart as exc:
+            raise AddressError(
+                f"bad address {_quote(text)}: {exc}; valid addresses look {_EXAMPLES}"
+            ) from None
+
+    @classmethod
+    def _parse(cls, text: str) -> Multiaddr:
+        if len(text) > MAX_ADDRESS_CHARS:
+            raise _BadPart(f"longer than {MAX_ADDRESS_CHARS} characters")
+        if not text.startswith("/"):
+            raise _BadPart("must start with '/'")
+        parts = text[1:].split("/")
+        kind = parts[0]
+        if kind not in _KINDS:
+            raise _BadPart(f"unknown protocol {kind!r} (known: {', '.join(_KINDS)})")
+        if len(parts) < 2 or not parts[1]:
+            raise _BadPart(f"missing host after /{kind}")
+        host = _check_host(kind, parts[1])
+        rest = parts[2:]
+        port = None
+        if kind != "emu":
+            if not rest:
+                raise _BadPart("missing port (add /tcp/<port>)")
+            if rest[0] != "tcp":
+                raise _BadPart(f"expected 'tcp' after the host, got {_quote(rest[0])}")
+            if len(rest) < 2 or not rest[1]:
+                raise _BadPart("missing port after /tcp")
+            port = _parse_port(rest[1])
+            rest = rest[2:]
+        peer_id = None
+        if rest and rest[0] == "p2p":
+            if len(rest) < 2 or not rest[1]:
+                raise _BadPart("missing peer id after /p2p")
+            try:
+                peer_id = PeerID.from_string(rest[1])
+            except IdentityError as exc:
+                raise _BadPart(f"bad peer id: {exc}") from None
+            rest = rest[2:]
+        if rest:
+            raise _BadPart(f"trailing junk {_quote('/' + '/'.join(rest))}")
+        return cls(kind, host, port, peer_id)
+
+    @classmethod
+    def tcp(cls, host: str, port: int, peer_id: PeerID | None = None) -> Multiaddr:
+        """A TCP address, choosing ip4/ip6 for IP literals and dns for anything else."""
+        if not isinstance(host, str):
+            raise AddressError(f"host must be a str, got {type(host).__name__}")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # accept the bracketed IPv6 form used in URLs
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return cls("dns", host, port, peer_id)
+        return cls("ip4" if ip.version == 4 else "ip6", str(ip), port, peer_id)
+
+    def with_peer_id(self, peer_id: PeerID) -> Multiaddr:
+        """The same address, naming the peer expected there."""
+        return dataclasses.replace(self, peer_id=peer_id)
+
+    def without_peer_id(self) -> Multiaddr:
+        """The bare transport address."""
+        return dataclasses.replace(self, peer_id=None)
+
+    def __str__(self) -> str:
+        text = f"/{self.kind}/{self.host}"
+        if self.port is not None:
+            text += f"/tcp/{self.port}"
+        if self.peer_id is not None:
+            text += f"/p2p/{self.peer_id}"
+        return text

@@ -1,0 +1,484 @@
+"""One authenticated link between two peers, multiplexing unary calls and streams.
+
+Either side may start calls on a connection, so a peer behind NAT serves requests over the
+connection it dialed. A `Connection` speaks frames through a `FrameLink` (real TCP/TLS or the
+emulated network) and never touches sockets itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from potluck.core.errors import (
+    CallCancelled, ConnectionLost, DeadlineExceeded, EndOfStream, MethodNotFound, NetworkError,
+    RemoteError,
+)
+from potluck.net.address import Multiaddr
+from potluck.net.frames import Frame, Kind
+from potluck.net.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+# Bytes a stream may have in flight before the receiver hands them to its consumer. 16 MiB keeps
+# several 1-4 MiB chunks moving on a fast link while bounding memory per stream.
+STREAM_WINDOW = 16 * 2**20
+
+# Handler tasks one connection may run at once; more get a "busy" error instead of memory growth.
+MAX_CONCURRENT_CALLS = 1024
+
+# Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
+MAX_STREAM_QUEUE = 4096
+
+# Default deadlines (seconds). Every wait has one; callers pass their own where they know better.
+DEFAULT_CALL_TIMEOUT = 30.0
+DEFAULT_STREAM_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class RemoteInfo:
+    """What a peer told us in its handshake (its id is authenticated by then)."""
+
+    peer_id: PeerID
+    addresses: tuple[Multiaddr, ...] = ()
+    client_mode: bool = False
+    max_frame_size: int | None = None
+    bulk: bool = False  # the dialer opened this connection for one bulk stream at a time
+    token: bytes | None = None  # reserved for membership tokens
+
+
+class FrameLink(Protocol):
+    """What a connection needs from the layer below: ordered frame delivery both ways."""
+
+    async def send(self, frame: Frame) -> int:
+        """Write a frame; returns once its bytes are handed to the OS. Returns its wire size."""
+
+    def send_nowait(self, frame: Frame) -> None:
+        """Queue a small control frame without waiting."""
+
+    def close(self, reason: str | None = None) -> None:
+        """Close the link; the connection's `link_lost` will be called."""
+
+
+@dataclass
+class CallContext:
+    """Handed to every handler: who is calling and until when."""
+
+    peer_id: PeerID
+    method: str
+    deadline: float | None  # loop time
+    connection: Connection
+    remote: RemoteInfo = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+UnaryHandler = Callable[[Any, CallContext], Awaitable[Any]]
+StreamHandler = Callable[["Stream", CallContext], Awaitable[None]]
+
+
+class Handlers:
+    """Method name -> handler, shared by all connections of a transport."""
+
+    def __init__(self) -> None:
+        self.unary: dict[str, UnaryHandler] = {}
+        self.stream: dict[str, StreamHandler] = {}
+
+
+class Stream:
+    """A two-way message stream with per-stream flow control (a byte window)."""
+
+    def __init__(self, conn: Connection, call_id: int, method: str, deadline: float | None):
+        self.connection = conn
+        self.call_id = call_id
+        self.method = method
+        self.deadline = deadline
+        self._inbox: deque[Frame] = deque()
+        self._inbox_event = asyncio.Event()
+        self._credit = STREAM_WINDOW
+        self._credit_event = asyncio.Event()
+        self._unacked = 0
+        self._sent_end = False
+        self._received_end = False
+        self._error: BaseException | None = None
+        self.handler_task: asyncio.Task | None = None
+        self.request: Any = None  # the body of the OPEN frame, for the handler
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.connection.remote.peer_id
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        if self.deadline is None:
+            return timeout
+        left = self.deadline - asyncio.get_running_loop().time()
+        return left if timeout is None else min(left, timeout)
+
+    async def send(self, message: Any, timeout: float | None = None) -> None:
+        """Send one message; waits while the receiver's window is full (backpressure)."""
+        if self._sent_end:
+            raise NetworkError("send() after close() on this stream")
+        try:
+            async with asyncio.timeout(self._timeout(timeout)):
+                while self._credit <= 0 and self._error is None:
+                    self._credit_event.clear()
+                    await self._credit_event.wait()
+                if self._error is not None:
+                    raise self._error
+                size = await self.connection.link.send(Frame(Kind.DATA, self.call_id, body=message))
+        except TimeoutError:
+            self.abort("deadline exceeded")
+            raise DeadlineExceeded(f"stream {self.method!r} to {self.peer_id}: send timed out") from None
+        self._credit -= size
+
+    async def recv(self, timeout: float | None = None) -> Any:
+        """The next message; raises EndOfStream when the other side is done sending."""
+        try:
+            async with asyncio.timeout(self._timeout(timeout)):
+                while not self._inbox:
+                    if self._error is not None:
+                        raise self._error
+                    if self._received_end:
+                        raise EndOfStream(f"stream {self.method!r} from {self.peer_id} ended")
+                    self._inbox_event.clear()
+                    await self._inbox_event.wait()
+        except TimeoutError:
+            self.abort("deadline exceeded")
+            raise DeadlineExceeded(f"stream {self.method!r} with {self.peer_id}: no message in time") from None
+        frame = self._inbox.popleft()
+        self._unacked += frame.size
+        if self._unacked >= STREAM_WINDOW // 4 and not self._received_end and self._error is None:
+            self.connection.link.send_nowait(Frame(Kind.WINDOW, self.call_id, {"n": self._unacked}))
+            self._unacked = 0
+        return frame.body
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                yield await self.recv()
+            except EndOfStream:
+                return
+
+    async def close(self) -> None:
+        """Half-close: tell the other side we are done sending (it may still send to us)."""
+        if not self._sent_end and self._error is None:
+            self._sent_end = True
+            self.connection.link.send_nowait(Frame(Kind.END, self.call_id))
+            self.connection._maybe_forget(self)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Cancel the stream both ways; the remote handler is cancelled too."""
+        if self._error is None:
+            self._fail(CallCancelled(f"stream {self.method!r}: {reason}"))
+            if not self.connection.closed:
+                self.connection.link.send_nowait(Frame(Kind.CANCEL, self.call_id))
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.abort(f"{exc_type.__name__} in the caller")
+        else:
+            await self.close()
+
+    # -- called by the connection ---------------------------------------------------------------
+    def _deliver(self, frame: Frame) -> None:
+        if frame.kind is Kind.DATA:
+            if len(self._inbox) >= MAX_STREAM_QUEUE:
+                self.connection._protocol_violation("stream queue overflow: peer ignored flow control")
+                return
+            self._inbox.append(frame)
+        elif frame.kind is Kind.END:
+            self._received_end = True
+        elif frame.kind is Kind.WINDOW:
+            n = (frame.meta or {}).get("n")
+            if isinstance(n, int) and n > 0:
+                self._credit += n
+                self._credit_event.set()
+            return
+        elif frame.kind is Kind.ERROR:
+            self._fail(_remote_error(frame.meta))
+        elif frame.kind is Kind.CANCEL:
+            self._fail(CallCancelled(f"stream {self.method!r} was cancelled by {self.peer_id}"))
+            if self.handler_task is not None:
+                self.handler_task.cancel()
+        self._inbox_event.set()
+        self.connection._maybe_forget(self)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._inbox_event.set()
+        self._credit_event.set()
+        self._check_done()
+
+    def _check_done(self) -> None:
+        if self.finished and not self.done.done():
+            self.done.set_result(None)
+
+    @property
+    def finished(self) -> bool:
+        return self._error is not None or (self._sent_end and self._received_end)
+
+
+class Connection:
+    """Multiplexes calls and streams over one link; fails everything pending when the link dies."""
+
+    def __init__(self, handlers: Handlers, remote: RemoteInfo, initiator: bool,
+                 keepalive_interval: float | None = None, keepalive_timeout: float | None = None,
+                 on_close: Callable[[Connection], None] | None = None):
+        self.handlers = handlers
+        self.remote = remote
+        self.initiator = initiator
+        self.link: FrameLink = None  # type: ignore[assignment] - set by attach()
+        self.closed = False
+        self.close_reason: str | None = None
+        self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the acceptor
+        self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, Stream] = {}
+        self._serving: dict[int, asyncio.Task] = {}
+        self._on_close = on_close
+        self._keepalive_interval = keepalive_interval
+        self._keepalive_timeout = keepalive_timeout
+        self._keepalive_task: asyncio.Task | None = None
+        self.last_received = asyncio.get_running_loop().time()
+        self.in_use = 0  # active bulk streams (for pooling dedicated connections)
+
+    def attach(self, link: FrameLink) -> None:
+        self.link = link
+        if self._keepalive_interval:
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.remote.peer_id
+
+    def _new_id(self) -> int:
+        call_id = self._next_id
+        self._next_id += 2
+        return call_id
+
+    # -- outgoing -------------------------------------------------------------------------------
+    async def call(self, method: str, body: Any = None, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
+        """Send a request and wait for its response, at most `timeout` seconds."""
+        if self.closed:
+            raise ConnectionLost(f"connection to {self.peer_id} is closed: {self.close_reason}")
+        call_id = self._new_id()
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            async with asyncio.timeout(timeout):
+                await self.link.send(Frame(Kind.REQUEST, call_id, {"m": method, "t": timeout}, body))
+                return await future
+        except TimeoutError:
+            if not self.closed:
+                self.link.send_nowait(Frame(Kind.CANCEL, call_id))
+            raise DeadlineExceeded(f"call {method!r} to {self.peer_id} got no answer within {timeout} s") from None
+        except asyncio.CancelledError:
+            if not self.closed:
+                self.link.send_nowait(Frame(Kind.CANCEL, call_id))
+            raise
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def open_stream(self, method: str, body: Any = None, timeout: float | None = DEFAULT_STREAM_TIMEOUT) -> Stream:
+        """Open a stream to `method`; `timeout` bounds the stream's whole life."""
+        if self.closed:
+            raise ConnectionLost(f"connection to {self.peer_id} is closed: {self.close_reason}")
+        call_id = self._new_id()
+        loop = asyncio.get_running_loop()
+        stream = Stream(self, call_id, method, None if timeout is None else loop.time() + timeout)
+        self._streams[call_id] = stream
+        await self.link.send(Frame(Kind.OPEN, call_id, {"m": method, "t": timeout}, body))
+        return stream
+
+    # -- incoming -------------------------------------------------------------------------------
+    def frame_received(self, frame: Frame) -> None:
+        self.last_received = asyncio.get_running_loop().time()
+        kind = frame.kind
+        if kind is Kind.RESPONSE or kind is Kind.ERROR:
+            future = self._pending.get(frame.call_id)
+            if future is not None and not future.done():
+                if kind is Kind.RESPONSE:
+                    future.set_result(frame.body)
+                else:
+                    future.set_exception(_remote_error(frame.meta))
+                return
+        if kind is Kind.REQUEST:
+            self._serve_request(frame)
+        elif kind is Kind.OPEN:
+            self._serve_stream(frame)
+        elif kind is Kind.CANCEL:
+            task = self._serving.get(frame.call_id)
+            if task is not None:
+                task.cancel()
+            stream = self._streams.get(frame.call_id)
+            if stream is not None:
+                stream._deliver(frame)
+        elif kind in (Kind.DATA, Kind.END, Kind.WINDOW, Kind.ERROR):
+            stream = self._streams.get(frame.call_id)
+            if stream is not None:
+                stream._deliver(frame)
+            # else: a late frame for a finished stream; dropping it is correct
+        elif kind is Kind.PING:
+            self.link.send_nowait(Frame(Kind.PONG))
+        elif kind is Kind.PONG:
+            pass
+        elif kind is Kind.GOAWAY:
+            reason = (frame.meta or {}).get("reason", "no reason given")
+            self.link.close(f"{self.peer_id} closed the connection: {reason}")
+        else:
+            self._protocol_violation(f"unexpected {kind.name} frame after the handshake")
+
+    def _protocol_violation(self, reason: str) -> None:
+        logger.warning("closing connection to %s: %s", self.peer_id, reason)
+        if not self.closed:
+            self.link.send_nowait(Frame(Kind.GOAWAY, meta={"reason": reason}))
+            self.link.close(reason)
+
+    def _deadline(self, meta: dict) -> tuple[str, float | None] | None:
+        method, timeout = meta.get("m"), meta.get("t")
+        if not isinstance(method, str) or not (timeout is None or isinstance(timeout, (int, float))):
+            return None
+        loop = asyncio.get_running_loop()
+        return method, None if timeout is None else loop.time() + max(0.0, float(timeout))
+
+    def _serve_request(self, frame: Frame) -> None:
+        parsed = self._deadline(frame.meta or {})
+        if parsed is None or frame.call_id in self._serving:
+            self.link.send_nowait(_error_frame(frame.call_id, "ProtocolError", "malformed request"))
+            return
+        method, deadline = parsed
+        handler = self.handlers.unary.get(method)
+        if handler is None:
+            self.link.send_nowait(_error_frame(frame.call_id, "MethodNotFound",
+                                               f"{method!r} is not served by this peer"))
+            return
+        if len(self._serving) >= MAX_CONCURRENT_CALLS:
+            self.link.send_nowait(_error_frame(frame.call_id, "Busy", "too many concurrent calls"))
+            return
+        ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
+        task = asyncio.get_running_loop().create_task(self._run_unary(handler, frame, ctx))
+        self._serving[frame.call_id] = task
+
+    async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
+        call_id = frame.call_id
+        try:
+            async with asyncio.timeout_at(ctx.deadline):
+                result = await handler(frame.body, ctx)
+            await self.link.send(Frame(Kind.RESPONSE, call_id, body=result))
+        except asyncio.CancelledError:
+            pass  # cancelled by the caller or by shutdown: nobody waits for an answer
+        except TimeoutError:
+            pass  # the caller's deadline passed: it has already given up
+        except Exception as e:  # noqa: BLE001 - report the handler's failure to the caller
+            if not isinstance(e, (NetworkError,)):
+                logger.debug("handler %r failed", ctx.method, exc_info=True)
+            if not self.closed:
+                try:
+                    await self.link.send(_error_frame(call_id, type(e).__name__, str(e)))
+                except Exception:  # noqa: BLE001 - e.g. the error text itself is unsendable
+                    logger.debug("could not report handler error", exc_info=True)
+        finally:
+            self._serving.pop(call_id, None)
+
+    def _serve_stream(self, frame: Frame) -> None:
+        parsed = self._deadline(frame.meta or {})
+        if parsed is None or frame.call_id in self._streams:
+            self.link.send_nowait(_error_frame(frame.call_id, "ProtocolError", "malformed stream open"))
+            return
+        method, deadline = parsed
+        handler = self.handlers.stream.get(method)
+        if handler is None:
+            self.link.send_nowait(_error_frame(frame.call_id, "MethodNotFound",
+                                               f"stream {method!r} is not served by this peer"))
+            return
+        if len(self._serving) >= MAX_CONCURRENT_CALLS:
+            self.link.send_nowait(_error_frame(frame.call_id, "Busy", "too many concurrent calls"))
+            return
+        stream = Stream(self, frame.call_id, method, deadline)
+        stream.request = frame.body
+        self._streams[frame.call_id] = stream
+        ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
+        task = asyncio.get_running_loop().create_task(self._run_stream(handler, stream, ctx))
+        stream.handler_task = task
+        self._serving[frame.call_id] = task
+
+    async def _run_stream(self, handler: StreamHandler, stream: Stream, ctx: CallContext) -> None:
+        try:
+            async with asyncio.timeout_at(ctx.deadline):
+                await handler(stream, ctx)
+            await stream.close()
+        except (asyncio.CancelledError, TimeoutError, CallCancelled):
+            stream.abort("handler stopped")
+        except Exception as e:  # noqa: BLE001 - report the handler's failure to the caller
+            logger.debug("stream handler %r failed", ctx.method, exc_info=True)
+            if not self.closed and stream._error is None:
+                self.link.send_nowait(_error_frame(stream.call_id, type(e).__name__, str(e)))
+            stream._fail(e)
+        finally:
+            self._serving.pop(stream.call_id, None)
+            stream._fail(CallCancelled("stream handler finished"))
+            self._streams.pop(stream.call_id, None)
+
+    def _maybe_forget(self, stream: Stream) -> None:
+        stream._check_done()
+        if stream.finished and stream.handler_task is None and not stream._inbox:
+            self._streams.pop(stream.call_id, None)
+
+    # -- liveness and teardown -------------------------------------------------------------------
+    async def _keepalive(self) -> None:
+        interval, timeout = self._keepalive_interval, self._keepalive_timeout or 3 * self._keepalive_interval
+        while not self.closed:
+            await asyncio.sleep(interval)
+            silent = asyncio.get_running_loop().time() - self.last_received
+            if silent >= timeout:
+                self.link.close(f"no data from {self.peer_id} for {silent:.1f} s (keepalive timeout)")
+                return
+            if silent >= interval:
+                self.link.send_nowait(Frame(Kind.PING))
+
+    def link_lost(self, reason: str | None) -> None:
+        """Called by the link once it is closed, whatever the cause."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason or "closed"
+        error = ConnectionLost(f"connection to {self.peer_id} lost: {self.close_reason}")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for stream in list(self._streams.values()):
+            stream._fail(error)
+        for task in list(self._serving.values()):
+            task.cancel()
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def close(self, reason: str = "closed by this peer") -> None:
+        if not self.closed:
+            self.link.close(reason)
+
+
+def _error_frame(call_id: int, type_name: str, message: str) -> Frame:
+    return Frame(Kind.ERROR, call_id, {"type": type_name, "msg": message[:4096]})
+
+
+def _remote_error(meta: dict | None) -> RemoteError:
+    meta = meta or {}
+    type_name = str(meta.get("type", "Exception"))
+    message = str(meta.get("msg", ""))
+    cls = MethodNotFound if type_name == "MethodNotFound" else RemoteError
+    return cls(f"remote {type_name}: {message}", remote_type=type_name)

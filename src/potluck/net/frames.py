@@ -1,0 +1,222 @@
+"""The wire format: length-prefixed frames, decoded without any I/O (the h11 shape).
+
+A frame is a 16-byte prefix, a msgpack header and a raw payload:
+
+    prefix  = version:u8 kind:u8 flags:u16 header_len:u32 payload_len:u64   (little endian)
+    header  = msgpack [call_id, meta, specs, body]   (meta: small protocol fields; body: user data)
+    payload = the raw bytes of every tensor in the body, back to back (see core.serialization)
+
+`FrameDecoder` tells its caller where the next received bytes should go (`get_buffer`), so a
+large tensor payload is received straight into the tensor that will be handed to the user.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from potluck.core import serialization
+from potluck.core.errors import MessageTooLarge, ProtocolError, SerializationError
+
+VERSION = 1
+PREFIX = struct.Struct("<BBHIQ")
+
+# 64 MiB: big enough for one unary call with a large activation batch (an expert's 2048 x 1024
+# float32 input is 8 MiB), small enough that a forged length cannot make a peer allocate much.
+# Bulk data travels as streams of 1-4 MiB chunks, so this is rarely the limit that matters.
+DEFAULT_MAX_FRAME_SIZE = 64 * 2**20
+
+# Receive scratch space. Frames that fit are parsed in place; bigger payloads bypass it.
+SCRATCH_SIZE = 256 * 2**10
+
+
+class Kind(IntEnum):
+    """Frame kinds. Only the protocol's own verbs live here; codecs and methods are strings."""
+
+    HELLO = 1
+    AUTH = 2
+    REQUEST = 3
+    RESPONSE = 4
+    ERROR = 5
+    CANCEL = 6
+    OPEN = 7
+    DATA = 8
+    END = 9
+    WINDOW = 10
+    PING = 11
+    PONG = 12
+    GOAWAY = 13
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: Kind
+    call_id: int = 0
+    meta: dict[str, Any] | None = None
+    body: Any = None
+    size: int = 0  # bytes on the wire; set by encode() and by the decoder
+
+
+def encode(frame: Frame, max_frame_size: int | None = None) -> list[bytes | memoryview]:
+    """Serialize a frame into buffers to write in order; sets `frame.size`."""
+    packed = serialization.pack(frame.body)
+    header = msgpack.packb([frame.call_id, frame.meta, packed.specs, packed.body], use_bin_type=True)
+    payload_len = sum(b.nbytes for b in packed.buffers)
+    frame.size = PREFIX.size + len(header) + payload_len
+    if max_frame_size is not None and frame.size > max_frame_size:
+        raise MessageTooLarge(
+            f"a {frame.size}-byte frame exceeds the peer's max frame size of {max_frame_size} bytes; "
+            "send large data as a stream of smaller chunks")
+    prefix = PREFIX.pack(VERSION, frame.kind, 0, len(header), payload_len)
+    return [prefix + header, *[b for b in packed.buffers if b.nbytes]]
+
+
+class FrameDecoder:
+    """Turns received bytes into frames; raises ProtocolError / MessageTooLarge on bad input."""
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        self.max_frame_size = max_frame_size
+        self._scratch = bytearray(SCRATCH_SIZE)
+        self._start = 0  # first unparsed byte in scratch
+        self._end = 0  # end of received bytes in scratch
+        # While receiving a large payload directly: the frame being built and where bytes go.
+        self._pending: tuple[Kind, int, Any, bytes, list, int] | None = None
+        self._targets: list[memoryview] = []
+        self._target_offset = 0
+
+    # -- the BufferedProtocol side -------------------------------------------------------------
+    def get_buffer(self) -> memoryview:
+        """Writable memory for the next received bytes."""
+        if self._targets:
+            return self._targets[0][self._target_offset:]
+        if self._end == len(self._scratch):
+            self._make_room(SCRATCH_SIZE)
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for `nbytes` written into the last buffer; returns the frames now complete."""
+        frames: list[Frame] = []
+        if self._targets:
+            self._target_offset += nbytes
+            if self._target_offset == self._targets[0].nbytes:
+                self._targets.pop(0)
+                self._target_offset = 0
+            if self._targets:
+                return frames
+            frames.append(self._finish_pending())
+        else:
+            self._end += nbytes
+        self._parse_scratch(frames)
+        return frames
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Convenience for tests and non-buffered links: copy `data` in and parse."""
+        frames: list[Frame] = []
+        view = memoryview(data)
+        while view.nbytes:
+            buf = self.get_buffer()
+            n = min(buf.nbytes, view.nbytes)
+            buf[:n] = view[:n]
+            view = view[n:]
+            frames.extend(self.buffer_updated(n))
+        return frames
+
+    # -- parsing -------------------------------------------------------------------------------
+    def _make_room(self, need: int) -> None:
+        """Move unparsed bytes to the front of scratch, growing it so `need` more bytes fit."""
+        unparsed = self._end - self._start
+        size = max(len(self._scratch), unparsed + need)
+        if size > len(self._scratch) or self._start:
+            new = bytearray(size)
+            new[:unparsed] = self._scratch[self._start:self._end]
+            self._scratch = new
+            self._start, self._end = 0, unparsed
+
+    def _parse_scratch(self, frames: list[Frame]) -> None:
+        while True:
+            avail = self._end - self._start
+            if avail < PREFIX.size:
+                break
+            version, kind, _flags, header_len, payload_len = PREFIX.unpack_from(self._scratch, self._start)
+            if version != VERSION:
+                raise ProtocolError(f"unknown frame version {version} (expected {VERSION}); "
+                                    "the other side does not speak the potluck protocol")
+            try:
+                kind = Kind(kind)
+            except ValueError:
+                raise ProtocolError(f"unknown frame kind {kind}") from None
+            total = PREFIX.size + header_len + payload_len
+            if total > self.max_frame_size:
+                raise MessageTooLarge(f"received a frame of {total} bytes; the limit is "
+                                      f"{self.max_frame_size} bytes (max_frame_size)")
+            head_end = PREFIX.size + header_len
+            if avail < head_end:
+                if len(self._scratch) - self._start < head_end:
+                    self._make_room(head_end)
+                break
+            header = bytes(self._scratch[self._start + PREFIX.size:self._start + head_end])
+            call_id, meta, body, tensors, sizes = _parse_header(header, payload_len)
+            views = [serialization.tensor_memory(t) for t, n in zip(tensors, sizes) if n]
+            # Copy whatever part of the payload is already in scratch.
+            pos = self._start + head_end
+            present = min(payload_len, self._end - pos)
+            while views and present:
+                view = views[0]
+                n = min(view.nbytes, present)
+                view[:n] = self._scratch[pos:pos + n]
+                pos, present = pos + n, present - n
+                if n == view.nbytes:
+                    views.pop(0)
+                else:
+                    views[0] = view[n:]
+            self._start = pos
+            self._pending = (kind, call_id, meta, body, tensors, total)
+            if views:
+                # The rest of the payload is received directly into the tensors.
+                self._targets, self._target_offset = views, 0
+                if self._start == self._end:
+                    self._start = self._end = 0
+                return
+            frames.append(self._finish_pending())
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _finish_pending(self) -> Frame:
+        assert self._pending is not None
+        kind, call_id, meta, body, tensors, total = self._pending
+        self._pending = None
+        try:
+            value = serialization.unpack(body, tensors, max_body_bytes=self.max_frame_size)
+        except SerializationError as e:
+            raise ProtocolError(f"malformed message body: {e}") from None
+        return Frame(kind, call_id, meta, value, total)
+
+
+def _parse_header(header: bytes, payload_len: int) -> tuple[int, dict | None, bytes, list, list[int]]:
+    try:
+        parsed = msgpack.unpackb(header, raw=False, strict_map_key=True, max_bin_len=len(header),
+                                 max_str_len=len(header), max_array_len=len(header),
+                                 max_map_len=len(header), max_ext_len=0)
+    except Exception as e:  # noqa: BLE001 - any failure here is the peer's malformed header
+        raise ProtocolError(f"malformed frame header: {e}") from None
+    if not (isinstance(parsed, list) and len(parsed) == 4):
+        raise ProtocolError("malformed frame header: expected [call_id, meta, specs, body]")
+    call_id, meta, specs, body = parsed
+    if not (isinstance(call_id, int) and not isinstance(call_id, bool) and call_id >= 0):
+        raise ProtocolError("malformed frame header: call id must be a non-negative integer")
+    if meta is not None and not isinstance(meta, dict):
+        raise ProtocolError("malformed frame header: meta must be a map")
+    if not isinstance(specs, list) or not isinstance(body, bytes):
+        raise ProtocolError("malformed frame header: bad tensor specs or body")
+    try:
+        sizes = serialization.nbytes_of(specs)
+        if sum(sizes) != payload_len:
+            raise ProtocolError(f"frame payload is {payload_len} bytes but its tensors need {sum(sizes)}")
+        tensors = serialization.allocate(specs)
+    except SerializationError as e:
+        raise ProtocolError(f"malformed tensor description: {e}") from None
+    return call_id, meta, body, tensors, sizes

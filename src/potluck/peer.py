@@ -1,0 +1,110 @@
+"""`potluck.Peer`: one participant of a swarm: identity, transport, and (next) the DHT.
+
+A Peer starts at once, runs its networking on the process's shared event loop, and offers a
+synchronous API for user code. Several Peers may live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
+
+from potluck.core.errors import PeerUnreachable
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.net.address import Multiaddr
+from potluck.net.identity import Identity, PeerID
+from potluck.net.tcp import TCPTransport
+from potluck.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long start-up may take to reach the initial peers before giving up with a clear error.
+BOOTSTRAP_TIMEOUT = 15.0
+
+
+class Peer:
+    """A participant in a swarm. Use as a context manager or call `shutdown()`.
+
+    Args:
+        initial_peers: addresses (`/ip4/.../tcp/.../p2p/...`) of peers already in the swarm.
+        host, port: where to listen (port 0 picks a free one).
+        client_mode: do not listen; only dial out (for peers behind NAT or a firewall).
+        identity_path: key file; created on first use so the peer id survives restarts.
+        insecure: plain TCP without TLS, for trusted clusters only (ids are still verified).
+        announce: addresses to advertise instead of the listening ones (e.g. behind port forwarding).
+        transport: a ready transport (e.g. from `potluck.net.EmulatedNetwork`); replaces TCP.
+    """
+
+    def __init__(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
+                 client_mode: bool = False, identity_path: str | None = None, *,
+                 insecure: bool = False, announce: list[str] | None = None,
+                 transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
+                 **transport_options: Any):
+        self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
+        identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
+        if transport is None:
+            transport = TCPTransport(identity, host=host, port=port, client_mode=client_mode,
+                                     insecure=insecure, announce=announce, **transport_options)
+        self.transport = transport
+        self._runner = acquire_runner()
+        self._alive = True
+        try:
+            self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start(self, timeout: float) -> None:
+        await self.transport.start()
+        if not self.initial_peers:
+            return
+        results = await asyncio.gather(*(self.transport.connect(a, timeout) for a in self.initial_peers),
+                                       return_exceptions=True)
+        errors = [f"{a}: {r}" for a, r in zip(self.initial_peers, results) if isinstance(r, BaseException)]
+        if len(errors) == len(self.initial_peers):
+            raise PeerUnreachable("could not reach any initial peer; check the addresses and that "
+                                  "those peers are running:\n  " + "\n  ".join(errors))
+        for line in errors:
+            logger.warning("initial peer unreachable: %s", line)
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id: the text form of its public key."""
+        return str(self.transport.peer_id)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Addresses other peers can use as `initial_peers` (empty in client mode)."""
+        return [str(a) for a in self.transport.addresses]
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the peer's event loop and wait for it (the synchronous facade)."""
+        return self._runner.run(coro, timeout)
+
+    def call(self, peer_id: str | PeerID, method: str, request: Any = None, timeout: float = 30.0) -> Any:
+        """Call `method` on another peer and return the response."""
+        pid = PeerID.from_string(peer_id) if isinstance(peer_id, str) else peer_id
+        return self.run(self.transport.call(pid, method, request, timeout=timeout), timeout + 1)
+
+    def shutdown(self) -> None:
+        """Close every connection and release the event loop; safe to call twice."""
+        if not self._alive:
+            return
+        self._alive = False
+        try:
+            if self._runner.is_running:
+                self._runner.run(self.transport.close(), timeout=10)
+        finally:
+            release_runner()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Peer({self.peer_id}, addresses={self.addresses})"
