@@ -122,11 +122,10 @@ def tensor_memory(t: torch.Tensor) -> memoryview:
     """A writable flat uint8 view of a contiguous CPU tensor's bytes (receive straight into it)."""
     if not isinstance(t, torch.Tensor):
         raise SerializationError(f"expected a torch.Tensor, got {_type_name(t)}")
-    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
-        raise SerializationError(
-            f"tensor_memory needs a contiguous CPU tensor, got {t.layout} on {t.device}"
-            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
-        )
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise SerializationError(f"tensor_memory needs a CPU tensor, got {t.layout} on {t.device}")
+    if not t.is_contiguous():
+        raise SerializationError("tensor_memory needs a contiguous tensor")
     if t.is_conj() or t.is_neg():
         raise SerializationError("tensor_memory needs a tensor without lazy conj/neg bits")
     try:
@@ -233,7 +232,8 @@ class _Spec(NamedTuple):
 
 def _check_spec(spec: object) -> _Spec:
     if not isinstance(spec, (list, tuple)) or len(spec) != 2:
-        raise SerializationError(f"a buffer spec must be [dtype, shape], got {spec!r:.100}")
+        what = f"a {len(spec)}-item list" if isinstance(spec, (list, tuple)) else _type_name(spec)
+        raise SerializationError(f"a buffer spec must be a [dtype, shape] list, got {what}")
     name, shape = spec
     if not isinstance(name, str):
         raise SerializationError(f"spec dtype must be a str, got {_type_name(name)}")
@@ -395,7 +395,7 @@ def loads(data: bytes | memoryview, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
     body = view[offset : offset + body_len]
     offset += body_len
     tensors = allocate(specs)
-    for tensor, size in zip(tensors, sizes):
+    for tensor, size in zip(tensors, sizes, strict=True):
         tensor_memory(tensor)[:] = view[offset : offset + size]
         offset += size
     return unpack(body, tensors, max_body_bytes=max_body_bytes)

@@ -40,7 +40,7 @@ _KINDS = (*_TCP_KINDS, "emu")
 _EXAMPLES = "e.g. '/ip4/127.0.0.1/tcp/31337/p2p/<peer id>' or '/emu/<name>/p2p/<peer id>'"
 
 
-class _BadPart(Exception):
+class _PartError(Exception):
     """One part of an address is wrong; the caller adds which address it was."""
 
 
@@ -53,48 +53,48 @@ def _quote(text: str) -> str:
 def _check_host(kind: str, host: object) -> str:
     """Validate `host` for `kind` and return its canonical spelling."""
     if not isinstance(host, str):
-        raise _BadPart(f"host must be a str, got {type(host).__name__}")
+        raise _PartError(f"host must be a str, got {type(host).__name__}")
     if "/" in host:
-        raise _BadPart(f"host {_quote(host)} contains '/'")
+        raise _PartError(f"host {_quote(host)} contains '/'")
     if kind == "ip4":
         try:
             return str(ipaddress.IPv4Address(host))
         except ValueError:
-            raise _BadPart(f"bad IPv4 literal {_quote(host)}") from None
+            raise _PartError(f"bad IPv4 literal {_quote(host)}") from None
     if kind == "ip6":
         try:
             return str(ipaddress.IPv6Address(host))
         except ValueError:
-            raise _BadPart(f"bad IPv6 literal {_quote(host)}") from None
+            raise _PartError(f"bad IPv6 literal {_quote(host)}") from None
     if kind == "emu":
         if not _EMU_NAME.fullmatch(host):
-            raise _BadPart(
+            raise _PartError(
                 f"bad emulated node name {_quote(host)} (use 1-255 letters, digits, '-', '_', '.')"
             )
         return host
     if not _DNS_NAME.fullmatch(host):
-        raise _BadPart(f"bad DNS name {_quote(host)}")
+        raise _PartError(f"bad DNS name {_quote(host)}")
     return host.lower()
 
 
 def _check_port(kind: str, port: object) -> int | None:
     if kind == "emu":
         if port is not None:
-            raise _BadPart("emulated addresses have no port")
+            raise _PartError("emulated addresses have no port")
         return None
     if port is None:
-        raise _BadPart("missing port")
+        raise _PartError("missing port")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= _MAX_PORT:
-        raise _BadPart(f"port {port!r} is not an int in 0..{_MAX_PORT}")
+        raise _PartError(f"port {port!r} is not an int in 0..{_MAX_PORT}")
     return port
 
 
 def _parse_port(text: str) -> int:
     if not (text.isascii() and text.isdigit() and len(text) <= len(str(_MAX_PORT))):
-        raise _BadPart(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
+        raise _PartError(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
     port = int(text)
     if port > _MAX_PORT:
-        raise _BadPart(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
+        raise _PartError(f"port {_quote(text)} is not an int in 0..{_MAX_PORT}")
     return port
 
 
@@ -110,12 +110,12 @@ class Multiaddr:
     def __post_init__(self) -> None:
         try:
             if self.kind not in _KINDS:
-                raise _BadPart(f"unknown protocol {self.kind!r} (known: {', '.join(_KINDS)})")
+                raise _PartError(f"unknown protocol {self.kind!r} (known: {', '.join(_KINDS)})")
             object.__setattr__(self, "host", _check_host(self.kind, self.host))
             object.__setattr__(self, "port", _check_port(self.kind, self.port))
             if self.peer_id is not None and not isinstance(self.peer_id, PeerID):
-                raise _BadPart(f"peer_id must be a PeerID, got {type(self.peer_id).__name__}")
-        except _BadPart as exc:
+                raise _PartError(f"peer_id must be a PeerID, got {type(self.peer_id).__name__}")
+        except _PartError as exc:
             raise AddressError(
                 f"bad address fields: {exc}; valid addresses look {_EXAMPLES}"
             ) from None
@@ -127,7 +127,7 @@ class Multiaddr:
             raise AddressError(f"an address must be a str, got {type(text).__name__}")
         try:
             return cls._parse(text)
-        except _BadPart as exc:
+        except _PartError as exc:
             raise AddressError(
                 f"bad address {_quote(text)}: {exc}; valid addresses look {_EXAMPLES}"
             ) from None
@@ -135,38 +135,38 @@ class Multiaddr:
     @classmethod
     def _parse(cls, text: str) -> Multiaddr:
         if len(text) > MAX_ADDRESS_CHARS:
-            raise _BadPart(f"longer than {MAX_ADDRESS_CHARS} characters")
+            raise _PartError(f"longer than {MAX_ADDRESS_CHARS} characters")
         if not text.startswith("/"):
-            raise _BadPart("must start with '/'")
+            raise _PartError("must start with '/'")
         parts = text[1:].split("/")
         kind = parts[0]
         if kind not in _KINDS:
-            raise _BadPart(f"unknown protocol {kind!r} (known: {', '.join(_KINDS)})")
+            raise _PartError(f"unknown protocol {kind!r} (known: {', '.join(_KINDS)})")
         if len(parts) < 2 or not parts[1]:
-            raise _BadPart(f"missing host after /{kind}")
+            raise _PartError(f"missing host after /{kind}")
         host = _check_host(kind, parts[1])
         rest = parts[2:]
         port = None
         if kind != "emu":
             if not rest:
-                raise _BadPart("missing port (add /tcp/<port>)")
+                raise _PartError("missing port (add /tcp/<port>)")
             if rest[0] != "tcp":
-                raise _BadPart(f"expected 'tcp' after the host, got {_quote(rest[0])}")
+                raise _PartError(f"expected 'tcp' after the host, got {_quote(rest[0])}")
             if len(rest) < 2 or not rest[1]:
-                raise _BadPart("missing port after /tcp")
+                raise _PartError("missing port after /tcp")
             port = _parse_port(rest[1])
             rest = rest[2:]
         peer_id = None
         if rest and rest[0] == "p2p":
             if len(rest) < 2 or not rest[1]:
-                raise _BadPart("missing peer id after /p2p")
+                raise _PartError("missing peer id after /p2p")
             try:
                 peer_id = PeerID.from_string(rest[1])
             except IdentityError as exc:
-                raise _BadPart(f"bad peer id: {exc}") from None
+                raise _PartError(f"bad peer id: {exc}") from None
             rest = rest[2:]
         if rest:
-            raise _BadPart(f"trailing junk {_quote('/' + '/'.join(rest))}")
+            raise _PartError(f"trailing junk {_quote('/' + '/'.join(rest))}")
         return cls(kind, host, port, peer_id)
 
     @classmethod

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 # An Ed25519 public key is exactly 32 bytes (RFC 8032); the peer id is that key verbatim.
 PEER_ID_BYTES = 32
+# base58 of 32 bytes is at most 44 characters; checking first keeps decoding of hostile
+# input cheap (big-int base conversion is quadratic in the length).
+PEER_ID_MAX_CHARS = 44
 # An Ed25519 signature is exactly 64 bytes (RFC 8032); anything else cannot verify.
 SIGNATURE_BYTES = 64
 # A PEM PKCS8 Ed25519 key is ~120 bytes; refuse to slurp a large file that is surely not a key.
@@ -90,7 +93,7 @@ def base58_decode(text: str) -> bytes:
 class PeerID:
     """A peer's name: its 32-byte Ed25519 public key, shown as base58 text."""
 
-    __slots__ = ("_key", "_text", "_public_key")
+    __slots__ = ("_key", "_public_key", "_text")
 
     def __init__(self, key_bytes: bytes):
         if not isinstance(key_bytes, (bytes, bytearray, memoryview)):
@@ -111,6 +114,11 @@ class PeerID:
             raise IdentityError(f"a peer id string must be str, got {type(text).__name__}")
         if not text:
             raise IdentityError(f"empty peer id; expected {_EXAMPLE_ID}")
+        if len(text) > PEER_ID_MAX_CHARS:
+            raise IdentityError(
+                f"bad peer id {text[:64]!r}: {len(text)} characters, more than the "
+                f"{PEER_ID_MAX_CHARS} of a 32-byte key; expected {_EXAMPLE_ID}"
+            )
         try:
             raw = base58_decode(text)
         except ValueError as exc:
@@ -140,7 +148,7 @@ class PeerID:
             if public_key is None:
                 public_key = Ed25519PublicKey.from_public_bytes(self._key)
                 object.__setattr__(self, "_public_key", public_key)
-            public_key.verify(signature, bytes(data))
+            public_key.verify(signature, data)
         except (InvalidSignature, ValueError):
             return False
         return True
@@ -185,7 +193,7 @@ class PeerID:
 class Identity:
     """This peer's Ed25519 private key: it signs for the peer id it derives."""
 
-    __slots__ = ("_private_key", "_peer_id")
+    __slots__ = ("_peer_id", "_private_key")
 
     def __init__(self, private_key: Ed25519PrivateKey):
         if not isinstance(private_key, Ed25519PrivateKey):
@@ -274,7 +282,7 @@ class Identity:
 
     def sign(self, data: bytes) -> bytes:
         """A 64-byte signature that anyone holding the peer id can verify."""
-        return self._private_key.sign(bytes(data))
+        return self._private_key.sign(data)
 
     def __repr__(self) -> str:
         return f"Identity({self._peer_id!r})"

@@ -3,9 +3,10 @@
 Handshake, after TLS (or directly on TCP with `insecure=True`):
   1. both sides send HELLO {id, nonce, addrs, client, max_frame, bulk, token};
   2. the dialer checks that the TLS certificate's key is the id in HELLO and the id it dialed;
-  3. both sides send AUTH: a signature over (label, the other's nonce, own nonce, own id, other id),
-     so nobody can answer for a peer id without its key, and a signature cannot be replayed on
-     another connection or relayed to another peer.
+  3. the dialer sends AUTH: a signature over (label, the other's nonce, own nonce, own id, other
+     id); the acceptor checks it and answers with its own AUTH, so a dialer's handshake succeeds
+     only once the acceptor has accepted it. Nobody can answer for a peer id without its key, and
+     a signature cannot be replayed on another connection or relayed to another peer.
 Without TLS the ids are still proven, but the channel is neither private nor tamper-proof.
 """
 
@@ -79,7 +80,8 @@ class TCPTransport(Transport):
         loop = asyncio.get_running_loop()
         kwargs: dict[str, Any] = {}
         if self._server_ctx is not None:
-            kwargs.update(ssl=self._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
+            kwargs.update(ssl=self._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
+                          ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT)
         self._server = await loop.create_server(
             lambda: TCPLink(self, initiator=False), self.host, self.port, reuse_address=True,
             backlog=1024, **kwargs)
@@ -97,7 +99,8 @@ class TCPTransport(Transport):
         kwargs: dict[str, Any] = {}
         if self._client_ctx is not None:
             kwargs.update(ssl=self._client_ctx, server_hostname="",
-                          ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
+                          ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
+                          ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT)
         try:
             await loop.create_connection(lambda: link, address.host, address.port, **kwargs)
         except (OSError, ssl.SSLError) as e:
@@ -119,7 +122,7 @@ class TCPTransport(Transport):
             link.close("peer is shutting down")
         waits = [link.lost for link in self._links]
         if waits:
-            done, pending = await asyncio.wait(waits, timeout=CLOSE_TIMEOUT)
+            await asyncio.wait(waits, timeout=CLOSE_TIMEOUT)
             for link in list(self._links):
                 link.abort()
 
@@ -247,8 +250,14 @@ class TCPLink(asyncio.BufferedProtocol):
                        "client": bool(meta.get("client")), "bulk": bool(meta.get("bulk")),
                        "token": meta.get("token")}
         self._remote_max = max_frame
+        if self.initiator:  # the acceptor proves itself only after checking the dialer's proof
+            self._send_auth()
+
+    def _send_auth(self) -> None:
+        hello = self._hello
+        assert hello is not None
         signature = self.owner.identity.sign(self._auth_message(
-            nonce, self._nonce, self.owner.peer_id, remote_id))
+            hello["nonce"], self._nonce, self.owner.peer_id, hello["id"]))
         self._write_now(encode(Frame(Kind.AUTH, meta={"sig": signature})))
 
     def _on_auth(self, meta: dict) -> None:
@@ -258,6 +267,8 @@ class TCPLink(asyncio.BufferedProtocol):
         message = self._auth_message(self._nonce, hello["nonce"], hello["id"], self.owner.peer_id)
         if not isinstance(signature, bytes) or not hello["id"].verify(signature, message):
             raise HandshakeError(f"the peer could not prove it holds the key of {hello['id']}")
+        if not self.initiator:
+            self._send_auth()
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
@@ -324,8 +335,11 @@ class TCPLink(asyncio.BufferedProtocol):
         await self._drain_waiter
 
     def close(self, reason: str | None = None) -> None:
+        """Close now: pending calls fail at once, without waiting for the TLS goodbye."""
         if self._closing_reason is None:
             self._closing_reason = reason or "closed"
+        if self.connection is not None:
+            self.connection.link_lost(self._closing_reason)
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
 

@@ -1,0 +1,26 @@
+# Sourced by the other scripts: create or reuse ./.venv and install potluck into it.
+# Usage: source scripts/venv.sh [EXTRAS]   (e.g. "test")
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "potluck needs Python 3.11 or newer; set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+
+# Reinstall only when the project's requirements change.
+STAMP="$VENV/.potluck-installed-$EXTRAS"
+WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "setting up $VENV (first run takes a minute)..." >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  # The CPU build of PyTorch first: left to the resolver, a bare "torch" pulls a multi-GB GPU build.
+  "$VENV/bin/python" -c 'import torch' 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

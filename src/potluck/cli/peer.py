@@ -1,0 +1,62 @@
+"""`potluck peer`: a long-running peer that others bootstrap from."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from potluck.peer import Peer
+
+
+def add_peer_options(parser: argparse.ArgumentParser) -> None:
+    """Options every command that starts a peer shares."""
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
+                        help="addresses of peers already in the swarm, as printed by their "
+                             "`potluck peer` (e.g. /ip4/203.0.113.7/tcp/31337/p2p/<peer id>)")
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
+    parser.add_argument("--client-mode", action="store_true",
+                        help="do not listen; only dial out (behind NAT or a firewall)")
+    parser.add_argument("--identity", metavar="PATH",
+                        help="key file; created if missing, so the peer id stays the same across restarts")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plain TCP without TLS: only for trusted networks")
+    parser.add_argument("--announce", nargs="*", default=None, metavar="ADDR",
+                        help="addresses to advertise instead of the listening ones (port forwarding)")
+
+
+def start_peer(args: argparse.Namespace) -> Peer:
+    return Peer(initial_peers=args.initial_peers, host=args.host, port=args.port,
+                client_mode=args.client_mode, identity_path=args.identity,
+                insecure=args.insecure, announce=args.announce)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "peer", help="run a long-lived peer (a bootstrap node for others)",
+        description="Run a long-lived peer and print the addresses other peers can join with. "
+                    "Stop it with Ctrl-C.")
+    add_peer_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with start_peer(args) as peer:
+        print(f"peer id: {peer.peer_id}")
+        if peer.addresses:
+            print("other peers can join with:")
+            for addr in peer.addresses:
+                print(f"  --initial-peers {addr}")
+        else:
+            print("client mode: not reachable from outside; dialing out only")
+        print("press Ctrl-C to stop", flush=True)
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+    print("stopped", flush=True)
+    return 0

@@ -1,0 +1,357 @@
+"""The emulated network: many peers in one process, with bandwidth, latency, crashes and partitions.
+
+`EmulatedTransport` is a `Transport` like the TCP one, so the DHT, averaging and pipeline code
+run on it unchanged; with the virtual clock (`potluck.core.virtual_time`) thousands of peers and
+hours of protocol time fit in seconds. Every frame is really encoded and decoded, so what crosses
+the emulated wire is proven serializable, sized as on TCP, and arrives as fresh objects.
+
+Timing model (deterministic; all times are loop time):
+- A frame of S bytes from A to B starts at max(now, A's upload free time, B's download free time),
+  lasts S / min(A.upload, B.download) (0 when both are unlimited), keeps the limited sides busy
+  until it ends, and arrives one link latency after it ends. Each direction of a link is FIFO.
+- `send()` returns when A's upload of the frame is finished: that is the backpressure.
+- A dial costs one round trip (2x latency), like TCP's SYN / SYN-ACK; handshake frames are free.
+- An orderly close reaches the other side one latency later, after the data sent before it.
+- A frame is dropped if, when it is sent or when it would arrive, either end has crashed or the
+  two ends are partitioned. Dropped frames still use the sender's upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from potluck.core.errors import ConnectionLost, HandshakeError, PeerUnreachable
+from potluck.net.address import Multiaddr
+from potluck.net.connection import Connection, RemoteInfo
+from potluck.net.frames import Frame, FrameDecoder, encode
+from potluck.net.identity import Identity, PeerID
+from potluck.net.transport import Transport
+
+__all__ = ["EmulatedNetwork", "EmulatedTransport"]
+
+logger = logging.getLogger(__name__)
+
+# Ed25519 private keys are 32 random bytes (RFC 8032); emulated peers draw them from the seed.
+_KEY_BYTES = 32
+
+
+class EmulatedNetwork:
+    """The in-process "internet" that emulated transports dial each other through.
+
+    Identities the network generates derive from `seed`, so a scenario repeats exactly, peer ids
+    (and so DHT routing) included. They are test keys: anyone who knows the seed has them.
+    """
+
+    def __init__(self, latency: float = 0.0, seed: int = 0):
+        self.latency = _non_negative("latency", latency)
+        self._rng = random.Random(seed)
+        self._names = itertools.count()
+        self._listeners: dict[str, EmulatedTransport] = {}
+        self._peers: dict[PeerID, EmulatedTransport] = {}
+        self._latency: dict[frozenset[PeerID], float] = {}
+        self._partitions: list[tuple[frozenset[PeerID], frozenset[PeerID]]] = []
+        self._decoder = FrameDecoder()
+
+    def transport(self, identity: Identity | None = None, *, upload: float | None = None,
+                  download: float | None = None, client_mode: bool = False,
+                  **transport_kwargs: Any) -> EmulatedTransport:
+        """A new peer on this network (not started yet); bandwidths in bytes/s, None = unlimited."""
+        if identity is None:
+            key = Ed25519PrivateKey.from_private_bytes(self._rng.randbytes(_KEY_BYTES))
+            identity = Identity(key)
+        return EmulatedTransport(self, identity, upload=upload, download=download,
+                                 client_mode=client_mode, **transport_kwargs)
+
+    def set_latency(self, a: PeerID, b: PeerID, seconds: float) -> None:
+        """One-way latency between `a` and `b`, both directions (default: the network's)."""
+        self._latency[frozenset((a, b))] = _non_negative("latency", seconds)
+
+    def latency_between(self, a: PeerID, b: PeerID) -> float:
+        return self._latency.get(frozenset((a, b)), self.latency)
+
+    def crash(self, peer_id: PeerID, silent: bool = False) -> None:
+        """The peer vanishes. Loud: its connections reset at once, like a killed process's.
+        Silent: its frames vanish and nothing is signalled, like a machine that lost power; only
+        deadlines and keepalives notice, and dials to it hang."""
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise KeyError(f"no emulated peer {peer_id} on this network")
+        peer._crashed = True
+        if not silent and self._listeners.get(peer._name) is peer:
+            del self._listeners[peer._name]
+        for end in list(peer._links):
+            end._lose("this peer crashed")
+            if not silent:
+                end.peer._lose(f"connection reset by {peer_id} (it crashed)")
+
+    def partition(self, group_a: Iterable[PeerID], group_b: Iterable[PeerID]) -> None:
+        """Drop every frame between the two groups; dials across hang until their deadline."""
+        self._partitions.append((frozenset(group_a), frozenset(group_b)))
+
+    def heal(self) -> None:
+        """Undo all partitions (crashed peers stay crashed)."""
+        self._partitions.clear()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _blocked(self, a: EmulatedTransport, b: EmulatedTransport) -> bool:
+        """Whether frames between `a` and `b` are lost right now."""
+        if a._crashed or b._crashed:
+            return True
+        pa, pb = a.peer_id, b.peer_id
+        return any((pa in x and pb in y) or (pb in x and pa in y) for x, y in self._partitions)
+
+    def _copy(self, frame: Frame, max_frame_size: int) -> Frame:
+        """Encode `frame` as for the wire (sets its size) and decode it into fresh objects.
+
+        One decoder serves the whole network: each call feeds it exactly one whole frame, so it is
+        empty again afterwards. A failure here means pack and unpack disagree (a bug), so it is
+        raised to the sender, and the decoder is replaced in case it was left mid-frame.
+        """
+        buffers = encode(frame, max_frame_size=max_frame_size)
+        self._decoder.max_frame_size = max_frame_size
+        try:
+            decoded = [f for buf in buffers for f in self._decoder.feed(buf)]
+        except Exception:
+            self._decoder = FrameDecoder()
+            raise
+        assert len(decoded) == 1, "one encoded frame must decode to exactly one frame"
+        return decoded[0]
+
+
+class EmulatedTransport(Transport):
+    """A peer on an `EmulatedNetwork`, at `/emu/<n>/p2p/<peer id>`.
+
+    The handshake is trusted: the network is in-process and knows who is who, so no signatures
+    are exchanged. It still carries everything the TCP handshake does into `RemoteInfo`
+    (addresses, client mode, max frame size, bulk), and costs one round trip.
+    """
+
+    def __init__(self, network: EmulatedNetwork, identity: Identity, *,
+                 upload: float | None = None, download: float | None = None,
+                 client_mode: bool = False, **transport_kwargs: Any):
+        super().__init__(identity, client_mode=client_mode, **transport_kwargs)
+        self.network = network
+        self.upload = _bandwidth("upload", upload)
+        self.download = _bandwidth("download", download)
+        self._name = str(next(network._names))
+        self._crashed = False
+        self._upload_free = -math.inf  # loop time when the upload is next idle
+        self._download_free = -math.inf
+        self._links: set[_LinkEnd] = set()
+        network._peers[self.peer_id] = self
+
+    @property
+    def addresses(self) -> list[Multiaddr]:
+        if self.network._listeners.get(self._name) is not self:
+            return []
+        return [Multiaddr("emu", self._name, None, self.peer_id)]
+
+    async def start(self) -> None:
+        if self._crashed:
+            raise PeerUnreachable("this emulated peer has crashed; create a new transport")
+        if not self.client_mode:
+            self.network._listeners[self._name] = self
+
+    async def _stop_listening(self) -> None:
+        if self.network._listeners.get(self._name) is self:
+            del self.network._listeners[self._name]
+
+    async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
+        if self._crashed:
+            raise PeerUnreachable("this emulated peer has crashed")
+        if address.kind != "emu":
+            raise PeerUnreachable(f"{address} is not an emulated address")
+        listener = await self._reach(address)
+        loop = asyncio.get_running_loop()
+        await _sleep_until(loop, loop.time() + 2 * self.network.latency_between(
+            self.peer_id, listener.peer_id))
+        if await self._reach(address) is not listener or self._crashed:
+            raise PeerUnreachable(f"{address} went away during the handshake")
+        if expected is not None and listener.peer_id != expected:
+            raise HandshakeError(f"{address} is {listener.peer_id}, not the expected {expected}")
+        return self._join(listener, bulk)
+
+    async def _reach(self, address: Multiaddr) -> EmulatedTransport:
+        """The peer listening at `address`; refuse if none, hang (until the caller's deadline)
+        if it is behind a partition or silently crashed, as SYNs into a black hole do."""
+        listener = self.network._listeners.get(address.host)
+        if listener is None:
+            raise PeerUnreachable(f"nothing listens at {address} (connection refused)")
+        if self.network._blocked(self, listener):
+            await asyncio.get_running_loop().create_future()  # never resolved
+        return listener
+
+    def _join(self, acceptor: EmulatedTransport, bulk: bool) -> Connection:
+        """Create both connections of a new link and register them on each side."""
+        mine, theirs = _LinkEnd(self, acceptor), _LinkEnd(acceptor, self)
+        mine.peer, theirs.peer = theirs, mine
+        conn = self._connection(acceptor._hello(bulk), initiator=True)
+        accepted = acceptor._connection(self._hello(bulk), initiator=False)
+        mine.attach(conn)
+        theirs.attach(accepted)
+        acceptor._register(accepted)
+        if accepted.closed:
+            conn.close("the other side refused the connection")
+            raise PeerUnreachable(f"{acceptor.peer_id} refused the connection (shutting down)")
+        self._register(conn)
+        return conn
+
+    def _connection(self, remote: RemoteInfo, initiator: bool) -> Connection:
+        return Connection(self.handlers, remote, initiator,
+                          keepalive_interval=self.keepalive_interval,
+                          keepalive_timeout=self.keepalive_timeout, on_close=self._unregister)
+
+    def _hello(self, bulk: bool) -> RemoteInfo:
+        """What this peer's side of the handshake tells the other side."""
+        return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode,
+                          self.max_frame_size, bulk)
+
+
+class _LinkEnd:
+    """One side of an emulated connection (a `FrameLink`); frames it sends arrive at `peer`."""
+
+    def __init__(self, local: EmulatedTransport, remote: EmulatedTransport):
+        self.local, self.remote = local, remote
+        self.network = local.network
+        self.peer: _LinkEnd = None  # type: ignore[assignment] - set right after both ends exist
+        self.connection: Connection = None  # type: ignore[assignment] - set by attach()
+        self.lost = False
+        self._loop = asyncio.get_running_loop()
+        self._arrivals: deque[tuple[float, Frame | str]] = deque()  # a str is a close (FIN)
+        self._last_arrival = -math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._uploads: set[asyncio.Future[None]] = set()
+        local._links.add(self)
+
+    def attach(self, connection: Connection) -> None:
+        self.connection = connection
+        connection.attach(self)
+
+    # -- FrameLink ----------------------------------------------------------------------------------
+    async def send(self, frame: Frame) -> int:
+        """Send a frame; returns its wire size once this side's upload of it is finished."""
+        done = self._transmit(frame)
+        if done > self._loop.time():
+            future = self._loop.create_future()
+            self._uploads.add(future)
+            try:
+                await _sleep_until(self._loop, done, future)
+            finally:
+                self._uploads.discard(future)
+        return frame.size
+
+    def send_nowait(self, frame: Frame) -> None:
+        """Queue a frame without waiting for the upload; dropped if the link is already closed."""
+        if not self.lost:
+            self._transmit(frame)
+
+    def close(self, reason: str | None = None) -> None:
+        """Close now on this side; the other side learns one latency later, after the data."""
+        if self.lost:
+            return
+        latency = self.network.latency_between(self.local.peer_id, self.remote.peer_id)
+        if not self.network._blocked(self.local, self.remote):
+            self.peer._arrive(self._loop.time() + latency,
+                              f"closed by the other side ({reason or 'no reason given'})")
+        self._lose(reason or "closed")
+
+    # -- timing -------------------------------------------------------------------------------------
+    def _transmit(self, frame: Frame) -> float:
+        """Schedule `frame` per the module's timing model; returns when its upload ends."""
+        if self.lost:
+            raise ConnectionLost(f"connection to {self.remote.peer_id} is closed")
+        now = self._loop.time()
+        received = self.network._copy(frame, self.remote.max_frame_size)
+        up, down = self.local.upload, self.remote.download
+        start = max(now, self.local._upload_free, self.remote._download_free)
+        rates = [r for r in (up, down) if r is not None]
+        done = start + (frame.size / min(rates) if rates else 0.0)
+        if up is not None:
+            self.local._upload_free = done
+        if down is not None:
+            self.remote._download_free = done
+        if not self.network._blocked(self.local, self.remote):
+            latency = self.network.latency_between(self.local.peer_id, self.remote.peer_id)
+            self.peer._arrive(done + latency, received)
+        return done
+
+    def _arrive(self, when: float, item: Frame | str) -> None:
+        if self.lost:
+            return
+        when = max(when, self._last_arrival)  # FIFO even if the latency was lowered meanwhile
+        self._last_arrival = when
+        self._arrivals.append((when, item))
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._deliver)
+
+    def _deliver(self) -> None:
+        """Timer callback: hand every frame due now to the connection, in order."""
+        self._timer = None
+        due = self._arrivals[0][0]
+        while self._arrivals and self._arrivals[0][0] <= due and not self.lost:
+            _, item = self._arrivals.popleft()
+            if self.network._blocked(self.remote, self.local):
+                continue
+            if isinstance(item, str):
+                self._lose(item)
+                break
+            try:
+                self.connection.frame_received(item)
+            except Exception:  # noqa: BLE001 - a broken link must not wedge the loop's timers
+                logger.exception("connection to %s failed on a received frame", self.remote.peer_id)
+                self.close("internal error while handling a frame")
+        if self._arrivals and not self.lost:
+            self._timer = self._loop.call_at(self._arrivals[0][0], self._deliver)
+
+    def _lose(self, reason: str) -> None:
+        """This side is closed: drop what is in flight to it and tell its connection, once."""
+        if self.lost:
+            return
+        self.lost = True
+        self._arrivals.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for future in self._uploads:
+            if not future.done():
+                future.set_exception(ConnectionLost(f"connection to {self.remote.peer_id} lost: "
+                                                    f"{reason}"))
+        self.local._links.discard(self)
+        self.connection.link_lost(reason)
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float,
+                       future: asyncio.Future[None] | None = None) -> None:
+    """Wait until loop time `when` on a timer; `future` lets others fail the wait early."""
+    future = loop.create_future() if future is None else future
+    handle = loop.call_at(when, _resolve, future)
+    try:
+        await future
+    finally:
+        handle.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _non_negative(name: str, seconds: float) -> float:
+    if not seconds >= 0:
+        raise ValueError(f"{name} must be >= 0 seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def _bandwidth(name: str, rate: float | None) -> float | None:
+    if rate is not None and not rate > 0:
+        raise ValueError(f"{name} bandwidth must be > 0 bytes/s or None (unlimited), got {rate!r}")
+    return None if rate is None else float(rate)

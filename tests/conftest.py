@@ -1,0 +1,72 @@
+"""Shared test helpers: run coroutines on a fresh loop, start peers in other processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOP_KINDS = ["asyncio", "uvloop"]
+
+
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    if kind == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+@pytest.fixture
+def arun() -> Callable[..., Any]:
+    """Run a coroutine to completion on a fresh standard loop, with a deadline."""
+    def run(coro: Coroutine, timeout: float = 60.0, kind: str = "asyncio") -> Any:
+        async def bounded():
+            async with asyncio.timeout(timeout):
+                return await coro
+        with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:
+            return runner.run(bounded())
+    return run
+
+
+class PeerProcess:
+    """A test peer in its own process (tests/peer_process.py), killable with a signal."""
+
+    def __init__(self, *args: str):
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "peer_process.py"), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            raise RuntimeError("peer process failed to start: " + self.proc.stderr.read())
+        self.address = line
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def peer_process():
+    started: list[PeerProcess] = []
+
+    def start(*args: str) -> PeerProcess:
+        p = PeerProcess(*args)
+        started.append(p)
+        return p
+    yield start
+    for p in started:
+        p.close()

@@ -1,0 +1,425 @@
+"""The real transport: calls, streams, deadlines, identity checks, faults and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import struct
+import ssl
+
+import msgpack
+import pytest
+import torch
+
+from potluck.core.errors import (
+    CallCancelled, ConnectionLost, DeadlineExceeded, HandshakeError, MessageTooLarge,
+    MethodNotFound, PeerUnreachable, RemoteError,
+)
+from potluck.net import Identity, Multiaddr, TCPTransport
+from potluck.net.frames import PREFIX, VERSION, Frame, Kind, encode
+from tests.conftest import LOOP_KINDS
+
+MiB = 2**20
+
+
+async def pair(insecure: bool = False, **kwargs) -> tuple[TCPTransport, TCPTransport]:
+    a = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure, **kwargs)
+    b = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure, **kwargs)
+    await a.start()
+    await b.start()
+    return a, b
+
+
+async def echo(request, ctx):
+    return request
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", LOOP_KINDS)
+@pytest.mark.parametrize("insecure", [False, True])
+def test_unary_round_trip_is_byte_exact(arun, kind, insecure):
+    async def main():
+        a, b = await pair(insecure)
+        b.add_handler("echo", echo)
+        pid = await a.connect(b.addresses[0])
+        assert pid == b.peer_id
+        message = {"text": "héllo", "n": 7, "raw": b"\x00\xff", "t": torch.randn(3, 5),
+                   "bf": torch.randn(100).to(torch.bfloat16), "nested": [[1, 2], {"x": None}]}
+        reply = await a.call(pid, "echo", message, timeout=10)
+        assert reply["text"] == "héllo" and reply["raw"] == b"\x00\xff" and reply["nested"] == [[1, 2], {"x": None}]
+        assert torch.equal(reply["t"], message["t"])
+        assert torch.equal(reply["bf"].view(torch.int16), message["bf"].view(torch.int16))
+        # The caller's identity reaches the handler, and the callee can call back.
+        seen = []
+
+        async def whoami(request, ctx):
+            seen.append(ctx.peer_id)
+            return str(ctx.peer_id)
+        b.add_handler("whoami", whoami)
+        assert await a.call(pid, "whoami", timeout=10) == str(a.peer_id)
+        a.add_handler("echo", echo)
+        assert await b.call(a.peer_id, "echo", 5, timeout=10) == 5
+        await a.close()
+        await b.close()
+    arun(main(), kind=kind)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", LOOP_KINDS)
+def test_256_mib_stream_and_call_are_byte_exact(arun, kind):
+    chunk = MiB  # floats: 4 MiB chunks
+    n_chunks = 64  # 256 MiB
+
+    def expected(i: int) -> torch.Tensor:
+        return torch.arange(i * chunk, (i + 1) * chunk, dtype=torch.int32)
+
+    async def main():
+        a, b = await pair(max_frame_size=300 * MiB)
+        got = []
+
+        async def sink(stream, ctx):
+            i = 0
+            async for t in stream:
+                got.append(bool(torch.equal(t, expected(i))))
+                i += 1
+            await stream.send(i)
+        b.add_stream_handler("sink", sink)
+        b.add_handler("echo", echo)
+        pid = await a.connect(b.addresses[0])
+        stream = await a.open_stream(pid, "sink", timeout=60)
+        for i in range(n_chunks):
+            await stream.send(expected(i))
+        await stream.close()
+        assert await stream.recv() == n_chunks
+        assert got == [True] * n_chunks
+        big = torch.randint(0, 2**31 - 1, (64 * MiB,), dtype=torch.int32)  # 256 MiB in one call
+        back = await a.call(pid, "echo", big, timeout=60)
+        assert torch.equal(back, big)
+        await a.close()
+        await b.close()
+    arun(main(), timeout=100, kind=kind)
+
+
+@pytest.mark.timeout(30)
+def test_deadline_raises_typed_timeout_and_cancels_remote_handler(arun):
+    async def main():
+        a, b = await pair()
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow(request, ctx):
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        b.add_handler("slow", slow)
+        pid = await a.connect(b.addresses[0])
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(DeadlineExceeded):
+            await a.call(pid, "slow", timeout=0.3)
+        assert 0.25 < loop.time() - t0 < 2.0
+        assert isinstance(DeadlineExceeded("x"), TimeoutError)
+        await asyncio.wait_for(cancelled.wait(), 5)  # the remote handler saw the cancellation
+        # A caller that is cancelled (not timed out) also cancels the remote handler.
+        started.clear()
+        cancelled.clear()
+        task = asyncio.ensure_future(a.call(pid, "slow", timeout=30))
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_remote_errors_are_typed(arun):
+    async def main():
+        a, b = await pair()
+
+        async def broken(request, ctx):
+            raise ValueError("bad value 42")
+        b.add_handler("broken", broken)
+        pid = await a.connect(b.addresses[0])
+        with pytest.raises(RemoteError, match="ValueError: bad value 42") as info:
+            await a.call(pid, "broken", timeout=5)
+        assert info.value.remote_type == "ValueError"
+        with pytest.raises(MethodNotFound):
+            await a.call(pid, "nope", timeout=5)
+        with pytest.raises(MethodNotFound):
+            s = await a.open_stream(pid, "nope", timeout=5)
+            await s.recv()
+        with pytest.raises(PeerUnreachable, match="no known address"):
+            await a.call(Identity.generate().peer_id, "echo", timeout=5)
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_stream_backpressure_blocks_sender_when_receiver_stalls(arun):
+    async def main():
+        a, b = await pair()
+        release = asyncio.Event()
+
+        async def lazy(stream, ctx):
+            await release.wait()
+            n = 0
+            async for t in stream:
+                n += 1
+            await stream.send(n)
+        b.add_stream_handler("lazy", lazy)
+        pid = await a.connect(b.addresses[0])
+        stream = await a.open_stream(pid, "lazy", timeout=20)
+        sent = 0
+        with pytest.raises(DeadlineExceeded):
+            while True:
+                await stream.send(torch.zeros(MiB // 4), timeout=0.5)  # 1 MiB messages
+                sent += 1
+        assert 8 <= sent <= 40, sent  # the 16 MiB window, not unbounded buffering
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_server_killed_mid_stream_surfaces_typed_error_within_deadline(arun, peer_process):
+    server = peer_process()
+
+    async def main():
+        a = TCPTransport(Identity.generate(), host="127.0.0.1")
+        await a.start()
+        pid = await a.connect(server.address)
+        stream = await a.open_stream(pid, "sink", timeout=20)
+        for _ in range(5):
+            await stream.send(torch.zeros(MiB))
+        server.kill(signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises((ConnectionLost, CallCancelled)):
+            for _ in range(10_000):
+                await stream.send(torch.zeros(MiB))
+        assert loop.time() - t0 < 5
+        with pytest.raises((PeerUnreachable, ConnectionLost)):
+            await a.call(pid, "echo", 1, timeout=5)
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_frozen_peer_is_detected_by_keepalive_before_the_deadline(arun, peer_process):
+    server = peer_process()
+
+    async def main():
+        a = TCPTransport(Identity.generate(), host="127.0.0.1", keepalive_interval=0.2,
+                         keepalive_timeout=1.0)
+        await a.start()
+        pid = await a.connect(server.address)
+        assert await a.call(pid, "echo", 1, timeout=5) == 1
+        server.kill(signal.SIGSTOP)  # alive but silent, like a machine that lost its network
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(ConnectionLost, match="keepalive"):
+            await a.call(pid, "echo", 1, timeout=30)
+        assert loop.time() - t0 < 5
+        server.kill(signal.SIGCONT)
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_dialing_the_wrong_peer_id_is_refused(arun):
+    async def main():
+        a, b = await pair()
+        impostor = Identity.generate().peer_id
+        addr = b.addresses[0].without_peer_id().with_peer_id(impostor)
+        with pytest.raises(HandshakeError, match="dialed"):
+            await a.connect(addr)
+        assert await a.connect(b.addresses[0]) == b.peer_id
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_certificate_of_another_key_is_refused(arun):
+    """A server that claims an id in its HELLO but presents another key's certificate."""
+    async def main():
+        a, b = await pair()
+        from potluck.net.identity import make_ssl_contexts
+        b._server_ctx, _ = make_ssl_contexts(Identity.generate())
+        await b._stop_listening()
+        b._listen.clear()
+        await b.start()
+        with pytest.raises(HandshakeError, match="certificate belongs to"):
+            await a.connect(b.addresses[0])
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("insecure", [False, True])
+def test_claiming_an_id_without_its_key_is_refused(arun, insecure):
+    async def main():
+        a, b = await pair(insecure)
+        b.add_handler("echo", echo)
+        victim = Identity.generate()
+        a.peer_id = victim.peer_id  # says it is `victim`, but signs with its own key
+        with pytest.raises((HandshakeError, PeerUnreachable)):
+            await a.connect(b.addresses[0])
+        assert b.connected_peers() == []
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+async def _raw_connect(addr: Multiaddr, tls: bool):
+    ctx = None
+    if tls:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return await asyncio.open_connection(addr.host, addr.port, ssl=ctx, server_hostname="" if tls else None)
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    try:
+        while await asyncio.wait_for(reader.read(65536), 5):
+            pass
+        return True
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tls", [True, False])
+def test_garbage_truncated_and_oversized_frames_close_only_that_connection(arun, tls):
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=not tls,
+                              max_frame_size=MiB)
+        server.add_handler("echo", echo)
+        await server.start()
+        client = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=not tls)
+        await client.start()
+        pid = await client.connect(server.addresses[0])
+        addr = server.addresses[0]
+        hello = encode(Frame(Kind.HELLO, meta={"v": 1}))
+
+        attacks = {
+            "garbage": b"\x17\x03GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 8,
+            "bad kind": PREFIX.pack(VERSION, 250, 0, 0, 0),
+            "oversized": PREFIX.pack(VERSION, Kind.HELLO, 0, 16, 2**40),
+            "bad header": PREFIX.pack(VERSION, Kind.HELLO, 0, 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",
+            "bad hello": b"".join(bytes(x) for x in hello),
+            "lying payload length": PREFIX.pack(VERSION, Kind.HELLO, 0, 5, 10)
+            + msgpack.packb([0, None, [], b""]) + b"\x00" * 10,
+        }
+        for name, data in attacks.items():
+            reader, writer = await _raw_connect(addr, tls)
+            writer.write(data)
+            await writer.drain()
+            assert await _closed_by_server(reader), name
+            writer.close()
+            # The server still serves its existing and new clients.
+            assert await client.call(pid, "echo", name, timeout=5) == name
+        # A truncated frame followed by silence: dropped by the handshake deadline, not kept forever.
+        reader, writer = await _raw_connect(addr, tls)
+        writer.write(PREFIX.pack(VERSION, Kind.HELLO, 0, 100, 0) + b"\x93")
+        await writer.drain()
+        writer.close()
+        assert await client.call(pid, "echo", "after truncation", timeout=5) == "after truncation"
+        # An authenticated peer that sends an oversized frame loses only its own connection.
+        other = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=not tls)
+        await other.start()
+        opid = await other.connect(addr)
+        with pytest.raises(MessageTooLarge):
+            await other.call(opid, "echo", torch.zeros(MiB), timeout=5)  # refused before sending
+        conn = other._shared[opid][0]
+        conn._remote_max = None
+        conn.link._remote_max = None  # pretend we never heard the limit
+        with pytest.raises(ConnectionLost, match="max_frame_size"):
+            await other.call(opid, "echo", torch.zeros(MiB), timeout=5)
+        assert await client.call(pid, "echo", "still here", timeout=5) == "still here"
+        for t in (client, other, server):
+            await t.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_client_mode_peer_is_called_back_over_its_own_connection(arun):
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1")
+        client = TCPTransport(Identity.generate(), client_mode=True)
+        await server.start()
+        await client.start()
+        assert client.addresses == []
+        client.add_handler("echo", echo)
+        client.add_stream_handler("sink", _count_sink)
+        await client.connect(server.addresses[0])
+        assert await server.call(client.peer_id, "echo", "hi", timeout=5) == "hi"
+        # Streams to a client-mode peer ride on the connection it opened.
+        stream = await server.open_stream(client.peer_id, "sink", timeout=10)
+        for _ in range(3):
+            await stream.send(torch.ones(10))
+        await stream.close()
+        assert await stream.recv() == 30
+        await client.close()
+        await server.close()
+    arun(main())
+
+
+async def _count_sink(stream, ctx):
+    total = 0
+    async for t in stream:
+        total += t.numel()
+    await stream.send(total)
+
+
+@pytest.mark.timeout(30)
+def test_small_calls_share_one_connection_and_bulk_streams_get_their_own(arun):
+    async def main():
+        a, b = await pair()
+        b.add_handler("echo", echo)
+        b.add_stream_handler("sink", _count_sink)
+        pid = await a.connect(b.addresses[0])
+        await asyncio.gather(*(a.call(pid, "echo", i, timeout=5) for i in range(100)))
+        assert len(a._shared[pid]) == 1 and len(a._all) == 1
+        streams = [await a.open_stream(pid, "sink", timeout=10) for _ in range(2)]
+        assert len({s.connection for s in streams}) == 2
+        assert all(s.connection not in a._shared[pid] for s in streams)
+        for s in streams:
+            await s.send(torch.ones(4))
+            await s.close()
+            assert await s.recv() == 4
+        await asyncio.sleep(0)
+        # Finished bulk connections are kept for reuse rather than redialed.
+        again = await a.open_stream(pid, "sink", timeout=10)
+        assert again.connection in {s.connection for s in streams}
+        await again.close()
+        await a.close()
+        await b.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_dial_to_closed_port_fails_fast_with_peer_unreachable(arun):
+    async def main():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        a = TCPTransport(Identity.generate(), host="127.0.0.1")
+        await a.start()
+        with pytest.raises(PeerUnreachable):
+            await a.connect(f"/ip4/127.0.0.1/tcp/{port}", timeout=5)
+        await a.close()
+    arun(main())
+
+
+def test_frame_prefix_layout_is_stable():
+    assert PREFIX.size == 16
+    assert struct.calcsize("<BBHIQ") == 16
