@@ -146,7 +146,7 @@ class EmulatedTransport(Transport):
         self._crashed = False
         self._upload_free = -math.inf  # loop time when the upload is next idle
         self._download_free = -math.inf
-        self._links: set[_LinkEnd] = set()
+        self._links: dict[_LinkEnd, None] = {}  # a dict, not a set: ordered, so runs repeat
         network._peers[self.peer_id] = self
 
     @property
@@ -229,8 +229,8 @@ class _LinkEnd:
         self._arrivals: deque[tuple[float, Frame | str]] = deque()  # a str is a close (FIN)
         self._last_arrival = -math.inf
         self._timer: asyncio.TimerHandle | None = None
-        self._uploads: set[asyncio.Future[None]] = set()
-        local._links.add(self)
+        self._uploads: dict[asyncio.Future[None], None] = {}  # ordered, so runs repeat
+        local._links[self] = None
 
     def attach(self, connection: Connection) -> None:
         self.connection = connection
@@ -242,11 +242,11 @@ class _LinkEnd:
         done = self._transmit(frame)
         if done > self._loop.time():
             future = self._loop.create_future()
-            self._uploads.add(future)
+            self._uploads[future] = None
             try:
                 await _sleep_until(self._loop, done, future)
             finally:
-                self._uploads.discard(future)
+                self._uploads.pop(future, None)
         return frame.size
 
     def send_nowait(self, frame: Frame) -> None:
@@ -321,11 +321,11 @@ class _LinkEnd:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for future in self._uploads:
+        for future in list(self._uploads):
             if not future.done():
                 future.set_exception(ConnectionLost(f"connection to {self.remote.peer_id} lost: "
                                                     f"{reason}"))
-        self.local._links.discard(self)
+        self.local._links.pop(self, None)
         self.connection.link_lost(reason)
 
 

@@ -1,0 +1,128 @@
+"""Transport benchmark: two processes on 127.0.0.1, TLS on and off.
+
+Prints one JSON object per line:
+  {"metric": "throughput", "unit": "MB/s", "tls": true, "chunk_mib": 4, "value": ...}
+  {"metric": "rtt_p50", "unit": "us", "tls": true, "value": ...}   (and rtt_p99)
+
+Usage: python benchmarks/transport.py [--quick] [--loop asyncio|uvloop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from potluck.core.runner import new_event_loop  # noqa: E402
+from potluck.net import Identity, TCPTransport  # noqa: E402
+
+MiB = 2**20
+
+
+def make_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        return new_event_loop()
+    return asyncio.new_event_loop()
+
+
+async def serve(insecure: bool) -> None:
+    transport = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure)
+
+    async def echo(request, ctx):
+        return request
+
+    async def sink(stream, ctx):
+        total = 0
+        async for chunk in stream:
+            total += chunk.numel() * chunk.element_size()
+        await stream.send(total)
+
+    transport.add_handler("echo", echo)
+    transport.add_stream_handler("sink", sink)
+    await transport.start()
+    print(transport.addresses[0], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await transport.close()
+
+
+async def measure(address: str, insecure: bool, total_mib: int, chunk_mib: list[int], calls: int) -> list[dict]:
+    transport = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure)
+    await transport.start()
+    pid = await transport.connect(address)
+    results = []
+    for chunk in chunk_mib:
+        data = torch.randint(0, 255, (chunk * MiB,), dtype=torch.uint8)
+        stream = await transport.open_stream(pid, "sink", timeout=300)  # warm the bulk connection
+        await stream.send(data)
+        await stream.close()
+        await stream.recv()
+        t0 = time.perf_counter()
+        stream = await transport.open_stream(pid, "sink", timeout=300)
+        for _ in range(total_mib // chunk):
+            await stream.send(data)
+        await stream.close()
+        received = await stream.recv()
+        seconds = time.perf_counter() - t0
+        assert received == total_mib * MiB, received
+        results.append({"metric": "throughput", "unit": "MB/s", "tls": not insecure, "chunk_mib": chunk,
+                        "total_mib": total_mib, "value": round(received / seconds / 1e6, 1)})
+    for _ in range(100):
+        await transport.call(pid, "echo", b"x", timeout=10)
+    latencies = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await transport.call(pid, "echo", b"x", timeout=10)
+        latencies.append(time.perf_counter() - t0)
+    latencies.sort()
+    for name, q in (("rtt_p50", 0.5), ("rtt_p99", 0.99)):
+        results.append({"metric": name, "unit": "us", "tls": not insecure, "calls": calls,
+                        "value": round(latencies[int(q * (len(latencies) - 1))] * 1e6, 1)})
+    await transport.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller run, under a minute")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--insecure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            args.loop = "asyncio"
+    loop = make_loop(args.loop)
+    if args.serve:
+        loop.run_until_complete(serve(args.insecure))
+        return
+    total = 64 if args.quick else 256
+    calls = 2000
+    common = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "loop": args.loop, "command": " ".join(["python", *sys.argv])}
+    for insecure in (False, True):
+        cmd = [sys.executable, __file__, "--serve", "--loop", args.loop] + (["--insecure"] if insecure else [])
+        server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            address = server.stdout.readline().strip()
+            for row in loop.run_until_complete(measure(address, insecure, total, [1, 4], calls)):
+                print(json.dumps({**row, **common}), flush=True)
+        finally:
+            server.stdin.close()
+            server.wait(30)
+    loop.close()
+
+
+if __name__ == "__main__":
+    main()
