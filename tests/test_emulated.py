@@ -406,6 +406,11 @@ def test_silent_crash_surfaces_only_at_the_deadline_or_keepalive() -> None:
 
         net.crash(b.peer_id, silent=True)
         t0 = loop.time()
+        with pytest.raises(ConnectionLost, match="keepalive"):
+            await watcher.call(b.peer_id, "echo", 3, timeout=60)
+        assert loop.time() - t0 < 5  # the keepalive noticed, long before the deadline
+
+        t0 = loop.time()
         with pytest.raises(DeadlineExceeded):
             await a.call(b.peer_id, "echo", 2, timeout=5)
         assert loop.time() - t0 == pytest.approx(5)
@@ -416,10 +421,6 @@ def test_silent_crash_surfaces_only_at_the_deadline_or_keepalive() -> None:
             await a.connect(address, timeout=3)
         assert loop.time() - t0 == pytest.approx(3)
 
-        t0 = loop.time()
-        with pytest.raises(ConnectionLost, match="keepalive"):
-            await watcher.call(b.peer_id, "echo", 3, timeout=60)
-        assert loop.time() - t0 < 5  # the keepalive noticed, long before the deadline
         await close_all(a, b, watcher)
 
     vrun(main())
@@ -481,29 +482,31 @@ def test_client_mode_peer_is_reachable_only_over_its_own_connections() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_orderly_close_reaches_the_other_side_after_the_data_and_one_latency() -> None:
+def test_orderly_close_reaches_the_other_side_one_latency_later() -> None:
     async def main() -> None:
         net = EmulatedNetwork(latency=0.05)
         a, b = await started(net, 2)
         loop = asyncio.get_running_loop()
-        got: list[Any] = []
         ended = loop.create_future()
 
-        async def collect(stream: Any, ctx: Any) -> None:
+        async def echo_stream(stream: Any, ctx: Any) -> None:
             try:
                 async for message in stream:
-                    got.append(message)
+                    await stream.send(message)
             finally:
                 ended.set_result(loop.time())
 
-        b.add_stream_handler("collect", collect)
+        b.add_stream_handler("echo", echo_stream)
         introduce(a, b)
-        stream = await a.open_stream(b.peer_id, "collect")
-        await stream.send("last words")
+        stream = await a.open_stream(b.peer_id, "echo")
+        await stream.send("hello")
+        assert await stream.recv() == "hello"  # the handler is running
         t0 = loop.time()
         stream.connection.close("done here")
-        assert await ended == pytest.approx(t0 + 0.05)
-        assert got == ["last words"]
+        with pytest.raises(ConnectionLost):
+            await stream.recv()
+        assert loop.time() == t0  # this side knows at once
+        assert await ended == pytest.approx(t0 + 0.05)  # the other side one latency later
         await close_all(a, b)
 
     vrun(main())

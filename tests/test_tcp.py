@@ -5,16 +5,22 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import struct
 import ssl
+import struct
 
 import msgpack
 import pytest
 import torch
 
 from potluck.core.errors import (
-    CallCancelled, ConnectionLost, DeadlineExceeded, HandshakeError, MessageTooLarge,
-    MethodNotFound, PeerUnreachable, RemoteError,
+    CallCancelled,
+    ConnectionLost,
+    DeadlineExceeded,
+    HandshakeError,
+    MessageTooLarge,
+    MethodNotFound,
+    PeerUnreachable,
+    RemoteError,
 )
 from potluck.net import Identity, Multiaddr, TCPTransport
 from potluck.net.frames import PREFIX, VERSION, Frame, Kind, encode
@@ -168,7 +174,7 @@ def test_stream_backpressure_blocks_sender_when_receiver_stalls(arun):
         async def lazy(stream, ctx):
             await release.wait()
             n = 0
-            async for t in stream:
+            async for _t in stream:
                 n += 1
             await stream.send(n)
         b.add_stream_handler("lazy", lazy)

@@ -1,8 +1,14 @@
 """potluck: train neural networks together on computers nobody controls centrally."""
 
 from potluck.core.errors import (
-    ConnectionLost, DeadlineExceeded, HandshakeError, NetworkError, PeerUnreachable, PotluckError,
-    ProtocolError, RemoteError,
+    ConnectionLost,
+    DeadlineExceeded,
+    HandshakeError,
+    NetworkError,
+    PeerUnreachable,
+    PotluckError,
+    ProtocolError,
+    RemoteError,
 )
 from potluck.peer import Peer
 

@@ -63,7 +63,8 @@ class Peer:
             return
         results = await asyncio.gather(*(self.transport.connect(a, timeout) for a in self.initial_peers),
                                        return_exceptions=True)
-        errors = [f"{a}: {r}" for a, r in zip(self.initial_peers, results) if isinstance(r, BaseException)]
+        errors = [f"{a}: {r}" for a, r in zip(self.initial_peers, results, strict=True)
+                  if isinstance(r, BaseException)]
         if len(errors) == len(self.initial_peers):
             raise PeerUnreachable("could not reach any initial peer; check the addresses and that "
                                   "those peers are running:\n  " + "\n  ".join(errors))

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from potluck.core.errors import (
-    CallCancelled, ConnectionLost, DeadlineExceeded, EndOfStream, MethodNotFound, NetworkError,
+    CallCancelled,
+    ConnectionLost,
+    DeadlineExceeded,
+    EndOfStream,
+    MethodNotFound,
+    NetworkError,
     RemoteError,
 )
 from potluck.net.address import Multiaddr
@@ -33,6 +38,9 @@ MAX_CONCURRENT_CALLS = 1024
 
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
+
+# A remote caller cannot make a handler run longer than this, whatever deadline it asks for.
+MAX_HANDLER_SECONDS = 24 * 3600.0
 
 # Default deadlines (seconds). Every wait has one; callers pass their own where they know better.
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -291,7 +299,8 @@ class Connection:
         finally:
             self._pending.pop(call_id, None)
 
-    async def open_stream(self, method: str, body: Any = None, timeout: float | None = DEFAULT_STREAM_TIMEOUT) -> Stream:
+    async def open_stream(self, method: str, body: Any = None,
+                          timeout: float | None = DEFAULT_STREAM_TIMEOUT) -> Stream:
         """Open a stream to `method`; `timeout` bounds the stream's whole life."""
         if self.closed:
             raise ConnectionLost(f"connection to {self.peer_id} is closed: {self.close_reason}")
@@ -351,7 +360,10 @@ class Connection:
         if not isinstance(method, str) or not (timeout is None or isinstance(timeout, (int, float))):
             return None
         loop = asyncio.get_running_loop()
-        return method, None if timeout is None else loop.time() + max(0.0, float(timeout))
+        seconds = MAX_HANDLER_SECONDS if timeout is None else float(timeout)
+        if not 0.0 <= seconds <= MAX_HANDLER_SECONDS:  # also refuses NaN
+            seconds = MAX_HANDLER_SECONDS if seconds > 0 else 0.0
+        return method, loop.time() + seconds
 
     def _serve_request(self, frame: Frame) -> None:
         parsed = self._deadline(frame.meta or {})

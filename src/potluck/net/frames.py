@@ -160,7 +160,7 @@ class FrameDecoder:
                 break
             header = bytes(self._scratch[self._start + PREFIX.size:self._start + head_end])
             call_id, meta, body, tensors, sizes = _parse_header(header, payload_len)
-            views = [serialization.tensor_memory(t) for t, n in zip(tensors, sizes) if n]
+            views = [serialization.tensor_memory(t) for t, n in zip(tensors, sizes, strict=False) if n]
             # Copy whatever part of the payload is already in scratch.
             pos = self._start + head_end
             present = min(payload_len, self._end - pos)

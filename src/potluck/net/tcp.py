@@ -21,7 +21,12 @@ import ssl
 from typing import Any
 
 from potluck.core.errors import (
-    ConnectionLost, HandshakeError, MessageTooLarge, NetworkError, PeerUnreachable, ProtocolError,
+    ConnectionLost,
+    HandshakeError,
+    MessageTooLarge,
+    NetworkError,
+    PeerUnreachable,
+    ProtocolError,
 )
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
@@ -366,7 +371,8 @@ def _announceable_hosts(bound: str) -> list[str]:
         return [bound]
     hosts = []
     try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, family=socket.AF_INET if ip.version == 4 else socket.AF_INET6):
+        family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+        for info in socket.getaddrinfo(socket.gethostname(), None, family=family):
             host = info[4][0]
             if host not in hosts and not ipaddress.ip_address(host).is_loopback:
                 hosts.append(host)

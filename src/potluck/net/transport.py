@@ -15,8 +15,13 @@ from typing import Any
 from potluck.core.errors import NetworkError, PeerUnreachable
 from potluck.net.address import Multiaddr
 from potluck.net.connection import (
-    DEFAULT_CALL_TIMEOUT, DEFAULT_STREAM_TIMEOUT, Connection, Handlers, RemoteInfo, Stream,
-    StreamHandler, UnaryHandler,
+    DEFAULT_CALL_TIMEOUT,
+    DEFAULT_STREAM_TIMEOUT,
+    Connection,
+    Handlers,
+    Stream,
+    StreamHandler,
+    UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
 from potluck.net.identity import Identity, PeerID
