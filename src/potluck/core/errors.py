@@ -65,3 +65,11 @@ class CallCancelled(NetworkError):
 
 class EndOfStream(NetworkError):
     """The other side finished sending on this stream; nothing more will arrive."""
+
+
+class CompressionError(PotluckError, ValueError):
+    """A tensor cannot be compressed or decompressed safely (non-finite, out of range, malformed)."""
+
+
+class AveragingError(PotluckError):
+    """An averaging step failed for this peer; its local tensors were left untouched."""
