@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from potluck.core.errors import (
-    ConnectionLost, DeadlineExceeded, HandshakeError, MessageTooLarge, PeerUnreachable,
+    ConnectionLost,
+    DeadlineExceeded,
+    HandshakeError,
+    MessageTooLarge,
+    PeerUnreachable,
 )
 from potluck.core.runner import LoopRunner
 from potluck.core.virtual_time import run_virtual, virtual_time_loop
@@ -110,7 +114,7 @@ def test_unary_and_stream_round_trip_byte_exact(clock: str, arun: Any) -> None:
             await stream.close()
             replies = [m async for m in stream]
         assert len(replies) == len(sent)
-        for message, reply in zip(sent, replies):
+        for message, reply in zip(sent, replies, strict=True):
             assert torch.equal(reply["echo"]["t"], message["t"])
             assert torch.equal(reply["twice"], message["t"] * 2)
         await close_all(a, b)

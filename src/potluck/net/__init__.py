@@ -6,9 +6,10 @@ and cannot tell the real TCP/TLS transport from the emulated network.
 
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext, Connection, Stream
+from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
 from potluck.net.identity import Identity, PeerID
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
 
-__all__ = ["CallContext", "Connection", "Identity", "Multiaddr", "PeerID", "Stream", "TCPTransport",
+__all__ = ["CallContext", "Connection", "EmulatedNetwork", "EmulatedTransport", "Identity", "Multiaddr", "PeerID", "Stream", "TCPTransport",
            "Transport"]

@@ -76,6 +76,7 @@ class EmulatedNetwork:
         self._latency[frozenset((a, b))] = _non_negative("latency", seconds)
 
     def latency_between(self, a: PeerID, b: PeerID) -> float:
+        """The one-way latency of the link between `a` and `b`, in seconds."""
         return self._latency.get(frozenset((a, b)), self.latency)
 
     def crash(self, peer_id: PeerID, silent: bool = False) -> None:
@@ -236,7 +237,7 @@ class _LinkEnd:
         self.connection = connection
         connection.attach(self)
 
-    # -- FrameLink ----------------------------------------------------------------------------------
+    # -- FrameLink ---------------------------------------------------------------------------------
     async def send(self, frame: Frame) -> int:
         """Send a frame; returns its wire size once this side's upload of it is finished."""
         done = self._transmit(frame)
@@ -264,7 +265,7 @@ class _LinkEnd:
                               f"closed by the other side ({reason or 'no reason given'})")
         self._lose(reason or "closed")
 
-    # -- timing -------------------------------------------------------------------------------------
+    # -- timing ------------------------------------------------------------------------------------
     def _transmit(self, frame: Frame) -> float:
         """Schedule `frame` per the module's timing model; returns when its upload ends."""
         if self.lost:

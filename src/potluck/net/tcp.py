@@ -32,7 +32,7 @@ from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
-from potluck.net.transport import MAX_ADDRESSES_PER_PEER, Transport
+from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,6 @@ TLS_SHUTDOWN_TIMEOUT = 2.0
 # into its own buffer; it pauses us above the high-water mark.
 WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 8 * 2**20
-# Keepalive: ping after this much silence; declare the peer dead after the timeout.
-KEEPALIVE_INTERVAL = 10.0
-KEEPALIVE_TIMEOUT = 30.0
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
 

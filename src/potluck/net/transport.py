@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 MAX_IDLE_BULK_CONNECTIONS = 4
 IDLE_BULK_SECONDS = 30.0
 
+# Keepalive: ping after this much silence; declare the peer dead after the timeout. A killed
+# process is noticed at once (TCP reset); these catch a frozen or unplugged one.
+KEEPALIVE_INTERVAL = 10.0
+KEEPALIVE_TIMEOUT = 30.0
+
 # Addresses remembered per peer; a peer that advertises more is trimmed (it gains nothing).
 MAX_ADDRESSES_PER_PEER = 8
 
@@ -42,8 +47,8 @@ class Transport:
     def __init__(self, identity: Identity, *, client_mode: bool = False,
                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  dial_timeout: float = 10.0,
-                 keepalive_interval: float | None = None,
-                 keepalive_timeout: float | None = None):
+                 keepalive_interval: float | None = KEEPALIVE_INTERVAL,
+                 keepalive_timeout: float | None = KEEPALIVE_TIMEOUT):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
         self.client_mode = client_mode
@@ -55,7 +60,7 @@ class Transport:
         self._address_book: dict[PeerID, list[Multiaddr]] = {}
         self._shared: dict[PeerID, list[Connection]] = {}
         self._bulk_idle: dict[PeerID, list[Connection]] = {}
-        self._all: set[Connection] = set()
+        self._all: dict[Connection, None] = {}  # ordered, so shutdown order is repeatable
         self._dialing: dict[PeerID, asyncio.Future] = {}
         self._idle_timers: dict[Connection, asyncio.TimerHandle] = {}
         self._closed = False
@@ -132,14 +137,16 @@ class Transport:
         if self._closed:
             conn.close("transport is shutting down")
             return
-        self._all.add(conn)
+        if conn.closed:
+            return
+        self._all[conn] = None
         if conn.remote.addresses:
             self.add_addresses(conn.peer_id, conn.remote.addresses)
         if not conn.remote.bulk:
             self._shared.setdefault(conn.peer_id, []).append(conn)
 
     def _unregister(self, conn: Connection) -> None:
-        self._all.discard(conn)
+        self._all.pop(conn, None)
         timer = self._idle_timers.pop(conn, None)
         if timer is not None:
             timer.cancel()
