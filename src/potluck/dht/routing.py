@@ -76,7 +76,8 @@ class RoutingTable:
         self.depth_modulo = depth_modulo
         self.buckets: list[KBucket] = [KBucket(0, 1 << ID_BITS, 0, now)]
         self._lowers: list[int] = [0]
-        self._ids: dict[PeerID, int] = {}  # every live entry, for nearest-peer queries
+        self._ids: dict[PeerID, int] = {}  # every live entry: peer -> node id
+        self._peers: dict[int, PeerID] = {}  # the same, node id -> peer (int keys hash fast)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -113,6 +114,7 @@ class RoutingTable:
                 bucket.nodes[peer_id] = node_id
                 bucket.replacements.pop(peer_id, None)
                 self._ids[peer_id] = node_id
+                self._peers[node_id] = peer_id
                 bucket.last_updated = now
                 return None
             if not self._may_split(bucket):
@@ -147,6 +149,7 @@ class RoutingTable:
             for bucket in self.buckets:
                 bucket.replacements.pop(peer_id, None)
             return None
+        del self._peers[node_id]
         bucket = self.bucket_for(node_id)
         del bucket.nodes[peer_id]
         if not bucket.replacements:
@@ -154,6 +157,7 @@ class RoutingTable:
         promoted, promoted_id = bucket.replacements.popitem(last=True)
         bucket.nodes[promoted] = promoted_id
         self._ids[promoted] = promoted_id
+        self._peers[promoted_id] = promoted
         return promoted
 
     def has_replacement(self, peer_id: PeerID) -> bool:
@@ -162,11 +166,11 @@ class RoutingTable:
 
     def nearest(self, target: int, count: int, exclude: Iterable[PeerID] = ()) -> list[tuple[PeerID, int]]:
         """The `count` known peers closest to `target` by XOR distance, closest first."""
-        excluded = set(exclude)
-        items: Iterable[tuple[PeerID, int]] = self._ids.items()
+        excluded = [self._ids[p] for p in exclude if p in self._ids]
+        closest = heapq.nsmallest(count + len(excluded), self._peers, key=target.__xor__)
         if excluded:
-            items = ((p, i) for p, i in items if p not in excluded)
-        return heapq.nsmallest(count, items, key=lambda item: item[1] ^ target)
+            closest = [i for i in closest if i not in excluded][:count]
+        return [(self._peers[i], i) for i in closest]
 
     def stale_buckets(self, now: float, interval: float) -> list[KBucket]:
         """Buckets nobody in them was seen for `interval` seconds: look up an id there to refresh."""

@@ -315,14 +315,14 @@ class Connection:
     def frame_received(self, frame: Frame) -> None:
         self.last_received = asyncio.get_running_loop().time()
         kind = frame.kind
-        if kind is Kind.RESPONSE or kind is Kind.ERROR:
+        if kind is Kind.RESPONSE or (kind is Kind.ERROR and frame.call_id in self._pending):
             future = self._pending.get(frame.call_id)
             if future is not None and not future.done():
                 if kind is Kind.RESPONSE:
                     future.set_result(frame.body)
                 else:
                     future.set_exception(_remote_error(frame.meta))
-                return
+            return  # else: the answer to a call that timed out or was cancelled; drop it
         if kind is Kind.REQUEST:
             self._serve_request(frame)
         elif kind is Kind.OPEN:

@@ -1,0 +1,819 @@
+"""Fault-tolerant butterfly all-reduce: every survivor ends with bit-identical tensors, or all fail.
+
+The group's flat vector is split into one contiguous shard per reducing member. Every sender
+streams its piece of each shard to that shard's reducer in chunks; the reducer averages a chunk as
+soon as every expected sender's piece of it is in and streams the result back on the same stream,
+so sending, reducing and receiving overlap.
+
+Failures are settled by a coordinator (the first listening member that is alive):
+  1. each reducer reports which senders delivered its whole shard;
+  2. the coordinator decides the sender set S* (the intersection) and gives the shards of dead
+     reducers to survivors; every reducer (re)computes its shards over exactly S*, and says FINAL;
+  3. once every live receiver holds every shard FINAL, the coordinator commits; only then do
+     members use the result.
+A shard's value is a deterministic function of S* and the senders' pieces (fixed sender order,
+separate multiply and add, so any peer recomputing it gets the same bits). Members long-poll the
+coordinator; when its connection breaks they turn to the next one, which asks everyone where they
+stand and adopts the newest decision (or commit) any of them saw. Every stage has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from potluck.averaging.channel import LocalChannel
+from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
+from potluck.core.tensors import all_finite
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+MODES = ("node", "client", "aux")
+
+# Elements per streamed chunk: 1 MiB of float32 pipelines well and amortizes per-message cost.
+CHUNK_ELEMENTS = 2**18
+# A sender that sends nothing for this long is excluded (it stalled or died silently).
+SENDER_TIMEOUT = 10.0
+# Streams may arrive before this peer has started the same step; they wait this long for it.
+REGISTRATION_WAIT = 10.0
+# After finishing, a member keeps answering "where do you stand" for this long, so a coordinator
+# that took over late still learns that the step was committed.
+LINGER_SECONDS = 15.0
+# Rounds of reassigning the shards of reducers that died after the first decision.
+MAX_REPAIRS = 2
+
+METHOD_PART = "potluck.allreduce.part"
+METHOD_UPDATE = "potluck.allreduce.update"
+METHOD_WAIT = "potluck.allreduce.wait"
+METHOD_QUERY = "potluck.allreduce.query"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Who averages together and who reduces what; identical on every member."""
+
+    group_id: bytes
+    peers: tuple[PeerID, ...]
+    modes: tuple[str, ...]
+    part_sizes: tuple[int, ...]  # elements of the flat vector each member reduces (0: none)
+
+    def __post_init__(self) -> None:
+        n = len(self.peers)
+        if not (len(self.modes) == len(self.part_sizes) == n) or n == 0:
+            raise ValueError("group fields must have one entry per member")
+        if any(m not in MODES for m in self.modes):
+            raise ValueError(f"modes must be among {MODES}")
+        if any(s < 0 for s in self.part_sizes) or any(
+                s and m == "client" for s, m in zip(self.part_sizes, self.modes, strict=True)):
+            raise ValueError("client-mode members cannot reduce")
+
+    @property
+    def total(self) -> int:
+        return sum(self.part_sizes)
+
+    @property
+    def shards(self) -> list[int]:
+        return [j for j, s in enumerate(self.part_sizes) if s]
+
+    @property
+    def receivers(self) -> list[int]:
+        return [i for i, m in enumerate(self.modes) if m != "aux"]
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        start = sum(self.part_sizes[:shard])
+        return start, start + self.part_sizes[shard]
+
+    def coordinators(self) -> list[int]:
+        """Succession order of coordinators: members that can be dialed."""
+        return [i for i, m in enumerate(self.modes) if m != "client"]
+
+
+@dataclass
+class Outcome:
+    """What the coordinator has decided so far; `version` grows with each change."""
+
+    version: int = 0
+    senders: tuple[int, ...] = ()
+    assignment: dict[int, int] = field(default_factory=dict)  # shard -> reducer member
+    committed: bool = False
+    aborted: str | None = None
+
+    def to_wire(self) -> dict:
+        return {"v": self.version, "s": list(self.senders),
+                "a": [[j, r] for j, r in sorted(self.assignment.items())],
+                "c": self.committed, "x": self.aborted}
+
+    @classmethod
+    def from_wire(cls, msg: Any, group: Group) -> Outcome:
+        try:
+            n = len(group.peers)
+            out = cls(int(msg["v"]), tuple(int(s) for s in msg["s"]),
+                      {int(j): int(r) for j, r in msg["a"]}, bool(msg["c"]),
+                      None if msg["x"] is None else str(msg["x"]))
+            if any(not 0 <= i < n for i in (*out.senders, *out.assignment, *out.assignment.values())):
+                raise ValueError("member index out of range")
+            return out
+        except (KeyError, TypeError, ValueError) as e:
+            raise AveragingError(f"malformed averaging decision: {e}") from None
+
+
+def _weighted_chunk(pieces: dict[int, torch.Tensor], weights: dict[int, float], senders: tuple[int, ...],
+                    lo: int, hi: int) -> torch.Tensor:
+    """The average of one chunk over `senders`, computed the same way on every peer."""
+    total = sum(weights[s] for s in senders)
+    acc = torch.zeros(hi - lo, dtype=torch.float32)
+    if not senders:
+        return acc
+    for s in senders:  # fixed order; separate multiply and add (no fused ops) for identical bits
+        coefficient = weights[s] / total if total > 0 else 1.0 / len(senders)
+        acc.add_(pieces[s][lo:hi] * coefficient)
+    return acc
+
+
+class ShardReducer:
+    """Reduces one shard: collects pieces, averages chunks, streams results back to senders."""
+
+    def __init__(self, run: AllReduceRun, shard: int, exact: tuple[int, ...] | None):
+        self.run = run
+        self.shard = shard
+        start, end = run.group.bounds(shard)
+        self.size = end - start
+        self.chunks = max(1, math.ceil(self.size / run.chunk))
+        self.exact = exact  # set for a replacement reducer: reduce over exactly these senders
+        senders = [i for i in run.group.receivers]
+        self.expected = set(exact) if exact is not None else set(senders)
+        self.pieces: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, float] = {}
+        self.received: dict[int, int] = {}  # sender -> chunks received
+        self.complete: set[int] = set()
+        self.failed: set[int] = set()
+        self.reduced_with: dict[int, tuple[int, ...]] = {}
+        self.results: dict[int, torch.Tensor] = {}
+        self.outboxes: dict[int, asyncio.Queue] = {}
+        self.reported = False
+        self.final_senders: tuple[int, ...] | None = None
+        self.changed = asyncio.Event()
+        self._absent_timer = asyncio.get_running_loop().call_later(run.sender_timeout, self._expire_absent)
+
+    def _expire_absent(self) -> None:
+        """Senders that never connected are excluded like stalled ones."""
+        for s in sorted(self.expected - set(self.received) - self.failed - self.complete):
+            self._fail(s, "never connected")
+            self.run.mark_dead(s)
+
+    def close(self) -> None:
+        self._absent_timer.cancel()
+
+    def _live(self) -> list[int]:
+        return sorted(self.expected - self.failed)
+
+    def _chunk_range(self, c: int) -> tuple[int, int]:
+        return c * self.run.chunk, min(self.size, (c + 1) * self.run.chunk)
+
+    async def serve(self, sender: int, weight: float, abstain: bool, channel: Any) -> None:
+        """Handle one sender's stream: read its pieces, and send it results until FINAL."""
+        outbox: asyncio.Queue = asyncio.Queue()
+        self.outboxes[sender] = outbox
+        for c in sorted(self.results):  # a late receiver gets what was already reduced
+            outbox.put_nowait({"c": c, "d": self.run.encode(self.results[c])})
+        if self.final_senders is not None:
+            outbox.put_nowait({"final": list(self.final_senders), "v": self.run.outcome.version})
+        writer = asyncio.ensure_future(self._write(sender, outbox, channel))
+        try:
+            if abstain or sender not in self.expected or sender in self.received:
+                if sender not in self.received:
+                    self._fail(sender, "abstains" if abstain else "not expected")
+                await _drain_quietly(channel)
+            else:
+                await self._read(sender, weight, channel)
+            await writer
+        finally:
+            writer.cancel()
+            if sender in self.expected and sender not in self.complete and sender not in self.failed:
+                self._fail(sender, "its connection was closed")  # the handler task was cancelled
+                self.run.mark_dead(sender)
+
+    async def _read(self, sender: int, weight: float, channel: Any) -> None:
+        self.weights[sender] = weight
+        self.pieces[sender] = torch.empty(self.size, dtype=torch.float32)
+        self.received[sender] = 0
+        try:
+            while True:
+                msg = await channel.recv(timeout=self.run.sender_timeout)
+                c = self.received[sender]
+                if c >= self.chunks:
+                    raise AveragingError("sent more chunks than the shard has")
+                lo, hi = self._chunk_range(c)
+                data = self.run.decode(msg, hi - lo)
+                self.pieces[sender][lo:hi] = data
+                self.received[sender] = c + 1
+                self._try_reduce(c)
+        except EndOfStream:
+            if self.received[sender] == self.chunks:
+                self.complete.add(sender)
+                self._progress()
+            else:
+                self._fail(sender, f"ended after {self.received[sender]} of {self.chunks} chunks")
+        except (NetworkError, PotluckError) as e:
+            self._fail(sender, str(e))
+            if isinstance(e, NetworkError):
+                self.run.mark_dead(sender)
+
+    async def _write(self, receiver: int, outbox: asyncio.Queue, channel: Any) -> None:
+        try:
+            while True:
+                msg = await outbox.get()
+                await channel.send(msg)
+                if "final" in msg:
+                    await channel.close()
+                    return
+        except (NetworkError, PotluckError):
+            self.run.mark_dead(receiver)  # the coordinator must not wait for it
+
+    def _fail(self, sender: int, reason: str) -> None:
+        if sender in self.failed or sender in self.complete:
+            return
+        logger.debug("shard %d excludes sender %d: %s", self.shard, sender, reason)
+        self.failed.add(sender)
+        for c in range(self.chunks):
+            self._try_reduce(c)
+        self._progress()
+
+    def _try_reduce(self, c: int) -> None:
+        """Provisionally average chunk `c` once every live sender's piece of it is in."""
+        if self.exact is not None or c in self.reduced_with or self.final_senders is not None:
+            return  # a replacement reducer only ever reduces over the decided senders
+        live = tuple(self._live())
+        if not all(self.received.get(s, 0) > c for s in live):
+            return
+        lo, hi = self._chunk_range(c)
+        result = _weighted_chunk(self.pieces, self.weights, live, lo, hi)
+        self.reduced_with[c] = live
+        self.results[c] = result
+        payload = {"c": c, "d": self.run.encode(result)}
+        for box in self.outboxes.values():
+            box.put_nowait(payload)
+
+    def _progress(self) -> None:
+        """Report to the coordinator once every expected sender is settled."""
+        self.changed.set()
+        if not self.reported and self.expected <= (self.complete | self.failed):
+            self.reported = True
+            self.run.on_report(self.shard, sorted(self.complete))
+
+    def finalize(self, senders: tuple[int, ...], version: int) -> None:
+        """Recompute chunks not reduced over exactly `senders`, then send FINAL."""
+        if self.final_senders is not None:
+            return
+        missing = [s for s in senders if s not in self.complete]
+        if missing:
+            self.run.on_repair_failed(self.shard, missing)
+            return
+        for c in range(self.chunks):
+            if self.reduced_with.get(c) != senders:
+                lo, hi = self._chunk_range(c)
+                self.results[c] = _weighted_chunk(self.pieces, self.weights, senders, lo, hi)
+                self.reduced_with[c] = senders
+                payload = {"c": c, "d": self.run.encode(self.results[c])}
+                for box in self.outboxes.values():
+                    box.put_nowait(payload)
+        self.final_senders = senders
+        for box in self.outboxes.values():
+            box.put_nowait({"final": list(senders), "v": version})
+        self.close()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark a superseded task's outcome as seen; a newer attempt replaces it."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _drain_quietly(channel: Any) -> None:
+    try:
+        async for _ in channel:
+            pass
+    except (NetworkError, PotluckError):
+        pass
+
+
+class AllReduceRun:
+    """One member's part in one all-reduce step."""
+
+    def __init__(self, service: AllReduceService, group: Group, me: int, vector: torch.Tensor | None,
+                 weight: float, codec: Any, timeout: float, sender_timeout: float = SENDER_TIMEOUT,
+                 chunk: int = CHUNK_ELEMENTS):
+        self.service = service
+        self.group = group
+        self.me = me
+        self.mode = group.modes[me]
+        self.abstain = vector is None or not math.isfinite(weight) or weight < 0
+        if self.mode != "aux" and vector is not None and vector.numel() != group.total:
+            raise AveragingError(f"local vector has {vector.numel()} elements, the group expects {group.total}")
+        self.vector = vector
+        self.weight = 0.0 if self.abstain else float(weight)
+        self.codec = codec
+        self.chunk = chunk
+        self.sender_timeout = sender_timeout
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + timeout
+        self.result = torch.empty(group.total, dtype=torch.float32) if self.mode != "aux" else None
+        self.final: set[int] = set()
+        self.dead: set[int] = set()
+        self.reports: dict[int, list[int]] = {}  # my shards' reports (sent with every update)
+        self.reducers: dict[int, ShardReducer] = {}
+        self.exchanges: dict[int, tuple[int, asyncio.Task]] = {}  # shard -> (reducer, task)
+        self.outcome = Outcome(assignment={j: j for j in group.shards})
+        self.state_changed = asyncio.Event()
+        self.done = asyncio.Event()
+        self.coordinator = Coordinator(self)
+        self.repair_failed: str | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self._reducer_waiters: dict[int, asyncio.Future[ShardReducer]] = {}
+        for j in group.shards:
+            if j == me:
+                self.reducers[j] = ShardReducer(self, j, None)
+
+    def spawn(self, coro: Any) -> asyncio.Task:
+        """Start a sub-task owned by this run; all are cancelled when the run ends."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def reducer(self, shard: Any) -> ShardReducer:
+        """The reducer of `shard` here, waiting briefly if a decision is about to create it."""
+        if not isinstance(shard, int):
+            raise AveragingError("malformed shard id")
+        if shard in self.reducers:
+            return self.reducers[shard]
+        if shard not in self.group.shards:
+            raise AveragingError(f"shard {shard} does not exist")
+        waiter = self._reducer_waiters.setdefault(shard, asyncio.get_running_loop().create_future())
+        try:
+            async with asyncio.timeout(REGISTRATION_WAIT):
+                return await asyncio.shield(waiter)
+        except TimeoutError:
+            raise AveragingError(f"shard {shard} is not reduced here") from None
+
+    def _add_reducer(self, shard: int, senders: tuple[int, ...]) -> ShardReducer:
+        red = self.reducers[shard] = ShardReducer(self, shard, senders)
+        red.reported = True  # a replacement does not report: it finalizes or declares the repair failed
+        waiter = self._reducer_waiters.pop(shard, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(red)
+        self.spawn(self._finalize_exact(red))
+        return red
+
+    # -- codec ------------------------------------------------------------------------------------
+    def encode(self, t: torch.Tensor) -> Any:
+        return self.codec.encode(t)
+
+    def decode(self, payload: Any, numel: int) -> torch.Tensor:
+        t = self.codec.decode(payload)
+        if not isinstance(t, torch.Tensor) or t.numel() != numel:
+            raise AveragingError(f"chunk has the wrong size (expected {numel} elements)")
+        t = t.reshape(-1).to(torch.float32)
+        if not all_finite(t):
+            raise AveragingError("chunk contains NaN or infinity")
+        return t
+
+    # -- the member's side ------------------------------------------------------------------------
+    async def run(self) -> torch.Tensor | None:
+        """Take part until commit; returns the averaged vector (None for aux members)."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                if self.mode != "aux":
+                    for j in self.group.shards:
+                        self._start_exchange(j, j)
+                self.coordinator.maybe_take_over()
+                await self._follow_outcomes()
+        except TimeoutError:
+            raise AveragingError("averaging step did not finish before its deadline") from None
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            for red in self.reducers.values():
+                red.close()
+            self.done.set()
+        if self.outcome.aborted:
+            raise AveragingError(f"averaging step aborted: {self.outcome.aborted}")
+        if self.mode != "aux" and not set(self.outcome.assignment) <= self.final:
+            raise AveragingError("the group committed without this peer (it was presumed dead)")
+        return self.result
+
+    def _start_exchange(self, shard: int, reducer: int) -> None:
+        old = self.exchanges.get(shard)
+        if old is not None:
+            if old[0] == reducer:
+                return
+            old[1].cancel()
+        self.exchanges[shard] = (reducer, self.spawn(self._exchange(shard, reducer)))
+
+    async def _exchange(self, shard: int, reducer: int) -> None:
+        """Send my piece of `shard` to its reducer and receive the averaged shard back."""
+        start, end = self.group.bounds(shard)
+        in_set = self.outcome.version == 0 or self.me in self.outcome.senders
+        abstain = self.abstain or not in_set
+        request = {"g": self.group.group_id, "j": shard, "s": self.me, "w": self.weight, "x": abstain}
+        try:
+            channel = await self.service.open(self, reducer, request)
+            sender = self.spawn(self._send_piece(channel, start, end, abstain))
+            try:
+                async for msg in channel:
+                    if "final" in msg:
+                        self.final.add(shard)
+                        self._changed()
+                        break
+                    c = int(msg["c"])
+                    lo = start + c * self.chunk
+                    hi = min(end, lo + self.chunk)
+                    if not lo < hi <= end:
+                        raise AveragingError("reducer sent a chunk outside its shard")
+                    self.result[lo:hi] = self.decode(msg["d"], hi - lo)
+            finally:
+                sender.cancel()
+        except (NetworkError, PotluckError, KeyError, TypeError, ValueError) as e:
+            logger.debug("exchange of shard %d with member %d failed: %s", shard, reducer, e)
+            if isinstance(e, NetworkError):
+                self.mark_dead(reducer)
+
+    async def _send_piece(self, channel: Any, start: int, end: int, abstain: bool) -> None:
+        try:
+            if not abstain:
+                for lo in range(start, end, self.chunk):
+                    await channel.send(self.encode(self.vector[lo:min(end, lo + self.chunk)]))
+            await channel.close()
+        except (NetworkError, PotluckError):
+            pass  # the receiving side settles what it got
+
+    def mark_dead(self, member: int) -> None:
+        if member != self.me and member not in self.dead:
+            self.dead.add(member)
+            self._changed()
+
+    def on_report(self, shard: int, complete: list[int]) -> None:
+        logger.debug("member %d: shard %d complete senders %s", self.me, shard, complete)
+        self.reports[shard] = complete
+        self._changed()
+
+    def on_repair_failed(self, shard: int, missing: list[int]) -> None:
+        self.repair_failed = f"shard {shard} lost senders {missing} during repair"
+        self._changed()
+
+    def _changed(self) -> None:
+        self.state_changed.set()
+        self.coordinator.poke()
+
+    def state(self) -> dict:
+        """What I know, for the coordinator."""
+        return {"m": self.me, "dead": sorted(self.dead), "rep": [[j, c] for j, c in self.reports.items()],
+                "final": sorted(self.final), "v": self.outcome.version, "o": self.outcome.to_wire(),
+                "fail": self.repair_failed}
+
+    async def _follow_outcomes(self) -> None:
+        """Send my state to the coordinator and apply its decisions until commit or abort."""
+        while not (self.outcome.committed or self.outcome.aborted):
+            coordinator = self.current_coordinator()
+            if coordinator is None:
+                self.outcome.aborted = "no coordinator left alive"
+                return
+            self.state_changed.clear()
+            if coordinator == self.me:
+                self.coordinator.update(self.state())
+                waiter = asyncio.ensure_future(self.coordinator.wait_newer(self.outcome.version))
+            else:
+                waiter = asyncio.ensure_future(self.service.sync(self, coordinator))
+            changed = asyncio.ensure_future(self.state_changed.wait())
+            try:
+                await asyncio.wait([waiter, changed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                if not waiter.done():
+                    waiter.cancel()
+                waiter.add_done_callback(_retrieve)
+            if waiter.done() and not waiter.cancelled():
+                error = waiter.exception()
+                if error is None:
+                    self.apply(waiter.result())
+                elif isinstance(error, RemoteError):
+                    await asyncio.sleep(0.05)  # it has not yet seen what we saw; ask again shortly
+                elif isinstance(error, NetworkError):
+                    self.mark_dead(coordinator)
+                else:
+                    raise error
+
+    def current_coordinator(self) -> int | None:
+        for i in self.group.coordinators():
+            if i not in self.dead:
+                return i
+        return None
+
+    def apply(self, outcome: Outcome) -> None:
+        """Adopt a newer decision: finalize my shards, and follow shards that moved."""
+        terminal = outcome.committed or outcome.aborted
+        if outcome.version < self.outcome.version and not terminal:
+            return
+        previous = self.outcome
+        self.outcome = outcome
+        if terminal or outcome.version == previous.version:
+            return
+        for shard, reducer in outcome.assignment.items():
+            if reducer == self.me:
+                red = self.reducers.get(shard)
+                if red is None:
+                    self._add_reducer(shard, outcome.senders)
+                elif red.exact is None:
+                    red.finalize(outcome.senders, outcome.version)
+            if self.mode != "aux" and previous.assignment.get(shard) != reducer:
+                self.final.discard(shard)
+                self._start_exchange(shard, reducer)
+
+    async def _finalize_exact(self, red: ShardReducer) -> None:
+        """A replacement reducer: wait for every sender of S*, then reduce and send FINAL."""
+        senders = red.exact
+        while red.final_senders is None:
+            if set(senders) <= red.complete:
+                red.finalize(senders, self.outcome.version)
+            elif red.failed & set(senders):
+                self.on_repair_failed(red.shard, sorted(red.failed & set(senders)))
+                return
+            else:
+                red.changed.clear()
+                await red.changed.wait()
+
+
+class Coordinator:
+    """Turns members' reports into decisions; active only on the current coordinator."""
+
+    def __init__(self, run: AllReduceRun):
+        self.run = run
+        self.active = False
+        self.states: dict[int, dict] = {}
+        self.outcome = Outcome(assignment=dict(run.outcome.assignment))
+        self.repairs = 0
+        self.newer = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def maybe_take_over(self) -> None:
+        if self.run.current_coordinator() == self.run.me and not self.active:
+            self.active = True
+            if self.run.outcome.version > self.outcome.version:
+                self.outcome = self.run.outcome
+            loop = asyncio.get_running_loop()
+            # Reports must come in while senders can still be waited for; then decide without them.
+            self._timer = loop.call_at(min(self.run.deadline, loop.time() + 2 * self.run.sender_timeout + 5),
+                                       self._report_deadline)
+            if self.run.me != self.run.group.coordinators()[0]:
+                self.run.spawn(self._query_everyone())
+
+    def poke(self) -> None:
+        self.maybe_take_over()
+        if self.active:
+            self.update(self.run.state())
+
+    async def _query_everyone(self) -> None:
+        """A coordinator that took over asks the listening members where they stand (members in
+        client mode cannot be dialed; they sync on their own). A failed query proves nothing."""
+        async def ask(i: int) -> None:
+            try:
+                state = await self.run.service.query(self.run, i)
+            except (NetworkError, PotluckError):
+                return
+            if state is not None:
+                self.update(state)
+        await asyncio.gather(*(ask(i) for i in self.run.group.coordinators() if i != self.run.me))
+
+    async def wait_newer(self, version: int) -> Outcome:
+        while not (self.outcome.version > version or self.outcome.committed or self.outcome.aborted):
+            self.newer.clear()
+            await self.newer.wait()
+        return self.outcome
+
+    def update(self, state: dict) -> None:
+        """Merge a member's state and decide what can be decided."""
+        member = state["m"]
+        self.states[member] = state
+        for d in state["dead"]:  # trust reported deaths: everyone must converge on one coordinator
+            if d != self.run.me:
+                self.run.dead.add(d)
+        self.maybe_take_over()
+        if not self.active:
+            return
+        adopted = Outcome.from_wire(state["o"], self.run.group)
+        if adopted.committed and not self.outcome.committed:
+            self._publish(adopted)
+            return
+        if adopted.version > self.outcome.version:
+            self.outcome = adopted
+        if state.get("fail"):
+            self._publish(Outcome(self.outcome.version + 1, aborted=state["fail"]))
+            return
+        self._decide()
+
+    def _report_deadline(self) -> None:
+        if self.outcome.version == 0 and not (self.outcome.committed or self.outcome.aborted):
+            for j, reducer in self.outcome.assignment.items():
+                if not self._reported(j) and reducer != self.run.me:
+                    self.run.dead.add(reducer)
+            self._decide()
+
+    def _reported(self, shard: int) -> bool:
+        return any(shard in dict(s["rep"]) for s in self.states.values())
+
+    def _decide(self) -> None:
+        out = self.outcome
+        if out.committed or out.aborted:
+            return
+        dead = self.run.dead
+        live_reducers = [j for j in self.run.group.shards if j not in dead and self.run.group.modes[j] != "client"]
+        if out.version == 0:
+            if not all(self._reported(j) or out.assignment[j] in dead for j in out.assignment):
+                return
+            if not live_reducers:
+                self._publish(Outcome(1, aborted="every reducer died"))
+                return
+            complete: set[int] | None = None
+            for s in self.states.values():
+                for j, c in s["rep"]:
+                    if out.assignment.get(j) not in dead:
+                        complete = set(c) if complete is None else complete & set(c)
+            senders = tuple(sorted((complete or set()) - dead))
+            if not senders:
+                self._publish(Outcome(1, aborted="no sender delivered to every reducer"))
+                return
+            self._publish(Outcome(1, senders, self._reassign(dict(out.assignment), live_reducers)))
+            return
+        # After a decision: commit once every live receiver holds every shard.
+        receivers = [i for i in self.run.group.receivers if i not in dead]
+        shards = set(out.assignment)
+        holding = [i for i in receivers if i in self.states and set(self.states[i]["final"]) >= shards]
+        if len(holding) == len(receivers):
+            self._publish(Outcome(out.version, out.senders, out.assignment, committed=True))
+            return
+        lost = {j for j, r in out.assignment.items() if r in dead}
+        if lost:
+            if self.repairs >= MAX_REPAIRS or not live_reducers:
+                self._publish(Outcome(out.version + 1, aborted="reducers kept dying"))
+                return
+            if any(s in dead for s in out.senders):
+                self._publish(Outcome(out.version + 1, aborted="a reducer and a sender it needed both died"))
+                return
+            self.repairs += 1
+            self._publish(Outcome(out.version + 1, out.senders, self._reassign(dict(out.assignment), live_reducers)))
+
+    def _reassign(self, assignment: dict[int, int], live: list[int]) -> dict[int, int]:
+        """Give each dead reducer's shard to the next live reducer after it (deterministic)."""
+        n = len(self.run.group.peers)
+        for j, r in assignment.items():
+            if r in self.run.dead:
+                for step in range(1, n + 1):
+                    candidate = (r + step) % n
+                    if candidate in live:
+                        assignment[j] = candidate
+                        break
+        return assignment
+
+    def _publish(self, outcome: Outcome) -> None:
+        logger.debug("coordinator %d decides %s (dead: %s)", self.run.me, outcome, sorted(self.run.dead))
+        self.outcome = outcome
+        self.newer.set()
+        if self._timer is not None and (outcome.committed or outcome.aborted):
+            self._timer.cancel()
+        if outcome.version > self.run.outcome.version or outcome.committed or outcome.aborted:
+            self.run.apply(outcome)
+            self.run.state_changed.set()
+
+
+class AllReduceService:
+    """The handlers for all-reduce on one transport, dispatching to the runs under way."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.runs: dict[bytes, AllReduceRun] = {}
+        self._arrived: dict[bytes, asyncio.Event] = {}
+        transport.add_stream_handler(METHOD_PART, self._on_part)
+        transport.add_handler(METHOD_WAIT, self._on_wait)
+        transport.add_handler(METHOD_QUERY, self._on_query)
+        self._linger: dict[bytes, asyncio.TimerHandle] = {}
+
+    def close(self) -> None:
+        for method in (METHOD_PART, METHOD_WAIT, METHOD_QUERY):
+            self.transport.remove_handler(method)
+        for timer in self._linger.values():
+            timer.cancel()
+
+    async def run(self, group: Group, vector: torch.Tensor | None, weight: float, codec: Any,
+                  timeout: float, **kwargs: Any) -> torch.Tensor | None:
+        """Take part in one all-reduce step with `group`; see the module docstring."""
+        me = group.peers.index(self.transport.peer_id)
+        run = AllReduceRun(self, group, me, vector, weight, codec, timeout, **kwargs)
+        gid = group.group_id
+        if gid in self.runs:
+            raise AveragingError("this group id is already running here")
+        self.runs[gid] = run
+        self._arrived.setdefault(gid, asyncio.Event()).set()
+        try:
+            return await run.run()
+        finally:
+            loop = asyncio.get_running_loop()
+            self._linger[gid] = loop.call_later(LINGER_SECONDS, self._forget, gid)
+
+    def _forget(self, gid: bytes) -> None:
+        self.runs.pop(gid, None)
+        self._arrived.pop(gid, None)
+        self._linger.pop(gid, None)
+
+    async def _find(self, gid: Any) -> AllReduceRun:
+        if not isinstance(gid, bytes):
+            raise AveragingError("malformed group id")
+        event = self._arrived.get(gid)
+        if event is None:
+            if len(self._arrived) > 1000:
+                raise AveragingError("too many pending groups")
+            event = self._arrived[gid] = asyncio.Event()
+        try:
+            async with asyncio.timeout(REGISTRATION_WAIT):
+                await event.wait()
+        except TimeoutError:
+            self._arrived.pop(gid, None)
+            raise AveragingError("unknown averaging group") from None
+        return self.runs[gid]
+
+    def _member(self, run: AllReduceRun, peer_id: PeerID, claimed: Any) -> int:
+        if not isinstance(claimed, int) or not 0 <= claimed < len(run.group.peers) \
+                or run.group.peers[claimed] != peer_id:
+            raise AveragingError("caller is not the group member it claims to be")
+        return claimed
+
+    async def open(self, run: AllReduceRun, reducer: int, request: dict) -> Any:
+        if reducer == run.me:
+            mine, theirs = LocalChannel.pair(run.group.peers[run.me])
+            red = await run.reducer(request["j"])
+            run.spawn(red.serve(run.me, request["w"], request["x"], theirs))
+            return mine
+        left = max(0.1, run.deadline - asyncio.get_running_loop().time())
+        return await self.transport.open_stream(run.group.peers[reducer], METHOD_PART, request, timeout=left)
+
+    async def _on_part(self, stream: Any, ctx: Any) -> None:
+        req = stream.request
+        if not isinstance(req, dict):
+            raise AveragingError("malformed part request")
+        run = await self._find(req.get("g"))
+        sender = self._member(run, ctx.peer_id, req.get("s"))
+        shard, weight, abstain = req.get("j"), req.get("w"), req.get("x")
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise AveragingError("weight must be a finite non-negative number")
+        reducer = await run.reducer(shard)
+        await reducer.serve(sender, float(weight), bool(abstain), stream)
+
+    async def sync(self, run: AllReduceRun, coordinator: int) -> Outcome:
+        left = max(0.1, run.deadline - asyncio.get_running_loop().time())
+        reply = await self.transport.call(run.group.peers[coordinator], METHOD_WAIT,
+                                          {"g": run.group.group_id, "st": run.state()}, timeout=left)
+        return Outcome.from_wire(reply, run.group)
+
+    async def _on_wait(self, request: Any, ctx: Any) -> dict:
+        if not isinstance(request, dict) or not isinstance(request.get("st"), dict):
+            raise AveragingError("malformed sync request")
+        run = await self._find(request.get("g"))
+        state = _check_state(request["st"], run.group)
+        self._member(run, ctx.peer_id, state["m"])
+        coordinator = run.coordinator
+        coordinator.update(state)
+        if not coordinator.active:
+            raise AveragingError("not the coordinator")
+        outcome = await coordinator.wait_newer(state["v"])
+        return outcome.to_wire()
+
+    async def query(self, run: AllReduceRun, member: int) -> dict | None:
+        reply = await self.transport.call(run.group.peers[member], METHOD_QUERY, run.group.group_id, timeout=5.0)
+        return _check_state(reply, run.group) if reply is not None else None
+
+    async def _on_query(self, request: Any, ctx: Any) -> dict | None:
+        run = self.runs.get(request) if isinstance(request, bytes) else None
+        return None if run is None else run.state()
+
+
+def _check_state(state: Any, group: Group) -> dict:
+    """Validate a member's state message (it comes from the network)."""
+    n = len(group.peers)
+    try:
+        out = {"m": int(state["m"]), "dead": [int(d) for d in state["dead"]],
+               "rep": [[int(j), [int(s) for s in c]] for j, c in state["rep"]],
+               "final": [int(j) for j in state["final"]], "v": int(state["v"]), "o": state["o"],
+               "fail": None if state.get("fail") is None else str(state["fail"])}
+        Outcome.from_wire(out["o"], group)
+        if not 0 <= out["m"] < n or any(not 0 <= i < n for i in out["dead"] + out["final"]):
+            raise ValueError("member index out of range")
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        raise AveragingError(f"malformed member state: {e}") from None
+

@@ -1,0 +1,210 @@
+"""The iterative lookup as a state machine: which peers to ask next, and when it is done.
+
+No I/O: a driver (`DHTNode`) asks `next_requests()`, sends them, and feeds back `on_response` /
+`on_failure`. One `Lookup` serves several targets at once (`get_many`, `store_many`): a peer that
+is among the next to ask for several targets gets one request that names them all.
+
+Per target (Kademlia, section 2.3): keep the candidates sorted by XOR distance; keep up to
+`alpha` requests in flight among the `k` closest not-yet-failed candidates; the target is done
+when each of its `k` closest live candidates has answered, or, when `stop_on_value`, as soon as
+one answered with records. Each candidate remembers its hop count: 1 for peers from our own
+routing table, and one more than the peer that told us about it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from potluck.dht.records import Record
+from potluck.net.identity import PeerID
+
+__all__ = ["Answer", "Backoff", "Lookup", "TargetResult"]
+
+# Unresponsive peers are put aside for BACKOFF_BASE * 2^(failures - 1) seconds: one missed
+# answer costs little, a dead peer is soon asked only every few minutes.
+BACKOFF_BASE = 1.0
+BACKOFF_MAX = 300.0
+# Peers whose backoff is tracked; beyond this the oldest records are forgotten (bounded memory).
+MAX_TRACKED_PEERS = 10_000
+
+_WAITING, _ASKING, _ANSWERED, _FAILED = range(4)
+
+
+@dataclass
+class Answer:
+    """What one peer said about one target: peers closer to it, and records it holds."""
+
+    nearest: list[tuple[PeerID, int]]  # (peer id, node id)
+    records: list[Record] = field(default_factory=list)
+
+
+@dataclass
+class TargetResult:
+    """Everything a lookup learned about one target."""
+
+    target: int
+    nearest: list[PeerID]  # peers that answered, closest first
+    records: list[tuple[PeerID, list[Record]]]  # (who answered, what it holds), in arrival order
+    hops: int | None  # hop count of the first peer that answered with records
+    without_value: list[PeerID]  # peers that answered without records, closest first
+
+
+class _Target:
+    """Per-target state, keyed by node id (ints hash much faster than PeerIDs)."""
+
+    __slots__ = ("done", "found_hops", "hops", "records", "state", "target")
+
+    def __init__(self, target: int):
+        self.target = target
+        self.state: dict[int, int] = {}  # node id -> _WAITING / _ASKING / _ANSWERED / _FAILED
+        self.hops: dict[int, int] = {}
+        self.records: list[tuple[PeerID, list[Record]]] = []
+        self.found_hops: int | None = None
+        self.done = False
+
+
+class Lookup:
+    """Iterative parallel lookup of several target ids (see the module docstring)."""
+
+    def __init__(self, seeds: Mapping[int, Iterable[tuple[PeerID, int]]], *, k: int, alpha: int,
+                 stop_on_value: bool, self_id: int | None = None,
+                 usable: Callable[[PeerID], bool] = lambda peer: True):
+        """`seeds`: target id -> (peer id, node id) pairs to start from (our closest known peers).
+        `self_id` (our node id) is never asked; `usable(peer)` False puts a peer aside (e.g. in
+        backoff) as if it had failed."""
+        self.k, self.alpha = k, alpha
+        self.stop_on_value = stop_on_value
+        self.self_id = self_id
+        self.usable = usable
+        self.targets: dict[int, _Target] = {t: _Target(t) for t in seeds}
+        self.peers: dict[int, PeerID] = {}  # node id -> peer id of every candidate
+        self.node_ids: dict[PeerID, int] = {}
+        self.failed: set[int] = set()
+        for target_id, peers in seeds.items():
+            for peer, node_id in peers:
+                self._add(self.targets[target_id], peer, node_id, hops=1)
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.targets.values())
+
+    def _add(self, target: _Target, peer: PeerID, node_id: int, hops: int) -> None:
+        if node_id == self.self_id:
+            return
+        state = target.state.get(node_id)
+        if state is not None:
+            if state == _WAITING and hops < target.hops[node_id]:
+                target.hops[node_id] = hops
+            return
+        if node_id not in self.peers:
+            self.peers[node_id] = peer
+            self.node_ids[peer] = node_id
+            if not self.usable(peer):
+                self.failed.add(node_id)
+        target.hops[node_id] = hops
+        target.state[node_id] = _FAILED if node_id in self.failed else _WAITING
+
+    def _closest_live(self, target: _Target) -> list[int]:
+        state = target.state
+        live = [n for n, s in state.items() if s != _FAILED]
+        if len(live) <= self.k:
+            return live
+        return heapq.nsmallest(self.k, live, key=target.target.__xor__)
+
+    def next_requests(self) -> dict[PeerID, list[int]]:
+        """Requests to send now: peer -> target ids to ask it about. Marks them in flight."""
+        plan: dict[PeerID, list[int]] = {}
+        for target in self.targets.values():
+            if target.done:
+                continue
+            state = target.state
+            in_flight = sum(1 for s in state.values() if s == _ASKING)
+            closest = self._closest_live(target)
+            if all(state[n] == _ANSWERED for n in closest):
+                target.done = True
+                continue
+            if in_flight < self.alpha:
+                for node_id in sorted(closest, key=target.target.__xor__):
+                    if state[node_id] == _WAITING:
+                        state[node_id] = _ASKING
+                        plan.setdefault(self.peers[node_id], []).append(target.target)
+                        in_flight += 1
+                        if in_flight >= self.alpha:
+                            break
+            if in_flight == 0:
+                target.done = True  # nothing left to ask
+        return plan
+
+    def on_response(self, peer: PeerID, asked: Iterable[int], answers: dict[int, Answer]) -> None:
+        """`peer` answered a request about `asked`; targets missing from `answers` count as empty."""
+        node_id = self.node_ids.get(peer)
+        if node_id is None:
+            return
+        for target_id in asked:
+            target = self.targets.get(target_id)
+            if target is None or target.state.get(node_id) != _ASKING:
+                continue
+            target.state[node_id] = _ANSWERED
+            answer = answers.get(target_id)
+            if answer is None:
+                continue
+            hops = target.hops[node_id] + 1
+            for other, other_id in answer.nearest:
+                self._add(target, other, other_id, hops)
+            if answer.records:
+                target.records.append((peer, answer.records))
+                if target.found_hops is None:
+                    target.found_hops = target.hops[node_id]
+                if self.stop_on_value:
+                    target.done = True
+
+    def on_failure(self, peer: PeerID) -> None:
+        """`peer` did not answer (timeout, unreachable, malformed answer): never ask it again here."""
+        node_id = self.node_ids.get(peer)
+        if node_id is None:
+            return
+        self.failed.add(node_id)
+        for target in self.targets.values():
+            if node_id in target.state:
+                target.state[node_id] = _FAILED
+
+    def still_needed(self, asked: Iterable[int]) -> bool:
+        """Whether a request in flight about `asked` can still matter."""
+        return any(not self.targets[t].done for t in asked if t in self.targets)
+
+    def result(self, target_id: int) -> TargetResult:
+        target = self.targets[target_id]
+        answered = sorted((n for n, s in target.state.items() if s == _ANSWERED), key=target_id.__xor__)
+        with_records = {p for p, _ in target.records}
+        nearest = [self.peers[n] for n in answered]
+        return TargetResult(target_id, nearest, list(target.records), target.found_hops,
+                            [p for p in nearest if p not in with_records])
+
+
+class Backoff:
+    """Peers that failed to answer, put aside for exponentially growing times."""
+
+    def __init__(self, base: float = BACKOFF_BASE, cap: float = BACKOFF_MAX):
+        self.base, self.cap = base, cap
+        self._state: dict[PeerID, tuple[int, float]] = {}  # peer -> (failures, retry after)
+
+    def failed(self, peer: PeerID, now: float) -> int:
+        """Count a failure; returns the peer's consecutive failures."""
+        failures = self._state.pop(peer, (0, 0.0))[0] + 1
+        self._state[peer] = (failures, now + min(self.cap, self.base * 2 ** (failures - 1)))
+        while len(self._state) > MAX_TRACKED_PEERS:
+            del self._state[next(iter(self._state))]
+        return failures
+
+    def succeeded(self, peer: PeerID) -> None:
+        self._state.pop(peer, None)
+
+    def blocked(self, peer: PeerID, now: float) -> bool:
+        state = self._state.get(peer)
+        return state is not None and now < state[1]
+
+    def failures(self, peer: PeerID) -> int:
+        state = self._state.get(peer)
+        return 0 if state is None else state[0]

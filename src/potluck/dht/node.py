@@ -1,0 +1,515 @@
+"""`DHTNode`: the Kademlia protocol over a `Transport`: handlers, lookups, replication, upkeep.
+
+It drives the plain-logic parts (`RoutingTable`, `Storage`, `Lookup`, validation) with real calls.
+Everything runs on the transport's event loop; every call has a deadline, and every background
+task belongs to the node, which cancels and awaits them all in `shutdown()`.
+
+Replication and churn:
+- a store goes to the `replicas` closest nodes found by a lookup (this node included when it is
+  one of them and not in client mode);
+- a get caches what it found on the closest node it asked that did not have it (Kademlia 2.3);
+- when a node learns of a peer new to its routing table, it hands that peer the records for
+  which the peer is now among the `replicas` closest nodes it knows (Kademlia 2.5), so records
+  move to newcomers and survive the loss of older replicas;
+- unresponsive peers are put aside with exponential backoff, and dropped from the routing table
+  after repeated failures (at once if a fresher replacement is waiting).
+Records are not republished by their holders: every potluck record is re-stored by its writer
+before it expires (experts, groups and progress all announce themselves periodically).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from potluck.core.dht_time import Clock, get_dht_time
+from potluck.core.errors import NetworkError, PeerUnreachable
+from potluck.dht import protocol
+from potluck.dht.errors import BadRequest, DHTError, RecordRejected
+from potluck.dht.lookup import Answer, Backoff, Lookup, TargetResult
+from potluck.dht.records import Key, Record, key_id_of
+from potluck.dht.routing import DEFAULT_BUCKET_SIZE, DEFAULT_DEPTH_MODULO, RoutingTable, node_id_of
+from potluck.dht.storage import DEFAULT_MAX_STORAGE_BYTES, Storage, merge_records
+from potluck.dht.validation import (
+    CLOCK_SKEW_ALLOWANCE, DEFAULT_MAX_TTL, DEFAULT_MAX_VALUE_BYTES, Limits, RecordValidator, check_record,
+)
+from potluck.net.address import Multiaddr
+from potluck.net.connection import CallContext
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+
+__all__ = ["DHTConfig", "DHTNode", "GetOutcome"]
+
+logger = logging.getLogger(__name__)
+
+# Kademlia's alpha: three requests in flight per lookup hide one slow peer without flooding.
+DEFAULT_ALPHA = 3
+# One DHT RPC: a live peer answers in milliseconds, even across continents (< 0.5 s); a peer
+# silent this long is treated as failed and the lookup moves on.
+RPC_TIMEOUT = 3.0
+# A whole store/get/lookup, when the caller gives no timeout: a lookup is a few RPC rounds, so
+# this only bites when most of the network is unreachable.
+OPERATION_TIMEOUT = 30.0
+# Joining: reaching the initial peers and the first self-lookup.
+BOOTSTRAP_TIMEOUT = 15.0
+# Buckets with no news for this long get a lookup of a random id in their range (Kademlia uses an
+# hour; potluck swarms churn faster). It also paces dropping expired records.
+REFRESH_INTERVAL = 600.0
+# Refresh lookups one upkeep round may start, so a long-idle node does not burst.
+MAX_REFRESH_PER_ROUND = 8
+# Consecutive failed calls after which a peer leaves the routing table even without a replacement
+# (the Kademlia paper suggests about five with backoff; three keeps dead entries from lingering).
+STALE_AFTER_FAILURES = 3
+# Background tasks (pings, caching stores, hand-offs) one node may run at once; beyond this new
+# ones are skipped, so a flood of newcomers cannot grow memory without bound.
+MAX_BACKGROUND_TASKS = 512
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Tunables of a DHT node; every peer of a swarm should use the same limits."""
+
+    bucket_size: int = DEFAULT_BUCKET_SIZE  # k
+    depth_modulo: int = DEFAULT_DEPTH_MODULO  # b: bucket splitting (see routing.py)
+    alpha: int = DEFAULT_ALPHA  # requests in flight per lookup target
+    replicas: int | None = None  # nodes that store each record; None: bucket_size
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    max_ttl: float = DEFAULT_MAX_TTL
+    max_storage_bytes: int = DEFAULT_MAX_STORAGE_BYTES
+    rpc_timeout: float = RPC_TIMEOUT
+    refresh_interval: float | None = REFRESH_INTERVAL  # None: no periodic upkeep
+    cache_on_get: bool = True
+    handoff: bool = True  # hand records to newcomers that become their closest nodes
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replicas or self.bucket_size
+
+
+@dataclass
+class GetOutcome:
+    """What a get found for one key: the winning records (a plain one, or dictionary entries)
+    and the hop count at which they were first found (0: held locally)."""
+
+    records: list[Record]
+    hops: int | None
+
+
+@functools.lru_cache(maxsize=65536)
+def _node_id(peer_id: PeerID) -> int:
+    return node_id_of(peer_id)
+
+
+class DHTNode:
+    """One peer's Kademlia node. Create, `await start(initial_peers)`, `await shutdown()`."""
+
+    def __init__(self, transport: Transport, config: DHTConfig | None = None,
+                 validators: Sequence[RecordValidator] = (), clock: Clock = get_dht_time):
+        self.transport = transport
+        self.peer_id = transport.peer_id
+        self.node_id = _node_id(self.peer_id)
+        self.config = config or DHTConfig()
+        self.limits = Limits(self.config.max_value_bytes, self.config.max_ttl)
+        self.validators = list(validators)
+        self.now = clock
+        self.client_mode = transport.client_mode
+        self.routing = RoutingTable(self.node_id, self.config.bucket_size, self.config.depth_modulo)
+        self.storage = Storage(self.config.max_storage_bytes)
+        self.backoff = Backoff()
+        self._rng = random.Random(self.node_id)
+        self._tasks: set[asyncio.Task] = set()
+        self._pinging: set[PeerID] = set()
+        self._newcomers: set[PeerID] = set()
+        self._handoff_task: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    async def start(self, initial_peers: Iterable[Multiaddr | str | PeerID] = (),
+                    timeout: float = BOOTSTRAP_TIMEOUT) -> None:
+        """Serve the DHT methods and join through `initial_peers` (raises PeerUnreachable if
+        none of them answers)."""
+        if self._started:
+            return
+        self._started = True
+        self.transport.add_handler(protocol.PING, self._on_ping)
+        self.transport.add_handler(protocol.FIND, self._on_find)
+        self.transport.add_handler(protocol.STORE, self._on_store)
+        if self.config.refresh_interval:
+            self._spawn(self._upkeep(self.config.refresh_interval))
+        initial = list(initial_peers)
+        if initial:
+            await self.bootstrap(initial, timeout)
+
+    async def bootstrap(self, initial_peers: Iterable[Multiaddr | str | PeerID],
+                        timeout: float = BOOTSTRAP_TIMEOUT) -> None:
+        """Ping the given peers, then look up our own id so the peers near us learn of us."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        initial = list(initial_peers)
+        results = await asyncio.gather(*(self._reach(p, deadline) for p in initial), return_exceptions=True)
+        errors = [f"{p}: {r}" for p, r in zip(initial, results) if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+        if len(errors) == len(initial):
+            raise PeerUnreachable("could not join the DHT: no initial peer answered:\n  " + "\n  ".join(errors))
+        for line in errors:
+            logger.warning("initial DHT peer unreachable: %s", line)
+        await self._lookup([self.node_id], values=False, stop_on_value=False, deadline=deadline)
+
+    async def _reach(self, peer: Multiaddr | str | PeerID, deadline: float) -> None:
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        if not isinstance(peer, PeerID):
+            addr = Multiaddr.parse(peer) if isinstance(peer, str) else peer
+            if addr.peer_id is not None:
+                self.transport.add_addresses(addr.peer_id, [addr])
+                peer = addr.peer_id
+            else:
+                peer = await self.transport.connect(addr, timeout)
+        await self.ping(peer, timeout)
+
+    async def shutdown(self) -> None:
+        """Stop serving and cancel every background task (and wait for them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            for method in (protocol.PING, protocol.FIND, protocol.STORE):
+                self.transport.remove_handler(method)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
+        if self._closed or len(self._tasks) >= MAX_BACKGROUND_TASKS:
+            coro.close()
+            return None
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("DHT background task failed", exc_info=task.exception())
+
+    def _mono(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    @property
+    def replicas(self) -> int:
+        return self.config.num_replicas
+
+    # -- peers ---------------------------------------------------------------------------------------
+    def _learn(self, peer: PeerID) -> None:
+        """A non-client peer with a known address answered or called us: it belongs in the table."""
+        if peer == self.peer_id or not self.transport.addresses_of(peer):
+            return
+        known = peer in self.routing
+        oldest = self.routing.add_or_update(peer, _node_id(peer), self._mono())
+        if oldest is not None and oldest not in self._pinging:
+            self._pinging.add(oldest)
+            if self._spawn(self._ping_oldest(oldest)) is None:
+                self._pinging.discard(oldest)
+        if not known and peer in self.routing:
+            self._welcome(peer)
+
+    def _peer_ok(self, peer: PeerID) -> None:
+        self.backoff.succeeded(peer)
+        self._learn(peer)
+
+    def _peer_failed(self, peer: PeerID) -> None:
+        failures = self.backoff.failed(peer, self._mono())
+        if peer in self.routing and (failures >= STALE_AFTER_FAILURES or self.routing.has_replacement(peer)):
+            promoted = self.routing.remove(peer)
+            if promoted is not None:
+                self._welcome(promoted)
+
+    def _usable(self, peer: PeerID) -> bool:
+        return not self.backoff.blocked(peer, self._mono())
+
+    async def _ping_oldest(self, peer: PeerID) -> None:
+        """A bucket is full and a newcomer waits: keep the oldest entry only if it still answers."""
+        try:
+            await self.ping(peer, self.config.rpc_timeout)
+        except (NetworkError, DHTError):
+            if peer in self.routing:
+                promoted = self.routing.remove(peer)
+                if promoted is not None:
+                    self._welcome(promoted)
+        finally:
+            self._pinging.discard(peer)
+
+    async def ping(self, peer: PeerID, timeout: float | None = None) -> None:
+        """Check that `peer` serves the DHT; raises a NetworkError if it does not answer."""
+        try:
+            await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST, timeout=timeout or self.config.rpc_timeout)
+        except (NetworkError, TimeoutError):
+            self._peer_failed(peer)
+            raise
+        self._peer_ok(peer)
+
+    # -- handlers ------------------------------------------------------------------------------------
+    def _caller(self, ctx: CallContext) -> None:
+        if not ctx.remote.client_mode:
+            self._learn(ctx.peer_id)
+
+    async def _on_ping(self, request: Any, ctx: CallContext) -> dict:
+        protocol.parse_ping(request)
+        self._caller(ctx)
+        return protocol.PING_RESPONSE
+
+    async def _on_find(self, request: Any, ctx: CallContext) -> dict:
+        ids, values = protocol.parse_find_request(request)
+        self._caller(ctx)
+        now = self.now()
+        peers: list[tuple[PeerID, list[Multiaddr]]] = []
+        index: dict[PeerID, int] = {}
+        results = []
+        for target in ids:
+            indices = []
+            for peer, _ in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
+                if peer not in index:
+                    addrs = self.transport.addresses_of(peer)
+                    if not addrs:
+                        continue
+                    index[peer] = len(peers)
+                    peers.append((peer, addrs))
+                indices.append(index[peer])
+            records = self.storage.get(target, now) if values else []
+            results.append((indices, records))
+        return protocol.find_response(peers, results)
+
+    async def _on_store(self, request: Any, ctx: CallContext) -> dict:
+        records = protocol.parse_store_request(request)
+        self._caller(ctx)
+        now = self.now()
+        results: list[bool | str] = []
+        for record in records:
+            try:
+                check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
+                results.append(self.storage.store(key_id_of(record.key), record, now))
+            except RecordRejected as e:
+                results.append(f"{type(e).__name__}: {e}")
+        return protocol.store_response(results)
+
+    # -- lookups -------------------------------------------------------------------------------------
+    async def _find(self, peer: PeerID, ids: list[int], values: bool, deadline: float) -> dict[int, Answer]:
+        timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
+        response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values),
+                                             timeout=timeout)
+        parsed = protocol.parse_find_response(response, len(ids))
+        now = self.now()
+        answers = {}
+        for target, (nearest, records) in zip(ids, parsed):
+            near = []
+            for other, addrs in nearest:
+                if other == self.peer_id:
+                    continue
+                known = self.transport.addresses_of(other)
+                if addrs and any(a not in known for a in addrs):
+                    self.transport.add_addresses(other, addrs)
+                elif not known:
+                    continue
+                near.append((other, _node_id(other)))
+            answers[target] = Answer(near, [r for r in records if self._trust(r, target, now, peer)])
+        return answers
+
+    def _trust(self, record: Record, target: int, now: float, source: PeerID) -> bool:
+        """Check a record another node returned, exactly as if it were stored here."""
+        if record.expiration_time <= now:
+            return False
+        try:
+            if key_id_of(record.key) != target:
+                raise RecordRejected("record key does not hash to the id that was asked for")
+            check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
+        except RecordRejected as e:
+            logger.info("ignoring a record from %s: %s", source, e)
+            return False
+        return True
+
+    async def _lookup(self, targets: list[int], *, values: bool, stop_on_value: bool,
+                      deadline: float) -> dict[int, TargetResult]:
+        """Run one iterative lookup for all `targets` (see lookup.py) until done or `deadline`."""
+        k = self.config.bucket_size
+        lookup = Lookup({t: self.routing.nearest(t, k) for t in targets}, k=k, alpha=self.config.alpha,
+                        stop_on_value=stop_on_value, self_id=self.node_id, usable=self._usable)
+        pending: dict[asyncio.Task, tuple[PeerID, list[int]]] = {}
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                for peer, ids in lookup.next_requests().items():
+                    for start in range(0, len(ids), protocol.MAX_FIND_IDS):
+                        chunk = ids[start:start + protocol.MAX_FIND_IDS]
+                        pending[loop.create_task(self._find(peer, chunk, values, deadline))] = (peer, chunk)
+                for task, (peer, chunk) in list(pending.items()):
+                    if not lookup.still_needed(chunk):
+                        task.cancel()
+                        del pending[task]
+                left = deadline - loop.time()
+                if not pending or left <= 0:
+                    break
+                done, _ = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    peer, chunk = pending.pop(task)
+                    try:
+                        answers = task.result()
+                    except (NetworkError, DHTError, TimeoutError) as e:
+                        logger.debug("find on %s failed: %s", peer, e)
+                        lookup.on_failure(peer)
+                        self._peer_failed(peer)
+                    else:
+                        lookup.on_response(peer, chunk, answers)
+                        self._peer_ok(peer)
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return {t: lookup.result(t) for t in targets}
+
+    async def find_nearest(self, target: int, count: int | None = None,
+                           timeout: float = OPERATION_TIMEOUT) -> list[PeerID]:
+        """The live peers closest to `target` (node-level; for tests and tools)."""
+        result = await self._lookup([target], values=False, stop_on_value=False,
+                                    deadline=self._mono() + timeout)
+        return result[target].nearest[:count or self.config.bucket_size]
+
+    # -- get and store ---------------------------------------------------------------------------------
+    async def get_many(self, keys: Iterable[Key], latest: bool = False,
+                       timeout: float = OPERATION_TIMEOUT) -> dict[Key, GetOutcome]:
+        """Find the records of several keys in one traversal. With `latest`, ask every one of the
+        closest nodes and merge what they hold; otherwise stop at the first node that has them."""
+        deadline = self._mono() + timeout
+        now = self.now()
+        outcomes: dict[Key, GetOutcome] = {}
+        searching: dict[int, list[Key]] = {}
+        local: dict[int, list[Record]] = {}
+        for key in keys:
+            if key in outcomes or any(key in ks for ks in searching.values()):
+                continue
+            key_id = key_id_of(key)
+            held = self.storage.get(key_id, now)
+            if held and not latest:
+                outcomes[key] = GetOutcome(held, 0)
+            else:
+                searching.setdefault(key_id, []).append(key)
+                local[key_id] = held
+        if not searching:
+            return outcomes
+        results = {}
+        if len(self.routing):
+            results = await self._lookup(list(searching), values=True, stop_on_value=not latest, deadline=deadline)
+        for key_id, same_id_keys in searching.items():
+            result = results.get(key_id)
+            found = [r for _, records in (result.records if result else []) for r in records]
+            merged = merge_records(found + local[key_id])
+            hops = result.hops if result and result.hops is not None else (0 if local[key_id] else None)
+            for key in same_id_keys:
+                outcomes[key] = GetOutcome(merged, hops)
+            if merged and result and self.config.cache_on_get and result.without_value:
+                self._spawn(self._send_records(result.without_value[0], merged))
+        return outcomes
+
+    async def store_many(self, records: Sequence[Record], timeout: float = OPERATION_TIMEOUT) -> list[bool]:
+        """Store validated (and, if owned, signed) records on the `replicas` closest nodes of
+        their keys; one traversal for all keys. Element i: whether any replica holds record i."""
+        deadline = self._mono() + timeout
+        now = self.now()
+        stored = [False] * len(records)
+        by_key: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            if record.expiration_time > now:
+                by_key.setdefault(key_id_of(record.key), []).append(i)
+        if not by_key:
+            return stored
+        results = {}
+        if len(self.routing):
+            results = await self._lookup(list(by_key), values=False, stop_on_value=False, deadline=deadline)
+        plan: dict[PeerID, list[int]] = {}
+        for key_id, indices in by_key.items():
+            nearest = results[key_id].nearest[:self.replicas] if key_id in results else []
+            holders = [(p, _node_id(p) ^ key_id) for p in nearest]
+            if not self.client_mode:
+                holders.append((self.peer_id, self.node_id ^ key_id))
+            for peer, _ in sorted(holders, key=lambda h: h[1])[:self.replicas]:
+                if peer == self.peer_id:
+                    for i in indices:
+                        stored[i] = self.storage.store(key_id, records[i], now) or stored[i]
+                else:
+                    plan.setdefault(peer, []).extend(indices)
+        outcomes = await asyncio.gather(*(self._send_records(peer, [records[i] for i in indices], deadline)
+                                          for peer, indices in plan.items()))
+        for (peer, indices), answer in zip(plan.items(), outcomes):
+            for i, ok in zip(indices, answer):
+                if ok is True:
+                    stored[i] = True
+                elif isinstance(ok, str):
+                    logger.warning("%s refused a record for %r: %s", peer, records[i].key, ok)
+        return stored
+
+    async def _send_records(self, peer: PeerID, records: Sequence[Record],
+                            deadline: float | None = None) -> list[bool | str]:
+        """Store `records` on one peer; a failed call counts as refused (False) for each."""
+        answers: list[bool | str] = []
+        for start in range(0, len(records), protocol.MAX_STORE_RECORDS):
+            chunk = list(records[start:start + protocol.MAX_STORE_RECORDS])
+            timeout = self.config.rpc_timeout
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - self._mono()))
+            try:
+                response = await self.transport.call(peer, protocol.STORE, protocol.store_request(chunk),
+                                                     timeout=timeout)
+                answers.extend(protocol.parse_store_response(response, len(chunk)))
+            except (NetworkError, BadRequest, TimeoutError) as e:
+                logger.debug("store on %s failed: %s", peer, e)
+                self._peer_failed(peer)
+                answers.extend([False] * (len(records) - start))
+                break
+            else:
+                self._peer_ok(peer)
+        return answers
+
+    # -- hand-off and upkeep ---------------------------------------------------------------------------
+    def _welcome(self, peer: PeerID) -> None:
+        """A peer is new in our table: queue it for the records it is now responsible for."""
+        if self.client_mode or not self.config.handoff or self._closed:
+            return
+        self._newcomers.add(peer)
+        if self._handoff_task is None or self._handoff_task.done():
+            self._handoff_task = self._spawn(self._hand_off())
+
+    async def _hand_off(self) -> None:
+        while self._newcomers:
+            newcomers, self._newcomers = self._newcomers, set()
+            batches: dict[PeerID, list[Record]] = {}
+            for key_id, records in self.storage.items(self.now()):
+                nearest = self.routing.nearest(key_id, self.replicas)
+                mine = self.node_id ^ key_id
+                if len(nearest) >= self.replicas and all(n ^ key_id < mine for _, n in nearest):
+                    continue  # we are no longer one of this key's replicas
+                for peer, _ in nearest:
+                    if peer in newcomers:
+                        batches.setdefault(peer, []).extend(records)
+            if batches:
+                await asyncio.gather(*(self._send_records(peer, records) for peer, records in batches.items()))
+
+    async def _upkeep(self, interval: float) -> None:
+        """Drop expired records and refresh buckets nobody was seen in for `interval` seconds."""
+        while True:
+            await asyncio.sleep(interval)
+            self.storage.remove_expired(self.now())
+            stale = self.routing.stale_buckets(self._mono(), interval)[:MAX_REFRESH_PER_ROUND]
+            if stale and len(self.routing):
+                targets = [self.routing.random_id_in(b, self._rng) for b in stale]
+                await self._lookup(targets, values=False, stop_on_value=False,
+                                   deadline=self._mono() + OPERATION_TIMEOUT)

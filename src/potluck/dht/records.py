@@ -1,0 +1,175 @@
+"""DHT records: what one key (or one subkey of a key) holds, and how it looks on the wire.
+
+A record is `(key, subkey, value, expiration_time, signature, token)`. `value` is opaque bytes
+(the output of `potluck.core.serialization.dumps`); nodes store and forward them without
+decoding them except to validate. A key holds either one plain record (subkey None) or a
+dictionary of records, one per subkey, each with its own expiration.
+
+Keys are `str` or `bytes`; their id is SHA-1 of their msgpack encoding, so the str "a" and the
+bytes b"a" are different keys. Subkeys are `str`, `bytes` or `int`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+
+from potluck.core.errors import IdentityError
+from potluck.dht.errors import BadRequest, NotOwner
+from potluck.net.identity import PeerID
+
+__all__ = ["Key", "Record", "Subkey", "ValueWithExpiration", "key_id_of", "owner_marker", "owners_of"]
+
+Key = str | bytes
+Subkey = str | bytes | int
+
+# Keys and subkeys are names, not data: 1 KiB leaves room for an `[owner:<44 chars>]` marker and
+# long expert uids while bounding what every node hashes, stores and sends for each record.
+MAX_KEY_BYTES = 1024
+# Ed25519 signatures are exactly 64 bytes (RFC 8032).
+SIGNATURE_BYTES = 64
+# Room for a membership token (DESIGN.md section 6); an Ed25519-signed token binding a peer id,
+# an expiry and a run id fits in well under 1 KiB.
+MAX_TOKEN_BYTES = 1024
+# Domain separation: a record signature can never be mistaken for a handshake or other signature.
+SIGNATURE_LABEL = "potluck/dht-record/1"
+
+_BASE58 = "1-9A-HJ-NP-Za-km-z"
+_OWNER_STR = re.compile(rf"\[owner:([{_BASE58}]*)\]")
+_OWNER_BYTES = re.compile(rf"\[owner:([{_BASE58}]*)\]".encode())
+_OWNER_ANY_STR = re.compile(r"\[owner:")
+_OWNER_ANY_BYTES = re.compile(rb"\[owner:")
+
+
+class ValueWithExpiration(NamedTuple):
+    """What `DHT.get` returns: the value and when it expires (in DHT time). For a key with
+    subkeys, `value` is a dict {subkey: ValueWithExpiration}."""
+
+    value: Any
+    expiration_time: float
+
+
+def encode_key(key: Key) -> bytes:
+    """The canonical bytes of a key (its msgpack encoding), hashed for its id."""
+    return msgpack.packb(key, use_bin_type=True)
+
+
+def key_id_of(key: Key) -> int:
+    """A key's 160-bit position in the id space."""
+    if not isinstance(key, (str, bytes)):
+        raise TypeError(f"DHT keys are str or bytes, got {type(key).__name__}")
+    return int.from_bytes(hashlib.sha1(encode_key(key)).digest(), "big")
+
+
+def name_size(name: Key | Subkey | None) -> int:
+    """Bytes a key or subkey takes (UTF-8 for str, 8 for ints)."""
+    if name is None:
+        return 0
+    if isinstance(name, str):
+        return len(name.encode("utf-8", "surrogatepass"))
+    if isinstance(name, bytes):
+        return len(name)
+    return 8
+
+
+def owner_marker(peer_id: PeerID | str) -> str:
+    """The marker that makes a key or subkey writable only by `peer_id`, e.g.
+    `f"progress.{run}{owner_marker(peer.peer_id)}"`."""
+    return f"[owner:{peer_id}]"
+
+
+def _owners_in(name: Key | Subkey | None) -> list[str]:
+    if isinstance(name, str):
+        if not _OWNER_ANY_STR.search(name):
+            return []
+        found = _OWNER_STR.findall(name)
+        if len(found) != len(_OWNER_ANY_STR.findall(name)):
+            raise NotOwner(f"{name[:100]!r} has a malformed [owner:...] marker")
+        return found
+    if isinstance(name, bytes):
+        if not _OWNER_ANY_BYTES.search(name):
+            return []
+        found = _OWNER_BYTES.findall(name)
+        if len(found) != len(_OWNER_ANY_BYTES.findall(name)):
+            raise NotOwner(f"{name[:100]!r} has a malformed [owner:...] marker")
+        return [f.decode("ascii") for f in found]
+    return []
+
+
+def owners_of(key: Key, subkey: Subkey | None) -> PeerID | None:
+    """The peer a record's key or subkey names as its owner, if any.
+
+    Raises NotOwner when the markers are malformed or name more than one peer: such a record
+    could never be validly signed, so it is refused outright.
+    """
+    names = set(_owners_in(key)) | set(_owners_in(subkey))
+    if not names:
+        return None
+    if len(names) > 1:
+        raise NotOwner("a key and its subkey name different owners; a record has one owner")
+    text = names.pop()
+    try:
+        return PeerID.from_string(text)
+    except IdentityError as e:
+        raise NotOwner(f"the [owner:...] marker does not hold a valid peer id: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One stored value: a plain value (subkey None) or one entry of a key's dictionary."""
+
+    key: Key
+    subkey: Subkey | None
+    value: bytes
+    expiration_time: float
+    signature: bytes | None = None
+    token: bytes | None = None  # reserved for membership tokens (DESIGN.md section 6); unused
+
+    def signed_bytes(self) -> bytes:
+        """What an owner signs: key, subkey, value and expiration, under a domain label."""
+        return msgpack.packb([SIGNATURE_LABEL, self.key, self.subkey, self.value,
+                              float(self.expiration_time)], use_bin_type=True)
+
+    def stored_bytes(self) -> int:
+        """Bytes this record costs a node (without bookkeeping overhead)."""
+        return (len(self.value) + name_size(self.key) + name_size(self.subkey)
+                + len(self.signature or b"") + len(self.token or b""))
+
+    def to_wire(self) -> list:
+        return [self.key, self.subkey, self.value, self.expiration_time, self.signature, self.token]
+
+    @classmethod
+    def from_wire(cls, item: object) -> Record:
+        """Parse one wire record, checking every field's type and bound (BadRequest if wrong).
+        Semantic rules (size limit, expiration, signature, schema) are `validation`'s job."""
+        if not isinstance(item, list) or len(item) != 6:
+            raise BadRequest("a record is a list [key, subkey, value, expiration, signature, token]")
+        key, subkey, value, expiration, signature, token = item
+        if not isinstance(key, (str, bytes)):
+            raise BadRequest(f"record key must be str or bytes, got {type(key).__name__}")
+        if name_size(key) > MAX_KEY_BYTES:
+            raise BadRequest(f"record key is over {MAX_KEY_BYTES} bytes")
+        if subkey is not None:
+            if isinstance(subkey, bool) or not isinstance(subkey, (str, bytes, int)):
+                raise BadRequest(f"record subkey must be str, bytes or int, got {type(subkey).__name__}")
+            if name_size(subkey) > MAX_KEY_BYTES:
+                raise BadRequest(f"record subkey is over {MAX_KEY_BYTES} bytes")
+            if isinstance(subkey, int) and not -(2**63) <= subkey < 2**63:
+                raise BadRequest("integer subkeys must fit in 64 bits")
+        if not isinstance(value, bytes):
+            raise BadRequest(f"record value must be bytes, got {type(value).__name__}")
+        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)):
+            raise BadRequest(f"record expiration must be a number, got {type(expiration).__name__}")
+        expiration = float(expiration)
+        if not math.isfinite(expiration):
+            raise BadRequest("record expiration must be finite")
+        if signature is not None and (not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES):
+            raise BadRequest(f"record signature must be None or {SIGNATURE_BYTES} bytes")
+        if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES):
+            raise BadRequest(f"record token must be None or at most {MAX_TOKEN_BYTES} bytes")
+        return cls(key, subkey, value, expiration, signature, token)

@@ -1,0 +1,218 @@
+"""Butterfly all-reduce on the emulated network: exact results, faults, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.averaging.allreduce import AllReduceService, Group
+from potluck.averaging.load_balancing import optimal_fractions, part_sizes
+from potluck.core.errors import AveragingError
+from potluck.core.virtual_time import run_virtual
+from potluck.net.emulated import EmulatedNetwork
+
+
+class PlainCodec:
+    """Sends tensors as they are (the averaging tests do not depend on the compression package)."""
+
+    def encode(self, t):
+        return t.contiguous()
+
+    def decode(self, payload):
+        if not isinstance(payload, torch.Tensor):
+            raise AveragingError("not a tensor")
+        return payload
+
+
+CODEC = PlainCodec()
+
+
+async def swarm(n: int, bandwidth: float | None = 50e6, latency: float = 0.002, modes=None):
+    net = EmulatedNetwork(latency=latency)
+    modes = modes or ["node"] * n
+    transports = [net.transport(upload=bandwidth, download=bandwidth, client_mode=(m == "client")) for m in modes]
+    for t in transports:
+        await t.start()
+    for t in transports:
+        for u in transports:
+            if u is not t and u.addresses:
+                t.add_addresses(u.peer_id, u.addresses)
+    return net, transports, [AllReduceService(t) for t in transports]
+
+
+def make_group(transports, modes, size, gid=b"g"):
+    fractions = optimal_fractions(modes, [1.0] * len(modes))
+    return Group(gid, tuple(t.peer_id for t in transports), tuple(modes), tuple(part_sizes(size, fractions)))
+
+
+async def average(services, group, vectors, weights, crash_at=None, crash=(), net=None, **kwargs):
+    kwargs.setdefault("timeout", 60.0)
+    kwargs.setdefault("sender_timeout", 2.0)
+    kwargs.setdefault("chunk", 1000)
+
+    async def one(i):
+        vec = None if group.modes[i] == "aux" else vectors[i]
+        return await services[i].run(group, vec, weights[i], CODEC, **kwargs)
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(services))]
+    if crash:
+        await asyncio.sleep(crash_at)
+        for i in crash:
+            net.crash(group.peers[i])
+            tasks[i].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return [None if i in crash else r for i, r in enumerate(results)]
+
+
+def weighted_mean(vectors, weights, members):
+    total = sum(weights[i] for i in members)
+    return sum(vectors[i] * (weights[i] / total) for i in members)
+
+
+def check_survivors_identical(results, members, expected):
+    first = results[members[0]]
+    assert not isinstance(first, BaseException), first
+    for i in members:
+        assert not isinstance(results[i], BaseException), (i, results[i])
+        assert torch.equal(results[i], first), f"member {i} differs"
+    torch.testing.assert_close(first, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 16])
+def test_result_is_the_weighted_mean_and_identical_everywhere(n):
+    async def main():
+        net, transports, services = await swarm(n)
+        group = make_group(transports, ["node"] * n, 20_011)
+        g = torch.Generator().manual_seed(n)
+        vectors = [torch.randn(20_011, generator=g) for _ in range(n)]
+        weights = [float(w) for w in torch.rand(n, generator=g) * 10 + 0.1]
+        results = await average(services, group, vectors, weights)
+        check_survivors_identical(results, list(range(n)), weighted_mean(vectors, weights, range(n)))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_client_and_aux_members():
+    modes = ["node", "client", "aux", "node", "client"]
+
+    async def main():
+        net, transports, services = await swarm(len(modes), modes=modes)
+        group = make_group(transports, modes, 9_999)
+        assert group.part_sizes[1] == group.part_sizes[4] == 0 and group.part_sizes[2] > 0
+        vectors = [torch.randn(9_999) for _ in modes]
+        weights = [1.0, 2.0, 0.0, 3.0, 4.0]
+        results = await average(services, group, vectors, weights)
+        assert results[2] is None  # aux members reduce but hold no result
+        receivers = [0, 1, 3, 4]
+        check_survivors_identical(results, receivers, weighted_mean(vectors, weights, receivers))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("crash", [[4], [1], [0], [1, 4], [0, 3]],
+                         ids=["client-sender", "reducer", "coordinator", "sender+reducer", "coordinator+reducer"])
+def test_members_killed_mid_step_leave_survivors_identical(crash):
+    modes = ["node", "node", "node", "node", "client"]
+
+    async def main():
+        net, transports, services = await swarm(len(modes), bandwidth=10e6, modes=modes)
+        group = make_group(transports, modes, 200_000)  # 800 KB per member: ~0.3 s at 10 MB/s
+        vectors = [torch.randn(200_000) for _ in modes]
+        weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await average(services, group, vectors, weights, crash_at=0.1, crash=crash, net=net)
+        survivors = [i for i in range(len(modes)) if i not in crash]
+        check_survivors_identical(results, survivors, weighted_mean(vectors, weights, survivors))
+        assert loop.time() - start < 20  # within the stage deadlines, not the step's 60 s
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_stalled_sender_is_excluded_after_its_deadline():
+    async def main():
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 5_000)
+        vectors = [torch.randn(5_000) for _ in range(4)]
+        weights = [1.0] * 4
+        net.crash(group.peers[3], silent=True)  # never says anything
+        results = await average(services[:3], group, vectors, weights, sender_timeout=1.0)
+        check_survivors_identical(results, [0, 1, 2], weighted_mean(vectors, weights, [0, 1, 2]))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_non_finite_contribution_is_excluded_not_spread():
+    async def main():
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 5_000)
+        vectors = [torch.randn(5_000) for _ in range(4)]
+        bad = vectors[2].clone()
+        bad[1234] = float("nan")
+        sent = [vectors[0], vectors[1], bad, vectors[3]]
+        weights = [1.0, 1.0, 1.0, 1.0]
+        results = await average(services, group, sent, weights)
+        # The peer with NaN receives the others' average too; its values never reach anyone.
+        check_survivors_identical(results, [0, 1, 2, 3], weighted_mean(vectors, weights, [0, 1, 3]))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_everyone_fails_together_when_no_reducer_survives():
+    modes = ["node", "client", "client"]
+
+    async def main():
+        net, transports, services = await swarm(3, bandwidth=10e6, modes=modes)
+        group = make_group(transports, modes, 100_000)
+        vectors = [torch.randn(100_000) for _ in modes]
+        results = await average(services, group, vectors, [1.0] * 3, crash_at=0.05, crash=[0], net=net,
+                                timeout=30)
+        for i in (1, 2):
+            assert isinstance(results[i], AveragingError), results[i]
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_forged_and_malformed_parts_are_refused_and_the_step_completes():
+    async def main():
+        net, transports, services = await swarm(3)
+        group = make_group(transports, ["node"] * 3, 3_000)
+        vectors = [torch.randn(3_000) for _ in range(3)]
+        intruder = net.transport()
+        await intruder.start()
+        intruder.add_addresses(group.peers[0], transports[0].addresses)
+        from potluck.core.errors import RemoteError
+        from potluck.averaging.allreduce import METHOD_PART
+
+        async def attack(request, payloads):
+            stream = await intruder.open_stream(group.peers[0], METHOD_PART, request, timeout=5)
+            for p in payloads:
+                await stream.send(p)
+            await stream.close()
+            with pytest.raises(RemoteError):
+                async for _ in stream:
+                    pass
+
+        step = asyncio.ensure_future(average(services, group, vectors, [1.0] * 3))
+        await asyncio.sleep(0.001)
+        await attack({"g": b"g", "j": 0, "s": 1, "w": 1.0, "x": False}, [torch.zeros(1000)])  # claims to be 1
+        await attack({"g": b"g", "j": 0, "s": "x", "w": 1.0, "x": False}, [])
+        await attack({"g": b"g", "j": 0, "s": 0, "w": float("nan"), "x": False}, [])
+        await attack("not a dict", [])
+        results = await step
+        check_survivors_identical(results, [0, 1, 2], weighted_mean(vectors, [1.0] * 3, [0, 1, 2]))
+    run_virtual(main())
+
+
+def test_load_balancing_gives_fast_peers_more_and_clients_nothing():
+    assert optimal_fractions(["node"] * 4, [1e8] * 4) == pytest.approx([0.25] * 4)
+    slow_first = optimal_fractions(["node"] * 3, [1e7, 1e8, 1e8])
+    assert slow_first[0] == 0 and slow_first[1] == pytest.approx(0.5)
+    with_aux = optimal_fractions(["node", "node", "node", "aux"], [1e8, 1e8, 1e8, 1e9])
+    assert with_aux[3] > 0.5 and with_aux[0] == pytest.approx(with_aux[1], abs=1e-3)
+    with_client = optimal_fractions(["node", "client", "node"], [1e8, 1e9, 1e8])
+    assert with_client[1] == 0 and with_client[0] == pytest.approx(0.5, rel=1e-3)
+    sizes = part_sizes(1001, [0.5, 0.25, 0.25])
+    assert sum(sizes) == 1001 and sizes[0] > sizes[1]
