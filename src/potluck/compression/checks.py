@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from potluck.core.errors import CompressionError
+from potluck.core.serialization import MAX_DIMS
 
 # Machine epsilon of float32; error bounds use multiples of it as slack for float rounding.
 F32_EPS = torch.finfo(torch.float32).eps
@@ -21,8 +22,6 @@ F32_EPS = torch.finfo(torch.float32).eps
 F32_MAX = torch.finfo(torch.float32).max
 # Absolute slack for subnormal float32 rounding (the smallest subnormal is 2**-149).
 SUBNORMAL_SLACK = 2.0**-140
-# Same cap as core.serialization: torch tensors have at most this many dims in practice.
-MAX_DIMS = 32
 # A payload may not make us allocate a dense tensor bigger than this (1 GiB of float32): it
 # bounds the memory a peer can make us spend with a small sparse payload, and keeps indices
 # within int32. The averager shards larger vectors long before this.

@@ -68,6 +68,8 @@ STALE_AFTER_FAILURES = 3
 # Background tasks (pings, caching stores, hand-offs) one node may run at once; beyond this new
 # ones are skipped, so a flood of newcomers cannot grow memory without bound.
 MAX_BACKGROUND_TASKS = 512
+# Peers whose addresses we heard of but have not called yet (oldest forgotten first).
+MAX_HEARSAY = 65536
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class DHTNode:
         self._pinging: set[PeerID] = set()
         self._newcomers: set[PeerID] = set()
         self._handoff_task: asyncio.Task | None = None
+        # Addresses other nodes told us, by node id, handed to the transport only when we call
+        # that peer: a lookup hears of hundreds of peers and calls a few dozen.
+        self._hearsay: dict[int, list[Multiaddr]] = {}
         self._started = False
         self._closed = False
 
@@ -234,6 +239,12 @@ class DHTNode:
             if promoted is not None:
                 self._welcome(promoted)
 
+    def _introduce(self, peer: PeerID) -> None:
+        """Give the transport what we heard of `peer`'s addresses, before calling it."""
+        addrs = self._hearsay.pop(_node_id(peer), None)
+        if addrs:
+            self.transport.add_addresses(peer, addrs)
+
     def _usable(self, peer: PeerID) -> bool:
         return not self.backoff.blocked(peer, self._mono())
 
@@ -252,6 +263,7 @@ class DHTNode:
     async def ping(self, peer: PeerID, timeout: float | None = None) -> None:
         """Check that `peer` serves the DHT; raises a NetworkError if it does not answer."""
         try:
+            self._introduce(peer)
             await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST, timeout=timeout or self.config.rpc_timeout)
         except (NetworkError, TimeoutError):
             self._peer_failed(peer)
@@ -305,6 +317,7 @@ class DHTNode:
     # -- lookups -------------------------------------------------------------------------------------
     async def _find(self, peer: PeerID, ids: list[int], values: bool, deadline: float) -> dict[int, Answer]:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
+        self._introduce(peer)
         response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values),
                                              timeout=timeout)
         parsed = protocol.parse_find_response(response, len(ids))
@@ -312,16 +325,15 @@ class DHTNode:
         answers = {}
         for target, (nearest, records) in zip(ids, parsed):
             near = []
-            for other, addrs in nearest:
-                if other == self.peer_id:
+            for other, other_id, addrs in nearest:
+                if other_id == self.node_id or not addrs:
                     continue
-                known = self.transport.addresses_of(other)
-                if addrs and any(a not in known for a in addrs):
-                    self.transport.add_addresses(other, addrs)
-                elif not known:
-                    continue
-                near.append((other, _node_id(other)))
+                if other_id not in self._hearsay and not self.routing.has_node(other_id):
+                    self._hearsay[other_id] = addrs
+                near.append((other, other_id))
             answers[target] = Answer(near, [r for r in records if self._trust(r, target, now, peer)])
+        while len(self._hearsay) > MAX_HEARSAY:
+            del self._hearsay[next(iter(self._hearsay))]
         return answers
 
     def _trust(self, record: Record, target: int, now: float, source: PeerID) -> bool:
@@ -467,6 +479,7 @@ class DHTNode:
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - self._mono()))
             try:
+                self._introduce(peer)
                 response = await self.transport.call(peer, protocol.STORE, protocol.store_request(chunk),
                                                      timeout=timeout)
                 answers.extend(protocol.parse_store_response(response, len(chunk)))

@@ -22,7 +22,7 @@ import msgpack
 from potluck.core.errors import AddressError, IdentityError
 from potluck.dht.errors import BadRequest
 from potluck.dht.records import Record
-from potluck.dht.routing import ID_BYTES
+from potluck.dht.routing import ID_BYTES, node_id_of
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
 from potluck.net.transport import MAX_ADDRESSES_PER_PEER
@@ -59,9 +59,10 @@ def decode(blob: object, what: str) -> Any:
 
 
 @functools.lru_cache(maxsize=65536)
-def _peer_id(raw: bytes) -> PeerID:
-    """One PeerID object per id: answers repeat the same peers, and identical objects compare fast."""
-    return PeerID(raw)
+def _peer(raw: bytes) -> tuple[PeerID, int]:
+    """A peer id and its node id, parsed once: answers name the same peers over and over."""
+    peer_id = PeerID(raw)
+    return peer_id, node_id_of(peer_id)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -105,9 +106,9 @@ def find_response(peers: list[tuple[PeerID, list[Multiaddr]]],
                    "results": [[indices, [r.to_wire() for r in records]] for indices, records in results]})
 
 
-def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[tuple[PeerID, list[Multiaddr]]], list[Record]]]:
-    """Per asked id: (nearest peers with their addresses, records). Raises BadRequest on any flaw;
-    the caller treats that as a failed peer."""
+def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[tuple[PeerID, int, list[Multiaddr]]], list[Record]]]:
+    """Per asked id: (nearest peers as (peer id, node id, addresses), records). Raises BadRequest
+    on any flaw; the caller treats that as a failed peer."""
     message = decode(blob, "find response")
     raw_peers = _field(message, "peers", list, "find response")
     results = _field(message, "results", list, "find response")
@@ -122,11 +123,11 @@ def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[tuple[PeerI
         try:
             if not isinstance(item[0], bytes):
                 raise BadRequest("a peer id is 32 bytes")
-            peer_id = _peer_id(item[0])
+            peer_id, node_id = _peer(item[0])
             addrs = [_address(a) for a in item[1][:MAX_ADDRESSES_PER_PEER]]
         except (IdentityError, AddressError, TypeError) as e:
             raise BadRequest(f"bad peer entry: {e}") from None
-        peers.append((peer_id, addrs))
+        peers.append((peer_id, node_id, addrs))
     parsed = []
     for result in results:
         if not isinstance(result, list) or len(result) != 2:

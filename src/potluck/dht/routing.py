@@ -88,6 +88,9 @@ class RoutingTable:
     def __iter__(self) -> Iterator[PeerID]:
         return iter(self._ids)
 
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self._peers
+
     def node_id(self, peer_id: PeerID) -> int | None:
         return self._ids.get(peer_id)
 

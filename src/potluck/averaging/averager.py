@@ -1,0 +1,203 @@
+"""`potluck.Averager`: average a set of tensors with whoever else averages under the same prefix.
+
+One `step()` = matchmaking through the DHT (optionally on a Moshpit grid), one fault-tolerant
+butterfly all-reduce in the group, and an atomic update of the local tensors (or an
+`AveragingError` that leaves them untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from potluck.averaging.allreduce import MODES, SENDER_TIMEOUT, AllReduceService
+from potluck.averaging.matchmaking import Matchmaker
+from potluck.compression import get_codec
+from potluck.core.errors import AveragingError
+from potluck.core.runner import run_in_thread
+
+logger = logging.getLogger(__name__)
+
+# Until a peer has measured its bandwidth in a real step, it assumes this (bytes/s) for the
+# load split; every peer assuming the same gives an even split.
+DEFAULT_BANDWIDTH = 100e6
+# Weight of the newest measurement in the bandwidth estimate (exponential moving average).
+BANDWIDTH_SMOOTHING = 0.5
+# One all-reduce service per transport: several averagers (prefixes) share its handlers.
+_SERVICES: dict[int, AllReduceService] = {}
+
+
+@dataclass
+class StepResult:
+    """What one averaging step did."""
+
+    group_size: int
+    peers: list[str]
+    gathered: dict[str, Any] = field(default_factory=dict)  # peer id -> the metadata it sent
+    group_key: str = ""
+
+
+def _service(transport: Any) -> AllReduceService:
+    service = _SERVICES.get(id(transport))
+    if service is None or service.transport is not transport:
+        service = _SERVICES[id(transport)] = AllReduceService(transport)
+    return service
+
+
+class Averager:
+    """Averages `tensors` with other peers under `prefix`; see DESIGN.md section 3.
+
+    Args:
+        peer: a `potluck.Peer` (or any object with `.transport`, `.dht` and `.run`).
+        tensors: float tensors; the averager keeps its own copies (`get_tensors()`).
+        prefix: the name of this averaging job; peers with the same prefix average together.
+        target_group_size: close a group once it has this many members (None: whoever shows up).
+        min_group_size: fail the step when fewer peers are found.
+        compression: a codec name or spec (`potluck.compression.known_codecs()`).
+        mode: "node" (sends and reduces), "client" (behind NAT: only sends and receives),
+            "aux" (reduces for others, holds no result; its tensors only define the shapes).
+        grid: Moshpit grid sizes, e.g. (16, 16): peers group by all coordinates but one, which
+            turns each round; with N = prod(grid) peers the exact mean takes len(grid) rounds.
+        coordinates: this peer's starting place on the grid (random if omitted).
+        matchmaking_time: seconds a leader gathers peers before it closes the group.
+        allreduce_timeout: deadline of the all-reduce part of a step.
+    """
+
+    def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str,
+                 target_group_size: int | None = None, min_group_size: int = 2,
+                 compression: Any = "none", mode: str = "node", *, grid: Sequence[int] | None = None,
+                 coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
+                 allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
+                 bandwidth: float | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if not tensors or any(not t.is_floating_point() for t in tensors):
+            raise ValueError("Averager needs a non-empty list of floating-point tensors")
+        if min_group_size < 1 or (target_group_size is not None and target_group_size < min_group_size):
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        self.peer = peer
+        self.transport = peer.transport
+        self.prefix = prefix
+        self.mode = "client" if self.transport.client_mode and mode == "node" else mode
+        self._tensors = [t.detach().clone() for t in tensors]
+        self._lock = threading.Lock()
+        self.codec = get_codec(compression)
+        self.total = sum(t.numel() for t in self._tensors)
+        self.schema = _schema(self._tensors, self.codec.spec)
+        self.matchmaking_time = matchmaking_time
+        self.allreduce_timeout = allreduce_timeout
+        self.sender_timeout = sender_timeout
+        self.grid = tuple(grid) if grid else None
+        if self.grid is not None:
+            rng = random.Random(self.transport.peer_id.to_bytes())
+            self.coordinates = list(coordinates) if coordinates is not None else [rng.randrange(m) for m in self.grid]
+            if len(self.coordinates) != len(self.grid):
+                raise ValueError("coordinates must have one entry per grid dimension")
+        self.round = 0
+        self.bandwidth = bandwidth or DEFAULT_BANDWIDTH
+        self._measured = bandwidth is not None
+        self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
+                                     target_group_size, min_group_size)
+        self.service = _service(self.transport)
+
+    # -- the user's side ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The averaged tensors, locked against a concurrent update while in the block."""
+        with self._lock:
+            yield self._tensors
+
+    def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None) -> StepResult:
+        """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
+
+        `weight` (e.g. the number of samples behind these tensors) weighs this peer's
+        contribution; `gather` is small metadata handed to every member (see StepResult).
+        """
+        budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
+        return self.peer.run(self.astep(weight, timeout, gather), budget + 5)
+
+    async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None) -> StepResult:
+        """The async twin of `step`."""
+        budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
+        try:
+            async with asyncio.timeout(budget):
+                return await self._step(weight, gather)
+        except TimeoutError:
+            raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
+
+    async def _step(self, weight: float, gather: Any) -> StepResult:
+        key = self._group_key()
+        formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
+                                                  metadata=gather)
+        group = formed.group
+        me = group.peers.index(self.transport.peer_id)
+        vector = None
+        if group.modes[me] != "aux":
+            vector = await run_in_thread(self._flatten)
+        started = time.perf_counter()
+        result = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
+                                        sender_timeout=self.sender_timeout)
+        self._measure(group, time.perf_counter() - started)
+        if result is not None:
+            await run_in_thread(self._assign, result)
+        self._advance(me)
+        return StepResult(len(group.peers), [str(p) for p in group.peers],
+                          {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _group_key(self) -> str:
+        if self.grid is None:
+            return "all"
+        dim = self.round % len(self.grid)
+        fixed = ".".join(str(c) for i, c in enumerate(self.coordinates) if i != dim)
+        return f"d{dim}:{fixed}"
+
+    def _advance(self, my_index: int) -> None:
+        """Moshpit: take a new coordinate along this round's dimension (my place in the group)."""
+        if self.grid is not None:
+            dim = self.round % len(self.grid)
+            self.coordinates[dim] = my_index % self.grid[dim]
+        self.round += 1
+
+    def _flatten(self) -> torch.Tensor:
+        with self._lock:
+            return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors])
+
+    def _assign(self, vector: torch.Tensor) -> None:
+        with self._lock:
+            offset = 0
+            for t in self._tensors:
+                n = t.numel()
+                t.copy_(vector[offset:offset + n].view_as(t))
+                offset += n
+
+    def _measure(self, group: Any, seconds: float) -> None:
+        """Estimate this peer's bandwidth from the step just done (bytes moved per second)."""
+        if seconds <= 0 or len(group.peers) < 2:
+            return
+        moved = 4 * self.total * 2 * (len(group.peers) - 1) / len(group.peers)
+        estimate = moved / seconds
+        if self._measured:
+            self.bandwidth = (1 - BANDWIDTH_SMOOTHING) * self.bandwidth + BANDWIDTH_SMOOTHING * estimate
+        else:
+            self.bandwidth, self._measured = estimate, True
+
+    def shutdown(self) -> None:
+        """Stop serving this averager's matchmaking."""
+        self.matchmaker.close()
+
+
+def _schema(tensors: list[torch.Tensor], codec: dict) -> str:
+    """Peers average together only if shapes, dtypes and compression agree."""
+    description = repr(([(str(t.dtype), tuple(t.shape)) for t in tensors], sorted(codec.items())))
+    return hashlib.sha256(description.encode()).hexdigest()[:32]

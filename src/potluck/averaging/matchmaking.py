@@ -1,0 +1,267 @@
+"""Matchmaking: peers that want to average find each other through the DHT and form a group.
+
+Every listening peer declares itself under the group key for one gathering window. The leader is
+the declaration that expires first (ties: smallest peer id), i.e. the peer that started waiting
+first; later arrivals cannot take its place. Others ask it to join with a long-poll call that
+returns the finished group. A leader that discovers an earlier leader hands its followers over
+and joins that one, so a key's peers end in one group whenever they can see each other. Peers in
+client mode never lead (nobody can dial them); they only join.
+
+The leader closes the group when it reaches `target_group_size` or its window ends, decides the
+load split (DeDLOC's linear program over the members' measured bandwidths) and the member order,
+and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
+gets a clear failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from potluck.averaging.allreduce import MODES, Group
+from potluck.averaging.load_balancing import optimal_fractions, part_sizes
+from potluck.core.errors import AveragingError, NetworkError, PotluckError
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+METHOD_JOIN = "potluck.averaging.join"
+# How often a waiting peer re-reads the group key (fraction of the window, with a floor).
+POLL_FRACTION = 0.1
+MIN_POLL_SECONDS = 0.05
+# After the leader's window closes, followers wait this long for the group to be sent.
+BEGIN_SLACK = 5.0
+# Bounds on what a join request may carry (it comes from the network).
+MAX_METADATA_BYTES = 16 * 1024
+# A leader refuses groups larger than this whatever a follower asks (protects its memory/CPU).
+MAX_GROUP_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class FormedGroup:
+    """A group as every member receives it: the all-reduce plan plus everyone's metadata."""
+
+    group: Group
+    metadata: tuple[Any, ...]
+
+
+@dataclass
+class _Gathering:
+    key: str
+    schema: str
+    target: int
+    closes_at: float
+    members: list[tuple[PeerID, str, tuple[float, float], Any]] = field(default_factory=list)
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    redirect: PeerID | None = None
+
+    @property
+    def full(self) -> bool:
+        return len(self.members) >= self.target
+
+
+class Matchmaker:
+    """Forms groups for one averager (one prefix) on one peer."""
+
+    def __init__(self, transport: Transport, dht: Any, prefix: str, schema: str, total: int, mode: str = "node",
+                 target_group_size: int | None = None, min_group_size: int = 2):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.transport = transport
+        self.dht = dht
+        self.prefix = prefix
+        self.schema = schema
+        self.total = total  # elements averaged: equal for every member, since schemas match
+        self.mode = mode
+        self.client = mode == "client" or transport.client_mode
+        self.target = min(target_group_size or MAX_GROUP_SIZE, MAX_GROUP_SIZE)
+        self.min_group_size = min_group_size
+        self._gatherings: dict[str, _Gathering] = {}
+        transport.add_handler(f"{METHOD_JOIN}.{prefix}", self._on_join)
+
+    def close(self) -> None:
+        self.transport.remove_handler(f"{METHOD_JOIN}.{self.prefix}")
+        for gathering in self._gatherings.values():
+            if not gathering.done.done():
+                gathering.done.set_exception(AveragingError("averager shut down"))
+
+    def _dht_key(self, group_key: str) -> str:
+        return f"{self.prefix}.match.{group_key}"
+
+    async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
+                         metadata: Any = None) -> FormedGroup:
+        """Find peers under `group_key` within `window` seconds and return the group formed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + window + BEGIN_SLACK
+        me = (self.transport.peer_id, "client" if self.client else self.mode, bandwidth, metadata)
+        gathering: _Gathering | None = None
+        if not self.client:
+            closes_at = self.dht.get_time() + window
+            gathering = _Gathering(group_key, self.schema, self.target, closes_at, [me])
+            self._gatherings[group_key] = gathering
+            await self.dht.astore(self._dht_key(group_key), {"schema": self.schema}, closes_at,
+                                  subkey=str(self.transport.peer_id))
+        try:
+            tried: set[PeerID] = set()
+            poll = max(MIN_POLL_SECONDS, window * POLL_FRACTION)
+            while loop.time() < give_up:
+                if gathering is not None:
+                    if gathering.full or self.dht.get_time() >= gathering.closes_at:
+                        return self._close(gathering)
+                    if gathering.done.done():
+                        return gathering.done.result()
+                leader = await self._best_leader(group_key, tried)
+                if leader is not None and (gathering is None or not gathering.members[1:]):
+                    if gathering is not None:
+                        gathering.redirect = leader
+                    joined = await self._join(leader, group_key, me, give_up)
+                    if joined is not None:
+                        return joined
+                    tried.add(leader)
+                    if gathering is not None:
+                        gathering.redirect = None
+                    continue
+                if gathering is not None:
+                    try:
+                        async with asyncio.timeout(poll):
+                            await asyncio.shield(gathering.done)
+                    except TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(poll)
+            raise AveragingError(f"no group formed under {group_key!r} in time")
+        finally:
+            if gathering is not None:
+                self._gatherings.pop(group_key, None)
+                if not gathering.done.done():
+                    if gathering.redirect is not None:
+                        gathering.done.set_result(None)  # followers are sent to the leader we joined
+                    else:
+                        gathering.done.set_exception(AveragingError("the leader gave up"))
+                gathering.done.add_done_callback(_retrieve)
+
+    async def _best_leader(self, group_key: str, tried: set[PeerID]) -> PeerID | None:
+        """The earliest declared peer under the key, if it is earlier than us."""
+        try:
+            found = await self.dht.aget(self._dht_key(group_key), latest=True)
+        except (NetworkError, PotluckError) as e:
+            logger.debug("reading group key failed: %s", e)
+            return None
+        if found is None or not isinstance(found.value, dict):
+            return None
+        now = self.dht.get_time()
+        mine = self._gatherings.get(group_key)
+        candidates = []
+        for subkey, entry in found.value.items():
+            try:
+                peer = PeerID.from_string(subkey)
+            except (PotluckError, TypeError, ValueError):
+                continue
+            if entry.expiration_time <= now or peer in tried or peer == self.transport.peer_id:
+                continue
+            if not isinstance(entry.value, dict) or entry.value.get("schema") != self.schema:
+                continue
+            candidates.append((entry.expiration_time, peer.to_bytes(), peer))
+        if not candidates:
+            return None
+        expiration, raw, peer = min(candidates)
+        if mine is not None and (mine.closes_at, self.transport.peer_id.to_bytes()) <= (expiration, raw):
+            return None  # we are the earliest: we lead
+        return peer
+
+    async def _join(self, leader: PeerID, group_key: str, me: tuple, give_up: float) -> FormedGroup | None:
+        """Ask `leader` to take us; None if it refused (the caller tries another)."""
+        request = {"key": group_key, "schema": self.schema, "mode": me[1], "bw": list(me[2]), "meta": me[3]}
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await self.transport.call(leader, f"{METHOD_JOIN}.{self.prefix}", request,
+                                              timeout=max(0.1, give_up - loop.time()))
+        except (NetworkError, PotluckError) as e:
+            logger.debug("join %s failed: %s", leader, e)
+            return None
+        if not isinstance(reply, dict):
+            return None
+        if "redirect" in reply:
+            try:
+                return await self._join(PeerID(reply["redirect"]), group_key, me, give_up)
+            except (PotluckError, TypeError, ValueError):
+                return None
+        if "group" in reply:
+            return _group_from_wire(reply["group"], self.transport.peer_id)
+        if "failed" in reply:
+            raise AveragingError(f"group under {group_key!r} failed: {reply['failed']}")
+        return None
+
+    async def _on_join(self, request: Any, ctx: Any) -> dict:
+        if not isinstance(request, dict) or not isinstance(request.get("key"), str):
+            raise AveragingError("malformed join request")
+        gathering = self._gatherings.get(request["key"])
+        if gathering is None:
+            return {"refused": "not gathering a group under this key"}
+        if gathering.redirect is not None:
+            return {"redirect": gathering.redirect.to_bytes()}
+        if request.get("schema") != gathering.schema:
+            return {"refused": "different tensor schema (shapes, dtypes or compression differ)"}
+        mode, bw = request.get("mode"), request.get("bw")
+        if mode not in MODES or not (isinstance(bw, list) and len(bw) == 2
+                                     and all(isinstance(b, (int, float)) and b > 0 for b in bw)):
+            raise AveragingError("malformed join request: mode or bandwidth")
+        if ctx.remote.client_mode and mode != "client":
+            mode = "client"  # it cannot accept connections, whatever it says
+        if gathering.full or gathering.done.done():
+            return {"refused": "group is full or already formed"}
+        if any(m[0] == ctx.peer_id for m in gathering.members):
+            return {"refused": "already a member"}
+        gathering.members.append((ctx.peer_id, mode, (float(bw[0]), float(bw[1])), request.get("meta")))
+        if gathering.full:
+            self._close(gathering)
+        formed = await asyncio.shield(gathering.done)
+        if gathering.redirect is not None and formed is None:
+            return {"redirect": gathering.redirect.to_bytes()}
+        return {"group": _group_to_wire(formed)}
+
+    def _close(self, gathering: _Gathering) -> FormedGroup:
+        """Decide the group: member order, load split, id; answer every follower."""
+        if gathering.done.done():
+            return gathering.done.result()
+        members = gathering.members
+        if len(members) < self.min_group_size:
+            error = AveragingError(f"only {len(members)} peer(s) gathered under {gathering.key!r}; "
+                                   f"min_group_size is {self.min_group_size}")
+            gathering.done.set_exception(error)
+            raise error
+        modes = [m[1] for m in members]
+        fractions = optimal_fractions(modes, [m[2][0] for m in members], [m[2][1] for m in members])
+        group = Group(os.urandom(16), tuple(m[0] for m in members), tuple(modes),
+                      tuple(part_sizes(self.total, fractions)))
+        formed = FormedGroup(group, tuple(m[3] for m in members))
+        gathering.done.set_result(formed)
+        return formed
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _group_to_wire(formed: FormedGroup) -> dict:
+    g = formed.group
+    return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
+            "parts": list(g.part_sizes), "meta": list(formed.metadata)}
+
+
+def _group_from_wire(msg: Any, me: PeerID) -> FormedGroup:
+    try:
+        group = Group(bytes(msg["id"]), tuple(PeerID(p) for p in msg["peers"]), tuple(msg["modes"]),
+                      tuple(int(p) for p in msg["parts"]))
+        metadata = tuple(msg["meta"])
+        if len(metadata) != len(group.peers) or me not in group.peers \
+                or len(set(group.peers)) != len(group.peers):
+            raise ValueError("inconsistent group")
+        return FormedGroup(group, metadata)
+    except (KeyError, TypeError, ValueError, PotluckError) as e:
+        raise AveragingError(f"the leader sent a malformed group: {e}") from None
