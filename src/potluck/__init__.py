@@ -10,11 +10,14 @@ from potluck.core.errors import (
     ProtocolError,
     RemoteError,
 )
+from potluck.core.dht_time import get_dht_time
+from potluck.dht import DHT, ValueWithExpiration
 from potluck.peer import Peer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConnectionLost", "DeadlineExceeded", "HandshakeError", "NetworkError", "Peer",
-    "PeerUnreachable", "PotluckError", "ProtocolError", "RemoteError", "__version__",
+    "DHT", "ConnectionLost", "DeadlineExceeded", "HandshakeError", "NetworkError", "Peer",
+    "PeerUnreachable", "PotluckError", "ProtocolError", "RemoteError", "ValueWithExpiration",
+    "__version__", "get_dht_time",
 ]

@@ -1,4 +1,4 @@
-"""`potluck.Peer`: one participant of a swarm: identity, transport, and (next) the DHT.
+"""`potluck.Peer`: one participant of a swarm: identity, transport, and the DHT (`peer.dht`).
 
 A Peer starts at once, runs its networking on the process's shared event loop, and offers a
 synchronous API for user code. Several Peers may live in one process.
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from potluck.core.errors import PeerUnreachable
 from potluck.core.runner import acquire_runner, release_runner
+from potluck.dht import DHT, DHTConfig
 from potluck.net.address import Multiaddr
 from potluck.net.identity import Identity, PeerID
 from potluck.net.tcp import TCPTransport
@@ -36,13 +37,14 @@ class Peer:
         insecure: plain TCP without TLS, for trusted clusters only (ids are still verified).
         announce: addresses to advertise instead of the listening ones (e.g. behind port forwarding).
         transport: a ready transport (e.g. from `potluck.net.EmulatedNetwork`); replaces TCP.
+        dht_config: DHT limits and tunables (`potluck.dht.DHTConfig`).
     """
 
     def __init__(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
                  client_mode: bool = False, identity_path: str | None = None, *,
                  insecure: bool = False, announce: list[str] | None = None,
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
-                 **transport_options: Any):
+                 dht_config: DHTConfig | None = None, **transport_options: Any):
         self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
         identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
         if transport is None:
@@ -50,6 +52,7 @@ class Peer:
                                      insecure=insecure, announce=announce, **transport_options)
         self.transport = transport
         self._runner = acquire_runner()
+        self.dht = DHT(transport, config=dht_config, runner=self._runner)
         self._alive = True
         try:
             self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
@@ -60,6 +63,7 @@ class Peer:
     async def _start(self, timeout: float) -> None:
         await self.transport.start()
         if not self.initial_peers:
+            await self.dht.astart(timeout)
             return
         results = await asyncio.gather(*(self.transport.connect(a, timeout) for a in self.initial_peers),
                                        return_exceptions=True)
@@ -70,6 +74,8 @@ class Peer:
                                   "those peers are running:\n  " + "\n  ".join(errors))
         for line in errors:
             logger.warning("initial peer unreachable: %s", line)
+        reached = [r for r in results if isinstance(r, PeerID)]
+        await self.dht.astart(timeout, initial_peers=reached)
 
     @property
     def peer_id(self) -> str:
@@ -97,6 +103,7 @@ class Peer:
         self._alive = False
         try:
             if self._runner.is_running:
+                self._runner.run(self.dht.ashutdown(), timeout=10)
                 self._runner.run(self.transport.close(), timeout=10)
         finally:
             release_runner()

@@ -16,6 +16,7 @@ gets a clear failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from potluck.net.transport import Transport
 logger = logging.getLogger(__name__)
 
 METHOD_JOIN = "potluck.averaging.join"
+# Part of the window spent letting declarations spread before the first read of the group key.
+SETTLE_FRACTION = 0.25
 # How often a waiting peer re-reads the group key (fraction of the window, with a floor).
 POLL_FRACTION = 0.1
 MIN_POLL_SECONDS = 0.05
@@ -37,6 +40,8 @@ MIN_POLL_SECONDS = 0.05
 BEGIN_SLACK = 5.0
 # Bounds on what a join request may carry (it comes from the network).
 MAX_METADATA_BYTES = 16 * 1024
+# Addresses kept per member from a group message.
+MAX_ADDRESSES = 8
 # A leader refuses groups larger than this whatever a follower asks (protects its memory/CPU).
 MAX_GROUP_SIZE = 1024
 
@@ -47,6 +52,7 @@ class FormedGroup:
 
     group: Group
     metadata: tuple[Any, ...]
+    addresses: tuple[tuple[str, ...], ...]  # how to reach each member (empty for client mode)
 
 
 @dataclass
@@ -55,9 +61,12 @@ class _Gathering:
     schema: str
     target: int
     closes_at: float
-    members: list[tuple[PeerID, str, tuple[float, float], Any]] = field(default_factory=list)
+    members: list[tuple[PeerID, str, tuple[float, float], Any, tuple[str, ...]]] = field(default_factory=list)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    redirect: PeerID | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while not joining someone
+
+    def __post_init__(self) -> None:
+        self.settled.set()
 
     @property
     def full(self) -> bool:
@@ -97,34 +106,35 @@ class Matchmaker:
         """Find peers under `group_key` within `window` seconds and return the group formed."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
-        me = (self.transport.peer_id, "client" if self.client else self.mode, bandwidth, metadata)
+        addresses = tuple(str(a) for a in self.transport.addresses)
+        me = (self.transport.peer_id, "client" if self.client else self.mode, bandwidth, metadata, addresses)
         gathering: _Gathering | None = None
         if not self.client:
             closes_at = self.dht.get_time() + window
             gathering = _Gathering(group_key, self.schema, self.target, closes_at, [me])
             self._gatherings[group_key] = gathering
-            await self.dht.astore(self._dht_key(group_key), {"schema": self.schema}, closes_at,
-                                  subkey=str(self.transport.peer_id))
+            await self.dht.astore(self._dht_key(group_key), {"schema": self.schema, "addrs": list(addresses)},
+                                  closes_at, subkey=str(self.transport.peer_id))
         try:
             tried: set[PeerID] = set()
             poll = max(MIN_POLL_SECONDS, window * POLL_FRACTION)
+            # Peers of one round start at about the same time; let their declarations land in the
+            # DHT before choosing a leader, or everyone sees only themselves and the key splinters.
+            await asyncio.sleep(window * SETTLE_FRACTION)
             while loop.time() < give_up:
                 if gathering is not None:
-                    if gathering.full or self.dht.get_time() >= gathering.closes_at:
-                        return self._close(gathering)
                     if gathering.done.done():
                         return gathering.done.result()
-                leader = await self._best_leader(group_key, tried)
-                if leader is not None and (gathering is None or not gathering.members[1:]):
-                    if gathering is not None:
-                        gathering.redirect = leader
-                    joined = await self._join(leader, group_key, me, give_up)
-                    if joined is not None:
-                        return joined
-                    tried.add(leader)
-                    if gathering is not None:
-                        gathering.redirect = None
-                    continue
+                    if gathering.full or self.dht.get_time() >= gathering.closes_at:
+                        return self._close(gathering)
+                if gathering is None or len(gathering.members) == 1:
+                    for leader in await self._earlier_peers(group_key):
+                        if leader in tried or (gathering is not None and len(gathering.members) > 1):
+                            continue
+                        joined = await self._join_holding(gathering, leader, group_key, me, give_up, tried)
+                        if joined is not None:
+                            return joined
+                        tried.add(leader)
                 if gathering is not None:
                     try:
                         async with asyncio.timeout(poll):
@@ -132,49 +142,71 @@ class Matchmaker:
                     except TimeoutError:
                         pass
                 else:
+                    tried.clear()  # a client keeps trying every leader until the deadline
                     await asyncio.sleep(poll)
             raise AveragingError(f"no group formed under {group_key!r} in time")
         finally:
             if gathering is not None:
                 self._gatherings.pop(group_key, None)
                 if not gathering.done.done():
-                    if gathering.redirect is not None:
-                        gathering.done.set_result(None)  # followers are sent to the leader we joined
-                    else:
-                        gathering.done.set_exception(AveragingError("the leader gave up"))
+                    gathering.done.set_exception(AveragingError("the leader gave up"))
                 gathering.done.add_done_callback(_retrieve)
+                gathering.settled.set()
 
-    async def _best_leader(self, group_key: str, tried: set[PeerID]) -> PeerID | None:
-        """The earliest declared peer under the key, if it is earlier than us."""
+    async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: tuple,
+                            give_up: float, tried: set[PeerID]) -> FormedGroup | None:
+        """Try to join `leader`; meanwhile requests to join us wait for the outcome."""
+        if gathering is not None:
+            gathering.settled.clear()
+        joined = None
+        try:
+            joined = await self._join(leader, group_key, me, give_up, tried)
+        finally:
+            if gathering is not None:
+                if joined is not None and not gathering.done.done():
+                    gathering.done.set_result(joined)  # we are in that group now: waiters are refused
+                gathering.settled.set()
+        return joined
+
+    async def _earlier_peers(self, group_key: str) -> list[PeerID]:
+        """Peers declared under the key that are earlier than us, earliest first.
+
+        Peers only ever join earlier peers, so waiting on one another can never form a cycle.
+        """
         try:
             found = await self.dht.aget(self._dht_key(group_key), latest=True)
         except (NetworkError, PotluckError) as e:
             logger.debug("reading group key failed: %s", e)
-            return None
+            return []
         if found is None or not isinstance(found.value, dict):
-            return None
+            return []
         now = self.dht.get_time()
         mine = self._gatherings.get(group_key)
+        me = None if mine is None else (mine.closes_at, self.transport.peer_id.to_bytes())
         candidates = []
         for subkey, entry in found.value.items():
             try:
                 peer = PeerID.from_string(subkey)
             except (PotluckError, TypeError, ValueError):
                 continue
-            if entry.expiration_time <= now or peer in tried or peer == self.transport.peer_id:
+            value = entry.value
+            if entry.expiration_time <= now or peer == self.transport.peer_id or not isinstance(value, dict) \
+                    or value.get("schema") != self.schema:
                 continue
-            if not isinstance(entry.value, dict) or entry.value.get("schema") != self.schema:
+            order = (entry.expiration_time, peer.to_bytes())
+            if me is not None and order >= me:
+                continue  # later than us: it joins us, not the other way round
+            try:
+                self.transport.add_addresses(peer, [str(a) for a in list(value.get("addrs") or [])[:MAX_ADDRESSES]])
+            except (PotluckError, TypeError, ValueError):
                 continue
-            candidates.append((entry.expiration_time, peer.to_bytes(), peer))
-        if not candidates:
-            return None
-        expiration, raw, peer = min(candidates)
-        if mine is not None and (mine.closes_at, self.transport.peer_id.to_bytes()) <= (expiration, raw):
-            return None  # we are the earliest: we lead
-        return peer
+            candidates.append((order, peer))
+        return [peer for _, peer in sorted(candidates, key=lambda c: c[0])]
 
-    async def _join(self, leader: PeerID, group_key: str, me: tuple, give_up: float) -> FormedGroup | None:
-        """Ask `leader` to take us; None if it refused (the caller tries another)."""
+    async def _join(self, leader: PeerID, group_key: str, me: tuple, give_up: float,
+                    tried: set[PeerID]) -> FormedGroup | None:
+        """Ask `leader` to take us; None if it refused (the caller tries another). A full group
+        names its members, so we skip all of them at once."""
         request = {"key": group_key, "schema": self.schema, "mode": me[1], "bw": list(me[2]), "meta": me[3]}
         loop = asyncio.get_running_loop()
         try:
@@ -183,16 +215,17 @@ class Matchmaker:
         except (NetworkError, PotluckError) as e:
             logger.debug("join %s failed: %s", leader, e)
             return None
-        if not isinstance(reply, dict):
-            return None
-        if "redirect" in reply:
-            try:
-                return await self._join(PeerID(reply["redirect"]), group_key, me, give_up)
-            except (PotluckError, TypeError, ValueError):
-                return None
-        if "group" in reply:
-            return _group_from_wire(reply["group"], self.transport.peer_id)
-        if "failed" in reply:
+        if isinstance(reply, dict) and "group" in reply:
+            formed = _group_from_wire(reply["group"], self.transport.peer_id)
+            for peer, addrs in zip(formed.group.peers, formed.addresses, strict=True):
+                if peer != self.transport.peer_id:
+                    self.transport.add_addresses(peer, addrs)
+            return formed
+        if isinstance(reply, dict) and isinstance(reply.get("taken"), list):
+            for raw in reply["taken"][:MAX_GROUP_SIZE]:
+                with contextlib.suppress(PotluckError, TypeError, ValueError):
+                    tried.add(PeerID(raw))
+        if isinstance(reply, dict) and "failed" in reply:
             raise AveragingError(f"group under {group_key!r} failed: {reply['failed']}")
         return None
 
@@ -202,8 +235,6 @@ class Matchmaker:
         gathering = self._gatherings.get(request["key"])
         if gathering is None:
             return {"refused": "not gathering a group under this key"}
-        if gathering.redirect is not None:
-            return {"redirect": gathering.redirect.to_bytes()}
         if request.get("schema") != gathering.schema:
             return {"refused": "different tensor schema (shapes, dtypes or compression differ)"}
         mode, bw = request.get("mode"), request.get("bw")
@@ -212,16 +243,22 @@ class Matchmaker:
             raise AveragingError("malformed join request: mode or bandwidth")
         if ctx.remote.client_mode and mode != "client":
             mode = "client"  # it cannot accept connections, whatever it says
+        await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.full or gathering.done.done():
-            return {"refused": "group is full or already formed"}
+            taken = [m[0].to_bytes() for m in gathering.members]
+            if gathering.done.done() and not gathering.done.exception() and gathering.done.result() is not None:
+                taken = [p.to_bytes() for p in gathering.done.result().group.peers]
+            return {"refused": "group is full or already formed", "taken": taken}
         if any(m[0] == ctx.peer_id for m in gathering.members):
             return {"refused": "already a member"}
-        gathering.members.append((ctx.peer_id, mode, (float(bw[0]), float(bw[1])), request.get("meta")))
+        addresses = tuple(str(a) for a in ctx.remote.addresses)
+        gathering.members.append((ctx.peer_id, mode, (float(bw[0]), float(bw[1])), request.get("meta"), addresses))
         if gathering.full:
             self._close(gathering)
-        formed = await asyncio.shield(gathering.done)
-        if gathering.redirect is not None and formed is None:
-            return {"redirect": gathering.redirect.to_bytes()}
+        try:
+            formed = await asyncio.shield(gathering.done)
+        except AveragingError as e:
+            return {"failed": str(e)}
         return {"group": _group_to_wire(formed)}
 
     def _close(self, gathering: _Gathering) -> FormedGroup:
@@ -238,7 +275,7 @@ class Matchmaker:
         fractions = optimal_fractions(modes, [m[2][0] for m in members], [m[2][1] for m in members])
         group = Group(os.urandom(16), tuple(m[0] for m in members), tuple(modes),
                       tuple(part_sizes(self.total, fractions)))
-        formed = FormedGroup(group, tuple(m[3] for m in members))
+        formed = FormedGroup(group, tuple(m[3] for m in members), tuple(m[4] for m in members))
         gathering.done.set_result(formed)
         return formed
 
@@ -251,7 +288,8 @@ def _retrieve(future: asyncio.Future) -> None:
 def _group_to_wire(formed: FormedGroup) -> dict:
     g = formed.group
     return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
-            "parts": list(g.part_sizes), "meta": list(formed.metadata)}
+            "parts": list(g.part_sizes), "meta": list(formed.metadata),
+            "addrs": [list(a) for a in formed.addresses]}
 
 
 def _group_from_wire(msg: Any, me: PeerID) -> FormedGroup:
@@ -259,9 +297,10 @@ def _group_from_wire(msg: Any, me: PeerID) -> FormedGroup:
         group = Group(bytes(msg["id"]), tuple(PeerID(p) for p in msg["peers"]), tuple(msg["modes"]),
                       tuple(int(p) for p in msg["parts"]))
         metadata = tuple(msg["meta"])
-        if len(metadata) != len(group.peers) or me not in group.peers \
+        addresses = tuple(tuple(str(a) for a in addrs[:MAX_ADDRESSES]) for addrs in msg["addrs"])
+        if not (len(metadata) == len(addresses) == len(group.peers)) or me not in group.peers \
                 or len(set(group.peers)) != len(group.peers):
             raise ValueError("inconsistent group")
-        return FormedGroup(group, metadata)
+        return FormedGroup(group, metadata, addresses)
     except (KeyError, TypeError, ValueError, PotluckError) as e:
         raise AveragingError(f"the leader sent a malformed group: {e}") from None

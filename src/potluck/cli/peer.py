@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import threading
 
 from potluck.peer import Peer
+
+logger = logging.getLogger(__name__)
+
+# How often a running peer logs its DHT status (at INFO: `potluck -v peer`).
+STATUS_INTERVAL = 60.0
 
 
 def add_peer_options(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
             print("client mode: not reachable from outside; dialing out only")
         print("press Ctrl-C to stop", flush=True)
         try:
-            while not stop.wait(1.0):
-                pass
+            while not stop.wait(STATUS_INTERVAL):
+                node = peer.dht.node
+                logger.info("dht: %d peers in the routing table, %d keys stored (%d bytes)",
+                            len(node.routing), len(node.storage), node.storage.total_bytes)
         except KeyboardInterrupt:
             pass
     print("stopped", flush=True)

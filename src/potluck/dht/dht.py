@@ -61,8 +61,10 @@ class DHT:
         await dht.astart()
         return dht
 
-    async def astart(self, timeout: float = BOOTSTRAP_TIMEOUT) -> None:
-        await self.node.start(self._initial_peers, timeout)
+    async def astart(self, timeout: float = BOOTSTRAP_TIMEOUT,
+                     initial_peers: Iterable[Multiaddr | str | PeerID] | None = None) -> None:
+        """Serve the DHT and join through the initial peers (these, or the constructor's)."""
+        await self.node.start(self._initial_peers if initial_peers is None else initial_peers, timeout)
 
     async def ashutdown(self) -> None:
         await self.node.shutdown()
@@ -70,6 +72,10 @@ class DHT:
     @property
     def peer_id(self) -> PeerID:
         return self.node.peer_id
+
+    def add_validator(self, validator: RecordValidator) -> None:
+        """Apply one more record rule (e.g. a `SchemaValidator`) to everything stored or found."""
+        self.node.validators.append(validator)
 
     def get_time(self) -> float:
         """Now, in this DHT's time (what expiration times are compared with)."""

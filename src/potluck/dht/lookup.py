@@ -7,8 +7,10 @@ is among the next to ask for several targets gets one request that names them al
 Per target (Kademlia, section 2.3): keep the candidates sorted by XOR distance; keep up to
 `alpha` requests in flight among the `k` closest not-yet-failed candidates; the target is done
 when each of its `k` closest live candidates has answered, or, when `stop_on_value`, as soon as
-one answered with records. Each candidate remembers its hop count: 1 for peers from our own
-routing table, and one more than the peer that told us about it.
+one answered with records. A request the driver reports as slow (`on_slow`) stops holding one
+of the alpha slots and stops counting among the closest, but its answer is still used if it
+comes. Each candidate remembers its hop count: 1 for peers from our own routing table, and one
+more than the peer that told us about it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from potluck.net.identity import PeerID
 __all__ = ["Answer", "Backoff", "Lookup", "TargetResult"]
 
 # Unresponsive peers are put aside for BACKOFF_BASE * 2^(failures - 1) seconds: one missed
-# answer costs little, a dead peer is soon asked only every few minutes.
-BACKOFF_BASE = 1.0
+# answer costs a few seconds, a dead peer is soon asked only every few minutes.
+BACKOFF_BASE = 5.0
 BACKOFF_MAX = 300.0
 # Peers whose backoff is tracked; beyond this the oldest records are forgotten (bounded memory).
 MAX_TRACKED_PEERS = 10_000
 
-_WAITING, _ASKING, _ANSWERED, _FAILED = range(4)
+_WAITING, _ASKING, _ANSWERED, _FAILED, _SLOW = range(5)
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Lookup:
 
     def _closest_live(self, target: _Target) -> list[int]:
         state = target.state
-        live = [n for n, s in state.items() if s != _FAILED]
+        live = [n for n, s in state.items() if s != _FAILED and s != _SLOW]
         if len(live) <= self.k:
             return live
         return heapq.nsmallest(self.k, live, key=target.target.__xor__)
@@ -144,7 +146,7 @@ class Lookup:
             return
         for target_id in asked:
             target = self.targets.get(target_id)
-            if target is None or target.state.get(node_id) != _ASKING:
+            if target is None or target.state.get(node_id) not in (_ASKING, _SLOW):
                 continue
             target.state[node_id] = _ANSWERED
             answer = answers.get(target_id)
@@ -169,6 +171,14 @@ class Lookup:
         for target in self.targets.values():
             if node_id in target.state:
                 target.state[node_id] = _FAILED
+
+    def on_slow(self, peer: PeerID, asked: Iterable[int]) -> None:
+        """A request to `peer` about `asked` is taking long: free its slot, keep its answer."""
+        node_id = self.node_ids.get(peer)
+        for target_id in asked:
+            target = self.targets.get(target_id)
+            if target is not None and target.state.get(node_id) == _ASKING:
+                target.state[node_id] = _SLOW
 
     def still_needed(self, asked: Iterable[int]) -> bool:
         """Whether a request in flight about `asked` can still matter."""

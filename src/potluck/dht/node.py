@@ -52,6 +52,10 @@ DEFAULT_ALPHA = 3
 # One DHT RPC: a live peer answers in milliseconds, even across continents (< 0.5 s); a peer
 # silent this long is treated as failed and the lookup moves on.
 RPC_TIMEOUT = 3.0
+# A find that has not answered after this long stops holding up its lookup (which asks another
+# peer instead; a late answer is still used). Live peers answer within a round trip, well under
+# a second even between continents.
+SLOW_AFTER = 1.0
 # A whole store/get/lookup, when the caller gives no timeout: a lookup is a few RPC rounds, so
 # this only bites when most of the network is unreachable.
 OPERATION_TIMEOUT = 30.0
@@ -131,6 +135,7 @@ class DHTNode:
         # Addresses other nodes told us, by node id, handed to the transport only when we call
         # that peer: a lookup hears of hundreds of peers and calls a few dozen.
         self._hearsay: dict[int, list[Multiaddr]] = {}
+        self._upkeep_task: asyncio.Task | None = None
         self._started = False
         self._closed = False
 
@@ -146,7 +151,7 @@ class DHTNode:
         self.transport.add_handler(protocol.FIND, self._on_find)
         self.transport.add_handler(protocol.STORE, self._on_store)
         if self.config.refresh_interval:
-            self._spawn(self._upkeep(self.config.refresh_interval))
+            self._upkeep_task = self._spawn(self._upkeep(self.config.refresh_interval))
         initial = list(initial_peers)
         if initial:
             await self.bootstrap(initial, timeout)
@@ -192,6 +197,13 @@ class DHTNode:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def wait_idle(self, timeout: float = OPERATION_TIMEOUT) -> None:
+        """Wait until the background work started so far (hand-offs, caching stores, pings) is
+        done; for tests and orderly benchmarks. Raises TimeoutError after `timeout`."""
+        async with asyncio.timeout(timeout):
+            while pending := [t for t in self._tasks if t is not self._upkeep_task]:
+                await asyncio.wait(pending)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
         if self._closed or len(self._tasks) >= MAX_BACKGROUND_TASKS:
@@ -355,24 +367,31 @@ class DHTNode:
         k = self.config.bucket_size
         lookup = Lookup({t: self.routing.nearest(t, k) for t in targets}, k=k, alpha=self.config.alpha,
                         stop_on_value=stop_on_value, self_id=self.node_id, usable=self._usable)
-        pending: dict[asyncio.Task, tuple[PeerID, list[int]]] = {}
+        pending: dict[asyncio.Task, tuple[PeerID, list[int], float]] = {}  # -> (peer, ids, slow after)
+        slow: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         try:
             while True:
                 for peer, ids in lookup.next_requests().items():
                     for start in range(0, len(ids), protocol.MAX_FIND_IDS):
                         chunk = ids[start:start + protocol.MAX_FIND_IDS]
-                        pending[loop.create_task(self._find(peer, chunk, values, deadline))] = (peer, chunk)
-                for task, (peer, chunk) in list(pending.items()):
+                        task = loop.create_task(self._find(peer, chunk, values, deadline))
+                        pending[task] = (peer, chunk, loop.time() + SLOW_AFTER)
+                for task, (peer, chunk, _) in list(pending.items()):
                     if not lookup.still_needed(chunk):
                         task.cancel()
                         del pending[task]
-                left = deadline - loop.time()
-                if not pending or left <= 0:
+                        if task in slow:
+                            self._peer_failed(peer)  # gave it up after SLOW_AFTER without an answer
+                now = loop.time()
+                if not pending or now >= deadline:
                     break
-                done, _ = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                wake = min([deadline] + [t for task, (_, _, t) in pending.items() if task not in slow])
+                done, _ = await asyncio.wait(pending, timeout=max(0.0, wake - now),
+                                             return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    peer, chunk = pending.pop(task)
+                    peer, chunk, _ = pending.pop(task)
+                    slow.discard(task)
                     try:
                         answers = task.result()
                     except (NetworkError, DHTError, TimeoutError) as e:
@@ -382,6 +401,11 @@ class DHTNode:
                     else:
                         lookup.on_response(peer, chunk, answers)
                         self._peer_ok(peer)
+                now = loop.time()
+                for task, (peer, chunk, slow_after) in pending.items():
+                    if task not in slow and now >= slow_after:
+                        slow.add(task)
+                        lookup.on_slow(peer, chunk)
         finally:
             for task in pending:
                 task.cancel()
@@ -406,9 +430,11 @@ class DHTNode:
         outcomes: dict[Key, GetOutcome] = {}
         searching: dict[int, list[Key]] = {}
         local: dict[int, list[Record]] = {}
+        seen: set[Key] = set()
         for key in keys:
-            if key in outcomes or any(key in ks for ks in searching.values()):
+            if key in seen:
                 continue
+            seen.add(key)
             key_id = key_id_of(key)
             held = self.storage.get(key_id, now)
             if held and not latest:

@@ -6,7 +6,8 @@ Rules for a store at one key:
   at equal expiration the larger value bytes win, so every node settles on the same record
   whatever order stores arrive in; an identical record is accepted and changes nothing;
 - a plain value and a dictionary compete on the dictionary's latest expiration; at a tie the
-  dictionary wins (again so that arrival order does not matter);
+  dictionary wins, and dictionary entries expiring before the best plain value seen are dropped
+  (so the result is `merge_records` of everything received, whatever the arrival order);
 - expired records are gone: never returned, and dropped lazily.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 
 from potluck.dht.records import Key, Record, Subkey
@@ -48,13 +50,16 @@ def _cost(record: Record) -> int:
 class _Slot:
     """What one key holds: a plain record or a dictionary of subkey records."""
 
-    __slots__ = ("bytes", "key", "plain", "subkeys")
+    __slots__ = ("bytes", "floor", "key", "plain", "subkeys")
 
     def __init__(self, key: Key):
         self.key = key
         self.plain: Record | None = None
         self.subkeys: dict[Subkey, Record] = {}
         self.bytes = 0
+        # The expiration of the best plain record the dictionary displaced or outlived: entries
+        # expiring before it are refused, exactly as if that plain record were still competing.
+        self.floor = -math.inf
 
     def entries(self) -> Iterator[Record]:
         if self.plain is not None:
@@ -105,10 +110,16 @@ class Storage:
         slot = self._slots.get(key_id)
         if slot is not None:
             self._drop_expired_in(key_id, slot, now)
+            slot = self._slots.get(key_id)
         removed: list[Record] = []  # what the new record displaces
+        floor = slot.floor if slot is not None else -math.inf
         if record.subkey is None:
             if slot is not None and slot.subkeys:
                 if record.expiration_time <= max(r.expiration_time for r in slot.subkeys.values()):
+                    # The dictionary stays, but this plain record shadows its older entries.
+                    slot.floor = max(slot.floor, record.expiration_time)
+                    for old in [r for r in slot.subkeys.values() if r.expiration_time < slot.floor]:
+                        self._forget(key_id, slot, old)
                     return False
                 removed = list(slot.subkeys.values())
             elif slot is not None and slot.plain is not None:
@@ -122,7 +133,10 @@ class Storage:
                 if record.expiration_time < slot.plain.expiration_time:
                     return False
                 removed = [slot.plain]
+                floor = slot.plain.expiration_time
             elif slot is not None:
+                if record.expiration_time < slot.floor:
+                    return False
                 held = slot.subkeys.get(record.subkey)
                 if held is not None:
                     if _same(record, held):
@@ -141,16 +155,19 @@ class Storage:
         if self.total_bytes + delta > self.max_bytes:
             if not self._evict_soonest(self.total_bytes + delta - self.max_bytes, record, removed):
                 return False
-        slot = self._slots.get(key_id)  # eviction may have emptied and dropped it
+        for old in removed:
+            current = self._slots.get(key_id)
+            if current is not None and current.current(old.subkey) is old:
+                self._forget(key_id, current, old)
+        slot = self._slots.get(key_id)  # forgetting or eviction may have emptied and dropped it
         if slot is None:
             slot = self._slots[key_id] = _Slot(record.key)
-        for old in removed:
-            if slot.current(old.subkey) is old:
-                self._forget(key_id, slot, old)
         if record.subkey is None:
             slot.plain = record
+            slot.floor = -math.inf
         else:
             slot.subkeys[record.subkey] = record
+            slot.floor = max(slot.floor, floor)
         slot.bytes += _cost(record)
         self.total_bytes += _cost(record)
         self._entries += 1

@@ -184,7 +184,7 @@ class Transport:
                 async with asyncio.timeout(self.dial_timeout):
                     return await self._dial(addr, peer_id, bulk=bulk)
             except (NetworkError, OSError, TimeoutError) as e:
-                errors.append(f"{addr}: {e or type(e).__name__}")
+                errors.append(f"{addr}: {str(e) or type(e).__name__}")
         raise PeerUnreachable(f"could not connect to {peer_id}: " + "; ".join(errors))
 
     async def call(self, peer_id: PeerID, method: str, request: Any = None, *,

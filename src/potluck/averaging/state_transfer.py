@@ -1,0 +1,619 @@
+"""State download: a newcomer fetches the newest model state from several peers at once.
+
+A donor runs a `StateServer`. Asked for a manifest, it takes a snapshot of its state (a private
+copy made off the event loop, so training goes on) and describes it: version, metadata, tensor
+specs, chunk size and the SHA-256 of every chunk. A newcomer (`download_state`) asks every donor
+for a manifest, picks the newest version (and the largest group of donors whose hashes agree on
+it), then fetches chunks from that whole group at once. Each donor's worker takes the next chunk
+from one shared queue, so faster donors serve more. A donor that fails, stalls or sends bytes
+that do not match the hash is dropped and its chunks go back to the queue. Once the queue is
+empty, idle workers also fetch chunks still in flight elsewhere (the "endgame"), so a slow or
+silently dead donor cannot hold up the last chunks.
+
+Wire (method names derive from a prefix, so several averagers coexist on one peer):
+- `<prefix>.state.manifest` (unary): request None; answer {"version", "metadata", "specs",
+  "chunk_bytes", "hashes", "snapshot"}.
+- `<prefix>.state.chunks` (stream): opened with {"snapshot": id}; every message {"i": index} is
+  answered, in order, with {"i": index, "data": uint8 tensor}.
+The state's tensors are laid end to end as raw bytes; chunk i is bytes [i*C, (i+1)*C) of that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import itertools
+import logging
+import secrets
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from potluck.core import serialization
+from potluck.core.errors import AveragingError, DeadlineExceeded, EndOfStream, NetworkError, SerializationError
+from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+
+__all__ = [
+    "CHUNK_BYTES",
+    "MAX_STATE_BYTES",
+    "PARALLEL_DONORS",
+    "StateServer",
+    "chunks_method",
+    "download_state",
+    "manifest_method",
+]
+
+logger = logging.getLogger(__name__)
+
+StateGetter = Callable[[], tuple[int, Any, Sequence[torch.Tensor]]]
+ProgressCallback = Callable[[int, int], None]
+
+# -- limits and timeouts ---------------------------------------------------------------------------
+# Chunk requests a downloader keeps outstanding per donor: one on the wire while the next is asked
+# for hides the round trip; more would only pile up in the donor's send queue.
+REQUESTS_IN_FLIGHT = 2
+# Bytes per chunk a server cuts its state into: big enough that per-message cost vanishes, small
+# enough that a dropped donor costs little rework.
+CHUNK_BYTES = 2 * 2**20
+# Smallest chunk accepted: smaller ones make the hash list and per-message overhead dominate.
+MIN_CHUNK_BYTES = 4 * 2**10
+# Largest chunk accepted: all chunks in flight on one stream must fit its flow-control window.
+MAX_CHUNK_BYTES = STREAM_WINDOW // REQUESTS_IN_FLIGHT
+# Largest state a downloader allocates by default (a donor's manifest could claim any size);
+# more than a volunteer's machine holds in memory. Pass `max_bytes` for bigger states.
+MAX_STATE_BYTES = 64 * 2**30
+# Donors fetched from at once; others wait as spares. Once the newcomer's download link is full,
+# more donors add little, and each costs its donor a stream.
+PARALLEL_DONORS = 4
+# A donor copies and hashes its whole state before it answers (~1 GB/s): this covers tens of GB.
+MANIFEST_TIMEOUT = 60.0
+# After the first manifest arrives, others are awaited this much longer; donors with similar
+# states answer within about the same time, and one lagging further is left out, not waited for.
+MANIFEST_GRACE_SECONDS = 5.0
+# A donor that takes longer than this for one chunk is dropped (2 MiB at 35 KB/s); its chunks go
+# to the others.
+CHUNK_TIMEOUT = 60.0
+# In the endgame, at most this many donors fetch the same chunk: enough to route around one slow
+# donor without flooding the newcomer's link with duplicates.
+ENDGAME_COPIES = 2
+# Snapshots a server keeps: each costs as much memory as the state; two let a download finish
+# while a newer version is already offered.
+MAX_SNAPSHOTS = 2
+# A snapshot nobody asked a chunk of for this long is dropped (its downloader is gone).
+SNAPSHOT_IDLE_SECONDS = 120.0
+# A snapshot this young is offered again instead of copying the state once more: newcomers that
+# arrive together share one copy, yet a newer version is offered soon after it exists.
+SNAPSHOT_REUSE_SECONDS = 2.0
+# Random snapshot ids: long enough never to collide or be guessed.
+SNAPSHOT_ID_BYTES = 16
+# A chunk stream whose downloader asks for nothing this long is closed (it has gone away).
+CHUNK_STREAM_IDLE_SECONDS = 60.0
+# SHA-256 digest length.
+HASH_BYTES = hashlib.sha256().digest_size
+
+
+def manifest_method(prefix: str) -> str:
+    """The unary method a `StateServer` with this prefix answers manifest requests on."""
+    return f"{_check_prefix(prefix)}.state.manifest"
+
+
+def chunks_method(prefix: str) -> str:
+    """The stream method a `StateServer` with this prefix serves chunks on."""
+    return f"{_check_prefix(prefix)}.state.chunks"
+
+
+def _check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty str, got {prefix!r}")
+    return prefix
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if serialization.WIRE_DTYPES.get(name) is not dtype:
+        raise TypeError(f"tensors of dtype {dtype} cannot be sent")
+    return name
+
+
+# -- the server --------------------------------------------------------------------------------------
+@dataclass
+class _Snapshot:
+    """A private copy of the state, laid out as one byte vector, with a hash per chunk."""
+
+    snapshot_id: bytes
+    version: int
+    metadata: Any
+    specs: list[list]
+    flat: torch.Tensor  # uint8, every tensor's bytes end to end
+    chunk_bytes: int
+    hashes: list[bytes]
+    created: float = 0.0
+    last_used: float = 0.0
+
+    def chunk(self, index: int) -> torch.Tensor:
+        start = index * self.chunk_bytes
+        return self.flat[start:start + self.chunk_bytes]  # a view: sent without a copy
+
+    def manifest(self) -> dict:
+        return {"version": self.version, "metadata": self.metadata, "specs": self.specs,
+                "chunk_bytes": self.chunk_bytes, "hashes": self.hashes, "snapshot": self.snapshot_id}
+
+
+def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
+                   chunk_bytes: int) -> _Snapshot:
+    """Copy and hash the state (in a worker thread: it costs time proportional to its size)."""
+    with lock if lock is not None else contextlib.nullcontext():
+        state = get_state()
+        if not isinstance(state, (tuple, list)) or len(state) != 3:
+            raise TypeError("get_state() must return (version, metadata, tensors)")
+        version, metadata, tensors = state
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise TypeError(f"get_state() returned version {version!r}; it must be an int >= 0")
+        tensors = list(tensors)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("get_state() must return a sequence of torch.Tensor as its tensors")
+        specs = [[_dtype_name(t.dtype), list(t.shape)] for t in tensors]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        offset = 0
+        for t, size in zip(tensors, sizes, strict=True):
+            source = t.detach().resolve_conj().resolve_neg().contiguous()
+            flat[offset:offset + size].copy_(source.reshape(-1).view(torch.uint8))
+            offset += size
+    try:
+        serialization.pack(metadata)
+    except SerializationError as e:
+        raise TypeError(f"get_state() returned metadata that cannot be sent: {e}") from e
+    memory = flat.numpy()
+    hashes = [hashlib.sha256(memory[start:start + chunk_bytes]).digest()
+              for start in range(0, flat.numel(), chunk_bytes)]
+    return _Snapshot(secrets.token_bytes(SNAPSHOT_ID_BYTES), version, metadata, specs, flat,
+                     chunk_bytes, hashes)
+
+
+class StateServer:
+    """Serves this peer's state to newcomers: manifests of snapshots, then chunks of them.
+
+    `get_state()` returns `(version, metadata, tensors)`; it is called from a worker thread, and
+    the tensors are copied there right away, with `lock` (if given) held around both, so a
+    trainer that updates the tensors under the same lock never yields a torn snapshot.
+    """
+
+    def __init__(self, transport: Transport, get_state: StateGetter, prefix: str, *,
+                 lock: AbstractContextManager | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 max_snapshots: int = MAX_SNAPSHOTS):
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                             f"got {chunk_bytes}")
+        if max_snapshots < 1:
+            raise ValueError(f"max_snapshots must be >= 1, got {max_snapshots}")
+        self.transport = transport
+        self.manifest_method = manifest_method(prefix)
+        self.chunks_method = chunks_method(prefix)
+        self.chunks_served = 0  # chunks sent so far (for statistics and tests)
+        self._get_state = get_state
+        self._lock = lock
+        self._chunk_bytes = chunk_bytes
+        self._max_snapshots = max_snapshots
+        self._snapshots: OrderedDict[bytes, _Snapshot] = OrderedDict()  # least recently used first
+        self._building: asyncio.Future[_Snapshot] | None = None
+        transport.add_handler(self.manifest_method, self._serve_manifest)
+        transport.add_stream_handler(self.chunks_method, self._serve_chunks)
+
+    def close(self) -> None:
+        """Stop serving and free the snapshots."""
+        self.transport.remove_handler(self.manifest_method)
+        self.transport.remove_handler(self.chunks_method)
+        self._snapshots.clear()
+
+    async def _serve_manifest(self, request: Any, ctx: CallContext) -> dict:
+        if request is not None:
+            raise ValueError("a manifest request takes no arguments (send None)")
+        snapshot = await self._current_snapshot()
+        return snapshot.manifest()
+
+    async def _current_snapshot(self) -> _Snapshot:
+        """A fresh snapshot, or one taken moments ago; concurrent requests share one copy."""
+        loop = asyncio.get_running_loop()
+        self._expire(loop.time())
+        if self._snapshots:
+            newest = max(self._snapshots.values(), key=lambda s: s.created)
+            if loop.time() - newest.created < SNAPSHOT_REUSE_SECONDS:
+                self._touch(newest, loop.time())
+                return newest
+        if self._building is None:
+            self._building = loop.run_in_executor(None, _take_snapshot, self._get_state,
+                                                  self._lock, self._chunk_bytes)
+            self._building.add_done_callback(self._snapshot_taken)
+        return await asyncio.shield(self._building)
+
+    def _snapshot_taken(self, future: asyncio.Future[_Snapshot]) -> None:
+        self._building = None
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            logger.warning("could not snapshot the state: %s", future.exception())
+            return
+        snapshot = future.result()
+        snapshot.created = snapshot.last_used = asyncio.get_running_loop().time()
+        self._snapshots[snapshot.snapshot_id] = snapshot
+        while len(self._snapshots) > self._max_snapshots:
+            self._snapshots.popitem(last=False)
+
+    def _touch(self, snapshot: _Snapshot, now: float) -> None:
+        snapshot.last_used = now
+        self._snapshots.move_to_end(snapshot.snapshot_id)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, s in self._snapshots.items() if now - s.last_used > SNAPSHOT_IDLE_SECONDS]:
+            del self._snapshots[key]
+
+    def _lookup(self, snapshot_id: bytes) -> _Snapshot:
+        now = asyncio.get_running_loop().time()
+        self._expire(now)
+        snapshot = self._snapshots.get(snapshot_id)
+        if snapshot is None:
+            raise LookupError("unknown or expired snapshot; ask for a new manifest")
+        self._touch(snapshot, now)
+        return snapshot
+
+    async def _serve_chunks(self, stream: Stream, ctx: CallContext) -> None:
+        request = stream.request
+        if not isinstance(request, dict) or set(request) != {"snapshot"}:
+            raise ValueError('a chunk stream must be opened with {"snapshot": <id>}')
+        snapshot_id = request["snapshot"]
+        if not isinstance(snapshot_id, bytes) or len(snapshot_id) != SNAPSHOT_ID_BYTES:
+            raise ValueError(f"a snapshot id is {SNAPSHOT_ID_BYTES} bytes")
+        num_chunks = len(self._lookup(snapshot_id).hashes)
+        while True:
+            try:
+                message = await stream.recv(timeout=CHUNK_STREAM_IDLE_SECONDS)
+            except (EndOfStream, DeadlineExceeded):
+                return  # the downloader is done, or gone
+            if not isinstance(message, dict) or set(message) != {"i"}:
+                raise ValueError('a chunk request must be {"i": <chunk index>}')
+            index = message["i"]
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError(f"a chunk index must be an int, got {type(index).__name__}")
+            if not 0 <= index < num_chunks:
+                raise ValueError(f"chunk index {index} is out of range: this snapshot has {num_chunks} chunks")
+            snapshot = self._lookup(snapshot_id)  # it may have expired since the last chunk
+            self.chunks_served += 1
+            await stream.send({"i": index, "data": snapshot.chunk(index)})
+
+
+# -- the downloader ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Manifest:
+    """A donor's manifest, validated."""
+
+    version: int
+    metadata: Any
+    specs: tuple[tuple[str, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]  # bytes of each tensor
+    chunk_bytes: int
+    hashes: tuple[bytes, ...]
+    snapshot: bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def content(self) -> tuple:
+        """What donors must agree on to serve the same bytes."""
+        return self.version, self.specs, self.chunk_bytes, self.hashes
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.total_bytes)
+
+
+def _parse_manifest(msg: Any, max_bytes: int) -> _Manifest:
+    """Check a donor's manifest strictly; raise ValueError saying what is wrong."""
+    keys = {"version", "metadata", "specs", "chunk_bytes", "hashes", "snapshot"}
+    if not isinstance(msg, dict) or set(msg) != keys:
+        raise ValueError(f"a manifest must be a dict with keys {sorted(keys)}")
+    version, chunk_bytes, hashes, snapshot = msg["version"], msg["chunk_bytes"], msg["hashes"], msg["snapshot"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"manifest version must be an int >= 0, got {version!r:.40}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not (
+            MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES):
+        raise ValueError(f"manifest chunk_bytes {chunk_bytes!r:.40} is outside "
+                         f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+    if not isinstance(snapshot, bytes) or len(snapshot) != SNAPSHOT_ID_BYTES:
+        raise ValueError(f"manifest snapshot id must be {SNAPSHOT_ID_BYTES} bytes")
+    try:
+        sizes = serialization.nbytes_of(msg["specs"])
+    except SerializationError as e:
+        raise ValueError(f"bad tensor specs in manifest: {e}") from e
+    total = sum(sizes)
+    if total > max_bytes:
+        raise ValueError(f"manifest describes {total} bytes of state, over the limit of {max_bytes}")
+    num_chunks = -(-total // chunk_bytes)
+    if not isinstance(hashes, list) or len(hashes) != num_chunks:
+        raise ValueError(f"manifest must list {num_chunks} chunk hashes for {total} bytes "
+                         f"in chunks of {chunk_bytes}")
+    if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
+        raise ValueError(f"manifest chunk hashes must be {HASH_BYTES}-byte SHA-256 digests")
+    specs = tuple((name, tuple(shape)) for name, shape in msg["specs"])
+    return _Manifest(version, msg["metadata"], specs, tuple(sizes), chunk_bytes, tuple(hashes), snapshot)
+
+
+class _DonorMisbehaved(Exception):
+    """A donor answered something that is not the chunk it was asked for."""
+
+
+class _Download:
+    """Fetches one manifest's chunks from a group of donors holding it (work-stealing)."""
+
+    def __init__(self, transport: Transport, method: str, manifest: _Manifest,
+                 donors: dict[PeerID, bytes], parallel: int, progress: ProgressCallback | None,
+                 failures: dict[PeerID, str], deadline: float):
+        self.transport = transport
+        self._deadline = deadline  # loop time: bounds each donor's stream
+        self.method = method
+        self.manifest = manifest
+        self.tensors = serialization.allocate([[n, list(s)] for n, s in manifest.specs])
+        self._byte_views = [t.view(-1).view(torch.uint8) for t in self.tensors]
+        self._starts = list(itertools.accumulate(manifest.sizes, initial=0))
+        self.num_chunks = len(manifest.hashes)
+        self._queue: deque[int] = deque(range(self.num_chunks))
+        self._fetchers: Counter[int] = Counter()  # chunk -> workers that asked for it
+        self._claimed: set[int] = set()  # chunks stored or being stored
+        self._done = 0
+        self._bytes_done = 0
+        self.served: Counter[PeerID] = Counter()
+        self.failures = failures
+        self._snapshots = donors  # each donor's own snapshot id for the same content
+        self._initial = list(donors)[:parallel]
+        self._spares = deque(list(donors)[parallel:])
+        self._progress = progress
+        self._changed = asyncio.Event()
+        self._finished = asyncio.Event()
+        self._alive = 0
+
+    @property
+    def complete(self) -> bool:
+        return self._done == self.num_chunks
+
+    @property
+    def chunks_done(self) -> int:
+        return self._done
+
+    async def run(self) -> None:
+        """Return once every chunk is stored or every donor has failed."""
+        if self.complete:
+            return
+        async with asyncio.TaskGroup() as group:
+            workers = [group.create_task(self._worker(donor)) for donor in self._initial]
+            self._alive = len(workers)
+            await self._finished.wait()
+            for worker in workers:
+                worker.cancel()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _worker(self, donor: PeerID | None) -> None:
+        try:
+            while donor is not None and not self.complete:
+                try:
+                    await self._fetch_from(donor)
+                except (NetworkError, _DonorMisbehaved) as e:
+                    self.failures[donor] = str(e) or type(e).__name__
+                    logger.warning("state download: dropping donor %s: %s", donor, e)
+                    donor = self._spares.popleft() if self._spares else None
+        finally:
+            self._alive -= 1
+            if self._alive == 0 or self.complete:
+                self._finished.set()
+
+    async def _fetch_from(self, donor: PeerID) -> None:
+        """Fetch chunks from `donor` until the download is complete; raise if the donor fails."""
+        loop = asyncio.get_running_loop()
+        stream = await self.transport.open_stream(donor, self.method, {"snapshot": self._snapshots[donor]},
+                                                  timeout=max(0.0, self._deadline - loop.time()))
+        asked: deque[int] = deque()
+        try:
+            while not self.complete:
+                changed = self._changed
+                while len(asked) < REQUESTS_IN_FLIGHT:
+                    index = self._next_chunk(asked)
+                    if index is None:
+                        break
+                    asked.append(index)
+                    self._fetchers[index] += 1
+                    await stream.send({"i": index}, timeout=CHUNK_TIMEOUT)
+                if not asked:
+                    await changed.wait()  # others hold the rest; wake if they fail or finish
+                    continue
+                reply = await stream.recv(timeout=CHUNK_TIMEOUT)
+                index = asked[0]
+                data = self._check_reply(reply, index)
+                asked.popleft()
+                self._answered(index)
+                if index in self._claimed:
+                    continue  # another donor delivered it first (endgame)
+                self._claimed.add(index)
+                if not await loop.run_in_executor(None, self._store, index, data):
+                    self._claimed.discard(index)
+                    self._requeue_if_orphaned(index)
+                    raise _DonorMisbehaved(f"chunk {index} does not match its hash in the manifest")
+                self._done += 1
+                self._bytes_done += data.numel()
+                self.served[donor] += 1
+                if self._progress is not None:
+                    try:
+                        self._progress(self._bytes_done, self.manifest.total_bytes)
+                    except Exception:  # noqa: BLE001 - a broken progress display must not stop the download
+                        logger.exception("state download: the progress callback failed")
+                self._notify()
+        finally:
+            for index in asked:
+                self._answered(index)
+                self._requeue_if_orphaned(index)
+            stream.abort("download complete" if self.complete else "donor dropped")
+
+    def _next_chunk(self, asked: deque[int]) -> int | None:
+        """The next chunk this worker should ask for: from the queue, else an endgame copy."""
+        if self._queue:
+            return self._queue.popleft()
+        if asked:
+            return None  # endgame copies only from idle workers
+        candidates = [i for i, n in self._fetchers.items()
+                      if 0 < n < ENDGAME_COPIES and i not in self._claimed]
+        return min(candidates, key=lambda i: (self._fetchers[i], i)) if candidates else None
+
+    def _answered(self, index: int) -> None:
+        """One worker no longer waits for `index` (it got it, or gave up on it)."""
+        self._fetchers[index] -= 1
+        if self._fetchers[index] <= 0:
+            del self._fetchers[index]
+
+    def _requeue_if_orphaned(self, index: int) -> None:
+        """Put `index` back in the queue if it is neither stored nor being fetched by anyone."""
+        if index not in self._fetchers and index not in self._claimed and index not in self._queue:
+            self._queue.appendleft(index)  # first out: the download waits for it
+            self._notify()
+
+    def _check_reply(self, reply: Any, index: int) -> torch.Tensor:
+        start, end = self.manifest.chunk_range(index)
+        if not isinstance(reply, dict) or reply.get("i") != index:
+            raise _DonorMisbehaved(f"answered something other than chunk {index}")
+        data = reply.get("data")
+        if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1
+                or data.numel() != end - start):
+            raise _DonorMisbehaved(f"chunk {index} is not {end - start} raw bytes")
+        return data
+
+    def _store(self, index: int, data: torch.Tensor) -> bool:
+        """Verify a chunk against its hash and copy it into place (in a worker thread)."""
+        if hashlib.sha256(data.numpy()).digest() != self.manifest.hashes[index]:
+            return False
+        start, end = self.manifest.chunk_range(index)
+        k = bisect.bisect_right(self._starts, start) - 1
+        position = start
+        while position < end:
+            stop = min(end, self._starts[k + 1])
+            if stop > position:
+                base = self._starts[k]
+                self._byte_views[k][position - base:stop - base].copy_(data[position - start:stop - start])
+                position = stop
+            k += 1
+        return True
+
+
+async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str, max_bytes: int,
+                         like: list | None, failures: dict[PeerID, str]) -> dict[PeerID, _Manifest]:
+    """Ask every donor for a manifest at once; wait a short grace after the first one arrives."""
+    loop = asyncio.get_running_loop()
+
+    async def ask(donor: PeerID) -> _Manifest | None:
+        try:
+            reply = await transport.call(donor, method, None, timeout=MANIFEST_TIMEOUT)
+            manifest = _parse_manifest(reply, max_bytes)
+            if like is not None and [[n, list(s)] for n, s in manifest.specs] != like:
+                raise ValueError("its tensors' dtypes or shapes differ from ours")
+            return manifest
+        except (NetworkError, ValueError) as e:
+            failures[donor] = f"manifest: {e}"
+            logger.info("state download: no manifest from %s: %s", donor, e)
+            return None
+
+    tasks = {asyncio.ensure_future(ask(donor)): donor for donor in donors}
+    pending = set(tasks)
+    answers: dict[PeerID, _Manifest] = {}
+    grace_until: float | None = None
+    try:
+        while pending:
+            wait = None if grace_until is None else max(0.0, grace_until - loop.time())
+            done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for task in done:
+                manifest = task.result()
+                if manifest is not None:
+                    answers[tasks[task]] = manifest
+                    if grace_until is None:
+                        grace_until = loop.time() + MANIFEST_GRACE_SECONDS
+    finally:
+        for task in pending:
+            task.cancel()
+            failures.setdefault(tasks[task], "manifest: too slow")
+        await asyncio.gather(*pending, return_exceptions=True)
+    return answers
+
+
+def _choose(answers: dict[PeerID, _Manifest], donors: list[PeerID]) -> tuple[_Manifest, dict[PeerID, bytes]]:
+    """The newest version, held by the largest group of donors with identical hashes; returns
+    one of their manifests and each holder's snapshot id."""
+    newest = max(m.version for m in answers.values())
+    groups: dict[tuple, list[PeerID]] = {}
+    for donor in donors:  # the caller's order: its first donors are preferred
+        manifest = answers.get(donor)
+        if manifest is not None and manifest.version == newest:
+            groups.setdefault(manifest.content, []).append(donor)
+    holders = max(groups.values(), key=len)  # the first of equally large groups wins
+    return answers[holders[0]], {donor: answers[donor].snapshot for donor in holders}
+
+
+async def download_state(transport: Transport, donors: Sequence[PeerID], prefix: str, timeout: float,
+                         *, parallel: int = PARALLEL_DONORS, like: Sequence[torch.Tensor] | None = None,
+                         max_bytes: int = MAX_STATE_BYTES,
+                         progress: ProgressCallback | None = None) -> tuple[int, Any, list[torch.Tensor]]:
+    """Download the newest state `donors` serve under `prefix`: `(version, metadata, tensors)`.
+
+    Chunks come from every donor of the chosen version at once (`parallel` at a time) and are
+    checked against the manifest's hashes; a donor that dies or lies is dropped and the others
+    carry on. `like`, if given, refuses donors whose tensors differ in dtype or shape. `progress`
+    is called on the event loop with (bytes done, bytes total) after each chunk. Raises
+    `AveragingError` if no donor answers, all donors fail, or `timeout` seconds pass.
+    """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    donors = [d for d in dict.fromkeys(donors) if d != transport.peer_id]
+    if not donors:
+        raise AveragingError("cannot download the state: no donors given")
+    like_specs = None if like is None else [[_dtype_name(t.dtype), list(t.shape)] for t in like]
+    failures: dict[PeerID, str] = {}
+    download: _Download | None = None
+    deadline = asyncio.get_running_loop().time() + timeout
+    try:
+        async with asyncio.timeout_at(deadline):
+            answers = await _ask_manifests(transport, donors, manifest_method(prefix), max_bytes,
+                                           like_specs, failures)
+            if not answers:
+                raise AveragingError(f"cannot download the state: no donor offered one ({_why(failures)})")
+            manifest, holders = _choose(answers, donors)
+            try:
+                download = _Download(transport, chunks_method(prefix), manifest, holders, parallel,
+                                     progress, failures, deadline)
+            except (SerializationError, MemoryError) as e:
+                raise AveragingError(f"cannot allocate the state to download: {e}") from e
+            await download.run()
+    except TimeoutError:
+        got = "" if download is None else f"; {download.chunks_done}/{download.num_chunks} chunks done"
+        raise AveragingError(f"state download did not finish within {timeout} s{got} "
+                             f"({_why(failures) or 'donors too slow'})") from None
+    if not download.complete:
+        raise AveragingError(f"state download failed: every donor of version {manifest.version} dropped out "
+                             f"after {download.chunks_done}/{download.num_chunks} chunks ({_why(failures)})")
+    logger.info("downloaded state version %d (%d bytes) from %s", manifest.version, manifest.total_bytes,
+                ", ".join(f"{d}: {n} chunks" for d, n in download.served.items()) or "nobody (empty)")
+    return manifest.version, manifest.metadata, download.tensors
+
+
+def _why(failures: dict[PeerID, str]) -> str:
+    return "; ".join(f"{donor}: {reason}" for donor, reason in failures.items())

@@ -1,0 +1,298 @@
+"""The DHT on the emulated network under the virtual clock: swarms of up to 1,000 peers in one loop.
+
+Connections get no keepalive here (`keepalive_interval=None`): with tens of thousands of emulated
+connections its timers would dominate the run, and crashes in these tests are loud (reset at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+
+import pytest
+
+from potluck.core.errors import RemoteError
+from potluck.core.virtual_time import run_virtual
+from potluck.dht import (
+    DHT, DHTConfig, ExpirationTooFar, NotOwner, ValueTooLarge, event_loop_clock, key_id_of, owner_marker,
+)
+from potluck.dht import protocol
+from potluck.dht.records import Record
+from potluck.dht.validation import sign_record
+from potluck.core.serialization import dumps
+from potluck.net.emulated import EmulatedNetwork
+
+LATENCY = 0.01  # 10 ms one way between any two emulated peers
+
+
+async def build_swarm(net: EmulatedNetwork, n: int, *, seed: int = 0, config: DHTConfig | None = None,
+                      client_mode: bool = False, first: list[DHT] | None = None) -> list[DHT]:
+    """`n` DHT peers joining one by one, each through a random peer already in (or in `first`)."""
+    rng = random.Random(seed)
+    clock = event_loop_clock()
+    dhts: list[DHT] = []
+    for _ in range(n):
+        transport = net.transport(keepalive_interval=None, client_mode=client_mode)
+        await transport.start()
+        pool = dhts if (dhts and not client_mode) else (first or dhts)
+        boot = [rng.choice(pool).node.transport.addresses[0]] if pool else []
+        dhts.append(await DHT.create(transport, clock=clock, initial_peers=boot, config=config))
+    return dhts
+
+
+async def shutdown(dhts: list[DHT]) -> None:
+    for dht in dhts:
+        await dht.ashutdown()
+        await dht.node.transport.close()
+
+
+def true_nearest(dhts: list[DHT], key: str, count: int) -> list[DHT]:
+    target = key_id_of(key)
+    return sorted(dhts, key=lambda d: d.node.node_id ^ target)[:count]
+
+
+@pytest.mark.timeout(60)
+def test_store_get_subkeys_and_expiration_across_a_small_swarm():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=1)
+        dhts = await build_swarm(net, 30, seed=1)
+        a, b, c = dhts[3], dhts[17], dhts[29]
+        now = a.get_time()
+        assert await a.astore("model", {"layers": 12, "name": "tiny"}, now + 60)
+        got = await b.aget("model")
+        assert got.value == {"layers": 12, "name": "tiny"} and got.expiration_time == now + 60
+        # a store with an earlier expiration loses everywhere; a later one wins
+        assert not await c.astore("model", "older", now + 30)
+        assert (await b.aget("model", latest=True)).value == {"layers": 12, "name": "tiny"}
+        assert await c.astore("model", "newer", now + 90)
+        assert (await a.aget("model", latest=True)).value == "newer"
+        # subkeys from different peers form one dictionary; each entry expires on its own
+        assert await a.astore("group", "addr-a", now + 20, subkey="a")
+        assert await b.astore("group", "addr-b", now + 40, subkey="b")
+        assert await c.astore("group", "addr-c", now + 60, subkey=3)
+        group = await dhts[0].aget("group", latest=True)
+        assert {s: v.value for s, v in group.value.items()} == {"a": "addr-a", "b": "addr-b", 3: "addr-c"}
+        assert group.expiration_time == now + 60
+        # many keys in one traversal
+        assert await a.astore_many([(f"k{i}", i, now + 50) for i in range(10)]) == [True] * 10
+        many = await c.aget_many([f"k{i}" for i in range(10)] + ["missing"])
+        assert [many[f"k{i}"].value for i in range(10)] == list(range(10)) and many["missing"] is None
+        # time passes (virtual): entries disappear as they expire
+        await asyncio.sleep(30)
+        group = await dhts[5].aget("group", latest=True)
+        assert set(group.value) == {"b", 3}
+        await asyncio.sleep(100)
+        assert await dhts[8].aget("group", latest=True) is None
+        assert await dhts[8].aget("model", latest=True) is None
+        assert await a.astore("past", 1, a.get_time() - 1) is False  # already expired: not stored
+        await shutdown(dhts)
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_client_mode_peers_store_and_get_but_never_enter_routing_tables():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=2)
+        servers = await build_swarm(net, 20, seed=2)
+        clients = await build_swarm(net, 3, seed=3, client_mode=True, first=servers)
+        now = clients[0].get_time()
+        assert await clients[0].astore("from-client", [1, 2, 3], now + 60)
+        assert (await clients[1].aget("from-client")).value == [1, 2, 3]
+        assert (await servers[4].aget("from-client")).value == [1, 2, 3]
+        client_ids = {c.peer_id for c in clients}
+        for dht in servers + clients:
+            assert not client_ids & set(dht.node.routing)
+        assert all(len(c.node.storage) == 0 for c in clients)  # clients hold no records
+        await shutdown(servers + clients)
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_newly_joined_peer_receives_the_keys_it_is_now_responsible_for():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=4)
+        config = DHTConfig(replicas=5)  # few replicas, so the newcomer displaces someone
+        dhts = await build_swarm(net, 120, seed=4, config=config)
+        now = dhts[0].get_time()
+        keys = [f"key-{i}" for i in range(300)]
+        writer = dhts[7]
+        assert all(await writer.astore_many([(k, k.upper(), now + 3600) for k in keys]))
+        for dht in dhts:
+            await dht.node.wait_idle()
+        newcomer = (await build_swarm(net, 1, seed=5, config=config, first=dhts))[0]
+        everyone = dhts + [newcomer]
+        for dht in everyone:
+            await dht.node.wait_idle()
+        responsible = [k for k in keys if newcomer in true_nearest(everyone, k, 5)]
+        assert len(responsible) >= 5  # the scenario exercises the hand-off
+        held = {r.key for _, records in newcomer.node.storage.items(newcomer.get_time()) for r in records}
+        assert set(responsible) <= held, sorted(set(responsible) - held)
+        # and it serves them: the only copy left is enough once the others are gone
+        for key in responsible[:3]:
+            for other in true_nearest(everyone, key, 5):
+                if other is not newcomer:
+                    other.node.storage = type(other.node.storage)()
+            assert (await dhts[50].aget(key)).value == key.upper()
+        await shutdown(everyone)
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_lookups_finish_within_their_deadline_when_peers_vanish_silently():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=6)
+        dhts = await build_swarm(net, 60, seed=6)
+        now = dhts[0].get_time()
+        assert await dhts[0].astore("survivor", "yes", now + 600)
+        holders = true_nearest(dhts, "survivor", 20)
+        rng = random.Random(6)
+        silent = [d for d in dhts if d not in holders[:5] and d is not dhts[1]]
+        for dht in rng.sample(silent, 20):
+            net.crash(dht.peer_id, silent=True)  # frames vanish; only deadlines notice
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        got = await dhts[1].aget("survivor", latest=True, timeout=20)
+        assert got is not None and got.value == "yes"
+        assert loop.time() - start < 20
+        # the silent peers are now in backoff: the next lookup does not wait for them again
+        start = loop.time()
+        assert (await dhts[1].aget("survivor", latest=True, timeout=20)).value == "yes"
+        assert loop.time() - start < dhts[1].node.config.rpc_timeout
+        await shutdown([d for d in dhts if not d.node.transport._crashed])
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=7)
+        dhts = await build_swarm(net, 8, seed=7)
+        alice, mallory, target = dhts[1], dhts[2], dhts[5]
+        call = mallory.node.transport.call
+        now = alice.get_time()
+        owned = f"progress{owner_marker(alice.peer_id)}"
+        assert await alice.astore(owned, {"step": 1}, now + 60)
+
+        # malformed RPC payloads: each gets a BadRequest error naming the problem
+        for method, payload in [(protocol.FIND, b"\xc1garbage"), (protocol.FIND, {"ids": []}),
+                                (protocol.FIND, protocol.encode({"ids": [b"short"], "values": True})),
+                                (protocol.STORE, None), (protocol.STORE, protocol.encode({"records": "x"})),
+                                (protocol.STORE, protocol.encode({"records": [["k", None, 5, 1.0, None, None]]})),
+                                (protocol.PING, b"\x00")]:
+            with pytest.raises(RemoteError) as info:
+                await call(target.peer_id, method, payload, timeout=5)
+            assert info.value.remote_type == "BadRequest", info.value
+
+        async def raw_store(record: Record) -> bool | str:
+            answer = await call(target.peer_id, protocol.STORE, protocol.store_request([record]), timeout=5)
+            return protocol.parse_store_response(answer, 1)[0]
+
+        signed = (await target.node.get_many([owned]))[owned].records[0]
+        forged = Record(owned, None, dumps({"step": 99}), now + 70, bytes(64))
+        assert (await raw_store(forged)).startswith("NotOwner")
+        by_mallory = sign_record(Record(f"progress{owner_marker(mallory.peer_id)}", None, dumps(1), now + 70),
+                                 mallory.node.transport.identity)
+        overwrite = Record(owned, None, by_mallory.value, by_mallory.expiration_time, by_mallory.signature)
+        assert "signature does not verify" in await raw_store(overwrite)
+        replay = Record(owned, None, signed.value, now + 500, signed.signature)  # later expiry, old signature
+        assert (await raw_store(replay)).startswith("NotOwner")
+        oversized = Record("big", None, dumps(b"x" * 70_000), now + 10)
+        assert (await raw_store(oversized)).startswith("ValueTooLarge")
+        far = Record("far", None, dumps(1), now + 30 * 86400)
+        assert (await raw_store(far)).startswith("ExpirationTooFar")
+        assert (await raw_store(Record("junk", None, b"not potluck data", now + 10))).startswith("RecordRejected")
+
+        # the same mistakes through the API fail at the caller, before anything is sent
+        with pytest.raises(NotOwner, match="only that peer can store it"):
+            await mallory.astore(owned, {"step": 99}, now + 70)
+        with pytest.raises(ValueTooLarge, match="65536"):
+            await mallory.astore("big", b"x" * 70_000, now + 10)
+        with pytest.raises(ExpirationTooFar):
+            await mallory.astore("far", 1, now + 30 * 86400)
+
+        # nothing bad got in, and every node still serves
+        assert (await dhts[6].aget(owned, latest=True)).value == {"step": 1}
+        assert await dhts[6].aget("big", latest=True) is None and await dhts[6].aget("far", latest=True) is None
+        assert await mallory.astore("fine", "ok", now + 10)
+        assert (await target.aget("fine")).value == "ok"
+        await shutdown(dhts)
+
+    run_virtual(scenario())
+
+
+def mean_hops(outcomes: list[dict]) -> list[int]:
+    """Hops of every get that had to ask the network (hops 0 = the asker held the key itself)."""
+    return [o.hops for result in outcomes for o in result.values() if o.hops]
+
+
+@pytest.mark.timeout(120)
+def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
+    """1,000 peers. Every peer gets 3 of the 60 keys (all-pairs would be 60,000 gets, ~2 min; each
+    key is fetched by ~50 different peers). Then 50% of the peers crash at random, and every
+    survivor gets 3 keys again: at least 99% must be found (with k = 20 replicas, all are)."""
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=8)
+        dhts = await build_swarm(net, 1000, seed=8)
+        rng = random.Random(8)
+        keys = [f"expert.ffn.{i}" for i in range(60)]
+        now = dhts[0].get_time()
+        for writer, chunk in zip(rng.sample(dhts, 6), range(0, 60, 10)):
+            assert all(await writer.astore_many([(k, {"uid": k}, now + 3600) for k in keys[chunk:chunk + 10]]))
+        wanted = {d: [keys[(i * 7 + j * 20) % 60] for j in range(3)] for i, d in enumerate(dhts)}
+        results = await asyncio.gather(*(d.node.get_many(ks) for d, ks in wanted.items()))
+        missing = [(d.peer_id, k) for (d, ks), r in zip(wanted.items(), results) for k in ks if not r[k].records]
+        assert not missing, missing[:5]
+        assert {k for ks in wanted.values() for k in ks} == set(keys)
+
+        dead = set(rng.sample(range(1000), 500))
+        for i in sorted(dead):
+            net.crash(dhts[i].peer_id)
+            await dhts[i].ashutdown()
+        alive = [d for i, d in enumerate(dhts) if i not in dead]
+        wanted = {d: rng.sample(keys, 3) for d in alive}
+        results = await asyncio.gather(*(d.node.get_many(ks) for d, ks in wanted.items()))
+        found = sum(1 for (d, ks), r in zip(wanted.items(), results) for k in ks if r[k].records)
+        assert found >= 0.99 * 3 * len(alive), f"found {found} of {3 * len(alive)}"
+        by_key = {k for (d, ks), r in zip(wanted.items(), results) for k in ks if r[k].records}
+        assert len(by_key) >= 0.99 * len(keys)
+        await shutdown(alive)
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_lookup_hops_grow_like_log_n(record_property):
+    """Mean hops of gets from 100 random peers, at 100, 300 and 1,000 peers. With buckets split
+    by b = 5 bits (routing.py), a lookup gains about 5 bits per hop: hops ~ log_32(N)."""
+    measured = {}
+
+    async def scenario(n: int):
+        net = EmulatedNetwork(latency=LATENCY, seed=n)
+        dhts = await build_swarm(net, n, seed=n)
+        rng = random.Random(n)
+        keys = [f"k{i}" for i in range(5)]
+        assert all(await dhts[0].astore_many([(k, 1, dhts[0].get_time() + 3600) for k in keys]))
+        askers = rng.sample(dhts, 100)
+        results = await asyncio.gather(*(d.node.get_many(keys) for d in askers))
+        assert all(o.records for r in results for o in r.values())
+        hops = mean_hops(results)
+        measured[n] = (statistics.mean(hops), max(hops))
+        await shutdown(dhts)
+
+    for n in (100, 300, 1000):
+        run_virtual(scenario(n))
+    for n, (mean, worst) in measured.items():
+        record_property(f"mean_hops_{n}", round(mean, 3))
+        record_property(f"max_hops_{n}", worst)
+        print(f"DHT lookup hops at N={n}: mean {mean:.2f}, max {worst}")
+        assert mean <= math.log(n, 32) + 0.5, measured  # log_{2^b} N, plus half a hop
+        assert worst <= math.ceil(math.log2(n)), measured
+    assert measured[100][0] < measured[300][0] < measured[1000][0], measured  # it does grow...
+    growth = measured[1000][0] / measured[100][0]
+    assert growth <= 1.5 * math.log(1000) / math.log(100), measured  # ...but no faster than log N

@@ -1,0 +1,141 @@
+"""Record rules and wire parsing, without a network: signatures, limits, schemas, malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from pydantic import BaseModel
+
+from potluck.core.serialization import dumps
+from potluck.dht import protocol
+from potluck.dht.errors import BadRequest, ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
+from potluck.dht.records import Record, key_id_of, owner_marker, owners_of
+from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE, Limits, SchemaValidator, check_record, sign_record
+from potluck.net.identity import Identity
+
+NOW = 1_000_000.0
+LIMITS = Limits()
+
+
+def owned_record(identity: Identity, value=1, exp=NOW + 60, subkey=None) -> Record:
+    key = f"progress{owner_marker(identity.peer_id)}"
+    return sign_record(Record(key, subkey, dumps(value), exp), identity)
+
+
+@pytest.mark.timeout(10)
+def test_owner_signed_records_verify_and_every_tampering_is_refused():
+    alice, mallory = Identity.generate(), Identity.generate()
+    good = owned_record(alice)
+    assert check_record(good, LIMITS, NOW) == 1
+    assert owners_of(good.key, None) == alice.peer_id
+    tampered = [
+        Record(good.key, None, dumps(2), good.expiration_time, good.signature),  # other value
+        Record(good.key, None, good.value, good.expiration_time + 1, good.signature),  # later expiry
+        Record(good.key, "sub", good.value, good.expiration_time, good.signature),  # other subkey
+        Record(good.key, None, good.value, good.expiration_time, bytes(64)),  # forged signature
+        Record(good.key, None, good.value, good.expiration_time,  # signed by someone else
+               mallory.sign(Record(good.key, None, good.value, good.expiration_time).signed_bytes())),
+        Record(good.key, None, good.value, good.expiration_time),  # no signature at all
+    ]
+    for record in tampered:
+        with pytest.raises(NotOwner, match=str(alice.peer_id)):
+            check_record(record, LIMITS, NOW)
+
+
+@pytest.mark.timeout(10)
+def test_only_the_owner_can_sign_and_owner_markers_must_be_well_formed():
+    alice, bob = Identity.generate(), Identity.generate()
+    with pytest.raises(NotOwner, match="only that peer can store it"):
+        sign_record(Record(f"x{owner_marker(alice.peer_id)}", None, dumps(1), NOW), bob)
+    # an owner in the subkey works the same way (e.g. one entry per peer in a group dictionary)
+    entry = sign_record(Record("group.7", owner_marker(bob.peer_id), dumps("addr"), NOW + 5), bob)
+    assert entry.signature is not None and check_record(entry, LIMITS, NOW) == "addr"
+    with pytest.raises(NotOwner, match="different owners"):
+        owners_of(f"k{owner_marker(alice.peer_id)}", owner_marker(bob.peer_id))
+    with pytest.raises(NotOwner, match="malformed"):
+        owners_of("k[owner:not base58!]", None)
+    with pytest.raises(NotOwner, match="not hold a valid peer id"):
+        owners_of("k[owner:abc]", None)
+    with pytest.raises(RecordRejected, match="only records whose key"):
+        check_record(Record("plain", None, dumps(1), NOW + 1, bytes(64)), LIMITS, NOW)
+
+
+@pytest.mark.timeout(10)
+def test_limits_refuse_oversized_values_far_expirations_and_undecodable_bytes():
+    big = Record("k", None, dumps(b"x" * (64 * 1024)), NOW + 1)
+    with pytest.raises(ValueTooLarge, match="65536 bytes"):
+        check_record(big, LIMITS, NOW)
+    assert check_record(big, Limits(max_value_bytes=70_000), NOW) == b"x" * 65536
+    far = Record("k", None, dumps(1), NOW + LIMITS.max_ttl + 1)
+    with pytest.raises(ExpirationTooFar, match="at most 86400 s"):
+        check_record(far, LIMITS, NOW, skew=0.0)
+    check_record(far, LIMITS, NOW, skew=CLOCK_SKEW_ALLOWANCE)  # nodes allow for clock skew
+    with pytest.raises(ExpirationTooFar):
+        check_record(Record("k", None, dumps(1), NOW + 10 * 86400), LIMITS, NOW, skew=CLOCK_SKEW_ALLOWANCE)
+    with pytest.raises(RecordRejected, match="not potluck-serialized"):
+        check_record(Record("k", None, b"\x00garbage", NOW + 1), LIMITS, NOW)
+
+
+class ExpertInfo(BaseModel):
+    host: str
+    port: int
+
+
+@pytest.mark.timeout(10)
+def test_schema_validator_checks_values_under_its_prefix_only():
+    schemas = [SchemaValidator({"expert.": ExpertInfo})]
+    ok = Record("expert.ffn.3", None, dumps({"host": "a", "port": 1}), NOW + 1)
+    assert check_record(ok, LIMITS, NOW, schemas) == {"host": "a", "port": 1}
+    with pytest.raises(RecordRejected, match="ExpertInfo.*port"):
+        check_record(Record("expert.ffn.3", None, dumps({"host": "a"}), NOW + 1), LIMITS, NOW, schemas)
+    check_record(Record("other", None, dumps([1, 2]), NOW + 1), LIMITS, NOW, schemas)
+    with pytest.raises(TypeError):
+        SchemaValidator({"x": dict})
+
+
+@pytest.mark.timeout(10)
+def test_key_ids_distinguish_str_and_bytes_and_are_stable():
+    assert key_id_of("a") != key_id_of(b"a")
+    assert key_id_of("a") == key_id_of("a") and 0 <= key_id_of("a") < 2**160
+
+
+@pytest.mark.timeout(10)
+def test_malformed_messages_are_refused_with_bad_request():
+    garbage = [None, 5, "text", b"\xc1", b"\x92\x01", protocol.encode([1, 2]), protocol.encode({"ids": "x"}),
+               protocol.encode({"ids": [b"short"], "values": True}),
+               protocol.encode({"ids": [bytes(20)] * 33, "values": True}),
+               protocol.encode({"ids": [bytes(20)], "values": 1})]
+    for message in garbage:
+        with pytest.raises(BadRequest):
+            protocol.parse_find_request(message)
+    assert protocol.parse_find_request(protocol.find_request([1, 2], True)) == ([1, 2], True)
+    bad_records = [[], ["k"], [1, None, b"v", 1.0, None, None], ["k", True, b"v", 1.0, None, None],
+                   ["k", None, "not bytes", 1.0, None, None], ["k", None, b"v", "soon", None, None],
+                   ["k", None, b"v", float("inf"), None, None], ["k", None, b"v", 1.0, b"short sig", None],
+                   ["k" * 2000, None, b"v", 1.0, None, None], ["k", None, b"v", 1.0, None, 5],
+                   ["k", 2**63, b"v", 1.0, None, None]]
+    for item in bad_records:
+        with pytest.raises(BadRequest):
+            protocol.parse_store_request(protocol.encode({"records": [item]}))
+    with pytest.raises(BadRequest, match="at most 256"):
+        protocol.parse_store_request(protocol.encode({"records": [["k", None, b"v", 1.0, None, None]] * 257}))
+    with pytest.raises(BadRequest):
+        protocol.parse_ping(protocol.encode({"x": 1}))
+
+
+@pytest.mark.timeout(10)
+def test_malformed_answers_are_refused_so_the_caller_can_drop_that_peer():
+    pid = Identity.generate().peer_id.to_bytes()
+    answers = [
+        {"peers": [], "results": []},  # wrong number of results
+        {"peers": [[pid, []]], "results": [[[1], []]]},  # index out of range
+        {"peers": [[b"x", []]], "results": [[[0], []]]},  # bad peer id
+        {"peers": [[pid, ["/nonsense"]]], "results": [[[0], []]]},  # bad address
+        {"peers": [[pid, [7]]], "results": [[[0], []]]},  # address of the wrong type
+        {"peers": [], "results": [[[], [["k"]]]]},  # bad record
+    ]
+    for answer in answers:
+        with pytest.raises(BadRequest):
+            protocol.parse_find_response(msgpack.packb(answer), 1)
+    ok = protocol.parse_find_response(msgpack.packb({"peers": [[pid, ["/emu/1"]]], "results": [[[0], []]]}), 1)
+    assert ok[0][0][0][0].to_bytes() == pid

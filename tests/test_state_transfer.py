@@ -1,0 +1,430 @@
+"""State download: exact, parallel, hash-verified, and it survives donors that die or lie."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from potluck.averaging.state_transfer import (
+    SNAPSHOT_IDLE_SECONDS,
+    StateServer,
+    download_state,
+)
+from potluck.core.errors import AveragingError, RemoteError
+from potluck.core.virtual_time import run_virtual
+from potluck.net import Identity, TCPTransport
+from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
+
+KiB, MiB = 2**10, 2**20
+PREFIX = "test_run"
+CHUNK = 256 * KiB
+# Donor upload cap on the emulated network: a few MB then take about a virtual second.
+DONOR_UPLOAD = 4 * MiB
+
+
+def make_state(seed: int) -> list[torch.Tensor]:
+    """About 3.7 MB over many dtypes and odd sizes, so chunks straddle tensor boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(768, 1024, generator=g),
+        torch.randn(301, 777, generator=g).to(torch.bfloat16),
+        torch.randint(-2**62, 2**62, (10_001,), generator=g, dtype=torch.int64),
+        torch.randn(3, 5, 7, generator=g).half(),
+        torch.rand(33, generator=g) > 0.5,
+        torch.empty(0, dtype=torch.uint8),
+        torch.tensor(3.25, dtype=torch.float64),
+        torch.randn(64, 65, generator=g)[:, ::2],  # not contiguous
+    ]
+
+
+def assert_exact(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+class Swarm:
+    """A newcomer and donors on one emulated network, each donor with a StateServer."""
+
+    def __init__(self, net: EmulatedNetwork):
+        self.net = net
+        self.newcomer: EmulatedTransport | None = None
+        self.donors: list[EmulatedTransport] = []
+        self.servers: list[StateServer] = []
+
+    @classmethod
+    async def start(cls, states: list[tuple[int, list[torch.Tensor]]],
+                    upload: float | None = DONOR_UPLOAD) -> Swarm:
+        swarm = cls(EmulatedNetwork(latency=0.005))
+        swarm.newcomer = swarm.net.transport()
+        await swarm.newcomer.start()
+        for version, tensors in states:
+            donor = swarm.net.transport(upload=upload)
+            await donor.start()
+            swarm.servers.append(StateServer(
+                donor, lambda v=version, ts=tensors: (v, {"epoch": v, "note": "hi"}, ts), PREFIX,
+                chunk_bytes=CHUNK))
+            swarm.newcomer.add_addresses(donor.peer_id, donor.addresses)
+            swarm.donors.append(donor)
+        return swarm
+
+    @property
+    def donor_ids(self) -> list[str]:
+        return [d.peer_id for d in self.donors]
+
+    async def close(self) -> None:
+        for t in [self.newcomer, *self.donors]:
+            await t.close()
+
+
+def num_chunks(tensors: list[torch.Tensor]) -> int:
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return -(-total // CHUNK)
+
+
+@pytest.mark.timeout(20)
+def test_download_is_exact_and_uses_every_donor() -> None:
+    state = make_state(0)
+    expected = [t.clone() for t in state]
+
+    async def main() -> None:
+        swarm = await Swarm.start([(7, state)] * 3)
+        seen: list[tuple[int, int]] = []
+
+        def progress(done: int, total: int) -> None:
+            if not seen:
+                for t in state:  # training goes on: the donors' snapshots must not change
+                    t.zero_()
+            seen.append((done, total))
+
+        version, metadata, tensors = await download_state(
+            swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, progress=progress)
+        assert version == 7 and metadata == {"epoch": 7, "note": "hi"}
+        assert_exact(tensors, expected)
+        served = [s.chunks_served for s in swarm.servers]
+        assert all(n > 0 for n in served), served
+        assert sum(served) >= num_chunks(state)
+        total = sum(t.numel() * t.element_size() for t in expected)
+        assert seen[-1] == (total, total) and len(seen) == num_chunks(state)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("silent", [False, True], ids=["killed", "powered_off"])
+def test_donor_killed_mid_transfer_newcomer_still_gets_exact_state(silent: bool) -> None:
+    state = make_state(1)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(3, state)] * 3)
+        victim = swarm.donors[1].peer_id
+        crashed_at: list[int] = []
+
+        def progress(done: int, total: int) -> None:
+            if not crashed_at and done >= total // 3:
+                crashed_at.append(done)
+                swarm.net.crash(victim, silent=silent)
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        version, _, tensors = await download_state(
+            swarm.newcomer, swarm.donor_ids, PREFIX, timeout=120, progress=progress)
+        assert version == 3
+        assert_exact(tensors, state)
+        total = sum(t.numel() * t.element_size() for t in state)
+        assert crashed_at and crashed_at[0] < total  # it really died mid-transfer
+        assert 0 < swarm.servers[1].chunks_served < num_chunks(state)
+        if silent:  # the endgame fetched its lost chunks elsewhere instead of waiting them out
+            assert loop.time() - t0 < 10
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_newest_version_wins() -> None:
+    old, new = make_state(2), make_state(3)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(4, old), (5, new), (3, old), (5, new)])
+        version, metadata, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60)
+        assert version == 5 and metadata["epoch"] == 5
+        assert_exact(tensors, new)
+        assert [s.chunks_served > 0 for s in swarm.servers] == [False, True, False, True]
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_largest_group_of_agreeing_donors_wins_within_a_version() -> None:
+    a, b = make_state(4), make_state(5)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(9, a), (9, b), (9, b)])
+        _, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60)
+        assert_exact(tensors, b)
+        assert swarm.servers[0].chunks_served == 0
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_lying_donor_is_caught_by_hash_and_state_is_still_exact(caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state(6)
+    total = sum(t.numel() * t.element_size() for t in state)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(2, state)] * 3)
+        liar, liar_server = swarm.donors[0], swarm.servers[0]
+        lies: list[int] = []
+
+        async def corrupt_chunks(stream: Any, ctx: Any) -> None:
+            """Honest manifest (from the real server), garbage chunk bytes of the right size."""
+            async for message in stream:
+                index = message["i"]
+                lies.append(index)
+                size = min(CHUNK, total - index * CHUNK)
+                await stream.send({"i": index, "data": torch.full((size,), 7, dtype=torch.uint8)})
+
+        liar.add_stream_handler(liar_server.chunks_method, corrupt_chunks)
+        with caplog.at_level(logging.WARNING, logger="potluck.averaging.state_transfer"):
+            _, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60)
+        assert_exact(tensors, state)
+        assert lies, "the liar was never asked, so the test proves nothing"
+        assert any("does not match its hash" in r.getMessage() and str(liar.peer_id) in r.getMessage()
+                   for r in caplog.records)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("bogus", [
+    {"version": 99},  # an incomplete manifest
+    "not a manifest",
+    {"version": 99, "metadata": None, "specs": [["float32", [10]]], "chunk_bytes": 4096,
+     "hashes": [b"\0" * 32] * 2, "snapshot": b"\0" * 16},  # 40 bytes need 1 hash, not 2
+    {"version": 99, "metadata": None, "specs": [["float32", [2**40]]], "chunk_bytes": 4096,
+     "hashes": [], "snapshot": b"\0" * 16},  # 4 TiB: over the size limit
+    {"version": 99, "metadata": None, "specs": [["no_such_dtype", [10]]], "chunk_bytes": 4096,
+     "hashes": [b"\0" * 32], "snapshot": b"\0" * 16},
+    {"version": 99, "metadata": None, "specs": [["float32", [10]]], "chunk_bytes": 1,
+     "hashes": [b"\0" * 32] * 40, "snapshot": b"\0" * 16},  # absurd chunk size
+])
+def test_donor_with_invalid_manifest_is_ignored(bogus: Any) -> None:
+    state = make_state(7)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(1, state), (1, state)])
+
+        async def lie(request: Any, ctx: Any) -> Any:
+            return bogus
+
+        swarm.donors[0].add_handler(swarm.servers[0].manifest_method, lie)
+        version, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60)
+        assert version == 1
+        assert_exact(tensors, state)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_wrong_schema_is_refused_when_the_caller_says_what_it_expects() -> None:
+    state = make_state(8)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(1, state)])
+        with pytest.raises(AveragingError, match="differ"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60,
+                                 like=[torch.zeros(3)])
+        _, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60,
+                                             like=state)
+        assert_exact(tensors, state)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_all_donors_dead_before_start_raises_at_once() -> None:
+    async def main() -> None:
+        swarm = await Swarm.start([(1, make_state(9))] * 3)
+        for donor in swarm.donor_ids:
+            swarm.net.crash(donor)
+        with pytest.raises(AveragingError, match="no donor offered"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=30)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_all_donors_silent_raises_within_the_deadline() -> None:
+    async def main() -> None:
+        swarm = await Swarm.start([(1, make_state(9))] * 2)
+        for donor in swarm.donors:  # connected, then gone without a word: calls just hang
+            await swarm.newcomer.connect(donor.addresses[0], timeout=5)
+            swarm.net.crash(donor.peer_id, silent=True)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(AveragingError, match="within 20"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=20)
+        assert loop.time() - t0 == pytest.approx(20, abs=0.01)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_all_donors_dying_mid_transfer_raises() -> None:
+    state = make_state(10)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(1, state)] * 2)
+
+        crashed: list[bool] = []
+
+        def progress(done: int, total: int) -> None:
+            if done >= total // 3 and not crashed:
+                crashed.append(True)
+                for donor in swarm.donor_ids:
+                    swarm.net.crash(donor)
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(AveragingError, match="dropped out after"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, progress=progress)
+        assert loop.time() - t0 < 60
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving() -> None:
+    state = make_state(11)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(1, state)], upload=None)
+        client, server = swarm.newcomer, swarm.servers[0]
+        donor = swarm.donor_ids[0]
+
+        async def first_reply(open_request: Any, *messages: Any) -> Any:
+            stream = await client.open_stream(donor, server.chunks_method, open_request, timeout=10)
+            for message in messages:
+                await stream.send(message)
+            try:
+                return await stream.recv(timeout=10)
+            finally:
+                stream.abort()
+
+        with pytest.raises(RemoteError, match="takes no arguments"):
+            await client.call(donor, server.manifest_method, {"give": "me everything"}, timeout=10)
+        manifest = await client.call(donor, server.manifest_method, None, timeout=10)
+        snapshot = manifest["snapshot"]
+        with pytest.raises(RemoteError, match="opened with"):
+            await first_reply("garbage")
+        with pytest.raises(RemoteError, match="16 bytes"):
+            await first_reply({"snapshot": b"short"})
+        with pytest.raises(RemoteError, match="unknown or expired snapshot"):
+            await first_reply({"snapshot": b"\1" * 16})
+        with pytest.raises(RemoteError, match="out of range"):
+            await first_reply({"snapshot": snapshot}, {"i": len(manifest["hashes"])})
+        with pytest.raises(RemoteError, match="out of range"):
+            await first_reply({"snapshot": snapshot}, {"i": -1})
+        with pytest.raises(RemoteError, match="must be"):
+            await first_reply({"snapshot": snapshot}, {"i": "0"})
+        with pytest.raises(RemoteError, match="must be"):
+            await first_reply({"snapshot": snapshot}, [0])
+        reply = await first_reply({"snapshot": snapshot}, {"i": 0})
+        assert reply["i"] == 0 and reply["data"].numel() == CHUNK
+
+        await asyncio.sleep(SNAPSHOT_IDLE_SECONDS + 1)  # virtual time: the snapshot expires
+        with pytest.raises(RemoteError, match="unknown or expired snapshot"):
+            await first_reply({"snapshot": snapshot}, {"i": 0})
+
+        _, _, tensors = await download_state(client, [donor], PREFIX, timeout=60)
+        assert_exact(tensors, state)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_newcomers_arriving_together_share_one_snapshot() -> None:
+    calls: list[int] = []
+    state = make_state(12)
+
+    def get_state() -> tuple[int, Any, list[torch.Tensor]]:
+        calls.append(1)
+        return 1, None, state
+
+    async def main() -> None:
+        net = EmulatedNetwork()
+        donor, a, b = net.transport(), net.transport(), net.transport()
+        for t in (donor, a, b):
+            await t.start()
+            t.add_addresses(donor.peer_id, donor.addresses)
+        server = StateServer(donor, get_state, PREFIX)
+        first, second = await asyncio.gather(
+            a.call(donor.peer_id, server.manifest_method, None, timeout=10),
+            b.call(donor.peer_id, server.manifest_method, None, timeout=10))
+        assert first["snapshot"] == second["snapshot"] and len(calls) == 1
+        for t in (donor, a, b):
+            await t.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_state_server_reports_a_broken_get_state_to_the_caller() -> None:
+    async def main() -> None:
+        net = EmulatedNetwork()
+        donor, client = net.transport(), net.transport()
+        for t in (donor, client):
+            await t.start()
+        client.add_addresses(donor.peer_id, donor.addresses)
+        bad: Callable[[], Any] = lambda: (1, None, ["not a tensor"])  # noqa: E731
+        StateServer(donor, bad, PREFIX)
+        with pytest.raises(AveragingError, match="torch.Tensor"):
+            await download_state(client, [donor.peer_id], PREFIX, timeout=10)
+        for t in (donor, client):
+            await t.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_download_over_real_tcp(arun: Callable[..., Any]) -> None:
+    state = make_state(13)
+
+    async def main() -> None:
+        newcomer = TCPTransport(Identity.generate(), host="127.0.0.1")
+        donors = [TCPTransport(Identity.generate(), host="127.0.0.1") for _ in range(3)]
+        servers = []
+        try:
+            for t in (newcomer, *donors):
+                await t.start()
+            for donor in donors:
+                servers.append(StateServer(donor, lambda: (11, {"step": 11}, state), PREFIX, chunk_bytes=CHUNK))
+                newcomer.add_addresses(donor.peer_id, donor.addresses)
+            version, metadata, tensors = await download_state(
+                newcomer, [d.peer_id for d in donors], PREFIX, timeout=15)
+            assert version == 11 and metadata == {"step": 11}
+            assert_exact(tensors, state)
+            assert all(s.chunks_served > 0 for s in servers)
+        finally:
+            for t in (newcomer, *donors):
+                await t.close()
+
+    arun(main(), timeout=15)
