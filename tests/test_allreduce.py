@@ -54,7 +54,8 @@ async def average(services, group, vectors, weights, crash_at=None, crash=(), ne
 
     async def one(i):
         vec = None if group.modes[i] == "aux" else vectors[i]
-        return await services[i].run(group, vec, weights[i], CODEC, **kwargs)
+        result, contributors = await services[i].run(group, vec, weights[i], CODEC, **kwargs)
+        return result
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(services))]
     if crash:
         await asyncio.sleep(crash_at)

@@ -242,11 +242,11 @@ def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
         rng = random.Random(8)
         keys = [f"expert.ffn.{i}" for i in range(60)]
         now = dhts[0].get_time()
-        for writer, chunk in zip(rng.sample(dhts, 6), range(0, 60, 10)):
+        for writer, chunk in zip(rng.sample(dhts, 6), range(0, 60, 10), strict=True):
             assert all(await writer.astore_many([(k, {"uid": k}, now + 3600) for k in keys[chunk:chunk + 10]]))
         wanted = {d: [keys[(i * 7 + j * 20) % 60] for j in range(3)] for i, d in enumerate(dhts)}
         results = await asyncio.gather(*(d.node.get_many(ks) for d, ks in wanted.items()))
-        missing = [(d.peer_id, k) for (d, ks), r in zip(wanted.items(), results) for k in ks if not r[k].records]
+        missing = [(d.peer_id, k) for (d, ks), r in zip(wanted.items(), results, strict=True) for k in ks if not r[k].records]
         assert not missing, missing[:5]
         assert {k for ks in wanted.values() for k in ks} == set(keys)
 
@@ -257,9 +257,9 @@ def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
         alive = [d for i, d in enumerate(dhts) if i not in dead]
         wanted = {d: rng.sample(keys, 3) for d in alive}
         results = await asyncio.gather(*(d.node.get_many(ks) for d, ks in wanted.items()))
-        found = sum(1 for (d, ks), r in zip(wanted.items(), results) for k in ks if r[k].records)
+        found = sum(1 for (d, ks), r in zip(wanted.items(), results) for k in ks if r[k].records, strict=True)
         assert found >= 0.99 * 3 * len(alive), f"found {found} of {3 * len(alive)}"
-        by_key = {k for (d, ks), r in zip(wanted.items(), results) for k in ks if r[k].records}
+        by_key = {k for (d, ks), r in zip(wanted.items(), results, strict=True) for k in ks if r[k].records}
         assert len(by_key) >= 0.99 * len(keys)
         await shutdown(alive)
 

@@ -386,8 +386,9 @@ class AllReduceRun:
         return t
 
     # -- the member's side ------------------------------------------------------------------------
-    async def run(self) -> torch.Tensor | None:
-        """Take part until commit; returns the averaged vector (None for aux members)."""
+    async def run(self) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+        """Take part until commit; returns the averaged vector (None for aux members) and the
+        members whose tensors it averages."""
         try:
             async with asyncio.timeout_at(self.deadline):
                 if self.mode != "aux":
@@ -407,7 +408,7 @@ class AllReduceRun:
             raise AveragingError(f"averaging step aborted: {self.outcome.aborted}")
         if self.mode != "aux" and not set(self.outcome.assignment) <= self.final:
             raise AveragingError("the group committed without this peer (it was presumed dead)")
-        return self.result
+        return self.result, self.outcome.senders
 
     def _start_exchange(self, shard: int, reducer: int) -> None:
         old = self.exchanges.get(shard)
@@ -711,7 +712,7 @@ class AllReduceService:
             timer.cancel()
 
     async def run(self, group: Group, vector: torch.Tensor | None, weight: float, codec: Any,
-                  timeout: float, **kwargs: Any) -> torch.Tensor | None:
+                  timeout: float, **kwargs: Any) -> tuple[torch.Tensor | None, tuple[int, ...]]:
         """Take part in one all-reduce step with `group`; see the module docstring."""
         me = group.peers.index(self.transport.peer_id)
         run = AllReduceRun(self, group, me, vector, weight, codec, timeout, **kwargs)

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from potluck.averaging.allreduce import MODES, SENDER_TIMEOUT, AllReduceService
-from potluck.averaging.matchmaking import Matchmaker
+from potluck.averaging.matchmaking import MAX_ADDRESSES, Matchmaker
+from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.compression import get_codec
-from potluck.core.errors import AveragingError
+from potluck.core.errors import AveragingError, PotluckError
 from potluck.core.runner import run_in_thread
+from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BANDWIDTH = 100e6
 # Weight of the newest measurement in the bandwidth estimate (exponential moving average).
 BANDWIDTH_SMOOTHING = 0.5
+# How long a donor's "I can share my state" record lives in the DHT; refreshed at every step.
+STATE_RECORD_TTL = 600.0
 # One all-reduce service per transport: several averagers (prefixes) share its handlers.
 _SERVICES: dict[int, AllReduceService] = {}
 
@@ -45,6 +49,7 @@ class StepResult:
     peers: list[str]
     gathered: dict[str, Any] = field(default_factory=dict)  # peer id -> the metadata it sent
     group_key: str = ""
+    contributors: list[str] = field(default_factory=list)  # peers whose tensors are in the average
 
 
 def _service(transport: Any) -> AllReduceService:
@@ -78,7 +83,7 @@ class Averager:
                  compression: Any = "none", mode: str = "node", *, grid: Sequence[int] | None = None,
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
-                 bandwidth: float | None = None):
+                 bandwidth: float | None = None, allow_state_sharing: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if not tensors or any(not t.is_floating_point() for t in tensors):
@@ -109,6 +114,10 @@ class Averager:
         self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
+        self.state_metadata: Any = None  # shared with newcomers alongside the tensors
+        self.state_server = None
+        if allow_state_sharing and self.mode == "node":
+            self.state_server = StateServer(self.transport, self._get_state, prefix, lock=self._lock)
 
     # -- the user's side ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -145,14 +154,63 @@ class Averager:
         if group.modes[me] != "aux":
             vector = await run_in_thread(self._flatten)
         started = time.perf_counter()
-        result = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
-                                        sender_timeout=self.sender_timeout)
+        result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
+                                                      sender_timeout=self.sender_timeout)
         self._measure(group, time.perf_counter() - started)
         if result is not None:
             await run_in_thread(self._assign, result)
         self._advance(me)
+        await self._announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers],
-                          {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key)
+                          {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key,
+                          [str(group.peers[i]) for i in contributors])
+
+    # -- state for newcomers ------------------------------------------------------------------------
+    def _get_state(self) -> tuple[int, Any, list[torch.Tensor]]:
+        return self.round, self.state_metadata, self._tensors  # called under self._lock
+
+    async def _announce_state(self) -> None:
+        if self.state_server is None:
+            return
+        record = {"version": self.round, "addrs": [str(a) for a in self.transport.addresses][:MAX_ADDRESSES]}
+        try:
+            await self.peer.dht.astore(f"{self.prefix}.state", record, self.peer.dht.get_time() + STATE_RECORD_TTL,
+                                       subkey=str(self.transport.peer_id))
+        except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
+            logger.debug("could not announce state: %s", e)
+
+    def load_state_from_peers(self, timeout: float | None = None) -> tuple[int, Any]:
+        """Download the newest averaged state from peers (in parallel, verified by hash) into
+        this averager's tensors; returns (version, metadata). Raises AveragingError if none can."""
+        timeout = timeout or self.allreduce_timeout
+        return self.peer.run(self.aload_state_from_peers(timeout), timeout + 5)
+
+    async def aload_state_from_peers(self, timeout: float | None = None) -> tuple[int, Any]:
+        """The async twin of `load_state_from_peers`."""
+        timeout = timeout or self.allreduce_timeout
+        found = await self.peer.dht.aget(f"{self.prefix}.state", latest=True)
+        donors = []
+        for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            try:
+                peer_id = PeerID.from_string(subkey)
+                version = int(entry.value["version"])
+                self.transport.add_addresses(peer_id, [str(a) for a in entry.value["addrs"][:MAX_ADDRESSES]])
+            except (PotluckError, KeyError, TypeError, ValueError):
+                continue
+            if peer_id != self.transport.peer_id:
+                donors.append((-version, str(peer_id), peer_id))
+        if not donors:
+            raise AveragingError(f"no peer offers the state of {self.prefix!r} yet")
+        version, metadata, tensors = await download_state(
+            self.transport, [d[2] for d in sorted(donors)], self.prefix, timeout, like=self._tensors)
+        await run_in_thread(self._load, tensors)
+        self.round, self.state_metadata = version, metadata
+        return version, metadata
+
+    def _load(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            for mine, theirs in zip(self._tensors, tensors, strict=True):
+                mine.copy_(theirs)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _group_key(self) -> str:
@@ -193,8 +251,10 @@ class Averager:
             self.bandwidth, self._measured = estimate, True
 
     def shutdown(self) -> None:
-        """Stop serving this averager's matchmaking."""
+        """Stop serving this averager's matchmaking and state."""
         self.matchmaker.close()
+        if self.state_server is not None:
+            self.state_server.close()
 
 
 def _schema(tensors: list[torch.Tensor], codec: dict) -> str:

@@ -163,7 +163,7 @@ class DHTNode:
         deadline = loop.time() + timeout
         initial = list(initial_peers)
         results = await asyncio.gather(*(self._reach(p, deadline) for p in initial), return_exceptions=True)
-        errors = [f"{p}: {r}" for p, r in zip(initial, results) if isinstance(r, BaseException)]
+        errors = [f"{p}: {r}" for p, r in zip(initial, results) if isinstance(r, BaseException, strict=True)]
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
@@ -335,7 +335,7 @@ class DHTNode:
         parsed = protocol.parse_find_response(response, len(ids))
         now = self.now()
         answers = {}
-        for target, (nearest, records) in zip(ids, parsed):
+        for target, (nearest, records) in zip(ids, parsed, strict=True):
             near = []
             for other, other_id, addrs in nearest:
                 if other_id == self.node_id or not addrs:
@@ -487,8 +487,8 @@ class DHTNode:
                     plan.setdefault(peer, []).extend(indices)
         outcomes = await asyncio.gather(*(self._send_records(peer, [records[i] for i in indices], deadline)
                                           for peer, indices in plan.items()))
-        for (peer, indices), answer in zip(plan.items(), outcomes):
-            for i, ok in zip(indices, answer):
+        for (peer, indices), answer in zip(plan.items(), outcomes, strict=True):
+            for i, ok in zip(indices, answer, strict=True):
                 if ok is True:
                     stored[i] = True
                 elif isinstance(ok, str):
