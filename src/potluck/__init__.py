@@ -1,5 +1,6 @@
 """potluck: train neural networks together on computers nobody controls centrally."""
 
+from potluck.core.dht_time import get_dht_time
 from potluck.core.errors import (
     ConnectionLost,
     DeadlineExceeded,
@@ -10,7 +11,6 @@ from potluck.core.errors import (
     ProtocolError,
     RemoteError,
 )
-from potluck.core.dht_time import get_dht_time
 from potluck.dht import DHT, ValueWithExpiration
 from potluck.peer import Peer
 

@@ -36,7 +36,12 @@ from potluck.dht.records import Key, Record, key_id_of
 from potluck.dht.routing import DEFAULT_BUCKET_SIZE, DEFAULT_DEPTH_MODULO, RoutingTable, node_id_of
 from potluck.dht.storage import DEFAULT_MAX_STORAGE_BYTES, Storage, merge_records
 from potluck.dht.validation import (
-    CLOCK_SKEW_ALLOWANCE, DEFAULT_MAX_TTL, DEFAULT_MAX_VALUE_BYTES, Limits, RecordValidator, check_record,
+    CLOCK_SKEW_ALLOWANCE,
+    DEFAULT_MAX_TTL,
+    DEFAULT_MAX_VALUE_BYTES,
+    Limits,
+    RecordValidator,
+    check_record,
 )
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
@@ -163,7 +168,7 @@ class DHTNode:
         deadline = loop.time() + timeout
         initial = list(initial_peers)
         results = await asyncio.gather(*(self._reach(p, deadline) for p in initial), return_exceptions=True)
-        errors = [f"{p}: {r}" for p, r in zip(initial, results) if isinstance(r, BaseException, strict=True)]
+        errors = [f"{p}: {r}" for p, r in zip(initial, results, strict=True) if isinstance(r, BaseException)]
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
@@ -276,7 +281,8 @@ class DHTNode:
         """Check that `peer` serves the DHT; raises a NetworkError if it does not answer."""
         try:
             self._introduce(peer)
-            await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST, timeout=timeout or self.config.rpc_timeout)
+            await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST,
+                                      timeout=timeout or self.config.rpc_timeout)
         except (NetworkError, TimeoutError):
             self._peer_failed(peer)
             raise

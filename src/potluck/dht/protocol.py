@@ -106,7 +106,10 @@ def find_response(peers: list[tuple[PeerID, list[Multiaddr]]],
                    "results": [[indices, [r.to_wire() for r in records]] for indices, records in results]})
 
 
-def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[tuple[PeerID, int, list[Multiaddr]]], list[Record]]]:
+NearPeer = tuple[PeerID, int, list[Multiaddr]]  # peer id, node id, addresses
+
+
+def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[NearPeer], list[Record]]]:
     """Per asked id: (nearest peers as (peer id, node id, addresses), records). Raises BadRequest
     on any flaw; the caller treats that as a failed peer."""
     message = decode(blob, "find response")
