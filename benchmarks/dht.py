@@ -209,7 +209,7 @@ def run_worker(args: argparse.Namespace) -> None:
 def measure(python: str, system: str, args: argparse.Namespace) -> dict:
     cmd = [python, __file__, "--worker", system, "--peers", str(args.peers), "--keys", str(args.keys),
            "--gets", str(args.gets), "--kill", str(args.kill), "--seed", str(args.seed)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src")) if system == "potluck" else None
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -217,3 +217,27 @@ def test_load_balancing_gives_fast_peers_more_and_clients_nothing():
     assert with_client[1] == 0 and with_client[0] == pytest.approx(0.5, rel=1e-3)
     sizes = part_sizes(1001, [0.5, 0.25, 0.25])
     assert sum(sizes) == 1001 and sizes[0] > sizes[1]
+
+
+class OversizedCodec(PlainCodec):
+    """A member that sends chunks bigger than the shard's chunk (lying about its piece)."""
+
+    def encode(self, t):
+        return torch.cat([t, torch.zeros(7)])
+
+
+@pytest.mark.timeout(60)
+def test_member_sending_oversized_chunks_is_excluded():
+    async def main():
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 8_000)
+        vectors = [torch.randn(8_000) for _ in range(4)]
+
+        async def one(i):
+            codec = OversizedCodec() if i == 2 else CODEC
+            return (await services[i].run(group, vectors[i], 1.0, codec, timeout=30, sender_timeout=2.0, chunk=1000))[0]
+        results = await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+        # Member 2's pieces are refused everywhere, and its malformed results make the others move
+        # its shard to a survivor; the liar itself may still end with the same result.
+        check_survivors_identical(results, [0, 1, 3], weighted_mean(vectors, [1.0] * 4, [0, 1, 3]))
+    run_virtual(main())

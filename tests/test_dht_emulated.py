@@ -28,6 +28,7 @@ from potluck.dht import (
     protocol,
 )
 from potluck.dht.records import Record
+from potluck.dht.routing import node_id_of
 from potluck.dht.validation import sign_record
 from potluck.net.emulated import EmulatedNetwork
 
@@ -229,6 +230,39 @@ def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
         assert await mallory.astore("fine", "ok", now + 10)
         assert (await target.aget("fine")).value == "ok"
         await shutdown(dhts)
+
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_full_bucket_pings_its_oldest_entry_and_replaces_it_only_if_it_is_dead():
+    async def scenario():
+        net = EmulatedNetwork(latency=LATENCY, seed=11)
+        config = DHTConfig(bucket_size=1, depth_modulo=1)  # the far half of the id space: one slot
+        home = await DHT.create(await started(net), clock=event_loop_clock(), config=config)
+        far = []
+        while len(far) < 3:  # peers in the half of the id space that does not hold home's id
+            transport = await started(net)
+            if (node_id_of(transport.peer_id) >> 159) != (home.node.node_id >> 159):
+                transport.add_addresses(home.peer_id, home.node.transport.addresses)
+                far.append(await DHT.create(transport, clock=event_loop_clock(), config=config))
+        old, alive_newcomer, dead_oldest_newcomer = far
+        await old.node.ping(home.peer_id)
+        assert old.peer_id in home.node.routing
+        await alive_newcomer.node.ping(home.peer_id)  # bucket full: home pings `old`, which answers
+        await home.node.wait_idle()
+        assert old.peer_id in home.node.routing and alive_newcomer.peer_id not in home.node.routing
+        net.crash(old.peer_id)
+        await old.ashutdown()
+        await dead_oldest_newcomer.node.ping(home.peer_id)  # now the ping fails: the newcomer gets in
+        await home.node.wait_idle()
+        assert old.peer_id not in home.node.routing and dead_oldest_newcomer.peer_id in home.node.routing
+        await shutdown([home, alive_newcomer, dead_oldest_newcomer])
+
+    async def started(net: EmulatedNetwork):
+        transport = net.transport(keepalive_interval=None)
+        await transport.start()
+        return transport
 
     run_virtual(scenario())
 

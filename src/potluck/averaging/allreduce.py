@@ -442,9 +442,9 @@ class AllReduceRun:
             finally:
                 sender.cancel()
         except (NetworkError, PotluckError, KeyError, TypeError, ValueError) as e:
+            # Unreachable or sending malformed results: either way the shard must move elsewhere.
             logger.debug("exchange of shard %d with member %d failed: %s", shard, reducer, e)
-            if isinstance(e, NetworkError):
-                self.mark_dead(reducer)
+            self.mark_dead(reducer)
 
     async def _send_piece(self, channel: Any, start: int, end: int, abstain: bool) -> None:
         try:

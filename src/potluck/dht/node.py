@@ -363,7 +363,7 @@ class DHTNode:
                 raise RecordRejected("record key does not hash to the id that was asked for")
             check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
         except RecordRejected as e:
-            logger.info("ignoring a record from %s: %s", source, e)
+            logger.debug("ignoring a record from %s: %s", source, e)
             return False
         return True
 
