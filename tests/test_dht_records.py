@@ -108,7 +108,7 @@ def test_malformed_messages_are_refused_with_bad_request():
     for message in garbage:
         with pytest.raises(BadRequest):
             protocol.parse_find_request(message)
-    assert protocol.parse_find_request(protocol.find_request([1, 2], True)) == ([1, 2], True)
+    assert protocol.parse_find_request(protocol.find_request([1, 2], True, True)) == ([1, 2], True, True)
     bad_records = [[], ["k"], [1, None, b"v", 1.0, None, None], ["k", True, b"v", 1.0, None, None],
                    ["k", None, "not bytes", 1.0, None, None], ["k", None, b"v", "soon", None, None],
                    ["k", None, b"v", float("inf"), None, None], ["k", None, b"v", 1.0, b"short sig", None],

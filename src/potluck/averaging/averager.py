@@ -126,28 +126,33 @@ class Averager:
         with self._lock:
             yield self._tensors
 
-    def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None) -> StepResult:
+    def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
+             group_key: str | None = None, target_group_size: int | None = None) -> StepResult:
         """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
 
         `weight` (e.g. the number of samples behind these tensors) weighs this peer's
         contribution; `gather` is small metadata handed to every member (see StepResult).
+        `group_key` restricts this step to peers using the same key (e.g. the same epoch), and
+        `target_group_size` overrides the averager's for this step.
         """
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
-        return self.peer.run(self.astep(weight, timeout, gather), budget + 5)
+        return self.peer.run(self.astep(weight, timeout, gather, group_key=group_key,
+                                        target_group_size=target_group_size), budget + 5)
 
-    async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None) -> StepResult:
+    async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
+                    group_key: str | None = None, target_group_size: int | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         try:
             async with asyncio.timeout(budget):
-                return await self._step(weight, gather)
+                return await self._step(weight, gather, group_key, target_group_size)
         except TimeoutError:
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
 
-    async def _step(self, weight: float, gather: Any) -> StepResult:
-        key = self._group_key()
+    async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None) -> StepResult:
+        key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
-                                                  metadata=gather)
+                                                  metadata=gather, target=target)
         group = formed.group
         me = group.peers.index(self.transport.peer_id)
         vector = None

@@ -102,8 +102,9 @@ class Matchmaker:
         return f"{self.prefix}.match.{group_key}"
 
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
-                         metadata: Any = None) -> FormedGroup:
-        """Find peers under `group_key` within `window` seconds and return the group formed."""
+                         metadata: Any = None, target: int | None = None) -> FormedGroup:
+        """Find peers under `group_key` within `window` seconds and return the group formed; a
+        leader closes the group early once it has `target` members (default: the matchmaker's)."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         addresses = tuple(str(a) for a in self.transport.addresses)
@@ -111,7 +112,8 @@ class Matchmaker:
         gathering: _Gathering | None = None
         if not self.client:
             closes_at = self.dht.get_time() + window
-            gathering = _Gathering(group_key, self.schema, self.target, closes_at, [me])
+            size = min(target or self.target, MAX_GROUP_SIZE)
+            gathering = _Gathering(group_key, self.schema, size, closes_at, [me])
             self._gatherings[group_key] = gathering
             await self.dht.astore(self._dht_key(group_key), {"schema": self.schema, "addrs": list(addresses)},
                                   closes_at, subkey=str(self.transport.peer_id))

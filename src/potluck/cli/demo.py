@@ -1,56 +1,201 @@
-"""`potluck demo`: a local swarm of peer processes doing real work together.
+"""`potluck demo`: a local swarm of peer processes trains a small CNN together.
 
-For now the work is an all-to-all exchange: every peer streams its tensor to every other peer over
-TLS, and each computes the swarm mean; the demo checks that all peers hold the same, correct
-result. (Collaborative training replaces this job once the Optimizer lands.)
+Four peers (one 2x slower, one in client mode, as if behind NAT) train on scikit-learn's bundled
+digits with a shared global batch; midway one peer is killed and a new one joins and downloads the
+swarm's state. A fifth process trains the same model alone, for comparison. The parent shows one
+live line per peer and writes `report.json` and `loss.png`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-
-CHUNK_FLOATS = 2**20  # 4 MiB chunks on the wire
+REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
+               "mode", "peers", "killed", "joined", "loss_curves")
+LOCAL_BATCH = 32
+TARGET_BATCH = 1024
+LEARNING_RATE = 3e-3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "demo", help="run a small local swarm and show what it does",
-        description="Start several local peer processes that exchange tensors over TLS and agree on "
-                    "their mean. Writes DIR/report.json with: peers, megabytes_per_peer, "
-                    "wall_seconds, all_identical, correct, and per_peer (peer_id, seconds, "
-                    "mb_per_s_received).")
-    parser.add_argument("--peers", type=int, default=4, help="number of peer processes (default 4)")
-    parser.add_argument("--megabytes", type=int, default=32, help="tensor size per peer in MB (default 32)")
+        "demo", help="train a small CNN with a local swarm of peers (the main demo)",
+        description="Start a local swarm of peer processes that train a CNN on the digits data set "
+                    "together: one peer is 2x slower, one is in client mode (behind NAT); midway one "
+                    "peer is killed and a new one joins. A separate process trains alone for "
+                    "comparison. Writes DIR/report.json with: " + ", ".join(REPORT_KEYS)
+                    + "; and DIR/loss.png (training loss against time, swarm and single peer).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4, help="peers at the start (at least 2)")
+    parser.add_argument("--mode", choices=["sync", "moshpit", "diloco"], default="sync",
+                        help="sync: DeDLOC global batches; moshpit: local SGD with group averaging; "
+                             "diloco: inner steps, then an averaged outer Nesterov step")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of training")
     parser.add_argument("--out", default="potluck-report", metavar="DIR", help="report folder")
-    parser.add_argument("--insecure", action="store_true", help="plain TCP instead of TLS")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-churn", action="store_true", help="do not kill a peer or add one midway")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
 
-def _tensor_for(index: int, megabytes: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 + index)
-    return torch.randn(megabytes * 2**20 // 4, generator=generator)
+# -- the worker: one peer process ------------------------------------------------------------------
+def make_model() -> Any:
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum in peer order, so that every peer gets bit-identical results."""
-    total = torch.zeros_like(tensors[0])
-    for t in tensors:
-        total += t
-    return total / len(tensors)
+def load_data() -> tuple[Any, Any, Any, Any]:
+    import torch
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(y)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    test, train = order[:360], order[360:]
+    return x[train], y[train], x[test], y[test]
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+def accuracy(model: Any, x: Any, y: Any) -> float:
+    import torch
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+
+    import potluck
+    from potluck.optim import Optimizer
+
+    spec = json.loads(args.worker)
+    torch.set_num_threads(1)
+    import logging
+    logging.getLogger("potluck.optim").setLevel(logging.INFO)  # the log file tells the story of each epoch
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    x, y, x_test, y_test = load_data()
+    model = make_model()
+    emit = _emitter()
+    if spec["role"] == "alone":
+        return _train_alone(model, x, y, x_test, y_test, stop, emit)
+    initial = [spec["initial_peer"]] if spec.get("initial_peer") else []
+    with potluck.Peer(initial_peers=initial, host="127.0.0.1", client_mode=spec["role"] == "client") as peer:
+        emit({"address": peer.addresses[0] if peer.addresses else None, "peer_id": peer.peer_id})
+        opt = Optimizer(peer, "demo", model.parameters(), lambda p: torch.optim.Adam(p, LEARNING_RATE),
+                        target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, mode=spec["mode"],
+                        averaging_mode="client" if spec["role"] == "client" else "node",
+                        local_steps=20, average_state_every=5, delay_updates=True, averaging_timeout=20.0)
+        generator = torch.Generator().manual_seed(spec["seed"])
+        loss_ema, samples, last = None, 0, 0.0
+        while not stop.is_set():
+            started = time.perf_counter()
+            batch = torch.randint(0, len(y), (LOCAL_BATCH,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            loss.backward()
+            opt.step()
+            samples += LOCAL_BATCH
+            loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+            if spec["role"] == "slow":
+                time.sleep(time.perf_counter() - started)  # twice as slow as the others
+            if time.monotonic() - last > 0.5:
+                last = time.monotonic()
+                emit({"epoch": opt.local_epoch, "loss": loss_ema, "sps": opt.samples_per_second,
+                      "samples": samples, "time": time.time()})
+        emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "epoch": opt.local_epoch,
+              "samples": samples})
+        opt.shutdown()
+    return 0
+
+
+def _train_alone(model: Any, x: Any, y: Any, x_test: Any, y_test: Any, stop: threading.Event, emit: Any) -> int:
+    """The same model and hyperparameters, one process, no network: the baseline."""
+    import torch
+    opt = torch.optim.Adam(model.parameters(), LEARNING_RATE)
+    generator = torch.Generator().manual_seed(12345)
+    loss_ema, samples, epoch, last = None, 0, 0, 0.0
+    while not stop.is_set():
+        batch = torch.randint(0, len(y), (LOCAL_BATCH,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+        (loss * LOCAL_BATCH / TARGET_BATCH).backward()  # accumulate to the same global batch
+        samples += LOCAL_BATCH
+        if samples % TARGET_BATCH == 0:
+            opt.step()
+            opt.zero_grad()
+            epoch += 1
+        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        if time.monotonic() - last > 0.5:
+            last = time.monotonic()
+            emit({"epoch": epoch, "loss": loss_ema, "sps": 0.0, "samples": samples, "time": time.time()})
+    emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "epoch": epoch, "samples": samples})
+    return 0
+
+
+def _emitter() -> Any:
+    lock = threading.Lock()
+
+    def emit(message: dict) -> None:
+        with lock:
+            print(json.dumps(message), flush=True)
+    return emit
+
+
+# -- the parent: start, watch, churn, report ---------------------------------------------------------
+@dataclass
+class Worker:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    status: str = "starting"
+    last: dict = field(default_factory=dict)
+    curve: list = field(default_factory=list)
+    final: dict | None = None
+    address: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "address" in message:
+                self.address = message["address"]
+                self.ready.set()
+            elif message.get("final"):
+                self.final = message
+            else:
+                self.last = message
+                self.curve.append((message["time"], message["loss"]))
+                if self.status == "starting":
+                    self.status = "training"
+        if self.status != "killed":
+            self.status = "done" if self.final else "exited"
+        self.ready.set()
+
+
+def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_dir: Path) -> Worker:
+    spec = json.dumps({"role": role, "mode": mode, "seed": seed, "initial_peer": initial})
+    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child process
+    proc = subprocess.Popen([sys.executable, "-m", "potluck", "demo", "--worker", spec], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    worker = Worker(name, role, proc)
+    threading.Thread(target=worker.read, daemon=True).start()
+    if role == "alone":
+        worker.ready.set()
+    return worker
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,97 +204,145 @@ def run(args: argparse.Namespace) -> int:
     if args.peers < 2:
         print("--peers must be at least 2", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    print(f"starting {args.peers} peers, {args.megabytes} MB each ({'plain TCP' if args.insecure else 'TLS 1.3'})")
-    base = [sys.executable, "-m", "potluck", "demo", "--megabytes", str(args.megabytes)]
-    if args.insecure:
-        base.append("--insecure")
-    procs = [subprocess.Popen(base + ["--worker", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True) for i in range(args.peers)]
-    try:
-        addresses = []
-        for i, proc in enumerate(procs):
-            line = proc.stdout.readline().strip()
-            if not line:
-                raise RuntimeError(f"peer {i} exited before it started listening")
-            addresses.append(line)
-            print(f"  peer {i}: {line}")
-        for proc in procs:
-            proc.stdin.write(json.dumps(addresses) + "\n")
-            proc.stdin.close()
-        results = []
-        for i, proc in enumerate(procs):
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"peer {i} failed; run with -v for its log")
-            results.append(json.loads(line))
-            proc.wait(timeout=30)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    expected = _digest(_mean_in_order([_tensor_for(i, args.megabytes) for i in range(args.peers)]))
-    digests = {r["digest"] for r in results}
-    report = {
-        "peers": args.peers, "megabytes_per_peer": args.megabytes, "tls": not args.insecure,
-        "wall_seconds": round(time.perf_counter() - started, 3),
-        "all_identical": len(digests) == 1, "correct": digests == {expected},
-        "per_peer": [{k: r[k] for k in ("peer_id", "seconds", "mb_per_s_received")} for r in results],
-    }
-    print("peer  exchange time  received MB/s")
-    for i, r in enumerate(results):
-        print(f"{i:4d}  {r['seconds']:11.2f}s  {r['mb_per_s_received']:13.0f}")
-    verdict = "all peers hold the same, correct mean" if report["correct"] else "MISMATCH between peers"
-    print(f"{verdict}; wall time {report['wall_seconds']} s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"report: {out / 'report.json'}")
-    return 0 if report["correct"] else 1
+    started = time.time()
+    roles = ["node"] + ["slow", "client"] + ["node"] * (args.peers - 3)
+    roles = roles[:args.peers]
+    workers: list[Worker] = []
+    killed = joined = None
+    print(f"potluck demo: {args.peers} peers train a CNN on digits ({args.mode} mode, {args.duration:.0f} s); "
+          f"logs in {out}/")
+    try:
+        first = _start("peer-0", roles[0], args.mode, 0, None, out)
+        workers.append(first)
+        if not first.ready.wait(60) or first.address is None:
+            raise RuntimeError(f"the first peer failed to start; see {out}/peer-0.log")
+        for i, role in enumerate(roles[1:], start=1):
+            workers.append(_start(f"peer-{i}", role, args.mode, i, first.address, out))
+        workers.append(_start("alone", "alone", args.mode, 99, None, out))
+        for w in workers:
+            w.ready.wait(60)
+        training_started = time.time()
+        churn_at = (0.35 * args.duration, 0.5 * args.duration)
+        with _Display(workers) as display:
+            while (elapsed := time.time() - training_started) < args.duration:
+                if not args.no_churn and killed is None and elapsed > churn_at[0] and len(workers) > 3:
+                    killed = workers[2 if args.peers > 2 else 1]
+                    killed.proc.send_signal(signal.SIGKILL)
+                    killed.status = "killed"
+                if not args.no_churn and joined is None and elapsed > churn_at[1]:
+                    joined = _start(f"peer-{args.peers}", "node", args.mode, args.peers, first.address, out)
+                    joined.role = "newcomer"
+                    workers.insert(-1, joined)
+                display.update()
+                time.sleep(0.25)
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.stdin.write("stop\n")
+                w.proc.stdin.flush()
+        deadline = time.time() + 60
+        for w in workers:
+            if w.status != "killed":
+                w.proc.wait(max(1.0, deadline - time.time()))
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+    return _report(args, out, workers, started, killed, joined)
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from potluck.peer import Peer
-
-    me = args.worker
-    mine = _tensor_for(me, args.megabytes)
-    received: dict[int, torch.Tensor] = {}
-    all_in = asyncio.Event()
-
-    with Peer(host="127.0.0.1", insecure=args.insecure) as peer:
-        async def push(stream, ctx):
-            index = stream.request["index"]
-            buf = torch.empty_like(mine)
-            offset = 0
-            async for chunk in stream:
-                buf[offset:offset + chunk.numel()] = chunk
-                offset += chunk.numel()
-            received[index] = buf
-            if len(received) == len(addresses) - 1:
-                all_in.set()
-
-        peer.transport.add_stream_handler("demo.push", push)
-        print(peer.addresses[0], flush=True)
-        addresses = json.loads(sys.stdin.readline())
-
-        async def exchange() -> float:
-            t0 = time.perf_counter()
-
-            async def send_to(addr: str) -> None:
-                pid = await peer.transport.connect(addr)
-                async with await peer.transport.open_stream(pid, "demo.push", {"index": me}) as stream:
-                    for start in range(0, mine.numel(), CHUNK_FLOATS):
-                        await stream.send(mine[start:start + CHUNK_FLOATS])
-
-            await asyncio.gather(*(send_to(a) for i, a in enumerate(addresses) if i != me))
-            await asyncio.wait_for(all_in.wait(), 120)
-            return time.perf_counter() - t0
-
-        seconds = peer.run(exchange(), timeout=180)
-        received[me] = mine
-        mean = _mean_in_order([received[i] for i in range(len(addresses))])
-        mb = mine.numel() * 4 * (len(addresses) - 1) / 1e6
-        print(json.dumps({"peer_id": peer.peer_id, "seconds": round(seconds, 3),
-                          "mb_per_s_received": round(mb / seconds, 1), "digest": _digest(mean)}),
-              flush=True)
+def _report(args: argparse.Namespace, out: Path, workers: list[Worker], started: float,
+            killed: Worker | None, joined: Worker | None) -> int:
+    swarm = [w for w in workers if w.role != "alone" and w.final]
+    alone = next(w for w in workers if w.role == "alone")
+    if not swarm or alone.final is None:
+        print(f"the demo failed: no peer finished; see the logs in {out}/", file=sys.stderr)
+        return 1
+    report = {
+        "test_accuracy": round(sum(w.final["accuracy"] for w in swarm) / len(swarm), 4),
+        "single_peer_test_accuracy": round(alone.final["accuracy"], 4),
+        "wall_seconds": round(time.time() - started, 1),
+        "epochs": max(w.final["epoch"] for w in swarm),
+        "single_peer_epochs": alone.final["epoch"],
+        "samples_per_peer": {w.name: (w.final or w.last).get("samples", 0) for w in workers if w.role != "alone"},
+        "mode": args.mode, "peers": args.peers,
+        "killed": killed.name if killed else None, "joined": joined.name if joined else None,
+        "loss_curves": {w.name: w.curve for w in workers},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    _plot(out / "loss.png", workers, started)
+    print(f"\nswarm test accuracy {report['test_accuracy']:.1%} after {report['epochs']} epochs; "
+          f"one peer alone: {report['single_peer_test_accuracy']:.1%} after {report['single_peer_epochs']} epochs")
+    print(f"report: {out / 'report.json'}, plot: {out / 'loss.png'} ({report['wall_seconds']} s)")
     return 0
+
+
+def _plot(path: Path, workers: list[Worker], started: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for w in workers:
+        if w.curve:
+            t, loss = zip(*w.curve, strict=True)
+            style = {"color": "black", "linewidth": 2.5} if w.role == "alone" else {"alpha": 0.8}
+            ax.plot([x - started for x in t], loss, label=f"{w.name} ({w.role})", **style)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("training loss (moving average)")
+    ax.set_yscale("log")
+    ax.set_title("potluck demo: swarm peers vs one peer training alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class _Display:
+    """One live line per peer: a table redrawn in place on a terminal, plain lines otherwise."""
+
+    def __init__(self, workers: list[Worker]):
+        self.workers = workers
+        self.tty = sys.stdout.isatty()
+        self._live = None
+        self._last_plain = 0.0
+
+    def __enter__(self) -> _Display:
+        if self.tty:
+            from rich.live import Live
+            self._live = Live(self._table(), refresh_per_second=4)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.__exit__(None, None, None)
+        else:
+            self._print_plain()
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        return [(w.name, w.role, w.status, str(w.last.get("epoch", "-")), f"{w.last.get('sps', 0):.0f}",
+                 f"{w.last['loss']:.3f}" if "loss" in w.last else "-") for w in self.workers]
+
+    def _table(self) -> Any:
+        from rich.table import Table
+        table = Table(title="potluck swarm")
+        for column in ("peer", "role", "status", "epoch", "samples/s", "loss"):
+            table.add_column(column)
+        for row in self._rows():
+            table.add_row(*row)
+        return table
+
+    def _print_plain(self) -> None:
+        print(" | ".join(f"{r[0]} {r[2]} epoch {r[3]} loss {r[5]}" for r in self._rows()), flush=True)
+
+    def update(self) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+        elif time.time() - self._last_plain > 5:
+            self._last_plain = time.time()
+            self._print_plain()
+
+
+__all__ = ["register", "run", "make_model", "load_data"]

@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C at any moment, even during start-up: clean exit
+        signal.signal(sig, lambda *_: stop.set())
     with start_peer(args) as peer:
         print(f"peer id: {peer.peer_id}")
         if peer.addresses:
@@ -59,12 +60,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("client mode: not reachable from outside; dialing out only")
         print("press Ctrl-C to stop", flush=True)
-        try:
-            while not stop.wait(STATUS_INTERVAL):
-                node = peer.dht.node
-                logger.info("dht: %d peers in the routing table, %d keys stored (%d bytes)",
-                            len(node.routing), len(node.storage), node.storage.total_bytes)
-        except KeyboardInterrupt:
-            pass
+        while not stop.wait(STATUS_INTERVAL):
+            node = peer.dht.node
+            logger.info("dht: %d peers in the routing table, %d keys stored (%d bytes)",
+                        len(node.routing), len(node.storage), node.storage.total_bytes)
     print("stopped", flush=True)
     return 0

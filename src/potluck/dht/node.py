@@ -293,33 +293,34 @@ class DHTNode:
         if not ctx.remote.client_mode:
             self._learn(ctx.peer_id)
 
-    async def _on_ping(self, request: Any, ctx: CallContext) -> dict:
+    async def _on_ping(self, request: Any, ctx: CallContext) -> bytes:
         protocol.parse_ping(request)
         self._caller(ctx)
         return protocol.PING_RESPONSE
 
-    async def _on_find(self, request: Any, ctx: CallContext) -> dict:
-        ids, values = protocol.parse_find_request(request)
+    async def _on_find(self, request: Any, ctx: CallContext) -> bytes:
+        ids, values, stop = protocol.parse_find_request(request)
         self._caller(ctx)
         now = self.now()
         peers: list[tuple[PeerID, list[Multiaddr]]] = []
         index: dict[PeerID, int] = {}
         results = []
         for target in ids:
-            indices = []
-            for peer, _ in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
-                if peer not in index:
-                    addrs = self.transport.addresses_of(peer)
-                    if not addrs:
-                        continue
-                    index[peer] = len(peers)
-                    peers.append((peer, addrs))
-                indices.append(index[peer])
             records = self.storage.get(target, now) if values else []
+            indices = []
+            if not (records and stop):
+                for peer, _ in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
+                    if peer not in index:
+                        addrs = self.transport.addresses_of(peer)
+                        if not addrs:
+                            continue
+                        index[peer] = len(peers)
+                        peers.append((peer, addrs))
+                    indices.append(index[peer])
             results.append((indices, records))
         return protocol.find_response(peers, results)
 
-    async def _on_store(self, request: Any, ctx: CallContext) -> dict:
+    async def _on_store(self, request: Any, ctx: CallContext) -> bytes:
         records = protocol.parse_store_request(request)
         self._caller(ctx)
         now = self.now()
@@ -333,10 +334,11 @@ class DHTNode:
         return protocol.store_response(results)
 
     # -- lookups -------------------------------------------------------------------------------------
-    async def _find(self, peer: PeerID, ids: list[int], values: bool, deadline: float) -> dict[int, Answer]:
+    async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool,
+                    deadline: float) -> dict[int, Answer]:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
-        response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values),
+        response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values, stop),
                                              timeout=timeout)
         parsed = protocol.parse_find_response(response, len(ids))
         now = self.now()
@@ -381,7 +383,7 @@ class DHTNode:
                 for peer, ids in lookup.next_requests().items():
                     for start in range(0, len(ids), protocol.MAX_FIND_IDS):
                         chunk = ids[start:start + protocol.MAX_FIND_IDS]
-                        task = loop.create_task(self._find(peer, chunk, values, deadline))
+                        task = loop.create_task(self._find(peer, chunk, values, stop_on_value, deadline))
                         pending[task] = (peer, chunk, loop.time() + SLOW_AFTER)
                 for task, (peer, chunk, _) in list(pending.items()):
                     if not lookup.still_needed(chunk):

@@ -3,10 +3,11 @@
 Each request and response travels as one msgpack blob (`bytes`): a find answer names hundreds of
 small items, and msgpack's C codec handles them in one call. Messages (ids are 20-byte big-endian):
 - `dht.ping`  {}                                   -> {"ok": True}
-- `dht.find`  {"ids": [id...], "values": bool}     -> {"peers": [[peer id bytes, [addr...]]...],
-                                                       "results": [[[peer index...], [record...]]...]}
+- `dht.find`  {"ids": [id...], "values": bool, "stop": bool}
+                -> {"peers": [[peer id bytes, [addr...]]...], "results": [[[peer index...], [record...]]...]}
   one result per id: the peers closest to it that the node knows (indices into "peers"), and
-  the records it holds for that key (only when "values" is true);
+  the records it holds for that key (only when "values" is true). With "stop" (the asker stops
+  at the first value, Kademlia's FIND_VALUE), a node that holds records sends them instead of peers;
 - `dht.store` {"records": [record...]}             -> {"results": [True | False | "error"...]}
   one result per record: held, refused by the later-expiration rule, or why it was refused.
 A record is `Record.to_wire()`. A malformed request is answered with a `BadRequest` error.
@@ -87,17 +88,19 @@ def _field(message: object, name: str, kind: type | tuple[type, ...], what: str)
 
 
 # -- find ---------------------------------------------------------------------------------------
-def find_request(ids: list[int], values: bool) -> bytes:
-    return encode({"ids": [i.to_bytes(ID_BYTES, "big") for i in ids], "values": values})
+def find_request(ids: list[int], values: bool, stop: bool = False) -> bytes:
+    return encode({"ids": [i.to_bytes(ID_BYTES, "big") for i in ids], "values": values, "stop": stop})
 
 
-def parse_find_request(blob: object) -> tuple[list[int], bool]:
+def parse_find_request(blob: object) -> tuple[list[int], bool, bool]:
+    """(ids, values, stop) of a find request."""
     message = decode(blob, "find request")
     ids = _field(message, "ids", list, "find request")
     if len(ids) > MAX_FIND_IDS:
         raise BadRequest(f"a find request names at most {MAX_FIND_IDS} ids, got {len(ids)}")
     values = _field(message, "values", bool, "find request")
-    return [_id_bytes(i, "each id") for i in ids], values
+    stop = _field(message, "stop", bool, "find request")
+    return [_id_bytes(i, "each id") for i in ids], values, stop
 
 
 def find_response(peers: list[tuple[PeerID, list[Multiaddr]]],

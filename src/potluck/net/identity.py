@@ -93,7 +93,7 @@ def base58_decode(text: str) -> bytes:
 class PeerID:
     """A peer's name: its 32-byte Ed25519 public key, shown as base58 text."""
 
-    __slots__ = ("_key", "_public_key", "_text")
+    __slots__ = ("_hash", "_key", "_public_key", "_text")
 
     def __init__(self, key_bytes: bytes):
         if not isinstance(key_bytes, (bytes, bytearray, memoryview)):
@@ -106,6 +106,7 @@ class PeerID:
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_text", None)
         object.__setattr__(self, "_public_key", None)
+        object.__setattr__(self, "_hash", hash((PeerID, key)))  # ids are dict keys everywhere: hash once
 
     @classmethod
     def from_string(cls, text: str) -> PeerID:
@@ -177,7 +178,7 @@ class PeerID:
         return self
 
     def __hash__(self) -> int:
-        return hash((PeerID, self._key))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PeerID):

@@ -102,7 +102,8 @@ class Transport:
         known = self._address_book.setdefault(peer_id, [])
         for addr in addresses:
             addr = Multiaddr.parse(addr) if isinstance(addr, str) else addr
-            addr = addr.without_peer_id()
+            if addr.peer_id is not None:
+                addr = addr.without_peer_id()
             if addr not in known:
                 known.insert(0, addr)  # newest first: the most likely to be current
         del known[MAX_ADDRESSES_PER_PEER:]
@@ -166,7 +167,7 @@ class Transport:
         if pending is None:
             pending = asyncio.ensure_future(self._dial_known(peer_id, bulk=False))
             self._dialing[peer_id] = pending
-            pending.add_done_callback(lambda _: self._dialing.pop(peer_id, None))
+            pending.add_done_callback(lambda f: (self._dialing.pop(peer_id, None), f.cancelled() or f.exception()))
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(pending)

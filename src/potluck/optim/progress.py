@@ -1,0 +1,112 @@
+"""Progress tracking: who is training, how fast, and when the swarm's global batch will be full.
+
+Each peer publishes its progress (epoch, samples accumulated in that epoch, samples per second)
+under `<run_id>.progress` in a subkey that only it can write (owner-signed). Every peer reads all
+records and extrapolates them to now, so it knows when the collaboration reaches
+`target_batch_size` without a central server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from potluck.core.errors import PotluckError
+from potluck.dht.records import owner_marker
+
+logger = logging.getLogger(__name__)
+
+# A peer's record lives this long unless refreshed: a peer that died stops counting after it.
+PROGRESS_TTL = 10.0
+# Others' reports are extrapolated at their speed for at most this long: a peer that has not
+# reported for longer may be blocked (averaging) or gone, and must not fill the batch alone.
+MAX_EXTRAPOLATION = 1.0
+# Records that claim absurd values are ignored (they come from other peers).
+MAX_SAMPLES_PER_SECOND = 1e9
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer_id: str
+    epoch: int
+    samples: int  # accumulated towards `epoch`'s global batch
+    samples_per_second: float
+    time: float  # DHT time of the report
+    client_mode: bool = False
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The collaboration as this peer sees it."""
+
+    epoch: int  # the newest epoch any peer reports
+    samples: float  # samples towards that epoch's batch, extrapolated to now
+    peers: int  # peers working on that epoch
+    samples_per_second: float
+    eta_seconds: float  # until the global batch is full (0 when it is)
+    reports: tuple[PeerProgress, ...] = ()
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and reads everyone's (async; the Optimizer drives it)."""
+
+    def __init__(self, dht: Any, run_id: str, peer_id: str, target_batch_size: int, client_mode: bool = False):
+        self.dht = dht
+        self.key = f"{run_id}.progress"
+        self.subkey = f"{peer_id}{owner_marker(peer_id)}"
+        self.peer_id = peer_id
+        self.target = target_batch_size
+        self.client_mode = client_mode
+
+    async def report(self, epoch: int, samples: int, samples_per_second: float) -> None:
+        now = self.dht.get_time()
+        record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
+                  "client": self.client_mode}
+        try:
+            await self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey)
+        except PotluckError as e:
+            logger.debug("could not publish progress: %s", e)
+
+    async def fetch(self) -> dict[str, PeerProgress]:
+        """Every live peer's latest report (ours included, as last published)."""
+        now = self.dht.get_time()
+        reports: dict[str, PeerProgress] = {}
+        try:
+            found = await self.dht.aget(self.key, latest=True)
+        except PotluckError as e:
+            logger.debug("could not read progress: %s", e)
+            return reports
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                report = _parse(subkey, entry.value)
+                if report is not None and entry.expiration_time > now:
+                    reports[report.peer_id] = report
+        return reports
+
+    def estimate(self, reports: dict[str, PeerProgress], local: PeerProgress) -> GlobalProgress:
+        """The swarm's progress now: others' reports extrapolated at their speed, plus our own
+        exact numbers. Every peer computes nearly the same moment for "the batch is full"."""
+        reports = {**reports, local.peer_id: local}
+        now = local.time
+        epoch = max(r.epoch for r in reports.values())
+        current = [r for r in reports.values() if r.epoch == epoch]
+        samples = sum(r.samples + r.samples_per_second * min(max(0.0, now - r.time), MAX_EXTRAPOLATION)
+                      for r in current)
+        speed = sum(r.samples_per_second for r in current)
+        left = max(0.0, self.target - samples)
+        eta = 0.0 if left == 0 else (left / speed if speed > 0 else float("inf"))
+        return GlobalProgress(epoch, samples, len(current), speed, eta, tuple(reports.values()))
+
+
+def _parse(subkey: Any, value: Any) -> PeerProgress | None:
+    """A progress record from the DHT, or None if it is malformed."""
+    if not isinstance(subkey, str) or "[owner:" not in subkey or not isinstance(value, dict):
+        return None
+    try:
+        epoch, samples, sps, time = int(value["epoch"]), int(value["samples"]), float(value["sps"]), float(value["time"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND:
+        return None
+    return PeerProgress(subkey.split("[owner:")[0], epoch, samples, sps, time, bool(value.get("client")))
