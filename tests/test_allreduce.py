@@ -184,8 +184,8 @@ def test_forged_and_malformed_parts_are_refused_and_the_step_completes():
         intruder = net.transport()
         await intruder.start()
         intruder.add_addresses(group.peers[0], transports[0].addresses)
-        from potluck.core.errors import RemoteError
         from potluck.averaging.allreduce import METHOD_PART
+        from potluck.core.errors import RemoteError
 
         async def attack(request, payloads):
             stream = await intruder.open_stream(group.peers[0], METHOD_PART, request, timeout=5)

@@ -23,7 +23,7 @@ def test_eight_peers_reach_the_weighted_mean_and_share_metadata():
         net, peers = await make_swarm(8)
         vectors = [torch.randn(1000) for _ in peers]
         avgs = [Averager(p, [v, torch.ones(3, 3) * i], "job", matchmaking_time=1.0)
-                for i, (p, v) in enumerate(zip(peers, vectors))]
+                for i, (p, v) in enumerate(zip(peers, vectors, strict=False))]
         results = await asyncio.gather(*(a.astep(weight=i + 1, gather={"i": i}) for i, a in enumerate(avgs)))
         total = sum(range(1, 9))
         expected = sum(v * (i + 1) for i, v in enumerate(vectors)) / total
@@ -44,7 +44,7 @@ def test_moshpit_256_peers_on_a_16x16_grid_reach_the_exact_mean_in_two_rounds():
         vectors = [torch.randn(64) for _ in peers]
         mean = sum(vectors) / len(vectors)
         avgs = [Averager(p, [v], "moshpit", target_group_size=16, grid=(16, 16), coordinates=(i // 16, i % 16),
-                         matchmaking_time=1.0) for i, (p, v) in enumerate(zip(peers, vectors))]
+                         matchmaking_time=1.0) for i, (p, v) in enumerate(zip(peers, vectors, strict=False))]
         errors = []
         for _ in range(2):
             results = await asyncio.gather(*(a.astep() for a in avgs))
@@ -61,7 +61,7 @@ def test_100_peers_with_target_group_size_8_average_in_many_groups_at_once():
         net, peers = await make_swarm(100)
         vectors = [torch.randn(32) for _ in peers]
         avgs = [Averager(p, [v], "many", target_group_size=8, matchmaking_time=2.0)
-                for p, v in zip(peers, vectors)]
+                for p, v in zip(peers, vectors, strict=False)]
         results = await asyncio.wait_for(asyncio.gather(*(a.astep() for a in avgs), return_exceptions=True), 60)
         sizes = [r.group_size for r in results if not isinstance(r, BaseException)]
         assert len(sizes) >= 95 and max(sizes) <= 8
@@ -75,7 +75,7 @@ def test_moshpit_with_peers_leaving_still_converges_geometrically():
         net, peers = await make_swarm(64, latency=0.002)
         vectors = [torch.randn(16) for _ in peers]
         avgs = [Averager(p, [v], "churn", target_group_size=8, grid=(8, 8), coordinates=(i // 8, i % 8),
-                         matchmaking_time=1.0, sender_timeout=1.0) for i, (p, v) in enumerate(zip(peers, vectors))]
+                         matchmaking_time=1.0, sender_timeout=1.0) for i, (p, v) in enumerate(zip(peers, vectors, strict=False))]
         alive = list(range(64))
         spread = []
         for r in range(4):
@@ -119,7 +119,7 @@ def test_client_and_aux_averagers_take_part():
         net, peers = await make_swarm(4, client_mode=(2,))
         modes = ["node", "node", "client", "aux"]
         vectors = [torch.randn(100) for _ in peers]
-        avgs = [Averager(p, [v], "modes", mode=m, matchmaking_time=0.5) for p, v, m in zip(peers, vectors, modes)]
+        avgs = [Averager(p, [v], "modes", mode=m, matchmaking_time=0.5) for p, v, m in zip(peers, vectors, modes, strict=False)]
         results = await asyncio.gather(*(a.astep() for a in avgs))
         expected = sum(vectors[:3]) / 3
         for a in avgs[:3]:
@@ -133,7 +133,7 @@ def test_compressed_averaging_stays_within_the_codec_bound():
     async def main():
         net, peers = await make_swarm(4)
         vectors = [torch.randn(1000) for _ in peers]
-        avgs = [Averager(p, [v], "fp16job", compression="fp16", matchmaking_time=0.5) for p, v in zip(peers, vectors)]
+        avgs = [Averager(p, [v], "fp16job", compression="fp16", matchmaking_time=0.5) for p, v in zip(peers, vectors, strict=False)]
         await asyncio.gather(*(a.astep() for a in avgs))
         assert max_error(avgs, sum(vectors) / 4) < 1e-2
         assert all(torch.equal(a._tensors[0], avgs[0]._tensors[0]) for a in avgs)
@@ -151,6 +151,6 @@ def test_newcomer_downloads_the_averaged_state():
                             "state")
         version, _ = await newcomer.aload_state_from_peers(timeout=20)
         assert version == 1
-        for mine, theirs in zip(newcomer._tensors, avgs[0]._tensors):
+        for mine, theirs in zip(newcomer._tensors, avgs[0]._tensors, strict=False):
             assert torch.equal(mine, theirs)
     run_virtual(main())

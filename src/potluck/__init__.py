@@ -1,7 +1,9 @@
 """potluck: train neural networks together on computers nobody controls centrally."""
 
+from potluck.averaging import Averager, StepResult
 from potluck.core.dht_time import get_dht_time
 from potluck.core.errors import (
+    AveragingError,
     ConnectionLost,
     DeadlineExceeded,
     HandshakeError,
@@ -12,11 +14,13 @@ from potluck.core.errors import (
     RemoteError,
 )
 from potluck.dht import DHT, ValueWithExpiration
+from potluck.optim import Optimizer
 from potluck.peer import Peer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Averager", "AveragingError", "Optimizer", "StepResult",
     "DHT", "ConnectionLost", "DeadlineExceeded", "HandshakeError", "NetworkError", "Peer",
     "PeerUnreachable", "PotluckError", "ProtocolError", "RemoteError", "ValueWithExpiration",
     "__version__", "get_dht_time",

@@ -11,7 +11,6 @@ by its upload and its download; we minimize the slowest member's time:
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linprog
 
 # Bandwidths below this (bytes/s) are treated as this, so a peer that measured nothing yet still
 # gets a sane share instead of breaking the program.
@@ -26,6 +25,8 @@ TIGHT = 1e-4
 
 def optimal_fractions(modes: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
     """Fraction of the vector each member reduces (0 for clients), minimizing the slowest member."""
+    from scipy.optimize import linprog  # imported on first use: it costs half a second at start-up
+
     n = len(modes)
     download = upload if download is None else download
     up = np.maximum(np.asarray(upload, dtype=float), MIN_BANDWIDTH)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -203,6 +202,13 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.peers < 2:
         print("--peers must be at least 2", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+        import rich  # noqa: F401
+        import sklearn  # noqa: F401
+    except ImportError as e:
+        print(f"the demo needs {e.name}: pip install 'potluck[demo]' (or run ./scripts/demo.sh)", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

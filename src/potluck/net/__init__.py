@@ -11,5 +11,7 @@ from potluck.net.identity import Identity, PeerID
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
 
-__all__ = ["CallContext", "Connection", "EmulatedNetwork", "EmulatedTransport", "Identity", "Multiaddr", "PeerID", "Stream", "TCPTransport",
-           "Transport"]
+__all__ = [
+    "CallContext", "Connection", "EmulatedNetwork", "EmulatedTransport", "Identity", "Multiaddr", "PeerID",
+    "Stream", "TCPTransport", "Transport",
+]

@@ -22,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from potluck.averaging.averager import Averager
-from potluck.core.errors import AveragingError
+from potluck.core import serialization
+from potluck.core.errors import AveragingError, SerializationError
 from potluck.core.tensors import all_finite
 from potluck.optim.progress import GlobalProgress, PeerProgress, ProgressTracker
 
@@ -41,6 +44,8 @@ MODES = ("sync", "moshpit", "diloco")
 PROGRESS_INTERVAL = 0.2
 # Weight of the newest measurement in the samples-per-second estimate.
 SPEED_SMOOTHING = 0.3
+# Version tag of checkpoint files.
+CHECKPOINT_FORMAT = "potluck-checkpoint-1"
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
 
@@ -160,6 +165,40 @@ class Optimizer(torch.optim.Optimizer):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save the collaboration's state as this peer holds it (parameters, optimizer statistics,
+        epoch, scheduler). Our own safe format, never pickle. Any peer can do it at any time."""
+        state = {"format": CHECKPOINT_FORMAT, "run_id": self.run_id, "epoch": self.local_epoch,
+                 "params": [p.detach().clone() for p in self._params], "optimizer": self.inner.state_dict(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(serialization.dumps(state))
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Resume from `save_checkpoint`'s file; other peers then download this state from us."""
+        try:
+            state = serialization.loads(Path(path).read_bytes())
+        except SerializationError:
+            state = None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a potluck checkpoint")
+        if len(state["params"]) != len(self._params):
+            raise ValueError(f"{path} holds {len(state['params'])} parameters; this model has {len(self._params)}")
+        with torch.no_grad():
+            for p, saved in zip(self._params, state["params"], strict=True):
+                if p.shape != saved.shape:
+                    raise ValueError(f"{path}: a parameter of shape {tuple(saved.shape)} does not fit {tuple(p.shape)}")
+                p.copy_(saved)
+        self.inner.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.local_epoch = int(state["epoch"])
+        self.state_averager.state_metadata = {"epoch": self.local_epoch}
+        self._sync_state_tensors(to_averager=True)
 
     # -- sync mode (DeDLOC) -------------------------------------------------------------------------
     def _sync_step(self) -> None:

@@ -104,7 +104,8 @@ def _parse(subkey: Any, value: Any) -> PeerProgress | None:
     if not isinstance(subkey, str) or "[owner:" not in subkey or not isinstance(value, dict):
         return None
     try:
-        epoch, samples, sps, time = int(value["epoch"]), int(value["samples"]), float(value["sps"]), float(value["time"])
+        epoch, samples = int(value["epoch"]), int(value["samples"])
+        sps, time = float(value["sps"]), float(value["time"])
     except (KeyError, TypeError, ValueError):
         return None
     if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND:

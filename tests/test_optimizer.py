@@ -1,0 +1,194 @@
+"""`potluck.Optimizer`: peers in one process (threads) training a CNN on digits together."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+import torch
+
+import potluck
+from potluck.cli.demo import accuracy, load_data, make_model
+from potluck.optim import Optimizer
+
+X, Y, X_TEST, Y_TEST = load_data()
+BATCH, TARGET, LR = 32, 512, 3e-3
+
+
+def digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+class Member:
+    """One peer, its model and its optimizer; trains in its own thread until told to stop."""
+
+    def __init__(self, index: int, initial: list[str], run_id: str, **options):
+        self.index = index
+        self.peer = potluck.Peer(host="127.0.0.1", initial_peers=initial,
+                                 client_mode=options.pop("client_mode", False))
+        self.model = make_model()
+        self.nan = options.pop("nan_gradients", False)
+        options.setdefault("load_state", False)
+        self.opt = Optimizer(self.peer, run_id, self.model.parameters(), lambda p: torch.optim.Adam(p, LR),
+                             target_batch_size=TARGET, batch_size_per_step=BATCH, **options)
+        self.digests: dict[int, str] = {}
+        original = self.opt._advance_epoch
+
+        def recording_advance() -> None:  # the parameters as they are at the end of each epoch
+            original()
+            self.digests[self.opt.local_epoch] = digest(self.model)
+        self.opt._advance_epoch = recording_advance
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def train(self, epochs: int | None = None) -> None:
+        generator = torch.Generator().manual_seed(self.index)
+        while not self.stop.is_set() and (epochs is None or self.opt.local_epoch < epochs):
+            batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(self.model(X[batch]), Y[batch])
+            loss.backward()
+            if self.nan:
+                for p in self.model.parameters():
+                    p.grad.fill_(float("nan"))
+            self.opt.step()
+
+    def start(self, epochs: int | None = None) -> None:
+        self.thread = threading.Thread(target=self.train, args=(epochs,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(60)
+        self.opt.shutdown()
+        self.peer.shutdown()
+
+
+@pytest.fixture
+def swarm():
+    members: list[Member] = []
+
+    def make(n: int, run_id: str, **options) -> list[Member]:
+        first = Member(0, [], run_id, **options)
+        members.append(first)
+        for i in range(1, n):
+            members.append(Member(i, first.peer.addresses, run_id, **options))
+        return members
+    yield make
+    for m in members:
+        m.close()
+
+
+def reference_accuracy(epochs: int) -> float:
+    """The same model, data and global batch in one process."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), LR)
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(epochs):
+        for _ in range(TARGET // BATCH):
+            batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
+            (torch.nn.functional.cross_entropy(model(X[batch]), Y[batch]) * BATCH / TARGET).backward()
+        opt.step()
+        opt.zero_grad()
+    return accuracy(model, X_TEST, Y_TEST)
+
+
+@pytest.mark.timeout(240)
+def test_four_peers_end_every_epoch_identical_and_match_single_process_accuracy(swarm):
+    epochs = 60
+    members = swarm(4, "identical")
+    for m in members:
+        m.start(epochs)
+    for m in members:
+        m.thread.join(200)
+    assert all(m.opt.local_epoch == epochs for m in members)
+    for epoch in range(1, epochs + 1):
+        values = {m.digests.get(epoch) for m in members}
+        assert len(values) == 1, f"peers differ after epoch {epoch}"
+    swarm_accuracy = accuracy(members[0].model, X_TEST, Y_TEST)
+    assert swarm_accuracy >= reference_accuracy(epochs) - 0.01
+
+
+@pytest.mark.timeout(240)
+def test_peer_killed_and_newcomer_joining_training_continues(swarm):
+    members = swarm(3, "churn")
+    for m in members:
+        m.start()
+    while members[0].opt.local_epoch < 5:
+        members[0].stop.wait(0.05)
+    victim = members[2]
+    victim.stop.set()
+    victim.thread.join(30)
+    victim.peer.shutdown()  # leaves abruptly: no goodbye to anyone
+    newcomer = Member(3, members[0].peer.addresses, "churn", load_state=True)
+    members.append(newcomer)
+    assert newcomer.opt.local_epoch >= 5  # it downloaded the swarm's state
+    newcomer.start()
+    first_epoch = newcomer.opt.local_epoch + 1
+    while newcomer.opt.local_epoch < first_epoch + 1 or members[0].opt.local_epoch < first_epoch + 1:
+        newcomer.stop.wait(0.05)
+    for m in (members[0], members[1], newcomer):
+        m.stop.set()
+        m.thread.join(60)
+    common = min(members[0].opt.local_epoch, newcomer.opt.local_epoch)
+    assert newcomer.digests[common] == members[0].digests[common] == members[1].digests[common]
+
+
+@pytest.mark.timeout(240)
+def test_client_mode_peer_trains_with_the_swarm(swarm):
+    members = swarm(2, "client")
+    members.append(Member(2, members[0].peer.addresses, "client", client_mode=True, averaging_mode="client"))
+    for m in members:
+        m.start(8)
+    for m in members:
+        m.thread.join(120)
+    assert members[2].peer.addresses == []
+    assert members[0].digests[8] == members[1].digests[8] == members[2].digests[8]
+
+
+@pytest.mark.timeout(240)
+def test_peer_with_nan_gradients_is_not_averaged_in(swarm):
+    members = swarm(3, "nan")
+    members[2].nan = True
+    for m in members:
+        m.start(10)
+    for m in members[:2]:
+        m.thread.join(120)
+    members[2].stop.set()
+    assert all(torch.isfinite(p).all() for p in members[0].model.parameters())
+    assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.5
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["moshpit", "diloco"])
+def test_local_update_modes_converge(swarm, mode):
+    members = swarm(3, f"local-{mode}", mode=mode, local_steps=10)
+    for m in members:
+        m.start(25)
+    for m in members:
+        m.thread.join(200)
+    accuracies = [accuracy(m.model, X_TEST, Y_TEST) for m in members]
+    assert min(accuracies) > 0.85, accuracies
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_saves_and_a_new_swarm_resumes_from_it(swarm, tmp_path):
+    members = swarm(2, "ckpt")
+    for m in members:
+        m.start(4)
+    for m in members:
+        m.thread.join(120)
+    path = tmp_path / "run.ckpt"
+    members[1].opt.save_checkpoint(path)
+    saved = digest(members[1].model)
+    restarted = Member(7, [], "ckpt-resumed")
+    members.append(restarted)
+    restarted.opt.load_checkpoint(path)
+    assert restarted.opt.local_epoch == 4 and digest(restarted.model) == saved
+    joiner = Member(8, restarted.peer.addresses, "ckpt-resumed", load_state=True)
+    members.append(joiner)
+    assert joiner.opt.local_epoch == 4 and digest(joiner.model) == saved
+    (tmp_path / "junk").write_bytes(b"PLK1 not really")
+    with pytest.raises(ValueError, match="not a potluck checkpoint"):
+        restarted.opt.load_checkpoint(tmp_path / "junk")
