@@ -114,6 +114,13 @@ def run_potluck_worker(args: argparse.Namespace) -> None:
     import potluck
     from potluck.averaging import Averager
 
+    if not args.cold_leader:
+        # potluck imports scipy.optimize lazily, on the event loop, the first time a peer leads a
+        # group (load_balancing.optimal_fractions): that step stalls every member by ~0.2-0.5 s.
+        # Which peer leads is random, so the stall would land in some timed steps and not others;
+        # import it here so that every timed step measures the steady state (--cold-leader: don't).
+        import scipy.optimize  # noqa: F401
+
     mine = vector(args.rank, args.floats)
     peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [],
                         insecure=args.insecure)
@@ -261,6 +268,8 @@ def measure_real(system: str, python: str, insecure: bool, args: argparse.Namesp
             "--steps", str(args.steps), "--matchmaking-time", str(args.matchmaking_time)]
     if insecure:
         base.append("--insecure")
+    if args.cold_leader:
+        base.append("--cold-leader")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
     workers: list[Worker] = []
     try:
@@ -531,6 +540,8 @@ def main() -> None:
     parser.add_argument("--no-queued-model", dest="queued_model", action="store_false",
                         help="skip the diagnostic emulated run with an output-queued link model")
     parser.add_argument("--queued-model", dest="worker_queued", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cold-leader", action="store_true",
+                        help="don't import scipy.optimize in potluck's peer processes before the steps")
     parser.add_argument("--hivemind-python", default=str(DEFAULT_HIVEMIND_PYTHON))
     parser.add_argument("--worker", choices=["potluck", "hivemind", "emulated"], help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -550,7 +561,7 @@ def main() -> None:
     common = {"date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
               "command": " ".join(["python", "benchmarks/allreduce.py", *sys.argv[1:]]),
-              "matchmaking_time": args.matchmaking_time}
+              "matchmaking_time": args.matchmaking_time, "scipy_preimported": not args.cold_leader}
     for floats in sizes:
         figures: dict[str, float | None] = {}
         runs = [("potluck", "potluck", False, sys.executable), ("trusted", "potluck", True, sys.executable),

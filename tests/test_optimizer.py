@@ -80,11 +80,11 @@ def swarm():
         m.close()
 
 
-def reference_accuracy(epochs: int) -> float:
+def reference_accuracy(epochs: int, seed: int) -> float:
     """The same model, data and global batch in one process."""
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), LR)
-    generator = torch.Generator().manual_seed(1234)
+    generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         for _ in range(TARGET // BATCH):
             batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
@@ -107,7 +107,9 @@ def test_four_peers_end_every_epoch_identical_and_match_single_process_accuracy(
         values = {m.digests.get(epoch) for m in members}
         assert len(values) == 1, f"peers differ after epoch {epoch}"
     swarm_accuracy = accuracy(members[0].model, X_TEST, Y_TEST)
-    assert swarm_accuracy >= reference_accuracy(epochs) - 0.01
+    # Batches are random on both sides, so compare with the mean of a few single-process runs.
+    reference = sum(reference_accuracy(epochs, seed) for seed in range(3)) / 3
+    assert swarm_accuracy >= reference - 0.01, (swarm_accuracy, reference)
 
 
 @pytest.mark.timeout(240)
@@ -152,12 +154,12 @@ def test_peer_with_nan_gradients_is_not_averaged_in(swarm):
     members = swarm(3, "nan")
     members[2].nan = True
     for m in members:
-        m.start(10)
+        m.start(20)
     for m in members[:2]:
         m.thread.join(120)
     members[2].stop.set()
     assert all(torch.isfinite(p).all() for p in members[0].model.parameters())
-    assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.5
+    assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.7
 
 
 @pytest.mark.timeout(240)

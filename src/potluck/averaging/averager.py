@@ -165,7 +165,7 @@ class Averager:
         if result is not None:
             await run_in_thread(self._assign, result)
         self._advance(me)
-        await self._announce_state()
+        await self.announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers],
                           {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key,
                           [str(group.peers[i]) for i in contributors])
@@ -174,7 +174,8 @@ class Averager:
     def _get_state(self) -> tuple[int, Any, list[torch.Tensor]]:
         return self.round, self.state_metadata, self._tensors  # called under self._lock
 
-    async def _announce_state(self) -> None:
+    async def announce_state(self) -> None:
+        """Tell the DHT that newcomers can download our state (done after every step)."""
         if self.state_server is None:
             return
         record = {"version": self.round, "addrs": [str(a) for a in self.transport.addresses][:MAX_ADDRESSES]}

@@ -2,8 +2,8 @@
 warmup, for collaborative runs whose global batch (`target_batch_size`) is far larger than the
 batch a recipe was tuned for. See docs/large_batch.md for when to use which.
 
-Both optimizers scale each parameter's step by a layer-wise trust ratio, so that no layer moves by
-more than a set fraction of its own size however large the learning rate is. Imports torch only.
+Both optimizers scale each layer's step by a trust ratio, so that the layer moves by a set fraction
+of its own size (times the learning rate) whatever the size of its gradient. Imports torch only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch.optim.lr_scheduler import LambdaLR
 # layer with very large weights from taking a very large step. 10 is the value used by the common
 # public implementations of the paper (and no bound is needed below: phi(0) = 0 falls back to 1).
 LAMB_CLAMP_VALUE = 10.0
-# LARS's trust coefficient eta: You et al. 2017 train AlexNet and ResNet-50 with 0.001.
+# LARS's trust coefficient eta, the usual default of LARS implementations: at lr=1 one step moves
+# an adapted layer by about 0.1% of its norm.
 LARS_TRUST_COEFFICIENT = 0.001
 DECAYS = ("none", "cosine", "linear")
 
@@ -29,8 +30,8 @@ def is_bias_or_norm(param: torch.Tensor) -> bool:
     """True for 1-D (and 0-D) parameters: biases and normalization scales/shifts.
 
     They are few, their norm says nothing about the layer's scale, and decaying them hurts, so by
-    convention (Goyal et al. 2017; the LAMB BERT recipe) they get neither weight decay nor a trust
-    ratio.
+    convention (the large-batch ImageNet and BERT recipes) they get neither weight decay nor a
+    trust ratio.
     """
     return param.ndim <= 1
 

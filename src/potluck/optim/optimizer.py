@@ -129,13 +129,14 @@ class Optimizer(torch.optim.Optimizer):
         self._progress_task: concurrent.futures.Future | None = None
         if load_state:
             self._try_load_state(load_state_timeout)
+        self.peer.run(self.state_averager.announce_state(), 30)
         self._progress_task = peer._runner.submit(self._progress_loop())
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Account for one local batch; averages and updates when the swarm is ready.
 
-        In sync mode the gradients in `.grad` are consumed (added to this epoch's sum and cleared).
+        The gradients in `.grad` are consumed (cleared), so calling `zero_grad()` is optional.
         """
         loss = None
         if closure is not None:
@@ -146,6 +147,7 @@ class Optimizer(torch.optim.Optimizer):
             self._sync_step()
         else:
             self.inner.step()
+            self.zero_grad()  # consumed, as in sync mode
             self.samples += self.batch_size_per_step
             self.steps += 1
             if self.steps >= self.local_steps:
@@ -198,7 +200,9 @@ class Optimizer(torch.optim.Optimizer):
             self.scheduler.load_state_dict(state["scheduler"])
         self.local_epoch = int(state["epoch"])
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
+        self.state_averager.round = self.local_epoch  # the version newcomers compare
         self._sync_state_tensors(to_averager=True)
+        self.peer.run(self.state_averager.announce_state(), 30)
 
     # -- sync mode (DeDLOC) -------------------------------------------------------------------------
     def _sync_step(self) -> None:
