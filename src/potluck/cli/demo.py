@@ -23,7 +23,7 @@ REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "ep
                "mode", "peers", "killed", "joined", "loss_curves")
 LOCAL_BATCH = 32
 TARGET_BATCH = 1024
-LEARNING_RATE = 3e-3
+LEARNING_RATE = 6e-3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -96,7 +96,7 @@ def _worker(args: argparse.Namespace) -> int:
         opt = Optimizer(peer, "demo", model.parameters(), lambda p: torch.optim.Adam(p, LEARNING_RATE),
                         target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, mode=spec["mode"],
                         averaging_mode="client" if spec["role"] == "client" else "node",
-                        local_steps=20, average_state_every=5, delay_updates=True, averaging_timeout=20.0)
+                        local_steps=20, average_state_every=5, matchmaking_time=0.5, averaging_timeout=20.0)
         generator = torch.Generator().manual_seed(spec["seed"])
         loss_ema, samples, last = None, 0, 0.0
         while not stop.is_set():

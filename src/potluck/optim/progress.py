@@ -18,7 +18,7 @@ from potluck.dht.records import owner_marker
 logger = logging.getLogger(__name__)
 
 # A peer's record lives this long unless refreshed: a peer that died stops counting after it.
-PROGRESS_TTL = 10.0
+PROGRESS_TTL = 3.0
 # Others' reports are extrapolated at their speed for at most this long: a peer that has not
 # reported for longer may be blocked (averaging) or gone, and must not fill the batch alone.
 MAX_EXTRAPOLATION = 1.0
