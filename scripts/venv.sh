@@ -16,11 +16,13 @@ fi
 STAMP="$VENV/.potluck-installed-$EXTRAS"
 WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "setting up $VENV (first run takes a minute)..." >&2
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  echo "setting up $VENV (first run takes a minute or two)..." >&2
+  LOG="$VENV/install.log"
+  install() { "$VENV/bin/python" -m pip install -q "$@" >>"$LOG" 2>&1 || { cat "$LOG" >&2; echo "installing $* failed (log: $LOG)" >&2; exit 1; }; }
+  install --upgrade pip
   # The CPU build of PyTorch first: left to the resolver, a bare "torch" pulls a multi-GB GPU build.
-  "$VENV/bin/python" -c 'import torch' 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  "$VENV/bin/python" -c 'import torch' 2>/dev/null || install "torch==2.13.0"
+  install -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
