@@ -19,7 +19,13 @@ peers, each with upload = download = B bytes/s and a one-way latency of L second
 float32. `allreduce_direct` times `AllReduceService.run` alone (the group built by hand, even
 split): this is the figure compared with the bandwidth-optimal time 2(P-1)/P * 4M / B.
 `allreduce_in_step` times `Averager.astep()` minus its matchmaking (`form_group`, timed by
-wrapping it), and `step_virtual_seconds` the whole step.
+wrapping it), and `step_virtual_seconds` the whole step. A diagnostic run repeats
+`allreduce_direct` with an output-queued link model (`install_queued_link_model`, lines tagged
+"link_model": "output-queued ..."; `--no-queued-model` skips it), to separate the cost of the
+emulator's link model from that of the all-reduce.
+
+potluck's peer processes import scipy.optimize before their first step (see run_potluck_worker;
+`--cold-leader` does not), so that the timed steps measure the steady state.
 
 Prints one JSON object per line, e.g.
   {"metric": "step_seconds", "system": "potluck", "tls": true, "peers": 4, "floats": 16777216, "value": 0.7, ...}
@@ -43,6 +49,7 @@ import os
 import platform
 import queue
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,7 +101,9 @@ def worker_wait_go() -> None:
     """Block until the parent writes a line; exit if it is gone or silent for too long."""
     ready, _, _ = select.select([sys.stdin], [], [], WORKER_IDLE_TIMEOUT)
     if not ready or not sys.stdin.readline():
-        os._exit(3)
+        # This process leads its own process group (start_new_session): take hivemind's DHT and
+        # averager processes and Go daemons down with it.
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 def worker_check(rank: int, peers: int, floats: int, result: Any) -> dict:
@@ -240,7 +249,7 @@ class Worker:
     def kill(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, 9)  # its own session: hivemind's DHT processes and daemons too
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: hivemind's DHT processes and daemons too
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
 
@@ -553,6 +562,8 @@ def main() -> None:
         {"potluck": run_potluck_worker, "hivemind": run_hivemind_worker,
          "emulated": run_emulated_worker}[args.worker](args)
         return
+    # On SIGTERM (e.g. `timeout`), unwind so that the `finally` blocks kill the peer processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
         args.floats, args.steps, args.emulated_floats = "1M", 2, "1M"
     sizes = [parse_count(s) for s in args.floats.split(",")]

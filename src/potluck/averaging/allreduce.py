@@ -198,7 +198,8 @@ class ShardReducer:
             writer.cancel()
             if sender in self.expected and sender not in self.complete and sender not in self.failed:
                 self._fail(sender, "its connection was closed")  # the handler task was cancelled
-                self.run.mark_dead(sender)
+            if not (writer.done() and not writer.cancelled() and writer.result()):
+                self.run.mark_dead(sender)  # it never got FINAL: the coordinator must not wait for it
 
     async def _read(self, sender: int, weight: float, channel: Any) -> None:
         self.weights[sender] = weight
@@ -226,16 +227,17 @@ class ShardReducer:
             if isinstance(e, NetworkError):
                 self.run.mark_dead(sender)
 
-    async def _write(self, receiver: int, outbox: asyncio.Queue, channel: Any) -> None:
+    async def _write(self, receiver: int, outbox: asyncio.Queue, channel: Any) -> bool:
+        """Send results to one receiver; True once its FINAL is sent."""
         try:
             while True:
                 msg = await outbox.get()
                 await channel.send(msg)
                 if "final" in msg:
                     await channel.close()
-                    return
+                    return True
         except (NetworkError, PotluckError):
-            self.run.mark_dead(receiver)  # the coordinator must not wait for it
+            return False
 
     def _fail(self, sender: int, reason: str) -> None:
         if sender in self.failed or sender in self.complete:

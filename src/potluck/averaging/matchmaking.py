@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 METHOD_JOIN = "potluck.averaging.join"
 # Part of the window spent letting declarations spread before the first read of the group key.
-SETTLE_FRACTION = 0.25
+SETTLE_FRACTION = 0.05
 # How often a waiting peer re-reads the group key (fraction of the window, with a floor).
 POLL_FRACTION = 0.1
 MIN_POLL_SECONDS = 0.05

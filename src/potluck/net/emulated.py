@@ -6,9 +6,11 @@ hours of protocol time fit in seconds. Every frame is really encoded and decoded
 the emulated wire is proven serializable, sized as on TCP, and arrives as fresh objects.
 
 Timing model (deterministic; all times are loop time):
-- A frame of S bytes from A to B starts at max(now, A's upload free time, B's download free time),
-  lasts S / min(A.upload, B.download) (0 when both are unlimited), keeps the limited sides busy
-  until it ends, and arrives one link latency after it ends. Each direction of a link is FIFO.
+- Output queues, as in a switch: a frame of S bytes from A to B leaves as soon as A's upload is
+  free and takes S / A.upload; B's download takes arrivals one after another at B.download, so
+  the frame is in when both are done (a lone frame: S / min(upload, download)); it arrives one
+  link latency later. A sender is never held up by a busy receiver of someone else's frames.
+  Each direction of a link is FIFO.
 - `send()` returns when A's upload of the frame is finished: that is the backpressure.
 - A dial costs one round trip (2x latency), like TCP's SYN / SYN-ACK; handshake frames are free.
 - An orderly close reaches the other side one latency later, after the data sent before it.
@@ -273,17 +275,17 @@ class _LinkEnd:
         now = self._loop.time()
         received = self.network._copy(frame, self.remote.max_frame_size)
         up, down = self.local.upload, self.remote.download
-        start = max(now, self.local._upload_free, self.remote._download_free)
-        rates = [r for r in (up, down) if r is not None]
-        done = start + (frame.size / min(rates) if rates else 0.0)
-        if up is not None:
-            self.local._upload_free = done
-        if down is not None:
-            self.remote._download_free = done
+        # Output queues, as in a switch: the frame leaves at the sender's upload rate as soon as
+        # its upload is free, and the receiver's download takes arrivals one after another.
+        up_start = max(now, self.local._upload_free)
+        up_done = up_start + (frame.size / up if up else 0.0)
+        self.local._upload_free = up_done
+        down_done = max(up_done, max(up_start, self.remote._download_free) + (frame.size / down if down else 0.0))
+        self.remote._download_free = down_done
         if not self.network._blocked(self.local, self.remote):
             latency = self.network.latency_between(self.local.peer_id, self.remote.peer_id)
-            self.peer._arrive(done + latency, received)
-        return done
+            self.peer._arrive(down_done + latency, received)
+        return up_done
 
     def _arrive(self, when: float, item: Frame | str) -> None:
         if self.lost:
