@@ -19,10 +19,7 @@ peers, each with upload = download = B bytes/s and a one-way latency of L second
 float32. `allreduce_direct` times `AllReduceService.run` alone (the group built by hand, even
 split): this is the figure compared with the bandwidth-optimal time 2(P-1)/P * 4M / B.
 `allreduce_in_step` times `Averager.astep()` minus its matchmaking (`form_group`, timed by
-wrapping it), and `step_virtual_seconds` the whole step. A diagnostic run repeats
-`allreduce_direct` with an output-queued link model (`install_queued_link_model`, lines tagged
-"link_model": "output-queued ..."; `--no-queued-model` skips it), to separate the cost of the
-emulator's link model from that of the all-reduce.
+wrapping it), and `step_virtual_seconds` the whole step.
 
 potluck's peer processes import scipy.optimize before their first step (see run_potluck_worker;
 `--cold-leader` does not), so that the timed steps measure the steady state.
@@ -338,38 +335,6 @@ def real_rows(system: str, tls: bool, floats: int, raw: dict, common: dict) -> t
 
 
 # == emulated ======================================================================================
-def install_queued_link_model() -> None:
-    """Diagnostic only: replace the emulator's link timing with an output-queued one.
-
-    potluck's emulator (net/emulated.py) starts a frame when both the sender's upload and the
-    receiver's download are free and holds both for the frame's whole duration; while a frame
-    waits for a busy receiver, the sender's upload idles even if it has frames for other peers.
-    Here instead the frame leaves at the sender's upload rate as soon as its upload is free, and
-    the receiver's download serializes arrivals (a switch with output queues). Same bytes, same
-    latency; only the sharing differs. It patches a private method, for this benchmark only.
-    """
-    from potluck.core.errors import ConnectionLost
-    from potluck.net import emulated
-
-    def transmit(self: Any, frame: Any) -> float:
-        if self.lost:
-            raise ConnectionLost(f"connection to {self.remote.peer_id} is closed")
-        now = self._loop.time()
-        received = self.network._copy(frame, self.remote.max_frame_size)
-        up, down = self.local.upload, self.remote.download
-        up_start = max(now, self.local._upload_free)
-        up_done = up_start + (frame.size / up if up else 0.0)
-        self.local._upload_free = up_done
-        down_done = max(up_done, max(up_start, self.remote._download_free) + (frame.size / down if down else 0.0))
-        self.remote._download_free = down_done
-        if not self.network._blocked(self.local, self.remote):
-            latency = self.network.latency_between(self.local.peer_id, self.remote.peer_id)
-            self.peer._arrive(down_done + latency, received)
-        return up_done
-
-    emulated._LinkEnd._transmit = transmit
-
-
 def run_emulated_worker(args: argparse.Namespace) -> None:
     import asyncio
 
@@ -465,14 +430,6 @@ def run_emulated_worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out.update(run_virtual(in_step()))
     out["in_step_wall"] = time.perf_counter() - t0
-    if args.worker_queued:
-        try:
-            install_queued_link_model()
-            t0 = time.perf_counter()
-            queued = run_virtual(direct())
-            out["queued"] = {**queued, "wall": time.perf_counter() - t0}
-        except Exception as e:  # noqa: BLE001 - a diagnostic; the emulator's internals may change
-            out["queued"] = {"error": f"{type(e).__name__}: {e}"}
     print("@@" + json.dumps(out), flush=True)
 
 
@@ -480,8 +437,6 @@ def measure_emulated(args: argparse.Namespace, common: dict) -> list[dict]:
     n, floats, bw = args.emulated_peers, args.emulated_floats, args.bandwidth
     cmd = [sys.executable, __file__, "--worker", "emulated", "--peers", str(n), "--floats", str(floats),
            "--bandwidth", str(bw), "--latency", str(args.latency), "--matchmaking-time", str(args.matchmaking_time)]
-    if args.queued_model:
-        cmd.append("--queued-model")
     params = {"peers": n, "floats": floats, "mbytes_per_peer": round(4 * floats / MB, 1),
               "bandwidth_mbytes_per_s": bw / MB, "latency_s": args.latency, "clock": "virtual", **common}
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
@@ -497,18 +452,7 @@ def measure_emulated(args: argparse.Namespace, common: dict) -> list[dict]:
                  "error": f"emulated worker failed ({done.returncode}): {done.stderr[-2000:]}"}]
     raw = json.loads(lines[-1][2:])
     optimal = 2 * (n - 1) / n * 4 * floats / bw
-    queued = []
-    if "queued" in raw:
-        q = raw["queued"]
-        model = {"link_model": "output-queued (diagnostic, see install_queued_link_model)", **params}
-        queued = [{"metric": "allreduce_direct_vs_optimal", "value": None, "unit": "ratio", **model,
-                   "error": q["error"]}] if "error" in q else [
-            {"metric": "allreduce_direct_seconds", "value": round(q["seconds"], 4), "unit": "s",
-             "first_run": round(q["first"], 4), "identical": q["identical"], "wall_seconds": round(q["wall"], 1),
-             **model},
-            {"metric": "allreduce_direct_vs_optimal", "value": round(q["seconds"] / optimal, 3), "unit": "ratio",
-             "target": 1.25, **model}]
-    params = {"link_model": "potluck emulator", **params}
+    params = {"link_model": "potluck emulator (output queues)", **params}
     return [
         {"metric": "optimal_seconds", "value": round(optimal, 4), "unit": "s",
          "formula": "2(N-1)/N * bytes / bandwidth", **params},
@@ -526,7 +470,6 @@ def measure_emulated(args: argparse.Namespace, common: dict) -> list[dict]:
          "measured": "Averager.astep() minus its form_group (matchmaking), slowest peer", **params},
         {"metric": "allreduce_in_step_vs_optimal", "value": round(raw["allreduce"] / optimal, 3), "unit": "ratio",
          "target": 1.25, **params},
-        *queued,
     ]
 
 
@@ -546,9 +489,6 @@ def main() -> None:
     parser.add_argument("--emulated-floats", default="16M")
     parser.add_argument("--bandwidth", type=float, default=50e6, help="emulated upload = download, bytes/s")
     parser.add_argument("--latency", type=float, default=0.005, help="emulated one-way latency, s")
-    parser.add_argument("--no-queued-model", dest="queued_model", action="store_false",
-                        help="skip the diagnostic emulated run with an output-queued link model")
-    parser.add_argument("--queued-model", dest="worker_queued", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cold-leader", action="store_true",
                         help="don't import scipy.optimize in potluck's peer processes before the steps")
     parser.add_argument("--hivemind-python", default=str(DEFAULT_HIVEMIND_PYTHON))
