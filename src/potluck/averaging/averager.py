@@ -114,6 +114,7 @@ class Averager:
         self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
+        import scipy.optimize  # noqa: F401 - load it now, not on the event loop when we first lead a group
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
         if allow_state_sharing and self.mode == "node":
@@ -164,7 +165,7 @@ class Averager:
         self._measure(group, time.perf_counter() - started)
         if result is not None:
             await run_in_thread(self._assign, result)
-        self._advance(me)
+        self._advance(me, group.group_id)
         await self.announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers],
                           {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key,
@@ -226,11 +227,14 @@ class Averager:
         fixed = ".".join(str(c) for i, c in enumerate(self.coordinates) if i != dim)
         return f"d{dim}:{fixed}"
 
-    def _advance(self, my_index: int) -> None:
-        """Moshpit: take a new coordinate along this round's dimension (my place in the group)."""
+    def _advance(self, my_index: int, group_id: bytes) -> None:
+        """Moshpit: take a new coordinate along this round's dimension: my place in the group,
+        rotated by an offset drawn from the group id, so that groups smaller than the grid leave
+        their gaps in different cells instead of always the last ones."""
         if self.grid is not None:
             dim = self.round % len(self.grid)
-            self.coordinates[dim] = my_index % self.grid[dim]
+            offset = int.from_bytes(hashlib.sha256(group_id).digest()[:4], "little")
+            self.coordinates[dim] = (my_index + offset) % self.grid[dim]
         self.round += 1
 
     def _flatten(self) -> torch.Tensor:

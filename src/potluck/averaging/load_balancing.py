@@ -25,9 +25,11 @@ TIGHT = 1e-4
 
 def optimal_fractions(modes: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
     """Fraction of the vector each member reduces (0 for clients), minimizing the slowest member."""
+    n = len(modes)
+    if len(set(upload)) == 1 and (download is None or len(set(download)) == 1) and all(m == "node" for m in modes):
+        return [1.0 / n] * n  # equal nodes: the program's answer is the even split
     from scipy.optimize import linprog  # imported on first use: it costs half a second at start-up
 
-    n = len(modes)
     download = upload if download is None else download
     up = np.maximum(np.asarray(upload, dtype=float), MIN_BANDWIDTH)
     down = np.maximum(np.asarray(download, dtype=float), MIN_BANDWIDTH)
