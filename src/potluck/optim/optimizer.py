@@ -297,7 +297,11 @@ class Optimizer(torch.optim.Optimizer):
     def _after_epoch(self) -> None:
         if self.scheduler is not None:
             self.scheduler.step()
+        # What newcomers download: this epoch's parameters and statistics, labelled with it.
+        self._sync_state_tensors(to_averager=True)
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
+        if self.mode == "sync":
+            self.state_averager.round = self.local_epoch  # the version donors announce
         self.peer.run(self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second), 10)
 
     def _average_state(self, key: str, expected: int) -> None:

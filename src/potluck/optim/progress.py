@@ -41,7 +41,7 @@ class GlobalProgress:
     """The collaboration as this peer sees it."""
 
     epoch: int  # the newest epoch any peer reports
-    samples: float  # samples towards that epoch's batch, extrapolated to now
+    samples: float  # samples towards that epoch's batch that peers have reported (ours: exact)
     peers: int  # peers working on that epoch
     samples_per_second: float
     eta_seconds: float  # until the global batch is full (0 when it is)
@@ -85,18 +85,20 @@ class ProgressTracker:
         return reports
 
     def estimate(self, reports: dict[str, PeerProgress], local: PeerProgress) -> GlobalProgress:
-        """The swarm's progress now: others' reports extrapolated at their speed, plus our own
-        exact numbers. Every peer computes nearly the same moment for "the batch is full"."""
+        """The swarm's progress now: others' latest reports plus our own exact numbers. The batch
+        counts as full on reported samples only, so an epoch never has fewer than the target; the
+        ETA extrapolates each peer at its speed."""
         reports = {**reports, local.peer_id: local}
         now = local.time
         epoch = max(r.epoch for r in reports.values())
         current = [r for r in reports.values() if r.epoch == epoch]
-        samples = sum(r.samples + r.samples_per_second * min(max(0.0, now - r.time), MAX_EXTRAPOLATION)
-                      for r in current)
+        reported = sum(r.samples for r in current)
+        expected = sum(r.samples + r.samples_per_second * min(max(0.0, now - r.time), MAX_EXTRAPOLATION)
+                       for r in current)
         speed = sum(r.samples_per_second for r in current)
-        left = max(0.0, self.target - samples)
+        left = max(0.0, self.target - expected)
         eta = 0.0 if left == 0 else (left / speed if speed > 0 else float("inf"))
-        return GlobalProgress(epoch, samples, len(current), speed, eta, tuple(reports.values()))
+        return GlobalProgress(epoch, reported, len(current), speed, eta, tuple(reports.values()))
 
 
 def _parse(subkey: Any, value: Any) -> PeerProgress | None:
