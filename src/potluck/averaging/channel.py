@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from potluck.core.errors import CallCancelled, DeadlineExceeded, EndOfStream
+from potluck.net.connection import Stream
 
 _END = object()
 
@@ -48,15 +49,9 @@ class LocalChannel:
             raise item
         return item
 
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            try:
-                yield await self.recv()
-            except EndOfStream:
-                return
+    # Iteration is Stream's own: it only needs recv() and EndOfStream.
+    __aiter__ = Stream.__aiter__
+    _iterate = Stream._iterate
 
     async def close(self) -> None:
         if not self._closed:
