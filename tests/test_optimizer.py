@@ -196,3 +196,19 @@ def test_checkpoint_saves_and_a_new_swarm_resumes_from_it(swarm, tmp_path):
     (tmp_path / "junk").write_bytes(b"PLK1 not really")
     with pytest.raises(ValueError, match="not a potluck checkpoint"):
         restarted.opt.load_checkpoint(tmp_path / "junk")
+
+
+@pytest.mark.timeout(240)
+def test_auxiliary_peer_helps_average_without_training(swarm):
+    members = swarm(2, "aux")
+    helper = Member(2, members[0].peer.addresses, "aux", averaging_mode="aux")
+    members.append(helper)
+    for m in members:
+        m.start(6)
+    for m in members[:2]:
+        m.thread.join(120)
+    helper.stop.set()
+    assert members[0].opt.local_epoch == members[1].opt.local_epoch == 6
+    assert digest(members[0].model) == digest(members[1].model)
+    assert helper.opt.grad_averager.round > 0  # it took part in (and reduced for) averaging rounds
+    assert helper.opt.samples == 0  # and contributed no samples of its own
