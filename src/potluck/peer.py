@@ -7,6 +7,7 @@ synchronous API for user code. Several Peers may live in one process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
@@ -86,6 +87,10 @@ class Peer:
     def addresses(self) -> list[str]:
         """Addresses other peers can use as `initial_peers` (empty in client mode)."""
         return [str(a) for a in self.transport.addresses]
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the peer's event loop without waiting (background work)."""
+        return self._runner.submit(coro)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the peer's event loop and wait for it (the synchronous facade)."""

@@ -130,7 +130,7 @@ class Optimizer(torch.optim.Optimizer):
         if load_state:
             self._try_load_state(load_state_timeout)
         self.peer.run(self.state_averager.announce_state(), 30)
-        self._progress_task = peer._runner.submit(self._progress_loop())
+        self._progress_task = peer.submit(self._progress_loop())
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -258,7 +258,7 @@ class Optimizer(torch.optim.Optimizer):
         # Close the group once everyone who is alive has joined; overestimating only costs the
         # rest of the matchmaking window, underestimating would split the swarm in two.
         expected = max(2, sum(1 for r in progress.reports if r.epoch >= epoch - 1))
-        future = self.peer._runner.submit(self.grad_averager.astep(
+        future = self.peer.submit(self.grad_averager.astep(
             weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
         future.epoch, future.expected = epoch, expected  # type: ignore[attr-defined]
         if self.delay_updates:

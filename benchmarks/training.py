@@ -1,0 +1,334 @@
+"""Training benchmark: wall time to reach a target test accuracy on scikit-learn's digits.
+
+Three systems, run one after another (never concurrently: the standard machine has 2 cores), each
+training the small CNN of `potluck demo` (`potluck.cli.demo.make_model`, same initial weights) on the
+same train/test split (`load_data`), with Adam(lr=6e-3), target_batch_size=1024 (the global batch,
+one epoch), batch_size_per_step=32, average_state_every=5, matchmaking_time=0.5 and
+averaging_timeout=20 s:
+
+  potluck   a swarm of N peer processes (default 4), `potluck.Optimizer` in sync (DeDLOC) mode;
+  alone     one potluck peer process, the same `potluck.Optimizer` and settings, no other peers;
+  hivemind  N peer processes with `hivemind.Optimizer` (hivemind 1.1.12 and its Go daemon, from the
+            python of .venv-hivemind: scripts/hivemind-venv.sh), the same model, data and settings.
+
+Every process uses one torch thread. The parent starts the processes, waits until each has joined
+and built its optimizer, then sends every process the same start time; from then each process
+trains (forward, backward, opt.step()) and evaluates its model on the test set at each new epoch
+and at least every 0.5 s, and reports the wall time since the common start at which its test
+accuracy first reached the target. A system's time to accuracy is the time of its first peer to
+get there (`all_peers_seconds`: the last one). A system stops when all its peers got there or
+after --cap seconds of training ("not reached": value null).
+
+Prints one JSON object per line, e.g.
+  {"metric": "time_to_accuracy", "system": "potluck", "value": 21.3, "unit": "s", "target": 0.95, ...}
+  {"metric": "time_to_accuracy_ratio", "unit": "hivemind/potluck", "value": 1.9, ...}
+
+Usage: python benchmarks/training.py [--quick] [--peers 4] [--target 0.95] [--cap 90]
+           [--systems potluck,alone,hivemind] [--hivemind-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import queue
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
+STARTUP_TIMEOUT = 90.0   # one peer process: imports, peer/DHT start (hivemind: DHT process + Go daemon)
+STOP_TIMEOUT = 20.0      # from "stop" to the final report of a process
+WORKER_IDLE_TIMEOUT = 600.0  # a worker that hears nothing from the parent for this long exits
+LR = 6e-3
+TARGET_BATCH = 1024
+LOCAL_BATCH = 32
+AVERAGE_STATE_EVERY = 5
+EVAL_EVERY = 0.5
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# == worker side ====================================================================================
+def say(**event: Any) -> None:
+    print("@@" + json.dumps(event), flush=True)
+
+
+def read_line(timeout: float) -> str:
+    """A line from the parent; if it is gone (EOF) or silent, kill this process group."""
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    line = sys.stdin.readline() if ready else ""
+    if not line:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    return line
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from potluck.cli.demo import accuracy, make_model  # plain torch: importable from either venv
+
+    torch.set_num_threads(1)
+    x, y, x_test, y_test = torch.load(args.data)
+    model = make_model()
+    initial = [args.initial] if args.initial else []
+    if args.worker == "hivemind":
+        import hivemind
+        dht = hivemind.DHT(start=True, initial_peers=initial or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        address, version = str(dht.get_visible_maddrs()[0]), hivemind.__version__
+        opt = hivemind.Optimizer(dht=dht, run_id="training-bench", params=model.parameters(),
+                                 optimizer=lambda p: torch.optim.Adam(p, LR), target_batch_size=TARGET_BATCH,
+                                 batch_size_per_step=LOCAL_BATCH, average_state_every=AVERAGE_STATE_EVERY,
+                                 matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+                                 verbose=False)
+        closers = [opt.shutdown, dht.shutdown]
+        zero_grad = opt.zero_grad  # hivemind's documented loop calls it (accumulates into its own buffers)
+    else:
+        import potluck
+        peer = potluck.Peer(host="127.0.0.1", initial_peers=initial)
+        address, version = (peer.addresses[0] if peer.addresses else None), None
+        opt = potluck.Optimizer(peer, "training-bench", model.parameters(), lambda p: torch.optim.Adam(p, LR),
+                                target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH,
+                                average_state_every=AVERAGE_STATE_EVERY, matchmaking_time=args.matchmaking_time,
+                                averaging_timeout=args.averaging_timeout)
+        closers = [opt.shutdown, peer.shutdown]
+        zero_grad = None  # potluck's step consumes the gradients
+    say(event="ready", address=address, version=version)
+    t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
+    stop = threading.Event()
+    threading.Thread(target=lambda: (read_line(WORKER_IDLE_TIMEOUT), stop.set()), daemon=True).start()
+    generator = torch.Generator().manual_seed(1000 + args.rank)
+    samples, last_eval, last_epoch, reached = 0, 0.0, -1, None
+    curve: list[tuple[float, int, float]] = []
+    error = None
+    try:
+        while not stop.is_set():
+            batch = torch.randint(0, len(y), (LOCAL_BATCH,), generator=generator)
+            if zero_grad is not None:
+                zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            loss.backward()
+            opt.step()
+            samples += LOCAL_BATCH
+            epoch = opt.local_epoch
+            if epoch != last_epoch or time.monotonic() - last_eval >= EVAL_EVERY:
+                last_eval, last_epoch = time.monotonic(), epoch
+                acc = accuracy(model, x_test, y_test)
+                elapsed = time.time() - t0
+                curve.append((round(elapsed, 2), epoch, round(acc, 4)))
+                if reached is None and acc >= args.target:
+                    reached = elapsed
+                    say(event="reached", seconds=elapsed, epoch=epoch, accuracy=acc, samples=samples)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        error = f"{type(e).__name__}: {e}"
+    final = accuracy(model, x_test, y_test)
+    say(event="final", accuracy=final, epoch=opt.local_epoch, samples=samples, reached=reached,
+        curve=curve[-400:], error=error)
+    for close in closers:
+        with contextlib.suppress(Exception):
+            close()
+
+
+# == parent side ====================================================================================
+class Worker:
+    """One peer process in its own session; its '@@' stdout lines are events, read into a queue."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, start_new_session=True)
+        self.events: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self.events.put(json.loads(line[2:]))
+        self.events.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            del self.stderr[:-40]
+
+    def expect(self, event: str, timeout: float) -> dict:
+        try:
+            got = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no {event!r} from a peer process within {timeout:.0f} s") from None
+        if got is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+            raise RuntimeError(f"a peer process exited ({self.proc.returncode}) before {event!r}:\n"
+                               + "".join(self.stderr[-15:]))
+        if got.get("event") != event:
+            raise RuntimeError(f"expected {event!r} from a peer process, got {got}")
+        return got
+
+    def send(self, line: str) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        # The whole session, even if its leader exited: hivemind's DHT processes and Go daemons too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def measure(system: str, python: str, peers: int, args: argparse.Namespace, data: str) -> dict:
+    base = [python, __file__, "--worker", "hivemind" if system == "hivemind" else "potluck", "--data", data,
+            "--target", str(args.target), "--matchmaking-time", str(args.matchmaking_time),
+            "--averaging-timeout", str(args.averaging_timeout)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    workers: list[Worker] = []
+    try:
+        workers.append(Worker([*base, "--rank", "0"], env))
+        first = workers[0].expect("ready", STARTUP_TIMEOUT)
+        for rank in range(1, peers):
+            workers.append(Worker([*base, "--rank", str(rank), "--initial", first["address"]], env))
+        for w in workers[1:]:
+            w.expect("ready", STARTUP_TIMEOUT)
+        t0 = time.time()
+        for w in workers:
+            w.send(f"go {t0!r}")
+        reached: dict[int, dict] = {}
+        finals: dict[int, dict] = {}
+        while time.time() - t0 < args.cap and len(reached) < peers:
+            for i, w in enumerate(workers):
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        got = w.events.get_nowait()
+                        if got is None:
+                            raise RuntimeError(f"peer {i} exited during training:\n" + "".join(w.stderr[-15:]))
+                        if got["event"] == "reached":
+                            reached[i] = got
+                        elif got["event"] == "final":
+                            finals[i] = got
+            time.sleep(0.05)
+        stopped = time.time() - t0
+        for w in workers:
+            w.send("stop")
+        for i, w in enumerate(workers):
+            if i not in finals:
+                with contextlib.suppress(RuntimeError):
+                    finals[i] = w.expect("final", STOP_TIMEOUT)
+        return {"reached": reached, "finals": finals, "stopped": stopped, "version": first.get("version"),
+                "stderr": [w.stderr[-5:] for w in workers]}
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def rows_for(system: str, peers: int, raw: dict, common: dict) -> tuple[list[dict], float | None]:
+    times = sorted(r["seconds"] for r in raw["reached"].values())
+    finals = raw["finals"]
+    first = times[0] if times else None
+    params = {"system": system, "peers": peers, **common}
+    if raw.get("version"):
+        params["version"] = raw["version"]
+    errors = sorted({f["error"] for f in finals.values() if f.get("error")})
+    epochs = [f["epoch"] for f in finals.values()]
+    row = {"metric": "time_to_accuracy", "value": None if first is None else round(first, 2), "unit": "s",
+           "measured": "wall time from the common start until the first peer's test accuracy >= target",
+           "all_peers_seconds": round(times[-1], 2) if len(times) == peers else None,
+           "per_peer_seconds": [round(t, 2) for t in times],
+           "epoch_at_target": min((r["epoch"] for r in raw["reached"].values()), default=None),
+           "trained_seconds": round(raw["stopped"], 1),
+           "final_accuracy": [round(f["accuracy"], 4) for f in finals.values()],
+           "final_epochs": epochs, "samples": sum(f["samples"] for f in finals.values()), **params}
+    if first is None:
+        row["result"] = f"not reached within {common['cap_s']} s"
+    if errors:
+        row["error"] = "; ".join(errors)[:2000]
+    curves = {i: f.get("curve", []) for i, f in finals.items()}
+    curve_row = {"metric": "accuracy_curve", "value": None, "unit": "(s, epoch, test accuracy)",
+                 "peer_0": curves.get(0, [])[::max(1, len(curves.get(0, [])) // 40)], **params}
+    return [row, curve_row], first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="target 0.90, cap 15 s per system: under a minute")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    parser.add_argument("--cap", type=float, default=75.0, help="seconds of training per system at most")
+    parser.add_argument("--systems", default="potluck,alone,hivemind")
+    parser.add_argument("--matchmaking-time", type=float, default=0.5,
+                        help="matchmaking_time of both potluck.Optimizer and hivemind.Optimizer (s)")
+    parser.add_argument("--averaging-timeout", type=float, default=20.0,
+                        help="averaging_timeout of both optimizers (s)")
+    parser.add_argument("--hivemind-python", default=str(DEFAULT_HIVEMIND_PYTHON))
+    parser.add_argument("--worker", choices=["potluck", "hivemind"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks kill the peers
+    if args.quick:
+        args.target, args.cap = 0.90, 15.0
+    import torch
+
+    from potluck.cli.demo import load_data
+    common = {"target": args.target, "cap_s": args.cap, "target_batch_size": TARGET_BATCH,
+              "batch_size_per_step": LOCAL_BATCH, "lr": LR, "optimizer": "Adam",
+              "average_state_every": AVERAGE_STATE_EVERY, "matchmaking_time": args.matchmaking_time,
+              "averaging_timeout": args.averaging_timeout, "torch_threads_per_process": 1,
+              "schedule": "systems run one after another", "date": datetime.date.today().isoformat(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+              "command": " ".join(["python", "benchmarks/training.py", *sys.argv[1:]])}
+    figures: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = str(Path(tmp) / "digits.pt")
+        torch.save(load_data(), data)  # the hivemind venv has no scikit-learn: every process loads this
+        for system in args.systems.split(","):
+            peers = 1 if system == "alone" else args.peers
+            python = args.hivemind_python if system == "hivemind" else sys.executable
+            params = {"system": system, "peers": peers, **common}
+            if system == "hivemind" and not Path(python).exists():
+                emit({"metric": "time_to_accuracy", "value": None, "unit": "s", **params,
+                      "error": f"no {python}; create it with scripts/hivemind-venv.sh"})
+                continue
+            try:
+                raw = measure(system, python, peers, args, data)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other systems
+                emit({"metric": "time_to_accuracy", "value": None, "unit": "s", **params,
+                      "error": f"{type(e).__name__}: {e}"[-3000:]})
+                continue
+            rows, figures[system] = rows_for(system, peers, raw, common)
+            for row in rows:
+                emit(row)
+    if figures.get("potluck") and figures.get("hivemind"):
+        emit({"metric": "time_to_accuracy_ratio", "value": round(figures["hivemind"] / figures["potluck"], 2),
+              "unit": "hivemind/potluck", "peers": args.peers, **common})
+    elif "potluck" in figures and "hivemind" in figures:
+        emit({"metric": "time_to_accuracy_ratio", "value": None, "unit": "hivemind/potluck", "peers": args.peers,
+              "note": "at least one system did not reach the target within the cap "
+                      f"(potluck: {figures['potluck']}, hivemind: {figures['hivemind']})", **common})
+    if figures.get("potluck") and figures.get("alone"):
+        emit({"metric": "time_to_accuracy_ratio", "value": round(figures["alone"] / figures["potluck"], 2),
+              "unit": "alone/potluck", "peers": args.peers, **common})
+
+
+if __name__ == "__main__":
+    main()
