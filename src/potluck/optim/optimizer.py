@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,15 @@ SPEED_SMOOTHING = 0.3
 CHECKPOINT_FORMAT = "potluck-checkpoint-1"
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A gradient-averaging round under way: its result, and which epoch it closes."""
+
+    future: concurrent.futures.Future
+    epoch: int
+    expected: int  # group size we asked for; reused for the state averaging after it
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -102,7 +112,7 @@ class Optimizer(torch.optim.Optimizer):
         self.matchmaking_time = matchmaking_time
         self.averaging_timeout = averaging_timeout
         self.delay_updates = delay_updates
-        self._pending: concurrent.futures.Future | None = None  # a delayed update under way
+        self._pending: _Round | None = None  # a delayed update under way
         self.local_epoch = 0
         self.samples = 0  # accumulated towards the current epoch
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
@@ -218,7 +228,7 @@ class Optimizer(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
         if self._pending is not None:
-            if not self._pending.done():
+            if not self._pending.future.done():
                 return  # the last epoch's averaging is still running in the background
             self._finish_update(self._pending)
         progress = self.progress()
@@ -260,17 +270,17 @@ class Optimizer(torch.optim.Optimizer):
         expected = max(2, sum(1 for r in progress.reports if r.epoch >= epoch - 1))
         future = self.peer.submit(self.grad_averager.astep(
             weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
-        future.epoch, future.expected = epoch, expected  # type: ignore[attr-defined]
+        pending = _Round(future, epoch, expected)
         if self.delay_updates:
-            self._pending = future  # our new samples count towards the next epoch meanwhile
+            self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
         concurrent.futures.wait([future])
-        self._finish_update(future)
+        self._finish_update(pending)
 
-    def _finish_update(self, future: concurrent.futures.Future) -> None:
+    def _finish_update(self, pending: _Round) -> None:
         """Apply an averaging round's result: the wrapped optimizer's step, and the new epoch."""
         self._pending = None
-        epoch = future.epoch  # type: ignore[attr-defined]
+        future, epoch = pending.future, pending.epoch
         error = future.exception()
         if error is None:
             logger.info("epoch %d: averaged gradients with %d peers", epoch, future.result().group_size)
@@ -288,7 +298,7 @@ class Optimizer(torch.optim.Optimizer):
         self.zero_grad()
         self._advance_epoch()
         if self.average_state_every and self.local_epoch % self.average_state_every == 0:
-            self._average_state(f"state{self.local_epoch}", future.expected)  # type: ignore[attr-defined]
+            self._average_state(f"state{self.local_epoch}", pending.expected)
 
     def _advance_epoch(self) -> None:
         self.local_epoch += 1
