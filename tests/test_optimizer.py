@@ -212,3 +212,15 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
     assert digest(members[0].model) == digest(members[1].model)
     assert helper.opt.grad_averager.round > 0  # it took part in (and reduced for) averaging rounds
     assert helper.opt.samples == 0  # and contributed no samples of its own
+
+
+@pytest.mark.timeout(240)
+def test_delayed_updates_overlap_averaging_and_keep_peers_identical(swarm):
+    members = swarm(3, "delayed", delay_updates=True)
+    for m in members:
+        m.start(20)
+    for m in members:
+        m.thread.join(150)
+    assert all(m.opt.local_epoch == 20 for m in members)
+    assert len({digest(m.model) for m in members}) == 1
+    assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.5  # it learns, one epoch stale
