@@ -268,6 +268,11 @@ class Optimizer(torch.optim.Optimizer):
         # Close the group once everyone who is alive has joined; overestimating only costs the
         # rest of the matchmaking window, underestimating would split the swarm in two.
         expected = max(2, sum(1 for r in progress.reports if r.epoch >= epoch - 1))
+        if not any(r.peer_id != self.peer.peer_id for r in progress.reports):
+            future: concurrent.futures.Future = concurrent.futures.Future()  # alone: nothing to average
+            future.set_exception(AveragingError("no other peer is training"))
+            self._finish_update(_Round(future, epoch, expected))
+            return
         future = self.peer.submit(self.grad_averager.astep(
             weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
         pending = _Round(future, epoch, expected)
@@ -289,7 +294,7 @@ class Optimizer(torch.optim.Optimizer):
             logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
             self._catch_up(max(r.epoch for r in self.progress().reports))
             return
-        else:
+        elif len(self.progress().reports) > 1:
             logger.warning("epoch %d: averaging failed (%s); applying local gradients", epoch, error)
         with self.grad_averager.get_tensors() as tensors:
             for p, t in zip(self._params, tensors, strict=True):
@@ -297,7 +302,8 @@ class Optimizer(torch.optim.Optimizer):
         self.inner.step()
         self.zero_grad()
         self._advance_epoch()
-        if self.average_state_every and self.local_epoch % self.average_state_every == 0:
+        if self.average_state_every and self.local_epoch % self.average_state_every == 0 \
+                and len(self.progress().reports) > 1:  # alone, there is nobody to average with
             self._average_state(f"state{self.local_epoch}", pending.expected)
 
     def _advance_epoch(self) -> None:
@@ -434,7 +440,9 @@ class Optimizer(torch.optim.Optimizer):
     async def _progress_loop(self) -> None:
         while True:
             await self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second)
-            self._reports = await self.tracker.fetch()
+            reports = await self.tracker.fetch()
+            if reports is not None:
+                self._reports = reports
             await asyncio.sleep(PROGRESS_INTERVAL)
 
     def shutdown(self) -> None:

@@ -68,15 +68,17 @@ class ProgressTracker:
         except PotluckError as e:
             logger.debug("could not publish progress: %s", e)
 
-    async def fetch(self) -> dict[str, PeerProgress]:
-        """Every live peer's latest report (ours included, as last published)."""
+    async def fetch(self) -> dict[str, PeerProgress] | None:
+        """Every live peer's latest report (ours included, as last published); None if the DHT
+        could not be read this time (keep the previous view: one failed read must not make a
+        peer believe it is alone)."""
         now = self.dht.get_time()
         reports: dict[str, PeerProgress] = {}
         try:
             found = await self.dht.aget(self.key, latest=True)
         except PotluckError as e:
             logger.debug("could not read progress: %s", e)
-            return reports
+            return None
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
                 report = _parse(subkey, entry.value)
@@ -88,8 +90,9 @@ class ProgressTracker:
         """The swarm's progress now: others' latest reports plus our own exact numbers. The batch
         counts as full on reported samples only, so an epoch never has fewer than the target; the
         ETA extrapolates each peer at its speed."""
-        reports = {**reports, local.peer_id: local}
         now = local.time
+        reports = {peer: r for peer, r in reports.items() if now - r.time <= PROGRESS_TTL}
+        reports[local.peer_id] = local
         epoch = max(r.epoch for r in reports.values())
         current = [r for r in reports.values() if r.epoch == epoch]
         reported = sum(r.samples for r in current)
