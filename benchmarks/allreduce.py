@@ -44,16 +44,16 @@ import hashlib
 import json
 import os
 import platform
-import queue
 import select
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from peer_processes import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
@@ -204,53 +204,6 @@ def run_hivemind_worker(args: argparse.Namespace) -> None:
 
 
 # == parent side: real processes ====================================================================
-class Worker:
-    """One peer process; its '@@'-prefixed stdout lines are events, read by a thread into a queue."""
-
-    def __init__(self, cmd: list[str], env: dict):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=True)
-        self.events: queue.Queue = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                self.events.put(json.loads(line[2:]))
-        self.events.put(None)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            del self.stderr[:-40]
-
-    def expect(self, event: str, timeout: float) -> dict:
-        try:
-            got = self.events.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"no {event!r} from a peer process within {timeout:.0f} s") from None
-        if got is None:
-            self.proc.wait(timeout=10)
-            raise RuntimeError(f"a peer process exited ({self.proc.returncode}) before {event!r}:\n"
-                               + "".join(self.stderr[-20:]))
-        if got.get("event") != event:
-            raise RuntimeError(f"expected {event!r} from a peer process, got {got}")
-        return got
-
-    def go(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: hivemind's DHT processes and daemons too
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-
-
 def session_cpu_seconds(sessions: set[int]) -> float:
     """CPU time (user + system) of every live process in these sessions: a peer process with its
     threads and, for hivemind, its DHT and averager processes and Go daemons."""

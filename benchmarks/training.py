@@ -44,13 +44,14 @@ import platform
 import queue
 import select
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from peer_processes import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
@@ -149,55 +150,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 # == parent side ====================================================================================
-class Worker:
-    """One peer process in its own session; its '@@' stdout lines are events, read into a queue."""
-
-    def __init__(self, cmd: list[str], env: dict):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=True)
-        self.events: queue.Queue = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                self.events.put(json.loads(line[2:]))
-        self.events.put(None)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            del self.stderr[:-40]
-
-    def expect(self, event: str, timeout: float) -> dict:
-        try:
-            got = self.events.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"no {event!r} from a peer process within {timeout:.0f} s") from None
-        if got is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-            raise RuntimeError(f"a peer process exited ({self.proc.returncode}) before {event!r}:\n"
-                               + "".join(self.stderr[-15:]))
-        if got.get("event") != event:
-            raise RuntimeError(f"expected {event!r} from a peer process, got {got}")
-        return got
-
-    def send(self, line: str) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        # The whole session, even if its leader exited: hivemind's DHT processes and Go daemons too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-
-
 def measure(system: str, python: str, peers: int, args: argparse.Namespace, data: str,
             matchmaking_time: float) -> dict:
     base = [python, __file__, "--worker", "hivemind" if system.startswith("hivemind") else "potluck",
