@@ -36,9 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     + "; and DIR/loss.png (training loss against time, swarm and single peer).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--peers", type=int, default=4, help="peers at the start (at least 2)")
-    parser.add_argument("--mode", choices=["sync", "moshpit", "diloco"], default="sync",
+    parser.add_argument("--mode", choices=["sync", "moshpit", "diloco", "moe", "pipeline"], default="sync",
                         help="sync: DeDLOC global batches; moshpit: local SGD with group averaging; "
-                             "diloco: inner steps, then an averaged outer Nesterov step")
+                             "diloco: inner steps, then an averaged outer Nesterov step; "
+                             "moe: a mixture of experts served by expert servers; "
+                             "pipeline: Ravnest clusters training an asynchronous pipeline")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of training")
     parser.add_argument("--out", default="potluck-report", metavar="DIR", help="report folder")
     parser.add_argument("--no-churn", action="store_true", help="do not kill a peer or add one midway")
@@ -198,6 +200,12 @@ def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "moe":
+        from potluck.cli import demo_moe
+        return demo_moe.run(args)
+    if args.mode == "pipeline":
+        from potluck.cli import demo_pipeline
+        return demo_pipeline.run(args)
     if args.worker is not None:
         return _worker(args)
     if args.peers < 2:
