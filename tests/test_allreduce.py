@@ -95,6 +95,20 @@ def test_result_is_the_weighted_mean_and_identical_everywhere(n):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_identical_inputs_come_back_bit_identical(n):
+    """Replicas that already agree must not drift apart by rounding when they average."""
+    vector = torch.randn(5000) * 1e3
+    weights = [float(w) for w in torch.rand(n) * 100 + 1]
+
+    async def main():
+        net, transports, services = await swarm(n)
+        return await average(services, make_group(transports, ["node"] * n, 5000), [vector] * n, weights)
+    for result in run_virtual(main()):
+        assert torch.equal(result, vector)
+
+
+@pytest.mark.timeout(60)
 def test_client_and_aux_members():
     modes = ["node", "client", "aux", "node", "client"]
 

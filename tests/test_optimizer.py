@@ -224,3 +224,51 @@ def test_delayed_updates_overlap_averaging_and_keep_peers_identical(swarm):
     assert all(m.opt.local_epoch == 20 for m in members)
     assert len({digest(m.model) for m in members}) == 1
     assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.5  # it learns, one epoch stale
+
+
+@pytest.mark.timeout(240)
+def test_four_processes_one_slow_one_client_end_every_epoch_identical():
+    """Real processes over TCP: a 2x slower peer and a client-mode peer among them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    script = str(ROOT / "tests" / "optimizer_process.py")
+    epochs = 8
+
+    def spawn(index: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, script, str(index), "--epochs", str(epochs), "--peers", "4", *extra],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+    procs = [spawn(0)]
+    try:
+        first = procs[0].stdout.readline().strip()
+        assert first.startswith("/ip4/"), procs[0].stderr.read()
+        procs += [spawn(1, "--initial-peer", first), spawn(2, "--initial-peer", first, "--slowdown", "2"),
+                  spawn(3, "--initial-peer", first, "--client")]
+        for p in procs[1:]:
+            assert p.stdout.readline().strip(), p.stderr.read()
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.stdin.write("stop\n")
+            p.stdin.flush()
+    finally:
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+    logs = "\n".join(p.stderr.read()[-3000:] for p in procs)
+    assert all(r["epoch"] == epochs for r in results), logs
+    for epoch in range(1, epochs + 1):
+        values = [r["digests"].get(str(epoch)) for r in results]
+        assert len(set(values)) == 1 and None not in values, f"processes differ after epoch {epoch}: {values}\n{logs}"

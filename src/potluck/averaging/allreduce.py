@@ -126,14 +126,28 @@ class Outcome:
 
 def _weighted_chunk(pieces: dict[int, torch.Tensor], weights: dict[int, float], senders: tuple[int, ...],
                     lo: int, hi: int) -> torch.Tensor:
-    """The average of one chunk over `senders`, computed the same way on every peer."""
-    total = sum(weights[s] for s in senders)
-    acc = torch.zeros(hi - lo, dtype=torch.float32)
+    """The average of one chunk over `senders`, computed the same way on every peer.
+
+    A running mean in a fixed order: every peer that re-reduces gets the same bits, and peers
+    that all hold the same values get exactly those values back (so averaging never makes
+    identical replicas drift apart by rounding).
+    """
     if not senders:
-        return acc
-    for s in senders:  # fixed order; separate multiply and add (no fused ops) for identical bits
-        coefficient = weights[s] / total if total > 0 else 1.0 / len(senders)
-        acc.add_(pieces[s][lo:hi] * coefficient)
+        return torch.zeros(hi - lo, dtype=torch.float32)
+    equal = sum(weights[s] for s in senders) <= 0  # all weights zero: a plain mean
+    acc: torch.Tensor | None = None
+    seen = 0.0
+    for s in senders:
+        weight = 1.0 if equal else weights[s]
+        if weight <= 0:
+            continue
+        seen += weight
+        piece = pieces[s][lo:hi]
+        if acc is None:
+            acc = piece.to(torch.float32, copy=True)
+        else:  # separate ops (no fused multiply-add) for identical bits everywhere
+            acc.add_((piece - acc) * (weight / seen))
+    assert acc is not None
     return acc
 
 

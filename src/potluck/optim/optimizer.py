@@ -49,6 +49,10 @@ SPEED_SMOOTHING = 0.3
 CHECKPOINT_FORMAT = "potluck-checkpoint-1"
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
+# Tries of one epoch's gradient averaging while other peers are still on that epoch. A peer that
+# applies its local gradients alone drifts from the swarm until the next state averaging, so it
+# retries first (each try costs one matchmaking window).
+MAX_ROUND_ATTEMPTS = 4
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class _Round:
     future: concurrent.futures.Future
     epoch: int
     expected: int  # group size we asked for; reused for the state averaging after it
+    samples: int  # our samples behind the averaged gradients
+    attempt: int = 0
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -113,6 +119,7 @@ class Optimizer(torch.optim.Optimizer):
         self.averaging_timeout = averaging_timeout
         self.delay_updates = delay_updates
         self._pending: _Round | None = None  # a delayed update under way
+        self._attempt = 0  # failed averaging tries of the current epoch
         self.local_epoch = 0
         self.samples = 0  # accumulated towards the current epoch
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
@@ -247,7 +254,7 @@ class Optimizer(torch.optim.Optimizer):
     def progress(self) -> GlobalProgress:
         """The collaboration's progress as this peer estimates it now."""
         local = PeerProgress(self.peer.peer_id, self.accumulating_epoch, self.samples, self.samples_per_second,
-                             self.peer.dht.get_time(), self.tracker.client_mode)
+                             self.peer.dht.get_time(), self.tracker.client_mode, self.local_epoch)
         return self.tracker.estimate(self._reports, local)
 
     def _update_epoch(self, progress: GlobalProgress) -> None:
@@ -271,11 +278,11 @@ class Optimizer(torch.optim.Optimizer):
         if not any(r.peer_id != self.peer.peer_id for r in progress.reports):
             future: concurrent.futures.Future = concurrent.futures.Future()  # alone: nothing to average
             future.set_exception(AveragingError("no other peer is training"))
-            self._finish_update(_Round(future, epoch, expected))
+            self._finish_update(_Round(future, epoch, expected, samples))
             return
         future = self.peer.submit(self.grad_averager.astep(
             weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
-        pending = _Round(future, epoch, expected)
+        pending = _Round(future, epoch, expected, samples, self._attempt)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -289,13 +296,23 @@ class Optimizer(torch.optim.Optimizer):
         error = future.exception()
         if error is None:
             logger.info("epoch %d: averaged gradients with %d peers", epoch, future.result().group_size)
-        elif any(r.epoch > epoch + 1 or (r.epoch == epoch + 1 and r.peer_id != self.peer.peer_id)
-                 for r in self.progress().reports):
-            logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
-            self._catch_up(max(r.epoch for r in self.progress().reports))
-            return
-        elif len(self.progress().reports) > 1:
-            logger.warning("epoch %d: averaging failed (%s); applying local gradients", epoch, error)
+        else:
+            others = [r for r in self.progress().reports if r.peer_id != self.peer.peer_id]
+            if others:  # alone we know the answer; otherwise ask the DHT what happened meanwhile
+                others = [r for r in self._fresh_reports() if r.peer_id != self.peer.peer_id]
+            if any(r.done > epoch for r in others):
+                logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
+                self._catch_up(max(r.done for r in others))
+                return
+            if others and pending.attempt + 1 < MAX_ROUND_ATTEMPTS:
+                logger.info("epoch %d: averaging failed (%s); others are still on this epoch: trying again",
+                            epoch, error)
+                self._restore_gradients(pending)
+                self._attempt = pending.attempt + 1
+                return
+            if others:
+                logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
+                               epoch, pending.attempt + 1, error)
         with self.grad_averager.get_tensors() as tensors:
             for p, t in zip(self._params, tensors, strict=True):
                 p.grad = t.clone()
@@ -306,8 +323,21 @@ class Optimizer(torch.optim.Optimizer):
                 and len(self.progress().reports) > 1:  # alone, there is nobody to average with
             self._average_state(f"state{self.local_epoch}", pending.expected)
 
+    def _restore_gradients(self, pending: _Round) -> None:
+        """Put a failed round's gradients back, so they count towards the retry."""
+        with self.grad_averager.get_tensors() as tensors, torch.no_grad():
+            for total, t in zip(self._grad_sums, tensors, strict=True):
+                total.add_(t, alpha=pending.samples)
+        self.samples += pending.samples
+
+    def _fresh_reports(self) -> list[PeerProgress]:
+        """Everyone's progress read from the DHT now (the background view may be a moment old)."""
+        reports = self.peer.run(self.tracker.fetch(), self.averaging_timeout)
+        return list((self._reports if reports is None else reports).values())
+
     def _advance_epoch(self) -> None:
         self.local_epoch += 1
+        self._attempt = 0
         self._after_epoch()
 
     def _after_epoch(self) -> None:
@@ -318,7 +348,8 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         if self.mode == "sync":
             self.state_averager.round = self.local_epoch  # the version donors announce
-        self.peer.run(self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second), 10)
+        self.peer.run(self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second,
+                                          self.local_epoch), 10)
 
     def _average_state(self, key: str, expected: int) -> None:
         self._sync_state_tensors(to_averager=True)
@@ -332,6 +363,7 @@ class Optimizer(torch.optim.Optimizer):
     def _catch_up(self, epoch: int) -> None:
         """We fell behind the swarm: take its state; recent gradients count towards the next epoch."""
         behind = epoch - self.local_epoch
+        self._attempt = 0
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
         if not self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self.local_epoch = epoch  # nobody could share the newest state; keep ours and rejoin
@@ -439,7 +471,7 @@ class Optimizer(torch.optim.Optimizer):
 
     async def _progress_loop(self) -> None:
         while True:
-            await self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second)
+            await self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second, self.local_epoch)
             reports = await self.tracker.fetch()
             if reports is not None:
                 self._reports = reports

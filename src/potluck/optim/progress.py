@@ -34,6 +34,7 @@ class PeerProgress:
     samples_per_second: float
     time: float  # DHT time of the report
     client_mode: bool = False
+    done: int = 0  # epochs whose update this peer has applied (its parameters' version)
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ class ProgressTracker:
         self.target = target_batch_size
         self.client_mode = client_mode
 
-    async def report(self, epoch: int, samples: int, samples_per_second: float) -> None:
+    async def report(self, epoch: int, samples: int, samples_per_second: float, done: int | None = None) -> None:
+        """Publish: `epoch` our samples count towards, and `done` epochs applied (lower while a
+        delayed update is still averaging)."""
         now = self.dht.get_time()
         record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
-                  "client": self.client_mode}
+                  "client": self.client_mode, "done": epoch if done is None else done}
         try:
             await self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey)
         except PotluckError as e:
@@ -111,8 +114,9 @@ def _parse(subkey: Any, value: Any) -> PeerProgress | None:
     try:
         epoch, samples = int(value["epoch"]), int(value["samples"])
         sps, time = float(value["sps"]), float(value["time"])
+        done = int(value.get("done", epoch))
     except (KeyError, TypeError, ValueError):
         return None
-    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND:
+    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND or not 0 <= done <= epoch:
         return None
-    return PeerProgress(subkey.split("[owner:")[0], epoch, samples, sps, time, bool(value.get("client")))
+    return PeerProgress(subkey.split("[owner:")[0], epoch, samples, sps, time, bool(value.get("client")), done)
