@@ -37,8 +37,6 @@ DEFAULT_BANDWIDTH = 100e6
 BANDWIDTH_SMOOTHING = 0.5
 # How long a donor's "I can share my state" record lives in the DHT; refreshed at every step.
 STATE_RECORD_TTL = 600.0
-# One all-reduce service per transport: several averagers (prefixes) share its handlers.
-_SERVICES: dict[int, AllReduceService] = {}
 
 
 @dataclass
@@ -53,9 +51,10 @@ class StepResult:
 
 
 def _service(transport: Any) -> AllReduceService:
-    service = _SERVICES.get(id(transport))
-    if service is None or service.transport is not transport:
-        service = _SERVICES[id(transport)] = AllReduceService(transport)
+    """One all-reduce service per transport: several averagers (prefixes) share its handlers."""
+    service = transport.services.get("allreduce")
+    if service is None:
+        service = transport.services["allreduce"] = AllReduceService(transport)
     return service
 
 

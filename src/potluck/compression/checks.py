@@ -15,6 +15,7 @@ import torch
 
 from potluck.core.errors import CompressionError
 from potluck.core.serialization import MAX_DIMS
+from potluck.core.tensors import all_finite
 
 # Machine epsilon of float32; error bounds use multiples of it as slack for float rounding.
 F32_EPS = torch.finfo(torch.float32).eps
@@ -155,5 +156,5 @@ def shape_field(payload: Mapping[str, Any], key: str, codec: str) -> torch.Size:
 
 def check_finite_field(tensor: torch.Tensor, key: str, codec: str) -> None:
     """A float tensor field must hold only finite values."""
-    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise CompressionError(f"{codec} payload field {key!r} holds non-finite values")

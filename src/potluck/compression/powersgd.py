@@ -21,6 +21,7 @@ import torch
 
 from potluck.compression.checks import check_float_tensor, finite_float32, type_name, value_range
 from potluck.core.errors import CompressionError
+from potluck.core.tensors import all_finite
 
 __all__ = ["PowerSGD"]
 
@@ -141,7 +142,7 @@ class PowerSGD:
         x = check_float_tensor(tensor, "powersgd").to(torch.float32)
         if tuple(x.shape) != shape:
             raise CompressionError(f"powersgd: {what} must have shape {list(shape)}, got {list(x.shape)}")
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise CompressionError(f"powersgd: {what} holds non-finite values")
         return x
 

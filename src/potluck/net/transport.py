@@ -64,6 +64,9 @@ class Transport:
         self._dialing: dict[PeerID, asyncio.Future] = {}
         self._idle_timers: dict[Connection, asyncio.TimerHandle] = {}
         self._closed = False
+        # Protocol services that exist once per transport (they own a set of handlers); kept
+        # here so they live exactly as long as the transport.
+        self.services: dict[str, Any] = {}
 
     # -- to be provided by subclasses -----------------------------------------------------------
     @property

@@ -39,6 +39,14 @@ def is_bias_or_norm(param: torch.Tensor) -> bool:
 ParamFilter = Callable[[torch.Tensor], bool]
 
 
+
+def _evaluate(closure: Callable[[], Any] | None) -> Any:
+    """The closure's loss, computed with gradients on (as torch optimizers do), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
 class _LayerwiseOptimizer(torch.optim.Optimizer):
     """What LAMB and LARS share: validation of every group and the choice of adapted parameters.
 
@@ -108,10 +116,7 @@ class LAMB(_LayerwiseOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One LAMB step for every parameter with a gradient; returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in self._params_with_grad(group):
@@ -176,10 +181,7 @@ class LARS(_LayerwiseOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One LARS step for every parameter with a gradient; returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             momentum = group["momentum"]
             for p in self._params_with_grad(group):
