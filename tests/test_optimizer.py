@@ -134,6 +134,8 @@ def test_peer_killed_and_newcomer_joining_training_continues(swarm):
     for m in (members[0], members[1], newcomer):
         m.stop.set()
         m.thread.join(60)
+    first = min(newcomer.digests)  # the first epoch the newcomer applied with the swarm
+    assert newcomer.digests[first] == members[0].digests[first] == members[1].digests[first]
     common = min(members[0].opt.local_epoch, newcomer.opt.local_epoch)
     assert newcomer.digests[common] == members[0].digests[common] == members[1].digests[common]
 
