@@ -7,10 +7,10 @@ import logging
 import sys
 
 from potluck import __version__
-from potluck.cli import demo, peer
+from potluck.cli import demo, expert_server, peer
 from potluck.core.errors import PotluckError
 
-COMMANDS = [peer, demo]
+COMMANDS = [peer, demo, expert_server]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,192 @@
+"""`RemoteExpert`: an `nn.Module` whose forward and backward run on an expert server.
+
+The forward call returns the outputs; the backward call sends the output gradients with the same
+call id, so the server can reuse the forward's graph, and returns the input gradients. Both are
+one `torch.autograd.Function`, so a remote expert composes with local layers like any module.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from potluck.core.errors import NetworkError, RemoteError
+from potluck.moe.errors import BadExpertRequest, ExpertError, ExpertNotFound, NotEnoughExperts, StashMissing
+from potluck.moe.grid import ExpertLocation
+from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD, METHOD_INFO
+
+__all__ = ["DEFAULT_TIMEOUT", "ForwardReply", "RemoteExpert", "abackward", "aforward", "ainfo", "new_call_id"]
+
+# Seconds a forward or backward call may take when the caller sets no timeout (the server may be
+# batching other clients' work first, so this is generous).
+DEFAULT_TIMEOUT = 60.0
+# Bound on a DHT lookup of an expert's location.
+LOOKUP_TIMEOUT = 10.0
+
+_ERRORS: dict[str, type[ExpertError]] = {
+    cls.__name__: cls for cls in (BadExpertRequest, ExpertError, ExpertNotFound, NotEnoughExperts, StashMissing)}
+
+
+def new_call_id() -> int:
+    return secrets.randbits(62)
+
+
+def _translate(error: RemoteError) -> Exception:
+    """The server's expert errors as local exceptions of the same kind; other errors unchanged."""
+    cls = _ERRORS.get(error.remote_type)
+    return cls(str(error)) if cls is not None else error
+
+
+async def _call(transport: Any, location: ExpertLocation, method: str, request: dict, timeout: float) -> Any:
+    if location.addresses:
+        transport.add_addresses(location.peer_id, location.addresses)
+    try:
+        return await transport.call(location.peer_id, method, request, timeout=timeout)
+    except RemoteError as e:
+        raise _translate(e) from None
+
+
+class ForwardReply(NamedTuple):
+    outputs: list[torch.Tensor]
+    kept: bool  # the server kept the forward graph: the backward call need not resend the inputs
+
+
+async def aforward(transport: Any, location: ExpertLocation, call_id: int, inputs: Sequence[torch.Tensor],
+                   timeout: float = DEFAULT_TIMEOUT, needs_grad: Sequence[bool] | None = None) -> ForwardReply:
+    """Run the expert's forward pass on its server; the call id pairs it with the backward call.
+
+    `needs_grad` says which inputs will want gradients (default: all), so the server keeps only that work.
+    """
+    request = {"uid": location.uid, "call": call_id, "inputs": [x.detach() for x in inputs]}
+    if needs_grad is not None:
+        request["grad"] = [bool(n) for n in needs_grad]
+    response = await _call(transport, location, METHOD_FORWARD, request, timeout)
+    outputs = response.get("outputs") if isinstance(response, dict) else None
+    if not isinstance(outputs, list) or not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise ExpertError(f"expert {location.uid!r} sent a malformed forward response")
+    return ForwardReply(outputs, response.get("kept") is True)
+
+
+async def abackward(transport: Any, location: ExpertLocation, call_id: int, inputs: Sequence[torch.Tensor],
+                    grad_outputs: Sequence[torch.Tensor], timeout: float = DEFAULT_TIMEOUT,
+                    needs_grad: Sequence[bool] | None = None, kept: bool = True) -> list[torch.Tensor | None]:
+    """Send output gradients; input gradients come back (None for inputs without gradients).
+
+    The inputs go along only if the server did not keep the forward graph (`kept`, from the forward
+    reply) or has dropped it since (it then answers StashMissing and we resend).
+    """
+    request: dict[str, Any] = {"uid": location.uid, "call": call_id, "grads": [g.detach() for g in grad_outputs]}
+    if needs_grad is not None:
+        request["grad"] = [bool(n) for n in needs_grad]
+    if not kept:
+        request["inputs"] = [x.detach() for x in inputs]
+    try:
+        response = await _call(transport, location, METHOD_BACKWARD, request, timeout)
+    except StashMissing:
+        request["inputs"] = [x.detach() for x in inputs]
+        response = await _call(transport, location, METHOD_BACKWARD, request, timeout)
+    grads = response.get("grads") if isinstance(response, dict) else None
+    if not isinstance(grads, list) or len(grads) != len(inputs):
+        raise ExpertError(f"expert {location.uid!r} sent a malformed backward response")
+    out: list[torch.Tensor | None] = []
+    for g, x in zip(grads, inputs, strict=True):
+        if not isinstance(g, torch.Tensor) or (g.numel() and g.shape != x.shape):
+            raise ExpertError(f"expert {location.uid!r} sent a gradient of the wrong shape")
+        out.append(g if g.numel() or not x.numel() else None)
+    return out
+
+
+async def ainfo(transport: Any, location: ExpertLocation, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """The expert's declared inputs and outputs ([dtype, shape] without the batch dim) and limits."""
+    return await _call(transport, location, METHOD_INFO, {"uid": location.uid}, timeout)
+
+
+async def alocate(dht: Any, uid: str, timeout: float = LOOKUP_TIMEOUT) -> ExpertLocation:
+    """Where `uid` is served, from the DHT; ExpertNotFound if no live server announced it."""
+    found = await dht.aget(uid, latest=True, timeout=timeout)
+    location = ExpertLocation.from_value(uid, found.value) if found is not None else None
+    if location is None:
+        raise ExpertNotFound(f"no live server announces expert {uid!r} in the DHT")
+    return location
+
+
+# A tensor that requires grad, passed to every remote call so autograd calls backward even when no
+# input requires grad (the expert's own weights live on the server).
+_DUMMY = torch.empty(0, requires_grad=True)
+
+
+class _RemoteCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        call_id = new_call_id()
+        try:
+            reply = expert._run(aforward(expert._transport, expert.location, call_id, inputs,
+                                         expert.forward_timeout, ctx.needs_input_grad[2:]), expert.forward_timeout)
+        except (NetworkError, ExpertNotFound):
+            expert._forget_location()  # the expert may have moved to another server: look it up again next time
+            raise
+        ctx.expert, ctx.call_id, ctx.needs, ctx.kept = expert, call_id, ctx.needs_input_grad[2:], reply.kept
+        ctx.save_for_backward(*inputs)
+        return tuple(reply.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        expert: RemoteExpert = ctx.expert
+        inputs = ctx.saved_tensors
+        grads = expert._run(abackward(expert._transport, expert.location, ctx.call_id, inputs, grad_outputs,
+                                      expert.backward_timeout, ctx.needs, ctx.kept), expert.backward_timeout * 2)
+        return (None, None, *grads)
+
+
+class RemoteExpert(nn.Module):
+    """An expert served by another peer, used like a local module (forward and backward).
+
+    Args:
+        peer: this process's `potluck.Peer`.
+        uid: the expert's uid (e.g. `ffn.3.14`); its server is looked up in the DHT.
+        location: where it is served, if already known (skips the lookup).
+        forward_timeout, backward_timeout: seconds per call (None: `DEFAULT_TIMEOUT`).
+    """
+
+    def __init__(self, peer: Any, uid: str, *, location: ExpertLocation | None = None,
+                 forward_timeout: float | None = None, backward_timeout: float | None = None):
+        super().__init__()
+        self.peer = peer
+        self.uid = uid
+        self._location = location
+        self._pinned = location is not None  # a given location is kept; a looked-up one is refreshed on failure
+        self.forward_timeout = forward_timeout or DEFAULT_TIMEOUT
+        self.backward_timeout = backward_timeout or DEFAULT_TIMEOUT
+
+    @property
+    def _transport(self) -> Any:
+        return self.peer.transport
+
+    def _run(self, coro: Any, timeout: float) -> Any:
+        return self.peer.run(coro, timeout + 5)
+
+    @property
+    def location(self) -> ExpertLocation:
+        if self._location is None:
+            self._location = self.peer.run(alocate(self.peer.dht, self.uid), LOOKUP_TIMEOUT + 5)
+        return self._location
+
+    def _forget_location(self) -> None:
+        if not self._pinned:
+            self._location = None
+
+    def info(self) -> dict:
+        """The expert's declared inputs/outputs and the server's limits."""
+        return self._run(ainfo(self._transport, self.location, self.forward_timeout), self.forward_timeout)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        self.location  # noqa: B018 - look it up before autograd starts
+        outputs = _RemoteCall.apply(_DUMMY, self, *inputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def extra_repr(self) -> str:
+        return f"uid={self.uid!r}"

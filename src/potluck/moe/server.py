@@ -1,0 +1,567 @@
+"""`ExpertServer`: hosts experts for remote callers, batches their requests and trains the experts.
+
+Requests for the same expert from many clients wait in a per-expert queue; one runtime thread takes
+the oldest queue's requests, up to `max_batch_size` rows, and runs them as one batch (torch releases
+the GIL, so the event loop keeps receiving meanwhile; whatever arrives during a batch forms the
+next one). A forward call from one client keeps its autograd graph ("stash") keyed by the caller's
+call id, so the backward call only runs autograd instead of recomputing the forward pass; if the
+graph was evicted (memory bound, age) or the weights changed since, the client resends the inputs
+and the server recomputes. After each backward batch the expert's optimizer steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from potluck.core.serialization import dumps, loads
+from potluck.moe.errors import BadExpertRequest, ExpertError, ExpertNotFound, StashMissing
+from potluck.moe.experts import TensorSchema, make_expert
+from potluck.moe.grid import ExpertLocation, announce_experts
+from potluck.net.connection import CallContext
+
+__all__ = ["ExpertServer", "ExpertStats", "HostedExpert", "METHOD_BACKWARD", "METHOD_FORWARD", "METHOD_INFO"]
+
+logger = logging.getLogger(__name__)
+
+METHOD_FORWARD = "moe.forward"
+METHOD_BACKWARD = "moe.backward"
+METHOD_INFO = "moe.info"
+
+# Rows one call may send and one batch may hold. A call over it is refused with a clear error: it
+# bounds the memory a single request can make the server allocate (frames are also capped, 64 MiB).
+DEFAULT_MAX_BATCH_SIZE = 4096
+# How long an announcement stays valid; refreshed every third of it, so one lost refresh is harmless
+# and a dead server disappears from searches within this many seconds.
+DEFAULT_ANNOUNCE_TTL = 30.0
+# Bound on one round of announcements (a DHT store of every expert's keys).
+ANNOUNCE_TIMEOUT = 10.0
+# Forward graphs kept for backward calls: each holds a batch's activations (for an ffn expert of
+# width 1024 and 2048 rows, ~100 MB), so the count is small; a call older than the age limit has
+# most likely been abandoned by its client.
+DEFAULT_STASH_CALLS = 8
+STASH_SECONDS = 60.0
+# Seconds between checkpoints of every expert (plus one at shutdown).
+DEFAULT_CHECKPOINT_INTERVAL = 60.0
+# Batch sizes remembered per expert for the statistics.
+RECENT_BATCHES = 1000
+
+_UID = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class ExpertStats:
+    """What one hosted expert has done (read them to see batching and stash use)."""
+
+    forward_calls: int = 0
+    forward_batches: int = 0
+    backward_calls: int = 0
+    backward_batches: int = 0
+    rows: int = 0
+    stash_hits: int = 0
+    recomputes: int = 0
+    updates: int = 0
+    rejected: int = 0
+    recent_batch_calls: deque = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
+
+    @property
+    def max_calls_per_batch(self) -> int:
+        return max(self.recent_batch_calls, default=0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"forward_calls": self.forward_calls, "forward_batches": self.forward_batches,
+                "backward_calls": self.backward_calls, "backward_batches": self.backward_batches,
+                "rows": self.rows, "stash_hits": self.stash_hits, "recomputes": self.recomputes,
+                "updates": self.updates, "rejected": self.rejected,
+                "max_calls_per_batch": self.max_calls_per_batch}
+
+
+@dataclass
+class _Task:
+    kind: str  # "forward" | "backward"
+    caller: str
+    call_id: int
+    inputs: list[torch.Tensor] | None
+    grads: list[torch.Tensor] | None
+    rows: int
+    future: asyncio.Future
+    needs_grad: list[bool] = field(default_factory=list)  # per input: does the caller want its gradient
+    seq: int = 0  # arrival order, for fairness between queues
+
+
+@dataclass
+class _Stashed:
+    version: int
+    created: float
+    leaves: list[torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _leaf(x: torch.Tensor, needs_grad: bool = True) -> torch.Tensor:
+    return x.detach().requires_grad_(needs_grad and x.is_floating_point())
+
+
+def _split(tensors: Sequence[torch.Tensor], rows: list[int]) -> list[list[torch.Tensor]]:
+    """Per-call pieces of batched tensors, as contiguous tensors ready to send."""
+    pieces = [t.split(rows) for t in tensors]
+    return [[p[i].contiguous() for p in pieces] for i in range(len(rows))]
+
+
+def _needs_grad(request: dict, count: int) -> list[bool]:
+    """Which inputs the caller wants gradients for ("grad": [bool, ...]; default all), so the server
+    skips work that local autograd would skip too (e.g. the gradient of a batch of raw data)."""
+    flags = request.get("grad")
+    if flags is None:
+        return [True] * count
+    if not isinstance(flags, list) or len(flags) != count or not all(isinstance(f, bool) for f in flags):
+        raise BadExpertRequest(f"'grad' must be a list of {count} booleans, one per input")
+    return flags
+
+
+class HostedExpert:
+    """One expert on a server: its module, optimizer, schema, stash and statistics.
+
+    Its batch methods run on the server's single runtime thread only, so weights never change
+    under a running batch.
+    """
+
+    def __init__(self, uid: str, module: nn.Module, input_schema: Sequence[TensorSchema],
+                 optimizer: torch.optim.Optimizer | None, stash_calls: int = DEFAULT_STASH_CALLS):
+        self.uid = uid
+        self.module = module
+        self.input_schema = tuple(input_schema)
+        self.optimizer = optimizer
+        self.stash_calls = stash_calls
+        self.version = 0  # bumped by every optimizer step: a stashed graph of an older version is stale
+        self.stats = ExpertStats()
+        self._stash: OrderedDict[tuple[str, int], _Stashed] = OrderedDict()
+        self.device = next(module.parameters(), torch.empty(0)).device  # batches run where the weights are
+        training = module.training
+        module.eval()  # the probe must not move e.g. BatchNorm statistics
+        with torch.no_grad():
+            sample = [torch.zeros((2, *s.shape), dtype=s.dtype, device=self.device) for s in self.input_schema]
+            self.output_schema = tuple(TensorSchema(tuple(o.shape[1:]), o.dtype) for o in _as_tuple(module(*sample)))
+        module.train(training)
+
+    # -- checks (on the event loop; cheap) -----------------------------------------------------------
+    def check(self, what: str, tensors: object, schema: Sequence[TensorSchema], max_rows: int) -> int:
+        """Rows of a well-formed request; BadExpertRequest naming the problem otherwise."""
+        if not isinstance(tensors, list) or len(tensors) != len(schema):
+            got = f"{len(tensors)} tensors" if isinstance(tensors, list) else type(tensors).__name__
+            raise BadExpertRequest(f"expert {self.uid!r} takes {len(schema)} {what} tensor(s) "
+                                   f"({', '.join(s.describe() for s in schema)}); got {got}")
+        rows = None
+        for i, (t, s) in enumerate(zip(tensors, schema, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} must be a tensor, got {type(t).__name__}")
+            if t.dtype != s.dtype:
+                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} has dtype "
+                                       f"{str(t.dtype).removeprefix('torch.')}; expected {s.describe()}")
+            if t.dim() != len(s.shape) + 1 or tuple(t.shape[1:]) != s.shape:
+                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} has shape {list(t.shape)}; "
+                                       f"expected {s.describe()}")
+            if rows is not None and t.shape[0] != rows:
+                raise BadExpertRequest(f"{what} tensors of expert {self.uid!r} disagree on the batch size")
+            rows = t.shape[0]
+        rows = rows or 0
+        if not 0 < rows <= max_rows:
+            raise BadExpertRequest(f"a call to expert {self.uid!r} has {rows} rows; this server takes "
+                                   f"1 to {max_rows} rows per call (split larger batches)")
+        return rows
+
+    # -- batches (on the runtime thread) -------------------------------------------------------------
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad] if self.optimizer is not None else []
+
+    def _evict(self) -> None:
+        now = time.monotonic()
+        while self._stash and (len(self._stash) > self.stash_calls
+                               or now - next(iter(self._stash.values())).created > STASH_SECONDS):
+            self._stash.popitem(last=False)
+
+    def forward_batch(self, tasks: list[_Task]) -> list[Any]:
+        self.stats.forward_batches += 1
+        self.stats.forward_calls += len(tasks)
+        self.stats.recent_batch_calls.append(len(tasks))
+        rows = [t.rows for t in tasks]
+        self.stats.rows += sum(rows)
+        if len(tasks) == 1 and self.stash_calls > 0:
+            task = tasks[0]
+            leaves = [_leaf(x.to(self.device), need) for x, need in zip(task.inputs, task.needs_grad, strict=True)]
+            with torch.enable_grad():
+                outputs = _as_tuple(self.module(*leaves))
+            self._stash[(task.caller, task.call_id)] = _Stashed(self.version, time.monotonic(), leaves, outputs)
+            self._evict()
+            return [{"outputs": [o.detach() for o in outputs], "kept": True}]
+        inputs = [torch.cat(parts).to(self.device) for parts in zip(*(t.inputs for t in tasks), strict=True)]
+        with torch.no_grad():
+            outputs = _as_tuple(self.module(*inputs))
+        return [{"outputs": pieces, "kept": False} for pieces in _split(outputs, rows)]
+
+    def _grads(self, outputs: Sequence[torch.Tensor], leaves: list[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+               params: list[nn.Parameter]) -> tuple[list[torch.Tensor], Sequence[torch.Tensor | None]]:
+        wanted = [x for x in leaves if x.requires_grad] + params
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+        if not wanted or not pairs:
+            got: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        else:
+            got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+        it = iter(got)
+        input_grads = []
+        for x in leaves:
+            g = next(it) if x.requires_grad else None
+            input_grads.append(torch.zeros_like(x) if g is None and x.requires_grad
+                               else g if g is not None else torch.zeros(0))
+        return input_grads, list(it)
+
+    def backward_batch(self, tasks: list[_Task]) -> list[Any]:
+        self.stats.backward_batches += 1
+        self.stats.backward_calls += len(tasks)
+        params = self._trainable()
+        results: list[Any] = [None] * len(tasks)
+        sums: list[torch.Tensor | None] = [None] * len(params)
+
+        def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    sums[i] = g if sums[i] is None else sums[i] + g
+
+        recompute = []
+        for i, task in enumerate(tasks):
+            entry = self._stash.pop((task.caller, task.call_id), None)
+            if entry is not None and entry.version == self.version:
+                if entry.outputs[0].shape[0] != task.rows:
+                    results[i] = BadExpertRequest(f"call {task.call_id} of expert {self.uid!r} had "
+                                                  f"{entry.outputs[0].shape[0]} rows; got {task.rows} gradient rows")
+                    continue
+                grads = [g.to(self.device) for g in task.grads]
+                results[i], param_grads = self._grads(entry.outputs, entry.leaves, grads, params)
+                accumulate(param_grads)
+                self.stats.stash_hits += 1
+            elif task.inputs is not None:
+                recompute.append(i)
+            else:
+                results[i] = StashMissing(f"expert {self.uid!r} no longer holds call {task.call_id}; resend inputs")
+        if recompute:
+            chosen = [tasks[i] for i in recompute]
+            needed = [any(flags) for flags in zip(*(t.needs_grad for t in chosen), strict=True)]
+            leaves = [_leaf(torch.cat(parts).to(self.device), need)
+                      for parts, need in zip(zip(*(t.inputs for t in chosen), strict=True), needed, strict=True)]
+            grad_outputs = [torch.cat(parts).to(self.device) for parts in zip(*(t.grads for t in chosen), strict=True)]
+            with torch.enable_grad():
+                outputs = _as_tuple(self.module(*leaves))
+            input_grads, param_grads = self._grads(outputs, leaves, grad_outputs, params)
+            accumulate(param_grads)
+            rows = [t.rows for t in chosen]
+            pieces = [g.split(rows) if g.numel() else [g] * len(rows) for g in input_grads]
+            for n, i in enumerate(recompute):
+                results[i] = [p[n].contiguous() if need else torch.zeros(0)
+                              for p, need in zip(pieces, tasks[i].needs_grad, strict=True)]
+            self.stats.recomputes += len(recompute)
+        if params and any(s is not None for s in sums):
+            for p, g in zip(params, sums, strict=True):
+                p.grad = g
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.stats.updates += 1
+            self._stash.clear()  # graphs of the old weights cannot be differentiated any more: free them now
+        return results
+
+    # -- checkpoints (on the runtime thread) ---------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Write the expert's weights and optimizer state atomically (safe format, no pickle)."""
+        state: dict[str, Any] = {"uid": self.uid, "version": self.version, "updates": self.stats.updates,
+                                 "model": dict(self.module.state_dict())}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(dumps(state))
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        state = loads(path.read_bytes())
+        if not isinstance(state, dict) or state.get("uid") != self.uid:
+            raise ExpertError(f"{path} is not a checkpoint of expert {self.uid!r}")
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state.get("version", 0))
+        self.stats.updates = int(state.get("updates", 0))
+
+
+class ExpertServer:
+    """Serves `experts` ({uid: module}) on `peer` and announces them in its DHT.
+
+    Args:
+        peer: a `potluck.Peer` that accepts connections (not in client mode).
+        experts: uid -> module; uids look like `ffn.3.14` (a name and grid coordinates).
+        optimizer: `params -> torch.optim.Optimizer`, one per expert; None serves frozen experts.
+        input_schema: the inputs every expert takes (`TensorSchema`s, batch dim excluded), or a
+            dict uid -> schema; required, since requests are checked against it.
+        max_batch_size: rows per call and per batch.
+        announce_ttl: seconds an announcement stays valid (refreshed every third of it).
+        checkpoint_dir: where per-expert checkpoints live; existing ones are loaded at start.
+        checkpoint_interval: seconds between checkpoints.
+        stash_calls: forward graphs kept for backward calls (0: always recompute).
+        device: where the experts run (e.g. "cuda"); default: where their weights already are.
+    """
+
+    def __init__(self, peer: Any, experts: Mapping[str, nn.Module], optimizer: OptimizerFactory | None = None, *,
+                 input_schema: Sequence[TensorSchema] | Mapping[str, Sequence[TensorSchema]] | None = None,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
+                 checkpoint_dir: str | os.PathLike | None = None,
+                 checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL,
+                 stash_calls: int = DEFAULT_STASH_CALLS, device: str | torch.device | None = None):
+        if peer.transport.client_mode:
+            raise ValueError("an expert server must accept connections; its peer is in client mode")
+        if input_schema is None:
+            raise ValueError("input_schema is required: the inputs each expert takes, e.g. "
+                             "(TensorSchema((1024,)),); make_expert() returns it for built-in types")
+        if not experts:
+            raise ValueError("no experts to serve")
+        if max_batch_size < 1 or announce_ttl <= 0 or checkpoint_interval <= 0 or stash_calls < 0:
+            raise ValueError("max_batch_size must be >= 1, announce_ttl and checkpoint_interval > 0, stash_calls >= 0")
+        self.peer = peer
+        self.max_batch_size = max_batch_size
+        self.announce_ttl = announce_ttl
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_interval = checkpoint_interval
+        self.experts: dict[str, HostedExpert] = {}
+        for uid, module in experts.items():
+            if not _UID.match(uid):
+                raise ValueError(f"malformed expert uid {uid!r}: use letters, digits, '_', '-' and dots")
+            schema = input_schema[uid] if isinstance(input_schema, Mapping) else input_schema
+            if device is not None:
+                module.to(device)
+            opt = optimizer([p for p in module.parameters() if p.requires_grad]) if optimizer else None
+            self.experts[uid] = HostedExpert(uid, module, schema, opt, stash_calls)
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            for uid, hosted in self.experts.items():
+                if (path := self._checkpoint_path(uid)).exists():
+                    hosted.load(path)
+                    logger.info("expert %s resumed from %s (%d updates)", uid, path, hosted.stats.updates)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="potluck-experts")
+        self._queues: dict[tuple[str, str], deque[_Task]] = {}
+        self._work: asyncio.Event | None = None
+        self._running_batch: list[_Task] = []
+        self._tasks: list[asyncio.Task] = []
+        self._arrivals = 0
+        self._alive = True
+        peer.run(self._astart(), timeout=ANNOUNCE_TIMEOUT + 30)
+
+    @classmethod
+    def from_type(cls, peer: Any, uids: Sequence[str], expert_type: str, hidden: int,
+                  optimizer: OptimizerFactory | None = None, seed: int | None = 0, **kwargs: Any) -> ExpertServer:
+        """A server for built-in (or registered) experts of one type; `seed` makes weights repeatable."""
+        experts, schema = {}, None
+        with torch.random.fork_rng():  # seeding here must not change the caller's random stream
+            for i, uid in enumerate(uids):
+                if seed is not None:
+                    torch.manual_seed(seed + i)
+                experts[uid], schema = make_expert(expert_type, hidden)
+        return cls(peer, experts, optimizer, input_schema=schema, **kwargs)
+
+    @property
+    def stats(self) -> dict[str, ExpertStats]:
+        return {uid: hosted.stats for uid, hosted in self.experts.items()}
+
+    def locations(self) -> list[ExpertLocation]:
+        return [ExpertLocation(uid, self.peer.transport.peer_id, tuple(self.peer.addresses)) for uid in self.experts]
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def _astart(self) -> None:
+        transport = self.peer.transport
+        if METHOD_FORWARD in transport.handlers.unary:
+            raise ExpertError("this peer already runs an expert server; host all experts in one")
+        self._work = asyncio.Event()
+        transport.add_handler(METHOD_FORWARD, self._serve_forward)
+        transport.add_handler(METHOD_BACKWARD, self._serve_backward)
+        transport.add_handler(METHOD_INFO, self._serve_info)
+        await self._announce()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run_batches(), name="moe-runtime"),
+                       loop.create_task(self._announce_forever(), name="moe-announce")]
+        if self.checkpoint_dir is not None:
+            self._tasks.append(loop.create_task(self._checkpoint_forever(), name="moe-checkpoints"))
+
+    def shutdown(self) -> None:
+        """Stop serving, save a last checkpoint and stop the runtime thread; safe to call twice."""
+        if not self._alive:
+            return
+        self._alive = False
+        try:
+            self.peer.run(self._ashutdown(), timeout=60)
+        except RuntimeError:  # the peer (and its event loop) was shut down first: still save the experts
+            if self.checkpoint_dir is None:
+                raise
+            for uid, hosted in self.experts.items():
+                self._executor.submit(hosted.save, self._checkpoint_path(uid)).result()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    async def _ashutdown(self) -> None:
+        transport = self.peer.transport
+        for method in (METHOD_FORWARD, METHOD_BACKWARD, METHOD_INFO):
+            transport.remove_handler(method)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task in [*self._running_batch, *(t for queue in self._queues.values() for t in queue)]:
+            if not task.future.done():
+                task.future.set_exception(ExpertError("the expert server is shutting down"))
+        for queue in self._queues.values():
+            queue.clear()
+        if self.checkpoint_dir is not None:
+            await self.save_checkpoints()
+
+    def __enter__(self) -> ExpertServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- announcements and checkpoints --------------------------------------------------------------
+    async def _announce(self) -> None:
+        expiration = self.peer.dht.get_time() + self.announce_ttl
+        await announce_experts(self.peer.dht, self.locations(), expiration, timeout=ANNOUNCE_TIMEOUT)
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.announce_ttl / 3)
+            try:
+                await self._announce()
+            except Exception:  # noqa: BLE001 - a missed refresh is retried next period
+                logger.warning("could not refresh the expert announcements", exc_info=True)
+
+    def _checkpoint_path(self, uid: str) -> Path:
+        assert self.checkpoint_dir is not None
+        return self.checkpoint_dir / f"{uid}.ckpt"
+
+    async def save_checkpoints(self) -> None:
+        """Checkpoint every expert now (on the runtime thread, between batches)."""
+        loop = asyncio.get_running_loop()
+        for uid, hosted in self.experts.items():
+            await loop.run_in_executor(self._executor, hosted.save, self._checkpoint_path(uid))
+
+    async def _checkpoint_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.checkpoint_interval)
+            try:
+                await self.save_checkpoints()
+            except Exception:  # noqa: BLE001 - keep serving; the next period tries again
+                logger.warning("could not save expert checkpoints", exc_info=True)
+
+    # -- handlers -----------------------------------------------------------------------------------
+    def _expert(self, request: object) -> tuple[HostedExpert, int]:
+        if not isinstance(request, dict):
+            raise BadExpertRequest(f"a request must be a dict, got {type(request).__name__}")
+        uid, call_id = request.get("uid"), request.get("call", 0)
+        if not isinstance(uid, str):
+            raise BadExpertRequest("the request has no expert uid")
+        if isinstance(call_id, bool) or not isinstance(call_id, int):
+            raise BadExpertRequest("the call id must be an int")
+        hosted = self.experts.get(uid)
+        if hosted is None:
+            raise ExpertNotFound(f"expert {uid[:200]!r} is not served by this peer")
+        return hosted, call_id
+
+    async def _serve_info(self, request: object, ctx: CallContext) -> dict:
+        hosted, _ = self._expert(request)
+        describe = lambda schema: [[str(s.dtype).removeprefix("torch."), list(s.shape)] for s in schema]  # noqa: E731
+        return {"inputs": describe(hosted.input_schema), "outputs": describe(hosted.output_schema),
+                "max_batch_size": self.max_batch_size, "updates": hosted.stats.updates}
+
+    async def _serve_forward(self, request: object, ctx: CallContext) -> dict:
+        hosted, call_id = self._expert(request)
+        inputs = request.get("inputs")  # type: ignore[union-attr]
+        try:
+            rows = hosted.check("input", inputs, hosted.input_schema, self.max_batch_size)
+        except BadExpertRequest:
+            hosted.stats.rejected += 1
+            raise
+        task = _Task("forward", str(ctx.peer_id), call_id, inputs, None, rows,
+                     asyncio.get_running_loop().create_future(), _needs_grad(request, len(inputs)))
+        return await self._enqueue(hosted, task)  # {"outputs": [...], "kept": whether the graph is kept}
+
+    async def _serve_backward(self, request: object, ctx: CallContext) -> dict:
+        hosted, call_id = self._expert(request)
+        grads, inputs = request.get("grads"), request.get("inputs")  # type: ignore[union-attr]
+        try:
+            rows = hosted.check("gradient", grads, hosted.output_schema, self.max_batch_size)
+            if inputs is not None and hosted.check("input", inputs, hosted.input_schema, self.max_batch_size) != rows:
+                raise BadExpertRequest(f"inputs and gradients of expert {hosted.uid!r} disagree on the batch size")
+        except BadExpertRequest:
+            hosted.stats.rejected += 1
+            raise
+        task = _Task("backward", str(ctx.peer_id), call_id, inputs, grads, rows,
+                     asyncio.get_running_loop().create_future(), _needs_grad(request, len(hosted.input_schema)))
+        return {"grads": await self._enqueue(hosted, task)}
+
+    async def _enqueue(self, hosted: HostedExpert, task: _Task) -> Any:
+        self._arrivals += 1
+        task.seq = self._arrivals
+        self._queues.setdefault((hosted.uid, task.kind), deque()).append(task)
+        self._work.set()
+        return await task.future
+
+    # -- the runtime --------------------------------------------------------------------------------
+    def _next_batch(self) -> tuple[HostedExpert, str, list[_Task]] | None:
+        """The queue whose first live request waited longest, and its requests up to max_batch_size rows."""
+        oldest: tuple[str, str] | None = None
+        for key, queue in self._queues.items():
+            while queue and queue[0].future.done():  # the caller gave up
+                queue.popleft()
+            if queue and (oldest is None or queue[0].seq < self._queues[oldest][0].seq):
+                oldest = key
+        if oldest is None:
+            return None
+        queue, batch, rows = self._queues[oldest], [], 0
+        while queue and (not batch or rows + queue[0].rows <= self.max_batch_size):
+            task = queue.popleft()
+            if not task.future.done():
+                batch.append(task)
+                rows += task.rows
+        return (self.experts[oldest[0]], oldest[1], batch) if batch else None
+
+    async def _run_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            picked = self._next_batch()
+            if picked is None:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            hosted, kind, batch = picked
+            job = hosted.forward_batch if kind == "forward" else hosted.backward_batch
+            self._running_batch = batch
+            try:
+                results = await loop.run_in_executor(self._executor, job, batch)
+            except Exception as e:  # noqa: BLE001 - the expert failed on this batch; tell its callers
+                logger.warning("expert %s failed a %s batch", hosted.uid, kind, exc_info=True)
+                results = [ExpertError(f"expert {hosted.uid!r} failed: {type(e).__name__}: {e}")] * len(batch)
+            for task, result in zip(batch, results, strict=True):
+                if task.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    task.future.set_exception(result)
+                else:
+                    task.future.set_result(result)

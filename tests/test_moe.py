@@ -1,0 +1,314 @@
+"""`potluck.moe` on real peers over 127.0.0.1: remote experts, batching, bad input, checkpoints, layers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import potluck
+from potluck.core.errors import RemoteError
+from potluck.moe import (
+    BadExpertRequest,
+    ExpertNotFound,
+    ExpertServer,
+    NotEnoughExperts,
+    RemoteExpert,
+    RemoteMixtureOfExperts,
+    RemoteSwitchMixtureOfExperts,
+    TensorSchema,
+    make_expert,
+)
+from potluck.moe.grid import ExpertLocation
+from potluck.moe.server import METHOD_FORWARD
+
+HIDDEN = 8
+
+
+def wait_until(predicate, timeout: float = 20.0) -> None:
+    """Wait for a condition with a deadline (checks often; fails the test if it never holds)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def peers():
+    started = []
+
+    def start(n: int = 2) -> list[potluck.Peer]:
+        first = started[0] if started else None
+        for _ in range(n):
+            initial = first.addresses if first else []
+            peer = potluck.Peer(initial_peers=initial, host="127.0.0.1")
+            first = first or peer
+            started.append(peer)
+        return started[-n:]
+    yield start
+    for peer in reversed(started):
+        peer.shutdown()
+
+
+def grid_server(peer, uids, **kwargs) -> ExpertServer:
+    return ExpertServer.from_type(peer, uids, "ffn", HIDDEN, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_remote_expert_forward_backward_and_update_equal_a_local_copy(peers):
+    server_peer, client = peers(2)
+    torch.manual_seed(1)
+    module, schema = make_expert("ffn", HIDDEN)
+    local = make_expert("ffn", HIDDEN)[0]
+    local.load_state_dict(module.state_dict())
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    with ExpertServer(server_peer, {"ffn.0.0": module}, lambda p: torch.optim.SGD(p, lr=0.1), input_schema=schema):
+        remote = RemoteExpert(client, "ffn.0.0")
+        for step in range(4):  # each step also checks that the server applied the same update
+            x = torch.randn(5, HIDDEN, requires_grad=step % 2 == 0)  # odd steps: no input gradient wanted
+            x_local = x.detach().clone().requires_grad_(x.requires_grad)
+            target = torch.randn(5, HIDDEN)
+            loss = ((remote(x) - target) ** 2).sum()
+            loss_local = ((local(x_local) - target) ** 2).sum()
+            torch.testing.assert_close(loss, loss_local)
+            loss.backward()
+            loss_local.backward()
+            local_opt.step()
+            local_opt.zero_grad()
+            if x.requires_grad:
+                torch.testing.assert_close(x.grad, x_local.grad)
+        for p, q in zip(module.parameters(), local.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach())
+        assert remote.info()["inputs"] == [["float32", [HIDDEN]]]
+
+
+@pytest.mark.timeout(60)
+def test_backward_recomputes_when_the_forward_graph_was_evicted(peers):
+    server_peer, client = peers(2)
+    torch.manual_seed(2)
+    module, schema = make_expert("ffn", HIDDEN)
+    with ExpertServer(server_peer, {"ffn.0.0": module}, input_schema=schema, stash_calls=0) as server:
+        x = torch.randn(4, HIDDEN, requires_grad=True)
+        RemoteExpert(client, "ffn.0.0")(x).pow(2).sum().backward()
+        x_local = x.detach().clone().requires_grad_()
+        module(x_local).pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x_local.grad)
+        stats = server.stats["ffn.0.0"]
+        assert stats.recomputes == 1 and stats.stash_hits == 0
+
+
+class GatedExpert(nn.Module):
+    """Blocks its first forward call until released, so the calls arriving meanwhile queue up."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, x):
+        if x.shape[0] != 2 and not self.entered.is_set():  # the schema probe uses 2 rows
+            self.entered.set()
+            assert self.release.wait(30)
+        return self.linear(x)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_clients_are_batched_together_server_side(peers):
+    server_peer, *clients = peers(5)
+    expert = GatedExpert()
+    with ExpertServer(server_peer, {"gated.0": expert}, input_schema=(TensorSchema((HIDDEN,)),)) as server:
+        remotes = [RemoteExpert(c, "gated.0") for c in clients]
+        inputs = [torch.randn(3, HIDDEN, requires_grad=True) for _ in clients]
+        with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+            first = pool.submit(remotes[0], inputs[0])
+            assert expert.entered.wait(20)
+            rest = [pool.submit(r, x) for r, x in zip(remotes[1:], inputs[1:], strict=True)]
+            queue = server._queues[("gated.0", "forward")]
+            wait_until(lambda: len(queue) == len(rest))
+            expert.release.set()
+            outputs = [first.result(30)] + [f.result(30) for f in rest]
+        for x, y in zip(inputs, outputs, strict=True):
+            torch.testing.assert_close(y, expert.linear(x))
+            y.pow(2).sum().backward()
+            x_local = x.detach().clone().requires_grad_()
+            expert.linear(x_local).pow(2).sum().backward()
+            torch.testing.assert_close(x.grad, x_local.grad)
+        stats = server.stats["gated.0"]
+        assert stats.max_calls_per_batch == len(rest) > 1
+        assert stats.forward_batches == 2 and stats.forward_calls == len(clients)
+        assert stats.stash_hits == 1 and stats.recomputes == len(rest)  # batched calls keep no graph
+
+
+@pytest.mark.timeout(60)
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(peers):
+    server_peer, client = peers(2)
+    with grid_server(server_peer, ["ffn.0.0"], max_batch_size=16) as server:
+        remote = RemoteExpert(client, "ffn.0.0")
+        with pytest.raises(BadExpertRequest, match=r"shape \[4, 5\]; expected float32\[batch, 8\]"):
+            remote(torch.randn(4, 5))
+        with pytest.raises(BadExpertRequest, match="dtype float64"):
+            remote(torch.randn(4, HIDDEN, dtype=torch.float64))
+        with pytest.raises(BadExpertRequest, match="17 rows; this server takes 1 to 16"):
+            remote(torch.randn(17, HIDDEN))
+        with pytest.raises(BadExpertRequest, match="takes 1 input"):
+            remote(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN))
+        location = remote.location
+        with pytest.raises(ExpertNotFound, match="'ffn.9.9' is not served"):
+            RemoteExpert(client, "ffn.9.9", location=ExpertLocation("ffn.9.9", location.peer_id))(torch.randn(1, HIDDEN))
+        with pytest.raises(ExpertNotFound, match="no live server"):
+            RemoteExpert(client, "ffn.7.7")(torch.randn(1, HIDDEN))
+        with pytest.raises(RemoteError, match="must be a dict"):
+            client.call(location.peer_id, METHOD_FORWARD, [1, 2, 3], timeout=10)
+        with pytest.raises(RemoteError, match="must be a tensor"):
+            client.call(location.peer_id, METHOD_FORWARD, {"uid": "ffn.0.0", "call": 1, "inputs": ["x"]}, timeout=10)
+        assert server.stats["ffn.0.0"].rejected == 5
+        x = torch.randn(16, HIDDEN)  # the server still answers correct calls
+        torch.testing.assert_close(remote(x), server.experts["ffn.0.0"].module(x))
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_server_resumes_its_experts_from_checkpoints(peers, tmp_path):
+    server_peer, client = peers(2)
+    adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    uids = ["ffn.0.0", "ffn.0.1"]
+    server = grid_server(server_peer, uids, optimizer=adam, checkpoint_dir=tmp_path)
+    fresh = {n: p.clone() for n, p in server.experts["ffn.0.1"].module.state_dict().items()}
+    remote = RemoteExpert(client, "ffn.0.1")
+    for _ in range(3):
+        remote(torch.randn(4, HIDDEN)).sum().backward()
+    trained = {n: p.clone() for n, p in server.experts["ffn.0.1"].module.state_dict().items()}
+    assert not torch.equal(trained["up.weight"], fresh["up.weight"])
+    server.shutdown()  # writes the last checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ffn.0.0.ckpt", "ffn.0.1.ckpt"]
+    with grid_server(server_peer, uids, optimizer=adam, checkpoint_dir=tmp_path) as restarted:
+        hosted = restarted.experts["ffn.0.1"]
+        for name, tensor in hosted.module.state_dict().items():
+            torch.testing.assert_close(tensor, trained[name])
+        assert hosted.stats.updates == 3
+        assert hosted.optimizer.state_dict()["state"][0]["step"] == 3  # Adam's moments came back too
+        remote(torch.randn(4, HIDDEN)).sum().backward()  # and it keeps training
+        assert hosted.stats.updates == 4
+
+
+def _mixture_setup(peers, grid=(2, 3)):
+    server_a, server_b, client = peers(3)
+    uids = [f"ffn.{i}.{j}" for i in range(grid[0]) for j in range(grid[1])]
+    a = grid_server(server_a, uids[: len(uids) // 2])
+    b = grid_server(server_b, uids[len(uids) // 2:], seed=100)
+    return a, b, client
+
+
+@pytest.mark.timeout(60)
+def test_mixture_averages_k_best_experts_and_drops_a_dead_server(peers):
+    a, b, client = _mixture_setup(peers)
+    try:
+        torch.manual_seed(3)
+        layer = RemoteMixtureOfExperts(client, HIDDEN, (2, 3), "ffn", k_best=4, k_min=1, forward_timeout=10)
+        x = torch.randn(6, HIDDEN, requires_grad=True)
+        out = layer(x)
+        out.pow(2).sum().backward()
+        assert out.shape == (6, HIDDEN) and layer.last_answered == 4
+        assert layer.gate.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+        b.peer.transport.remove_handler(METHOD_FORWARD)  # b's experts now fail: dropped, weights renormalized
+        layer.directory.forget()
+        out = layer(x.detach())
+        assert 0 < layer.last_answered < 4 and torch.isfinite(out).all()
+        with pytest.raises(NotEnoughExperts, match="fewer than 4 expert answers"):
+            RemoteMixtureOfExperts(client, HIDDEN, (2, 3), "ffn", k_best=4, k_min=4)(x.detach())
+        switch = RemoteSwitchMixtureOfExperts(client, HIDDEN, (2, 3), "ffn")
+        out, aux = switch(x.detach())
+        served_by_b = {u for u in b.experts}
+        assert {u for uids in switch.last_uids for u in uids} & served_by_b  # the test needs both kinds
+        for row, (uid,) in enumerate(switch.last_uids):  # samples routed to b's (failing) experts get zeros
+            assert (out[row].abs().sum() == 0) == (uid in served_by_b)
+        aux.backward()
+        assert torch.isfinite(aux) and switch.gate.weight.grad.abs().sum() > 0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_expert_is_dropped_weights_renormalize_and_its_server_keeps_serving(peers):
+    slow_peer, fast_peer, client = peers(3)
+    gated = GatedExpert()
+    torch.manual_seed(4)
+    fast_module, schema = make_expert("ffn", HIDDEN)
+    with ExpertServer(slow_peer, {"g.0.0": gated}, input_schema=schema) as slow, \
+            ExpertServer(fast_peer, {"g.0.1": fast_module}, input_schema=schema):
+        layer = RemoteMixtureOfExperts(client, HIDDEN, (1, 2), "g", k_best=2, k_min=1, forward_timeout=3.0)
+        x = torch.randn(3, HIDDEN)
+        out = layer(x)  # g.0.0 blocks past the deadline: only g.0.1 counts, with weight 1
+        assert layer.last_answered == 1
+        assert all(sorted(uids) == ["g.0.0", "g.0.1"] for uids in layer.last_uids)  # both were asked
+        torch.testing.assert_close(out, fast_module(x))
+        gated.release.set()
+        remote = RemoteExpert(client, "g.0.0")  # the slow server got over it and serves again
+        torch.testing.assert_close(remote(x), gated.linear(x))
+        assert slow.stats["g.0.0"].forward_calls >= 1
+
+
+@pytest.mark.timeout(60)
+def test_transformer_and_custom_expert_types_work_remotely(peers):
+    from potluck.moe import register_expert_type
+    from potluck.moe.experts import TRANSFORMER_SEQUENCE_LENGTH
+    server_peer, client = peers(2)
+    register_expert_type("scaled", lambda h: nn.Linear(h, 2 * h), lambda h: (TensorSchema((h,)),))
+    torch.manual_seed(5)
+    transformer, t_schema = make_expert("transformer", 16)
+    scaled, s_schema = make_expert("scaled", HIDDEN)
+    with ExpertServer(server_peer, {"tf.0": transformer, "scaled.0": scaled},
+                      input_schema={"tf.0": t_schema, "scaled.0": s_schema}):
+        x = torch.randn(2, TRANSFORMER_SEQUENCE_LENGTH, 16, requires_grad=True)
+        x_local = x.detach().clone().requires_grad_()
+        y = RemoteExpert(client, "tf.0")(x)
+        torch.testing.assert_close(y, transformer(x_local))
+        y.sum().backward()
+        transformer(x_local).sum().backward()
+        torch.testing.assert_close(x.grad, x_local.grad)
+        assert RemoteExpert(client, "scaled.0")(torch.randn(4, HIDDEN)).shape == (4, 2 * HIDDEN)
+    with pytest.raises(ValueError, match="unknown expert type 'nope'"):
+        make_expert("nope", 8)
+
+
+@pytest.mark.timeout(60)
+def test_abandoned_forward_graphs_are_bounded_and_an_evicted_call_still_gets_its_gradients(peers):
+    server_peer, client, quitter = peers(3)
+    torch.manual_seed(6)
+    module, schema = make_expert("ffn", HIDDEN)
+    with ExpertServer(server_peer, {"ffn.0.0": module}, input_schema=schema, stash_calls=2) as server:
+        hosted = server.experts["ffn.0.0"]
+        for _ in range(3):  # a client that dies between forward and backward leaves graphs behind
+            RemoteExpert(quitter, "ffn.0.0")(torch.randn(2, HIDDEN, requires_grad=True))
+        quitter.shutdown()
+        x = torch.randn(4, HIDDEN, requires_grad=True)
+        y = RemoteExpert(client, "ffn.0.0")(x)
+        for _ in range(2):  # two more calls push this one's graph out of the stash
+            RemoteExpert(client, "ffn.0.0")(torch.randn(2, HIDDEN, requires_grad=True))
+        assert len(hosted._stash) == 2
+        y.sum().backward()  # the server asks for the inputs again and recomputes
+        x_local = x.detach().clone().requires_grad_()
+        module(x_local).sum().backward()
+        torch.testing.assert_close(x.grad, x_local.grad)
+        assert hosted.stats.recomputes == 1
+
+
+@pytest.mark.timeout(60)
+def test_announcements_are_refreshed_while_serving_and_expire_after_shutdown(peers):
+    server_peer, client = peers(2)
+    server = grid_server(server_peer, ["ffn.0.0", "ffn.1.0"], announce_ttl=1.5)
+
+    def record(key):
+        return client.dht.get(key, latest=True, timeout=5)
+    first = record("ffn.1.0").expiration_time
+    assert set(record("ffn.").value) == {0, 1} and set(record("ffn.1.").value) == {0}
+    wait_until(lambda: record("ffn.1.0").expiration_time > first + 0.4)  # refreshed every ttl / 3
+    server.shutdown()
+    wait_until(lambda: record("ffn.1.0") is None and record("ffn.") is None, timeout=10)
+    with pytest.raises(ExpertNotFound):
+        RemoteExpert(client, "ffn.1.0")(torch.randn(1, HIDDEN))
