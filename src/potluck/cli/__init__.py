@@ -7,10 +7,10 @@ import logging
 import sys
 
 from potluck import __version__
-from potluck.cli import demo, expert_server, peer
+from potluck.cli import compare, demo, expert_server, peer, sweep
 from potluck.core.errors import PotluckError
 
-COMMANDS = [peer, demo, expert_server]
+COMMANDS = [peer, demo, expert_server, sweep, compare]
 
 
 def build_parser() -> argparse.ArgumentParser:

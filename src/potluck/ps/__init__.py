@@ -1,0 +1,23 @@
+"""`potluck.ps`: the classic design space: parameter-server training and hyperparameter sweeps.
+
+- `server`: a parameter server (or one shard of it) in the modes of the primer: `sync`, `async`,
+  `ssp` (bounded staleness) and `backup` workers; shards split by size over several servers, and
+  the decentralized form in which every worker also serves one shard and keeps a replica of the
+  next one.
+- `worker`: the worker side: register, push gradients, receive fresh parameters, fail over to a
+  shard's replica.
+- `sweep`: hyperparameter trials (grid or random) handed out through the DHT with leases.
+- `simulation`: a whole parameter-server swarm on the emulated network, for tests and
+  `potluck compare`.
+
+Imports from `core`, `net` and `dht` only (and torch); the CLI (`potluck sweep`, `potluck compare`)
+sits above.
+"""
+
+from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, ShardLayout, split_by_size
+from potluck.ps.sweep import SweepError, SweepSpec, Trial, run_sweep
+from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
+
+__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "ServerConfig", "ShardLayout",
+           "ShardServerLost", "SweepError", "SweepSpec", "Trial", "run_sweep", "split_by_size",
+           "start_parameter_servers"]

@@ -1,0 +1,118 @@
+"""Parameter-server training of one model by a swarm on the emulated network, in one process.
+
+Used by the tests (under the virtual clock, so timings repeat exactly) and by `potluck compare`
+(in real time). Each worker is a coroutine with its own model replica, data order and compute
+time; workers and servers can be crashed mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
+from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout
+from potluck.ps.worker import PSClient, start_parameter_servers, train_worker
+
+logger = logging.getLogger(__name__)
+
+Batches = Callable[[int], Callable[[], tuple[Any, Any]]]  # worker index -> next-batch function
+
+
+@dataclass
+class PSSimulation:
+    """A parameter-server swarm on an emulated network; build with `await PSSimulation.start(...)`.
+
+    `compute_times[i]` is worker i's modeled compute time per step (seconds); with `num_shards`
+    dedicated servers, or `decentralized=True` for one shard served by each worker. `offload=False`
+    keeps all tensor math on the loop: under the virtual clock a run then repeats exactly.
+    """
+
+    network: EmulatedNetwork
+    servers: list[ParameterServer]
+    layout: ShardLayout
+    workers: list[EmulatedTransport]
+    server_transports: list[EmulatedTransport]
+    models: list[torch.nn.Module]
+    clients: list[PSClient]
+    compute_times: list[float]
+    losses: list[tuple[float, float]] = field(default_factory=list)  # (loop time, loss) of every step
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    offload: bool = True
+
+    @classmethod
+    async def start(cls, make_model: Callable[[], torch.nn.Module],
+                    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], config: ServerConfig,
+                    compute_times: Sequence[float], *, num_shards: int = 1, decentralized: bool = False,
+                    bandwidth: float | None = 100e6, latency: float = 0.001, offload: bool = True) -> PSSimulation:
+        network = EmulatedNetwork(latency=latency)
+        workers = [network.transport(upload=bandwidth, download=bandwidth) for _ in compute_times]
+        server_transports = workers if decentralized else \
+            [network.transport(upload=bandwidth, download=bandwidth) for _ in range(num_shards)]
+        for t in {id(t): t for t in workers + server_transports}.values():
+            await t.start()
+        reference = make_model()
+        servers, layout, addresses = start_parameter_servers(server_transports, "sim", list(reference.parameters()),
+                                                             optimizer, config, decentralized=decentralized,
+                                                             offload=offload)
+        models = [make_model() for _ in compute_times]
+        clients = [PSClient(t, "sim", layout, m.parameters(), addresses) for t, m in zip(workers, models, strict=True)]
+        await asyncio.gather(*(c.aregister() for c in clients))
+        return cls(network, servers, layout, workers, server_transports, models, clients, list(compute_times),
+                   offload=offload)
+
+    @property
+    def primary(self) -> ParameterServer:
+        """Shard 0's first server (its step counts the run's steps)."""
+        return self.servers[0]
+
+    def applied(self) -> int:
+        """Gradients shard 0's server has applied."""
+        return len(self.primary.staleness)
+
+    async def run(self, batches: Batches, until: Callable[[], bool]) -> None:
+        """Train every live worker until `until()` is true (checked after each worker step)."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_step(loss: float) -> None:
+            self.losses.append((loop.time(), loss))
+            if until():
+                stop.set()
+        self.tasks = [asyncio.create_task(train_worker(c, m, batches(i), compute_time=self.compute_times[i],
+                                                       stop=stop, on_step=on_step, offload=self.offload))
+                      for i, (c, m) in enumerate(zip(self.clients, self.models, strict=True))]
+        finished = asyncio.gather(*self.tasks, return_exceptions=True)
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            # Once stopped, pushes still waiting for a round are cut short: the run is over, and
+            # waiting for them would only wait out the worker timeout of the workers that stopped.
+            await asyncio.wait([finished, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            for task in self.tasks:
+                task.cancel()
+            results = await finished
+        errors = [r for r in results if isinstance(r, Exception)]  # crashed workers end cancelled: not errors
+        if errors:
+            raise errors[0]
+
+    def crash_worker(self, index: int) -> None:
+        """Worker `index` dies: its process stops and its connections reset."""
+        if self.tasks:
+            self.tasks[index].cancel()
+        self.network.crash(self.workers[index].peer_id)
+
+    def crash_server(self, shard: int) -> None:
+        """Shard `shard`'s primary server's machine dies."""
+        peer = self.layout.servers[shard][0]
+        self.network.crash(next(t.peer_id for t in self.server_transports if str(t.peer_id) == peer))
+
+    async def close(self) -> None:
+        for t in {id(t): t for t in self.workers + self.server_transports}.values():
+            await t.close()

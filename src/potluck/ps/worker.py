@@ -1,0 +1,210 @@
+"""The worker side of parameter-server training: push gradients, get fresh parameters back.
+
+`PSClient` is the async core (it runs on the event loop, and drives emulated swarms);
+`PSWorker` is the synchronous facade for a `potluck.Peer` in a plain training loop:
+
+    worker = PSWorker(peer, "run", layout, model.parameters(), addresses=addresses)
+    worker.register()                  # waits for the other workers, loads the server's parameters
+    for x, y in batches:
+        model.zero_grad(); loss_fn(model(x), y).backward()
+        worker.push()                  # sends p.grad, writes the new parameters into the model
+
+A shard whose server cannot be reached is retried at its standby (decentralized form); with
+none left, `ShardServerLost` says which shard and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout, local_server, method_name, split_by_size
+
+logger = logging.getLogger(__name__)
+
+# How long a worker waits for the answer to one push or registration: a sync round may wait up to
+# the server's worker timeout for a dead worker, and registration for the others to arrive.
+PUSH_TIMEOUT = 60.0
+# Errors that mean "this server is gone" (a RemoteError, by contrast, is the server refusing us).
+_SERVER_GONE = (PeerUnreachable, ConnectionLost, DeadlineExceeded)
+
+
+class ShardServerLost(PotluckError):
+    """No server of a shard can be reached: training cannot go on without its parameters."""
+
+
+class PSClient:
+    """One worker's link to the parameter servers of run `name` (async; see the module docstring).
+
+    Args:
+        transport: the worker's started transport.
+        name: the training run.
+        layout: which server holds which parameters (`ShardLayout`).
+        params: the model's parameters; replies are copied into them.
+        addresses: where to dial the servers: {peer id: [address, ...]} (optional if known).
+        timeout: deadline of one push or registration, in seconds.
+    """
+
+    def __init__(self, transport: Transport, name: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+                 addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
+        self.transport = transport
+        self.name = name
+        self.layout = layout
+        self.params = list(params)
+        if len(self.params) != len(layout.assignment):
+            raise ValueError(f"the layout places {len(layout.assignment)} tensors, the model has {len(self.params)}")
+        self.timeout = timeout
+        for peer, addrs in (addresses or {}).items():
+            transport.add_addresses(PeerID.from_string(peer), addrs)
+        self._server = [0] * layout.num_shards  # which of each shard's servers is in use
+        self.steps = [0] * layout.num_shards  # server step of the parameters held, per shard
+        self.pushes = 0
+        self.dropped = 0  # pushes a backup-mode server did not use
+
+    async def aregister(self) -> None:
+        """Join the run: wait for the servers' start barrier and load their parameters."""
+        await asyncio.gather(*(self._call(k, "register", None) for k in range(self.layout.num_shards)))
+
+    async def apush(self, grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Send gradients (default: each parameter's `.grad`) and load the parameters of the reply."""
+        if grads is None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [g.detach() for g in grads]
+        await asyncio.gather(*(
+            self._call(k, "push", {"step": self.steps[k], "grads": [grads[i] for i in self.layout.indices(k)]})
+            for k in range(self.layout.num_shards)))
+        self.pushes += 1
+
+    async def apull(self) -> None:
+        """Load the servers' current parameters without pushing anything."""
+        await asyncio.gather(*(self._call(k, "pull", None) for k in range(self.layout.num_shards)))
+
+    async def _call(self, shard: int, verb: str, request: Any) -> None:
+        servers = self.layout.servers[shard]
+        while True:
+            server = servers[self._server[shard]]
+            try:
+                local = local_server(self.transport, self.name, shard) if server == str(self.transport.peer_id) \
+                    else None
+                if local is not None:  # this worker serves the shard itself
+                    async with asyncio.timeout(self.timeout):
+                        reply = await local.handle(verb, _copied(request), server)
+                else:
+                    reply = await self.transport.call(PeerID.from_string(server), method_name(self.name, shard, verb),
+                                                      request, timeout=self.timeout)
+                break
+            except _SERVER_GONE as e:
+                if self._server[shard] + 1 >= len(servers):
+                    raise ShardServerLost(
+                        f"the server of shard {shard} of run {self.name!r} ({server}) is unreachable: {e}; "
+                        "training cannot go on without its parameters (the decentralized form keeps a "
+                        "standby copy of every shard)") from e
+                self._server[shard] += 1
+                logger.warning("ps %s: shard %d server %s lost (%s); turning to standby %s", self.name, shard,
+                               server, e, servers[self._server[shard]])
+        self._load(shard, reply)
+
+    def _load(self, shard: int, reply: Any) -> None:
+        indices = self.layout.indices(shard)
+        if not isinstance(reply, dict) or not isinstance(reply.get("params"), list) \
+                or len(reply["params"]) != len(indices):
+            raise PotluckError(f"shard {shard}'s server sent a malformed reply")
+        with torch.no_grad():
+            for i, value in zip(indices, reply["params"], strict=True):
+                if not isinstance(value, torch.Tensor) or value.shape != self.params[i].shape:
+                    raise PotluckError(f"shard {shard}'s server sent parameter {i} with the wrong shape")
+                self.params[i].copy_(value)
+        self.steps[shard] = int(reply["step"])
+        self.dropped += bool(reply.get("dropped"))
+
+
+def _copied(request: Any) -> Any:
+    """A local call's request with its tensors copied, as the wire would (the server keeps them)."""
+    if isinstance(request, dict) and isinstance(request.get("grads"), list):
+        return {**request, "grads": [g.clone() if isinstance(g, torch.Tensor) else g for g in request["grads"]]}
+    return request
+
+
+class PSWorker:
+    """Synchronous facade of `PSClient` for a `potluck.Peer` (see the module docstring)."""
+
+    def __init__(self, peer: Any, name: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+                 addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
+        self.peer = peer
+        self.client = PSClient(peer.transport, name, layout, params, addresses, timeout)
+
+    def register(self) -> None:
+        self.peer.run(self.client.aregister(), self.client.timeout + 5)
+
+    def push(self, grads: Sequence[torch.Tensor] | None = None) -> None:
+        self.peer.run(self.client.apush(grads), self.client.timeout + 5)
+
+    def pull(self) -> None:
+        self.peer.run(self.client.apull(), self.client.timeout + 5)
+
+
+def start_parameter_servers(transports: Sequence[Transport], name: str, params: Sequence[torch.Tensor],
+                            optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                            config: ServerConfig | None = None, *, decentralized: bool = False,
+                            offload: bool = True) -> tuple[list[ParameterServer], ShardLayout, dict[str, list[str]]]:
+    """Serve `params` split by size over one shard per transport.
+
+    With `decentralized=True` (the transports are the workers' own) the server of shard k also
+    copies its state to a standby on the next transport, which takes over if k's server dies.
+    Returns the servers (standbys included), the layout and the servers' addresses for clients.
+    `offload`: see `ParameterServer`.
+    """
+    n = len(transports)
+    assignment = split_by_size([p.numel() for p in params], n)
+    servers: list[ParameterServer] = []
+    shard_servers: list[tuple[str, ...]] = []
+    for k, transport in enumerate(transports):
+        mine = [params[i] for i, s in enumerate(assignment) if s == k]
+        standby = transports[(k + 1) % n] if decentralized and n > 1 else None
+        servers.append(ParameterServer(transport, name, mine, optimizer, config, shard=k,
+                                       replica=standby.peer_id if standby else None, offload=offload))
+        if standby is not None:
+            servers.append(ParameterServer(standby, name, mine, optimizer, config, shard=k,
+                                           standby=str(transport.peer_id),
+                                           offload=offload))
+        shard_servers.append((str(transport.peer_id),) + ((str(standby.peer_id),) if standby else ()))
+    addresses = {str(t.peer_id): [str(a) for a in t.addresses] for t in transports}
+    return servers, ShardLayout(tuple(assignment), tuple(shard_servers)), addresses
+
+
+async def train_worker(client: PSClient, model: torch.nn.Module, next_batch: Callable[[], tuple[Any, Any]],
+                       steps: int | None = None, *, compute_time: float = 0.0, stop: asyncio.Event | None = None,
+                       loss_fn: Callable[[Any, Any], torch.Tensor] = torch.nn.functional.cross_entropy,
+                       on_step: Callable[[float], None] | None = None, offload: bool = True) -> int:
+    """Train `model` (whose parameters are `client.params`) until `steps` or `stop`; returns steps done.
+
+    `compute_time` is extra seconds per step that model a slower machine's compute (it is waited
+    out on the loop, so under the virtual clock it costs no real time). `offload` runs forward and
+    backward in a worker thread; False runs them on the loop (exact repeats under the virtual clock).
+    """
+    loop = asyncio.get_running_loop()
+
+    def compute() -> float:
+        x, y = next_batch()
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    done = 0
+    while (steps is None or done < steps) and not (stop is not None and stop.is_set()):
+        loss = await loop.run_in_executor(None, compute) if offload else compute()
+        if compute_time > 0:
+            await asyncio.sleep(compute_time)  # models this worker's slower compute
+        await client.apush()
+        done += 1
+        if on_step is not None:
+            on_step(loss)
+    return done

@@ -1,0 +1,305 @@
+"""Parameter-server training (`potluck.ps`): every mode, staleness, failures and bad input.
+
+Swarms run on the emulated network under the virtual clock, so compute times (a 4x slower worker)
+and deadlines repeat exactly; one test runs real Peers over TCP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import potluck
+from potluck.cli.demo import accuracy, load_data
+from potluck.core.errors import MessageTooLarge, RemoteError
+from potluck.core.serialization import dumps, loads
+from potluck.core.virtual_time import run_virtual
+from potluck.ps import PSWorker, ServerConfig, ShardLayout, ShardServerLost, split_by_size, start_parameter_servers
+from potluck.ps.server import method_name
+from potluck.ps.simulation import PSSimulation
+
+X, Y, X_TEST, Y_TEST = load_data()
+X, X_TEST = X.reshape(len(X), -1), X_TEST.reshape(len(X_TEST), -1)
+BATCH, LR = 32, 1e-2
+FAST, SLOW = 0.01, 0.04  # modeled compute seconds per step; the slow worker is 4x slower
+APPLIED = 1200  # gradients of BATCH samples each, as many as REFERENCE_STEPS x 4 workers
+REFERENCE_STEPS = 300
+
+
+def make_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, LR)
+
+
+def batches(index: int):
+    generator = torch.Generator().manual_seed(100 + index)
+
+    def next_batch():
+        b = torch.randint(0, len(Y), (BATCH,), generator=generator)
+        return X[b], Y[b]
+    return next_batch
+
+
+def reference_accuracy() -> float:
+    """One process, batches of 4 x BATCH, the same optimizer: the mean over three data orders."""
+    results = []
+    for seed in range(3):
+        model = make_mlp()
+        opt = adam(list(model.parameters()))
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(REFERENCE_STEPS):
+            b = torch.randint(0, len(Y), (4 * BATCH,), generator=generator)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(X[b]), Y[b]).backward()
+            opt.step()
+        results.append(accuracy(model, X_TEST, Y_TEST))
+    return sum(results) / len(results)
+
+
+async def simulate(mode: str, compute_times: list[float], until, **options) -> PSSimulation:
+    config = ServerConfig(mode=mode, num_workers=len(compute_times),
+                          **{k: options.pop(k) for k in list(options) if k in ("staleness_bound", "backup_workers",
+                                                                               "worker_timeout")})
+    sim = await PSSimulation.start(make_mlp, adam, config, compute_times, offload=False, **options)
+    try:
+        await sim.run(batches, lambda: until(sim))
+        await sim.clients[0].apull()
+    finally:
+        await sim.close()
+    return sim
+
+
+@pytest.mark.timeout(30)
+def test_split_by_size_balances_elements_over_shards():
+    sizes = [2048, 32, 320, 10, 640]
+    assignment = split_by_size(sizes, 2)
+    loads = [sum(s for s, a in zip(sizes, assignment) if a == k) for k in range(2)]
+    assert sorted(loads) == [1002, 2048]
+    assert split_by_size(sizes, 2) == assignment  # deterministic
+    assert set(split_by_size([5, 5, 5, 5], 4)) == {0, 1, 2, 3}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode, options", [
+    ("sync", {}), ("async", {}), ("ssp", {"staleness_bound": 2}), ("backup", {"backup_workers": 1}),
+    ("sync", {"num_shards": 2}), ("async", {"decentralized": True})],
+    ids=["sync", "async", "ssp", "backup", "sharded", "decentralized"])
+def test_each_mode_reaches_single_process_accuracy(mode, options):
+    compute = [FAST, FAST, FAST, SLOW]
+    sim = run_virtual(simulate(mode, compute, lambda s: s.applied() >= APPLIED, **options))
+    model = sim.models[0]  # it pulled the servers' final parameters
+    reference = reference_accuracy()
+    assert accuracy(model, X_TEST, Y_TEST) >= reference - 0.02, (mode, options, reference)
+
+
+@pytest.mark.timeout(60)
+def test_async_staleness_is_recorded_and_grows_with_the_number_of_workers():
+    mean_staleness = []
+    for n in (2, 8):
+        sim = run_virtual(simulate("async", [FAST] * n, lambda s: s.applied() >= 200))
+        staleness = list(sim.primary.staleness)
+        assert len(staleness) >= 200
+        mean_staleness.append(sum(staleness) / len(staleness))
+    assert mean_staleness[0] < 1.5 < 5.0 < mean_staleness[1], mean_staleness  # about n - 1
+
+
+@pytest.mark.timeout(60)
+def test_ssp_never_lets_a_worker_run_more_than_its_bound_ahead_of_the_slowest():
+    compute = [FAST, FAST, FAST, SLOW]
+    ssp = run_virtual(simulate("ssp", compute, lambda s: s.applied() >= 300, staleness_bound=2))
+    assert max(ssp.primary.clock_gaps) <= 2
+    assert max(ssp.primary.clock_gaps) == 2  # the bound is reached, so it is what holds them back
+    # Without the bound (async) the fast workers run far ahead of the slow one: the check can fail.
+    free = run_virtual(simulate("async", compute, lambda s: s.applied() >= 300))
+    gaps = [c.pushes for c in free.clients]
+    assert max(gaps) - min(gaps) > 10
+
+
+@pytest.mark.timeout(60)
+def test_backup_workers_step_at_the_speed_of_the_fastest_while_sync_waits_for_the_slowest():
+    compute = [FAST, FAST, FAST, SLOW]
+    rates = {}
+    for mode in ("sync", "backup"):
+        sim = run_virtual(simulate(mode, compute, lambda s: s.primary.step >= 100, backup_workers=1))
+        times = list(sim.primary.step_times)
+        rates[mode] = (len(times) - 1) / (times[-1] - times[0])  # steps per (virtual) second
+        if mode == "backup":
+            assert sim.primary.dropped_gradients > 0
+    assert rates["backup"] > 0.8 / FAST, rates  # about 1 / FAST (plus transfer time)
+    assert rates["sync"] < 1.05 / SLOW, rates  # held to the slow worker's pace
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "ssp", "backup"])
+def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_continues(mode):
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode=mode, num_workers=3, worker_timeout=2.0),
+                                       [FAST, FAST, FAST], offload=False)
+        try:
+            killed = False
+
+            def until() -> bool:
+                nonlocal killed
+                if sim.primary.step >= 50 and not killed:
+                    killed = True
+                    sim.crash_worker(2)
+                    steps_at_kill.append(sim.primary.step)
+                return sim.primary.step >= 400  # runs past the 2 s worker timeout in every mode
+            steps_at_kill: list[int] = []
+            await sim.run(batches, until)
+        finally:
+            await sim.close()
+        return sim, steps_at_kill[0]
+    sim, at_kill = run_virtual(scenario())
+    assert sim.primary.dropped_workers == [str(sim.workers[2].peer_id)]  # dropped once, and only it
+    assert sim.primary.step >= 400 > at_kill
+    assert sim.clients[2].pushes <= at_kill + 1 < sim.clients[0].pushes
+
+
+@pytest.mark.timeout(60)
+def test_dead_shard_server_is_a_clear_error():
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+                                       num_shards=2, offload=False)
+        try:
+            def until() -> bool:
+                if sim.primary.step == 20:
+                    sim.crash_server(1)
+                return False
+            await sim.run(batches, until)
+        finally:
+            await sim.close()
+    with pytest.raises(ShardServerLost, match="shard 1"):
+        run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_decentralized_shard_is_taken_over_from_its_replica_when_its_peer_dies():
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=4, worker_timeout=2.0),
+                                       [FAST] * 4, decentralized=True, offload=False)
+        try:
+            state = {"killed_at": None}
+
+            def until() -> bool:
+                if state["killed_at"] is None and sim.applied() >= 100 * 4:
+                    state["killed_at"] = min(c.steps[1] for c in sim.clients)
+                    sim.crash_worker(1)  # the worker that serves shard 1
+                return min(c.steps[1] for c in sim.clients if c is not sim.clients[1]) >= 300
+            await sim.run(batches, until)
+        finally:
+            await sim.close()
+        return sim, state["killed_at"]
+    sim, killed_at = run_virtual(scenario())
+    standby = next(s for s in sim.servers if s.shard == 1 and s.transport is sim.workers[2])
+    assert not standby.standby and standby.step >= 300 > killed_at  # it took over and went on stepping
+    assert str(sim.workers[1].peer_id) in standby.dropped_workers
+    assert accuracy(sim.models[0], X_TEST, Y_TEST) >= reference_accuracy() - 0.02
+
+
+@pytest.mark.timeout(60)
+def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="async", num_workers=1), [FAST],
+                                       offload=False)
+        client, server = sim.clients[0], sim.server_transports[0].peer_id
+        push = method_name("sim", 0, "push")
+        good = [torch.zeros_like(p) for p in sim.models[0].parameters()]
+        bad = {
+            "not a dict": [1, 2, 3],
+            "wrong count": {"step": 0, "grads": good[:2]},
+            "wrong shape": {"step": 0, "grads": [torch.zeros(3, 3)] + good[1:]},
+            "non-finite": {"step": 0, "grads": [torch.full_like(good[0], float("nan"))] + good[1:]},
+            "future step": {"step": 99, "grads": good},
+            "oversized": {"step": 0, "grads": [torch.zeros(2**16, 64)] + good[1:]},
+        }
+        errors = {}
+        for what, request in bad.items():
+            with pytest.raises(RemoteError) as info:
+                await client.transport.call(server, push, request, timeout=5)
+            errors[what] = str(info.value)
+        with pytest.raises(MessageTooLarge):  # over the server's frame limit: refused before sending
+            await client.transport.call(server, push, {"step": 0, "grads": [torch.zeros(2**25)]}, timeout=5)
+        await client.apush(good)  # the server still serves
+        await sim.close()
+        return errors, sim.primary.step
+    errors, step = run_virtual(scenario())
+    assert "must be a dict" in errors["not a dict"]
+    assert "expected a list of 4 gradient tensors" in errors["wrong count"]
+    assert "gradient 0 is torch.float32 (3, 3); expected torch.float32 (32, 64)" in errors["wrong shape"]
+    assert "non-finite" in errors["non-finite"]
+    assert "gradient 0 is torch.float32 (65536, 64)" in errors["oversized"]
+    assert "step must be an int between 0 and the server's step 0" in errors["future step"]
+    assert step == 1
+
+
+@pytest.mark.timeout(60)
+def test_standby_accepts_state_only_from_its_primary_and_checks_it():
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=3), [FAST] * 3,
+                                       decentralized=True, offload=False)
+        standby = next(s for s in sim.servers if s.standby and s.shard == 0)
+        primary, stranger = sim.workers[0], sim.workers[2]
+        assert standby.transport is sim.workers[1]
+        method = method_name("sim", 0, "replicate")
+        good = [p.detach().clone() for p in sim.servers[0].params]
+        errors = []
+        for sender, request in [(stranger, {"step": 5, "params": good, "workers": []}),
+                                (primary, {"step": 5, "params": good + good, "workers": []}),
+                                (primary, {"step": 5, "params": good, "workers": [1]}),
+                                (primary, "junk")]:
+            with pytest.raises(RemoteError) as info:
+                await sender.call(standby.transport.peer_id, method, request, timeout=5)
+            errors.append(str(info.value))
+        accepted = await primary.call(standby.transport.peer_id, method, {"step": 5, "params": good, "workers": []},
+                                      timeout=5)
+        await sim.close()
+        return errors, accepted, standby.step
+    errors, accepted, step = run_virtual(scenario())
+    assert "only shard 0's primary may update its standby" in errors[0]
+    assert "parameter tensors" in errors[1] and "workers as strings" in errors[2] and "replica update" in errors[3]
+    assert accepted is True and step == 5
+
+
+@pytest.mark.timeout(60)
+def test_sync_parameter_server_trains_over_tcp_with_real_peers():
+    server_peer = potluck.Peer(host="127.0.0.1")
+    peers = [potluck.Peer(host="127.0.0.1") for _ in range(2)]
+    try:
+        servers, layout, addresses = start_parameter_servers(
+            [server_peer.transport], "tcp", list(make_mlp().parameters()), adam, ServerConfig("sync", num_workers=2))
+        layout = ShardLayout.from_dict(loads(dumps(layout.to_dict())))  # as a worker would receive it
+        models = [make_mlp() for _ in peers]
+        workers = [PSWorker(p, "tcp", layout, m.parameters(), addresses) for p, m in zip(peers, models)]
+        errors: list[BaseException] = []
+
+        def train(worker: PSWorker, model: torch.nn.Module, index: int) -> None:
+            try:
+                worker.register()
+                next_batch = batches(index)
+                for _ in range(150):
+                    x, y = next_batch()
+                    model.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    worker.push()
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+        threads = [threading.Thread(target=train, args=(w, m, i)) for i, (w, m) in enumerate(zip(workers, models))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+        assert not errors, errors
+        assert servers[0].step == 150
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)  # both hold the server's parameters after the last round
+        assert accuracy(models[0], X_TEST, Y_TEST) > 0.9
+    finally:
+        for p in peers + [server_peer]:
+            p.shutdown()

@@ -1,0 +1,141 @@
+"""Hyperparameter sweeps (`potluck.ps.sweep`): trial lists, leases through the DHT, re-runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from potluck.core.virtual_time import run_virtual
+from potluck.ps import SweepError, SweepSpec, run_sweep
+from tests.emulated_swarm import make_swarm
+
+LEASE = 6.0  # virtual seconds
+
+
+def spec(**changes) -> SweepSpec:
+    values = dict(name="t", space={"lr": [0.1, 0.01, 0.001], "width": [8, 16]}, fixed={"steps": 5})
+    values.update(changes)
+    return SweepSpec(**values)
+
+
+async def score(params: dict) -> dict:
+    await asyncio.sleep(1.0)  # models a trial's training time (virtual)
+    return {"test_accuracy": params["lr"] * params["width"]}
+
+
+@pytest.mark.timeout(30)
+def test_grid_and_random_trial_lists_are_complete_deterministic_and_in_range():
+    grid = spec().trial_list()
+    assert len(grid) == 6 and [t.index for t in grid] == list(range(6))
+    assert {(t.params["lr"], t.params["width"]) for t in grid} == {(a, b) for a in (0.1, 0.01, 0.001) for b in (8, 16)}
+    assert all(t.params["steps"] == 5 for t in grid)
+    space = {"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "width": {"low": 4, "high": 64, "int": True},
+             "opt": ["sgd", "adam"]}
+    first = spec(kind="random", trials=20, seed=3, space=space).trial_list()
+    assert first == spec(kind="random", trials=20, seed=3, space=space).trial_list()
+    assert first != spec(kind="random", trials=20, seed=4, space=space).trial_list()
+    assert all(1e-4 <= t.params["lr"] <= 1e-1 and 4 <= t.params["width"] <= 64 for t in first)
+    assert all(isinstance(t.params["width"], int) and t.params["opt"] in ("sgd", "adam") for t in first)
+    assert spec().sweep_id != spec(space={"lr": [0.5]}).sweep_id  # different trials never mix
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("changes, message", [
+    ({"kind": "bayes"}, "kind must be"),
+    ({"space": {}}, "non-empty space"),
+    ({"space": {"lr": []}}, "empty list"),
+    ({"space": {"lr": {"low": 1, "high": 0}}, "kind": "random", "trials": 3}, "low < high"),
+    ({"space": {"lr": {"low": 0, "high": 1, "log": True}}, "kind": "random", "trials": 3}, "low > 0"),
+    ({"space": {"lr": {"low": 0, "high": 1}}}, "in a grid sweep"),
+    ({"kind": "random", "trials": 0}, "trials"),
+    ({"kind": "random", "trials": "3"}, "trials must be an int"),
+    ({"fixed": [1]}, "fixed must be a dict"),
+])
+def test_malformed_specs_get_clear_errors(changes, message):
+    with pytest.raises(SweepError, match=message):
+        spec(**changes)
+
+
+@pytest.mark.timeout(30)
+def test_spec_files_in_toml_and_json(tmp_path):
+    (tmp_path / "s.toml").write_text('name = "a"\nkind = "grid"\n[space]\nlr = [0.1, 0.2]\n[fixed]\nsteps = 3\n')
+    assert len(SweepSpec.from_file(tmp_path / "s.toml").trial_list()) == 2
+    (tmp_path / "s.json").write_text(json.dumps({"name": "a", "space": {"lr": [1, 2, 3]}, "colour": 1}))
+    with pytest.raises(SweepError, match="unknown keys.*colour"):
+        SweepSpec.from_file(tmp_path / "s.json")
+    (tmp_path / "bad.toml").write_text("name = ")
+    with pytest.raises(SweepError, match="cannot read"):
+        SweepSpec.from_file(tmp_path / "bad.toml")
+
+
+@pytest.mark.timeout(60)
+def test_trials_of_a_killed_peer_are_rerun_and_every_trial_appears_exactly_once():
+    async def scenario():
+        net, peers = await make_swarm(3)
+        sweep = spec()
+        claimed = asyncio.Event()
+
+        async def dies_mid_trial(params: dict) -> dict:
+            claimed.set()
+            await asyncio.Event().wait()  # never finishes: its peer is killed meanwhile
+            return {}
+
+        victim = asyncio.create_task(run_sweep(peers[2].dht, sweep, dies_mid_trial, lease_seconds=LEASE))
+        async with asyncio.timeout(30):
+            await claimed.wait()
+        victim.cancel()
+        net.crash(peers[2].transport.peer_id)
+        outcomes = await asyncio.gather(*(run_sweep(p.dht, sweep, score, lease_seconds=LEASE) for p in peers[:2]))
+        for p in peers[:2]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+        return outcomes, str(peers[2].transport.peer_id)
+    (first, second), victim = run_virtual(scenario())
+    assert first == second  # both peers end with the same table
+    assert [r["index"] for r in first] == list(range(6))  # every trial exactly once, in order
+    assert all(r["peer"] != victim for r in first)  # the victim's trial was re-run by another
+    assert {r["peer"] for r in first} == {r["peer"] for r in second} and len({r["peer"] for r in first}) == 2
+    for r in first:
+        assert r["metrics"]["test_accuracy"] == pytest.approx(r["params"]["lr"] * r["params"]["width"])
+
+
+@pytest.mark.timeout(60)
+def test_malformed_records_from_another_peer_are_ignored_and_the_trial_is_run():
+    async def scenario():
+        net, peers = await make_swarm(2)
+        sweep = spec(space={"lr": [0.1, 0.2], "width": [1]})
+        key = f"sweep.{sweep.sweep_id}.results"
+        now = peers[1].dht.get_time()
+        await peers[1].dht.astore(key, "garbage", now + 1.0, subkey=0)  # not a result
+        await peers[1].dht.astore(key, {"metrics": {}}, now + 1.0, subkey=99)  # no such trial
+        await peers[1].dht.astore(f"sweep.{sweep.sweep_id}.leases", 12345, now + 1.0, subkey=1)  # not a holder
+        results = await run_sweep(peers[0].dht, sweep, score, lease_seconds=LEASE)
+        for p in peers:
+            await p.dht.ashutdown()
+            await p.transport.close()
+        return results
+    results = run_virtual(scenario())
+    assert [r["index"] for r in results] == [0, 1]
+    assert all("test_accuracy" in r["metrics"] for r in results)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_trial_is_recorded_with_its_error_not_retried_forever():
+    async def scenario():
+        net, peers = await make_swarm(1)
+        calls = []
+
+        async def objective(params: dict) -> dict:
+            calls.append(params["lr"])
+            if params["lr"] == 0.2:
+                raise ValueError("diverged")
+            return {"test_accuracy": 1.0}
+        results = await run_sweep(peers[0].dht, spec(space={"lr": [0.1, 0.2]}), objective, lease_seconds=LEASE)
+        await peers[0].dht.ashutdown()
+        await peers[0].transport.close()
+        return results, calls
+    results, calls = run_virtual(scenario())
+    assert sorted(calls) == [0.1, 0.2]
+    assert results[1]["error"] == "ValueError: diverged" and results[1]["metrics"] == {}
