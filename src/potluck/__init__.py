@@ -1,6 +1,6 @@
 """potluck: train neural networks together on computers nobody controls centrally."""
 
-from potluck import moe, ps
+from potluck import moe, pipeline, ps
 from potluck.averaging import Averager, StepResult
 from potluck.core.dht_time import get_dht_time
 from potluck.core.errors import (
@@ -24,5 +24,5 @@ __all__ = [
     "Averager", "AveragingError", "Optimizer", "StepResult",
     "DHT", "ConnectionLost", "DeadlineExceeded", "HandshakeError", "NetworkError", "Peer",
     "PeerUnreachable", "PotluckError", "ProtocolError", "RemoteError", "ValueWithExpiration",
-    "__version__", "get_dht_time", "moe", "ps",
+    "__version__", "get_dht_time", "moe", "pipeline", "ps",
 ]

@@ -1,0 +1,118 @@
+"""Start a whole pipeline run over ready transports: workers on every node, one controller per
+cluster. Used by the demo, the benchmark and the tests; a deployment does the same per node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from potluck.net.identity import PeerID
+from potluck.pipeline.partition import boundary_shapes
+from potluck.pipeline.profiling import LayerCost, NodeProfile, profile_layers
+from potluck.pipeline.recovery import ClusterController, LayoutDirectory
+from potluck.pipeline.stage import LossFn, MakeLayers, PipelineConfig, Source, StageWorker
+
+__all__ = ["PipelineRun", "RemoteNode", "launch_run"]
+
+
+@dataclass(frozen=True)
+class RemoteNode:
+    """A node whose `StageWorker` runs in another process (or machine): known by id and address."""
+
+    peer_id: str
+    addresses: tuple[str, ...]
+
+
+def _peer_id(node: Any) -> str:
+    return node.peer_id if isinstance(node, RemoteNode) else str(node[0].peer_id)
+
+
+@dataclass
+class PipelineRun:
+    workers: dict[str, StageWorker]
+    controllers: list[ClusterController]
+    clusters: list[list[str]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def worker_of(self, cluster: int, stage: int) -> StageWorker:
+        peer = self.controllers[cluster].stages[stage][0]
+        return self.workers[peer]
+
+    async def wait_until(self, condition: Callable[[], bool], timeout: float) -> None:
+        """Wait until `condition()` holds, re-checking whenever a worker makes progress;
+        TimeoutError after `timeout` seconds (of the loop's clock)."""
+        events = [w.progressed for w in self.workers.values()]
+        async with asyncio.timeout(timeout):
+            while True:
+                for event in events:
+                    event.clear()
+                if condition():
+                    return
+                waiters = [asyncio.ensure_future(e.wait()) for e in events]
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
+
+    async def close(self) -> None:
+        for c in self.controllers:
+            await c.close()
+        await asyncio.gather(*(w.close() for w in self.workers.values()))
+
+
+async def launch_run(nodes: Sequence[tuple[Any, Any]], clusters: Sequence[Sequence[int]], config: PipelineConfig,
+                     make_layers: MakeLayers, num_layers: int, optimizer: Callable[[list[nn.Parameter]], Any], *,
+                     sample: torch.Tensor, sources: Sequence[Source], loss_fn: LossFn | None = None,
+                     costs: Sequence[LayerCost] | None = None, profiles: dict[str, NodeProfile] | None = None,
+                     standby: Sequence[Sequence[int]] = (), reference_flops: float = 1.0,
+                     heartbeat: float = 1.0, failure_timeout: float = 3.0,
+                     prepare: Callable[[StageWorker], None] | None = None,
+                     scheduler: Callable[[Any], Any] | None = None) -> PipelineRun:
+    """`nodes[i]` = (transport, dht) of node i, or a `RemoteNode` whose worker runs elsewhere;
+    `clusters[c]` = node indices of cluster c;
+    `prepare(worker)` runs on each worker before it is configured (hooks, tracing)."""
+    local = [n for n in nodes if not isinstance(n, RemoteNode)]
+    for a, _ in local:  # every node may have to talk to every other (stages, rings, recovery)
+        for b in nodes:
+            if isinstance(b, RemoteNode):
+                a.add_addresses(PeerID.from_string(b.peer_id), list(b.addresses))
+            elif a is not b[0] and b[0].addresses:
+                a.add_addresses(b[0].peer_id, b[0].addresses)
+    layers = make_layers(list(range(num_layers)))
+    shapes = boundary_shapes(layers, list(sample.shape[1:]))
+    if costs is None:
+        costs = await asyncio.get_running_loop().run_in_executor(None, profile_layers, layers, sample)
+    del layers
+    workers: dict[str, StageWorker] = {}
+    controllers = []
+    for c, members in enumerate(clusters):
+        spare = list(standby[c]) if c < len(standby) else []
+        for i in [*members, *spare]:
+            if isinstance(nodes[i], RemoteNode):
+                continue  # its process runs its own worker
+            transport, dht = nodes[i]
+            worker = StageWorker(transport, config, make_layers, optimizer, source=sources[c], loss_fn=loss_fn,
+                                 directory=LayoutDirectory(dht, config.run_id), scheduler=scheduler)
+            if prepare is not None:
+                prepare(worker)
+            worker.start()
+            workers[worker.peer_id] = worker
+        host = next((i for i in members if not isinstance(nodes[i], RemoteNode)), None)
+        if host is None:
+            raise ValueError(f"cluster {c} needs a local node to run its controller")
+        transport, dht = nodes[host]
+        controllers.append(ClusterController(
+            transport, config, f"c{c}", [_peer_id(nodes[i]) for i in members], costs, shapes,
+            LayoutDirectory(dht, config.run_id), profiles=profiles, reference_flops=reference_flops,
+            standby=[_peer_id(nodes[i]) for i in spare], heartbeat=heartbeat, failure_timeout=failure_timeout))
+    for controller in controllers:
+        await controller.plan()
+    for controller in controllers:
+        await controller.start()
+    return PipelineRun(workers, controllers, [[_peer_id(nodes[i]) for i in m] for m in clusters])

@@ -1,0 +1,193 @@
+"""Node profiling: what a node can compute, hold and move, measured rather than configured.
+
+A `NodeProfile` carries achieved matmul FLOP/s, free memory, and bandwidth / latency to other
+nodes (probes over the transport). Profiles are published in the DHT under
+`{run_id}.pipeline.profiles` (one subkey per peer) so every node sees the same inputs to
+clustering and partitioning. Any field may be overridden (e.g. `--memory`), nothing has to be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from potluck.core.errors import PotluckError
+from potluck.net.identity import PeerID
+from potluck.net.transport import Transport
+
+__all__ = ["LayerCost", "NodeProfile", "measure_flops", "free_memory_bytes", "profile_layers",
+           "serve_probes", "probe_link", "publish_profile", "fetch_profiles"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_METHOD = "pipeline.probe"
+# Bandwidth probe payload: 1 MiB is long enough to dominate a loopback round trip (~0.2 ms) and
+# short enough to cost little on a slow home uplink (~1 s at 1 MB/s).
+PROBE_BYTES = 2**20
+# The largest probe a node answers, so a stranger cannot make it allocate without bound.
+MAX_PROBE_BYTES = 8 * 2**20
+# Each probe call gets this deadline: a node that cannot answer a 1 MiB probe within it is unfit
+# to hold a pipeline stage anyway.
+PROBE_TIMEOUT = 10.0
+# Profiles are republished by the caller; this TTL makes a departed node's profile vanish.
+PROFILE_TTL = 300.0
+# Matmul size for the FLOP/s probe: big enough to reach the BLAS's steady speed on a CPU core.
+MATMUL_SIZE = 256
+
+
+@dataclass
+class NodeProfile:
+    """What clustering and partitioning need to know about one node."""
+
+    peer_id: str
+    flops: float                      # achieved FLOP/s (matmul)
+    memory: int                       # bytes free for model state
+    bandwidth: dict[str, float] = field(default_factory=dict)  # peer id -> bytes/s measured
+    latency: dict[str, float] = field(default_factory=dict)    # peer id -> seconds one way
+    default_bandwidth: float = 100e6  # assumed for links never probed
+
+    def bandwidth_to(self, other: str) -> float:
+        return self.bandwidth.get(other, self.default_bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeProfile:
+        if not isinstance(data, dict):
+            raise PotluckError(f"a node profile must be a dict, got {type(data).__name__}")
+        try:
+            return cls(peer_id=str(data["peer_id"]), flops=float(data["flops"]), memory=int(data["memory"]),
+                       bandwidth={str(k): float(v) for k, v in dict(data.get("bandwidth", {})).items()},
+                       latency={str(k): float(v) for k, v in dict(data.get("latency", {})).items()},
+                       default_bandwidth=float(data.get("default_bandwidth", 100e6)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PotluckError(f"malformed node profile: {e}") from None
+
+
+def measure_flops(size: int = MATMUL_SIZE, seconds: float = 0.2) -> float:
+    """Achieved FLOP/s of a float32 matmul on this process's threads (2 n^3 per product)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up: the first call pays for allocation and thread start
+    count, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2.0 * size**3 * count / elapsed
+
+
+def free_memory_bytes() -> int:
+    """Memory available for model state: free GPU memory if there is a GPU, else MemAvailable."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+@dataclass
+class LayerCost:
+    """Measured cost of one layer for one sample: what partitioning balances."""
+
+    seconds: float          # forward + backward time per sample on the measuring node
+    param_bytes: int        # weights
+    activation_bytes: int   # output per sample (what crosses a stage boundary after this layer)
+
+
+def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[LayerCost]:
+    """Time forward + backward of each layer on `sample` (a small batch); best of `repeats`."""
+    costs, x = [], sample
+    batch = max(1, sample.shape[0])
+    for layer in layers:
+        best = float("inf")
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            best = min(best, time.perf_counter() - start)
+        layer.zero_grad(set_to_none=True)
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        costs.append(LayerCost(best / batch, params, out[0].numel() * out.element_size()))
+        x = out.detach()
+    return costs
+
+
+def serve_probes(transport: Transport) -> None:
+    """Answer bandwidth / latency probes from other nodes."""
+    async def probe(request: Any, ctx: Any) -> Any:
+        if not isinstance(request, dict):
+            raise PotluckError("probe request must be a dict")
+        size = request.get("reply_bytes", 0)
+        if not isinstance(size, int) or not 0 <= size <= MAX_PROBE_BYTES:
+            raise PotluckError(f"reply_bytes must be an int in [0, {MAX_PROBE_BYTES}]")
+        return {"data": torch.zeros(size, dtype=torch.uint8)} if size else {}
+    transport.add_handler(PROBE_METHOD, probe)
+
+
+async def probe_link(transport: Transport, peer: PeerID, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(download bytes/s from `peer`, one-way latency s): a tiny call, then a `nbytes` reply."""
+    loop = asyncio.get_running_loop()
+    await transport.call(peer, PROBE_METHOD, {}, timeout=PROBE_TIMEOUT)  # connect first
+    start = loop.time()
+    await transport.call(peer, PROBE_METHOD, {}, timeout=PROBE_TIMEOUT)
+    rtt = loop.time() - start
+    start = loop.time()
+    await transport.call(peer, PROBE_METHOD, {"reply_bytes": nbytes}, timeout=PROBE_TIMEOUT)
+    elapsed = max(loop.time() - start - rtt, 1e-6)
+    return nbytes / elapsed, rtt / 2
+
+
+async def profile_node(transport: Transport, others: Sequence[PeerID], *, flops: float | None = None,
+                       memory: int | None = None) -> NodeProfile:
+    """This node's profile; links to `others` are probed one by one (probes must not compete)."""
+    profile = NodeProfile(str(transport.peer_id),
+                          flops if flops is not None else await asyncio.get_running_loop().run_in_executor(
+                              None, measure_flops),
+                          memory if memory is not None else free_memory_bytes())
+    for other in others:
+        try:
+            bw, lat = await probe_link(transport, other)
+        except Exception as e:  # noqa: BLE001 - an unreachable node is just left unprobed
+            logger.warning("could not probe %s: %s", other, e)
+            continue
+        profile.bandwidth[str(other)], profile.latency[str(other)] = bw, lat
+    return profile
+
+
+def profiles_key(run_id: str) -> str:
+    return f"{run_id}.pipeline.profiles"
+
+
+async def publish_profile(dht: Any, run_id: str, profile: NodeProfile, ttl: float = PROFILE_TTL) -> bool:
+    """Store `profile` in the DHT (subkey = peer id)."""
+    return await dht.astore(profiles_key(run_id), profile.to_dict(), dht.get_time() + ttl, subkey=profile.peer_id)
+
+
+async def fetch_profiles(dht: Any, run_id: str) -> list[NodeProfile]:
+    """Every live profile of the run, sorted by peer id (malformed ones are skipped)."""
+    found = await dht.aget(profiles_key(run_id), latest=True)
+    profiles = []
+    if found is not None and isinstance(found.value, dict):
+        for entry in found.value.values():
+            try:
+                profiles.append(NodeProfile.from_dict(entry.value))
+            except PotluckError as e:
+                logger.warning("skipping a profile: %s", e)
+    return sorted(profiles, key=lambda p: p.peer_id)
