@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from potluck.cli.processes import WorkerProcess, spawn
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
                "mode", "peers", "killed", "joined", "loss_curves")
@@ -154,46 +154,9 @@ def _emitter() -> Any:
 
 
 # -- the parent: start, watch, churn, report ---------------------------------------------------------
-@dataclass
-class Worker:
-    name: str
-    role: str
-    proc: subprocess.Popen
-    status: str = "starting"
-    last: dict = field(default_factory=dict)
-    curve: list = field(default_factory=list)
-    final: dict | None = None
-    address: str | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    def read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if "address" in message:
-                self.address = message["address"]
-                self.ready.set()
-            elif message.get("final"):
-                self.final = message
-            else:
-                self.last = message
-                self.curve.append((message["time"], message["loss"]))
-                if self.status == "starting":
-                    self.status = "training"
-        if self.status != "killed":
-            self.status = "done" if self.final else "exited"
-        self.ready.set()
-
-
-def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_dir: Path) -> Worker:
+def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_dir: Path) -> WorkerProcess:
     spec = json.dumps({"role": role, "mode": mode, "seed": seed, "initial_peer": initial})
-    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child process
-    proc = subprocess.Popen([sys.executable, "-m", "potluck", "demo", "--worker", spec], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
-    worker = Worker(name, role, proc)
-    threading.Thread(target=worker.read, daemon=True).start()
+    worker = spawn(name, role, ["demo", "--worker", spec], log_dir)
     if role == "alone":
         worker.ready.set()
     return worker
@@ -223,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     roles = ["node"] + ["slow", "client"] + ["node"] * (args.peers - 3)
     roles = roles[:args.peers]
-    workers: list[Worker] = []
+    workers: list[WorkerProcess] = []
     killed = joined = None
     print(f"potluck demo: {args.peers} peers train a CNN on digits ({args.mode} mode, {args.duration:.0f} s); "
           f"logs in {out}/")
@@ -266,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, out, workers, started, killed, joined)
 
 
-def _report(args: argparse.Namespace, out: Path, workers: list[Worker], started: float,
-            killed: Worker | None, joined: Worker | None) -> int:
+def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], started: float,
+            killed: WorkerProcess | None, joined: WorkerProcess | None) -> int:
     swarm = [w for w in workers if w.role != "alone" and w.final]
     alone = next(w for w in workers if w.role == "alone")
     if not swarm or alone.final is None:
@@ -292,7 +255,7 @@ def _report(args: argparse.Namespace, out: Path, workers: list[Worker], started:
     return 0
 
 
-def _plot(path: Path, workers: list[Worker], started: float) -> None:
+def _plot(path: Path, workers: list[WorkerProcess], started: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -315,7 +278,7 @@ def _plot(path: Path, workers: list[Worker], started: float) -> None:
 class _Display:
     """One live line per peer: a table redrawn in place on a terminal, plain lines otherwise."""
 
-    def __init__(self, workers: list[Worker]):
+    def __init__(self, workers: list[WorkerProcess]):
         self.workers = workers
         self.tty = sys.stdout.isatty()
         self._live = None

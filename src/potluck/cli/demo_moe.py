@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from potluck.cli.processes import WorkerProcess, spawn
 
 REPORT_KEYS = ("test_accuracy", "experts_alive_at_end", "experts_at_start", "trainer_accuracies", "killed",
                "wall_seconds", "steps", "experts_per_sample", "loss_curves")
@@ -136,55 +136,17 @@ def _trainer(spec: dict) -> int:
 
 
 # -- the parent -----------------------------------------------------------------------------------------
-@dataclass
-class _Worker:
-    name: str
-    role: str
-    proc: subprocess.Popen
-    status: str = "starting"
-    hello: dict = field(default_factory=dict)
-    last: dict = field(default_factory=dict)
-    curve: list = field(default_factory=list)
-    final: dict | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    def read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if "address" in message:
-                self.hello = message
-                self.status = "running"
-                self.ready.set()
-            elif message.get("final"):
-                self.final = message
-            else:
-                self.last = message
-                if "loss" in message:
-                    self.curve.append((message["time"], message["loss"]))
-        if self.status != "killed":
-            self.status = "done" if (self.final or self.role == "server") else "exited"
-        self.ready.set()
+def _spawn(name: str, role: str, spec: dict, out: Path) -> WorkerProcess:
+    return spawn(name, role, ["demo", "--mode", "moe", "--worker", json.dumps({"role": role, **spec})], out,
+                 needs_final=role != "server")
 
 
-def _spawn(name: str, role: str, spec: dict, out: Path) -> _Worker:
-    log = open(out / f"{name}.log", "w")  # noqa: SIM115 - owned by the child process
-    proc = subprocess.Popen([sys.executable, "-m", "potluck", "demo", "--mode", "moe", "--worker",
-                             json.dumps({"role": role, **spec})],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    worker = _Worker(name, role, proc)
-    threading.Thread(target=worker.read, daemon=True).start()
-    return worker
-
-
-def _ready(worker: _Worker, out: Path) -> None:
+def _ready(worker: WorkerProcess, out: Path) -> None:
     if not worker.ready.wait(START_TIMEOUT) or not worker.hello:
         raise RuntimeError(f"{worker.name} failed to start; see {out}/{worker.name}.log")
 
 
-def _line(workers: list[_Worker], elapsed: float) -> str:
+def _line(workers: list[WorkerProcess], elapsed: float) -> str:
     parts = [f"{elapsed:4.0f}s"]
     for w in workers:
         if w.role == "trainer" and "loss" in w.last:
@@ -213,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"potluck demo (moe): 2 expert servers host a {GRID[0]}x{GRID[1]} grid of experts; 2 trainers learn "
           f"digits through them for {args.duration:.0f} s" + ("" if args.no_churn else "; one server is killed midway")
           + f"; logs in {out}/", flush=True)
-    workers: list[_Worker] = []
+    workers: list[WorkerProcess] = []
     killed = None
     try:
         first = _spawn("server-0", "server", {"row": 0}, out)
@@ -253,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, out, workers, started, killed)
 
 
-def _report(args: argparse.Namespace, out: Path, workers: list[_Worker], started: float, killed: _Worker | None) -> int:
+def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], started: float,
+            killed: WorkerProcess | None) -> int:
     trainers = [w for w in workers if w.role == "trainer"]
     if not trainers or any(t.final is None for t in trainers):
         print(f"the demo failed: a trainer did not finish; see the logs in {out}/", file=sys.stderr)
@@ -282,7 +245,7 @@ def _report(args: argparse.Namespace, out: Path, workers: list[_Worker], started
     return 0
 
 
-def _plot(path: Path, trainers: list[_Worker], started: float, killed: _Worker | None) -> None:
+def _plot(path: Path, trainers: list[WorkerProcess], started: float, killed: WorkerProcess | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

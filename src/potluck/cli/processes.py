@@ -1,0 +1,62 @@
+"""Child processes of the demos: each reports JSON lines on stdout, which the parent follows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class WorkerProcess:
+    """One child: a hello line (with its address), progress rows, then a final row."""
+
+    name: str
+    role: str
+    proc: subprocess.Popen
+    needs_final: bool = True  # False for processes that serve until killed (no final row)
+    status: str = "starting"
+    hello: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)
+    curve: list = field(default_factory=list)  # (time, loss) of every progress row with a loss
+    final: dict | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str | None:
+        return self.hello.get("address")
+
+    def read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "address" in message:
+                self.hello = message
+                self.status = "running"
+                self.ready.set()
+            elif message.get("final"):
+                self.final = message
+            else:
+                self.last = message
+                if "loss" in message:
+                    self.curve.append((message["time"], message["loss"]))
+                if self.status in ("starting", "running"):
+                    self.status = "training"
+        if self.status != "killed":
+            self.status = "done" if (self.final or not self.needs_final) else "exited"
+        self.ready.set()
+
+
+def spawn(name: str, role: str, argv: list[str], log_dir: Path, needs_final: bool = True) -> WorkerProcess:
+    """Start `python -m potluck ARGV` with its stderr in LOG_DIR/NAME.log, and follow its stdout."""
+    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child process
+    proc = subprocess.Popen([sys.executable, "-m", "potluck", *argv], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    worker = WorkerProcess(name, role, proc, needs_final)
+    threading.Thread(target=worker.read, daemon=True).start()
+    return worker
