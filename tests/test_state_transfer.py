@@ -387,6 +387,32 @@ def test_newcomers_arriving_together_share_one_snapshot() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_a_newer_version_is_offered_at_once_not_a_young_snapshot_of_the_old_one() -> None:
+    """A peer catching up must get the epoch that exists now, not the one it already has."""
+    version = [1]
+    states = {1: make_state(1), 2: make_state(2)}
+
+    async def main() -> None:
+        net = EmulatedNetwork()
+        donor, client = net.transport(), net.transport()
+        for t in (donor, client):
+            await t.start()
+        client.add_addresses(donor.peer_id, donor.addresses)
+        StateServer(donor, lambda: (version[0], {"epoch": version[0]}, states[version[0]]), PREFIX,
+                    current_version=lambda: version[0])
+        got, metadata, tensors = await download_state(client, [donor.peer_id], PREFIX, timeout=10)
+        assert (got, metadata) == (1, {"epoch": 1})
+        version[0] = 2  # well within SNAPSHOT_REUSE_SECONDS of the first snapshot
+        got, metadata, tensors = await download_state(client, [donor.peer_id], PREFIX, timeout=10)
+        assert (got, metadata) == (2, {"epoch": 2})
+        assert_exact(tensors, states[2])
+        for t in (donor, client):
+            await t.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
 def test_state_server_reports_a_broken_get_state_to_the_caller() -> None:
     async def main() -> None:
         net = EmulatedNetwork()

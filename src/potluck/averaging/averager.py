@@ -117,7 +117,8 @@ class Averager:
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
         if allow_state_sharing and self.mode == "node":
-            self.state_server = StateServer(self.transport, self._get_state, prefix, lock=self._lock)
+            self.state_server = StateServer(self.transport, self._get_state, prefix, lock=self._lock,
+                                            current_version=lambda: self.round)
 
     # -- the user's side ----------------------------------------------------------------------------
     @contextlib.contextmanager

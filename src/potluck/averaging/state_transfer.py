@@ -189,7 +189,7 @@ class StateServer:
 
     def __init__(self, transport: Transport, get_state: StateGetter, prefix: str, *,
                  lock: AbstractContextManager | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 max_snapshots: int = MAX_SNAPSHOTS):
+                 max_snapshots: int = MAX_SNAPSHOTS, current_version: Callable[[], int] | None = None):
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
                              f"got {chunk_bytes}")
@@ -200,6 +200,9 @@ class StateServer:
         self.chunks_method = chunks_method(prefix)
         self.chunks_served = 0  # chunks sent so far (for statistics and tests)
         self._get_state = get_state
+        # Cheap: the version the state has now. A young snapshot of an older version is not
+        # offered again (a peer catching up must not get the epoch it already has).
+        self._current_version = current_version
         self._lock = lock
         self._chunk_bytes = chunk_bytes
         self._max_snapshots = max_snapshots
@@ -226,7 +229,8 @@ class StateServer:
         self._expire(loop.time())
         if self._snapshots:
             newest = max(self._snapshots.values(), key=lambda s: s.created)
-            if loop.time() - newest.created < SNAPSHOT_REUSE_SECONDS:
+            if loop.time() - newest.created < SNAPSHOT_REUSE_SECONDS and (
+                    self._current_version is None or self._current_version() == newest.version):
                 self._touch(newest, loop.time())
                 return newest
         if self._building is None:

@@ -53,6 +53,9 @@ MAX_STALE_EPOCHS = 1
 # applies its local gradients alone drifts from the swarm until the next state averaging, so it
 # retries first (each try costs one matchmaking window).
 MAX_ROUND_ATTEMPTS = 4
+# A peer that downloaded a state still older than the swarm's waits this long before asking again
+# (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
+CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,10 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_updates = delay_updates
         self._pending: _Round | None = None  # a delayed update under way
         self._attempt = 0  # failed averaging tries of the current epoch
+        self._next_catch_up = 0.0  # time.monotonic() before which we do not download again
         self.local_epoch = 0
         self.samples = 0  # accumulated towards the current epoch
+        self._round_samples = 0  # ours in the epoch's averaging round that step() is waiting for
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
         self.samples_per_second = 0.0
         self._last_step_time: float | None = None
@@ -242,7 +247,8 @@ class Optimizer(torch.optim.Optimizer):
         if progress.epoch == self.local_epoch + 1 and self.delay_updates:
             self._update_epoch(progress)  # others started this epoch's round: join it now
         elif progress.epoch > self.local_epoch:
-            self._catch_up(progress.epoch)  # the round is over: we are a straggler
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(progress.epoch)  # the round is over: we are a straggler
         elif progress.samples >= self.target_batch_size:
             self._update_epoch(progress)
 
@@ -286,7 +292,11 @@ class Optimizer(torch.optim.Optimizer):
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
-        concurrent.futures.wait([future])
+        self._round_samples = samples  # peers slow to see the batch full must still see it
+        try:
+            concurrent.futures.wait([future])
+        finally:
+            self._round_samples = 0
         self._finish_update(pending)
 
     def _finish_update(self, pending: _Round) -> None:
@@ -322,6 +332,12 @@ class Optimizer(torch.optim.Optimizer):
         if self.average_state_every and self.local_epoch % self.average_state_every == 0 \
                 and len(self.progress().reports) > 1:  # alone, there is nobody to average with
             self._average_state(f"state{self.local_epoch}", pending.expected)
+
+    def _reported_samples(self) -> int:
+        """Samples we publish for our epoch: while step() waits for the epoch's round, the
+        samples in it still count, so that a peer whose view lags still sees the batch full and
+        joins the round instead of missing it."""
+        return self.samples + self._round_samples
 
     def _restore_gradients(self, pending: _Round) -> None:
         """Put a failed round's gradients back, so they count towards the retry."""
@@ -368,6 +384,8 @@ class Optimizer(torch.optim.Optimizer):
         if not self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self.local_epoch = epoch  # nobody could share the newest state; keep ours and rejoin
             self.state_averager.state_metadata = {"epoch": self.local_epoch}
+        elif self.local_epoch < epoch:
+            self._next_catch_up = time.monotonic() + CATCH_UP_RETRY_SECONDS
         if behind > MAX_STALE_EPOCHS:
             for total in self._grad_sums:
                 total.zero_()
@@ -471,7 +489,8 @@ class Optimizer(torch.optim.Optimizer):
 
     async def _progress_loop(self) -> None:
         while True:
-            await self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second, self.local_epoch)
+            await self.tracker.report(self.accumulating_epoch, self._reported_samples(), self.samples_per_second,
+                                      self.local_epoch)
             reports = await self.tracker.fetch()
             if reports is not None:
                 self._reports = reports
