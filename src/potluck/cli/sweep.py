@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
         def on_result(trial: Trial, result: dict[str, Any]) -> None:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()) or result.get("error", "")
-            print(f"trial {trial.index} of 0-{len(trials) - 1} {trial.params}: {shown} ({result['seconds']:.1f} s)",
+            print(f"trial {trial.index} of {len(trials)} {trial.params}: {shown} ({result['seconds']:.1f} s)",
                   flush=True)
         future = peer.submit(run_sweep(peer.dht, spec, objective, lease_seconds=args.lease, on_result=on_result))
         while not future.done():
