@@ -27,13 +27,16 @@ LEARNING_RATE = 6e-3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from potluck.cli import demo_moe, demo_pipeline
     parser = sub.add_parser(
         "demo", help="train a small CNN with a local swarm of peers (the main demo)",
         description="Start a local swarm of peer processes that train a CNN on the digits data set "
                     "together: one peer is 2x slower, one is in client mode (behind NAT); midway one "
                     "peer is killed and a new one joins. A separate process trains alone for "
                     "comparison. Writes DIR/report.json with: " + ", ".join(REPORT_KEYS)
-                    + "; and DIR/loss.png (training loss against time, swarm and single peer).",
+                    + "; and DIR/loss.png (training loss against time, swarm and single peer). "
+                    "--mode moe writes: " + ", ".join(demo_moe.REPORT_KEYS) + "; --mode pipeline writes: "
+                    + ", ".join(demo_pipeline.REPORT_KEYS) + ".",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--peers", type=int, default=4, help="peers at the start (at least 2)")
     parser.add_argument("--mode", choices=["sync", "moshpit", "diloco", "moe", "pipeline"], default="sync",
