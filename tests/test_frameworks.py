@@ -38,14 +38,14 @@ def collaborative(peer: potluck.Peer, model: torch.nn.Module) -> potluck.Optimiz
 
 
 def train_with_hugging_face(model: Classifier, opt: potluck.Optimizer, out: str) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
     data = [{"pixels": X[i], "labels": Y[i]} for i in range(len(Y))]
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=10_000,
                              report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0, seed=1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
-    class StopAtEpoch(__import__("transformers").TrainerCallback):
+    class StopAtEpoch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = opt.local_epoch >= EPOCHS
     Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, scheduler),
@@ -84,15 +84,14 @@ def test_hugging_face_trainer_and_lightning_train_together(tmp_path):
             potluck.Peer(host="127.0.0.1", initial_peers=first.addresses) as second:
         hf_model, pl_model = Classifier(), Classifier()
         hf_opt, pl_opt = collaborative(first, hf_model), collaborative(second, pl_model)
-        epochs_seen: list[int] = []
         hf_thread = threading.Thread(target=train_with_hugging_face, args=(hf_model, hf_opt, str(tmp_path / "hf")))
         hf_thread.start()
         train_with_lightning(pl_model, pl_opt, str(tmp_path / "pl"))
         hf_thread.join(120)
         assert not hf_thread.is_alive()
-        epochs_seen += [hf_opt.local_epoch, pl_opt.local_epoch]
+        epochs = [hf_opt.local_epoch, pl_opt.local_epoch]
         hf_opt.shutdown()
         pl_opt.shutdown()
-    assert min(epochs_seen) >= EPOCHS
+    assert min(epochs) >= EPOCHS
     assert digest(hf_model) == digest(pl_model)  # both took the same averaged steps
     assert digest(hf_model) != digest(Classifier())  # and they did learn something

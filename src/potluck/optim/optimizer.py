@@ -66,7 +66,6 @@ class _Round:
     epoch: int
     expected: int  # group size we asked for; reused for the state averaging after it
     samples: int  # our samples behind the averaged gradients
-    attempt: int = 0
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -288,7 +287,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         future = self.peer.submit(self.grad_averager.astep(
             weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
-        pending = _Round(future, epoch, expected, samples, self._attempt)
+        pending = _Round(future, epoch, expected, samples)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -314,15 +313,15 @@ class Optimizer(torch.optim.Optimizer):
                 logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
                 self._catch_up(max(r.done for r in others))
                 return
-            if others and pending.attempt + 1 < MAX_ROUND_ATTEMPTS:
+            self._attempt += 1
+            if others and self._attempt < MAX_ROUND_ATTEMPTS:
                 logger.info("epoch %d: averaging failed (%s); others are still on this epoch: trying again",
                             epoch, error)
                 self._restore_gradients(pending)
-                self._attempt = pending.attempt + 1
                 return
             if others:
                 logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
-                               epoch, pending.attempt + 1, error)
+                               epoch, self._attempt, error)
         with self.grad_averager.get_tensors() as tensors:
             for p, t in zip(self._params, tensors, strict=True):
                 p.grad = t.clone()
@@ -333,11 +332,12 @@ class Optimizer(torch.optim.Optimizer):
                 and len(self.progress().reports) > 1:  # alone, there is nobody to average with
             self._average_state(f"state{self.local_epoch}", pending.expected)
 
-    def _reported_samples(self) -> int:
-        """Samples we publish for our epoch: while step() waits for the epoch's round, the
-        samples in it still count, so that a peer whose view lags still sees the batch full and
-        joins the round instead of missing it."""
-        return self.samples + self._round_samples
+    async def _report(self) -> None:
+        """Publish our progress. While step() waits for the epoch's round, the samples in it still
+        count, so that a peer whose view lags still sees the batch full and joins the round
+        instead of missing it."""
+        await self.tracker.report(self.accumulating_epoch, self.samples + self._round_samples,
+                                  self.samples_per_second, self.local_epoch)
 
     def _restore_gradients(self, pending: _Round) -> None:
         """Put a failed round's gradients back, so they count towards the retry."""
@@ -364,8 +364,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         if self.mode == "sync":
             self.state_averager.round = self.local_epoch  # the version donors announce
-        self.peer.run(self.tracker.report(self.accumulating_epoch, self.samples, self.samples_per_second,
-                                          self.local_epoch), 10)
+        self.peer.run(self._report(), 10)
 
     def _average_state(self, key: str, expected: int) -> None:
         self._sync_state_tensors(to_averager=True)
@@ -489,8 +488,7 @@ class Optimizer(torch.optim.Optimizer):
 
     async def _progress_loop(self) -> None:
         while True:
-            await self.tracker.report(self.accumulating_epoch, self._reported_samples(), self.samples_per_second,
-                                      self.local_epoch)
+            await self._report()
             reports = await self.tracker.fetch()
             if reports is not None:
                 self._reports = reports

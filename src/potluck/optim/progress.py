@@ -60,12 +60,12 @@ class ProgressTracker:
         self.target = target_batch_size
         self.client_mode = client_mode
 
-    async def report(self, epoch: int, samples: int, samples_per_second: float, done: int | None = None) -> None:
+    async def report(self, epoch: int, samples: int, samples_per_second: float, done: int) -> None:
         """Publish: `epoch` our samples count towards, and `done` epochs applied (lower while a
         delayed update is still averaging)."""
         now = self.dht.get_time()
         record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
-                  "client": self.client_mode, "done": epoch if done is None else done}
+                  "client": self.client_mode, "done": done}
         try:
             await self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey)
         except PotluckError as e:

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from potluck.core.errors import PotluckError
 from potluck.pipeline.profiling import NodeProfile
@@ -110,6 +109,7 @@ def form_clusters(nodes: Sequence[NodeProfile], demand: ModelDemand, k: int | No
                               f"cannot hold one copy of the model ({demand.memory / 2**20:.0f} MiB)")
     if k < 1 or k > len(nodes):
         raise ClusteringError(f"cannot form {k} clusters from {len(nodes)} nodes")
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: slow to import at start-up
     n = len(nodes)
     nv = n * k + 1  # x[i,c] at i*k + c, then t
     # Throughputs are scaled so the fastest node's is 1: HiGHS is exact on well-scaled numbers.
