@@ -20,8 +20,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   LOG="$VENV/install.log"
   install() { "$VENV/bin/python" -m pip install -q "$@" >>"$LOG" 2>&1 || { cat "$LOG" >&2; echo "installing $* failed (log: $LOG)" >&2; exit 1; }; }
   install --upgrade pip
-  # The CPU build of PyTorch first: left to the resolver, a bare "torch" pulls a multi-GB GPU build.
-  "$VENV/bin/python" -c 'import torch' 2>/dev/null || install "torch==2.13.0"
+  # PyTorch first, pinned: left to the resolver, a bare "torch" pulls the newest multi-GB GPU
+  # build. Where pip has no local CPU wheel, POTLUCK_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+  # fetches the CPU build instead of PyPI's GPU one.
+  "$VENV/bin/python" -c 'import torch' 2>/dev/null \
+    || install "torch==2.13.0" ${POTLUCK_TORCH_INDEX:+--index-url "$POTLUCK_TORCH_INDEX"}
   install -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   echo "$WANT" > "$STAMP"
 fi
