@@ -218,6 +218,69 @@ def test_transfer_timing_holds_on_the_real_clock(arun: Any) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_slow_receiver_download_is_the_bottleneck() -> None:
+    """A fast sender into a slow receiver: the receiver's download, not the upload, sets the time."""
+    async def main() -> tuple[float, float]:
+        net = EmulatedNetwork(latency=0.02)
+        a = net.transport(upload=200e6)
+        b = net.transport(download=40e6, max_frame_size=17 * MiB)
+        await a.start()
+        await b.start()
+        loop = asyncio.get_running_loop()
+        arrivals: list[float] = []
+
+        async def sink(request: Any, ctx: Any) -> None:
+            arrivals.append(loop.time())
+
+        b.add_handler("sink", sink)
+        introduce(a, b)
+        await a.connect(b.addresses[0])
+        t0 = loop.time()
+        await a.call(b.peer_id, "sink", torch.zeros(16 * MiB, dtype=torch.uint8), timeout=60)
+        await close_all(a, b)
+        return arrivals[-1] - t0, 16 * MiB / 40e6 + 0.02
+
+    elapsed, expected = vrun(main())
+    assert elapsed == pytest.approx(expected, rel=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_per_link_latency_is_honoured() -> None:
+    """set_latency changes one link only; the others keep the network's default latency."""
+    async def main() -> dict[str, tuple[float, float]]:
+        net = EmulatedNetwork(latency=0.01)
+        a, b, c = (net.transport(upload=100e6) for _ in range(3))
+        for peer in (a, b, c):
+            await peer.start()
+        net.set_latency(a.peer_id, b.peer_id, 0.25)
+        loop = asyncio.get_running_loop()
+        times: dict[str, tuple[float, float]] = {}
+        payload = torch.zeros(4 * MiB, dtype=torch.uint8)
+        for name, dst in (("far", b), ("near", c)):
+            arrivals: list[float] = []
+
+            async def sink(request: Any, ctx: Any, arrivals: list[float] = arrivals) -> None:
+                arrivals.append(loop.time())
+
+            dst.add_handler("sink", sink)
+            t0 = loop.time()
+            await a.connect(dst.addresses[0])
+            dial = loop.time() - t0
+            t0 = loop.time()
+            await a.call(dst.peer_id, "sink", payload, timeout=60)
+            times[name] = (dial, arrivals[-1] - t0)
+        await close_all(a, b, c)
+        return times
+
+    times = vrun(main())
+    transfer = 4 * MiB / 100e6
+    for name, latency in (("far", 0.25), ("near", 0.01)):
+        dial, one_way = times[name]
+        assert dial == pytest.approx(2 * latency, rel=0.1), name
+        assert one_way == pytest.approx(transfer + latency, rel=0.1), name
+
+
+@pytest.mark.timeout(30)
 def test_dial_costs_a_round_trip_and_carries_the_handshake() -> None:
     async def main() -> None:
         net = EmulatedNetwork(latency=0.03)

@@ -138,7 +138,7 @@ class TCPLink(asyncio.BufferedProtocol):
         self.initiator = initiator
         self.expected = expected
         self.bulk = bulk
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.handshake: asyncio.Future[Connection] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
         self.connection: Connection | None = None
@@ -174,6 +174,10 @@ class TCPLink(asyncio.BufferedProtocol):
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.connection is not None:
+            # Any bytes are proof of life, not only whole frames: a large frame on a slow link may
+            # take longer than the keepalive timeout, and its sender cannot answer pings meanwhile.
+            self.connection.last_received = self._loop.time()
         try:
             frames = self._decoder.buffer_updated(nbytes)
             for frame in frames:
