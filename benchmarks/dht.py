@@ -1,25 +1,35 @@
 """DHT benchmark: potluck's DHT and hivemind's, side by side in one run, on the same scenario.
 
-Scenario (the same code drives both systems): N peers join one by one on 127.0.0.1, all peers of
-one system in one Python process (potluck: TCPTransport with TLS, one event loop; hivemind:
-DHTNodes in one loop, each with its own Go p2pd daemon, as hivemind runs them). Then 4 client-mode
-peers join (they hold no records, so every call they make is a real lookup, as for a trainer
-behind NAT). M keys are stored by random clients; then G gets of those keys by random clients,
-one at a time, never the same (client, key) twice while unfetched pairs remain (hivemind caches
-values it fetched). After the first third of the gets, a fraction of the N peers (default 10%)
-is shut down. Each system uses its defaults (potluck: k = 20 replicas; hivemind: 5 replicas,
-local caching). Latencies are wall-clock per call.
+Scenario (the same code drives both systems): N server peers (default 64) join one by one on
+127.0.0.1, all peers of one system in one Python process (potluck: TCPTransport with TLS, one event
+loop; hivemind: DHTNodes in one loop, each with its own Go p2pd daemon, as hivemind runs them).
+Then 4 more peers join in client mode, in addition to the N (they hold no records, so every call
+they make is a real lookup, as for a trainer behind NAT); they issue every store and get. M keys
+are stored by random clients; then G gets of those keys by random clients, one at a time, never
+the same (client, key) twice while unfetched pairs remain (hivemind caches values it fetched).
+After the first third of the gets, a fraction of the N server peers (default 10%) is killed:
+- by default they shut down gracefully (connections closed, so callers fail over at once);
+- with --abrupt they go silent without a goodbye, like a machine that lost power: their open
+  connections stay up but are never read or answered, and new dials never complete (potluck:
+  each socket is kept open by a duplicate descriptor and dropped by the event loop; hivemind:
+  its p2pd daemon is stopped with SIGSTOP). Callers only notice through their timeouts.
+Each system uses its defaults (potluck: k = 20 replicas; hivemind: 5 replicas, local caching).
+Latencies are wall-clock per call. Success after the kill is reported on its own
+(`get_success_rate_after_kill`, with the latencies of those gets), since all keys stay live.
 
 Prints one JSON object per line, e.g.
   {"metric": "get_latency_p50", "system": "potluck", "value": 1.2, "unit": "ms", "peers": 64, ...}
   {"metric": "get_success_rate", "system": "hivemind", "value": 1.0, "unit": "fraction", ...}
+  {"metric": "get_success_rate_after_kill", "system": "potluck", "value": 1.0, "killed": 6, ...}
   {"metric": "get_latency_p50_ratio", "value": 5.1, "unit": "hivemind/potluck", ...}
 
 hivemind runs in its own virtual environment (scripts/hivemind-venv.sh creates .venv-hivemind);
 without one, only potluck is measured.
 
+Every row names "peers" (N, server mode), "clients" (4, in addition) and "abrupt".
+
 Usage: python benchmarks/dht.py [--quick] [--peers 64] [--keys 256] [--gets 600] [--kill 0.1]
-                                [--system both|potluck|hivemind] [--hivemind-python PATH]
+                                [--abrupt] [--system both|potluck|hivemind] [--hivemind-python PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import json
 import os
 import platform
 import random
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,7 +51,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
-# Client-mode peers that issue every store and get.
+# Client-mode peers that issue every store and get, in addition to the N server peers.
 CLIENTS = 4
 # A get or store that takes longer than this counts as failed (both systems' own deadlines are
 # shorter; this only guards the benchmark against a hang).
@@ -76,6 +88,27 @@ class PotluckSystem:
         await node.ashutdown()
         await node.node.transport.close()
 
+    async def kill_abruptly(self, node: Any) -> None:
+        """Go silent without a goodbye: the kernel keeps every socket (and the listening one)
+        open through a duplicate descriptor that nobody reads, while this process forgets them."""
+        await node.ashutdown()  # local only: stops background work, sends nothing
+        transport = node.node.transport
+        self._frozen = getattr(self, "_frozen", [])
+        server = transport._server
+        if server is not None:
+            self._frozen += [socket.socket(fileno=os.dup(s.fileno())) for s in server.sockets]
+            server.close()  # the duplicate keeps listening: dials wait in its backlog, unanswered
+            transport._server = None
+        for link in list(transport._links):
+            raw = link._transport.get_extra_info("socket") if link._transport is not None else None
+            if raw is not None:
+                self._frozen.append(socket.socket(fileno=os.dup(raw.fileno())))
+            link.abort()  # this process drops it; the kernel keeps the connection (no FIN, no RST)
+
+    async def release(self) -> None:
+        for sock in getattr(self, "_frozen", []):
+            sock.close()
+
 
 class HivemindSystem:
     name = "hivemind"
@@ -109,13 +142,24 @@ class HivemindSystem:
     async def kill(self, node: Any) -> None:
         await node.shutdown()
 
+    async def kill_abruptly(self, node: Any) -> None:
+        """Freeze its p2pd daemon (SIGSTOP): connections stay up, nothing answers."""
+        self._frozen = getattr(self, "_frozen", [])
+        self._frozen.append(node.p2p._child.pid)
+        os.kill(node.p2p._child.pid, signal.SIGSTOP)
+
+    async def release(self) -> None:
+        for pid in getattr(self, "_frozen", []):
+            os.kill(pid, signal.SIGKILL)
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[round(q * (len(ordered) - 1))] if ordered else float("nan")
 
 
-async def scenario(system: Any, peers: int, keys: int, gets: int, kill: float, seed: int) -> dict:
+async def scenario(system: Any, peers: int, keys: int, gets: int, kill: float, seed: int,
+                   abrupt: bool = False) -> dict:
     rng = random.Random(seed)
     t0 = time.perf_counter()
     nodes: list[Any] = []
@@ -144,14 +188,14 @@ async def scenario(system: Any, peers: int, keys: int, gets: int, kill: float, s
 
     alive = list(nodes)
     killed: list[Any] = []
-    get_latency, found, found_after_kill, gets_after_kill = [], 0, 0, 0
+    get_latency, found, found_after_kill, gets_after_kill, latency_after_kill = [], 0, 0, 0, []
     unfetched = [(c, name) for c in range(CLIENTS) for name in names]
     rng.shuffle(unfetched)
     for n in range(gets):
         if n == gets // 3 and kill > 0:
             killed = rng.sample(alive, round(kill * peers))
             for node in killed:
-                await system.kill(node)
+                await (system.kill_abruptly(node) if abrupt else system.kill(node))
             alive = [node for node in alive if node not in killed]
         client, name = unfetched.pop() if unfetched else (rng.randrange(CLIENTS), rng.choice(names))
         t = time.perf_counter()
@@ -165,12 +209,16 @@ async def scenario(system: Any, peers: int, keys: int, gets: int, kill: float, s
         if killed:
             gets_after_kill += 1
             found_after_kill += ok
+            latency_after_kill.append(get_latency[-1])
     for node in alive + clients:
         await system.kill(node)
+    if abrupt:
+        await system.release()
     return {
         "join_seconds": join_seconds, "store_latency": store_latency, "stored": stored,
         "get_latency": get_latency, "found": found, "found_after_kill": found_after_kill,
-        "gets_after_kill": gets_after_kill, "killed": len(killed),
+        "gets_after_kill": gets_after_kill, "get_latency_after_kill": latency_after_kill,
+        "killed": len(killed),
     }
 
 
@@ -188,7 +236,10 @@ def metrics(system: str, raw: dict, common: dict) -> list[dict]:
     row("get_success_rate", raw["found"] / len(raw["get_latency"]), "fraction")
     if raw["gets_after_kill"]:
         row("get_success_rate_after_kill", raw["found_after_kill"] / raw["gets_after_kill"], "fraction",
-            killed=raw["killed"])
+            killed=raw["killed"], calls=raw["gets_after_kill"])
+        lat = raw["get_latency_after_kill"]
+        row("get_latency_p50_after_kill", round(percentile(lat, 0.5) * 1e3, 3), "ms", calls=len(lat))
+        row("get_latency_p99_after_kill", round(percentile(lat, 0.99) * 1e3, 3), "ms", calls=len(lat))
     row("join_seconds", round(raw["join_seconds"], 2), "s")
     return rows
 
@@ -201,7 +252,8 @@ def run_worker(args: argparse.Namespace) -> None:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    raw = loop.run_until_complete(scenario(system, args.peers, args.keys, args.gets, args.kill, args.seed))
+    raw = loop.run_until_complete(scenario(system, args.peers, args.keys, args.gets, args.kill, args.seed,
+                                           args.abrupt))
     raw["version"] = getattr(system, "version", None)
     print(json.dumps(raw), flush=True)
 
@@ -209,6 +261,8 @@ def run_worker(args: argparse.Namespace) -> None:
 def measure(python: str, system: str, args: argparse.Namespace) -> dict:
     cmd = [python, __file__, "--worker", system, "--peers", str(args.peers), "--keys", str(args.keys),
            "--gets", str(args.gets), "--kill", str(args.kill), "--seed", str(args.seed)]
+    if args.abrupt:
+        cmd.append("--abrupt")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src")) if system == "potluck" else None
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -220,10 +274,13 @@ def measure(python: str, system: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 peers, 64 keys, 150 gets: under a minute")
-    parser.add_argument("--peers", type=int, default=64)
+    parser.add_argument("--peers", type=int, default=64, help=f"server peers ({CLIENTS} clients join as well)")
     parser.add_argument("--keys", type=int, default=256)
     parser.add_argument("--gets", type=int, default=600)
-    parser.add_argument("--kill", type=float, default=0.1, help="fraction of peers shut down during the gets")
+    parser.add_argument("--kill", type=float, default=0.1,
+                        help="fraction of the N server peers killed during the gets")
+    parser.add_argument("--abrupt", action="store_true",
+                        help="killed peers go silent without closing anything (callers hit timeouts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system", choices=["both", "potluck", "hivemind"], default="both")
     parser.add_argument("--hivemind-python", default=str(DEFAULT_HIVEMIND_PYTHON),
@@ -235,7 +292,8 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
-    common = {"peers": args.peers, "keys": args.keys, "gets": args.gets, "killed_fraction": args.kill,
+    common = {"peers": args.peers, "clients": CLIENTS, "keys": args.keys, "gets": args.gets,
+              "killed_fraction": args.kill, "abrupt": args.abrupt,
               "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
               "command": " ".join(["python", "benchmarks/dht.py", *sys.argv[1:]])}
