@@ -9,6 +9,7 @@ import torch
 
 from potluck.averaging.allreduce import AllReduceService, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
+from potluck.compression import get_codec
 from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
@@ -81,14 +82,15 @@ def check_survivors_identical(results, members, expected):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("n", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("n", range(2, 17))
 def test_result_is_the_weighted_mean_and_identical_everywhere(n):
     async def main():
         net, transports, services = await swarm(n)
         group = make_group(transports, ["node"] * n, 20_011)
         g = torch.Generator().manual_seed(n)
         vectors = [torch.randn(20_011, generator=g) for _ in range(n)]
-        weights = [float(w) for w in torch.rand(n, generator=g) * 10 + 0.1]
+        weights = [float(w) for w in torch.rand(n, generator=g) * 10 + 0.1]  # random, never all equal
+        assert len(set(weights)) == n
         results = await average(services, group, vectors, weights)
         check_survivors_identical(results, list(range(n)), weighted_mean(vectors, weights, range(n)))
     run_virtual(main())
@@ -172,6 +174,68 @@ def test_non_finite_contribution_is_excluded_not_spread():
         # The peer with NaN receives the others' average too; its values never reach anyone.
         check_survivors_identical(results, [0, 1, 2, 3], weighted_mean(vectors, weights, [0, 1, 3]))
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_member_whose_data_the_codec_refuses_abstains_without_stalling_anyone():
+    """The real "none" codec refuses NaN while encoding: that member stops sending at once, the
+    others average the finite contributions long before the sender timeout, and it gets an error."""
+    codec = get_codec("none")
+
+    async def main():
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 50_000)
+        g = torch.Generator().manual_seed(11)
+        vectors = [torch.randn(50_000, generator=g) for _ in range(4)]
+        bad = vectors[1].clone()
+        bad[group.bounds(3)[0] + 5] = float("inf")  # only its piece of the last shard is refused
+        weights = [1.0, 2.0, 3.0, 4.0]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(i):
+            return await services[i].run(group, bad if i == 1 else vectors[i], weights[i], codec, timeout=60.0,
+                                         sender_timeout=10.0, chunk=1000)
+        results = await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+        assert loop.time() - start < 1.0  # not the 10 s sender timeout
+        assert isinstance(results[1], AveragingError) and "could not be sent" in str(results[1]), results[1]
+        good = [0, 2, 3]
+        assert all(results[i][1] == tuple(good) for i in good)
+        check_survivors_identical([r[0] if i in good else r for i, r in enumerate(results)], good,
+                                  weighted_mean(vectors, weights, good))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_crash_scenario_is_deterministic_under_the_virtual_clock():
+    """Same seeds, same crash: same results, contributors and virtual end time, bit for bit."""
+    modes = ["node", "node", "node", "node", "client"]
+
+    async def scenario():
+        net, transports, services = await swarm(len(modes), bandwidth=10e6, modes=modes)
+        group = make_group(transports, modes, 100_000)
+        g = torch.Generator().manual_seed(1234)
+        vectors = [torch.randn(100_000, generator=g) for _ in modes]
+        weights = [float(w) for w in torch.rand(len(modes), generator=g) + 0.5]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = [asyncio.ensure_future(services[i].run(group, vectors[i], weights[i], CODEC, timeout=60.0,
+                                                       sender_timeout=2.0, chunk=1000)) for i in range(len(modes))]
+        await asyncio.sleep(0.05)
+        for i in (1, 4):  # a reducer and the client sender, mid-step
+            net.crash(group.peers[i])
+            tasks[i].cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        end = loop.time() - start
+        survivors = [0, 2, 3]
+        check_survivors_identical([o[0] if i in survivors else o for i, o in enumerate(outcomes)], survivors,
+                                  weighted_mean(vectors, weights, survivors))
+        return [outcomes[i][0] for i in survivors], [outcomes[i][1] for i in survivors], end
+
+    first, second = run_virtual(scenario()), run_virtual(scenario())
+    assert all(torch.equal(a, b) for a, b in zip(first[0], second[0], strict=True))
+    assert first[1] == second[1] and first[1][0] == (0, 2, 3)
+    assert first[2] == second[2], (first[2], second[2])
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ import torch
 from potluck.averaging import Averager
 from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
+from potluck.net.emulated import EmulatedNetwork
 from tests.emulated_swarm import add_peer, make_swarm
 
 
@@ -128,15 +129,142 @@ def test_client_and_aux_averagers_take_part():
     run_virtual(main())
 
 
+def record_groups(averager):
+    """Wrap the averager's matchmaking so that the test sees every group it formed."""
+    groups = []
+    form_group = averager.matchmaker.form_group
+
+    async def recording(*args, **kwargs):
+        formed = await form_group(*args, **kwargs)
+        groups.append(formed.group)
+        return formed
+    averager.matchmaker.form_group = recording
+    return groups
+
+
+def reduced_bound(codec, pieces):
+    """Max error of one shard's average: each piece is rounded by the codec, then the average."""
+    decoded = [codec.decode(codec.encode(p)) for p in pieces]
+    mean = sum(decoded) / len(decoded)
+    return max(codec.error_bound(p) for p in pieces) + codec.error_bound(mean)
+
+
 @pytest.mark.timeout(60)
-def test_compressed_averaging_stays_within_the_codec_bound():
+@pytest.mark.parametrize("compression", ["fp16", "scaled_fp16", "uniform8", "quantile8", "blockwise8"])
+def test_compressed_averaging_stays_within_the_codec_bound(compression):
     async def main():
         net, peers = await make_swarm(4)
-        vectors = [torch.randn(1000) for _ in peers]
-        avgs = [Averager(p, [v], "fp16job", compression="fp16", matchmaking_time=0.5) for p, v in zip(peers, vectors, strict=False)]
+        g = torch.Generator().manual_seed(7)
+        vectors = [torch.randn(3000, generator=g) * (i + 1) + i for i in range(4)]
+        avgs = [Averager(p, [v], "codecjob", compression=compression, target_group_size=4, matchmaking_time=0.5)
+                for p, v in zip(peers, vectors, strict=True)]
+        groups = record_groups(avgs[0])
         await asyncio.gather(*(a.astep() for a in avgs))
-        assert max_error(avgs, sum(vectors) / 4) < 1e-2
+        group, codec = groups[0], avgs[0].codec
+        order = [next(i for i, a in enumerate(avgs) if a.transport.peer_id == p) for p in group.peers]
+        exact = sum(vectors) / 4
         assert all(torch.equal(a._tensors[0], avgs[0]._tensors[0]) for a in avgs)
+        result = avgs[0]._tensors[0]
+        assert not torch.equal(result, exact)  # the codec is lossy: the bound is what is tested
+        for j in group.shards:  # each shard is one chunk here, encoded as a whole
+            lo, hi = group.bounds(j)
+            bound = reduced_bound(codec, [vectors[i][lo:hi] for i in order])
+            error = (result[lo:hi] - exact[lo:hi]).abs().max().item()
+            assert bound > 0, bound
+            assert error <= bound * (1 + 1e-3) + 1e-6, (j, error, bound)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_peer_with_nan_tensors_fails_at_once_and_the_others_finish_promptly():
+    """The real "none" codec: the bad peer never joins; nothing waits for a sender timeout."""
+    async def main():
+        net, peers = await make_swarm(4)
+        g = torch.Generator().manual_seed(3)
+        vectors = [torch.randn(50_000, generator=g) for _ in peers]
+        bad = vectors[2].clone()
+        bad[4321] = float("nan")
+        extra = [torch.ones(2, 2), torch.ones(2, 2), torch.tensor([[1.0, float("inf")], [0.0, 0.0]]), torch.ones(2, 2)]
+        avgs = [Averager(p, [v, e], "nanjob", matchmaking_time=0.5, sender_timeout=10.0)
+                for p, v, e in zip(peers, [vectors[0], vectors[1], bad, vectors[3]], extra, strict=True)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        finished = {}
+
+        async def one(i):
+            try:
+                return await avgs[i].astep(weight=i + 1.0)
+            finally:
+                finished[i] = loop.time() - start
+        results = await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+        assert isinstance(results[2], AveragingError) and "NaN" in str(results[2]), results[2]
+        assert finished[2] < 0.1  # at once: before the matchmaking window even settles
+        assert max(finished[i] for i in (0, 1, 3)) < 2.0  # the sender timeout is 10 s
+        good = [0, 1, 3]
+        expected = sum(vectors[i] * (i + 1.0) for i in good) / sum(i + 1.0 for i in good)
+        for i in good:
+            assert results[i].group_size == 3 and str(peers[2].transport.peer_id) not in results[i].peers
+            assert torch.equal(avgs[i]._tensors[0], avgs[0]._tensors[0])
+            assert torch.equal(avgs[i]._tensors[1], torch.ones(2, 2))
+        torch.testing.assert_close(avgs[0]._tensors[0], expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(avgs[2]._tensors[0], bad, rtol=0, atol=0, equal_nan=True)  # untouched
+        assert avgs[2]._tensors[1][0, 1].item() == float("inf")
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_slow_peer_measures_itself_slow_and_gets_a_smaller_shard():
+    """Bandwidth is measured per peer: the slow one gets little or nothing to reduce next time."""
+    async def main():
+        net = EmulatedNetwork(latency=0.005)
+        peers = []
+        for i in range(4):
+            peers.append(await add_peer(net, peers, bandwidth=10e6 if i == 0 else 100e6))
+        avgs = [Averager(p, [torch.randn(4_000_000)], "bwjob", target_group_size=4, matchmaking_time=0.5)
+                for p in peers]
+        groups = record_groups(avgs[1])
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(3):
+            start = loop.time()
+            await asyncio.gather(*(a.astep() for a in avgs))
+            times.append(loop.time() - start)
+        slow_id = peers[0].transport.peer_id
+        estimates = [a.bandwidth for a in avgs]
+        assert estimates[0] == pytest.approx(10e6, rel=0.2), estimates
+        assert all(e == pytest.approx(100e6, rel=0.2) for e in estimates[1:]), estimates
+        shares = [g.part_sizes[g.peers.index(slow_id)] / g.total for g in groups]
+        assert shares[0] == pytest.approx(0.25, abs=0.01)  # first step: nothing measured, even split
+        assert shares[1] < 0.05 and shares[2] < 0.05, shares
+        assert times[1] < 0.8 * times[0] and times[2] < 0.8 * times[0], times
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_step_failing_during_the_allreduce_leaves_tensors_untouched():
+    """Both reducers die after the group formed: the client cannot finish and must not change."""
+    async def main():
+        net, peers = await make_swarm(3, bandwidth=10e6, client_mode=(2,))
+        g = torch.Generator().manual_seed(5)
+        tensors = [[torch.randn(100_000, generator=g), torch.randn(7, generator=g).to(torch.bfloat16)]
+                   for _ in peers]
+        avgs = [Averager(p, t, "doomed", target_group_size=3, matchmaking_time=0.5, sender_timeout=1.0,
+                         allreduce_timeout=20.0) for p, t in zip(peers, tensors, strict=True)]
+        before = [t.clone() for t in avgs[2]._tensors]
+        groups = record_groups(avgs[2])
+        tasks = [asyncio.ensure_future(a.astep()) for a in avgs]
+        while not groups:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)  # mid-transfer: 400 KB per peer at 10 MB/s takes ~0.06 s
+        assert not tasks[2].done()
+        for i in (0, 1):
+            net.crash(peers[i].transport.peer_id)
+            tasks[i].cancel()
+        with pytest.raises(AveragingError, match="reducer|coordinator|deadline"):
+            await tasks[2]
+        await asyncio.gather(*tasks[:2], return_exceptions=True)
+        for mine, copy in zip(avgs[2]._tensors, before, strict=True):
+            assert torch.equal(mine, copy)
     run_virtual(main())
 
 
@@ -153,4 +281,42 @@ def test_newcomer_downloads_the_averaged_state():
         assert version == 1
         for mine, theirs in zip(newcomer._tensors, avgs[0]._tensors, strict=False):
             assert torch.equal(mine, theirs)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_powersgd_averagers_agree_and_error_feedback_catches_up_with_the_true_mean():
+    """Rank-2 PowerSGD through `Averager`: every step leaves all peers bit-identical, and with
+    error feedback the sum of the estimates approaches the sum of the true means; a peer with a
+    different rank does not average with them."""
+    async def main():
+        net, peers = await make_swarm(5)
+        torch.manual_seed(0)
+        shapes = [(24, 16), (16,)]
+        avgs = [Averager(p, [torch.zeros(s) for s in shapes], "psgd", min_group_size=4, target_group_size=4,
+                         matchmaking_time=1.0, powersgd_rank=2) for p in peers[:4]]
+        odd = Averager(peers[4], [torch.zeros(s) for s in shapes], "psgd", matchmaking_time=1.0, powersgd_rank=3)
+        base = [torch.randn(s) for s in shapes]  # a shared full-rank signal, plus per-peer noise
+        true_sum = [torch.zeros(s) for s in shapes]
+        estimated_sum = [torch.zeros(s) for s in shapes]
+        first_error = None
+        for _ in range(24):
+            grads = [[b + 0.3 * torch.randn(b.shape) for b in base] for _ in avgs]
+            for a, g in zip(avgs, grads, strict=True):
+                with a.get_tensors() as tensors:
+                    for t, x in zip(tensors, g, strict=True):
+                        t.copy_(x)
+            results = await asyncio.gather(*(a.astep(weight=1.0) for a in avgs))
+            assert all(r.group_size == 4 for r in results)
+            for i in range(len(shapes)):
+                assert all(torch.equal(a._tensors[i], avgs[0]._tensors[i]) for a in avgs)
+                true_sum[i] += sum(g[i] for g in grads) / 4
+                estimated_sum[i] += avgs[0]._tensors[i]
+            error = (estimated_sum[0] - true_sum[0]).norm() / true_sum[0].norm()
+            first_error = error if first_error is None else first_error
+        torch.testing.assert_close(estimated_sum[1], true_sum[1])  # 1-D: averaged exactly
+        assert first_error > 0.5  # rank 2 of a full-rank 24x16 signal loses much at first...
+        assert error < first_error / 3  # ...which error feedback delivers later (without: ~0.9x)
+        with pytest.raises(AveragingError):
+            await odd.astep(timeout=3.0)
     run_virtual(main())

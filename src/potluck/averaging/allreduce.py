@@ -124,6 +124,53 @@ class Outcome:
             raise AveragingError(f"malformed averaging decision: {e}") from None
 
 
+@dataclass
+class TransferStats:
+    """This member's uploads to other peers during one step, for its bandwidth estimate.
+
+    `busy_seconds` is the time during which at least one send to another peer was in flight
+    (a send returns once the transport has taken the frame: on the emulated network, when this
+    peer's upload of it is done). Waiting for data to reduce or for slower peers is not busy
+    time, so bytes / busy time measures this peer's own upload, not the group's pace.
+    Sends to itself (a member reducing its own shard) count for neither.
+    """
+
+    sent_bytes: int = 0
+    busy_seconds: float = 0.0
+    in_flight: int = 0
+    busy_since: float = 0.0
+
+    @property
+    def upload(self) -> float | None:
+        """Measured bytes/s, or None if nothing was sent."""
+        return self.sent_bytes / self.busy_seconds if self.sent_bytes and self.busy_seconds > 0 else None
+
+    async def send(self, channel: Any, message: Any) -> None:
+        if isinstance(channel, LocalChannel):
+            await channel.send(message)
+            return
+        loop = asyncio.get_running_loop()
+        if self.in_flight == 0:
+            self.busy_since = loop.time()
+        self.in_flight += 1
+        try:
+            await channel.send(message)
+            self.sent_bytes += _payload_bytes(message)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.busy_seconds += loop.time() - self.busy_since
+
+
+def _payload_bytes(message: Any) -> int:
+    """Bytes of the tensors in a (possibly nested) message dict; small fields are ignored."""
+    if isinstance(message, torch.Tensor):
+        return message.numel() * message.element_size()
+    if isinstance(message, dict):
+        return sum(_payload_bytes(v) for v in message.values() if isinstance(v, (dict, torch.Tensor)))
+    return 0
+
+
 def _weighted_chunk(pieces: dict[int, torch.Tensor], weights: dict[int, float], senders: tuple[int, ...],
                     lo: int, hi: int) -> torch.Tensor:
     """The average of one chunk over `senders`, computed the same way on every peer.
@@ -246,7 +293,7 @@ class ShardReducer:
         try:
             while True:
                 msg = await outbox.get()
-                await channel.send(msg)
+                await self.run.stats.send(channel, msg)
                 if "final" in msg:
                     await channel.close()
                     return True
@@ -325,7 +372,7 @@ class AllReduceRun:
 
     def __init__(self, service: AllReduceService, group: Group, me: int, vector: torch.Tensor | None,
                  weight: float, codec: Any, timeout: float, sender_timeout: float = SENDER_TIMEOUT,
-                 chunk: int = CHUNK_ELEMENTS):
+                 chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None):
         self.service = service
         self.group = group
         self.me = me
@@ -338,6 +385,8 @@ class AllReduceRun:
         self.codec = codec
         self.chunk = chunk
         self.sender_timeout = sender_timeout
+        self.stats = stats if stats is not None else TransferStats()
+        self.refused: str | None = None  # why the codec refused my own data (I then abstain)
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + timeout
         self.result = torch.empty(group.total, dtype=torch.float32) if self.mode != "aux" else None
@@ -424,6 +473,9 @@ class AllReduceRun:
             raise AveragingError(f"averaging step aborted: {self.outcome.aborted}")
         if self.mode != "aux" and not set(self.outcome.assignment) <= self.final:
             raise AveragingError("the group committed without this peer (it was presumed dead)")
+        if self.refused is not None:
+            raise AveragingError(f"this peer's tensors could not be sent ({self.refused}); "
+                                 "the others averaged without them")
         return self.result, self.outcome.senders
 
     def _start_exchange(self, shard: int, reducer: int) -> None:
@@ -463,13 +515,28 @@ class AllReduceRun:
             self.mark_dead(reducer)
 
     async def _send_piece(self, channel: Any, start: int, end: int, abstain: bool) -> None:
+        """Stream my piece of one shard. If the codec refuses a chunk (NaN/inf, out of its range),
+        I abstain: the stream ends early, so the reducer excludes me at once instead of waiting
+        for the sender timeout, and nothing of the refused data is sent."""
         try:
             if not abstain:
                 for lo in range(start, end, self.chunk):
-                    await channel.send(self.encode(self.vector[lo:min(end, lo + self.chunk)]))
+                    try:
+                        payload = self.encode(self.vector[lo:min(end, lo + self.chunk)])
+                    except Exception as e:  # noqa: BLE001 - any codec failure: abstain, never hang
+                        self._refuse(f"{type(e).__name__}: {e}")
+                        break
+                    await self.stats.send(channel, payload)
             await channel.close()
         except (NetworkError, PotluckError):
             pass  # the receiving side settles what it got
+
+    def _refuse(self, reason: str) -> None:
+        """My own data cannot be encoded: take no part as a sender from now on."""
+        if self.refused is None:
+            logger.warning("member %d abstains: its data was refused by the codec: %s", self.me, reason)
+            self.refused = reason
+        self.abstain = True
 
     def mark_dead(self, member: int) -> None:
         if member != self.me and member not in self.dead:

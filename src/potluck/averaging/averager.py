@@ -13,19 +13,20 @@ import hashlib
 import logging
 import random
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from potluck.averaging.allreduce import MODES, SENDER_TIMEOUT, AllReduceService
+from potluck.averaging.allreduce import MODES, SENDER_TIMEOUT, AllReduceService, TransferStats
+from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import MAX_ADDRESSES, Matchmaker
 from potluck.averaging.state_transfer import StateServer, download_state
-from potluck.compression import get_codec
+from potluck.compression import PowerSGD, get_codec
 from potluck.core.errors import AveragingError, PotluckError
 from potluck.core.runner import run_in_thread
+from potluck.core.tensors import all_finite
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BANDWIDTH = 100e6
 # Weight of the newest measurement in the bandwidth estimate (exponential moving average).
 BANDWIDTH_SMOOTHING = 0.5
+# A step that sent less than this to other peers says little about the bandwidth (transport
+# buffers absorb small sends at once): the estimate is left as it was.
+MIN_MEASURED_BYTES = 256 * 1024
 # How long a donor's "I can share my state" record lives in the DHT; refreshed at every step.
 STATE_RECORD_TTL = 600.0
 
@@ -75,6 +79,12 @@ class Averager:
         coordinates: this peer's starting place on the grid (random if omitted).
         matchmaking_time: seconds a leader gathers peers before it closes the group.
         allreduce_timeout: deadline of the all-reduce part of a step.
+        bandwidth: this peer's bandwidth in bytes/s for the load split. Default: measured at
+            every step (bytes this peer uploaded / time its uploads were in flight, smoothed),
+            starting from DEFAULT_BANDWIDTH; a given value is used as is, never re-measured.
+        powersgd_rank: average rank-r PowerSGD approximations (with error feedback) instead of
+            the tensors themselves: two all-reduces of r * (rows + cols) numbers per matrix
+            instead of rows * cols. Meant for gradients; `compression` then applies to P and Q.
     """
 
     def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str,
@@ -82,7 +92,8 @@ class Averager:
                  compression: Any = "none", mode: str = "node", *, grid: Sequence[int] | None = None,
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
-                 bandwidth: float | None = None, allow_state_sharing: bool = True):
+                 bandwidth: float | None = None, allow_state_sharing: bool = True,
+                 powersgd_rank: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if not tensors or any(not t.is_floating_point() for t in tensors):
@@ -97,7 +108,9 @@ class Averager:
         self._lock = threading.Lock()
         self.codec = get_codec(compression)
         self.total = sum(t.numel() for t in self._tensors)
-        self.schema = _schema(self._tensors, self.codec.spec)
+        self.powersgd = None if powersgd_rank is None else \
+            [PowerSGD(t.shape, powersgd_rank, seed=k) for k, t in enumerate(self._tensors)]
+        self.schema = _schema(self._tensors, {**self.codec.spec, "powersgd": powersgd_rank})
         self.matchmaking_time = matchmaking_time
         self.allreduce_timeout = allreduce_timeout
         self.sender_timeout = sender_timeout
@@ -109,7 +122,7 @@ class Averager:
                 raise ValueError("coordinates must have one entry per grid dimension")
         self.round = 0
         self.bandwidth = bandwidth or DEFAULT_BANDWIDTH
-        self._measured = bandwidth is not None
+        self._configured = self._measured = bandwidth is not None
         self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
@@ -152,17 +165,28 @@ class Averager:
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
-        formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
-                                                  metadata=gather, target=target)
+        # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
+        # tensors hold NaN/inf fails here, before it joins any group.
+        snapshot = None if self.mode == "aux" else asyncio.ensure_future(run_in_thread(self._flatten))
+        try:
+            formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
+                                                      metadata=gather, target=target, ready=snapshot)
+        finally:
+            _discard(snapshot)
         group = formed.group
         me = group.peers.index(self.transport.peer_id)
-        vector = None
-        if group.modes[me] != "aux":
-            vector = await run_in_thread(self._flatten)
-        started = time.perf_counter()
-        result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
-                                                      sender_timeout=self.sender_timeout)
-        self._measure(group, time.perf_counter() - started)
+        vector = None if snapshot is None or group.modes[me] == "aux" else snapshot.result()
+        if self.powersgd is None:
+            stats = TransferStats()
+            result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
+                                                          sender_timeout=self.sender_timeout, stats=stats)
+            self._measure(stats)
+        else:
+            grads = None if vector is None else self._split(vector)
+            parts, contributors = await powersgd_allreduce(self.service, group, self.powersgd, grads, weight,
+                                                           self.codec, self.allreduce_timeout,
+                                                           sender_timeout=self.sender_timeout)
+            result = None if parts is None else torch.cat([p.reshape(-1) for p in parts])
         if result is not None:
             await run_in_thread(self._assign, result)
         self._advance(me, group.group_id)
@@ -211,6 +235,8 @@ class Averager:
         version, metadata, tensors = await download_state(
             self.transport, [d[2] for d in sorted(donors)], self.prefix, timeout, like=self._tensors)
         await run_in_thread(self._load, tensors)
+        for state in self.powersgd or ():
+            state.reset()  # its residual belonged to the tensors just replaced
         self.round, self.state_metadata = version, metadata
         return version, metadata
 
@@ -238,23 +264,43 @@ class Averager:
         self.round += 1
 
     def _flatten(self) -> torch.Tensor:
+        """The local tensors as one float32 vector; AveragingError if any holds NaN or infinity
+        (a non-finite contribution would be refused by every codec; better not to join at all)."""
         with self._lock:
-            return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors])
+            vector = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors])
+            # One pass: a finite sum proves every value finite; only a non-finite sum (NaN, inf,
+            # or an overflow of huge finite values) needs the exact check.
+            if not torch.isfinite(vector.sum()):
+                for i, t in enumerate(self._tensors):
+                    if not all_finite(t.detach().to(torch.float32)):
+                        raise AveragingError(f"local tensor {i} holds NaN or infinity (or values beyond "
+                                             f"float32); not averaging it")
+        return vector
+
+    def _split(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat vector shaped like the tensors."""
+        views, offset = [], 0
+        for t in self._tensors:
+            views.append(vector[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return views
 
     def _assign(self, vector: torch.Tensor) -> None:
         with self._lock:
-            offset = 0
-            for t in self._tensors:
-                n = t.numel()
-                t.copy_(vector[offset:offset + n].view_as(t))
-                offset += n
+            for t, part in zip(self._tensors, self._split(vector), strict=True):
+                t.copy_(part)
 
-    def _measure(self, group: Any, seconds: float) -> None:
-        """Estimate this peer's bandwidth from the step just done (bytes moved per second)."""
-        if seconds <= 0 or len(group.peers) < 2:
+    def _measure(self, stats: TransferStats) -> None:
+        """Update this peer's bandwidth estimate from its own uploads in the step just done.
+
+        Bytes it sent to other peers divided by the time at least one of those sends was in
+        flight: time spent waiting for slower peers is not counted, so each peer measures its
+        own link, and the load split can tell slow peers from fast ones. The figure stands for
+        download too (unmeasured; assumed symmetric). A configured bandwidth is never changed.
+        """
+        if self._configured or stats.sent_bytes < MIN_MEASURED_BYTES or stats.upload is None:
             return
-        moved = 4 * self.total * 2 * (len(group.peers) - 1) / len(group.peers)
-        estimate = moved / seconds
+        estimate = stats.upload
         if self._measured:
             self.bandwidth = (1 - BANDWIDTH_SMOOTHING) * self.bandwidth + BANDWIDTH_SMOOTHING * estimate
         else:
@@ -265,6 +311,14 @@ class Averager:
         self.matchmaker.close()
         if self.state_server is not None:
             self.state_server.close()
+
+
+def _discard(task: asyncio.Future | None) -> None:
+    """Cancel an unused helper task and mark its outcome as seen."""
+    if task is not None and not task.done():
+        task.cancel()
+    if task is not None:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _schema(tensors: list[torch.Tensor], codec: dict) -> str:

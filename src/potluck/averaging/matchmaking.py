@@ -63,6 +63,7 @@ class _Gathering:
     closes_at: float
     members: list[tuple[PeerID, str, tuple[float, float], Any, tuple[str, ...]]] = field(default_factory=list)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ready: asyncio.Future | None = None  # the owner's own check; nobody joins before it passes
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while not joining someone
 
     def __post_init__(self) -> None:
@@ -102,9 +103,14 @@ class Matchmaker:
         return f"{self.prefix}.match.{group_key}"
 
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
-                         metadata: Any = None, target: int | None = None) -> FormedGroup:
+                         metadata: Any = None, target: int | None = None,
+                         ready: asyncio.Future | None = None) -> FormedGroup:
         """Find peers under `group_key` within `window` seconds and return the group formed; a
-        leader closes the group early once it has `target` members (default: the matchmaker's)."""
+        leader closes the group early once it has `target` members (default: the matchmaker's).
+
+        `ready`, if given, is this peer's own preparation (e.g. checking its tensors), running
+        meanwhile: no group is joined or formed, and nobody joins ours, until it succeeds; if it
+        fails, its error is raised here and the peer takes part in no group."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         addresses = tuple(str(a) for a in self.transport.addresses)
@@ -113,7 +119,7 @@ class Matchmaker:
         if not self.client:
             closes_at = self.dht.get_time() + window
             size = min(target or self.target, MAX_GROUP_SIZE)
-            gathering = _Gathering(group_key, self.schema, size, closes_at, [me])
+            gathering = _Gathering(group_key, self.schema, size, closes_at, [me], ready=ready)
             self._gatherings[group_key] = gathering
             await self.dht.astore(self._dht_key(group_key), {"schema": self.schema, "addrs": list(addresses)},
                                   closes_at, subkey=str(self.transport.peer_id))
@@ -122,7 +128,7 @@ class Matchmaker:
             poll = max(MIN_POLL_SECONDS, window * POLL_FRACTION)
             # Peers of one round start at about the same time; let their declarations land in the
             # DHT before choosing a leader, or everyone sees only themselves and the key splinters.
-            await asyncio.sleep(window * SETTLE_FRACTION)
+            await _settle(window * SETTLE_FRACTION, ready)
             while loop.time() < give_up:
                 if gathering is not None:
                     if gathering.done.done():
@@ -245,6 +251,11 @@ class Matchmaker:
             raise AveragingError("malformed join request: mode or bandwidth")
         if ctx.remote.client_mode and mode != "client":
             mode = "client"  # it cannot accept connections, whatever it says
+        if gathering.ready is not None:
+            try:
+                await asyncio.shield(gathering.ready)
+            except Exception:  # noqa: BLE001 - the owner failed its own check: it forms no group
+                return {"refused": "this peer is not averaging this round"}
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.full or gathering.done.done():
             taken = [m[0].to_bytes() for m in gathering.members]
@@ -280,6 +291,20 @@ class Matchmaker:
         formed = FormedGroup(group, tuple(m[3] for m in members), tuple(m[4] for m in members))
         gathering.done.set_result(formed)
         return formed
+
+
+async def _settle(seconds: float, ready: asyncio.Future | None) -> None:
+    """Sleep `seconds`, and until `ready` is done; raise at once if `ready` fails."""
+    sleep = asyncio.ensure_future(asyncio.sleep(seconds))
+    try:
+        if ready is not None:
+            await asyncio.wait([ready, sleep], return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                ready.result()  # its error, at once
+            await asyncio.shield(ready)
+        await sleep
+    finally:
+        sleep.cancel()
 
 
 def _retrieve(future: asyncio.Future) -> None:

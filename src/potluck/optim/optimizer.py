@@ -86,6 +86,9 @@ class Optimizer(torch.optim.Optimizer):
         local_steps: moshpit/diloco: local steps between averaging rounds.
         outer_lr, outer_momentum: diloco's outer Nesterov step.
         grid: moshpit grid sizes (see `Averager`).
+        compression: codec for everything averaged (`potluck.compression.known_codecs()`).
+        powersgd_rank: sync mode: average rank-r PowerSGD approximations of the gradients, with
+            error feedback (see `Averager`), instead of the full gradients.
         load_state: download the swarm's state at start (newcomers).
     """
 
@@ -95,7 +98,7 @@ class Optimizer(torch.optim.Optimizer):
                  local_steps: int = 10, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  grid: tuple[int, ...] | None = None, compression: Any = "none", matchmaking_time: float = 1.0,
                  averaging_timeout: float = 30.0, delay_updates: bool = False, load_state: bool = True,
-                 load_state_timeout: float = 30.0):
+                 load_state_timeout: float = 30.0, powersgd_rank: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if target_batch_size <= 0 or batch_size_per_step <= 0:
@@ -135,7 +138,7 @@ class Optimizer(torch.optim.Optimizer):
         common = dict(compression=compression, mode=averaging_mode, matchmaking_time=matchmaking_time,
                       allreduce_timeout=averaging_timeout)
         self.grad_averager = Averager(peer, self._grad_sums, f"{run_id}.grads", allow_state_sharing=False,
-                                      **common)
+                                      powersgd_rank=powersgd_rank, **common)
         self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
                                        grid=grid if mode == "moshpit" else None, **common)
         self.state_averager.state_metadata = {"epoch": 0}
