@@ -129,8 +129,7 @@ def test_a_newly_joined_peer_receives_the_keys_it_is_now_responsible_for():
         keys = [f"key-{i}" for i in range(300)]
         writer = dhts[7]
         assert all(await writer.astore_many([(k, k.upper(), now + 3600) for k in keys]))
-        for dht in dhts:
-            await dht.node.wait_idle()
+        await settle(dhts)
         newcomer = (await build_swarm(net, 1, seed=5, config=config, first=dhts))[0]
         everyone = dhts + [newcomer]
         for dht in everyone:
@@ -148,6 +147,22 @@ def test_a_newly_joined_peer_receives_the_keys_it_is_now_responsible_for():
         await shutdown(everyone)
 
     run_virtual(scenario())
+
+
+async def settle(dhts: list[DHT]) -> None:
+    """Wait until every node has finished the replication work it started."""
+    for dht in dhts:
+        await dht.node.wait_idle()
+
+
+async def swarm_holding(key: str, value: str, ttl: float, n: int, seed: int,
+                        config: DHTConfig) -> tuple[list[DHT], float]:
+    """A swarm of `n` nodes in which node 0 stored `key`; returns the nodes and the store's time."""
+    dhts = await build_swarm(EmulatedNetwork(latency=LATENCY, seed=seed), n, seed=seed, config=config)
+    now = dhts[0].get_time()
+    assert await dhts[0].astore(key, value, now + ttl)
+    await settle(dhts)
+    return dhts, now
 
 
 def holders_of(dhts: list[DHT], key: str) -> set[DHT]:
@@ -168,14 +183,12 @@ def test_a_store_lands_exactly_on_the_replicas_nearest_nodes():
         assert all(await dhts[9].astore_many([(k, k, now + 600) for k in keys[:20]]))
         for key in keys[20:]:
             assert await rng.choice(dhts).astore(key, key, now + 600)
-        for dht in dhts:
-            await dht.node.wait_idle()
+        await settle(dhts)
         for key in keys:
             assert holders_of(dhts, key) == set(true_nearest(dhts, key, 3)), key
         got = await dhts[40].aget_many(keys)  # gets change nothing without caching
         assert all(got[k].value == k for k in keys)
-        for dht in dhts:
-            await dht.node.wait_idle()
+        await settle(dhts)
         assert all(holders_of(dhts, k) == set(true_nearest(dhts, k, 3)) for k in keys)
         await shutdown(dhts)
 
@@ -188,12 +201,7 @@ def test_a_get_caches_the_record_on_the_closest_node_it_asked_that_lacked_it(cac
     """Kademlia 2.3: after a get, the closest node that answered without the record gets a copy
     (and only that node); with `cache_on_get=False` nobody new holds it."""
     async def scenario():
-        net = EmulatedNetwork(latency=LATENCY, seed=13)
-        dhts = await build_swarm(net, 60, seed=13, config=DHTConfig(replicas=3, cache_on_get=cache_on_get))
-        now = dhts[0].get_time()
-        assert await dhts[0].astore("cached", "v", now + 600)
-        for dht in dhts:
-            await dht.node.wait_idle()
+        dhts, _ = await swarm_holding("cached", "v", 600, 60, 13, DHTConfig(replicas=3, cache_on_get=cache_on_get))
         before = holders_of(dhts, "cached")
         lookups = []
         for asker in [d for d in dhts if d not in before]:
@@ -226,12 +234,7 @@ def test_get_latest_keeps_searching_past_the_first_value_for_the_newest():
     """A newer record planted on just one of the key's nearest holders: `latest=True` asks all of
     them and returns it; a plain get stops at the first holder that answers (here an older copy)."""
     async def scenario():
-        net = EmulatedNetwork(latency=LATENCY, seed=14)
-        dhts = await build_swarm(net, 80, seed=14, config=DHTConfig(replicas=5, cache_on_get=False))
-        now = dhts[0].get_time()
-        assert await dhts[0].astore("model", "old", now + 60)
-        for dht in dhts:
-            await dht.node.wait_idle()
+        dhts, now = await swarm_holding("model", "old", 60, 80, 14, DHTConfig(replicas=5, cache_on_get=False))
         nearest = true_nearest(dhts, "model", 20)
         assert holders_of(dhts, "model") == set(nearest[:5])
         planted = nearest[4]  # the farthest of the holders: the last a lookup reaches
@@ -426,8 +429,7 @@ def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
         now = dhts[0].get_time()
         for writer, chunk in zip(rng.sample(dhts, 5), range(0, 10, 2), strict=True):
             assert all(await writer.astore_many([(k, {"uid": k}, now + 3600) for k in keys[chunk:chunk + 2]]))
-        for dht in dhts:
-            await dht.node.wait_idle()
+        await settle(dhts)
         assert all(len(holders_of(dhts, k)) >= 20 for k in keys)  # default replication: k = 20
         replicas = {d: list(d.node.storage.items(d.get_time())) for d in dhts}
 

@@ -190,58 +190,40 @@ def test_transfer_takes_size_over_bandwidth_plus_latency(chunked: bool) -> None:
     assert time.perf_counter() - wall < expected  # the virtual clock did not wait for real
 
 
+async def _timed_call(a: Any, b: Any, payload: torch.Tensor) -> float:
+    """Seconds from sending `payload` in one call from `a` until `b`'s handler has it
+    (the connection is set up first, so only the transfer is timed)."""
+    await a.start()
+    await b.start()
+    loop = asyncio.get_running_loop()
+    arrivals: list[float] = []
+
+    async def sink(request: Any, ctx: Any) -> None:
+        arrivals.append(loop.time())
+
+    b.add_handler("sink", sink)
+    introduce(a, b)
+    await a.call(b.peer_id, "sink", b"warm-up")
+    t0 = loop.time()
+    await a.call(b.peer_id, "sink", payload, timeout=60)
+    await close_all(a, b)
+    return arrivals[-1] - t0
+
+
 @pytest.mark.timeout(30)
 def test_transfer_timing_holds_on_the_real_clock(arun: Any) -> None:
-    async def main() -> tuple[float, float]:
-        net = EmulatedNetwork(latency=0.02)
-        a = net.transport(upload=80e6)
-        b = net.transport()
-        await a.start()
-        await b.start()
-        loop = asyncio.get_running_loop()
-        arrivals: list[float] = []
-
-        async def sink(request: Any, ctx: Any) -> None:
-            arrivals.append(loop.time())
-
-        b.add_handler("sink", sink)
-        introduce(a, b)
-        await a.call(b.peer_id, "sink", b"warm-up")
-        payload = torch.zeros(8 * MiB, dtype=torch.uint8)
-        t0 = loop.time()
-        await a.call(b.peer_id, "sink", payload)
-        await close_all(a, b)
-        return arrivals[-1] - t0, 8 * MiB / 80e6 + 0.02
-
-    elapsed, expected = arun(main())
-    assert elapsed == pytest.approx(expected, rel=0.1)
+    net = EmulatedNetwork(latency=0.02)
+    elapsed = arun(_timed_call(net.transport(upload=80e6), net.transport(), torch.zeros(8 * MiB, dtype=torch.uint8)))
+    assert elapsed == pytest.approx(8 * MiB / 80e6 + 0.02, rel=0.1)
 
 
 @pytest.mark.timeout(30)
 def test_slow_receiver_download_is_the_bottleneck() -> None:
     """A fast sender into a slow receiver: the receiver's download, not the upload, sets the time."""
-    async def main() -> tuple[float, float]:
-        net = EmulatedNetwork(latency=0.02)
-        a = net.transport(upload=200e6)
-        b = net.transport(download=40e6, max_frame_size=17 * MiB)
-        await a.start()
-        await b.start()
-        loop = asyncio.get_running_loop()
-        arrivals: list[float] = []
-
-        async def sink(request: Any, ctx: Any) -> None:
-            arrivals.append(loop.time())
-
-        b.add_handler("sink", sink)
-        introduce(a, b)
-        await a.connect(b.addresses[0])
-        t0 = loop.time()
-        await a.call(b.peer_id, "sink", torch.zeros(16 * MiB, dtype=torch.uint8), timeout=60)
-        await close_all(a, b)
-        return arrivals[-1] - t0, 16 * MiB / 40e6 + 0.02
-
-    elapsed, expected = vrun(main())
-    assert elapsed == pytest.approx(expected, rel=0.1)
+    net = EmulatedNetwork(latency=0.02)
+    sender, receiver = net.transport(upload=200e6), net.transport(download=40e6, max_frame_size=17 * MiB)
+    elapsed = vrun(_timed_call(sender, receiver, torch.zeros(16 * MiB, dtype=torch.uint8)))
+    assert elapsed == pytest.approx(16 * MiB / 40e6 + 0.02, rel=0.1)
 
 
 @pytest.mark.timeout(30)

@@ -87,6 +87,15 @@ def swarm():
         m.close()
 
 
+def train(members: list[Member], epochs: int, within: float = 150) -> None:
+    """Train `members` together for `epochs` epochs; each must finish within `within` seconds."""
+    for m in members:
+        m.start(epochs)
+    for m in members:
+        m.thread.join(within)
+        assert not m.thread.is_alive(), f"peer {m.index} did not finish {epochs} epochs in {within} s"
+
+
 def reference_accuracy(epochs: int, seed: int) -> float:
     """The same model, data and global batch in one process."""
     model = make_model()
@@ -153,10 +162,7 @@ def test_peer_killed_and_newcomer_joining_training_continues(swarm):
 def test_client_mode_peer_trains_with_the_swarm(swarm):
     members = swarm(2, "client")
     members.append(Member(2, members[0].peer.addresses, "client", client_mode=True, averaging_mode="client"))
-    for m in members:
-        m.start(8)
-    for m in members:
-        m.thread.join(120)
+    train(members, 8, within=120)
     assert members[2].peer.addresses == []
     assert all(m.opt.local_epoch == 8 for m in members)
     assert len({digest(m.model) for m in members}) == 1  # the client ends with the same parameters
@@ -179,10 +185,7 @@ def test_peer_with_nan_gradients_is_not_averaged_in(swarm):
 @pytest.mark.parametrize("mode", ["moshpit", "diloco"])
 def test_local_update_modes_converge(swarm, mode):
     members = swarm(3, f"local-{mode}", mode=mode, local_steps=10)
-    for m in members:
-        m.start(25)
-    for m in members:
-        m.thread.join(200)
+    train(members, 25, within=200)
     accuracies = [accuracy(m.model, X_TEST, Y_TEST) for m in members]
     assert min(accuracies) > 0.85, accuracies
 
@@ -190,10 +193,7 @@ def test_local_update_modes_converge(swarm, mode):
 @pytest.mark.timeout(240)
 def test_checkpoint_saves_and_a_new_swarm_resumes_from_it(swarm, tmp_path):
     members = swarm(2, "ckpt")
-    for m in members:
-        m.start(4)
-    for m in members:
-        m.thread.join(120)
+    train(members, 4, within=120)
     path = tmp_path / "run.ckpt"
     members[1].opt.save_checkpoint(path)
     saved = digest(members[1].model)
@@ -228,10 +228,7 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
 @pytest.mark.timeout(240)
 def test_delayed_updates_overlap_averaging_and_keep_peers_identical(swarm):
     members = swarm(3, "delayed", delay_updates=True)
-    for m in members:
-        m.start(20)
-    for m in members:
-        m.thread.join(150)
+    train(members, 20)
     assert all(m.opt.local_epoch == 20 for m in members)
     assert len({digest(m.model) for m in members}) == 1
     assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.5  # it learns, one epoch stale
@@ -240,10 +237,7 @@ def test_delayed_updates_overlap_averaging_and_keep_peers_identical(swarm):
 @pytest.mark.timeout(240)
 def test_powersgd_gradients_keep_peers_identical_and_still_learn(swarm):
     members = swarm(3, "powersgd", powersgd_rank=4)
-    for m in members:
-        m.start(30)
-    for m in members:
-        m.thread.join(150)
+    train(members, 30)
     assert all(m.opt.local_epoch == 30 for m in members)
     assert len({digest(m.model) for m in members}) == 1
     sent = members[0].opt.grad_averager.powersgd
