@@ -6,8 +6,8 @@ VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
 EXTRAS="${1:-}"
 
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "potluck needs Python 3.11 or newer; set PYTHON=/path/to/python3.11" >&2
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "potluck needs Python 3.10 or newer; set PYTHON=/path/to/python3.10 (or newer)" >&2
   exit 1
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from potluck.core import compat
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOP_KINDS = ["asyncio", "uvloop"]
 
@@ -28,9 +30,9 @@ def arun() -> Callable[..., Any]:
     """Run a coroutine to completion on a fresh standard loop, with a deadline."""
     def run(coro: Coroutine, timeout: float = 60.0, kind: str = "asyncio") -> Any:
         async def bounded():
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 return await coro
-        with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:
+        with compat.Runner(loop_factory=loop_factory(kind)) as runner:
             return runner.run(bounded())
     return run
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from potluck.core import compat
 from potluck.core.errors import (
     ConnectionLost,
     DeadlineExceeded,
@@ -333,7 +334,7 @@ def test_200_peers_call_5_random_others_in_virtual_time() -> None:
             reply = await caller.call(callee.peer_id, "square", {"x": x, "pad": bytes(1000)})
             assert reply == {"by": str(callee.peer_id), "sq": x * x}
 
-        async with asyncio.TaskGroup() as group:
+        async with compat.TaskGroup() as group:
             for caller in peers:
                 for callee in rng.sample([p for p in peers if p is not caller], fanout):
                     group.create_task(call(caller, callee, rng.randrange(10**6)))
@@ -377,7 +378,7 @@ async def _mixed_scenario(seed: int) -> list[tuple[str, str, float]]:
             await a.call(b.peer_id, "echo", torch.zeros(size, dtype=torch.uint8))
         done.append((str(a.peer_id), str(b.peer_id), loop.time()))
 
-    async with asyncio.TaskGroup() as group:
+    async with compat.TaskGroup() as group:
         for a in peers:
             for b in rng.sample([p for p in peers if p is not a], 3):
                 group.create_task(exchange(a, b, rng.randrange(1, 200_000), rng.random() < 0.3))

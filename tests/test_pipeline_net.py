@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from potluck.core import compat
 from potluck.core.errors import RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import launch_run
@@ -212,7 +213,7 @@ def test_ring_reforms_without_a_member_that_dies_mid_round():
         vecs = _vectors(3, 5000, 7)
         a = asyncio.ensure_future(rings[0].allreduce(0, seg, vecs[0], timeout=30))
         b = asyncio.ensure_future(rings[1].allreduce(0, seg, vecs[1], timeout=30))
-        async with asyncio.timeout(10):
+        async with compat.timeout(10):
             while not rings[1]._mailbox:  # A's first part reached B: the round is under way
                 await rings[1]._arrived.wait()
         net.crash(peers[2].transport.peer_id)  # C dies before sending anything

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from potluck.core import compat
 from potluck.core.virtual_time import run_virtual
 from potluck.ps import SweepError, SweepSpec, run_sweep
 from tests.emulated_swarm import make_swarm
@@ -83,7 +84,7 @@ def test_trials_of_a_killed_peer_are_rerun_and_every_trial_appears_exactly_once(
             return {}
 
         victim = asyncio.create_task(run_sweep(peers[2].dht, sweep, dies_mid_trial, lease_seconds=LEASE))
-        async with asyncio.timeout(30):
+        async with compat.timeout(30):
             await claimed.wait()
         victim.cancel()
         net.crash(peers[2].transport.peer_id)

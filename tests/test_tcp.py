@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import potluck.net.tcp as tcp_module
+from potluck.core import compat
 from potluck.core.errors import (
     CallCancelled,
     ConnectionLost,
@@ -460,7 +461,7 @@ def test_garbage_truncated_and_oversized_frames_close_only_that_connection(arun,
 
 async def _read_frame(reader: asyncio.StreamReader, decoder: FrameDecoder, want: Kind) -> Frame:
     """The next frame of kind `want` (skipping keepalive pings), with a deadline."""
-    async with asyncio.timeout(5):
+    async with compat.timeout(5):
         while True:
             data = await reader.read(65536)
             if not data:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from potluck.averaging.channel import LocalChannel
+from potluck.core import compat
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
 from potluck.core.tensors import all_finite
 from potluck.net.identity import PeerID
@@ -423,7 +424,7 @@ class AllReduceRun:
             raise AveragingError(f"shard {shard} does not exist")
         waiter = self._reducer_waiters.setdefault(shard, asyncio.get_running_loop().create_future())
         try:
-            async with asyncio.timeout(REGISTRATION_WAIT):
+            async with compat.timeout(REGISTRATION_WAIT):
                 return await asyncio.shield(waiter)
         except TimeoutError:
             raise AveragingError(f"shard {shard} is not reduced here") from None
@@ -455,7 +456,7 @@ class AllReduceRun:
         """Take part until commit; returns the averaged vector (None for aux members) and the
         members whose tensors it averages."""
         try:
-            async with asyncio.timeout_at(self.deadline):
+            async with compat.timeout_at(self.deadline):
                 if self.mode != "aux":
                     for j in self.group.shards:
                         self._start_exchange(j, j)
@@ -824,7 +825,7 @@ class AllReduceService:
                 raise AveragingError("too many pending groups")
             event = self._arrived[gid] = asyncio.Event()
         try:
-            async with asyncio.timeout(REGISTRATION_WAIT):
+            async with compat.timeout(REGISTRATION_WAIT):
                 await event.wait()
         except TimeoutError:
             self._arrived.pop(gid, None)

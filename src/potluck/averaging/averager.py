@@ -24,6 +24,7 @@ from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import MAX_ADDRESSES, Matchmaker
 from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
+from potluck.core import compat
 from potluck.core.errors import AveragingError, PotluckError
 from potluck.core.runner import run_in_thread
 from potluck.core.tensors import all_finite
@@ -158,7 +159,7 @@ class Averager:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         try:
-            async with asyncio.timeout(budget):
+            async with compat.timeout(budget):
                 return await self._step(weight, gather, group_key, target_group_size)
         except TimeoutError:
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None

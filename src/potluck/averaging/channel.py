@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import CallCancelled, DeadlineExceeded, EndOfStream
 from potluck.net.connection import Stream
 
@@ -38,7 +39,7 @@ class LocalChannel:
         if self._ended:
             raise EndOfStream("local channel ended")
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 item = await self._inbox.get()
         except TimeoutError:
             raise DeadlineExceeded("no message on local channel in time") from None

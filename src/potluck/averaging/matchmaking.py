@@ -24,6 +24,7 @@ from typing import Any
 
 from potluck.averaging.allreduce import MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
+from potluck.core import compat
 from potluck.core.errors import AveragingError, NetworkError, PotluckError
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -145,7 +146,7 @@ class Matchmaker:
                         tried.add(leader)
                 if gathering is not None:
                     try:
-                        async with asyncio.timeout(poll):
+                        async with compat.timeout(poll):
                             await asyncio.shield(gathering.done)
                     except TimeoutError:
                         pass

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from potluck.core import serialization
+from potluck.core import compat, serialization
 from potluck.core.errors import AveragingError, DeadlineExceeded, EndOfStream, NetworkError, SerializationError
 from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
 from potluck.net.identity import PeerID
@@ -397,7 +397,7 @@ class _Download:
         """Return once every chunk is stored or every donor has failed."""
         if self.complete:
             return
-        async with asyncio.TaskGroup() as group:
+        async with compat.TaskGroup() as group:
             workers = [group.create_task(self._worker(donor)) for donor in self._initial]
             self._alive = len(workers)
             await self._finished.wait()
@@ -595,7 +595,7 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
     download: _Download | None = None
     deadline = asyncio.get_running_loop().time() + timeout
     try:
-        async with asyncio.timeout_at(deadline):
+        async with compat.timeout_at(deadline):
             answers = await _ask_manifests(transport, donors, manifest_method(prefix), max_bytes,
                                            like_specs, failures)
             if not answers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import importlib
 import json
@@ -130,10 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 future.cancel()
                 print("stopped: this peer's unfinished trial goes to another peer once its lease expires")
                 return 130
-            try:
-                future.result(timeout=0.5)
-            except TimeoutError:
-                continue
+            concurrent.futures.wait([future], timeout=0.5)
         results = future.result()
     report = write_report(Path(args.out), spec, results, time.time() - started)
     best = report["best"]

@@ -31,6 +31,8 @@ import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from potluck.core import compat
+
 __all__ = ["VirtualTimeLoop", "run_virtual", "virtual_time_loop"]
 
 T = TypeVar("T")
@@ -86,5 +88,5 @@ def virtual_time_loop() -> asyncio.AbstractEventLoop:
 
 def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
     """Run `coro` to completion on a fresh virtual-time loop (like `asyncio.run`)."""
-    with asyncio.Runner(loop_factory=virtual_time_loop) as runner:
+    with compat.Runner(loop_factory=virtual_time_loop) as runner:
         return runner.run(coro)

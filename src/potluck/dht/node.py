@@ -27,6 +27,7 @@ from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import NetworkError, PeerUnreachable
 from potluck.dht import protocol
@@ -206,7 +207,7 @@ class DHTNode:
     async def wait_idle(self, timeout: float = OPERATION_TIMEOUT) -> None:
         """Wait until the background work started so far (hand-offs, caching stores, pings) is
         done; for tests and orderly benchmarks. Raises TimeoutError after `timeout`."""
-        async with asyncio.timeout(timeout):
+        async with compat.timeout(timeout):
             while pending := [t for t in self._tasks if t is not self._upkeep_task]:
                 await asyncio.wait(pending)
 

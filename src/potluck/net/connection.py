@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from potluck.core import compat
 from potluck.core.errors import (
     CallCancelled,
     ConnectionLost,
@@ -133,7 +134,7 @@ class Stream:
         if self._sent_end:
             raise NetworkError("send() after close() on this stream")
         try:
-            async with asyncio.timeout(self._timeout(timeout)):
+            async with compat.timeout(self._timeout(timeout)):
                 while self._credit <= 0 and self._error is None:
                     self._credit_event.clear()
                     await self._credit_event.wait()
@@ -148,7 +149,7 @@ class Stream:
     async def recv(self, timeout: float | None = None) -> Any:
         """The next message; raises EndOfStream when the other side is done sending."""
         try:
-            async with asyncio.timeout(self._timeout(timeout)):
+            async with compat.timeout(self._timeout(timeout)):
                 while not self._inbox:
                     if self._error is not None:
                         raise self._error
@@ -285,7 +286,7 @@ class Connection:
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 await self.link.send(Frame(Kind.REQUEST, call_id, {"m": method, "t": timeout}, body))
                 return await future
         except TimeoutError:
@@ -386,7 +387,7 @@ class Connection:
     async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
         call_id = frame.call_id
         try:
-            async with asyncio.timeout_at(ctx.deadline):
+            async with compat.timeout_at(ctx.deadline):
                 result = await handler(frame.body, ctx)
             await self.link.send(Frame(Kind.RESPONSE, call_id, body=result))
         except asyncio.CancelledError:
@@ -428,7 +429,7 @@ class Connection:
 
     async def _run_stream(self, handler: StreamHandler, stream: Stream, ctx: CallContext) -> None:
         try:
-            async with asyncio.timeout_at(ctx.deadline):
+            async with compat.timeout_at(ctx.deadline):
                 await handler(stream, ctx)
             await stream.close()
         except (asyncio.CancelledError, TimeoutError, CallCancelled):

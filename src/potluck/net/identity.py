@@ -332,7 +332,7 @@ def _unlink_quietly(path: str) -> None:
 def make_certificate(identity: Identity) -> tuple[bytes, bytes]:
     """A self-signed X.509 cert for TLS whose key is the identity key: (cert_pem, key_pem)."""
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(identity.peer_id))])
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import ssl
+import sys
 from typing import Any
 
 from potluck.core.errors import (
@@ -43,6 +44,8 @@ AUTH_LABEL = b"potluck-auth-v1"
 HANDSHAKE_TIMEOUT = 10.0
 # TLS close_notify exchange; a dead peer must not hold our shutdown for asyncio's default 30 s.
 TLS_SHUTDOWN_TIMEOUT = 2.0
+# asyncio takes a TLS shutdown timeout from Python 3.11 on (3.10 closes without waiting for the peer).
+_TLS_SHUTDOWN = {"ssl_shutdown_timeout": TLS_SHUTDOWN_TIMEOUT} if sys.version_info >= (3, 11) else {}
 # Large payloads are handed to the socket in pieces so the transport never copies a whole tensor
 # into its own buffer; it pauses us above the high-water mark.
 WRITE_PIECE = 1 * 2**20
@@ -82,8 +85,7 @@ class TCPTransport(Transport):
         loop = asyncio.get_running_loop()
         kwargs: dict[str, Any] = {}
         if self._server_ctx is not None:
-            kwargs.update(ssl=self._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-                          ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT)
+            kwargs.update(ssl=self._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
         self._server = await loop.create_server(
             lambda: TCPLink(self, initiator=False), self.host, self.port, reuse_address=True,
             backlog=1024, **kwargs)
@@ -100,9 +102,8 @@ class TCPTransport(Transport):
         link = TCPLink(self, initiator=True, expected=expected, bulk=bulk)
         kwargs: dict[str, Any] = {}
         if self._client_ctx is not None:
-            kwargs.update(ssl=self._client_ctx, server_hostname="",
-                          ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-                          ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT)
+            kwargs.update(ssl=self._client_ctx, server_hostname="", ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
+                          **_TLS_SHUTDOWN)
         try:
             await loop.create_connection(lambda: link, address.host, address.port, **kwargs)
         except (OSError, ssl.SSLError) as e:

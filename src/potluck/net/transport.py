@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import NetworkError, PeerUnreachable
 from potluck.net.address import Multiaddr
 from potluck.net.connection import (
@@ -129,7 +130,7 @@ class Transport:
         addr = Multiaddr.parse(address) if isinstance(address, str) else address
         timeout = self.dial_timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 conn = await self._dial(addr.without_peer_id(), addr.peer_id, bulk=False)
         except TimeoutError:
             raise PeerUnreachable(f"could not reach {addr} within {timeout} s") from None
@@ -172,7 +173,7 @@ class Transport:
             self._dialing[peer_id] = pending
             pending.add_done_callback(lambda f: (self._dialing.pop(peer_id, None), f.cancelled() or f.exception()))
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 return await asyncio.shield(pending)
         except TimeoutError:
             raise PeerUnreachable(f"could not connect to {peer_id} within {timeout} s") from None
@@ -185,7 +186,7 @@ class Transport:
         errors = []
         for addr in list(addresses):
             try:
-                async with asyncio.timeout(self.dial_timeout):
+                async with compat.timeout(self.dial_timeout):
                     return await self._dial(addr, peer_id, bulk=bulk)
             except (NetworkError, OSError, TimeoutError) as e:
                 errors.append(f"{addr}: {str(e) or type(e).__name__}")
@@ -231,7 +232,7 @@ class Transport:
             if not conn.closed:
                 return conn
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 conn = await self._dial_known(peer_id, bulk=True)
         except TimeoutError:
             raise PeerUnreachable(f"could not connect to {peer_id} within {timeout} s") from None

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from potluck.core import compat
 from potluck.net.identity import PeerID
 from potluck.pipeline.partition import boundary_shapes
 from potluck.pipeline.profiling import LayerCost, NodeProfile, profile_layers
@@ -47,7 +48,7 @@ class PipelineRun:
         """Wait until `condition()` holds, re-checking whenever a worker makes progress;
         TimeoutError after `timeout` seconds (of the loop's clock)."""
         events = [w.progressed for w in self.workers.values()]
-        async with asyncio.timeout(timeout):
+        async with compat.timeout(timeout):
             while True:
                 for event in events:
                     event.clear()

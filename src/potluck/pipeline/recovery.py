@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -176,7 +177,7 @@ class ClusterController:
                      "sources": sources(s),
                      "addresses": addresses}
             await call(self.transport, s.peer_id, self._ctl, {"op": "configure", "route": route}, CONFIGURE_TIMEOUT)
-        async with asyncio.TaskGroup() as group:
+        async with compat.TaskGroup() as group:
             for i in range(len(stages)):
                 group.create_task(configure(i))
         await self.directory.publish(self.cluster_id, self.epoch, self.stages, self._addresses(self.members))
@@ -254,7 +255,7 @@ class ClusterController:
                     if not self.standby:
                         raise
                     survivors.append(self.standby.pop(0))
-                except (NetworkError, TimeoutError, PotluckError, ExceptionGroup) as e:
+                except (NetworkError, TimeoutError, PotluckError, compat.ExceptionGroup) as e:
                     # a member failed while being configured: drop whoever is dead now, try again
                     alive = await asyncio.gather(*(self._alive(m) for m in survivors))
                     newly = [m for m, ok in zip(survivors, alive, strict=True) if not ok]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -100,7 +101,7 @@ def ring_segments(layouts: Mapping[str, Sequence[tuple[str, int, int]]]) -> list
 
 def _first_error(group: BaseException) -> BaseException:
     """The first leaf of nested task-group errors (a send part inside a step inside a round)."""
-    while isinstance(group, BaseExceptionGroup):
+    while isinstance(group, compat.BaseExceptionGroup):
         group = group.exceptions[0]
     return group
 
@@ -159,7 +160,7 @@ class RingAllReduce:
                 raise TimeoutError(f"no ring data from {sender}")
             self._arrived.clear()
             try:
-                async with asyncio.timeout(min(left, RING_POLL_SECONDS)):
+                async with compat.timeout(min(left, RING_POLL_SECONDS)):
                     await self._arrived.wait()
             except TimeoutError:
                 try:
@@ -226,7 +227,7 @@ class RingAllReduce:
             async def send() -> None:
                 # parts go out back to back: waiting for each reply would idle the link a round trip
                 window = asyncio.Semaphore(self.parts_in_flight)
-                async with asyncio.TaskGroup() as parts:
+                async with compat.TaskGroup() as parts:
                     for i, (x, y) in enumerate(sends):
                         parts.create_task(send_part(i, x, y, window))
 
@@ -238,7 +239,7 @@ class RingAllReduce:
                     else:
                         data[c + x:c + y] = piece
 
-            async with asyncio.TaskGroup() as group:
+            async with compat.TaskGroup() as group:
                 group.create_task(send())
                 group.create_task(receive())
 
@@ -249,7 +250,7 @@ class RingAllReduce:
             data[a:b] /= n  # this member's finished chunk: the mean, computed once
             for step in range(n - 1):  # all-gather
                 await exchange(n - 1 + step, (pos + 1 - step) % n, (pos - step) % n, reduce=False)
-        except BaseExceptionGroup as group:
+        except compat.BaseExceptionGroup as group:
             raise _first_error(group) from None
         return data
 

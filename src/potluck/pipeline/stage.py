@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from potluck.compression import get_codec
+from potluck.core import compat
 from potluck.core.errors import CompressionError, NetworkError, PotluckError
 from potluck.core.runner import run_in_thread
 from potluck.net.identity import PeerID
@@ -104,7 +105,7 @@ async def call(transport: Transport, peer: PeerID | str, method: str, request: A
         handler = transport.handlers.unary.get(method)
         if handler is None:
             raise PipelineError(f"this node serves no {method!r}")
-        async with asyncio.timeout(timeout):
+        async with compat.timeout(timeout):
             return await handler(request, _LocalContext(peer))
     return await transport.call(peer, method, request, timeout=timeout)
 
@@ -276,7 +277,7 @@ class StageWorker:
         if self.route is not None and epoch > self.route["epoch"] + MAX_EPOCHS_AHEAD:
             raise PipelineError(f"epoch {epoch} is far ahead of this stage's {self.route['epoch']}")
         try:
-            async with asyncio.timeout(self.config.message_timeout):
+            async with compat.timeout(self.config.message_timeout):
                 while self.route is None or self.route["epoch"] < epoch:
                     self._epoch_changed.clear()
                     await self._epoch_changed.wait()
@@ -384,7 +385,7 @@ class StageWorker:
                 self._wake.clear()
                 expiry = self.schedule.next_expiry(self.config.micro_batch_timeout) if self.schedule else None
                 try:
-                    async with asyncio.timeout_at(expiry):
+                    async with compat.timeout_at(expiry):
                         await self._wake.wait()
                 except TimeoutError:
                     self._expire_stale(loop.time())

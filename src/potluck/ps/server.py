@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
@@ -215,7 +216,7 @@ class ParameterServer:
             if len(self.workers) >= self.config.num_workers:
                 self._registered.set()
             try:
-                async with asyncio.timeout(self.config.registration_timeout):
+                async with compat.timeout(self.config.registration_timeout):
                     await self._registered.wait()
             except TimeoutError:
                 self._registered.set()  # start with whoever is here
@@ -389,7 +390,7 @@ class ParameterServer:
                 continue
             changed = self._changed
             try:
-                async with asyncio.timeout_at(self._next_expiry()):
+                async with compat.timeout_at(self._next_expiry()):
                     await changed.wait()
             except TimeoutError:
                 self._drop_expired()

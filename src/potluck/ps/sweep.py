@@ -21,12 +21,12 @@ import logging
 import math
 import random
 import time
-import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.dht import DHT
 
@@ -108,7 +108,7 @@ class SweepSpec:
         path = Path(path)
         try:
             text = path.read_text()
-            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            data = json.loads(text) if path.suffix == ".json" else compat.tomllib.loads(text)
         except (OSError, ValueError) as e:
             raise SweepError(f"cannot read sweep config {path}: {e}") from e
         known = {"name", "space", "kind", "trials", "seed", "fixed", "metric", "goal"}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from potluck.core import compat
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -94,7 +95,7 @@ class PSClient:
                 local = local_server(self.transport, self.name, shard) if server == str(self.transport.peer_id) \
                     else None
                 if local is not None:  # this worker serves the shard itself
-                    async with asyncio.timeout(self.timeout):
+                    async with compat.timeout(self.timeout):
                         reply = await local.handle(verb, _copied(request), server)
                 else:
                     reply = await self.transport.call(PeerID.from_string(server), method_name(self.name, shard, verb),
