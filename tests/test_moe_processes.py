@@ -14,12 +14,12 @@ from torch import nn
 import potluck
 from potluck.cli.demo import load_data
 from potluck.moe import RemoteMixtureOfExperts
-from tests.conftest import ROOT
+from tests.conftest import ROOT, PeerProcess
 
 HIDDEN = 32
 
 
-class ExpertServerProcess:
+class ExpertServerProcess(PeerProcess):
     """`potluck expert-server` in a child process; knows its address once it says it is ready."""
 
     def __init__(self, *args: str):
@@ -34,13 +34,6 @@ class ExpertServerProcess:
                 break
         if self.address is None:
             raise RuntimeError("expert server failed to start: " + self.proc.stderr.read())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
 
 
 @pytest.mark.timeout(120)
@@ -62,7 +55,7 @@ def test_training_continues_with_the_surviving_experts_after_a_server_is_killed(
             kill_at, steps = 40, 120
             for step in range(steps):
                 if step == kill_at:
-                    servers[1].proc.send_signal(signal.SIGKILL)
+                    servers[1].kill(signal.SIGKILL)
                     servers[1].proc.wait(10)
                 batch = torch.randint(0, len(y), (64,), generator=generator)
                 loss = nn.functional.cross_entropy(model(x[batch]), y[batch])

@@ -150,6 +150,20 @@ def test_staleness_never_exceeds_the_bound_and_compressed_links_still_learn(code
     assert last < 0.8 * first, (first, last)  # it learns through (de)compressed activations and gradients
 
 
+async def ring_swarm(n: int):
+    """`n` peers that all know each other's addresses and answer the rings' "r.ping" probe."""
+    net, peers = await make_swarm(n, latency=0.001, bandwidth=50e6)
+
+    async def ping(request, ctx):
+        return {"ok": True}
+    for a in peers:
+        a.transport.add_handler("r.ping", ping)
+        for b in peers:
+            if a is not b:
+                a.transport.add_addresses(b.transport.peer_id, b.transport.addresses)
+    return net, peers
+
+
 def _vectors(n: int, size: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(size, generator=g) for _ in range(n)]
@@ -159,18 +173,10 @@ def _vectors(n: int, size: int, seed: int) -> list[torch.Tensor]:
 def test_multi_ring_allreduce_gives_the_exact_mean_per_stage():
 
     async def main():
-        net, peers = await make_swarm(7, latency=0.001, bandwidth=50e6)
-        for a in peers:
-            for b in peers:
-                if a is not b:
-                    a.transport.add_addresses(b.transport.peer_id, b.transport.addresses)
+        net, peers = await ring_swarm(7)
         ids = [str(p.transport.peer_id) for p in peers]
         rings = {i: RingAllReduce(p.transport, "r", "r.ping", part_bytes=4096)  # several parts per chunk
                  for i, p in zip(ids, peers)}
-        for p in peers:
-            async def ping(request, ctx):
-                return {"ok": True}
-            p.transport.add_handler("r.ping", ping)
         # three clusters split differently: segments, and a ring of 3 among them
         layouts = {"c0": [(ids[0], 0, 2), (ids[1], 2, 4), (ids[2], 4, 6)],
                    "c1": [(ids[3], 0, 3), (ids[4], 3, 6)],
@@ -198,15 +204,7 @@ def test_multi_ring_allreduce_gives_the_exact_mean_per_stage():
 @pytest.mark.timeout(60)
 def test_ring_reforms_without_a_member_that_dies_mid_round():
     async def main():
-        net, peers = await make_swarm(3, latency=0.001, bandwidth=50e6)
-        for a in peers:
-            for b in peers:
-                if a is not b:
-                    a.transport.add_addresses(b.transport.peer_id, b.transport.addresses)
-        for p in peers:
-            async def ping(request, ctx):
-                return {"ok": True}
-            p.transport.add_handler("r.ping", ping)
+        net, peers = await ring_swarm(3)
         ids = [str(p.transport.peer_id) for p in peers]
         rings = [RingAllReduce(p.transport, "r", "r.ping") for p in peers]
         seg = Segment(0, 1, tuple(ids))

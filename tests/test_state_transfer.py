@@ -83,6 +83,16 @@ class Swarm:
             await t.close()
 
 
+async def donor_and_client() -> tuple[EmulatedTransport, EmulatedTransport]:
+    """Two started peers on a fresh emulated network; the client knows the donor's address."""
+    net = EmulatedNetwork()
+    donor, client = net.transport(), net.transport()
+    for t in (donor, client):
+        await t.start()
+    client.add_addresses(donor.peer_id, donor.addresses)
+    return donor, client
+
+
 def num_chunks(tensors: list[torch.Tensor]) -> int:
     total = sum(t.numel() * t.element_size() for t in tensors)
     return -(-total // CHUNK)
@@ -393,11 +403,7 @@ def test_a_newer_version_is_offered_at_once_not_a_young_snapshot_of_the_old_one(
     states = {1: make_state(1), 2: make_state(2)}
 
     async def main() -> None:
-        net = EmulatedNetwork()
-        donor, client = net.transport(), net.transport()
-        for t in (donor, client):
-            await t.start()
-        client.add_addresses(donor.peer_id, donor.addresses)
+        donor, client = await donor_and_client()
         StateServer(donor, lambda: (version[0], {"epoch": version[0]}, states[version[0]]), PREFIX,
                     current_version=lambda: version[0])
         got, metadata, tensors = await download_state(client, [donor.peer_id], PREFIX, timeout=10)
@@ -415,11 +421,7 @@ def test_a_newer_version_is_offered_at_once_not_a_young_snapshot_of_the_old_one(
 @pytest.mark.timeout(20)
 def test_state_server_reports_a_broken_get_state_to_the_caller() -> None:
     async def main() -> None:
-        net = EmulatedNetwork()
-        donor, client = net.transport(), net.transport()
-        for t in (donor, client):
-            await t.start()
-        client.add_addresses(donor.peer_id, donor.addresses)
+        donor, client = await donor_and_client()
         bad: Callable[[], Any] = lambda: (1, None, ["not a tensor"])  # noqa: E731
         StateServer(donor, bad, PREFIX)
         with pytest.raises(AveragingError, match="torch.Tensor"):

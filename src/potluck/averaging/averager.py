@@ -26,7 +26,7 @@ from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError, PotluckError
-from potluck.core.runner import run_in_thread
+from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.net.identity import PeerID
 
@@ -319,7 +319,7 @@ def _discard(task: asyncio.Future | None) -> None:
     if task is not None and not task.done():
         task.cancel()
     if task is not None:
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task.add_done_callback(retrieve_exception)
 
 
 def _schema(tensors: list[torch.Tensor], codec: dict) -> str:

@@ -88,7 +88,7 @@ async def powersgd_allreduce(service: AllReduceService, group: Group, states: Se
             raise ValueError("need one gradient per PowerSGD state")
         if any(s.shape != g.shape for s, g in zip(states, grads, strict=True)):
             raise ValueError("gradient shapes differ from the PowerSGD states'")
-    abstain = not receives or not math.isfinite(weight) or weight < 0 or not all(all_finite(g) for g in grads)
+    abstain = not receives or not math.isfinite(weight) or weight < 0
     kwargs = {} if sender_timeout is None else {"sender_timeout": sender_timeout}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -96,17 +96,18 @@ async def powersgd_allreduce(service: AllReduceService, group: Group, states: Se
     p_size = sum(s.matrix_shape[0] * s.rank for s in compressed)
     q_size = sum(_q_elements(s) for s in states)
 
-    def start() -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def start() -> tuple[torch.Tensor | None, list[torch.Tensor], bool]:
         """phase1 on every state (zeros when abstaining, so M is just the old residual)."""
         if not receives:
-            return None, []
-        local = [s.phase1(torch.zeros_like(g, dtype=torch.float32) if abstain else g)
+            return None, [], True
+        skip = abstain or not all(all_finite(g) for g in grads)
+        local = [s.phase1(torch.zeros_like(g, dtype=torch.float32) if skip else g)
                  for s, g in zip(states, grads, strict=True)]
         p = [x.reshape(-1) for s, x in zip(states, local, strict=True) if s.compressed]
-        return (torch.cat(p) if p else torch.empty(0)), local
+        return (torch.cat(p) if p else torch.empty(0)), local, skip
 
     try:
-        p_vector, local = await run_in_thread(start)
+        p_vector, local, abstain = await run_in_thread(start)
     except CompressionError as e:  # gradient + residual overflowed: nothing was sent yet
         raise AveragingError(f"powersgd: {e}") from None
     senders = tuple(i for i in group.receivers)  # everyone may send in phase 2 if there is no phase 1

@@ -26,6 +26,7 @@ from potluck.averaging.allreduce import MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.core import compat
 from potluck.core.errors import AveragingError, NetworkError, PotluckError
+from potluck.core.runner import retrieve_exception
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 
@@ -159,7 +160,7 @@ class Matchmaker:
                 self._gatherings.pop(group_key, None)
                 if not gathering.done.done():
                     gathering.done.set_exception(AveragingError("the leader gave up"))
-                gathering.done.add_done_callback(_retrieve)
+                gathering.done.add_done_callback(retrieve_exception)
                 gathering.settled.set()
 
     async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: tuple,
@@ -306,11 +307,6 @@ async def _settle(seconds: float, ready: asyncio.Future | None) -> None:
         await sleep
     finally:
         sleep.cancel()
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _group_to_wire(formed: FormedGroup) -> dict:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from potluck.cli.processes import WorkerProcess, spawn
+from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
                "mode", "peers", "killed", "joined", "loss_curves")
@@ -177,12 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peers < 2:
         print("--peers must be at least 2", file=sys.stderr)
         return 2
-    try:
-        import matplotlib  # noqa: F401
-        import rich  # noqa: F401
-        import sklearn  # noqa: F401
-    except ImportError as e:
-        print(f"the demo needs {e.name}: pip install 'potluck[demo]' (or run ./scripts/demo.sh)", file=sys.stderr)
+    if missing_demo_packages("matplotlib", "rich", "sklearn"):
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

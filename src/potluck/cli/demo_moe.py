@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from potluck.cli.processes import WorkerProcess, spawn
+from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
 
 REPORT_KEYS = ("test_accuracy", "experts_alive_at_end", "experts_at_start", "trainer_accuracies", "killed",
                "wall_seconds", "steps", "experts_per_sample", "loss_curves")
@@ -163,11 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker is not None:
         spec = json.loads(args.worker)
         return _server(spec) if spec["role"] == "server" else _trainer(spec)
-    try:
-        import matplotlib  # noqa: F401
-        import sklearn  # noqa: F401
-    except ImportError as e:
-        print(f"the demo needs {e.name}: pip install 'potluck[demo]'", file=sys.stderr)
+    if missing_demo_packages("matplotlib", "sklearn"):
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

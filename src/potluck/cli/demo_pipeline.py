@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.processes import missing_demo_packages
+
 REPORT_KEYS = ("test_accuracy", "single_process_test_accuracy", "stage_utilization", "max_staleness_observed",
                "staleness_bound", "updates", "recoveries", "clusters", "loss_curve", "wall_seconds")
 LAYERS = 6
@@ -128,6 +130,8 @@ def _worker(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "worker", None):
         return _worker(args)
+    if missing_demo_packages("matplotlib", "sklearn"):
+        return 2
     import torch
 
     from potluck.cli.demo import load_data

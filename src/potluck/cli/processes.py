@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def missing_demo_packages(*modules: str) -> bool:
+    """True (after telling the user how to install them) if any of the demo's extra packages is absent."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"the demo needs {', '.join(missing)}: pip install 'potluck[demo]' (or run ./scripts/demo.sh)",
+              file=sys.stderr)
+    return bool(missing)
 
 
 @dataclass

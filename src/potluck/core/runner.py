@@ -146,6 +146,13 @@ def release_runner() -> None:
         runner.shutdown()
 
 
+def retrieve_exception(future: asyncio.Future) -> None:
+    """Mark a future's outcome as seen (a done-callback for tasks nobody awaits any more), so
+    asyncio does not log "exception was never retrieved"."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run blocking work (tensor math, file I/O) in the default thread pool, off the loop."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
