@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from potluck.averaging import Averager
 from potluck.averaging.state_transfer import (
+    CHUNK_BYTES,
     SNAPSHOT_IDLE_SECONDS,
     StateServer,
     download_state,
@@ -19,6 +21,7 @@ from potluck.core.errors import AveragingError, RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
+from tests.emulated_swarm import make_swarm
 
 KiB, MiB = 2**10, 2**20
 PREFIX = "test_run"
@@ -456,3 +459,137 @@ def test_download_over_real_tcp(arun: Callable[..., Any]) -> None:
                 await t.close()
 
     arun(main(), timeout=15)
+
+
+# -- downloading straight into the caller's tensors ------------------------------------------------
+def as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every tensor's bytes end to end (a copy), as the wire lays out the state."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def empty_like_state(state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous destination tensors shaped like `state`, filled with a recognisable pattern."""
+    return [torch.full(t.shape, 1, dtype=t.dtype) for t in state]
+
+
+@pytest.mark.timeout(20)
+def test_download_writes_straight_into_the_given_tensors() -> None:
+    state = make_state(14)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(7, state)] * 2)
+        into = empty_like_state(state)
+        addresses = [t.data_ptr() for t in into]
+        version, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, into=into)
+        assert version == 7
+        assert all(got is mine for got, mine in zip(tensors, into, strict=True))
+        assert [t.data_ptr() for t in into] == addresses
+        assert_exact(into, [t.contiguous() for t in state])
+        # Matrices as transposed views: not contiguous, so staged, then copied in when complete.
+        strided = [torch.zeros(t.shape[::-1], dtype=t.dtype).t() if t.dim() == 2 else torch.zeros_like(t)
+                   for t in state]
+        await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, into=strided)
+        assert_exact(strided, state)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_download_into_tensors_leaves_them_untouched_when_every_donor_lies() -> None:
+    state = make_state(15)
+    total = sum(t.numel() * t.element_size() for t in state)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(2, state)] * 2)
+
+        async def corrupt_chunks(stream: Any, ctx: Any) -> None:
+            async for message in stream:
+                size = min(CHUNK, total - message["i"] * CHUNK)
+                await stream.send({"i": message["i"], "data": torch.full((size,), 7, dtype=torch.uint8)})
+
+        for donor, server in zip(swarm.donors, swarm.servers, strict=True):
+            donor.add_stream_handler(server.chunks_method, corrupt_chunks)
+        into = empty_like_state(state)
+        before = as_bytes(into)
+        with pytest.raises(AveragingError, match="dropped out after 0/"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, into=into)
+        assert torch.equal(as_bytes(into), before)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_download_into_tensors_writes_only_whole_verified_chunks_when_donors_die_mid_way() -> None:
+    """Straight into the tensors means no undo: a failed download leaves each chunk either as it
+    was or exactly the donors' (never torn, never unverified)."""
+    state = make_state(16)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(1, state)] * 2)
+
+        def progress(done: int, total: int) -> None:
+            if done >= total // 3:
+                for donor in swarm.donor_ids:
+                    swarm.net.crash(donor)
+
+        into = empty_like_state(state)
+        before, expected = as_bytes(into), as_bytes(state)
+        with pytest.raises(AveragingError, match="dropped out after"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, into=into,
+                                 progress=progress)
+        after = as_bytes(into)
+        new = 0
+        for start in range(0, after.numel(), CHUNK):
+            chunk = after[start:start + CHUNK]
+            if torch.equal(chunk, expected[start:start + CHUNK]):
+                new += 1
+            else:
+                assert torch.equal(chunk, before[start:start + CHUNK])
+        assert 0 < new < num_chunks(state)  # written in place, and the download really failed part-way
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(30)
+def test_averager_whose_download_failed_keeps_its_version_and_offers_no_torn_state() -> None:
+    """The averager downloads into its own tensors; if that fails part-way it keeps its version
+    and refuses to serve the mixed tensors until its version changes."""
+    donor_state = [torch.randn(700_000), torch.randn(900_000)]  # 6.4 MB: 4 chunks of CHUNK_BYTES
+
+    async def main() -> None:
+        net, peers = await make_swarm(3)
+        donor = Averager(peers[0], donor_state, "torn")
+        donor.round = 5
+        await donor.announce_state()
+        flat = as_bytes(donor_state)
+
+        async def two_chunks_then_die(stream: Any, ctx: Any) -> None:
+            """Honest chunks (the real server made the manifest), then the donor crashes."""
+            async for message in stream:
+                i = message["i"]
+                if i >= 2:
+                    net.crash(peers[0].transport.peer_id)
+                    return
+                await stream.send({"i": i, "data": flat[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES].clone()})
+
+        peers[0].transport.add_stream_handler(donor.state_server.chunks_method, two_chunks_then_die)
+        newcomer = Averager(peers[1], [torch.zeros(700_000), torch.zeros(900_000)], "torn")
+        newcomer.state_metadata = "mine"
+        with pytest.raises(AveragingError):
+            await newcomer.aload_state_from_peers(timeout=20)
+        assert (newcomer.round, newcomer.state_metadata) == (0, "mine")
+        assert as_bytes(newcomer._tensors)[:CHUNK_BYTES].equal(flat[:CHUNK_BYTES])  # written in place
+
+        other = peers[2]
+        other.transport.add_addresses(peers[1].transport.peer_id, peers[1].transport.addresses)
+        ask = newcomer.state_server.manifest_method
+        with pytest.raises(RemoteError, match="being replaced"):
+            await other.transport.call(peers[1].transport.peer_id, ask, None, timeout=10)
+        newcomer.round += 1  # its tensors are whole again (e.g. an averaging step overwrote them)
+        manifest = await other.transport.call(peers[1].transport.peer_id, ask, None, timeout=10)
+        assert manifest["version"] == 1
+
+    run_virtual(main())

@@ -1,14 +1,17 @@
 """State download: a newcomer fetches the newest model state from several peers at once.
 
-A donor runs a `StateServer`. Asked for a manifest, it takes a snapshot of its state (a private
+A donor runs a `StateServer`. Asked for a manifest, it offers a snapshot of its state (a private
 copy made off the event loop, so training goes on) and describes it: version, metadata, tensor
-specs, chunk size and the SHA-256 of every chunk. A newcomer (`download_state`) asks every donor
-for a manifest, picks the newest version (and the largest group of donors whose hashes agree on
-it), then fetches chunks from that whole group at once. Each donor's worker takes the next chunk
-from one shared queue, so faster donors serve more. A donor that fails, stalls or sends bytes
-that do not match the hash is dropped and its chunks go back to the queue. Once the queue is
-empty, idle workers also fetch chunks still in flight elsewhere (the "endgame"), so a slow or
-silently dead donor cannot hold up the last chunks.
+specs, chunk size and the SHA-256 of every chunk. Newcomers share snapshots: one per version, at
+most `max_snapshots` in all, each freed once no stream serves it and it has been idle
+`SNAPSHOT_IDLE_SECONDS`. A newcomer (`download_state`) asks every donor for a manifest, picks
+the newest version (and the largest group of donors whose hashes agree on it), then fetches
+chunks from that whole group at once, each written into place (`into`: the caller's own tensors)
+as soon as its hash matches. Each donor's worker takes the next chunk from one shared queue, so
+faster donors serve more. A donor that fails, stalls or sends bytes that do not match the hash
+is dropped and its chunks go back to the queue. Once the queue is empty, idle workers also fetch
+chunks still in flight elsewhere (the "endgame"), so a slow or silently dead donor cannot hold
+up the last chunks.
 
 Wire (method names derive from a prefix, so several averagers coexist on one peer):
 - `<prefix>.state.manifest` (unary): request None; answer {"version", "metadata", "specs",
@@ -27,8 +30,8 @@ import hashlib
 import itertools
 import logging
 import secrets
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -84,18 +87,24 @@ CHUNK_TIMEOUT = 60.0
 # In the endgame, at most this many donors fetch the same chunk: enough to route around one slow
 # donor without flooding the newcomer's link with duplicates.
 ENDGAME_COPIES = 2
-# Snapshots a server keeps: each costs as much memory as the state; two let a download finish
-# while a newer version is already offered.
-MAX_SNAPSHOTS = 2
-# A snapshot nobody asked a chunk of for this long is dropped (its downloader is gone).
-SNAPSHOT_IDLE_SECONDS = 120.0
-# A snapshot this young is offered again instead of copying the state once more: newcomers that
-# arrive together share one copy, yet a newer version is offered soon after it exists.
+# Snapshots a server holds at once; each costs as much memory as the state. A newcomer that asks
+# while every one is in use gets the newest of them (a consistent state, perhaps a version behind:
+# the newcomer compares versions across donors) instead of a further copy.
+MAX_SNAPSHOTS = 1
+# A snapshot no chunk stream uses is freed this long after its last use. It covers the gap between
+# handing out a manifest and the downloader's streams (MANIFEST_GRACE_SECONDS and a connection),
+# and lets newcomers arriving shortly after each other share one copy.
+SNAPSHOT_IDLE_SECONDS = 20.0
+# Without `current_version`, a snapshot this young is offered again instead of copying the state
+# once more: newcomers that arrive together share one copy, yet a newer state is offered soon.
 SNAPSHOT_REUSE_SECONDS = 2.0
 # Random snapshot ids: long enough never to collide or be guessed.
 SNAPSHOT_ID_BYTES = 16
 # A chunk stream whose downloader asks for nothing this long is closed (it has gone away).
 CHUNK_STREAM_IDLE_SECONDS = 60.0
+# A chunk the downloader does not take within this long (it stopped reading, so the stream's window
+# stays full) ends its stream: a downloader that never reads keeps a snapshot alive no longer.
+CHUNK_SEND_TIMEOUT = CHUNK_TIMEOUT
 # SHA-256 digest length.
 HASH_BYTES = hashlib.sha256().digest_size
 
@@ -124,9 +133,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- the server --------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class _Snapshot:
-    """A private copy of the state, laid out as one byte vector, with a hash per chunk."""
+    """A private copy of the state, laid out as one byte vector, with a hash per chunk.
+
+    It references nothing else, and only the server's table holds it for longer than a request
+    takes (chunks are sent as copies), so it is freed the moment the server drops it.
+    """
 
     snapshot_id: bytes
     version: int
@@ -136,11 +149,19 @@ class _Snapshot:
     chunk_bytes: int
     hashes: list[bytes]
     created: float = 0.0
-    last_used: float = 0.0
+    last_used: float = 0.0  # when a manifest of it was handed out or a stream of it ended
+    streams: int = 0  # chunk streams serving it now
+    claims: int = 0  # manifests handed out whose downloader has not opened a stream yet
+
+    @property
+    def idle(self) -> bool:
+        return self.streams == 0
 
     def chunk(self, index: int) -> torch.Tensor:
+        """A copy of chunk `index`: what a stalled stream or transport holds is this chunk, never
+        (through a view) the whole snapshot."""
         start = index * self.chunk_bytes
-        return self.flat[start:start + self.chunk_bytes]  # a view: sent without a copy
+        return self.flat[start:start + self.chunk_bytes].clone()
 
     def manifest(self) -> dict:
         return {"version": self.version, "metadata": self.metadata, "specs": self.specs,
@@ -165,7 +186,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         offset = 0
         for t, size in zip(tensors, sizes, strict=True):
-            source = t.detach().resolve_conj().resolve_neg().contiguous()
+            source = t.detach().resolve_conj().resolve_neg().contiguous()  # a copy only if strided
             flat[offset:offset + size].copy_(source.reshape(-1).view(torch.uint8))
             offset += size
     try:
@@ -185,6 +206,13 @@ class StateServer:
     `get_state()` returns `(version, metadata, tensors)`; it is called from a worker thread, and
     the tensors are copied there right away, with `lock` (if given) held around both, so a
     trainer that updates the tensors under the same lock never yields a torn snapshot.
+
+    Memory: at most `max_snapshots` copies of the state, at most one per version when
+    `current_version` is given. A snapshot lives while a chunk stream serves it, and
+    `SNAPSHOT_IDLE_SECONDS` after its last use; every wait of a stream is bounded
+    (`CHUNK_STREAM_IDLE_SECONDS`, `CHUNK_SEND_TIMEOUT`), so a downloader that stops reading
+    cannot keep one alive. Beyond that, each stream holds at most its flow-control window of chunk
+    copies in flight.
     """
 
     def __init__(self, transport: Transport, get_state: StateGetter, prefix: str, *,
@@ -200,44 +228,92 @@ class StateServer:
         self.chunks_method = chunks_method(prefix)
         self.chunks_served = 0  # chunks sent so far (for statistics and tests)
         self._get_state = get_state
-        # Cheap: the version the state has now. A young snapshot of an older version is not
-        # offered again (a peer catching up must not get the epoch it already has).
+        # Cheap: the version the state has now. A snapshot of an older version is not offered
+        # again (a peer catching up must not get the epoch it already has).
         self._current_version = current_version
         self._lock = lock
         self._chunk_bytes = chunk_bytes
         self._max_snapshots = max_snapshots
-        self._snapshots: OrderedDict[bytes, _Snapshot] = OrderedDict()  # least recently used first
+        self._snapshots: dict[bytes, _Snapshot] = {}
         self._building: asyncio.Future[_Snapshot] | None = None
+        self._sweeper: asyncio.TimerHandle | None = None  # frees the next idle snapshot due
+        self._streams: set[Stream] = set()  # chunk streams being served, aborted by close()
+        self._withheld: int | None = None  # see replacing()
+        self._closed = False
         transport.add_handler(self.manifest_method, self._serve_manifest)
         transport.add_stream_handler(self.chunks_method, self._serve_chunks)
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of state copies this server holds now."""
+        return sum(s.flat.numel() for s in self._snapshots.values())
+
     def close(self) -> None:
-        """Stop serving and free the snapshots."""
+        """Stop serving, end the chunk streams and free the snapshots."""
+        self._closed = True
         self.transport.remove_handler(self.manifest_method)
         self.transport.remove_handler(self.chunks_method)
+        for stream in list(self._streams):
+            stream.abort("the state server closed")
         self._snapshots.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    @contextlib.contextmanager
+    def replacing(self) -> Iterator[None]:
+        """Offer no new snapshot while the block overwrites the tensors (a download into them).
+
+        If the block raises, the tensors may hold parts of two states: none is offered until
+        `current_version()` changes (or the next `replacing()` block succeeds).
+        """
+        self._withheld = -1 if self._current_version is None else self._current_version()
+        yield
+        self._withheld = None
 
     async def _serve_manifest(self, request: Any, ctx: CallContext) -> dict:
         if request is not None:
             raise ValueError("a manifest request takes no arguments (send None)")
+        if self._withheld is not None:
+            if self._current_version is None or self._current_version() == self._withheld:
+                raise LookupError("this peer's state is being replaced; ask another peer")
+            self._withheld = None
         snapshot = await self._current_snapshot()
+        snapshot.claims += 1
+        self._used(snapshot)
         return snapshot.manifest()
 
     async def _current_snapshot(self) -> _Snapshot:
-        """A fresh snapshot, or one taken moments ago; concurrent requests share one copy."""
+        """The snapshot to offer now: the newest if it is still current, else a fresh copy if
+        the budget allows, else the newest (every one is in use). Concurrent requests share one."""
+        offered = self._offer_held()
+        if offered is not None:
+            return offered
+        return await asyncio.shield(self._building)
+
+    def _offer_held(self) -> _Snapshot | None:
+        """A snapshot held now to offer, or None once a fresh one is being taken. (Not part of
+        the coroutine above: its frame would keep a dropped snapshot alive while copying anew.)"""
         loop = asyncio.get_running_loop()
-        self._expire(loop.time())
-        if self._snapshots:
-            newest = max(self._snapshots.values(), key=lambda s: s.created)
-            if loop.time() - newest.created < SNAPSHOT_REUSE_SECONDS and (
-                    self._current_version is None or self._current_version() == newest.version):
-                self._touch(newest, loop.time())
-                return newest
+        newest = max(self._snapshots.values(), key=lambda s: s.created, default=None)
+        if newest is not None and self._is_current(newest, loop.time()):
+            return newest
         if self._building is None:
+            for key in [k for k, s in self._snapshots.items() if s.idle and not s.claims]:
+                del self._snapshots[key]  # nobody is using or about to use it
+            if len(self._snapshots) >= self._max_snapshots:
+                newest = max(self._snapshots.values(), key=lambda s: s.created)
+                logger.debug("state server: every snapshot is in use; offering version %d", newest.version)
+                return newest
             self._building = loop.run_in_executor(None, _take_snapshot, self._get_state,
                                                   self._lock, self._chunk_bytes)
             self._building.add_done_callback(self._snapshot_taken)
-        return await asyncio.shield(self._building)
+        return None
+
+    def _is_current(self, snapshot: _Snapshot, now: float) -> bool:
+        if self._current_version is not None:
+            return self._current_version() == snapshot.version
+        return now - snapshot.created < SNAPSHOT_REUSE_SECONDS
 
     def _snapshot_taken(self, future: asyncio.Future[_Snapshot]) -> None:
         self._building = None
@@ -246,52 +322,88 @@ class StateServer:
         if future.exception() is not None:
             logger.warning("could not snapshot the state: %s", future.exception())
             return
-        snapshot = future.result()
-        snapshot.created = snapshot.last_used = asyncio.get_running_loop().time()
-        self._snapshots[snapshot.snapshot_id] = snapshot
-        while len(self._snapshots) > self._max_snapshots:
-            self._snapshots.popitem(last=False)
+        if not self._closed:
+            snapshot = future.result()
+            snapshot.created = snapshot.last_used = asyncio.get_running_loop().time()
+            self._snapshots[snapshot.snapshot_id] = snapshot
 
-    def _touch(self, snapshot: _Snapshot, now: float) -> None:
-        snapshot.last_used = now
-        self._snapshots.move_to_end(snapshot.snapshot_id)
+    def _used(self, snapshot: _Snapshot) -> None:
+        snapshot.last_used = asyncio.get_running_loop().time()
+        self._arm_sweeper()
 
-    def _expire(self, now: float) -> None:
-        for key in [k for k, s in self._snapshots.items() if now - s.last_used > SNAPSHOT_IDLE_SECONDS]:
-            del self._snapshots[key]
+    def _arm_sweeper(self) -> None:
+        """Schedule the freeing of the idle snapshot due first (one timer for all)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        due = [s.last_used + SNAPSHOT_IDLE_SECONDS for s in self._snapshots.values() if s.idle]
+        if due and not self._closed:
+            self._sweeper = asyncio.get_running_loop().call_at(min(due), self._sweep)
 
-    def _lookup(self, snapshot_id: bytes) -> _Snapshot:
+    def _sweep(self) -> None:
+        self._sweeper = None
         now = asyncio.get_running_loop().time()
-        self._expire(now)
-        snapshot = self._snapshots.get(snapshot_id)
-        if snapshot is None:
-            raise LookupError("unknown or expired snapshot; ask for a new manifest")
-        self._touch(snapshot, now)
-        return snapshot
+        for key in [k for k, s in self._snapshots.items()
+                    if s.idle and now - s.last_used >= SNAPSHOT_IDLE_SECONDS]:
+            del self._snapshots[key]
+        self._arm_sweeper()
 
     async def _serve_chunks(self, stream: Stream, ctx: CallContext) -> None:
+        # This frame holds the snapshot's id, never the snapshot: a failed stream's exception,
+        # traceback and frames (which may live until a garbage collection) cannot keep it alive.
         request = stream.request
         if not isinstance(request, dict) or set(request) != {"snapshot"}:
             raise ValueError('a chunk stream must be opened with {"snapshot": <id>}')
         snapshot_id = request["snapshot"]
         if not isinstance(snapshot_id, bytes) or len(snapshot_id) != SNAPSHOT_ID_BYTES:
             raise ValueError(f"a snapshot id is {SNAPSHOT_ID_BYTES} bytes")
-        num_chunks = len(self._lookup(snapshot_id).hashes)
-        while True:
-            try:
-                message = await stream.recv(timeout=CHUNK_STREAM_IDLE_SECONDS)
-            except (EndOfStream, DeadlineExceeded):
-                return  # the downloader is done, or gone
-            if not isinstance(message, dict) or set(message) != {"i"}:
-                raise ValueError('a chunk request must be {"i": <chunk index>}')
-            index = message["i"]
-            if isinstance(index, bool) or not isinstance(index, int):
-                raise ValueError(f"a chunk index must be an int, got {type(index).__name__}")
-            if not 0 <= index < num_chunks:
-                raise ValueError(f"chunk index {index} is out of range: this snapshot has {num_chunks} chunks")
-            snapshot = self._lookup(snapshot_id)  # it may have expired since the last chunk
-            self.chunks_served += 1
-            await stream.send({"i": index, "data": snapshot.chunk(index)})
+        num_chunks = self._lease(snapshot_id)
+        self._streams.add(stream)
+        try:
+            while True:
+                try:
+                    message = await stream.recv(timeout=CHUNK_STREAM_IDLE_SECONDS)
+                except (EndOfStream, DeadlineExceeded):
+                    return  # the downloader is done, or gone
+                if not isinstance(message, dict) or set(message) != {"i"}:
+                    raise ValueError('a chunk request must be {"i": <chunk index>}')
+                index = message["i"]
+                if isinstance(index, bool) or not isinstance(index, int):
+                    raise ValueError(f"a chunk index must be an int, got {type(index).__name__}")
+                if not 0 <= index < num_chunks:
+                    raise ValueError(f"chunk index {index} is out of range: this snapshot has {num_chunks} chunks")
+                self.chunks_served += 1
+                try:
+                    await stream.send({"i": index, "data": self._chunk(snapshot_id, index)},
+                                      timeout=CHUNK_SEND_TIMEOUT)
+                except DeadlineExceeded:
+                    logger.info("state server: %s stopped reading chunks; closing its stream", stream.peer_id)
+                    return
+        finally:
+            self._streams.discard(stream)
+            self._unlease(snapshot_id)
+
+    def _lease(self, snapshot_id: bytes) -> int:
+        """Keep the snapshot alive for one more stream; returns its number of chunks."""
+        snapshot = self._snapshots.get(snapshot_id)
+        if snapshot is None:
+            raise LookupError("unknown or expired snapshot; ask for a new manifest")
+        snapshot.streams += 1
+        snapshot.claims = max(0, snapshot.claims - 1)
+        self._arm_sweeper()
+        return len(snapshot.hashes)
+
+    def _chunk(self, snapshot_id: bytes, index: int) -> torch.Tensor:
+        snapshot = self._snapshots.get(snapshot_id)  # leased, so gone only if the server closed
+        if snapshot is None:
+            raise LookupError("the state server has closed")
+        return snapshot.chunk(index)
+
+    def _unlease(self, snapshot_id: bytes) -> None:
+        snapshot = self._snapshots.get(snapshot_id)  # gone if the server closed
+        if snapshot is not None:
+            snapshot.streams -= 1
+            self._used(snapshot)
 
 
 # -- the downloader ----------------------------------------------------------------------------------
@@ -359,15 +471,16 @@ class _DonorMisbehaved(Exception):
 class _Download:
     """Fetches one manifest's chunks from a group of donors holding it (work-stealing)."""
 
-    def __init__(self, transport: Transport, method: str, manifest: _Manifest,
-                 donors: dict[PeerID, bytes], parallel: int, progress: ProgressCallback | None,
-                 failures: dict[PeerID, str], deadline: float):
+    def __init__(self, transport: Transport, method: str, manifest: _Manifest, tensors: list[torch.Tensor],
+                 lock: AbstractContextManager | None, donors: dict[PeerID, bytes], parallel: int,
+                 progress: ProgressCallback | None, failures: dict[PeerID, str], deadline: float):
         self.transport = transport
         self._deadline = deadline  # loop time: bounds each donor's stream
         self.method = method
         self.manifest = manifest
-        self.tensors = serialization.allocate([[n, list(s)] for n, s in manifest.specs])
-        self._byte_views = [t.view(-1).view(torch.uint8) for t in self.tensors]
+        self.tensors = tensors  # contiguous CPU tensors shaped as the manifest says: chunks land in them
+        self._lock = lock if lock is not None else contextlib.nullcontext()  # held while writing them
+        self._byte_views = [t.detach().view(-1).view(torch.uint8) for t in tensors]
         self._starts = list(itertools.accumulate(manifest.sizes, initial=0))
         self.num_chunks = len(manifest.hashes)
         self._queue: deque[int] = deque(range(self.num_chunks))
@@ -501,19 +614,21 @@ class _Download:
         return data
 
     def _store(self, index: int, data: torch.Tensor) -> bool:
-        """Verify a chunk against its hash and copy it into place (in a worker thread)."""
+        """Verify a chunk against its hash, then copy it into place (in a worker thread); the
+        hash reads the received bytes where they are."""
         if hashlib.sha256(data.numpy()).digest() != self.manifest.hashes[index]:
             return False
         start, end = self.manifest.chunk_range(index)
         k = bisect.bisect_right(self._starts, start) - 1
         position = start
-        while position < end:
-            stop = min(end, self._starts[k + 1])
-            if stop > position:
-                base = self._starts[k]
-                self._byte_views[k][position - base:stop - base].copy_(data[position - start:stop - start])
-                position = stop
-            k += 1
+        with self._lock:
+            while position < end:
+                stop = min(end, self._starts[k + 1])
+                if stop > position:
+                    base = self._starts[k]
+                    self._byte_views[k][position - base:stop - base].copy_(data[position - start:stop - start])
+                    position = stop
+                k += 1
         return True
 
 
@@ -573,6 +688,7 @@ def _choose(answers: dict[PeerID, _Manifest], donors: list[PeerID]) -> tuple[_Ma
 
 async def download_state(transport: Transport, donors: Sequence[PeerID], prefix: str, timeout: float,
                          *, parallel: int = PARALLEL_DONORS, like: Sequence[torch.Tensor] | None = None,
+                         into: Sequence[torch.Tensor] | None = None, lock: AbstractContextManager | None = None,
                          max_bytes: int = MAX_STATE_BYTES,
                          progress: ProgressCallback | None = None) -> tuple[int, Any, list[torch.Tensor]]:
     """Download the newest state `donors` serve under `prefix`: `(version, metadata, tensors)`.
@@ -582,11 +698,24 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
     carry on. `like`, if given, refuses donors whose tensors differ in dtype or shape. `progress`
     is called on the event loop with (bytes done, bytes total) after each chunk. Raises
     `AveragingError` if no donor answers, all donors fail, or `timeout` seconds pass.
+
+    `into` (tensors that also act as `like`): write each chunk straight into them once its hash
+    matches, and return them; the download then needs no memory beyond the chunks in flight.
+    Only verified bytes are written, but a download that fails part-way leaves them holding part
+    of the new state. (A tensor that is not contiguous on the CPU is received into a staging copy
+    and copied in once the download is complete.) `lock`, if given, is held around each write
+    into them. Without `into`, fresh tensors are allocated (the caller's stay untouched on failure,
+    at the cost of one more copy of the state).
     """
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
+    if into is not None:
+        if like is not None:
+            raise ValueError("give `like` or `into`, not both (`into` says what to expect)")
+        into = list(into)
+        like = into
     donors = [d for d in dict.fromkeys(donors) if d != transport.peer_id]
     if not donors:
         raise AveragingError("cannot download the state: no donors given")
@@ -602,10 +731,15 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
                 raise AveragingError(f"cannot download the state: no donor offered one ({_why(failures)})")
             manifest, holders = _choose(answers, donors)
             try:
-                download = _Download(transport, chunks_method(prefix), manifest, holders, parallel,
-                                     progress, failures, deadline)
-            except (SerializationError, MemoryError) as e:
+                if into is None:
+                    targets = serialization.allocate([[n, list(s)] for n, s in manifest.specs])
+                else:
+                    targets = [t if t.device.type == "cpu" and t.is_contiguous()
+                               else torch.empty(t.shape, dtype=t.dtype) for t in into]
+            except (SerializationError, MemoryError, RuntimeError) as e:
                 raise AveragingError(f"cannot allocate the state to download: {e}") from e
+            download = _Download(transport, chunks_method(prefix), manifest, targets, lock, holders,
+                                 parallel, progress, failures, deadline)
             await download.run()
     except TimeoutError:
         got = "" if download is None else f"; {download.chunks_done}/{download.num_chunks} chunks done"
@@ -616,7 +750,19 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
                              f"after {download.chunks_done}/{download.num_chunks} chunks ({_why(failures)})")
     logger.info("downloaded state version %d (%d bytes) from %s", manifest.version, manifest.total_bytes,
                 ", ".join(f"{d}: {n} chunks" for d, n in download.served.items()) or "nobody (empty)")
-    return manifest.version, manifest.metadata, download.tensors
+    if into is None:
+        return manifest.version, manifest.metadata, targets
+    staged = [(t, s) for t, s in zip(into, targets, strict=True) if s is not t]
+    if staged:
+        await asyncio.get_running_loop().run_in_executor(None, _copy_staged, staged, lock)
+    return manifest.version, manifest.metadata, into
+
+
+def _copy_staged(staged: list[tuple[torch.Tensor, torch.Tensor]], lock: AbstractContextManager | None) -> None:
+    """Copy the completed staging tensors into their destinations (in a worker thread)."""
+    with lock if lock is not None else contextlib.nullcontext(), torch.no_grad():
+        for destination, staging in staged:
+            destination.copy_(staging)
 
 
 def _why(failures: dict[PeerID, str]) -> str:
