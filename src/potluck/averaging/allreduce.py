@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,15 @@ REGISTRATION_WAIT = 10.0
 # After finishing, a member keeps answering "where do you stand" for this long, so a coordinator
 # that took over late still learns that the step was committed.
 LINGER_SECONDS = 15.0
+# Groups a peer waits for at once before they start here (guards memory against junk group ids).
+MAX_PENDING_GROUPS = 1000
+# Reducer buffers kept for the next rounds: the reduced shards of a 4 x 16M-float group, with
+# room to spare. Reusing them keeps a long run from allocating megabytes per round, which glibc's
+# heap otherwise keeps as it fragments.
+MAX_POOLED_BYTES = 128 * 2**20
+# Pooled buffers are sized up to a multiple of this many elements, so shards whose size changes
+# a little between rounds (load balancing) still fit the buffers of the last round.
+POOL_GRANULE = 2**16
 # Rounds of reassigning the shards of reducers that died after the first decision.
 MAX_REPAIRS = 2
 
@@ -173,46 +183,100 @@ def _payload_bytes(message: Any) -> int:
     return 0
 
 
-def _weighted_chunk(pieces: dict[int, torch.Tensor], weights: dict[int, float], senders: tuple[int, ...],
-                    lo: int, hi: int) -> torch.Tensor:
-    """The average of one chunk over `senders`, computed the same way on every peer.
+class BufferPool:
+    """Float32 buffers reused from round to round (see MAX_POOLED_BYTES), largest kept first."""
+
+    def __init__(self, max_bytes: int = MAX_POOLED_BYTES):
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+        self._bytes = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A buffer of at least `numel` elements (its contents are arbitrary)."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]  # largest first
+        if not fits:
+            return torch.empty(-(-max(numel, 1) // POOL_GRANULE) * POOL_GRANULE, dtype=torch.float32)
+        buffer = self._free.pop(fits[-1])  # the smallest that fits
+        self._bytes -= buffer.numel() * 4
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from `take` once nothing uses it any more."""
+        self._free.append(buffer)
+        self._bytes += buffer.numel() * 4
+        self._free.sort(key=torch.Tensor.numel, reverse=True)
+        while self._bytes > self.max_bytes:
+            self._bytes -= self._free.pop().numel() * 4
+
+
+def _weighted_chunk(pieces: dict[int, list[torch.Tensor]], weights: dict[int, float], senders: tuple[int, ...],
+                    c: int, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Write into `out` the average of chunk `c` over `senders`, computed the same way on every peer.
 
     A running mean in a fixed order: every peer that re-reduces gets the same bits, and peers
     that all hold the same values get exactly those values back (so averaging never makes
-    identical replicas drift apart by rounding).
+    identical replicas drift apart by rounding). `scratch` (at least `out`'s size) holds the
+    intermediate terms, so nothing is allocated per chunk.
     """
-    if not senders:
-        return torch.zeros(hi - lo, dtype=torch.float32)
     equal = sum(weights[s] for s in senders) <= 0  # all weights zero: a plain mean
-    acc: torch.Tensor | None = None
+    term = scratch[:out.numel()]
+    mean: torch.Tensor | None = None  # the first piece itself until a second one comes
     seen = 0.0
     for s in senders:
         weight = 1.0 if equal else weights[s]
         if weight <= 0:
             continue
-        seen += weight
-        piece = pieces[s][lo:hi]
-        if acc is None:
-            acc = piece.to(torch.float32, copy=True)
+        piece = pieces[s][c]
+        if mean is None:
+            mean = piece
         else:  # separate ops (no fused multiply-add) for identical bits everywhere
-            acc.add_((piece - acc) * (weight / seen))
-    assert acc is not None
-    return acc
+            torch.sub(piece, mean, out=term)
+            term.mul_(weight / (seen + weight))
+            mean = torch.add(mean, term, out=out)
+        seen += weight
+    if mean is None:
+        out.zero_()
+    elif mean is not out:
+        out.copy_(mean)
+
+
+def _encode(codec: Any, t: torch.Tensor) -> Any:
+    return codec.encode(t)
+
+
+def _decode(codec: Any, payload: Any, numel: int) -> torch.Tensor:
+    """One chunk as a flat float32 tensor, refusing malformed data. No copy when the codec
+    sends float32: a received chunk is kept as it came off the wire."""
+    t = codec.decode(payload)
+    if not isinstance(t, torch.Tensor) or t.numel() != numel:
+        raise AveragingError(f"chunk has the wrong size (expected {numel} elements)")
+    t = t.reshape(-1).to(torch.float32)
+    if not all_finite(t):  # whatever the codec: the all-reduce never spreads NaN/inf (~25 us a chunk)
+        raise AveragingError("chunk contains NaN or infinity")
+    return t
 
 
 class ShardReducer:
-    """Reduces one shard: collects pieces, averages chunks, streams results back to senders."""
+    """Reduces one shard: collects pieces, averages chunks, streams results back to senders.
+
+    It is owned by its run and reaches back to it through a weak reference (it only reports to
+    it), so a finished run is freed by reference counting, never left in a cycle for the GC.
+    """
 
     def __init__(self, run: AllReduceRun, shard: int, exact: tuple[int, ...] | None):
-        self.run = run
+        self._run = weakref.ref(run)
         self.shard = shard
+        self.codec = run.codec
+        self.chunk = run.chunk
+        self.sender_timeout = run.sender_timeout
+        self.stats = run.stats
+        self.pool = run.pool
         start, end = run.group.bounds(shard)
         self.size = end - start
         self.chunks = max(1, math.ceil(self.size / run.chunk))
         self.exact = exact  # set for a replacement reducer: reduce over exactly these senders
-        senders = [i for i in run.group.receivers]
-        self.expected = set(exact) if exact is not None else set(senders)
-        self.pieces: dict[int, torch.Tensor] = {}
+        self.expected = set(exact) if exact is not None else set(run.group.receivers)
+        self.pieces: dict[int, list[torch.Tensor]] = {}  # sender -> its chunks, as received
         self.weights: dict[int, float] = {}
         self.received: dict[int, int] = {}  # sender -> chunks received
         self.complete: set[int] = set()
@@ -222,33 +286,66 @@ class ShardReducer:
         self.outboxes: dict[int, asyncio.Queue] = {}
         self.reported = False
         self.final_senders: tuple[int, ...] | None = None
+        self.final_version = 0
+        self.closed = False
         self.changed = asyncio.Event()
-        self._absent_timer = asyncio.get_running_loop().call_later(run.sender_timeout, self._expire_absent)
+        self._serving: dict[int, tuple[Any, asyncio.Task]] = {}  # sender -> (channel, writer)
+        # Pooled memory: the reduced shard (results are slices of it) and one chunk of scratch.
+        self._buffers = [self.pool.take(self.size), self.pool.take(self.chunk)]
+        self.reduced, self.scratch = self._buffers[0][:self.size], self._buffers[1]
+        self._absent_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            run.sender_timeout, self._expire_absent)
+
+    def _mark_dead(self, member: int) -> None:
+        run = self._run()
+        if run is not None:
+            run.mark_dead(member)
 
     def _expire_absent(self) -> None:
         """Senders that never connected are excluded like stalled ones."""
+        self._absent_timer = None  # a fired handle still holds this bound method: drop the cycle
         for s in sorted(self.expected - set(self.received) - self.failed - self.complete):
             self._fail(s, "never connected")
-            self.run.mark_dead(s)
+            self._mark_dead(s)
+
+    def _stop_timer(self) -> None:
+        if self._absent_timer is not None:
+            self._absent_timer.cancel()
+            self._absent_timer = None
 
     def close(self) -> None:
-        self._absent_timer.cancel()
+        """The run is over: stop serving and let go of every buffer."""
+        self.closed = True
+        self._stop_timer()
+        for channel, writer in list(self._serving.values()):
+            writer.cancel()
+            channel.abort("the averaging step is over here")
+        self._serving.clear()
+        self.outboxes.clear()
+        self.pieces.clear()
+        self.results.clear()
+        for buffer in self._buffers:
+            self.pool.give(buffer)
+        self._buffers.clear()
 
     def _live(self) -> list[int]:
         return sorted(self.expected - self.failed)
 
     def _chunk_range(self, c: int) -> tuple[int, int]:
-        return c * self.run.chunk, min(self.size, (c + 1) * self.run.chunk)
+        return c * self.chunk, min(self.size, (c + 1) * self.chunk)
 
     async def serve(self, sender: int, weight: float, abstain: bool, channel: Any) -> None:
         """Handle one sender's stream: read its pieces, and send it results until FINAL."""
+        if self.closed:
+            raise AveragingError("the averaging step is over here")
         outbox: asyncio.Queue = asyncio.Queue()
         self.outboxes[sender] = outbox
         for c in sorted(self.results):  # a late receiver gets what was already reduced
-            outbox.put_nowait({"c": c, "d": self.run.encode(self.results[c])})
+            outbox.put_nowait({"c": c, "d": _encode(self.codec, self.results[c])})
         if self.final_senders is not None:
-            outbox.put_nowait({"final": list(self.final_senders), "v": self.run.outcome.version})
-        writer = asyncio.ensure_future(self._write(sender, outbox, channel))
+            outbox.put_nowait({"final": list(self.final_senders), "v": self.final_version})
+        writer = asyncio.ensure_future(self._write(outbox, channel))
+        self._serving[sender] = (channel, writer)
         try:
             if abstain or sender not in self.expected or sender in self.received:
                 if sender not in self.received:
@@ -259,24 +356,27 @@ class ShardReducer:
             await writer
         finally:
             writer.cancel()
+            self._serving.pop(sender, None)
+            self.outboxes.pop(sender, None)
             if sender in self.expected and sender not in self.complete and sender not in self.failed:
                 self._fail(sender, "its connection was closed")  # the handler task was cancelled
             if not (writer.done() and not writer.cancelled() and writer.result()):
-                self.run.mark_dead(sender)  # it never got FINAL: the coordinator must not wait for it
+                self._mark_dead(sender)  # it never got FINAL: the coordinator must not wait for it
 
     async def _read(self, sender: int, weight: float, channel: Any) -> None:
         self.weights[sender] = weight
-        self.pieces[sender] = torch.empty(self.size, dtype=torch.float32)
+        self.pieces[sender] = []
         self.received[sender] = 0
         try:
             while True:
-                msg = await channel.recv(timeout=self.run.sender_timeout)
+                msg = await channel.recv(timeout=self.sender_timeout)
+                if self.closed:
+                    return
                 c = self.received[sender]
                 if c >= self.chunks:
                     raise AveragingError("sent more chunks than the shard has")
                 lo, hi = self._chunk_range(c)
-                data = self.run.decode(msg, hi - lo)
-                self.pieces[sender][lo:hi] = data
+                self.pieces[sender].append(_decode(self.codec, msg, hi - lo))
                 self.received[sender] = c + 1
                 self._try_reduce(c)
         except EndOfStream:
@@ -288,14 +388,14 @@ class ShardReducer:
         except (NetworkError, PotluckError) as e:
             self._fail(sender, str(e))
             if isinstance(e, NetworkError):
-                self.run.mark_dead(sender)
+                self._mark_dead(sender)
 
-    async def _write(self, receiver: int, outbox: asyncio.Queue, channel: Any) -> bool:
+    async def _write(self, outbox: asyncio.Queue, channel: Any) -> bool:
         """Send results to one receiver; True once its FINAL is sent."""
         try:
             while True:
                 msg = await outbox.get()
-                await self.run.stats.send(channel, msg)
+                await self.stats.send(channel, msg)
                 if "final" in msg:
                     await channel.close()
                     return True
@@ -303,7 +403,7 @@ class ShardReducer:
             return False
 
     def _fail(self, sender: int, reason: str) -> None:
-        if sender in self.failed or sender in self.complete:
+        if sender in self.failed or sender in self.complete or self.closed:
             return
         logger.debug("shard %d excludes sender %d: %s", self.shard, sender, reason)
         self.failed.add(sender)
@@ -319,10 +419,11 @@ class ShardReducer:
         if not all(self.received.get(s, 0) > c for s in live):
             return
         lo, hi = self._chunk_range(c)
-        result = _weighted_chunk(self.pieces, self.weights, live, lo, hi)
+        result = self.reduced[lo:hi]
+        _weighted_chunk(self.pieces, self.weights, live, c, result, self.scratch)
         self.reduced_with[c] = live
         self.results[c] = result
-        payload = {"c": c, "d": self.run.encode(result)}
+        payload = {"c": c, "d": _encode(self.codec, result)}
         for box in self.outboxes.values():
             box.put_nowait(payload)
 
@@ -331,28 +432,33 @@ class ShardReducer:
         self.changed.set()
         if not self.reported and self.expected <= (self.complete | self.failed):
             self.reported = True
-            self.run.on_report(self.shard, sorted(self.complete))
+            run = self._run()
+            if run is not None:
+                run.on_report(self.shard, sorted(self.complete))
 
     def finalize(self, senders: tuple[int, ...], version: int) -> None:
         """Recompute chunks not reduced over exactly `senders`, then send FINAL."""
-        if self.final_senders is not None:
+        if self.final_senders is not None or self.closed:
             return
         missing = [s for s in senders if s not in self.complete]
         if missing:
-            self.run.on_repair_failed(self.shard, missing)
+            run = self._run()
+            if run is not None:
+                run.on_repair_failed(self.shard, missing)
             return
         for c in range(self.chunks):
             if self.reduced_with.get(c) != senders:
                 lo, hi = self._chunk_range(c)
-                self.results[c] = _weighted_chunk(self.pieces, self.weights, senders, lo, hi)
+                self.results[c] = self.reduced[lo:hi]
+                _weighted_chunk(self.pieces, self.weights, senders, c, self.results[c], self.scratch)
                 self.reduced_with[c] = senders
-                payload = {"c": c, "d": self.run.encode(self.results[c])}
+                payload = {"c": c, "d": _encode(self.codec, self.results[c])}
                 for box in self.outboxes.values():
                     box.put_nowait(payload)
-        self.final_senders = senders
+        self.final_senders, self.final_version = senders, version
         for box in self.outboxes.values():
             box.put_nowait({"final": list(senders), "v": version})
-        self.close()
+        self._stop_timer()
 
 
 async def _drain_quietly(channel: Any) -> None:
@@ -368,7 +474,7 @@ class AllReduceRun:
 
     def __init__(self, service: AllReduceService, group: Group, me: int, vector: torch.Tensor | None,
                  weight: float, codec: Any, timeout: float, sender_timeout: float = SENDER_TIMEOUT,
-                 chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None):
+                 chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None, pool: BufferPool | None = None):
         self.service = service
         self.group = group
         self.me = me
@@ -382,6 +488,7 @@ class AllReduceRun:
         self.chunk = chunk
         self.sender_timeout = sender_timeout
         self.stats = stats if stats is not None else TransferStats()
+        self.pool = pool if pool is not None else BufferPool()
         self.refused: str | None = None  # why the codec refused my own data (I then abstain)
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + timeout
@@ -393,7 +500,6 @@ class AllReduceRun:
         self.exchanges: dict[int, tuple[int, asyncio.Task]] = {}  # shard -> (reducer, task)
         self.outcome = Outcome(assignment={j: j for j in group.shards})
         self.state_changed = asyncio.Event()
-        self.done = asyncio.Event()
         self.coordinator = Coordinator(self)
         self.repair_failed: str | None = None
         self.tasks: set[asyncio.Task] = set()
@@ -433,19 +539,6 @@ class AllReduceRun:
         self.spawn(self._finalize_exact(red))
         return red
 
-    # -- codec ------------------------------------------------------------------------------------
-    def encode(self, t: torch.Tensor) -> Any:
-        return self.codec.encode(t)
-
-    def decode(self, payload: Any, numel: int) -> torch.Tensor:
-        t = self.codec.decode(payload)
-        if not isinstance(t, torch.Tensor) or t.numel() != numel:
-            raise AveragingError(f"chunk has the wrong size (expected {numel} elements)")
-        t = t.reshape(-1).to(torch.float32)
-        if not all_finite(t):  # whatever the codec: the all-reduce never spreads NaN/inf (~25 us a chunk)
-            raise AveragingError("chunk contains NaN or infinity")
-        return t
-
     # -- the member's side ------------------------------------------------------------------------
     async def run(self) -> tuple[torch.Tensor | None, tuple[int, ...]]:
         """Take part until commit; returns the averaged vector (None for aux members) and the
@@ -460,11 +553,7 @@ class AllReduceRun:
         except TimeoutError:
             raise AveragingError("averaging step did not finish before its deadline") from None
         finally:
-            for task in list(self.tasks):
-                task.cancel()
-            for red in self.reducers.values():
-                red.close()
-            self.done.set()
+            self._close()
         if self.outcome.aborted:
             raise AveragingError(f"averaging step aborted: {self.outcome.aborted}")
         if self.mode != "aux" and not set(self.outcome.assignment) <= self.final:
@@ -473,6 +562,20 @@ class AllReduceRun:
             raise AveragingError(f"this peer's tensors could not be sent ({self.refused}); "
                                  "the others averaged without them")
         return self.result, self.outcome.senders
+
+    def _close(self) -> None:
+        """Stop everything of this run and drop what could hold it in a cycle (tasks whose
+        tracebacks reference its frames), so it is freed by reference counting once returned."""
+        for task in self.tasks:
+            task.cancel()
+        self.tasks.clear()
+        self.exchanges.clear()
+        for red in self.reducers.values():
+            red.close()
+        self.coordinator.close()
+        for waiter in self._reducer_waiters.values():
+            waiter.cancel()
+        self._reducer_waiters.clear()
 
     def _start_exchange(self, shard: int, reducer: int) -> None:
         old = self.exchanges.get(shard)
@@ -502,7 +605,7 @@ class AllReduceRun:
                     hi = min(end, lo + self.chunk)
                     if not lo < hi <= end:
                         raise AveragingError("reducer sent a chunk outside its shard")
-                    self.result[lo:hi] = self.decode(msg["d"], hi - lo)
+                    self.result[lo:hi] = _decode(self.codec, msg["d"], hi - lo)
             finally:
                 sender.cancel()
         except (NetworkError, PotluckError, KeyError, TypeError, ValueError) as e:
@@ -518,7 +621,7 @@ class AllReduceRun:
             if not abstain:
                 for lo in range(start, end, self.chunk):
                     try:
-                        payload = self.encode(self.vector[lo:min(end, lo + self.chunk)])
+                        payload = _encode(self.codec, self.vector[lo:min(end, lo + self.chunk)])
                     except Exception as e:  # noqa: BLE001 - any codec failure: abstain, never hang
                         self._refuse(f"{type(e).__name__}: {e}")
                         break
@@ -588,7 +691,9 @@ class AllReduceRun:
                 elif isinstance(error, NetworkError):
                     self.mark_dead(coordinator)
                 else:
-                    raise error
+                    # A new error: raising the stored one would tie its traceback (this frame) to
+                    # the waiter that stores it, a cycle holding the whole run.
+                    raise AveragingError(f"coordination failed: {error}") from error
 
     def current_coordinator(self) -> int | None:
         for i in self.group.coordinators():
@@ -631,10 +736,13 @@ class AllReduceRun:
 
 
 class Coordinator:
-    """Turns members' reports into decisions; active only on the current coordinator."""
+    """Turns members' reports into decisions; active only on the current coordinator.
+
+    Owned by its run, it reaches the run through a weak proxy, so the two form no cycle.
+    """
 
     def __init__(self, run: AllReduceRun):
-        self.run = run
+        self.run = weakref.proxy(run)
         self.active = False
         self.states: dict[int, dict] = {}
         self.outcome = Outcome(assignment=dict(run.outcome.assignment))
@@ -653,6 +761,11 @@ class Coordinator:
                                        self._report_deadline)
             if self.run.me != self.run.group.coordinators()[0]:
                 self.run.spawn(self._query_everyone())
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def poke(self) -> None:
         self.maybe_take_over()
@@ -699,6 +812,7 @@ class Coordinator:
         self._decide()
 
     def _report_deadline(self) -> None:
+        self._timer = None  # a fired handle still holds this bound method: drop the cycle
         if self.outcome.version == 0 and not (self.outcome.committed or self.outcome.aborted):
             for j, reducer in self.outcome.assignment.items():
                 if not self._reported(j) and reducer != self.run.me:
@@ -765,11 +879,21 @@ class Coordinator:
         logger.debug("coordinator %d decides %s (dead: %s)", self.run.me, outcome, sorted(self.run.dead))
         self.outcome = outcome
         self.newer.set()
-        if self._timer is not None and (outcome.committed or outcome.aborted):
-            self._timer.cancel()
+        if outcome.committed or outcome.aborted:
+            self.close()
         if outcome.version > self.run.outcome.version or outcome.committed or outcome.aborted:
             self.run.apply(outcome)
             self.run.state_changed.set()
+
+
+@dataclass(frozen=True)
+class _Tombstone:
+    """What a finished run leaves while it lingers: where this member stood, for a coordinator
+    that took over late. A few small fields, never the run's tensors."""
+
+    group: Group
+    outcome: Outcome
+    state: dict
 
 
 class AllReduceService:
@@ -778,45 +902,52 @@ class AllReduceService:
     def __init__(self, transport: Transport):
         self.transport = transport
         self.runs: dict[bytes, AllReduceRun] = {}
+        self.finished: dict[bytes, _Tombstone] = {}
+        self.pool = BufferPool()
         self._arrived: dict[bytes, asyncio.Event] = {}
+        self._linger: dict[bytes, asyncio.TimerHandle] = {}
         transport.add_stream_handler(METHOD_PART, self._on_part)
         transport.add_handler(METHOD_WAIT, self._on_wait)
         transport.add_handler(METHOD_QUERY, self._on_query)
-        self._linger: dict[bytes, asyncio.TimerHandle] = {}
 
     def close(self) -> None:
         for method in (METHOD_PART, METHOD_WAIT, METHOD_QUERY):
             self.transport.remove_handler(method)
         for timer in self._linger.values():
             timer.cancel()
+        self._linger.clear()
+        self.finished.clear()
 
     async def run(self, group: Group, vector: torch.Tensor | None, weight: float, codec: Any,
                   timeout: float, **kwargs: Any) -> tuple[torch.Tensor | None, tuple[int, ...]]:
         """Take part in one all-reduce step with `group`; see the module docstring."""
         me = group.peers.index(self.transport.peer_id)
-        run = AllReduceRun(self, group, me, vector, weight, codec, timeout, **kwargs)
         gid = group.group_id
-        if gid in self.runs:
+        if gid in self.runs or gid in self.finished:
             raise AveragingError("this group id is already running here")
+        run = AllReduceRun(self, group, me, vector, weight, codec, timeout, pool=self.pool, **kwargs)
         self.runs[gid] = run
         self._arrived.setdefault(gid, asyncio.Event()).set()
         try:
             return await run.run()
         finally:
+            del self.runs[gid]
+            self.finished[gid] = _Tombstone(group, run.outcome, run.state())
             loop = asyncio.get_running_loop()
             self._linger[gid] = loop.call_later(LINGER_SECONDS, self._forget, gid)
 
     def _forget(self, gid: bytes) -> None:
-        self.runs.pop(gid, None)
+        self.finished.pop(gid, None)
         self._arrived.pop(gid, None)
         self._linger.pop(gid, None)
 
-    async def _find(self, gid: Any) -> AllReduceRun:
+    async def _find(self, gid: Any) -> AllReduceRun | _Tombstone:
+        """The run of `gid` here (waiting briefly for it to start), or what is left of it."""
         if not isinstance(gid, bytes):
             raise AveragingError("malformed group id")
         event = self._arrived.get(gid)
         if event is None:
-            if len(self._arrived) > 1000:
+            if len(self._arrived) > MAX_PENDING_GROUPS:
                 raise AveragingError("too many pending groups")
             event = self._arrived[gid] = asyncio.Event()
         try:
@@ -825,9 +956,12 @@ class AllReduceService:
         except TimeoutError:
             self._arrived.pop(gid, None)
             raise AveragingError("unknown averaging group") from None
-        return self.runs[gid]
+        found = self.runs.get(gid) or self.finished.get(gid)
+        if found is None:
+            raise AveragingError("unknown averaging group")
+        return found
 
-    def _member(self, run: AllReduceRun, peer_id: PeerID, claimed: Any) -> int:
+    def _member(self, run: AllReduceRun | _Tombstone, peer_id: PeerID, claimed: Any) -> int:
         if not isinstance(claimed, int) or not 0 <= claimed < len(run.group.peers) \
                 or run.group.peers[claimed] != peer_id:
             raise AveragingError("caller is not the group member it claims to be")
@@ -847,6 +981,8 @@ class AllReduceService:
         if not isinstance(req, dict):
             raise AveragingError("malformed part request")
         run = await self._find(req.get("g"))
+        if isinstance(run, _Tombstone):
+            raise AveragingError("this averaging step is over here")
         sender = self._member(run, ctx.peer_id, req.get("s"))
         shard, weight, abstain = req.get("j"), req.get("w"), req.get("x")
         if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
@@ -866,6 +1002,10 @@ class AllReduceService:
         run = await self._find(request.get("g"))
         state = _check_state(request["st"], run.group)
         self._member(run, ctx.peer_id, state["m"])
+        if isinstance(run, _Tombstone):
+            if not (run.outcome.committed or run.outcome.aborted):
+                raise AveragingError("this member has left the step")
+            return run.outcome.to_wire()
         coordinator = run.coordinator
         coordinator.update(state)
         if not coordinator.active:
@@ -878,8 +1018,13 @@ class AllReduceService:
         return _check_state(reply, run.group) if reply is not None else None
 
     async def _on_query(self, request: Any, ctx: Any) -> dict | None:
-        run = self.runs.get(request) if isinstance(request, bytes) else None
-        return None if run is None else run.state()
+        if not isinstance(request, bytes):
+            return None
+        run = self.runs.get(request)
+        if run is not None:
+            return run.state()
+        tombstone = self.finished.get(request)
+        return None if tombstone is None else tombstone.state
 
 
 def _check_state(state: Any, group: Group) -> dict:

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from potluck.core import compat
-from potluck.core.errors import CallCancelled, DeadlineExceeded, EndOfStream
+from potluck.core.errors import CallCancelled, DeadlineExceeded, EndOfStream, detached
 from potluck.net.connection import Stream
 
 _END = object()
@@ -21,14 +21,11 @@ class LocalChannel:
         self._closed = False
         self._ended = False
         self._aborted = False
-        self.other: LocalChannel | None = None
 
     @classmethod
     def pair(cls, peer_id: Any) -> tuple[LocalChannel, LocalChannel]:
         a, b = asyncio.Queue(), asyncio.Queue()
-        left, right = cls(a, b, peer_id), cls(b, a, peer_id)
-        left.other, right.other = right, left
-        return left, right
+        return cls(a, b, peer_id), cls(b, a, peer_id)
 
     async def send(self, message: Any, timeout: float | None = None) -> None:
         if self._aborted:
@@ -47,7 +44,7 @@ class LocalChannel:
             self._ended = True
             raise EndOfStream("local channel ended")
         if isinstance(item, BaseException):
-            raise item
+            raise detached(item)
         return item
 
     # Iteration is Stream's own: it only needs recv() and EndOfStream.

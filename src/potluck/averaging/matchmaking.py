@@ -25,8 +25,7 @@ from typing import Any
 from potluck.averaging.allreduce import MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.core import compat
-from potluck.core.errors import AveragingError, NetworkError, PotluckError
-from potluck.core.runner import retrieve_exception
+from potluck.core.errors import AveragingError, NetworkError, PotluckError, detached
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 
@@ -64,7 +63,10 @@ class _Gathering:
     target: int
     closes_at: float
     members: list[tuple[PeerID, str, tuple[float, float], Any, tuple[str, ...]]] = field(default_factory=list)
-    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # The group formed, or why none was: a result, never an exception (raised from a future,
+    # a stored error would tie its traceback's frames, which hold this gathering, to it: a cycle).
+    done: asyncio.Future[FormedGroup | str] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
     ready: asyncio.Future | None = None  # the owner's own check; nobody joins before it passes
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while not joining someone
 
@@ -99,7 +101,7 @@ class Matchmaker:
         self.transport.remove_handler(f"{METHOD_JOIN}.{self.prefix}")
         for gathering in self._gatherings.values():
             if not gathering.done.done():
-                gathering.done.set_exception(AveragingError("averager shut down"))
+                gathering.done.set_result("averager shut down")
 
     def _dht_key(self, group_key: str) -> str:
         return f"{self.prefix}.match.{group_key}"
@@ -134,7 +136,7 @@ class Matchmaker:
             while loop.time() < give_up:
                 if gathering is not None:
                     if gathering.done.done():
-                        return gathering.done.result()
+                        return _formed(gathering)
                     if gathering.full or self.dht.get_time() >= gathering.closes_at:
                         return self._close(gathering)
                 if gathering is None or len(gathering.members) == 1:
@@ -159,8 +161,7 @@ class Matchmaker:
             if gathering is not None:
                 self._gatherings.pop(group_key, None)
                 if not gathering.done.done():
-                    gathering.done.set_exception(AveragingError("the leader gave up"))
-                gathering.done.add_done_callback(retrieve_exception)
+                    gathering.done.set_result("the leader gave up")
                 gathering.settled.set()
 
     async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: tuple,
@@ -261,7 +262,7 @@ class Matchmaker:
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.full or gathering.done.done():
             taken = [m[0].to_bytes() for m in gathering.members]
-            if gathering.done.done() and not gathering.done.exception() and gathering.done.result() is not None:
+            if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
                 taken = [p.to_bytes() for p in gathering.done.result().group.peers]
             return {"refused": "group is full or already formed", "taken": taken}
         if any(m[0] == ctx.peer_id for m in gathering.members):
@@ -270,22 +271,20 @@ class Matchmaker:
         gathering.members.append((ctx.peer_id, mode, (float(bw[0]), float(bw[1])), request.get("meta"), addresses))
         if gathering.full:
             self._close(gathering)
-        try:
-            formed = await asyncio.shield(gathering.done)
-        except AveragingError as e:
-            return {"failed": str(e)}
+        formed = await asyncio.shield(gathering.done)
+        if isinstance(formed, str):
+            return {"failed": formed}
         return {"group": _group_to_wire(formed)}
 
     def _close(self, gathering: _Gathering) -> FormedGroup:
         """Decide the group: member order, load split, id; answer every follower."""
         if gathering.done.done():
-            return gathering.done.result()
+            return _formed(gathering)
         members = gathering.members
         if len(members) < self.min_group_size:
-            error = AveragingError(f"only {len(members)} peer(s) gathered under {gathering.key!r}; "
-                                   f"min_group_size is {self.min_group_size}")
-            gathering.done.set_exception(error)
-            raise error
+            gathering.done.set_result(f"only {len(members)} peer(s) gathered under {gathering.key!r}; "
+                                      f"min_group_size is {self.min_group_size}")
+            return _formed(gathering)
         modes = [m[1] for m in members]
         fractions = optimal_fractions(modes, [m[2][0] for m in members], [m[2][1] for m in members])
         group = Group(os.urandom(16), tuple(m[0] for m in members), tuple(modes),
@@ -295,15 +294,24 @@ class Matchmaker:
         return formed
 
 
+def _formed(gathering: _Gathering) -> FormedGroup:
+    """The group of a finished gathering; raises a fresh error if none was formed."""
+    formed = gathering.done.result()
+    if isinstance(formed, str):
+        raise AveragingError(formed)
+    return formed
+
+
 async def _settle(seconds: float, ready: asyncio.Future | None) -> None:
     """Sleep `seconds`, and until `ready` is done; raise at once if `ready` fails."""
     sleep = asyncio.ensure_future(asyncio.sleep(seconds))
     try:
         if ready is not None:
-            await asyncio.wait([ready, sleep], return_when=asyncio.FIRST_COMPLETED)
-            if ready.done():
-                ready.result()  # its error, at once
-            await asyncio.shield(ready)
+            await asyncio.wait([ready, sleep], return_when=asyncio.FIRST_COMPLETED)  # its error at once
+            await asyncio.wait([ready])
+            if not ready.cancelled() and ready.exception() is not None:
+                raise detached(ready.exception())  # the stored one would tie `ready` to these frames
+            ready.result()
         await sleep
     finally:
         sleep.cancel()

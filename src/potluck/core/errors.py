@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 
 class PotluckError(Exception):
     """Base of all potluck errors."""
@@ -73,3 +75,16 @@ class CompressionError(PotluckError, ValueError):
 
 class AveragingError(PotluckError):
     """An averaging step failed for this peer; its local tensors were left untouched."""
+
+
+def detached(error: BaseException) -> BaseException:
+    """A copy of `error` to raise in place of a stored one (on a future, a stream, a queue).
+
+    Raising an object attaches a traceback whose frames hold their locals; when one of those
+    reaches the object again (the future or stream storing it), the two form a reference cycle
+    that keeps everything those frames reference until the cyclic GC runs. A copy has no way back.
+    """
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception type whose arguments do not round-trip
+        return PotluckError(f"{type(error).__name__}: {error}")

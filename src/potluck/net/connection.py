@@ -23,6 +23,7 @@ from potluck.core.errors import (
     MethodNotFound,
     NetworkError,
     RemoteError,
+    detached,
 )
 from potluck.net.address import Multiaddr
 from potluck.net.frames import Frame, Kind
@@ -71,6 +72,14 @@ class FrameLink(Protocol):
 
     def close(self, reason: str | None = None) -> None:
         """Close the link; the connection's `link_lost` will be called."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A call's failure, passed as the future's result rather than set as its exception: the
+    caller raises `detached(error)` (see there) instead of the stored object."""
+
+    error: BaseException
 
 
 @dataclass
@@ -139,7 +148,7 @@ class Stream:
                     self._credit_event.clear()
                     await self._credit_event.wait()
                 if self._error is not None:
-                    raise self._error
+                    raise detached(self._error)
                 size = await self.connection.link.send(Frame(Kind.DATA, self.call_id, body=message))
         except TimeoutError:
             self.abort("deadline exceeded")
@@ -152,7 +161,7 @@ class Stream:
             async with compat.timeout(self._timeout(timeout)):
                 while not self._inbox:
                     if self._error is not None:
-                        raise self._error
+                        raise detached(self._error)
                     if self._received_end:
                         raise EndOfStream(f"stream {self.method!r} from {self.peer_id} ended")
                     self._inbox_event.clear()
@@ -221,6 +230,7 @@ class Stream:
             self._fail(CallCancelled(f"stream {self.method!r} was cancelled by {self.peer_id}"))
             if self.handler_task is not None:
                 self.handler_task.cancel()
+                self.handler_task = None  # its traceback will hold this stream: no way back
         self._inbox_event.set()
         self.connection._maybe_forget(self)
 
@@ -288,7 +298,7 @@ class Connection:
         try:
             async with compat.timeout(timeout):
                 await self.link.send(Frame(Kind.REQUEST, call_id, {"m": method, "t": timeout}, body))
-                return await future
+                reply = await future
         except TimeoutError:
             if not self.closed:
                 self.link.send_nowait(Frame(Kind.CANCEL, call_id))
@@ -299,6 +309,9 @@ class Connection:
             raise
         finally:
             self._pending.pop(call_id, None)
+        if isinstance(reply, _Failed):
+            raise detached(reply.error)
+        return reply
 
     async def open_stream(self, method: str, body: Any = None,
                           timeout: float | None = DEFAULT_STREAM_TIMEOUT) -> Stream:
@@ -319,17 +332,15 @@ class Connection:
         if kind is Kind.RESPONSE or (kind is Kind.ERROR and frame.call_id in self._pending):
             future = self._pending.get(frame.call_id)
             if future is not None and not future.done():
-                if kind is Kind.RESPONSE:
-                    future.set_result(frame.body)
-                else:
-                    future.set_exception(_remote_error(frame.meta))
+                future.set_result(frame.body if kind is Kind.RESPONSE else _Failed(_remote_error(frame.meta)))
             return  # else: the answer to a call that timed out or was cancelled; drop it
         if kind is Kind.REQUEST:
             self._serve_request(frame)
         elif kind is Kind.OPEN:
             self._serve_stream(frame)
         elif kind is Kind.CANCEL:
-            task = self._serving.get(frame.call_id)
+            # Forget the task now: one cancelled before it started never runs its own cleanup.
+            task = self._serving.pop(frame.call_id, None)
             if task is not None:
                 task.cancel()
             stream = self._streams.get(frame.call_id)
@@ -443,6 +454,7 @@ class Connection:
             self._serving.pop(stream.call_id, None)
             stream._fail(CallCancelled("stream handler finished"))
             self._streams.pop(stream.call_id, None)
+            stream.handler_task = None  # the finished task's error would hold this frame: a cycle
 
     def _maybe_forget(self, stream: Stream) -> None:
         stream._check_done()
@@ -470,13 +482,19 @@ class Connection:
         error = ConnectionLost(f"connection to {self.peer_id} lost: {self.close_reason}")
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_result(_Failed(error))
+        # Streams and handler tasks point back here (tasks through their tracebacks once
+        # cancelled): the closed connection lets go of them, so nothing is left in a cycle.
         for stream in list(self._streams.values()):
             stream._fail(error)
+            stream.handler_task = None
+        self._streams.clear()
         for task in list(self._serving.values()):
             task.cancel()
+        self._serving.clear()
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
+            self._keepalive_task = None  # once cancelled, its traceback would hold this connection
         if self._on_close is not None:
             self._on_close(self)
 

@@ -92,9 +92,10 @@ class EmulatedNetwork:
         if not silent and self._listeners.get(peer._name) is peer:
             del self._listeners[peer._name]
         for end in list(peer._links):
+            other = end.peer
             end._lose("this peer crashed")
             if not silent:
-                end.peer._lose(f"connection reset by {peer_id} (it crashed)")
+                other._lose(f"connection reset by {peer_id} (it crashed)")
 
     def partition(self, group_a: Iterable[PeerID], group_b: Iterable[PeerID]) -> None:
         """Drop every frame between the two groups; dials across hang until their deadline."""
@@ -247,9 +248,11 @@ class _LinkEnd:
             future = self._loop.create_future()
             self._uploads[future] = None
             try:
-                await _sleep_until(self._loop, done, future)
+                lost = await _sleep_until(self._loop, done, future)
             finally:
                 self._uploads.pop(future, None)
+            if lost is not None:  # a fresh error: a stored one raised here would form a cycle
+                raise ConnectionLost(f"connection to {self.remote.peer_id} lost: {lost}")
         return frame.size
 
     def send_nowait(self, frame: Frame) -> None:
@@ -326,19 +329,20 @@ class _LinkEnd:
             self._timer = None
         for future in list(self._uploads):
             if not future.done():
-                future.set_exception(ConnectionLost(f"connection to {self.remote.peer_id} lost: "
-                                                    f"{reason}"))
+                future.set_result(reason)
         self.local._links.pop(self, None)
-        self.connection.link_lost(reason)
+        connection, self.connection, self.peer = self.connection, None, None  # no cycles once closed
+        connection.link_lost(reason)
 
 
 async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float,
-                       future: asyncio.Future[None] | None = None) -> None:
-    """Wait until loop time `when` on a timer; `future` lets others fail the wait early."""
+                       future: asyncio.Future[Any] | None = None) -> Any:
+    """Wait until loop time `when` on a timer (then None); others may end the wait early by
+    setting `future`'s result (e.g. to why the link was lost)."""
     future = loop.create_future() if future is None else future
     handle = loop.call_at(when, _resolve, future)
     try:
-        await future
+        return await future
     finally:
         handle.cancel()
 

@@ -28,6 +28,7 @@ from potluck.core.errors import (
     NetworkError,
     PeerUnreachable,
     ProtocolError,
+    detached,
 )
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
@@ -109,10 +110,16 @@ class TCPTransport(Transport):
         except (OSError, ssl.SSLError) as e:
             raise PeerUnreachable(f"could not connect to {address}: {e}") from None
         try:
-            return await link.handshake
+            error = await link.handshake
         except BaseException:
             link.close("handshake failed")
             raise
+        if error is not None:
+            link.close("handshake failed")
+            raise detached(error)
+        if link.connection is None:
+            raise PeerUnreachable(f"{address} closed the connection right after the handshake")
+        return link.connection
 
     async def _stop_listening(self) -> None:
         if self._server is not None:
@@ -140,7 +147,9 @@ class TCPLink(asyncio.BufferedProtocol):
         self.expected = expected
         self.bulk = bulk
         loop = self._loop = asyncio.get_running_loop()
-        self.handshake: asyncio.Future[Connection] = loop.create_future()
+        # None once authenticated, or the error that ended the handshake (a result, not an
+        # exception: see connection._Failed; not the connection either, which holds this link).
+        self.handshake: asyncio.Future[BaseException | None] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
         self.connection: Connection | None = None
         self._transport: asyncio.Transport | None = None
@@ -151,10 +160,9 @@ class TCPLink(asyncio.BufferedProtocol):
         self._write_lock = asyncio.Lock()
         self._control: list[list[bytes | memoryview]] = []
         self._paused = False
-        self._drain_waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[str | None] | None = None  # why the link was lost, if it was
         self._closing_reason: str | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
-        self.handshake.add_done_callback(_consume_exception)
 
     # -- asyncio protocol callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -198,15 +206,17 @@ class TCPLink(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner._links.discard(self)
+        self._transport = None  # asyncio's (TLS) transport holds our methods: drop the cycle
         reason = self._closing_reason or (f"{exc}" if exc else "the other side closed the connection")
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self._fail_handshake(PeerUnreachable(f"connection closed during handshake: {reason}"))
         self._paused = True
         if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_exception(ConnectionLost(reason))
+            self._drain_waiter.set_result(reason)
         if self.connection is not None:
             self.connection.link_lost(reason)
+            self.connection = None  # the connection keeps its link; drop the way back (a cycle)
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -288,7 +298,7 @@ class TCPLink(asyncio.BufferedProtocol):
         self.connection = conn
         self.owner._register(conn)
         if not self.handshake.done():
-            self.handshake.set_result(conn)
+            self.handshake.set_result(None)
 
     @staticmethod
     def _auth_message(verifier_nonce: bytes, signer_nonce: bytes, signer: PeerID, verifier: PeerID) -> bytes:
@@ -301,7 +311,7 @@ class TCPLink(asyncio.BufferedProtocol):
 
     def _fail_handshake(self, error: BaseException) -> None:
         if not self.handshake.done():
-            self.handshake.set_exception(error)
+            self.handshake.set_result(detached(error))  # `error` may have been raised here
 
     # -- FrameLink ---------------------------------------------------------------------------------
     async def send(self, frame: Frame) -> int:
@@ -339,7 +349,10 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._transport is None or self._transport.is_closing():
             raise ConnectionLost(self._closing_reason or "connection closed")
         self._drain_waiter = asyncio.get_running_loop().create_future()
-        await self._drain_waiter
+        lost = await self._drain_waiter
+        self._drain_waiter = None
+        if lost is not None:
+            raise ConnectionLost(lost)
 
     def close(self, reason: str | None = None) -> None:
         """Close now: pending calls fail at once, without waiting for the TLS goodbye."""
@@ -359,11 +372,6 @@ class TCPLink(asyncio.BufferedProtocol):
             return str(self._hello["id"])
         peer = self._transport.get_extra_info("peername") if self._transport else None
         return str(peer)
-
-
-def _consume_exception(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # mark retrieved: a failed handshake nobody awaits is not an error
 
 
 def _announceable_hosts(bound: str) -> list[str]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from potluck.core import compat
-from potluck.core.errors import NetworkError, PeerUnreachable
+from potluck.core.errors import NetworkError, PeerUnreachable, detached
 from potluck.net.address import Multiaddr
 from potluck.net.connection import (
     DEFAULT_CALL_TIMEOUT,
@@ -174,9 +174,12 @@ class Transport:
             pending.add_done_callback(lambda f: (self._dialing.pop(peer_id, None), f.cancelled() or f.exception()))
         try:
             async with compat.timeout(timeout):
-                return await asyncio.shield(pending)
+                await asyncio.wait([pending])  # our deadline or cancellation leaves the dial going
         except TimeoutError:
             raise PeerUnreachable(f"could not connect to {peer_id} within {timeout} s") from None
+        if not pending.cancelled() and pending.exception() is not None:
+            raise detached(pending.exception())  # shared by every waiter: raise a copy of it
+        return pending.result()
 
     async def _dial_known(self, peer_id: PeerID, bulk: bool) -> Connection:
         addresses = self._address_book.get(peer_id)
