@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def read_line(timeout: float) -> str:
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from potluck.cli.demo import accuracy, make_model  # plain torch: importable from either venv
+    from potluck.cli.demo import make_model  # plain torch: importable from either venv
 
     torch.set_num_threads(1)
     x, y, x_test, y_test = torch.load(args.data)
@@ -114,6 +115,19 @@ def run_worker(args: argparse.Namespace) -> None:
         closers = [opt.shutdown, peer.shutdown]
         zero_grad = None  # potluck's step consumes the gradients
     say(event="ready", address=address, version=version)
+    train_until_stopped(args, model, opt, zero_grad, closers, (x, y, x_test, y_test))
+
+
+def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_grad: Any, closers: list,
+                        data: tuple, local_batch: int = LOCAL_BATCH, slowdown: float = 1.0) -> None:
+    """The worker's part after "ready": wait for "go", train and evaluate until "stop", report.
+
+    `opt` needs `step()` and `local_epoch`; `zero_grad`, if not None, is called before each batch;
+    with `slowdown` > 1, each batch takes that many times as long (a slower computer)."""
+    import torch
+
+    from potluck.cli.demo import accuracy
+    x, y, x_test, y_test = data
     t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
     stop = threading.Event()
     threading.Thread(target=lambda: (read_line(WORKER_IDLE_TIMEOUT), stop.set()), daemon=True).start()
@@ -123,13 +137,16 @@ def run_worker(args: argparse.Namespace) -> None:
     error = None
     try:
         while not stop.is_set():
-            batch = torch.randint(0, len(y), (LOCAL_BATCH,), generator=generator)
+            started = time.perf_counter()
+            batch = torch.randint(0, len(y), (local_batch,), generator=generator)
             if zero_grad is not None:
                 zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
+            if slowdown > 1:
+                time.sleep((time.perf_counter() - started) * (slowdown - 1))
             opt.step()
-            samples += LOCAL_BATCH
+            samples += local_batch
             epoch = opt.local_epoch
             if epoch != last_epoch or time.monotonic() - last_eval >= EVAL_EVERY:
                 last_eval, last_epoch = time.monotonic(), epoch
@@ -140,7 +157,8 @@ def run_worker(args: argparse.Namespace) -> None:
                     reached = elapsed
                     say(event="reached", seconds=elapsed, epoch=epoch, accuracy=acc, samples=samples)
     except Exception as e:  # noqa: BLE001 - reported to the parent
-        error = f"{type(e).__name__}: {e}"
+        if not stop.is_set():  # after "stop", peers leaving mid-round is the shutdown, not a failure
+            error = f"{type(e).__name__}: {e}"
     final = accuracy(model, x_test, y_test)
     say(event="final", accuracy=final, epoch=opt.local_epoch, samples=samples, reached=reached,
         curve=curve[-400:], error=error)
@@ -155,14 +173,21 @@ def measure(system: str, python: str, peers: int, args: argparse.Namespace, data
     base = [python, __file__, "--worker", "hivemind" if system.startswith("hivemind") else "potluck",
             "--data", data, "--target", str(args.target), "--matchmaking-time", str(matchmaking_time),
             "--averaging-timeout", str(args.averaging_timeout)]
+    return run_swarm(lambda rank, initial: [*base, "--rank", str(rank), *(["--initial", initial] if initial else [])],
+                     peers, args.cap)
+
+
+def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: float) -> dict:
+    """Start `peers` worker processes (`command(rank, first's address or None)`), then run them
+    together from a common start until all reached the target or `cap` seconds passed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers: list[Worker] = []
     try:
-        workers.append(Worker([*base, "--rank", "0"], env))
+        workers.append(Worker(command(0, None), env))
         first = workers[0].expect("ready", STARTUP_TIMEOUT)
         for rank in range(1, peers):
-            workers.append(Worker([*base, "--rank", str(rank), "--initial", first["address"]], env))
+            workers.append(Worker(command(rank, first["address"]), env))
         for w in workers[1:]:
             w.expect("ready", STARTUP_TIMEOUT)
         t0 = time.time()
@@ -170,7 +195,7 @@ def measure(system: str, python: str, peers: int, args: argparse.Namespace, data
             w.send(f"go {t0!r}")
         reached: dict[int, dict] = {}
         finals: dict[int, dict] = {}
-        while time.time() - t0 < args.cap and len(reached) < peers:
+        while time.time() - t0 < cap and len(reached) < peers:
             for i, w in enumerate(workers):
                 with contextlib.suppress(queue.Empty):
                     while True:

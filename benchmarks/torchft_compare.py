@@ -1,0 +1,219 @@
+"""potluck side by side with torchft: wall time to a target test accuracy on the demo's workload.
+
+The demo's CNN (`potluck.cli.demo.make_model`, same initial weights everywhere) on scikit-learn's
+digits (`load_data`), Adam(lr=3e-3), a global batch of 256 samples, 4 peer processes of which
+rank 2 computes 2x slower (it sleeps as long again after each backward pass):
+
+  potluck         `potluck.Optimizer` in sync mode: target_batch_size=256, batch_size_per_step=32,
+                  average_state_every=5, matchmaking_time=0.5 s, averaging_timeout=20 s; rank 3 is
+                  in client mode (as if behind NAT: it dials out only).
+  potluck_diloco  `potluck.Optimizer` in diloco mode, local_steps=8 (an outer step per 256 local
+                  samples of each peer), the same peers.
+  torchft         torchft 0.2.0 (from the python of .venv-torchft: scripts/torchft-venv.sh): rank 0
+                  runs the lighthouse (min_replicas=2, so it goes on when a peer fails); every peer
+                  is a replica group of one process with its own TCPStore, a `torchft.Manager` over
+                  a `ProcessGroupGloo` (timeouts 5 s), and `torchft.Optimizer` around Adam. Each step: zero_grad()
+                  (starts the quorum), forward and backward on 64 samples (256 / 4), an average
+                  all-reduce of every gradient through `Manager.allreduce`, step() (applied if the
+                  step committed). No client mode: every replica must accept Gloo connections. The
+                  step is synchronous, so the whole swarm moves at the slow peer's pace.
+
+The processes, the common start and the time-to-accuracy measurement are benchmarks/training.py's
+(`run_swarm`, `train_until_stopped`, `rows_for`): each process evaluates on the test set at every
+new epoch (torchft: committed step) and at least every 0.5 s; a run's time is its first peer's.
+Systems run one after another, --repeats times each, and the medians are compared.
+
+Prints one JSON object per line, e.g.
+  {"metric": "time_to_accuracy", "system": "torchft", "value": 9.1, "unit": "s", "repeat": 0, ...}
+  {"metric": "time_to_accuracy_median", "system": "torchft", "value": 9.3, "unit": "s", ...}
+  {"metric": "time_to_accuracy_ratio", "unit": "torchft/potluck", "value": 0.8, ...}
+
+Usage: python benchmarks/torchft_compare.py [--quick] [--repeats 3] [--target 0.95] [--cap 90]
+           [--systems potluck,potluck_diloco,torchft] [--torchft-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from training import ROOT, emit, rows_for, run_swarm, say, train_until_stopped
+
+DEFAULT_TORCHFT_PYTHON = ROOT / ".venv-torchft" / "bin" / "python"
+PEERS = 4
+SLOW_RANK, SLOWDOWN = 2, 2.0
+CLIENT_RANK = 3  # potluck only
+LR = 3e-3
+GLOBAL_BATCH = 256
+POTLUCK_LOCAL_BATCH = 32  # the demo's
+AVERAGE_STATE_EVERY = 5
+MATCHMAKING_TIME = 0.5
+AVERAGING_TIMEOUT = 20.0  # s, potluck's
+# s, torchft's collectives and quorums: its steps take ~0.1 s here, and at the end the last peers
+# wait this long for those that already stopped
+TORCHFT_TIMEOUT = 5.0
+DILOCO_LOCAL_STEPS = 8  # 8 x 32 = 256 samples of each peer between outer steps
+TORCHFT_MIN_REPLICAS = 2  # the lighthouse forms quorums of at least this many replica groups
+TORCHFT_JOIN_TIMEOUT_MS = 1000  # for the first quorum, all four replicas are heartbeating by then
+SYSTEMS = ("potluck", "potluck_diloco", "torchft")
+
+
+# == worker side ==================================================================================
+class TorchftStep:
+    """torchft's training step behind the interface `train_until_stopped` drives: zero_grad()
+    starts the quorum, step() averages the gradients and applies them if the step commits. Holds
+    the replica group's TCPStore: its server lives as long as the object does."""
+
+    def __init__(self, manager: Any, optimizer: Any, params: list, store: Any):
+        self.manager, self.optimizer, self.params, self.store = manager, optimizer, params, store
+
+    @property
+    def local_epoch(self) -> int:
+        return self.manager.current_step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        for work in [self.manager.allreduce(p.grad) for p in self.params if p.grad is not None]:
+            work.wait()
+        self.optimizer.step()
+
+
+def torchft_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, TorchftStep, list]:
+    import torch
+    import torchft
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    closers: list = []
+    address = args.initial
+    if args.rank == 0:
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=TORCHFT_MIN_REPLICAS,
+                                      join_timeout_ms=TORCHFT_JOIN_TIMEOUT_MS)
+        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+        closers.append(lighthouse.shutdown)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
+    timeout = timedelta(seconds=TORCHFT_TIMEOUT)
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=TORCHFT_MIN_REPLICAS,
+                              load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+                              store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=address,
+                              replica_id=f"replica{args.rank}", rank=0, world_size=1, hostname="127.0.0.1",
+                              timeout=timeout, quorum_timeout=timeout, init_sync=False)
+    closers.insert(0, manager.shutdown)
+    opt = TorchftStep(manager, torchft.Optimizer(manager, torch.optim.Adam(model.parameters(), LR)),
+                      list(model.parameters()), store)
+    return address, opt, closers
+
+
+def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any, list]:
+    import torch
+
+    import potluck
+    client = args.rank == CLIENT_RANK
+    peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [], client_mode=client)
+    mode = {"potluck": {}, "potluck_diloco": {"mode": "diloco", "local_steps": DILOCO_LOCAL_STEPS}}[args.worker]
+    opt = potluck.Optimizer(peer, "torchft-compare", model.parameters(), lambda p: torch.optim.Adam(p, LR),
+                            target_batch_size=GLOBAL_BATCH, batch_size_per_step=POTLUCK_LOCAL_BATCH,
+                            averaging_mode="client" if client else "node", average_state_every=AVERAGE_STATE_EVERY,
+                            matchmaking_time=MATCHMAKING_TIME, averaging_timeout=AVERAGING_TIMEOUT, **mode)
+    return (peer.addresses[0] if peer.addresses else None), opt, [opt.shutdown, peer.shutdown]
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from potluck.cli.demo import make_model
+    torch.set_num_threads(1)
+    data = torch.load(args.data)
+    model = make_model()
+    if args.worker == "torchft":
+        address, opt, closers = torchft_peer(args, model)
+        zero_grad, batch = opt.zero_grad, GLOBAL_BATCH // PEERS
+    else:
+        address, opt, closers = potluck_peer(args, model)
+        zero_grad, batch = None, POTLUCK_LOCAL_BATCH  # potluck's step consumes the gradients
+    say(event="ready", address=address, version=None)
+    train_until_stopped(args, model, opt, zero_grad, closers, data, local_batch=batch,
+                        slowdown=SLOWDOWN if args.rank == SLOW_RANK else 1.0)
+
+
+# == parent side ==================================================================================
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="target 0.9, cap 12 s, one run each of potluck and torchft: about a minute")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per run at most")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--torchft-python", default=str(DEFAULT_TORCHFT_PYTHON))
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks kill the peers
+    if args.quick:
+        args.target, args.cap, args.repeats, args.systems = 0.9, 12.0, 1, "potluck,torchft"
+    import torch
+
+    from potluck.cli.demo import load_data
+    common = {"target": args.target, "cap_s": args.cap, "global_batch": GLOBAL_BATCH, "lr": LR, "optimizer": "Adam",
+              "slow_rank": SLOW_RANK, "slowdown": SLOWDOWN, "torch_threads_per_process": 1,
+              "schedule": "systems run one after another", "date": datetime.date.today().isoformat(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+              "command": " ".join(["python", "benchmarks/torchft_compare.py", *sys.argv[1:]])}
+    medians: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = str(Path(tmp) / "digits.pt")
+        torch.save(load_data(), data)  # the torchft venv has no scikit-learn: every process loads this
+        for system in args.systems.split(","):
+            python = args.torchft_python if system == "torchft" else sys.executable
+            params = {"system": system, "peers": PEERS, **common,
+                      **({} if system == "torchft" else {"client_rank": CLIENT_RANK})}
+            if not Path(python).exists():
+                emit({"metric": "time_to_accuracy", "value": None, "unit": "s", **params,
+                      "error": f"no {python}; create it with scripts/torchft-venv.sh"})
+                continue
+            base = [python, __file__, "--worker", system, "--data", data, "--target", str(args.target)]
+            times: list[float | None] = []
+            for repeat in range(args.repeats):
+                try:
+                    raw = run_swarm(lambda rank, initial, base=base: [*base, "--rank", str(rank),
+                                                                      *(["--initial", initial] if initial else [])],
+                                    PEERS, args.cap)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    emit({"metric": "time_to_accuracy", "value": None, "unit": "s", "repeat": repeat, **params,
+                          "error": f"{type(e).__name__}: {e}"[-3000:]})
+                    times.append(None)
+                    continue
+                rows, first = rows_for(system, PEERS, raw, {**common, "repeat": repeat})
+                times.append(first)
+                for row in rows:
+                    emit(row)
+            reached = [t for t in times if t is not None]
+            medians[system] = statistics.median(reached) if len(reached) == len(times) and times else None
+            emit({"metric": "time_to_accuracy_median", "value": medians[system] and round(medians[system], 2),
+                  "unit": "s", "runs": [t and round(t, 2) for t in times], **params})
+    for other in ("potluck", "potluck_diloco"):
+        if medians.get("torchft") and medians.get(other):
+            emit({"metric": "time_to_accuracy_ratio", "value": round(medians["torchft"] / medians[other], 2),
+                  "unit": f"torchft/{other}", "measured": "median over median; above 1: potluck is faster",
+                  "peers": PEERS, **common})
+
+
+if __name__ == "__main__":
+    main()
