@@ -102,6 +102,26 @@ def test_failed_step_leaves_tensors_untouched():
 
 
 @pytest.mark.timeout(60)
+def test_averaging_in_place_writes_the_given_tensors_and_a_failed_step_leaves_them():
+    """copy=False: no private copy; the caller's tensors themselves are averaged (atomically)."""
+    async def main():
+        net, peers = await make_swarm(3)
+        mine = [[torch.full((5,), float(i)), torch.full((2, 2), 10.0 * i)] for i in range(3)]
+        avgs = [Averager(p, tensors, "in-place", matchmaking_time=1.0, copy=False)
+                for p, tensors in zip(peers, mine, strict=True)]
+        await asyncio.gather(*(a.astep() for a in avgs))
+        for tensors in mine:
+            assert torch.equal(tensors[0], torch.ones(5)) and torch.equal(tensors[1], torch.full((2, 2), 10.0))
+        lonely = Averager(peers[0], [mine[0][0]], "in-place-alone", min_group_size=2, matchmaking_time=0.5,
+                          copy=False)
+        mine[0][0].copy_(torch.arange(5.0))
+        with pytest.raises(AveragingError, match="min_group_size"):
+            await lonely.astep(timeout=10)
+        assert torch.equal(mine[0][0], torch.arange(5.0))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_peers_with_a_different_schema_do_not_average_together():
     async def main():
         net, peers = await make_swarm(4)

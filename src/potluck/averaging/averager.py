@@ -68,7 +68,8 @@ class Averager:
 
     Args:
         peer: a `potluck.Peer` (or any object with `.transport`, `.dht` and `.run`).
-        tensors: float tensors; the averager keeps its own copies (`get_tensors()`).
+        tensors: float tensors; the averager keeps its own copies (`get_tensors()`), unless
+            `copy=False`.
         prefix: the name of this averaging job; peers with the same prefix average together.
         target_group_size: close a group once it has this many members (None: whoever shows up).
         min_group_size: fail the step when fewer peers are found.
@@ -86,6 +87,9 @@ class Averager:
         powersgd_rank: average rank-r PowerSGD approximations (with error feedback) instead of
             the tensors themselves: two all-reduces of r * (rows + cols) numbers per matrix
             instead of rows * cols. Meant for gradients; `compression` then applies to P and Q.
+        copy: False: average `tensors` themselves, in place (no private copy: saves one model
+            of memory). The caller then changes them only inside `get_tensors()`, so that a step
+            or a newcomer's snapshot never sees them half-written.
     """
 
     def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str,
@@ -94,7 +98,7 @@ class Averager:
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
-                 powersgd_rank: int | None = None):
+                 powersgd_rank: int | None = None, copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if not tensors or any(not t.is_floating_point() for t in tensors):
@@ -105,7 +109,7 @@ class Averager:
         self.transport = peer.transport
         self.prefix = prefix
         self.mode = "client" if self.transport.client_mode and mode == "node" else mode
-        self._tensors = [t.detach().clone() for t in tensors]
+        self._tensors = [t.detach().clone() if copy else t.detach() for t in tensors]
         self._lock = threading.Lock()
         self.codec = get_codec(compression)
         self.total = sum(t.numel() for t in self._tensors)
@@ -233,18 +237,16 @@ class Averager:
                 donors.append((-version, str(peer_id), peer_id))
         if not donors:
             raise AveragingError(f"no peer offers the state of {self.prefix!r} yet")
-        version, metadata, tensors = await download_state(
-            self.transport, [d[2] for d in sorted(donors)], self.prefix, timeout, like=self._tensors)
-        await run_in_thread(self._load, tensors)
-        for state in self.powersgd or ():
-            state.reset()  # its residual belonged to the tensors just replaced
-        self.round, self.state_metadata = version, metadata
+        # Straight into our tensors, chunk by chunk once verified: no second copy of the state.
+        # A failed download leaves them partly overwritten, so meanwhile we offer them to nobody.
+        with self.state_server.replacing() if self.state_server is not None else contextlib.nullcontext():
+            version, metadata, _ = await download_state(
+                self.transport, [d[2] for d in sorted(donors)], self.prefix, timeout, into=self._tensors,
+                lock=self._lock)
+            for state in self.powersgd or ():
+                state.reset()  # its residual belonged to the tensors just replaced
+            self.round, self.state_metadata = version, metadata
         return version, metadata
-
-    def _load(self, tensors: list[torch.Tensor]) -> None:
-        with self._lock:
-            for mine, theirs in zip(self._tensors, tensors, strict=True):
-                mine.copy_(theirs)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _group_key(self) -> str:

@@ -5,8 +5,11 @@ Lightning can use it. Call `step()` after every local batch of `batch_size_per_s
 
 Modes:
 - "sync" (DeDLOC): gradients accumulate locally until the whole collaboration has processed
-  `target_batch_size` samples (tracked through the DHT); then the peers average their gradients
-  (weighted by samples), every peer applies the same optimizer step, and the epoch advances. Every
+  `target_batch_size` samples (tracked through the DHT; peers enter the round when the batch is
+  due at everyone's reported speed); then the peers average their gradients (weighted by
+  samples), every peer applies the same optimizer step, and the epoch advances (`epoch_samples`:
+  the samples behind it). A round that gathered fewer samples than the target does not end the
+  epoch: its sum stays with one member and the peers accumulate on. Every
   `average_state_every` epochs the parameters and optimizer statistics are averaged too, which
   also repairs any drift.
 - "moshpit": local SGD; every `local_steps` steps the parameters are averaged in Moshpit groups.
@@ -15,6 +18,17 @@ Modes:
 
 A newcomer downloads the current state before its first step; a peer that falls behind catches
 up the same way.
+
+Memory: potluck averages into and out of tensors that exist anyway (parameters, optimizer
+statistics), and serves newcomers from a snapshot taken only when one asks. Model-sized buffers
+it holds beyond the model and the wrapped optimizer (one peer, between rounds):
+- "sync": 1 (the gradient accumulator, averaged in place and handed to the optimizer as `.grad`);
+  2 with `delay_updates` (the next epoch accumulates while the last one averages).
+- "moshpit": 0.
+- "diloco": 3 (the outer starting point, the averaged change, the outer momentum).
+During a round the all-reduce adds transient buffers of the averaged size (a flat snapshot and
+the result), freed when the round ends; a donor holds one copy of its state per snapshot that
+newcomers are downloading.
 """
 
 from __future__ import annotations
@@ -34,25 +48,34 @@ import torch
 from potluck.averaging.averager import Averager
 from potluck.core import serialization
 from potluck.core.errors import AveragingError, SerializationError
-from potluck.core.tensors import all_finite
-from potluck.optim.progress import GlobalProgress, PeerProgress, ProgressTracker
+from potluck.optim.progress import MAX_SAMPLES_PER_SECOND, GlobalProgress, PeerProgress, ProgressTracker
 
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "moshpit", "diloco")
 # How often progress is published and read (seconds): often enough that peers enter an averaging
 # round within a fraction of the matchmaking window of each other.
-PROGRESS_INTERVAL = 0.2
+PROGRESS_INTERVAL = 0.1
 # Weight of the newest measurement in the samples-per-second estimate.
 SPEED_SMOOTHING = 0.3
 # Version tag of checkpoint files.
 CHECKPOINT_FORMAT = "potluck-checkpoint-1"
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
-# Tries of one epoch's gradient averaging while other peers are still on that epoch. A peer that
-# applies its local gradients alone drifts from the swarm until the next state averaging, so it
-# retries first (each try costs one matchmaking window).
+# Tries of one epoch's gradient averaging while other live peers are still training on that
+# epoch. A peer that applies its local gradients alone drifts from the swarm until the next state
+# averaging, so it retries first (each try costs one matchmaking window); peers that left or went
+# idle are not waited for (see PeerProgress.active).
 MAX_ROUND_ATTEMPTS = 4
+# A peer that has not called step() for this many of its own step intervals (and at least
+# IDLE_FLOOR_SECONDS) reports itself idle: others stop waiting for it (e.g. it finished its work
+# but stays online), and it catches up when it trains again. The floor is long: a busy machine
+# can starve a training thread for a second, and a peer wrongly left out of the expected group
+# size can split the swarm's round in two.
+IDLE_STEP_INTERVALS = 4
+IDLE_FLOOR_SECONDS = 5.0
+# Bounds a round member's claim of samples (it comes from the network): more than any batch.
+MAX_CLAIMED_SAMPLES = 2**40
 # A peer that downloaded a state still older than the swarm's waits this long before asking again
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
@@ -65,7 +88,7 @@ class _Round:
     future: concurrent.futures.Future
     epoch: int
     expected: int  # group size we asked for; reused for the state averaging after it
-    samples: int  # our samples behind the averaged gradients
+    samples: int  # our samples behind the averaged gradients (in the accumulator)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -126,25 +149,37 @@ class Optimizer(torch.optim.Optimizer):
         self._pending: _Round | None = None  # a delayed update under way
         self._attempt = 0  # failed averaging tries of the current epoch
         self._next_catch_up = 0.0  # time.monotonic() before which we do not download again
+        self._in_round = False  # step() is waiting for a round: our samples are frozen
+        self._waited = False  # this step() waited for the network (rounds, downloads)
+        self._stepping = False  # inside step(): never idle
+        self._part = 0  # short rounds of this epoch so far (see PeerProgress.part)
+        self._part_due: float | None = None  # time.monotonic() when the rest of a short round's batch is due
         self.local_epoch = 0
-        self.samples = 0  # accumulated towards the current epoch
+        self.samples = 0  # accumulated towards the current epoch (in the gradient accumulator)
         self._round_samples = 0  # ours in the epoch's averaging round that step() is waiting for
+        self.epoch_samples = 0  # samples of the whole swarm behind the last epoch applied
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
         self.samples_per_second = 0.0
         self._last_step_time: float | None = None
         self._params = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
-        self._grad_sums = [torch.zeros_like(p) for p in self._params]
         self._init_optimizer_state()
         common = dict(compression=compression, mode=averaging_mode, matchmaking_time=matchmaking_time,
-                      allreduce_timeout=averaging_timeout)
-        self.grad_averager = Averager(peer, self._grad_sums, f"{run_id}.grads", allow_state_sharing=False,
-                                      powersgd_rank=powersgd_rank, **common)
+                      allreduce_timeout=averaging_timeout, copy=False)
+        # Sync mode's gradient accumulator, averaged in place: sum of batch gradients x samples /
+        # target_batch_size (about a mean gradient in size, whatever the codec).
+        self.grad_averager = None if mode != "sync" else Averager(
+            peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.grads", allow_state_sharing=False,
+            powersgd_rank=powersgd_rank, **common)
+        self._cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
+        self._spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
+        # The parameters and statistics themselves: averaged in place, served to newcomers.
         self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
                                        grid=grid if mode == "moshpit" else None, **common)
         self.state_averager.state_metadata = {"epoch": 0}
         if mode == "diloco":
-            self._outer_params = [p.detach().clone().requires_grad_(True) for p in self._params]
-            self.outer = torch.optim.SGD(self._outer_params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+            self._outer_params = [p.detach().clone() for p in self._params]
+            self._outer_momentum = [torch.zeros_like(p) for p in self._params]
+            self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
             self.delta_averager = Averager(peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.delta",
                                            allow_state_sharing=False, **common)
         client_mode = averaging_mode == "client" or peer.transport.client_mode
@@ -167,15 +202,20 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._measure_speed()
-        if self.mode == "sync":
-            self._sync_step()
-        else:
-            self.inner.step()
-            self.zero_grad()  # consumed, as in sync mode
-            self.samples += self.batch_size_per_step
-            self.steps += 1
-            if self.steps >= self.local_steps:
-                self._moshpit_round() if self.mode == "moshpit" else self._diloco_round()
+        self._waited, self._stepping = False, True
+        try:
+            if self.mode == "sync":
+                self._sync_step()
+            else:
+                self._inner_step()
+                self.samples += self.batch_size_per_step
+                self.steps += 1
+                if self.steps >= self.local_steps:
+                    self._moshpit_round() if self.mode == "moshpit" else self._diloco_round()
+        finally:
+            self._stepping = False
+            if self._waited:  # time spent in rounds or downloads is not computing time
+                self._last_step_time = time.perf_counter()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -186,7 +226,7 @@ class Optimizer(torch.optim.Optimizer):
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state["inner"])
+        self._load_inner(state["inner"])
         self.local_epoch = int(state.get("epoch", 0))
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -214,31 +254,26 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(f"{path} is not a potluck checkpoint")
         if len(state["params"]) != len(self._params):
             raise ValueError(f"{path} holds {len(state['params'])} parameters; this model has {len(self._params)}")
-        with torch.no_grad():
+        if any(p.shape != saved.shape for p, saved in zip(self._params, state["params"], strict=True)):
+            raise ValueError(f"{path}: parameter shapes do not fit this model")
+        with self.state_averager.get_tensors(), torch.no_grad():
             for p, saved in zip(self._params, state["params"], strict=True):
-                if p.shape != saved.shape:
-                    raise ValueError(f"{path}: a parameter of shape {tuple(saved.shape)} does not fit {tuple(p.shape)}")
                 p.copy_(saved)
-        self.inner.load_state_dict(state["optimizer"])
+        self._load_inner(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.local_epoch = int(state["epoch"])
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         self.state_averager.round = self.local_epoch  # the version newcomers compare
-        self._sync_state_tensors(to_averager=True)
         self.peer.run(self.state_averager.announce_state(), 30)
 
     # -- sync mode (DeDLOC) -------------------------------------------------------------------------
     def _sync_step(self) -> None:
         grads = [p.grad for p in self._params]
-        if any(g is not None and not all_finite(g) for g in grads):
+        if not _finite(grads):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
         elif self.averaging_mode != "aux":
-            with torch.no_grad():
-                for total, g in zip(self._grad_sums, grads, strict=True):
-                    if g is not None:
-                        total.add_(g, alpha=self.batch_size_per_step)
-            self.samples += self.batch_size_per_step
+            self._accumulate(grads)
         for p in self._params:
             p.grad = None
         if self._pending is not None:
@@ -251,8 +286,34 @@ class Optimizer(torch.optim.Optimizer):
         elif progress.epoch > self.local_epoch:
             if time.monotonic() >= self._next_catch_up:
                 self._catch_up(progress.epoch)  # the round is over: we are a straggler
-        elif progress.samples >= self.target_batch_size:
-            self._update_epoch(progress)
+        elif progress.part > self._part and progress.epoch == self.local_epoch:
+            self._part = progress.part  # a short round we were not in: our samples still count
+        elif progress.eta_seconds == 0 or (self._part_due is not None and time.monotonic() >= self._part_due):
+            self._update_epoch(progress)  # the global batch is due now (extrapolated at everyone's speed)
+
+    def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
+        """Add one batch's gradients to the accumulator (the spare one while a delayed update
+        averages the other in the background)."""
+        scale = self.batch_size_per_step / self.target_batch_size
+        if self._pending is None:
+            with self.grad_averager.get_tensors() as sums, torch.no_grad():
+                if self._cleared:  # one pass instead of clearing, then adding
+                    for total, g in zip(sums, grads, strict=True):
+                        if g is None:
+                            total.zero_()
+                        else:
+                            torch.mul(g, scale, out=total)
+                    self._cleared = False
+                else:
+                    torch._foreach_add_([s for s, g in zip(sums, grads, strict=True) if g is not None],
+                                        [g for g in grads if g is not None], alpha=scale)
+        else:
+            if self._spare is None:
+                self._spare = [torch.zeros_like(p) for p in self._params]
+            with torch.no_grad():
+                torch._foreach_add_([s for s, g in zip(self._spare, grads, strict=True) if g is not None],
+                                    [g for g in grads if g is not None], alpha=scale)
+        self.samples += self.batch_size_per_step
 
     @property
     def accumulating_epoch(self) -> int:
@@ -262,8 +323,18 @@ class Optimizer(torch.optim.Optimizer):
     def progress(self) -> GlobalProgress:
         """The collaboration's progress as this peer estimates it now."""
         local = PeerProgress(self.peer.peer_id, self.accumulating_epoch, self.samples, self.samples_per_second,
-                             self.peer.dht.get_time(), self.tracker.client_mode, self.local_epoch)
+                             self.peer.dht.get_time(), self.tracker.client_mode, self.local_epoch, self._in_round,
+                             False, self._part if self._pending is None else 0)
         return self.tracker.estimate(self._reports, local)
+
+    def _training_peers(self, reports: Iterable[PeerProgress], epoch: int, live: bool) -> list[PeerProgress]:
+        """Other peers that may average `epoch`'s gradients: not idle, and on that epoch (or,
+        in a view that may be a moment old, one before it). With `live`, only those that
+        reported within LIVE_SECONDS (not departed), on that very epoch (a fresh view)."""
+        now = self.peer.dht.get_time()
+        oldest = epoch if live else epoch - 1
+        return [r for r in reports if r.peer_id != self.peer.peer_id and oldest <= r.epoch and r.done <= epoch
+                and not r.idle and (not live or r.live(now))]
 
     def _update_epoch(self, progress: GlobalProgress) -> None:
         """Average the accumulated gradients with the swarm and apply one optimizer step.
@@ -272,33 +343,33 @@ class Optimizer(torch.optim.Optimizer):
         computed, and its step is applied at the first `step()` after it ends (one or more steps
         stale, as in DeDLOC); otherwise `step()` waits for it.
         """
-        samples = self.samples
-        with self.grad_averager.get_tensors() as tensors:
-            for t, total in zip(tensors, self._grad_sums, strict=True):
-                t.copy_(total / max(samples, 1))
-        for total in self._grad_sums:
-            total.zero_()
-        self.samples = 0
-        epoch = self.local_epoch
-        # Close the group once everyone who is alive has joined; overestimating only costs the
-        # rest of the matchmaking window, underestimating would split the swarm in two.
-        expected = max(2, sum(1 for r in progress.reports if r.epoch >= epoch - 1))
-        if not any(r.peer_id != self.peer.peer_id for r in progress.reports):
+        samples, epoch = self.samples, self.local_epoch
+        self.samples, self._part_due = 0, None
+        self._clear_now()
+        # Close the group once everyone training has joined; overestimating only costs the rest
+        # of the matchmaking window, underestimating would split the swarm in two.
+        others = self._training_peers(progress.reports, epoch, live=False)
+        expected = 1 + len(others)
+        if not others:
             future: concurrent.futures.Future = concurrent.futures.Future()  # alone: nothing to average
             future.set_exception(AveragingError("no other peer is training"))
             self._finish_update(_Round(future, epoch, expected, samples))
             return
+        # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
+        # part after a short round has its own key: the short round's declarations are still live.
         future = self.peer.submit(self.grad_averager.astep(
-            weight=float(samples), group_key=f"epoch{epoch}", target_group_size=expected))
+            weight=1.0, gather={"samples": samples, "sps": self.samples_per_second},
+            group_key=f"epoch{epoch}.{self._part}",
+            target_group_size=expected))
         pending = _Round(future, epoch, expected, samples)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
-        self._round_samples = samples  # peers slow to see the batch full must still see it
+        self._round_samples, self._in_round, self._waited = samples, True, True  # frozen: others stop extrapolating us
         try:
-            concurrent.futures.wait([future])
+            concurrent.futures.wait([future, self.peer.submit(self._report())])
         finally:
-            self._round_samples = 0
+            self._round_samples, self._in_round = 0, False
         self._finish_update(pending)
 
     def _finish_update(self, pending: _Round) -> None:
@@ -307,47 +378,109 @@ class Optimizer(torch.optim.Optimizer):
         future, epoch = pending.future, pending.epoch
         error = future.exception()
         if error is None:
-            logger.info("epoch %d: averaged gradients with %d peers", epoch, future.result().group_size)
-        else:
-            others = [r for r in self.progress().reports if r.peer_id != self.peer.peer_id]
-            if others:  # alone we know the answer; otherwise ask the DHT what happened meanwhile
-                others = [r for r in self._fresh_reports() if r.peer_id != self.peer.peer_id]
-            if any(r.done > epoch for r in others):
-                logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
-                self._catch_up(max(r.done for r in others))
+            result = future.result()
+            total = sum(_samples(result.gathered.get(p)) for p in result.contributors)
+            if total < self.target_batch_size:
+                # Short of the global batch (a peer computed slower than it reported): the sum
+                # stays with one member, the first contributor, and the epoch goes on; every
+                # member decides alike from the same group. The rest is due at the members'
+                # speeds, which they just told each other: no need to wait for progress views.
+                keeper = result.contributors[:1] == [self.peer.peer_id]
+                speed = sum(_speed(result.gathered.get(p)) for p in result.contributors)
+                if speed > 0:
+                    self._part_due = time.monotonic() + (self.target_batch_size - total) / speed
+                logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total,
+                            self.target_batch_size)
+                self._carry_over(len(result.contributors) if keeper else 0.0)
+                self.samples += total if keeper else 0
+                self._part += 1
+                self.peer.run(self._report(), 10)
                 return
-            self._attempt += 1
-            if others and self._attempt < MAX_ROUND_ATTEMPTS:
-                logger.info("epoch %d: averaging failed (%s); others are still on this epoch: trying again",
-                            epoch, error)
-                self._restore_gradients(pending)
-                return
-            if others:
-                logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
-                               epoch, self._attempt, error)
-        with self.grad_averager.get_tensors() as tensors:
-            for p, t in zip(self._params, tensors, strict=True):
-                p.grad = t.clone()
-        self.inner.step()
-        self.zero_grad()
+            logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
+            self._apply_gradients(len(result.contributors) / total, total, pending.expected)
+            return
+        others = [r for r in self.progress().reports if r.peer_id != self.peer.peer_id]
+        if others:  # alone we know the answer; otherwise ask the DHT what happened meanwhile
+            others = [r for r in self._fresh_reports() if r.peer_id != self.peer.peer_id]
+        if any(r.done > epoch for r in others):
+            logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
+            self._carry_over(0.0)
+            self._catch_up(max(r.done for r in others))
+            return
+        self._attempt += 1
+        waiting = self._training_peers(others, epoch, live=True)  # not those gone or idle
+        if waiting and self._attempt < MAX_ROUND_ATTEMPTS:
+            logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
+                        epoch, error, len(waiting))
+            self._carry_over(1.0)
+            self.samples += pending.samples
+            return
+        if waiting:
+            logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
+                           epoch, self._attempt, error)
+        self._apply_gradients(1 / max(pending.samples, 1), pending.samples, pending.expected)
+
+    def _apply_gradients(self, per_sample: float, samples: int, expected: int) -> None:
+        """The wrapped optimizer's step on the accumulator (x `per_sample` x target: the mean
+        gradient), handed over as `.grad` without a copy; then the next epoch."""
+        self._clear_now()
+        with self.grad_averager.get_tensors() as sums, torch.no_grad():
+            if per_sample * self.target_batch_size != 1:
+                torch._foreach_mul_(sums, per_sample * self.target_batch_size)
+            for p, t in zip(self._params, sums, strict=True):
+                p.grad = t
+            try:
+                self._inner_step(closes_epoch=True)
+            finally:
+                for p in self._params:
+                    p.grad = None
+        self._carry_over(0.0)
+        self.epoch_samples = samples
+        average_state = self.average_state_every and (self.local_epoch + 1) % self.average_state_every == 0 \
+            and len(self.progress().reports) > 1  # alone, there is nobody to average with
+        self._in_round = bool(average_state)  # already in the new epoch's first report
         self._advance_epoch()
-        if self.average_state_every and self.local_epoch % self.average_state_every == 0 \
-                and len(self.progress().reports) > 1:  # alone, there is nobody to average with
-            self._average_state(f"state{self.local_epoch}", pending.expected)
+        if average_state:
+            self._average_state(f"state{self.local_epoch}", expected)
+
+    def _carry_over(self, keep: float) -> None:
+        """After a round: keep `keep` x the accumulator (0: clear it) and add the spare one (what
+        was accumulated meanwhile)."""
+        with self.grad_averager.get_tensors() as sums, torch.no_grad():
+            if keep == 0 and self._spare is None:
+                self._cleared = True
+            elif keep == 0:
+                torch._foreach_copy_(sums, self._spare)
+            else:
+                if keep != 1:
+                    torch._foreach_mul_(sums, keep)
+                if self._spare is not None:
+                    torch._foreach_add_(sums, self._spare)
+            if self._spare is not None:
+                torch._foreach_zero_(self._spare)
+
+    def _clear_now(self) -> None:
+        """Really zero the accumulator if it only counts as cleared (before it is read)."""
+        if self._cleared:
+            with self.grad_averager.get_tensors() as sums:
+                torch._foreach_zero_(sums)
+            self._cleared = False
 
     async def _report(self) -> None:
         """Publish our progress. While step() waits for the epoch's round, the samples in it still
         count, so that a peer whose view lags still sees the batch full and joins the round
         instead of missing it."""
         await self.tracker.report(self.accumulating_epoch, self.samples + self._round_samples,
-                                  self.samples_per_second, self.local_epoch)
+                                  self.samples_per_second, self.local_epoch, self._in_round, self._idle(),
+                                  self._part if self._pending is None else 0)
 
-    def _restore_gradients(self, pending: _Round) -> None:
-        """Put a failed round's gradients back, so they count towards the retry."""
-        with self.grad_averager.get_tensors() as tensors, torch.no_grad():
-            for total, t in zip(self._grad_sums, tensors, strict=True):
-                total.add_(t, alpha=pending.samples)
-        self.samples += pending.samples
+    def _idle(self) -> bool:
+        """We have stopped calling step() (a peer that never stepped is still starting)."""
+        last, speed = self._last_step_time, self.samples_per_second
+        if self._stepping or last is None or speed <= 0:
+            return False
+        idle_after = max(IDLE_FLOOR_SECONDS, IDLE_STEP_INTERVALS * self.batch_size_per_step / speed)
+        return time.perf_counter() - last > idle_after
 
     def _fresh_reports(self) -> list[PeerProgress]:
         """Everyone's progress read from the DHT now (the background view may be a moment old)."""
@@ -360,28 +493,27 @@ class Optimizer(torch.optim.Optimizer):
         self._after_epoch()
 
     def _after_epoch(self) -> None:
+        self._waited, self._part, self._part_due = True, 0, None
         if self.scheduler is not None:
             self.scheduler.step()
-        # What newcomers download: this epoch's parameters and statistics, labelled with it.
-        self._sync_state_tensors(to_averager=True)
-        self.state_averager.state_metadata = {"epoch": self.local_epoch}
-        if self.mode == "sync":
-            self.state_averager.round = self.local_epoch  # the version donors announce
+        self._label_state(self.local_epoch)
         self.peer.run(self._report(), 10)
 
     def _average_state(self, key: str, expected: int) -> None:
-        self._sync_state_tensors(to_averager=True)
+        """Average parameters and statistics in place (untouched if the round fails)."""
+        self._in_round = True
         try:
             self.state_averager.step(group_key=key, target_group_size=expected)
         except AveragingError as e:
             logger.warning("averaging parameters failed (%s); keeping local ones", e)
-            return
-        self._sync_state_tensors(to_averager=False)
+        finally:
+            self._in_round = False
+        self.peer.run(self._report(), 10)  # computing again: others may extrapolate us
 
     def _catch_up(self, epoch: int) -> None:
         """We fell behind the swarm: take its state; recent gradients count towards the next epoch."""
         behind = epoch - self.local_epoch
-        self._attempt = 0
+        self._attempt, self._waited, self._part, self._part_due = 0, True, 0, None
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
         if not self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self.local_epoch = epoch  # nobody could share the newest state; keep ours and rejoin
@@ -389,17 +521,15 @@ class Optimizer(torch.optim.Optimizer):
         elif self.local_epoch < epoch:
             self._next_catch_up = time.monotonic() + CATCH_UP_RETRY_SECONDS
         if behind > MAX_STALE_EPOCHS:
-            for total in self._grad_sums:
-                total.zero_()
+            self._carry_over(0.0)
             self.samples = 0
 
     # -- local-update modes ---------------------------------------------------------------------------
     def _moshpit_round(self) -> None:
         self.steps = 0
-        self._sync_state_tensors(to_averager=True)
         try:
-            self.state_averager.step(weight=float(self.samples))
-            self._sync_state_tensors(to_averager=False)
+            if self._anyone_else():
+                self.state_averager.step(weight=float(self.samples))  # in place; untouched on failure
         except AveragingError as e:
             logger.warning("moshpit averaging failed (%s); continuing locally", e)
         self.samples = 0
@@ -410,63 +540,97 @@ class Optimizer(torch.optim.Optimizer):
         it to the shared starting point with Nesterov momentum."""
         self.steps = 0
         with self.delta_averager.get_tensors() as deltas, torch.no_grad():
-            for d, start, p in zip(deltas, self._outer_params, self._params, strict=True):
-                d.copy_(start - p)
+            torch._foreach_copy_(deltas, self._outer_params)
+            torch._foreach_sub_(deltas, self._params)
         try:
-            self.delta_averager.step(weight=float(self.samples), group_key=f"outer{self.local_epoch}")
+            if self._anyone_else():
+                self.delta_averager.step(weight=float(self.samples), group_key=f"outer{self.local_epoch}")
         except AveragingError as e:
             logger.warning("diloco averaging failed (%s); using the local change", e)
-        with self.delta_averager.get_tensors() as deltas:
-            for start, d in zip(self._outer_params, deltas, strict=True):
-                start.grad = d.clone()
-        self.outer.step()
-        self.outer.zero_grad()
-        with torch.no_grad():
-            for p, start in zip(self._params, self._outer_params, strict=True):
-                p.copy_(start)
+        with self.delta_averager.get_tensors() as deltas, torch.no_grad():
+            # SGD with Nesterov momentum (as torch.optim.SGD computes it), all in place: no temporaries
+            torch._foreach_mul_(self._outer_momentum, self.outer_momentum)
+            torch._foreach_add_(self._outer_momentum, deltas)
+            torch._foreach_add_(deltas, self._outer_momentum, alpha=self.outer_momentum)
+            torch._foreach_add_(self._outer_params, deltas, alpha=-self.outer_lr)
+        with self.state_averager.get_tensors(), torch.no_grad():
+            torch._foreach_copy_(self._params, self._outer_params)
         self.samples = 0
         self._advance_epoch()
 
+    def _anyone_else(self) -> bool:
+        """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""
+        return any(r.peer_id != self.peer.peer_id and not r.idle for r in self.progress().reports)
+
     # -- state ----------------------------------------------------------------------------------------
+    def _inner_step(self, closes_epoch: bool = False) -> None:
+        """The wrapped optimizer's step, under the state lock (newcomers never see half of it,
+        nor the new parameters labelled with the old epoch)."""
+        with self.state_averager.get_tensors():
+            self.inner.step()
+            if closes_epoch:
+                self._label_state(self.local_epoch + 1)
+        self.zero_grad()  # consumed
+
+    def _label_state(self, epoch: int) -> None:
+        """What newcomers download is labelled with the epoch of the parameters."""
+        self.state_averager.state_metadata = {"epoch": epoch}
+        if self.mode == "sync":
+            self.state_averager.round = epoch  # the version donors announce
+
     def _init_optimizer_state(self) -> None:
         """Create the wrapped optimizer's statistics now (zeros), so every peer averages and
-        downloads the same set of tensors from the first epoch on."""
+        downloads the same set of tensors from the first epoch on. One parameter at a time and
+        with a learning rate of 0: no copy of the model, and the parameters stay as they are."""
         if any(self.inner.state.get(p) for p in self._params):
             return
-        backup = [p.detach().clone() for p in self._params]
-        for p in self._params:
-            p.grad = torch.zeros_like(p)
-        self.inner.step()
-        with torch.no_grad():
-            for p, b in zip(self._params, backup, strict=True):
-                p.copy_(b)
+        rates = [group.get("lr") for group in self.inner.param_groups]
+        try:
+            for group in self.inner.param_groups:
+                group["lr"] = 0.0
+            for p in self._params:
+                p.grad = torch.zeros_like(p)
+                self.inner.step()
                 p.grad = None
+        finally:
+            for group, rate in zip(self.inner.param_groups, rates, strict=True):
+                group["lr"] = rate
+        with torch.no_grad():
             for state in self.inner.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor) and value.is_floating_point():
                         value.zero_()
 
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        return [state[name] for p in self._params for state in [self.inner.state.get(p, {})]
+    def _optimizer_slots(self) -> list[tuple[dict, str]]:
+        return [(state, name) for p in self._params for state in [self.inner.state.get(p, {})]
                 for name in sorted(state) if isinstance(state[name], torch.Tensor)
                 and state[name].is_floating_point()]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [state[name] for state, name in self._optimizer_slots()]
 
     def _state_tensors(self) -> list[torch.Tensor]:
         return [p.detach() for p in self._params] + self._optimizer_tensors()
 
-    def _sync_state_tensors(self, to_averager: bool) -> None:
-        ours = self._state_tensors()
-        with self.state_averager.get_tensors() as theirs, torch.no_grad():
-            for mine, avg in zip(ours, theirs, strict=True):
-                (avg.copy_(mine) if to_averager else mine.copy_(avg.view_as(mine)))
+    def _load_inner(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state into the tensors it has now: the state averager
+        averages and serves those very tensors."""
+        kept = self._optimizer_tensors()
+        with self.state_averager.get_tensors(), torch.no_grad():
+            self.inner.load_state_dict(state_dict)
+            slots = self._optimizer_slots()
+            if [t.shape for t in kept] != [state[name].shape for state, name in slots]:
+                raise ValueError("the optimizer state does not fit this model's")
+            for old, (state, name) in zip(kept, slots, strict=True):
+                old.copy_(state[name])
+                state[name] = old
 
     def _try_load_state(self, timeout: float) -> bool:
         try:
-            version, metadata = self.state_averager.load_state_from_peers(timeout)
+            version, metadata = self.state_averager.load_state_from_peers(timeout)  # into our tensors
         except AveragingError as e:
             logger.info("no state downloaded (%s); starting from local parameters", e)
             return False
-        self._sync_state_tensors(to_averager=False)
         epoch = int(metadata.get("epoch", 0)) if isinstance(metadata, dict) else 0
         while self.local_epoch < epoch:
             self.local_epoch += 1
@@ -475,8 +639,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         if self.mode == "diloco":
             with torch.no_grad():
-                for start, p in zip(self._outer_params, self._params, strict=True):
-                    start.copy_(p)
+                torch._foreach_copy_(self._outer_params, self._params)
         logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
         return True
 
@@ -504,3 +667,23 @@ class Optimizer(torch.optim.Optimizer):
         for averager in (self.grad_averager, self.state_averager, getattr(self, "delta_averager", None)):
             if averager is not None:
                 averager.shutdown()
+
+
+
+def _samples(metadata: Any) -> int:
+    """The samples a round member says it contributed (0 if it says nothing sensible)."""
+    value = metadata.get("samples") if isinstance(metadata, dict) else None
+    return value if isinstance(value, int) and 0 <= value <= MAX_CLAIMED_SAMPLES else 0
+
+
+def _speed(metadata: Any) -> float:
+    """The samples per second a round member says it computes (0 if nothing sensible)."""
+    value = metadata.get("sps") if isinstance(metadata, dict) else None
+    return float(value) if isinstance(value, (int, float)) and 0 <= value <= MAX_SAMPLES_PER_SECOND else 0.0
+
+
+def _finite(grads: list[torch.Tensor | None]) -> bool:
+    """No NaN or infinity in the batch's gradients. One pass: a finite sum proves every value
+    finite (a sum that overflows float also drops the batch; such gradients are no use)."""
+    sums = [g.detach().sum(dtype=torch.float32) for g in grads if g is not None]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
