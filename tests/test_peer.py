@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -149,3 +150,22 @@ def test_potluck_help_lists_commands():
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert "peer" in out and "demo" in out
+
+
+@pytest.mark.timeout(30)
+def test_stop_signal_ends_a_wait_without_taking_a_lock_in_the_handler(monkeypatch):
+    """A handler that takes a lock can deadlock with the main thread it interrupts (seen: `potluck
+    peer` hung on SIGTERM inside `Event.wait`); StopSignal's handler only sets a flag."""
+    from potluck.cli import signals
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = signals.StopSignal()
+        assert not stop.wait(0)
+        sleeping = threading.Event()
+        real_sleep = time.sleep
+        monkeypatch.setattr(signals.time, "sleep", lambda s: (sleeping.set(), real_sleep(s)))
+        threading.Thread(target=lambda: sleeping.wait(10) and os.kill(os.getpid(), signal.SIGTERM)).start()
+        assert stop.wait(25) and stop.is_set()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

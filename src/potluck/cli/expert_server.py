@@ -6,11 +6,10 @@ import argparse
 import itertools
 import logging
 import re
-import signal
 import sys
-import threading
 
 from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.signals import StopSignal
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     optimizer = {"adam": lambda p: torch.optim.Adam(p, args.lr), "sgd": lambda p: torch.optim.SGD(p, args.lr),
                  "none": None}[args.optimizer]
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     with start_peer(args) as peer, ExpertServer.from_type(
             peer, uids, args.expert_type, args.hidden, optimizer, seed=args.seed, max_batch_size=args.max_batch_size,
             checkpoint_dir=args.checkpoint_dir, checkpoint_interval=args.checkpoint_interval,

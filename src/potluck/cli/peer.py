@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 
+from potluck.cli.signals import StopSignal
 from potluck.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -48,9 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C at any moment, even during start-up: clean exit
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     with start_peer(args) as peer:
         print(f"peer id: {peer.peer_id}")
         if peer.addresses:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.signals import StopSignal
 
 # A node republishes its profile this often (well inside profiling.PROFILE_TTL).
 REPUBLISH_SECONDS = 60.0
@@ -57,9 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     from potluck.pipeline.profiling import profile_node, publish_profile, serve_probes
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     with start_peer(args) as peer:
         serve_probes(peer.transport)
         memory = int(args.memory * 2**20) if args.memory else None

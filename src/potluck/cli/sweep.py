@@ -8,13 +8,12 @@ import csv
 import importlib
 import json
 import logging
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.signals import StopSignal
 from potluck.ps.sweep import LEASE_SECONDS, SweepError, SweepSpec, Trial, run_sweep
 
 logger = logging.getLogger(__name__)
@@ -112,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
     spec = SweepSpec.from_file(args.config)
     objective = load_objective(args.objective)
     trials = spec.trial_list()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignal()
     started = time.time()
     with start_peer(args) as peer:
         print(f"sweep {spec.name!r}: {len(trials)} trials; peer id {peer.peer_id}")
