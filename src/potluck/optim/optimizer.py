@@ -27,8 +27,8 @@ it holds beyond the model and the wrapped optimizer (one peer, between rounds):
 - "moshpit": 0.
 - "diloco": 3 (the outer starting point, the averaged change, the outer momentum).
 During a round the all-reduce adds transient buffers of the averaged size (a flat snapshot and
-the result), freed when the round ends; a donor holds one copy of its state per snapshot that
-newcomers are downloading.
+the result), freed when the round ends; a donor holds at most one copy of its state while
+newcomers download it.
 """
 
 from __future__ import annotations
