@@ -373,3 +373,30 @@ def test_epochs_hold_between_one_and_one_and_a_quarter_global_batches(swarm):
         counts.append(agreed.pop())
     assert min(counts) >= target, counts
     assert sorted(counts)[len(counts) // 2] <= 1.25 * target, counts
+
+
+@pytest.mark.timeout(240)
+def test_state_round_is_skipped_while_peers_hold_the_same_state_and_repairs_a_drift(swarm):
+    """Every `average_state_every` epochs the state is averaged only if the members' digests
+    differ: the same step on the same state leaves them alike, so the round would change nothing.
+    A peer whose state drifted is averaged back at the next such epoch."""
+    members = swarm(2, "skip-state", target_batch_size=128, average_state_every=2)
+    for m in members:  # a peer that sees nobody yet trains alone: not what this test is about
+        wait_until(lambda m=m: len(m.opt.progress().reports) == 2, 30, "the peers did not see each other")
+    rounds = [0, 0]
+    for i, m in enumerate(members):
+        original = m.opt.state_averager.step
+
+        def counting(*args, _i=i, _original=original, **kwargs):
+            rounds[_i] += 1
+            return _original(*args, **kwargs)
+        m.opt.state_averager.step = counting
+    train(members, 6)
+    assert rounds == [0, 0], rounds
+    assert len({digest(m.model) for m in members}) == 1
+    with members[1].opt.state_averager.get_tensors(), torch.no_grad():
+        next(members[1].model.parameters()).add_(1.0)  # a drift (as after a round that failed for one peer)
+    train(members, 10)
+    assert all(r >= 1 for r in rounds), rounds
+    common = 10 if 10 % 2 == 0 else 9
+    assert len({m.digests[common] for m in members}) == 1

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,36 +146,42 @@ class Averager:
             yield self._tensors
 
     def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
-             group_key: str | None = None, target_group_size: int | None = None) -> StepResult:
+             group_key: str | None = None, target_group_size: int | None = None,
+             members: Collection[str] | None = None) -> StepResult:
         """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
 
         `weight` (e.g. the number of samples behind these tensors) weighs this peer's
         contribution; `gather` is small metadata handed to every member (see StepResult).
         `group_key` restricts this step to peers using the same key (e.g. the same epoch), and
-        `target_group_size` overrides the averager's for this step.
+        `target_group_size` overrides the averager's for this step. `members` (peer ids): every
+        peer that takes part, if the caller knows them; if they were our last group, it meets
+        again without the DHT (see `potluck.averaging.matchmaking`).
         """
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         return self.peer.run(self.astep(weight, timeout, gather, group_key=group_key,
-                                        target_group_size=target_group_size), budget + 5)
+                                        target_group_size=target_group_size, members=members), budget + 5)
 
     async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
-                    group_key: str | None = None, target_group_size: int | None = None) -> StepResult:
+                    group_key: str | None = None, target_group_size: int | None = None,
+                    members: Collection[str] | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         try:
             async with compat.timeout(budget):
-                return await self._step(weight, gather, group_key, target_group_size)
+                known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
+                return await self._step(weight, gather, group_key, target_group_size, known)
         except TimeoutError:
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
 
-    async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None) -> StepResult:
+    async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
+                    members: frozenset[PeerID] | None) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
         snapshot = None if self.mode == "aux" else asyncio.ensure_future(run_in_thread(self._flatten))
         try:
             formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
-                                                      metadata=gather, target=target, ready=snapshot)
+                                                      metadata=gather, target=target, ready=snapshot, members=members)
         finally:
             _discard(snapshot)
         group = formed.group

@@ -7,6 +7,13 @@ returns the finished group. A leader that discovers an earlier leader hands its 
 and joins that one, so a key's peers end in one group whenever they can see each other. Peers in
 client mode never lead (nobody can dial them); they only join.
 
+A group meets again without the DHT: a member asks the leader of its last group directly, and a
+leader whose caller knows that exactly that group's members take part (`members`) closes the
+group as soon as they are back, with no declaration and no settling. A leader that is open to
+newcomers turns its old members away, and they fall back to the DHT like everyone else; so does a
+member whose leader does not gather in time. This saves the DHT's part of every epoch's
+matchmaking in a stable swarm (most of a round on a fast network).
+
 The leader closes the group when it reaches `target_group_size` or its window ends, decides the
 load split (DeDLOC's linear program over the members' measured bandwidths) and the member order,
 and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
@@ -45,6 +52,13 @@ MAX_METADATA_BYTES = 16 * 1024
 MAX_ADDRESSES = 8
 # A leader refuses groups larger than this whatever a follower asks (protects its memory/CPU).
 MAX_GROUP_SIZE = 1024
+# A returning member may ask before its leader has started gathering under the key; the leader
+# holds such a request this long at most (only members of its last group can ask: at most
+# MAX_GROUP_SIZE waiters, each a few hundred bytes).
+REJOIN_WAIT = 5.0
+# A returning member asks to be held for this part of its window; a leader that has not started
+# gathering by then is late or gone, and the member uses the DHT in the rest of the window.
+REJOIN_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,7 @@ class _Gathering:
     done: asyncio.Future[FormedGroup | str] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     ready: asyncio.Future | None = None  # the owner's own check; nobody joins before it passes
+    keep: bool = False  # the last group meets again, without the DHT (see the module docstring)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while not joining someone
 
     def __post_init__(self) -> None:
@@ -95,6 +110,9 @@ class Matchmaker:
         self.target = min(target_group_size or MAX_GROUP_SIZE, MAX_GROUP_SIZE)
         self.min_group_size = min_group_size
         self._gatherings: dict[str, _Gathering] = {}
+        self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
+        self.leader: PeerID | None = None  # of the last group we were in (ourselves if we led it)
+        self._last_members: frozenset[PeerID] = frozenset()  # of the last group we led
         transport.add_handler(f"{METHOD_JOIN}.{prefix}", self._on_join)
 
     def close(self) -> None:
@@ -108,23 +126,49 @@ class Matchmaker:
 
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
                          metadata: Any = None, target: int | None = None,
-                         ready: asyncio.Future | None = None) -> FormedGroup:
+                         ready: asyncio.Future | None = None,
+                         members: frozenset[PeerID] | None = None) -> FormedGroup:
         """Find peers under `group_key` within `window` seconds and return the group formed; a
         leader closes the group early once it has `target` members (default: the matchmaker's).
 
         `ready`, if given, is this peer's own preparation (e.g. checking its tensors), running
         meanwhile: no group is joined or formed, and nobody joins ours, until it succeeds; if it
-        fails, its error is raised here and the peer takes part in no group."""
+        fails, its error is raised here and the peer takes part in no group.
+
+        `members`: every peer that takes part, if the caller knows them: if they are the group
+        we led last time, we wait for them only, without the DHT. Members of a last group always
+        ask its leader first."""
+        keep = members is not None and self.leader == self.transport.peer_id and not self.client \
+            and members == self._last_members
+        if keep:  # full once they are all back
+            target = min(target or self.target, len(members))
+        formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
+        self.leader = formed.group.peers[0]
+        self._last_members = frozenset(formed.group.peers) if self.leader == self.transport.peer_id else frozenset()
+        return formed
+
+    async def _form(self, group_key: str, window: float, bandwidth: tuple[float, float], metadata: Any,
+                    target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         addresses = tuple(str(a) for a in self.transport.addresses)
         me = (self.transport.peer_id, "client" if self.client else self.mode, bandwidth, metadata, addresses)
+        leader = self.leader if self.leader != self.transport.peer_id else None
+        if leader is not None:
+            await _settle(0.0, ready)  # our own check first: a failing peer must not join
+            rejoined = await self._rejoin(leader, group_key, me, window * REJOIN_FRACTION, give_up)
+            if rejoined is not None:
+                return rejoined
         gathering: _Gathering | None = None
         if not self.client:
             closes_at = self.dht.get_time() + window
             size = min(target or self.target, MAX_GROUP_SIZE)
-            gathering = _Gathering(group_key, self.schema, size, closes_at, [me], ready=ready)
+            gathering = _Gathering(group_key, self.schema, size, closes_at, [me], ready=ready, keep=keep)
             self._gatherings[group_key] = gathering
+            opened, self._opened = self._opened, asyncio.Event()
+            opened.set()
+            if keep:
+                return await self._keep(gathering, ready, give_up)
             await self.dht.astore(self._dht_key(group_key), {"schema": self.schema, "addrs": list(addresses)},
                                   closes_at, subkey=str(self.transport.peer_id))
         try:
@@ -163,6 +207,47 @@ class Matchmaker:
                 if not gathering.done.done():
                     gathering.done.set_result("the leader gave up")
                 gathering.settled.set()
+
+    async def _rejoin(self, leader: PeerID, group_key: str, me: tuple, wait: float,
+                      give_up: float) -> FormedGroup | None:
+        """Ask our last leader to take us again (it may hold us `wait` seconds before it gathers);
+        None if it will not (it is open to newcomers, late, or gone): then we use the DHT."""
+        try:
+            return await self._join(leader, group_key, me, give_up, set(), rejoin_wait=wait)
+        except AveragingError as e:
+            logger.debug("rejoining %s failed: %s", leader, e)
+            return None
+        finally:
+            self.leader = None  # asked once; it is set again by the group we end up in
+
+    async def _keep(self, gathering: _Gathering, ready: asyncio.Future | None, give_up: float) -> FormedGroup:
+        """Lead the last group again: close it once its members are back or the window ends."""
+        loop = asyncio.get_running_loop()
+        try:
+            await _settle(0.0, ready)
+            left = gathering.closes_at - self.dht.get_time()
+            if not gathering.full and left > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with compat.timeout(min(left, max(0.0, give_up - loop.time()))):
+                        await asyncio.shield(gathering.done)
+            return self._close(gathering)
+        finally:
+            self._gatherings.pop(gathering.key, None)
+            if not gathering.done.done():
+                gathering.done.set_result("the leader gave up")
+
+    async def _gathering_for(self, key: str, wait: float) -> _Gathering | None:
+        """Our gathering under `key`, waiting up to `wait` seconds for it to start."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (gathering := self._gatherings.get(key)) is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with compat.timeout(left):
+                    await self._opened.wait()
+        return gathering
 
     async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: tuple,
                             give_up: float, tried: set[PeerID]) -> FormedGroup | None:
@@ -215,10 +300,12 @@ class Matchmaker:
         return [peer for _, peer in sorted(candidates, key=lambda c: c[0])]
 
     async def _join(self, leader: PeerID, group_key: str, me: tuple, give_up: float,
-                    tried: set[PeerID]) -> FormedGroup | None:
+                    tried: set[PeerID], rejoin_wait: float | None = None) -> FormedGroup | None:
         """Ask `leader` to take us; None if it refused (the caller tries another). A full group
         names its members, so we skip all of them at once."""
         request = {"key": group_key, "schema": self.schema, "mode": me[1], "bw": list(me[2]), "meta": me[3]}
+        if rejoin_wait is not None:
+            request["again"] = rejoin_wait  # how long the leader may hold us before it gathers
         loop = asyncio.get_running_loop()
         try:
             reply = await self.transport.call(leader, f"{METHOD_JOIN}.{self.prefix}", request,
@@ -243,9 +330,17 @@ class Matchmaker:
     async def _on_join(self, request: Any, ctx: Any) -> dict:
         if not isinstance(request, dict) or not isinstance(request.get("key"), str):
             raise AveragingError("malformed join request")
-        gathering = self._gatherings.get(request["key"])
+        again = request.get("again")
+        if again is not None and not (isinstance(again, (int, float)) and again >= 0):
+            raise AveragingError("malformed join request: again")
+        if again is not None and ctx.peer_id not in self._last_members:
+            return {"refused": "not a member of our last group"}
+        gathering = self._gatherings.get(request["key"]) if again is None else \
+            await self._gathering_for(request["key"], min(float(again), REJOIN_WAIT))
         if gathering is None:
             return {"refused": "not gathering a group under this key"}
+        if again is not None and not gathering.keep:
+            return {"refused": "open to newcomers: find the group through the DHT"}
         if request.get("schema") != gathering.schema:
             return {"refused": "different tensor schema (shapes, dtypes or compression differ)"}
         mode, bw = request.get("mode"), request.get("bw")

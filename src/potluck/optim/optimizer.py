@@ -5,13 +5,15 @@ Lightning can use it. Call `step()` after every local batch of `batch_size_per_s
 
 Modes:
 - "sync" (DeDLOC): gradients accumulate locally until the whole collaboration has processed
-  `target_batch_size` samples (tracked through the DHT; peers enter the round when the batch is
-  due at everyone's reported speed); then the peers average their gradients (weighted by
+  `target_batch_size` samples (tracked through the DHT, and sent straight to the last group's
+  members; peers enter the round when the batch is due at everyone's reported speed, and a
+  stable group meets again without the DHT); then the peers average their gradients (weighted by
   samples), every peer applies the same optimizer step, and the epoch advances (`epoch_samples`:
   the samples behind it). A round that gathered fewer samples than the target does not end the
   epoch: its sum stays with one member and the peers accumulate on. Every
   `average_state_every` epochs the parameters and optimizer statistics are averaged too, which
-  also repairs any drift.
+  also repairs any drift; that round is skipped when every member of the gradient round held the
+  same state (their digests travel with the gradients): it would change nothing.
 - "moshpit": local SGD; every `local_steps` steps the parameters are averaged in Moshpit groups.
 - "diloco": `local_steps` inner steps of the wrapped optimizer, then an outer step with Nesterov
   momentum on the averaged change of the parameters.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import os
 import time
@@ -56,6 +59,9 @@ MODES = ("sync", "moshpit", "diloco")
 # How often progress is published and read (seconds): often enough that peers enter an averaging
 # round within a fraction of the matchmaking window of each other.
 PROGRESS_INTERVAL = 0.1
+# With neighbors (the last group's members, who hear from us directly at every change), progress
+# goes through the DHT only every this many intervals: it is for newcomers and for noticing them.
+DHT_EVERY_WITH_NEIGHBORS = 4
 # Weight of the newest measurement in the samples-per-second estimate.
 SPEED_SMOOTHING = 0.3
 # Version tag of checkpoint files.
@@ -89,6 +95,7 @@ class _Round:
     epoch: int
     expected: int  # group size we asked for; reused for the state averaging after it
     samples: int  # our samples behind the averaged gradients (in the accumulator)
+    members: frozenset[str] = frozenset()  # every live peer we knew of (see _members)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -183,9 +190,10 @@ class Optimizer(torch.optim.Optimizer):
             self.delta_averager = Averager(peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.delta",
                                            allow_state_sharing=False, **common)
         client_mode = averaging_mode == "client" or peer.transport.client_mode
-        self.tracker = ProgressTracker(peer.dht, run_id, peer.peer_id, target_batch_size, client_mode)
+        self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
         self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
         self._progress_task: concurrent.futures.Future | None = None
+        self._telling: concurrent.futures.Future | None = None  # see _tell_neighbors
         if load_state:
             self._try_load_state(load_state_timeout)
         self.peer.run(self.state_averager.announce_state(), 30)
@@ -274,6 +282,7 @@ class Optimizer(torch.optim.Optimizer):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
         elif self.averaging_mode != "aux":
             self._accumulate(grads)
+            self._tell_neighbors()
         for p in self._params:
             p.grad = None
         if self._pending is not None:
@@ -325,7 +334,7 @@ class Optimizer(torch.optim.Optimizer):
         local = PeerProgress(self.peer.peer_id, self.accumulating_epoch, self.samples, self.samples_per_second,
                              self.peer.dht.get_time(), self.tracker.client_mode, self.local_epoch, self._in_round,
                              False, self._part if self._pending is None else 0)
-        return self.tracker.estimate(self._reports, local)
+        return self.tracker.estimate(self.tracker.merged(self._reports), local)
 
     def _training_peers(self, reports: Iterable[PeerProgress], epoch: int, live: bool) -> list[PeerProgress]:
         """Other peers that may average `epoch`'s gradients: not idle, and on that epoch (or,
@@ -335,6 +344,13 @@ class Optimizer(torch.optim.Optimizer):
         oldest = epoch if live else epoch - 1
         return [r for r in reports if r.peer_id != self.peer.peer_id and oldest <= r.epoch and r.done <= epoch
                 and not r.idle and (not live or r.live(now))]
+
+    def _members(self, reports: Iterable[PeerProgress]) -> frozenset[str]:
+        """Every peer that may take part in a round now: us and every live peer that is not
+        idle, on any epoch. If they are exactly the last round's group, it meets again without
+        the DHT; anyone else (a newcomer, a peer catching up) opens the round to everyone."""
+        now = self.peer.dht.get_time()
+        return frozenset([self.peer.peer_id, *(r.peer_id for r in reports if r.live(now) and not r.idle)])
 
     def _update_epoch(self, progress: GlobalProgress) -> None:
         """Average the accumulated gradients with the swarm and apply one optimizer step.
@@ -355,13 +371,16 @@ class Optimizer(torch.optim.Optimizer):
             future.set_exception(AveragingError("no other peer is training"))
             self._finish_update(_Round(future, epoch, expected, samples))
             return
+        members = self._members(progress.reports)
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
+        gather = {"samples": samples, "sps": self.samples_per_second}
+        if self._averages_state_after(epoch):
+            gather["state"] = self._state_digest()  # all alike: the state round is not needed
         future = self.peer.submit(self.grad_averager.astep(
-            weight=1.0, gather={"samples": samples, "sps": self.samples_per_second},
-            group_key=f"epoch{epoch}.{self._part}",
-            target_group_size=expected))
-        pending = _Round(future, epoch, expected, samples)
+            weight=1.0, gather=gather,
+            group_key=f"epoch{epoch}.{self._part}", target_group_size=expected, members=members))
+        pending = _Round(future, epoch, expected, samples, members)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -379,6 +398,7 @@ class Optimizer(torch.optim.Optimizer):
         error = future.exception()
         if error is None:
             result = future.result()
+            self.tracker.set_neighbors(result.peers)
             total = sum(_samples(result.gathered.get(p)) for p in result.contributors)
             if total < self.target_batch_size:
                 # Short of the global batch (a peer computed slower than it reported): the sum
@@ -394,10 +414,13 @@ class Optimizer(torch.optim.Optimizer):
                 self._carry_over(len(result.contributors) if keeper else 0.0)
                 self.samples += total if keeper else 0
                 self._part += 1
-                self.peer.run(self._report(), 10)
+                self._publish()
                 return
             logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
-            self._apply_gradients(len(result.contributors) / total, total, pending.expected)
+            digests = [m.get("state") if isinstance(m, dict) else None for m in result.gathered.values()]
+            same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
+            self._apply_gradients(len(result.contributors) / total, total, pending.expected, pending.members,
+                                  same_state=same)
             return
         others = [r for r in self.progress().reports if r.peer_id != self.peer.peer_id]
         if others:  # alone we know the answer; otherwise ask the DHT what happened meanwhile
@@ -420,9 +443,12 @@ class Optimizer(torch.optim.Optimizer):
                            epoch, self._attempt, error)
         self._apply_gradients(1 / max(pending.samples, 1), pending.samples, pending.expected)
 
-    def _apply_gradients(self, per_sample: float, samples: int, expected: int) -> None:
+    def _apply_gradients(self, per_sample: float, samples: int, expected: int,
+                         members: frozenset[str] | None = None, same_state: bool = False) -> None:
         """The wrapped optimizer's step on the accumulator (x `per_sample` x target: the mean
-        gradient), handed over as `.grad` without a copy; then the next epoch."""
+        gradient), handed over as `.grad` without a copy; then the next epoch. The state is
+        averaged after it if due, unless every member of the round held the same state before
+        it (`same_state`): the same step on the same state leaves them all alike."""
         self._clear_now()
         with self.grad_averager.get_tensors() as sums, torch.no_grad():
             if per_sample * self.target_batch_size != 1:
@@ -436,12 +462,23 @@ class Optimizer(torch.optim.Optimizer):
                     p.grad = None
         self._carry_over(0.0)
         self.epoch_samples = samples
-        average_state = self.average_state_every and (self.local_epoch + 1) % self.average_state_every == 0 \
+        average_state = self._averages_state_after(self.local_epoch) and not same_state \
             and len(self.progress().reports) > 1  # alone, there is nobody to average with
         self._in_round = bool(average_state)  # already in the new epoch's first report
         self._advance_epoch()
         if average_state:
-            self._average_state(f"state{self.local_epoch}", expected)
+            self._average_state(f"state{self.local_epoch}", expected, members)
+
+    def _averages_state_after(self, epoch: int) -> bool:
+        return bool(self.average_state_every) and (epoch + 1) % self.average_state_every == 0
+
+    def _state_digest(self) -> str:
+        """A digest of the parameters and optimizer statistics, exact to the bit."""
+        digest = hashlib.blake2b(digest_size=16)
+        with self.state_averager.get_tensors() as tensors:
+            for t in tensors:
+                digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
+        return digest.hexdigest()
 
     def _carry_over(self, keep: float) -> None:
         """After a round: keep `keep` x the accumulator (0: clear it) and add the spare one (what
@@ -466,13 +503,24 @@ class Optimizer(torch.optim.Optimizer):
                 torch._foreach_zero_(sums)
             self._cleared = False
 
-    async def _report(self) -> None:
+    async def _report(self, store: bool = True) -> None:
         """Publish our progress. While step() waits for the epoch's round, the samples in it still
         count, so that a peer whose view lags still sees the batch full and joins the round
-        instead of missing it."""
+        instead of missing it. Without `store`: to our neighbors only (see ProgressTracker)."""
         await self.tracker.report(self.accumulating_epoch, self.samples + self._round_samples,
                                   self.samples_per_second, self.local_epoch, self._in_round, self._idle(),
-                                  self._part if self._pending is None else 0)
+                                  self._part if self._pending is None else 0, store=store)
+
+    def _publish(self) -> None:
+        """Report a change of state (a new epoch, a round ended) without waiting: the report
+        reads our state when it runs, so it is never older than the change. Neighbors hear it
+        at once; the DHT then hears it from the progress loop."""
+        self.peer.submit(self._report(store=not self.tracker.has_neighbors))
+
+    def _tell_neighbors(self) -> None:
+        """Our new samples, to the last group's members at once (not waited for; one at a time)."""
+        if self.tracker.has_neighbors and (self._telling is None or self._telling.done()):
+            self._telling = self.peer.submit(self._report(store=False))
 
     def _idle(self) -> bool:
         """We have stopped calling step() (a peer that never stepped is still starting)."""
@@ -485,7 +533,7 @@ class Optimizer(torch.optim.Optimizer):
     def _fresh_reports(self) -> list[PeerProgress]:
         """Everyone's progress read from the DHT now (the background view may be a moment old)."""
         reports = self.peer.run(self.tracker.fetch(), self.averaging_timeout)
-        return list((self._reports if reports is None else reports).values())
+        return list(self.tracker.merged(self._reports if reports is None else reports).values())
 
     def _advance_epoch(self) -> None:
         self.local_epoch += 1
@@ -497,18 +545,18 @@ class Optimizer(torch.optim.Optimizer):
         if self.scheduler is not None:
             self.scheduler.step()
         self._label_state(self.local_epoch)
-        self.peer.run(self._report(), 10)
+        self._publish()
 
-    def _average_state(self, key: str, expected: int) -> None:
+    def _average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
         """Average parameters and statistics in place (untouched if the round fails)."""
         self._in_round = True
         try:
-            self.state_averager.step(group_key=key, target_group_size=expected)
+            self.state_averager.step(group_key=key, target_group_size=expected, members=members)
         except AveragingError as e:
             logger.warning("averaging parameters failed (%s); keeping local ones", e)
         finally:
             self._in_round = False
-        self.peer.run(self._report(), 10)  # computing again: others may extrapolate us
+        self._publish()  # computing again: others may extrapolate us
 
     def _catch_up(self, epoch: int) -> None:
         """We fell behind the swarm: take its state; recent gradients count towards the next epoch."""
@@ -653,17 +701,22 @@ class Optimizer(torch.optim.Optimizer):
         self._last_step_time = now
 
     async def _progress_loop(self) -> None:
+        tick = 0
         while True:
-            await self._report()
-            reports = await self.tracker.fetch()
-            if reports is not None:
-                self._reports = reports
+            through_dht = not self.tracker.has_neighbors or tick % DHT_EVERY_WITH_NEIGHBORS == 0
+            await self._report(store=through_dht)
+            if through_dht:
+                reports = await self.tracker.fetch()
+                if reports is not None:
+                    self._reports = reports
+            tick += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
 
     def shutdown(self) -> None:
         """Stop publishing progress and serving averaging; the peer itself stays up."""
         if self._progress_task is not None:
             self._progress_task.cancel()
+        self.tracker.close()
         for averager in (self.grad_averager, self.state_averager, getattr(self, "delta_averager", None)):
             if averager is not None:
                 averager.shutdown()

@@ -4,16 +4,24 @@ Each peer publishes its progress (epoch, samples accumulated in that epoch, samp
 under `<run_id>.progress` in a subkey that only it can write (owner-signed). Every peer reads all
 records and extrapolates them to now, so it knows when the collaboration reaches
 `target_batch_size` without a central server.
+
+The DHT alone is slow for this: a report is stored, then read by a poll, so others see it a
+fraction of a second late, while a fast swarm fills its batch in tens of milliseconds. Peers
+therefore also send each report straight to the members of their last averaging group (their
+`neighbors`), and take such a report only from the peer it is about. Newcomers and peers outside
+the group are still seen through the DHT.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from potluck.core.errors import PotluckError
+from potluck.core.errors import NetworkError, PotluckError
 from potluck.dht.records import owner_marker
+from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,12 @@ MAX_SAMPLES_PER_SECOND = 1e9
 # departed peer thus stops holding others back within one matchmaking window, long before its
 # record expires (PROGRESS_TTL).
 LIVE_SECONDS = 1.0
+METHOD_PROGRESS = "potluck.optim.progress"
+# Reports are sent straight to at most this many members of the last group (each report costs
+# one call per neighbor); in bigger groups the rest are seen through the DHT.
+MAX_NEIGHBORS = 32
+# A report that does not arrive within this is dropped: the next one follows a moment later.
+PUSH_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,25 +86,78 @@ class GlobalProgress:
 class ProgressTracker:
     """Publishes this peer's progress and reads everyone's (async; the Optimizer drives it)."""
 
-    def __init__(self, dht: Any, run_id: str, peer_id: str, target_batch_size: int, client_mode: bool = False):
+    def __init__(self, dht: Any, transport: Any, run_id: str, peer_id: str, target_batch_size: int,
+                 client_mode: bool = False):
         self.dht = dht
+        self.transport = transport
         self.key = f"{run_id}.progress"
         self.subkey = f"{peer_id}{owner_marker(peer_id)}"
         self.peer_id = peer_id
         self.target = target_batch_size
         self.client_mode = client_mode
+        self.method = f"{METHOD_PROGRESS}.{run_id}"
+        self._neighbors: dict[str, Any] = {}  # peer id string -> PeerID
+        # Reports sent to us by neighbors, stamped with our clock on arrival; replaced, never
+        # changed in place (the training thread reads it while the loop writes it).
+        self.pushed: dict[str, PeerProgress] = {}
+        transport.add_handler(self.method, self._on_push)
+
+    def close(self) -> None:
+        self.transport.remove_handler(self.method)
+
+    def set_neighbors(self, peers: list[str]) -> None:
+        """The members of our last averaging group (peer id strings): we send them our reports
+        and take theirs."""
+        chosen = {p: PeerID.from_string(p) for p in peers if p != self.peer_id}
+        self._neighbors = dict(list(chosen.items())[:MAX_NEIGHBORS])
+        self.pushed = {peer: r for peer, r in self.pushed.items() if peer in self._neighbors}
 
     async def report(self, epoch: int, samples: int, samples_per_second: float, done: int,
-                     averaging: bool = False, idle: bool = False, part: int = 0) -> None:
+                     averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True) -> None:
         """Publish: `epoch` our samples count towards (and its `part`), `done` epochs applied
-        (lower while a delayed update is still averaging), whether we are in a round or idle."""
+        (lower while a delayed update is still averaging), whether we are in a round or idle.
+        Without `store`, only to the neighbors (cheap enough for every local step)."""
         now = self.dht.get_time()
         record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
                   "client": self.client_mode, "done": done, "averaging": averaging, "idle": idle, "part": part}
+        sends = [self._send(peer, record) for peer in self._neighbors.values()]
+        if store:
+            sends.append(self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey))
         try:
-            await self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey)
+            await asyncio.gather(*sends)
         except PotluckError as e:
             logger.debug("could not publish progress: %s", e)
+
+    @property
+    def has_neighbors(self) -> bool:
+        return bool(self._neighbors)
+
+    async def _send(self, peer: Any, record: dict) -> None:
+        try:
+            await self.transport.call(peer, self.method, record, timeout=PUSH_TIMEOUT)
+        except (NetworkError, PotluckError) as e:
+            logger.debug("could not send progress to %s: %s", peer, e)
+
+    async def _on_push(self, request: Any, ctx: Any) -> None:
+        """A neighbor's report: about the sender itself, and only from a neighbor (a bounded set)."""
+        sender = str(ctx.peer_id)
+        if sender not in self._neighbors:
+            return
+        report = _parse(f"{sender}{owner_marker(sender)}", request, self.dht.get_time())
+        if report is not None:
+            self.pushed = {**self.pushed, sender: report}
+
+    def merged(self, reports: dict[str, PeerProgress]) -> dict[str, PeerProgress]:
+        """`reports` read from the DHT, with the neighbors' newer ones sent to us instead."""
+        pushed = self.pushed
+        if not pushed:
+            return reports
+        merged = dict(reports)
+        for peer, report in pushed.items():
+            old = merged.get(peer)
+            if old is None or report.time >= old.time:
+                merged[peer] = report
+        return merged
 
     async def fetch(self) -> dict[str, PeerProgress] | None:
         """Every live peer's latest report (ours included, as last published); None if the DHT
@@ -131,13 +198,15 @@ class ProgressTracker:
         return GlobalProgress(epoch, reported, len(current), speed, eta, tuple(reports.values()), part)
 
 
-def _parse(subkey: Any, value: Any) -> PeerProgress | None:
-    """A progress record from the DHT, or None if it is malformed."""
+def _parse(subkey: Any, value: Any, received: float | None = None) -> PeerProgress | None:
+    """A progress record from the DHT (or sent to us at `received`, our clock), or None if it
+    is malformed."""
     if not isinstance(subkey, str) or "[owner:" not in subkey or not isinstance(value, dict):
         return None
     try:
         epoch, samples = int(value["epoch"]), int(value["samples"])
-        sps, time = float(value["sps"]), float(value["time"])
+        sps = float(value["sps"])
+        time = float(value["time"]) if received is None else received
         done = int(value.get("done", epoch))
         part = int(value.get("part", 0))
     except (KeyError, TypeError, ValueError):
