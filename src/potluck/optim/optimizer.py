@@ -585,14 +585,24 @@ class Optimizer(torch.optim.Optimizer):
 
     def _diloco_round(self) -> None:
         """Outer step: average the parameter change of the last `local_steps` steps, then apply
-        it to the shared starting point with Nesterov momentum."""
+        it to the shared starting point with Nesterov momentum. A peer whose round came after the
+        others' (a slower one, or one whose round failed) takes their state instead."""
         self.steps = 0
+        swarm_epoch = self.progress().epoch
+        if swarm_epoch > self.local_epoch:
+            self.samples = 0
+            self._catch_up(swarm_epoch)
+            return
         with self.delta_averager.get_tensors() as deltas, torch.no_grad():
             torch._foreach_copy_(deltas, self._outer_params)
             torch._foreach_sub_(deltas, self._params)
         try:
             if self._anyone_else():
-                self.delta_averager.step(weight=float(self.samples), group_key=f"outer{self.local_epoch}")
+                # A stable group meets again without the DHT and closes once all are back; any
+                # other round takes the whole window, which also lets a slower peer come in.
+                members = self._members(self.progress().reports)
+                self.delta_averager.step(weight=float(self.samples), group_key=f"outer{self.local_epoch}",
+                                         members=members)
         except AveragingError as e:
             logger.warning("diloco averaging failed (%s); using the local change", e)
         with self.delta_averager.get_tensors() as deltas, torch.no_grad():
