@@ -193,7 +193,6 @@ class Optimizer(torch.optim.Optimizer):
         self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
         self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
         self._progress_task: concurrent.futures.Future | None = None
-        self._telling: concurrent.futures.Future | None = None  # see _tell_neighbors
         if load_state:
             self._try_load_state(load_state_timeout)
         self.peer.run(self.state_averager.announce_state(), 30)
@@ -282,7 +281,6 @@ class Optimizer(torch.optim.Optimizer):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
         elif self.averaging_mode != "aux":
             self._accumulate(grads)
-            self._tell_neighbors()
         for p in self._params:
             p.grad = None
         if self._pending is not None:
@@ -516,11 +514,6 @@ class Optimizer(torch.optim.Optimizer):
         reads our state when it runs, so it is never older than the change. Neighbors hear it
         at once; the DHT then hears it from the progress loop."""
         self.peer.submit(self._report(store=not self.tracker.has_neighbors))
-
-    def _tell_neighbors(self) -> None:
-        """Our new samples, to the last group's members at once (not waited for; one at a time)."""
-        if self.tracker.has_neighbors and (self._telling is None or self._telling.done()):
-            self._telling = self.peer.submit(self._report(store=False))
 
     def _idle(self) -> bool:
         """We have stopped calling step() (a peer that never stepped is still starting)."""

@@ -116,7 +116,7 @@ class ProgressTracker:
                      averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True) -> None:
         """Publish: `epoch` our samples count towards (and its `part`), `done` epochs applied
         (lower while a delayed update is still averaging), whether we are in a round or idle.
-        Without `store`, only to the neighbors (cheap enough for every local step)."""
+        Without `store`, only to the neighbors."""
         now = self.dht.get_time()
         record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
                   "client": self.client_mode, "done": done, "averaging": averaging, "idle": idle, "part": part}
