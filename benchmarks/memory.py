@@ -18,6 +18,8 @@ Figures (one JSON object per line):
   peak_rss            MB, per case; extra_over_adam_models = (peak - adam's peak) / model size
   newcomer_peak       the newcomer's peak RSS over its RSS with the model alone, in model sizes;
                       downloaded: whether its parameters are the donor's afterwards
+  newcomer_download_peak  the same when the download ends (before the Optimizer allocates its
+                      gradient accumulator)
   step_time           opt.step() alone (median over the steps after the first), and its ratio to
                       Adam's step: step_overhead_ratio
 
@@ -88,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> None:
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     baseline = rss_mb()
     make_adam = lambda p: torch.optim.Adam(p, LR)  # noqa: E731
+    download_peaks: list[float] = []
     first = next(model.parameters())
     before = float(first.mean())
     if args.worker == "donor":
@@ -96,6 +99,14 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.worker == "adam":
         opt, closers = make_adam(model.parameters()), []
     else:
+        if args.worker == "newcomer":  # the peak at the end of the download, before the Optimizer's own buffers
+            load = potluck.Optimizer._try_load_state
+
+            def measured_load(self, timeout: float) -> bool:
+                done = load(self, timeout)
+                download_peaks.append(peak_mb())
+                return done
+            potluck.Optimizer._try_load_state = measured_load
         peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [])
         options = dict(target_batch_size=1, batch_size_per_step=1, matchmaking_time=MATCHMAKING_TIME,
                        load_state=args.worker == "newcomer")
@@ -119,7 +130,7 @@ def run_worker(args: argparse.Namespace) -> None:
             times.append((time.perf_counter() - started, getattr(opt, "local_epoch", 0) != epoch))
             opt.zero_grad()
     say(event="final", peak_mb=peak_mb(), baseline_mb=baseline, model_mb=model_mb, step_s=times,
-        params=sum(p.numel() for p in model.parameters()),
+        params=sum(p.numel() for p in model.parameters()), download_peak_mb=(download_peaks or [None])[0],
         downloaded=abs(float(first.mean()) - before - DONOR_SHIFT) < DONOR_SHIFT / 2)
     for close in closers:
         close()
@@ -198,6 +209,11 @@ def main() -> None:
             emit({"metric": "newcomer_peak", "value": round((got["peak_mb"] - got["baseline_mb"]) / model_mb, 2),
                   "unit": "model sizes", "case": case, "downloaded": got["downloaded"],
                   "measured": "peak RSS over RSS with the model alone", "model_mb": round(model_mb), **common})
+        if got.get("download_peak_mb"):
+            emit({"metric": "newcomer_download_peak",
+                  "value": round((got["download_peak_mb"] - got["baseline_mb"]) / model_mb, 2), "unit": "model sizes",
+                  "case": case, "measured": "peak RSS when the download ends (the model, the optimizer statistics "
+                  "and the chunks in flight) over RSS with the model alone", "model_mb": round(model_mb), **common})
         if got["step_s"][1:]:
             emit(step_row(case, got["step_s"][1:], results.get("adam", {}).get("step_s", [])[1:], common))
 

@@ -172,6 +172,17 @@ class Optimizer(torch.optim.Optimizer):
         self._init_optimizer_state()
         common = dict(compression=compression, mode=averaging_mode, matchmaking_time=matchmaking_time,
                       allreduce_timeout=averaging_timeout, copy=False)
+        # The parameters and statistics themselves: averaged in place, served to newcomers.
+        self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
+                                       grid=grid if mode == "moshpit" else None, **common)
+        self.state_averager.state_metadata = {"epoch": 0}
+        client_mode = averaging_mode == "client" or peer.transport.client_mode
+        self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
+        self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
+        self._progress_task: concurrent.futures.Future | None = None
+        self._outer_params: list[torch.Tensor] | None = None  # diloco, below
+        if load_state:  # before the model-sized buffers below: a newcomer's peak is its state
+            self._try_load_state(load_state_timeout)
         # Sync mode's gradient accumulator, averaged in place: sum of batch gradients x samples /
         # target_batch_size (about a mean gradient in size, whatever the codec).
         self.grad_averager = None if mode != "sync" else Averager(
@@ -179,22 +190,12 @@ class Optimizer(torch.optim.Optimizer):
             powersgd_rank=powersgd_rank, **common)
         self._cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
         self._spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
-        # The parameters and statistics themselves: averaged in place, served to newcomers.
-        self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
-                                       grid=grid if mode == "moshpit" else None, **common)
-        self.state_averager.state_metadata = {"epoch": 0}
         if mode == "diloco":
             self._outer_params = [p.detach().clone() for p in self._params]
             self._outer_momentum = [torch.zeros_like(p) for p in self._params]
             self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
             self.delta_averager = Averager(peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.delta",
                                            allow_state_sharing=False, **common)
-        client_mode = averaging_mode == "client" or peer.transport.client_mode
-        self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
-        self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
-        self._progress_task: concurrent.futures.Future | None = None
-        if load_state:
-            self._try_load_state(load_state_timeout)
         self.peer.run(self.state_averager.announce_state(), 30)
         self._progress_task = peer.submit(self._progress_loop())
 
@@ -688,7 +689,7 @@ class Optimizer(torch.optim.Optimizer):
             if self.scheduler is not None:
                 self.scheduler.step()
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
-        if self.mode == "diloco":
+        if self._outer_params is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self._outer_params, self._params)
         logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
