@@ -280,7 +280,7 @@ def test_run_is_freed_without_the_gc_when_its_round_fails_early():
             first = asyncio.ensure_future(services[0].run(group, torch.randn(1000), 1.0, CODEC, timeout=5.0,
                                                           sender_timeout=1.0))
             await asyncio.sleep(0)
-            with pytest.raises(Exception):
+            with pytest.raises(AveragingError, match="already running"):
                 await services[0].run(group, torch.randn(1000), 1.0, CODEC, timeout=5.0)
             await first  # its partner never came: it averages alone
             assert cyclic_garbage() == []

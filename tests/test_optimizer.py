@@ -346,7 +346,7 @@ def test_newcomer_that_trains_and_leaves_does_not_stall_the_others(swarm, stayer
         leave()
         left = max(m.opt.local_epoch for m in members[:stayers])
         before = [f[0] for f in failed]
-        wait_until(lambda: min(m.opt.local_epoch for m in members[:stayers]) >= left + more, 90,
+        wait_until(lambda left=left: min(m.opt.local_epoch for m in members[:stayers]) >= left + more, 90,
                    f"the remaining peers did not advance {more} epochs after the visitor left")
         # a few rounds fail while the visitor still looks active (IDLE_FLOOR_SECONDS), not every epoch
         assert all(f[0] - b <= MAX_ROUND_ATTEMPTS + 2 for f, b in zip(failed, before, strict=True)), (failed, before)
