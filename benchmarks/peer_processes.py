@@ -6,13 +6,16 @@ benchmarks/allreduce.py and benchmarks/training.py (run as scripts, so this fold
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
+from collections.abc import Callable, Iterable
 
 
 class Worker:
@@ -65,3 +68,26 @@ class Worker:
 
     def go(self) -> None:
         self.send("go")
+
+
+def parse_or_run_worker(parser: argparse.ArgumentParser, run_worker: Callable[[argparse.Namespace], None],
+                        workers: Iterable[str] | None = None,
+                        data: bool = False) -> argparse.Namespace | None:
+    """Add the hidden options a benchmark passes to its own worker processes (`--worker`, one of
+    `workers` or a flag if None; `--rank`; `--initial`; `--data` if asked) and parse. In a worker,
+    run `run_worker(args)` and return None; in the parent, return the arguments, with SIGTERM
+    unwinding the stack so that the finally blocks kill the workers."""
+    if workers is None:
+        parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    else:
+        parser.add_argument("--worker", choices=list(workers), help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial", help=argparse.SUPPRESS)
+    if data:
+        parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return args

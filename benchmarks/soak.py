@@ -37,7 +37,6 @@ import hashlib
 import os
 import platform
 import queue
-import signal
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer_processes import Worker
+from peer_processes import Worker, parse_or_run_worker
 from training import ROOT, STARTUP_TIMEOUT, WORKER_IDLE_TIMEOUT, emit, read_line, say
 
 MLP_SIZES = (256, 2048, 512, 256, 10)  # 1.7M parameters: the case issue 12 was measured on
@@ -345,19 +344,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SECONDS:g} s per scenario: under a minute")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time per scenario")
     parser.add_argument("--warmup", type=float, default=None,
-                        help=f"seconds before RSS growth counts (default {WARMUP_FRACTION:.0%} of the run, "
+                        help=f"seconds before RSS growth counts (default {WARMUP_FRACTION * 100:.0f}%% of the run, "
                              f"{MIN_WARMUP:g} to {MAX_WARMUP:g})")
     parser.add_argument("--sample", type=float, default=DEFAULT_SAMPLE, help="seconds between RSS samples")
     parser.add_argument("--scenarios", default="processes,emulated")
     parser.add_argument("--plot", help="write a PNG of RSS over time here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--initial", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        run_worker(args)
+    args = parse_or_run_worker(parser, run_worker)
+    if args is None:
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks kill the peers
     args.seconds = QUICK_SECONDS if args.quick else args.minutes * 60
     if args.warmup is None:
         args.warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * args.seconds)), 1)

@@ -38,7 +38,6 @@ import argparse
 import datetime
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from peer_processes import parse_or_run_worker
 from training import ROOT, emit, rows_for, run_swarm, say, train_until_stopped
 
 DEFAULT_TORCHFT_PYTHON = ROOT / ".venv-torchft" / "bin" / "python"
@@ -157,15 +157,9 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per run at most")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--torchft-python", default=str(DEFAULT_TORCHFT_PYTHON))
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--initial", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        run_worker(args)
+    args = parse_or_run_worker(parser, run_worker, SYSTEMS, data=True)
+    if args is None:
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks kill the peers
     if args.quick:
         args.target, args.cap, args.repeats, args.systems = 0.9, 12.0, 1, "potluck,torchft"
     import torch

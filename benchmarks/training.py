@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from peer_processes import Worker
+from peer_processes import Worker, parse_or_run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
@@ -263,15 +263,9 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=20.0,
                         help="averaging_timeout of both optimizers (s)")
     parser.add_argument("--hivemind-python", default=str(DEFAULT_HIVEMIND_PYTHON))
-    parser.add_argument("--worker", choices=["potluck", "hivemind"], help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--initial", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        run_worker(args)
+    args = parse_or_run_worker(parser, run_worker, ["potluck", "hivemind"], data=True)
+    if args is None:
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks kill the peers
     if args.quick:
         args.target, args.cap = 0.85, 12.0
     if args.systems is None:

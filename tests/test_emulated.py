@@ -60,9 +60,7 @@ def test_virtual_sleep_takes_no_wall_time() -> None:
         await asyncio.sleep(3600)
         return loop.time() - t0
 
-    wall = time.perf_counter()
-    assert vrun(main()) == pytest.approx(3600)
-    assert time.perf_counter() - wall < 60  # an hour of virtual time; far less of real time
+    assert vrun(main()) == pytest.approx(3600)  # a real hour would run into the test's timeout
 
 
 @pytest.mark.timeout(10)
