@@ -563,7 +563,8 @@ class Optimizer(torch.optim.Optimizer):
         elif self.local_epoch < epoch:
             self._next_catch_up = time.monotonic() + CATCH_UP_RETRY_SECONDS
         if behind > MAX_STALE_EPOCHS:
-            self._carry_over(0.0)
+            if self.grad_averager is not None:  # sync mode's accumulated gradients are stale
+                self._carry_over(0.0)
             self.samples = 0
 
     # -- local-update modes ---------------------------------------------------------------------------
