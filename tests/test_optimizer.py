@@ -218,7 +218,12 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
     members = swarm(2, "aux")
     helper = Member(2, members[0].peer.addresses, "aux", averaging_mode="aux")
     members.append(helper)
-    for m in members:
+    helper.start()
+    # The helper is online before training starts: the first round waits for it. (One that
+    # comes later joins at a later epoch; these epochs last 0.1 s, shorter than a window.)
+    wait_until(lambda: all(helper.peer.peer_id in {r.peer_id for r in m.opt.progress().reports}
+                           for m in members[:2]), 30, "the trainers did not see the helper")
+    for m in members[:2]:
         m.start(6)
     for m in members[:2]:
         m.thread.join(120)
