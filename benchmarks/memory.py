@@ -102,8 +102,8 @@ def run_worker(args: argparse.Namespace) -> None:
         if args.worker == "newcomer":  # the peak at the end of the download, before the Optimizer's own buffers
             load = potluck.Optimizer._try_load_state
 
-            def measured_load(self, timeout: float) -> bool:
-                done = load(self, timeout)
+            async def measured_load(self, timeout: float) -> bool:
+                done = await load(self, timeout)
                 download_peaks.append(peak_mb())
                 return done
             potluck.Optimizer._try_load_state = measured_load

@@ -48,8 +48,8 @@ def main() -> None:
             advance()
             digests[opt.local_epoch] = digest(model)
 
-        def recording_catch_up(epoch: int) -> None:  # or downloaded by a peer that missed a round
-            catch_up(epoch)
+        async def recording_catch_up(epoch: int) -> None:  # or downloaded by a peer that missed a round
+            await catch_up(epoch)
             digests[opt.local_epoch] = digest(model)
         opt._advance_epoch = recording_advance
         opt._catch_up = recording_catch_up

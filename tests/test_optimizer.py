@@ -44,9 +44,9 @@ class Member:
             self.digests[self.opt.local_epoch] = digest(self.model)
             self.epoch_samples[self.opt.local_epoch] = self.opt.epoch_samples
 
-        def recording_catch_up(epoch: int) -> None:  # a straggler takes the swarm's state instead
+        async def recording_catch_up(epoch: int) -> None:  # a straggler takes the swarm's state instead
             self.catch_ups += 1
-            original_catch_up(epoch)
+            await original_catch_up(epoch)
             self.digests[self.opt.local_epoch] = digest(self.model)
         self.opt._advance_epoch = recording_advance
         self.opt._catch_up = recording_catch_up

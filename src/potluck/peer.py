@@ -12,6 +12,7 @@ import logging
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
+from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import PeerUnreachable
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.dht import DHT, DHTConfig
@@ -39,6 +40,8 @@ class Peer:
         announce: addresses to advertise instead of the listening ones (e.g. behind port forwarding).
         transport: a ready transport (e.g. from `potluck.net.EmulatedNetwork`); replaces TCP.
         dht_config: DHT limits and tunables (`potluck.dht.DHTConfig`).
+        clock: the DHT's time source; an emulated swarm on the virtual clock passes
+            `potluck.core.dht_time.event_loop_clock()` (see `Peer.create`).
     """
 
     def __init__(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
@@ -46,6 +49,36 @@ class Peer:
                  insecure: bool = False, announce: list[str] | None = None,
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
                  dht_config: DHTConfig | None = None, **transport_options: Any):
+        self._setup(initial_peers, host=host, port=port, client_mode=client_mode, identity_path=identity_path,
+                    insecure=insecure, announce=announce, transport=transport, dht_config=dht_config,
+                    **transport_options)
+        try:
+            self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    async def create(cls, initial_peers: Iterable[str] = (), *,
+                     startup_timeout: float = BOOTSTRAP_TIMEOUT, **options: Any) -> Peer:
+        """`Peer(...)` (same options) for code that runs on potluck's event loop, which cannot
+        block on it: e.g. a scenario under `potluck.core.virtual_time`. Close with `ashutdown()`."""
+        self = cls.__new__(cls)
+        self._setup(initial_peers, **options)
+        if not self._runner.in_loop_thread():
+            await self.ashutdown()
+            raise RuntimeError("Peer.create() runs on potluck's event loop; elsewhere use Peer(...)")
+        try:
+            await asyncio.wait_for(self._start(startup_timeout), startup_timeout + 5)
+        except BaseException:
+            await self.ashutdown()
+            raise
+        return self
+
+    def _setup(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
+               client_mode: bool = False, identity_path: str | None = None, *, insecure: bool = False,
+               announce: list[str] | None = None, transport: Transport | None = None,
+               dht_config: DHTConfig | None = None, clock: Clock = get_dht_time, **transport_options: Any) -> None:
         self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
         identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
         if transport is None:
@@ -53,13 +86,8 @@ class Peer:
                                      insecure=insecure, announce=announce, **transport_options)
         self.transport = transport
         self._runner = acquire_runner()
-        self.dht = DHT(transport, config=dht_config, runner=self._runner)
+        self.dht = DHT(transport, config=dht_config, clock=clock, runner=self._runner)
         self._alive = True
-        try:
-            self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
-        except BaseException:
-            self.shutdown()
-            raise
 
     async def _start(self, timeout: float) -> None:
         await self.transport.start()
@@ -110,6 +138,18 @@ class Peer:
             if self._runner.is_running:
                 self._runner.run(self.dht.ashutdown(), timeout=10)
                 self._runner.run(self.transport.close(), timeout=10)
+        finally:
+            release_runner()
+
+    async def ashutdown(self) -> None:
+        """The async twin of `shutdown`, for code on the event loop. The loop itself stays up:
+        whoever called `acquire_runner()` outside it holds it."""
+        if not self._alive:
+            return
+        self._alive = False
+        try:
+            await self.dht.ashutdown()
+            await self.transport.close()
         finally:
             release_runner()
 

@@ -126,6 +126,9 @@ class Averager:
             if len(self.coordinates) != len(self.grid):
                 raise ValueError("coordinates must have one entry per grid dimension")
         self.round = 0
+        # In matchmaking now, with no group yet: a step may be cancelled without harm to anyone's
+        # round (the Optimizer does when its epoch's round ended without it).
+        self.forming = False
         self.bandwidth = bandwidth or DEFAULT_BANDWIDTH
         self._configured = self._measured = bandwidth is not None
         self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
@@ -179,10 +182,12 @@ class Averager:
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
         snapshot = None if self.mode == "aux" else asyncio.ensure_future(run_in_thread(self._flatten))
+        self.forming = True
         try:
             formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
                                                       metadata=gather, target=target, ready=snapshot, members=members)
         finally:
+            self.forming = False
             _discard(snapshot)
         group = formed.group
         me = group.peers.index(self.transport.peer_id)

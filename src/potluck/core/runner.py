@@ -137,12 +137,18 @@ _runner: LoopRunner | None = None
 _refs = 0
 
 
-def acquire_runner() -> LoopRunner:
-    """The process-wide runner, started on first use; pair every call with `release_runner()`."""
+def acquire_runner(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> LoopRunner:
+    """The process-wide runner, started on first use; pair every call with `release_runner()`.
+
+    `loop_factory` chooses the loop when this call starts it (e.g. `virtual_time_loop` for a
+    scenario on the emulated network); if a runner is already up, it is refused."""
     global _runner, _refs
     with _lock:
         if _runner is None or not _runner.is_running:
-            _runner = LoopRunner()
+            _runner = LoopRunner() if loop_factory is None else LoopRunner(loop_factory)
+        elif loop_factory is not None:
+            raise RuntimeError("potluck's event loop is already running (peers are still up); "
+                               "shut them down before choosing another loop")
         _refs += 1
         return _runner
 

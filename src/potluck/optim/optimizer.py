@@ -36,11 +36,9 @@ newcomers download it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +49,7 @@ import torch
 from potluck.averaging.averager import Averager
 from potluck.core import serialization
 from potluck.core.errors import AveragingError, SerializationError
+from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.optim.progress import MAX_SAMPLES_PER_SECOND, GlobalProgress, PeerProgress, ProgressTracker
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
 class _Round:
     """A gradient-averaging round under way: its result, and which epoch it closes."""
 
-    future: concurrent.futures.Future
+    task: asyncio.Future  # the averager's astep
     epoch: int
     expected: int  # group size we asked for; reused for the state averaging after it
     samples: int  # our samples behind the averaged gradients (in the accumulator)
@@ -120,6 +119,11 @@ class Optimizer(torch.optim.Optimizer):
         powersgd_rank: sync mode: average rank-r PowerSGD approximations of the gradients, with
             error feedback (see `Averager`), instead of the full gradients.
         load_state: download the swarm's state at start (newcomers).
+        start: join the run now (see `astart`).
+
+    `step()` hands each batch to `astep()`, which runs the collaborative logic on the peer's
+    event loop; code that runs on that loop awaits `astep()` itself (tensor math runs in worker
+    threads, so under `potluck.core.virtual_time` it costs no virtual time).
     """
 
     def __init__(self, peer: Any, run_id: str, params: Iterable[Any], optimizer: Any,
@@ -128,7 +132,7 @@ class Optimizer(torch.optim.Optimizer):
                  local_steps: int = 10, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  grid: tuple[int, ...] | None = None, compression: Any = "none", matchmaking_time: float = 1.0,
                  averaging_timeout: float = 30.0, delay_updates: bool = False, load_state: bool = True,
-                 load_state_timeout: float = 30.0, powersgd_rank: int | None = None):
+                 load_state_timeout: float = 30.0, powersgd_rank: int | None = None, start: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if target_batch_size <= 0 or batch_size_per_step <= 0:
@@ -155,12 +159,12 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_updates = delay_updates
         self._pending: _Round | None = None  # a delayed update under way
         self._attempt = 0  # failed averaging tries of the current epoch
-        self._next_catch_up = 0.0  # time.monotonic() before which we do not download again
+        self._next_catch_up = 0.0  # loop time before which we do not download again
         self._in_round = False  # step() is waiting for a round: our samples are frozen
         self._waited = False  # this step() waited for the network (rounds, downloads)
         self._stepping = False  # inside step(): never idle
         self._part = 0  # short rounds of this epoch so far (see PeerProgress.part)
-        self._part_due: float | None = None  # time.monotonic() when the rest of a short round's batch is due
+        self._part_due: float | None = None  # loop time when the rest of a short round's batch is due
         self.local_epoch = 0
         self.samples = 0  # accumulated towards the current epoch (in the gradient accumulator)
         self._round_samples = 0  # ours in the epoch's averaging round that step() is waiting for
@@ -179,25 +183,46 @@ class Optimizer(torch.optim.Optimizer):
         client_mode = averaging_mode == "client" or peer.transport.client_mode
         self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
         self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
-        self._progress_task: concurrent.futures.Future | None = None
-        self._outer_params: list[torch.Tensor] | None = None  # diloco, below
-        if load_state:  # before the model-sized buffers below: a newcomer's peak is its state
-            self._try_load_state(load_state_timeout)
-        # Sync mode's gradient accumulator, averaged in place: sum of batch gradients x samples /
-        # target_batch_size (about a mean gradient in size, whatever the codec).
-        self.grad_averager = None if mode != "sync" else Averager(
-            peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.grads", allow_state_sharing=False,
-            powersgd_rank=powersgd_rank, **common)
+        self._progress_task: asyncio.Future | None = None
+        self._background: set[asyncio.Future] = set()  # reports under way (see _publish)
+        self._outer_params: list[torch.Tensor] | None = None  # diloco (see astart)
+        self._outer_momentum: list[torch.Tensor] = []
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.grad_averager: Averager | None = None  # sync mode's accumulator (see astart)
+        self.delta_averager: Averager | None = None  # diloco's averaged change (see astart)
         self._cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
         self._spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
-        if mode == "diloco":
-            self._outer_params = [p.detach().clone() for p in self._params]
-            self._outer_momentum = [torch.zeros_like(p) for p in self._params]
-            self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-            self.delta_averager = Averager(peer, [torch.zeros_like(p) for p in self._params], f"{run_id}.delta",
-                                           allow_state_sharing=False, **common)
-        self.peer.run(self.state_averager.announce_state(), 30)
-        self._progress_task = peer.submit(self._progress_loop())
+        self._buffers = dict(common, powersgd_rank=powersgd_rank)
+        self._load_state, self._load_state_timeout = load_state, load_state_timeout
+        self._started = False
+        if start:
+            self.peer.run(self.astart())
+
+    async def astart(self) -> None:
+        """Join the run: download the swarm's state (a newcomer), offer ours, publish progress.
+        The constructor does this unless given `start=False` (code on the peer's event loop,
+        which cannot block on it, awaits this instead)."""
+        if self._started:
+            return
+        self._started = True
+        if self._load_state:  # before the model-sized buffers below: a newcomer's peak is its state
+            await self._try_load_state(self._load_state_timeout)
+        options = dict(self._buffers)
+        powersgd_rank = options.pop("powersgd_rank")
+        if self.mode == "sync":
+            # The gradient accumulator, averaged in place: sum of batch gradients x samples /
+            # target_batch_size (about a mean gradient in size, whatever the codec).
+            zeros = await run_in_thread(_zeros_like, self._params)
+            self.grad_averager = Averager(self.peer, zeros, f"{self.run_id}.grads", allow_state_sharing=False,
+                                          powersgd_rank=powersgd_rank, **options)
+        if self.mode == "diloco":
+            self._outer_params = await run_in_thread(lambda: [p.detach().clone() for p in self._params])
+            self._outer_momentum = await run_in_thread(_zeros_like, self._params)
+            zeros = await run_in_thread(_zeros_like, self._params)
+            self.delta_averager = Averager(self.peer, zeros, f"{self.run_id}.delta", allow_state_sharing=False,
+                                           **options)
+        await asyncio.wait_for(self.state_averager.announce_state(), 30)
+        self._progress_task = asyncio.ensure_future(self._progress_loop())
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -209,22 +234,30 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.peer.run(self.astep())
+        return loss
+
+    async def astep(self) -> None:
+        """`step()` on the peer's event loop (without a closure): the `.grad` of one local batch."""
+        if self._stepping:
+            raise RuntimeError("step() is already running: call it from one thread at a time")
+        if not self._started:
+            raise RuntimeError("the optimizer has not joined the run: await astart() first")
         self._measure_speed()
         self._waited, self._stepping = False, True
         try:
             if self.mode == "sync":
-                self._sync_step()
+                await self._sync_step()
             else:
-                self._inner_step()
+                await run_in_thread(self._inner_step)
                 self.samples += self.batch_size_per_step
                 self.steps += 1
                 if self.steps >= self.local_steps:
-                    self._moshpit_round() if self.mode == "moshpit" else self._diloco_round()
+                    await (self._moshpit_round() if self.mode == "moshpit" else self._diloco_round())
         finally:
             self._stepping = False
             if self._waited:  # time spent in rounds or downloads is not computing time
-                self._last_step_time = time.perf_counter()
-        return loss
+                self._last_step_time = self._now()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -276,28 +309,33 @@ class Optimizer(torch.optim.Optimizer):
         self.peer.run(self.state_averager.announce_state(), 30)
 
     # -- sync mode (DeDLOC) -------------------------------------------------------------------------
-    def _sync_step(self) -> None:
-        grads = [p.grad for p in self._params]
-        if not _finite(grads):
+    async def _sync_step(self) -> None:
+        if not await run_in_thread(self._take_batch):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
-        elif self.averaging_mode != "aux":
+        if self._pending is not None:
+            if not self._pending.task.done():
+                return  # the last epoch's averaging is still running in the background
+            await self._finish_update(self._pending)
+        progress = self.progress()
+        if progress.epoch == self.local_epoch + 1 and self.delay_updates:
+            await self._update_epoch(progress)  # others started this epoch's round: join it now
+        elif progress.epoch > self.local_epoch:
+            if self._now() >= self._next_catch_up:
+                await self._catch_up(progress.epoch)  # the round is over: we are a straggler
+        elif progress.part > self._part and progress.epoch == self.local_epoch:
+            self._part = progress.part  # a short round we were not in: our samples still count
+        elif progress.eta_seconds == 0 or (self._part_due is not None and self._now() >= self._part_due):
+            await self._update_epoch(progress)  # the global batch is due now (extrapolated at everyone's speed)
+
+    def _take_batch(self) -> bool:
+        """Add the batch's `.grad` to the accumulator (in a worker thread); False if it is not finite."""
+        grads = [p.grad for p in self._params]
+        finite = _finite(grads)
+        if finite and self.averaging_mode != "aux":
             self._accumulate(grads)
         for p in self._params:
             p.grad = None
-        if self._pending is not None:
-            if not self._pending.future.done():
-                return  # the last epoch's averaging is still running in the background
-            self._finish_update(self._pending)
-        progress = self.progress()
-        if progress.epoch == self.local_epoch + 1 and self.delay_updates:
-            self._update_epoch(progress)  # others started this epoch's round: join it now
-        elif progress.epoch > self.local_epoch:
-            if time.monotonic() >= self._next_catch_up:
-                self._catch_up(progress.epoch)  # the round is over: we are a straggler
-        elif progress.part > self._part and progress.epoch == self.local_epoch:
-            self._part = progress.part  # a short round we were not in: our samples still count
-        elif progress.eta_seconds == 0 or (self._part_due is not None and time.monotonic() >= self._part_due):
-            self._update_epoch(progress)  # the global batch is due now (extrapolated at everyone's speed)
+        return finite
 
     def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
         """Add one batch's gradients to the accumulator (the spare one while a delayed update
@@ -351,7 +389,7 @@ class Optimizer(torch.optim.Optimizer):
         now = self.peer.dht.get_time()
         return frozenset([self.peer.peer_id, *(r.peer_id for r in reports if r.live(now) and not r.idle)])
 
-    def _update_epoch(self, progress: GlobalProgress) -> None:
+    async def _update_epoch(self, progress: GlobalProgress) -> None:
         """Average the accumulated gradients with the swarm and apply one optimizer step.
 
         With `delay_updates`, the averaging runs in the background while the next batches are
@@ -360,43 +398,56 @@ class Optimizer(torch.optim.Optimizer):
         """
         samples, epoch = self.samples, self.local_epoch
         self.samples, self._part_due = 0, None
-        self._clear_now()
+        await run_in_thread(self._clear_now)
         # Close the group once everyone training has joined; overestimating only costs the rest
         # of the matchmaking window, underestimating would split the swarm in two.
         others = self._training_peers(progress.reports, epoch, live=False)
         expected = 1 + len(others)
         if not others:
-            future: concurrent.futures.Future = concurrent.futures.Future()  # alone: nothing to average
-            future.set_exception(AveragingError("no other peer is training"))
-            self._finish_update(_Round(future, epoch, expected, samples))
+            alone = asyncio.get_running_loop().create_future()  # nothing to average
+            alone.set_exception(AveragingError("no other peer is training"))
+            await self._finish_update(_Round(alone, epoch, expected, samples))
             return
         members = self._members(progress.reports)
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
         gather = {"samples": samples, "sps": self.samples_per_second}
         if self._averages_state_after(epoch):
-            gather["state"] = self._state_digest()  # all alike: the state round is not needed
-        future = self.peer.submit(self.grad_averager.astep(
+            gather["state"] = await run_in_thread(self._state_digest)  # all alike: no state round needed
+        task = asyncio.ensure_future(self.grad_averager.astep(
             weight=1.0, gather=gather,
             group_key=f"epoch{epoch}.{self._part}", target_group_size=expected, members=members))
-        pending = _Round(future, epoch, expected, samples, members)
+        pending = _Round(task, epoch, expected, samples, members)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
         self._round_samples, self._in_round, self._waited = samples, True, True  # frozen: others stop extrapolating us
+        report = asyncio.ensure_future(self._report())
         try:
-            concurrent.futures.wait([future, self.peer.submit(self._report())])
+            while not task.done():
+                await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
+                if not task.done() and self.grad_averager.forming and self._round_is_over(epoch):
+                    task.cancel()  # no group yet, and the swarm's round is over: catch up now
+                    await asyncio.wait([task])
+            await report
         finally:
             self._round_samples, self._in_round = 0, False
-        self._finish_update(pending)
+        await self._finish_update(pending)
 
-    def _finish_update(self, pending: _Round) -> None:
+    def _round_is_over(self, epoch: int) -> bool:
+        """Another peer has applied `epoch`'s update: its round ended (without us, if we are
+        still looking for a group). Waiting out the matchmaking window for a group that will not
+        come would also hold back the others, who count us into their next round."""
+        return any(r.done > epoch for r in self.tracker.merged(self._reports).values()
+                   if r.peer_id != self.peer.peer_id)
+
+    async def _finish_update(self, pending: _Round) -> None:
         """Apply an averaging round's result: the wrapped optimizer's step, and the new epoch."""
         self._pending = None
-        future, epoch = pending.future, pending.epoch
-        error = future.exception()
+        task, epoch = pending.task, pending.epoch
+        error = AveragingError("the swarm's round ended without us") if task.cancelled() else task.exception()
         if error is None:
-            result = future.result()
+            result = task.result()
             self.tracker.set_neighbors(result.peers)
             total = sum(_samples(result.gathered.get(p)) for p in result.contributors)
             if total < self.target_batch_size:
@@ -407,10 +458,10 @@ class Optimizer(torch.optim.Optimizer):
                 keeper = result.contributors[:1] == [self.peer.peer_id]
                 speed = sum(_speed(result.gathered.get(p)) for p in result.contributors)
                 if speed > 0:
-                    self._part_due = time.monotonic() + (self.target_batch_size - total) / speed
+                    self._part_due = self._now() + (self.target_batch_size - total) / speed
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total,
                             self.target_batch_size)
-                self._carry_over(len(result.contributors) if keeper else 0.0)
+                await run_in_thread(self._carry_over, len(result.contributors) if keeper else 0.0)
                 self.samples += total if keeper else 0
                 self._part += 1
                 self._publish()
@@ -418,36 +469,47 @@ class Optimizer(torch.optim.Optimizer):
             logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
             digests = [m.get("state") if isinstance(m, dict) else None for m in result.gathered.values()]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
-            self._apply_gradients(len(result.contributors) / total, total, pending.expected, pending.members,
-                                  same_state=same)
+            await self._apply_gradients(len(result.contributors) / total, total, pending.expected,
+                                        pending.members, same_state=same)
             return
         others = [r for r in self.progress().reports if r.peer_id != self.peer.peer_id]
         if others:  # alone we know the answer; otherwise ask the DHT what happened meanwhile
-            others = [r for r in self._fresh_reports() if r.peer_id != self.peer.peer_id]
+            others = [r for r in await self._fresh_reports() if r.peer_id != self.peer.peer_id]
         if any(r.done > epoch for r in others):
             logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
-            self._carry_over(0.0)
-            self._catch_up(max(r.done for r in others))
+            await run_in_thread(self._carry_over, 0.0)
+            await self._catch_up(max(r.done for r in others))
             return
         self._attempt += 1
         waiting = self._training_peers(others, epoch, live=True)  # not those gone or idle
         if waiting and self._attempt < MAX_ROUND_ATTEMPTS:
             logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
                         epoch, error, len(waiting))
-            self._carry_over(1.0)
+            await run_in_thread(self._carry_over, 1.0)
             self.samples += pending.samples
             return
         if waiting:
             logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
                            epoch, self._attempt, error)
-        self._apply_gradients(1 / max(pending.samples, 1), pending.samples, pending.expected)
+        await self._apply_gradients(1 / max(pending.samples, 1), pending.samples, pending.expected)
 
-    def _apply_gradients(self, per_sample: float, samples: int, expected: int,
+    async def _apply_gradients(self, per_sample: float, samples: int, expected: int,
                          members: frozenset[str] | None = None, same_state: bool = False) -> None:
         """The wrapped optimizer's step on the accumulator (x `per_sample` x target: the mean
         gradient), handed over as `.grad` without a copy; then the next epoch. The state is
         averaged after it if due, unless every member of the round held the same state before
         it (`same_state`): the same step on the same state leaves them all alike."""
+        await run_in_thread(self._step_on_average, per_sample)
+        self.epoch_samples = samples
+        average_state = self._averages_state_after(self.local_epoch) and not same_state \
+            and len(self.progress().reports) > 1  # alone, there is nobody to average with
+        self._in_round = bool(average_state)  # already in the new epoch's first report
+        self._advance_epoch()
+        if average_state:
+            await self._average_state(f"state{self.local_epoch}", expected, members)
+
+    def _step_on_average(self, per_sample: float) -> None:
+        """The wrapped optimizer's step on the averaged accumulator, then clear it (in a worker thread)."""
         self._clear_now()
         with self.grad_averager.get_tensors() as sums, torch.no_grad():
             if per_sample * self.target_batch_size != 1:
@@ -460,13 +522,6 @@ class Optimizer(torch.optim.Optimizer):
                 for p in self._params:
                     p.grad = None
         self._carry_over(0.0)
-        self.epoch_samples = samples
-        average_state = self._averages_state_after(self.local_epoch) and not same_state \
-            and len(self.progress().reports) > 1  # alone, there is nobody to average with
-        self._in_round = bool(average_state)  # already in the new epoch's first report
-        self._advance_epoch()
-        if average_state:
-            self._average_state(f"state{self.local_epoch}", expected, members)
 
     def _averages_state_after(self, epoch: int) -> bool:
         return bool(self.average_state_every) and (epoch + 1) % self.average_state_every == 0
@@ -514,7 +569,14 @@ class Optimizer(torch.optim.Optimizer):
         """Report a change of state (a new epoch, a round ended) without waiting: the report
         reads our state when it runs, so it is never older than the change. Neighbors hear it
         at once; the DHT then hears it from the progress loop."""
-        self.peer.submit(self._report(store=not self.tracker.has_neighbors))
+        task = asyncio.ensure_future(self._report(store=not self.tracker.has_neighbors))
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(retrieve_exception)
+
+    def _now(self) -> float:
+        """The peer's loop time: virtual under `potluck.core.virtual_time`, so tests are exact."""
+        return asyncio.get_running_loop().time()
 
     def _idle(self) -> bool:
         """We have stopped calling step() (a peer that never stepped is still starting)."""
@@ -522,11 +584,14 @@ class Optimizer(torch.optim.Optimizer):
         if self._stepping or last is None or speed <= 0:
             return False
         idle_after = max(IDLE_FLOOR_SECONDS, IDLE_STEP_INTERVALS * self.batch_size_per_step / speed)
-        return time.perf_counter() - last > idle_after
+        return self._now() - last > idle_after
 
-    def _fresh_reports(self) -> list[PeerProgress]:
+    async def _fresh_reports(self) -> list[PeerProgress]:
         """Everyone's progress read from the DHT now (the background view may be a moment old)."""
-        reports = self.peer.run(self.tracker.fetch(), self.averaging_timeout)
+        try:
+            reports = await asyncio.wait_for(self.tracker.fetch(), self.averaging_timeout)
+        except TimeoutError:
+            reports = None
         return list(self.tracker.merged(self._reports if reports is None else reports).values())
 
     def _advance_epoch(self) -> None:
@@ -541,44 +606,44 @@ class Optimizer(torch.optim.Optimizer):
         self._label_state(self.local_epoch)
         self._publish()
 
-    def _average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
+    async def _average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
         """Average parameters and statistics in place (untouched if the round fails)."""
         self._in_round = True
         try:
-            self.state_averager.step(group_key=key, target_group_size=expected, members=members)
+            await self.state_averager.astep(group_key=key, target_group_size=expected, members=members)
         except AveragingError as e:
             logger.warning("averaging parameters failed (%s); keeping local ones", e)
         finally:
             self._in_round = False
         self._publish()  # computing again: others may extrapolate us
 
-    def _catch_up(self, epoch: int) -> None:
+    async def _catch_up(self, epoch: int) -> None:
         """We fell behind the swarm: take its state; recent gradients count towards the next epoch."""
         behind = epoch - self.local_epoch
         self._attempt, self._waited, self._part, self._part_due = 0, True, 0, None
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
-        if not self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
+        if not await self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self.local_epoch = epoch  # nobody could share the newest state; keep ours and rejoin
             self.state_averager.state_metadata = {"epoch": self.local_epoch}
         elif self.local_epoch < epoch:
-            self._next_catch_up = time.monotonic() + CATCH_UP_RETRY_SECONDS
+            self._next_catch_up = self._now() + CATCH_UP_RETRY_SECONDS
         if behind > MAX_STALE_EPOCHS:
             if self.grad_averager is not None:  # sync mode's accumulated gradients are stale
-                self._carry_over(0.0)
+                await run_in_thread(self._carry_over, 0.0)
             self.samples = 0
 
     # -- local-update modes ---------------------------------------------------------------------------
-    def _moshpit_round(self) -> None:
+    async def _moshpit_round(self) -> None:
         self.steps = 0
         try:
             if self._anyone_else():
-                self.state_averager.step(weight=float(self.samples))  # in place; untouched on failure
+                await self.state_averager.astep(weight=float(self.samples))  # in place; untouched on failure
         except AveragingError as e:
             logger.warning("moshpit averaging failed (%s); continuing locally", e)
         self.samples = 0
         self._advance_epoch()
 
-    def _diloco_round(self) -> None:
+    async def _diloco_round(self) -> None:
         """Outer step: average the parameter change of the last `local_steps` steps, then apply
         it to the shared starting point with Nesterov momentum. A peer whose round came after the
         others' (a slower one, or one whose round failed) takes their state instead."""
@@ -586,20 +651,30 @@ class Optimizer(torch.optim.Optimizer):
         swarm_epoch = self.progress().epoch
         if swarm_epoch > self.local_epoch:
             self.samples = 0
-            self._catch_up(swarm_epoch)
+            await self._catch_up(swarm_epoch)
             return
-        with self.delta_averager.get_tensors() as deltas, torch.no_grad():
-            torch._foreach_copy_(deltas, self._outer_params)
-            torch._foreach_sub_(deltas, self._params)
+        await run_in_thread(self._take_change)
         try:
             if self._anyone_else():
                 # A stable group meets again without the DHT and closes once all are back; any
                 # other round takes the whole window, which also lets a slower peer come in.
                 members = self._members(self.progress().reports)
-                self.delta_averager.step(weight=float(self.samples), group_key=f"outer{self.local_epoch}",
-                                         members=members)
+                await self.delta_averager.astep(weight=float(self.samples), group_key=f"outer{self.local_epoch}",
+                                                members=members)
         except AveragingError as e:
             logger.warning("diloco averaging failed (%s); using the local change", e)
+        await run_in_thread(self._outer_step)
+        self.samples = 0
+        self._advance_epoch()
+
+    def _take_change(self) -> None:
+        """The parameters' change since the last outer step, into the delta averager (in a worker thread)."""
+        with self.delta_averager.get_tensors() as deltas, torch.no_grad():
+            torch._foreach_copy_(deltas, self._outer_params)
+            torch._foreach_sub_(deltas, self._params)
+
+    def _outer_step(self) -> None:
+        """Apply the averaged change to the outer parameters, and start from them (in a worker thread)."""
         with self.delta_averager.get_tensors() as deltas, torch.no_grad():
             # SGD with Nesterov momentum (as torch.optim.SGD computes it), all in place: no temporaries
             torch._foreach_mul_(self._outer_momentum, self.outer_momentum)
@@ -608,8 +683,6 @@ class Optimizer(torch.optim.Optimizer):
             torch._foreach_add_(self._outer_params, deltas, alpha=-self.outer_lr)
         with self.state_averager.get_tensors(), torch.no_grad():
             torch._foreach_copy_(self._params, self._outer_params)
-        self.samples = 0
-        self._advance_epoch()
 
     def _anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""
@@ -678,9 +751,9 @@ class Optimizer(torch.optim.Optimizer):
                 old.copy_(state[name])
                 state[name] = old
 
-    def _try_load_state(self, timeout: float) -> bool:
+    async def _try_load_state(self, timeout: float) -> bool:
         try:
-            version, metadata = self.state_averager.load_state_from_peers(timeout)  # into our tensors
+            version, metadata = await self.state_averager.aload_state_from_peers(timeout)  # into our tensors
         except AveragingError as e:
             logger.info("no state downloaded (%s); starting from local parameters", e)
             return False
@@ -691,14 +764,13 @@ class Optimizer(torch.optim.Optimizer):
                 self.scheduler.step()
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         if self._outer_params is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(self._outer_params, self._params)
+            await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
         logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
         return True
 
     # -- progress -----------------------------------------------------------------------------------
     def _measure_speed(self) -> None:
-        now = time.perf_counter()
+        now = self._now()
         if self._last_step_time is not None and now > self._last_step_time:
             speed = self.batch_size_per_step / (now - self._last_step_time)
             self.samples_per_second = speed if not self.samples_per_second else (
@@ -719,8 +791,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def shutdown(self) -> None:
         """Stop publishing progress and serving averaging; the peer itself stays up."""
-        if self._progress_task is not None:
-            self._progress_task.cancel()
+        loop = None if self._progress_task is None else self._progress_task.get_loop()
+        if loop is not None and not loop.is_closed():  # (a closed loop cancelled it already)
+            loop.call_soon_threadsafe(self._progress_task.cancel)
         self.tracker.close()
         for averager in (self.grad_averager, self.state_averager, getattr(self, "delta_averager", None)):
             if averager is not None:
@@ -738,6 +811,10 @@ def _speed(metadata: Any) -> float:
     """The samples per second a round member says it computes (0 if nothing sensible)."""
     value = metadata.get("sps") if isinstance(metadata, dict) else None
     return float(value) if isinstance(value, (int, float)) and 0 <= value <= MAX_SAMPLES_PER_SECOND else 0.0
+
+
+def _zeros_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros_like(t) for t in tensors]
 
 
 def _finite(grads: list[torch.Tensor | None]) -> bool:

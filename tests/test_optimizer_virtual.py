@@ -1,0 +1,128 @@
+"""`potluck.Optimizer`'s async core on the emulated network under the virtual clock.
+
+The whole swarm runs as coroutines on one virtual-time loop: each peer computes a batch, waits
+its own (virtual) compute time, and awaits `astep()`. Tensor math runs in worker threads, which
+freezes the clock, so every timing here is exact and a scenario repeats bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
+
+BATCH, TARGET = 8, 256
+COMPUTE_SECONDS = (0.02, 0.02, 0.05)  # per batch: the third peer is 2.5x slower
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same start on every peer
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
+    """Train len(COMPUTE_SECONDS) peers for `epochs` epochs; what each ended with, and when."""
+    loop = asyncio.get_running_loop()
+    network = EmulatedNetwork(latency=0.01, seed=seed)
+    peers: list[potluck.Peer] = []
+    for _ in COMPUTE_SECONDS:
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    models = [make_model(seed) for _ in peers]
+    options = dict(mode=mode, local_steps=4) if mode != "sync" else {}
+    optimizers = [Optimizer(peer, "virtual", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                            target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
+                            start=False, **options) for peer, model in zip(peers, models, strict=True)]
+    for opt in optimizers:
+        await opt.astart()
+    start = loop.time()
+    finished: list[float] = []
+
+    async def train(index: int) -> None:
+        model, opt = models[index], optimizers[index]
+        generator = torch.Generator().manual_seed(seed * 100 + index)
+        while opt.local_epoch < epochs:
+            x = torch.randn(BATCH, 16, generator=generator)
+            y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            await asyncio.sleep(COMPUTE_SECONDS[index])
+            await opt.astep()
+        finished.append(loop.time() - start)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
+        return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
+                "seconds": sorted(finished), "samples": [o.epoch_samples for o in optimizers],
+                "params": [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]}
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET) -> dict:
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        assert isinstance(runner.loop, VirtualTimeLoop)
+        return runner.run(swarm(seed, epochs, mode, target), timeout=300)
+    finally:
+        release_runner()
+
+
+@pytest.mark.timeout(300)
+def test_sync_swarm_on_virtual_time_is_identical_and_repeats_exactly():
+    first = run(seed=3)
+    assert first["epochs"] == [6, 6, 6]
+    assert len(set(first["digests"])) == 1, first
+    assert all(TARGET <= s <= 1.25 * TARGET for s in first["samples"]), first
+    # A global batch takes 256 / (8/0.02 + 8/0.02 + 8/0.05) = 0.267 s of compute, and a round
+    # about 0.1 s more (10 ms links). A peer that waited out a matchmaking window (1 s) alone
+    # for a round already over, and the others who waited for it, would take far longer.
+    assert 6 * 0.267 < min(first["seconds"]) and max(first["seconds"]) < 6 * (0.267 + 0.25), first
+    again = run(seed=3)
+    assert_repeats(again, first)
+    other = run(seed=4)
+    assert other["digests"] != first["digests"]
+
+
+def assert_repeats(again: dict, first: dict) -> None:
+    """Same seed: the same epochs, samples and virtual timings, and the same parameters up to
+    float rounding (a reducer adds the parts in the order they arrive, which can differ when
+    they arrive at one virtual instant)."""
+    exact = ("epochs", "seconds", "samples")
+    assert {k: again[k] for k in exact} == {k: first[k] for k in exact}
+    for a, b in zip(again["params"], first["params"], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_that_missed_the_first_round_is_in_the_next():
+    # A small global batch: the two fast peers fill the first one before they have seen the
+    # slow peer, whose matchmaking for it then finds nobody. It must notice that the round is
+    # over (the others report the epoch applied), catch up and be in the next round, instead
+    # of waiting a whole matchmaking window alone while the others wait the same for it.
+    result = run(seed=3, target=64)
+    assert result["epochs"] == [6, 6, 6] and len(set(result["digests"])) == 1, result
+    assert all(s > 0 for s in result["samples"]), result  # all three were in the last round
+    assert max(result["seconds"]) < 6 * (0.067 + 0.25), result  # 3.84 s when it waited alone
+
+
+@pytest.mark.timeout(300)
+def test_moshpit_on_virtual_time_repeats_exactly():
+    first = run(seed=5, epochs=3, mode="moshpit")
+    assert first["epochs"] == [3, 3, 3]
+    assert_repeats(run(seed=5, epochs=3, mode="moshpit"), first)
