@@ -390,12 +390,12 @@ def test_state_round_is_skipped_while_peers_hold_the_same_state_and_repairs_a_dr
         wait_until(lambda m=m: len(m.opt.progress().reports) == 2, 30, "the peers did not see each other")
     rounds = [0, 0]
     for i, m in enumerate(members):
-        original = m.opt.state_averager.step
+        original = m.opt.state_averager.astep
 
-        def counting(*args, _i=i, _original=original, **kwargs):
+        async def counting(*args, _i=i, _original=original, **kwargs):
             rounds[_i] += 1
-            return _original(*args, **kwargs)
-        m.opt.state_averager.step = counting
+            return await _original(*args, **kwargs)
+        m.opt.state_averager.astep = counting
     train(members, 6)
     assert rounds == [0, 0], rounds
     assert len({digest(m.model) for m in members}) == 1

@@ -2,7 +2,7 @@
 
 The whole swarm runs as coroutines on one virtual-time loop: each peer computes a batch, waits
 its own (virtual) compute time, and awaits `astep()`. Tensor math runs in worker threads, which
-freezes the clock, so every timing here is exact and a scenario repeats bit for bit.
+freeze the clock, so every timing here is exact, and a scenario repeats bit for bit.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
     try:
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
         return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
-                "seconds": sorted(finished), "samples": [o.epoch_samples for o in optimizers],
-                "params": [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]}
+                "seconds": sorted(finished), "samples": [o.epoch_samples for o in optimizers]}
     finally:
         for opt in optimizers:
             opt.shutdown()
@@ -100,13 +99,11 @@ def test_sync_swarm_on_virtual_time_is_identical_and_repeats_exactly():
 
 
 def assert_repeats(again: dict, first: dict) -> None:
-    """Same seed: the same epochs, samples and virtual timings, and the same parameters up to
-    float rounding (a reducer adds the parts in the order they arrive, which can differ when
-    they arrive at one virtual instant)."""
-    exact = ("epochs", "seconds", "samples")
+    """Same seed: the same epochs, samples and virtual timings, and the same parameters to the
+    bit (groups list their members in a fixed order, and the virtual loop hands back worker
+    threads' results in a fixed order)."""
+    exact = ("digests", "epochs", "seconds", "samples")
     assert {k: again[k] for k in exact} == {k: first[k] for k in exact}
-    for a, b in zip(again["params"], first["params"], strict=True):
-        assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(300)

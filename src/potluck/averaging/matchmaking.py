@@ -380,6 +380,9 @@ class Matchmaker:
             gathering.done.set_result(f"only {len(members)} peer(s) gathered under {gathering.key!r}; "
                                       f"min_group_size is {self.min_group_size}")
             return _formed(gathering)
+        # The leader first, then the others by id, not by when their requests came in: reducers
+        # add parts in member order, so a group of the same peers averages to the same bits.
+        members = [members[0], *sorted(members[1:], key=lambda m: m[0].to_bytes())]
         modes = [m[1] for m in members]
         fractions = optimal_fractions(modes, [m[2][0] for m in members], [m[2][1] for m in members])
         group = Group(os.urandom(16), tuple(m[0] for m in members), tuple(modes),

@@ -51,6 +51,7 @@ class _VirtualSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
+        self._loop._deliver_executor_results()
         if ready or (timeout is not None and timeout <= 0):
             return ready
         if self._loop._executor_jobs:
@@ -66,7 +67,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0):
         self._now = float(start)
-        self._executor_jobs: set[asyncio.Future[Any]] = set()
+        # (the job's own future, the one its caller awaits), in the order they were submitted
+        self._executor_jobs: list[tuple[asyncio.Future[Any], asyncio.Future[Any]]] = []
         super().__init__(selector=_VirtualSelector(self))
 
     def time(self) -> float:
@@ -74,11 +76,32 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def run_in_executor(self, executor: concurrent.futures.Executor | None,
                         func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """As usual, but the clock stands still until the job is done (see the module doc)."""
-        future = super().run_in_executor(executor, func, *args)
-        self._executor_jobs.add(future)
-        future.add_done_callback(self._executor_jobs.discard)
-        return future
+        """As usual, but the clock stands still until the job is done (see the module doc).
+
+        Results are handed back only once every job in flight is done, in the order the jobs
+        were submitted: threads finish in whatever order the host schedules them, and handing
+        results back in that order would make a scenario's events (and so its outcome) vary
+        from run to run. A job's thread must not wait for the loop (it never does: jobs are
+        tensor math and file I/O)."""
+        job = super().run_in_executor(executor, func, *args)
+        result = self.create_future()
+        self._executor_jobs.append((job, result))
+        return result
+
+    def _deliver_executor_results(self) -> None:
+        if not self._executor_jobs or not all(job.done() for job, _ in self._executor_jobs):
+            return
+        jobs, self._executor_jobs = self._executor_jobs, []
+        for job, result in jobs:
+            if result.cancelled():
+                if not job.cancelled():
+                    job.exception()  # seen: nobody waits for it any more
+            elif job.cancelled():
+                result.cancel()
+            elif job.exception() is not None:
+                result.set_exception(job.exception())
+            else:
+                result.set_result(job.result())
 
 
 def virtual_time_loop() -> asyncio.AbstractEventLoop:
