@@ -123,3 +123,15 @@ def test_moshpit_on_virtual_time_repeats_exactly():
     first = run(seed=5, epochs=3, mode="moshpit")
     assert first["epochs"] == [3, 3, 3]
     assert_repeats(run(seed=5, epochs=3, mode="moshpit"), first)
+
+
+@pytest.mark.timeout(300)
+def test_diloco_peers_that_started_apart_are_brought_together():
+    # Every peer starts training at once: the first outer step comes before the peers have
+    # seen each other, so each takes it alone, and the same averaged change would keep their
+    # starting points apart for good. The outer round compares digests of those points and
+    # averages them when they differ.
+    first = run(seed=5, epochs=4, mode="diloco")
+    assert first["epochs"] == [4, 4, 4]
+    assert len(set(first["digests"])) == 1, first
+    assert_repeats(run(seed=5, epochs=4, mode="diloco"), first)

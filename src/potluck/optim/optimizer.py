@@ -27,7 +27,8 @@ it holds beyond the model and the wrapped optimizer (one peer, between rounds):
 - "sync": 1 (the gradient accumulator, averaged in place and handed to the optimizer as `.grad`);
   2 with `delay_updates` (the next epoch accumulates while the last one averages).
 - "moshpit": 0.
-- "diloco": 3 (the outer starting point, the averaged change, the outer momentum).
+- "diloco": 3 (the outer starting point, the averaged change, the outer momentum; the momentum
+  is part of the state that newcomers download and that groups average when they differ).
 During a round the all-reduce adds transient buffers of the averaged size (a flat snapshot and
 the result), freed when the round ends; a donor holds at most one copy of its state while
 newcomers download it.
@@ -174,6 +175,9 @@ class Optimizer(torch.optim.Optimizer):
         self._last_step_time: float | None = None
         self._params = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
         self._init_optimizer_state()
+        # DiLoCo's outer momentum is part of the state newcomers download and groups average:
+        # members whose momentum differs would take different outer steps from one change.
+        self._outer_momentum: list[torch.Tensor] = _zeros_like(self._params) if mode == "diloco" else []
         common = dict(compression=compression, mode=averaging_mode, matchmaking_time=matchmaking_time,
                       allreduce_timeout=averaging_timeout, copy=False)
         # The parameters and statistics themselves: averaged in place, served to newcomers.
@@ -186,7 +190,6 @@ class Optimizer(torch.optim.Optimizer):
         self._progress_task: asyncio.Future | None = None
         self._background: set[asyncio.Future] = set()  # reports under way (see _publish)
         self._outer_params: list[torch.Tensor] | None = None  # diloco (see astart)
-        self._outer_momentum: list[torch.Tensor] = []
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.grad_averager: Averager | None = None  # sync mode's accumulator (see astart)
         self.delta_averager: Averager | None = None  # diloco's averaged change (see astart)
@@ -217,7 +220,6 @@ class Optimizer(torch.optim.Optimizer):
                                           powersgd_rank=powersgd_rank, **options)
         if self.mode == "diloco":
             self._outer_params = await run_in_thread(lambda: [p.detach().clone() for p in self._params])
-            self._outer_momentum = await run_in_thread(_zeros_like, self._params)
             zeros = await run_in_thread(_zeros_like, self._params)
             self.delta_averager = Averager(self.peer, zeros, f"{self.run_id}.delta", allow_state_sharing=False,
                                            **options)
@@ -424,15 +426,19 @@ class Optimizer(torch.optim.Optimizer):
         self._round_samples, self._in_round, self._waited = samples, True, True  # frozen: others stop extrapolating us
         report = asyncio.ensure_future(self._report())
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
-                if not task.done() and self.grad_averager.forming and self._round_is_over(epoch):
-                    task.cancel()  # no group yet, and the swarm's round is over: catch up now
-                    await asyncio.wait([task])
+            await self._wait_for_round(task, self.grad_averager, epoch)
             await report
         finally:
             self._round_samples, self._in_round = 0, False
         await self._finish_update(pending)
+
+    async def _wait_for_round(self, task: asyncio.Future, averager: Averager, epoch: int) -> None:
+        """Wait for `epoch`'s round; cancel it if we have no group yet and the round is over."""
+        while not task.done():
+            await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
+            if not task.done() and averager.forming and self._round_is_over(epoch):
+                task.cancel()
+                await asyncio.wait([task])
 
     def _round_is_over(self, epoch: int) -> bool:
         """Another peer has applied `epoch`'s update: its round ended (without us, if we are
@@ -528,11 +534,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _state_digest(self) -> str:
         """A digest of the parameters and optimizer statistics, exact to the bit."""
-        digest = hashlib.blake2b(digest_size=16)
         with self.state_averager.get_tensors() as tensors:
-            for t in tensors:
-                digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
-        return digest.hexdigest()
+            return _digest(tensors)
 
     def _carry_over(self, keep: float) -> None:
         """After a round: keep `keep` x the accumulator (0: clear it) and add the spare one (what
@@ -654,18 +657,35 @@ class Optimizer(torch.optim.Optimizer):
             await self._catch_up(swarm_epoch)
             return
         await run_in_thread(self._take_change)
+        result = None
         try:
             if self._anyone_else():
                 # A stable group meets again without the DHT and closes once all are back; any
                 # other round takes the whole window, which also lets a slower peer come in.
                 members = self._members(self.progress().reports)
-                await self.delta_averager.astep(weight=float(self.samples), group_key=f"outer{self.local_epoch}",
-                                                members=members)
+                digest = await run_in_thread(_digest, self._outer_params)
+                task = asyncio.ensure_future(self.delta_averager.astep(
+                    weight=float(self.samples), gather={"outer": digest}, group_key=f"outer{self.local_epoch}",
+                    members=members))
+                await self._wait_for_round(task, self.delta_averager, self.local_epoch)
+                if task.cancelled():  # the others' round is over: take their state
+                    self.samples = 0
+                    await self._catch_up(max(r.done for r in self.tracker.merged(self._reports).values()))
+                    return
+                result = task.result()
         except AveragingError as e:
             logger.warning("diloco averaging failed (%s); using the local change", e)
         await run_in_thread(self._outer_step)
         self.samples = 0
         self._advance_epoch()
+        gathered = result.gathered.values() if result is not None else ()
+        digests = {m.get("outer") if isinstance(m, dict) else None for m in gathered}
+        if len(digests) > 1:
+            # The members started from different points (one stepped alone: it saw nobody yet,
+            # or its round failed); the same change keeps them apart for good. Average them.
+            logger.info("epoch %d: the group's outer parameters differ; averaging them", self.local_epoch)
+            await self._average_state(f"outer-state{self.local_epoch}", len(result.peers), frozenset(result.peers))
+            await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
 
     def _take_change(self) -> None:
         """The parameters' change since the last outer step, into the delta averager (in a worker thread)."""
@@ -675,13 +695,12 @@ class Optimizer(torch.optim.Optimizer):
 
     def _outer_step(self) -> None:
         """Apply the averaged change to the outer parameters, and start from them (in a worker thread)."""
-        with self.delta_averager.get_tensors() as deltas, torch.no_grad():
+        with self.delta_averager.get_tensors() as deltas, self.state_averager.get_tensors(), torch.no_grad():
             # SGD with Nesterov momentum (as torch.optim.SGD computes it), all in place: no temporaries
             torch._foreach_mul_(self._outer_momentum, self.outer_momentum)
             torch._foreach_add_(self._outer_momentum, deltas)
             torch._foreach_add_(deltas, self._outer_momentum, alpha=self.outer_momentum)
             torch._foreach_add_(self._outer_params, deltas, alpha=-self.outer_lr)
-        with self.state_averager.get_tensors(), torch.no_grad():
             torch._foreach_copy_(self._params, self._outer_params)
 
     def _anyone_else(self) -> bool:
@@ -736,7 +755,7 @@ class Optimizer(torch.optim.Optimizer):
         return [state[name] for state, name in self._optimizer_slots()]
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        return [p.detach() for p in self._params] + self._optimizer_tensors()
+        return [p.detach() for p in self._params] + self._optimizer_tensors() + self._outer_momentum
 
     def _load_inner(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's state into the tensors it has now: the state averager
@@ -811,6 +830,14 @@ def _speed(metadata: Any) -> float:
     """The samples per second a round member says it computes (0 if nothing sensible)."""
     value = metadata.get("sps") if isinstance(metadata, dict) else None
     return float(value) if isinstance(value, (int, float)) and 0 <= value <= MAX_SAMPLES_PER_SECOND else 0.0
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    """BLAKE2b of the tensors' bytes: equal only if they are equal to the bit."""
+    digest = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _zeros_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
