@@ -426,6 +426,112 @@ def measure_emulated(args: argparse.Namespace, common: dict) -> list[dict]:
     ]
 
 
+# == CPU against TLS alone (one process) =============================================================
+# Bytes per TLS write when only moving bytes: the all-reduce's own chunk size is about this.
+TLS_WRITE_BYTES = 1 << 20
+
+
+def measure_cpu(args: argparse.Namespace, floats: int, common: dict) -> list[dict]:
+    """CPU seconds (this process: user + system) of one all-reduce step of N peers in this
+    process over TCP + TLS, against moving the same bytes through TLS sockets alone."""
+    import scipy.optimize  # noqa: F401 - see run_potluck_worker
+
+    import potluck
+    from potluck.averaging import Averager
+
+    peers: list[Any] = []
+    for _ in range(args.peers):
+        peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
+    averagers = [Averager(p, [vector(r, floats)], "cpu", target_group_size=args.peers,
+                          min_group_size=args.peers, compression="none", matchmaking_time=args.matchmaking_time)
+                 for r, p in enumerate(peers)]
+    import asyncio
+
+    async def step() -> None:
+        await asyncio.gather(*(a.astep(weight=1.0) for a in averagers))
+
+    potluck_cpu = []
+    try:
+        for i in range(args.steps + 1):
+            before = time.process_time()
+            peers[0].run(step(), STEP_TIMEOUT)
+            if i:
+                potluck_cpu.append(time.process_time() - before)
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for p in peers:
+            p.shutdown()
+    tls_cpu = [tls_alone_cpu(args.peers, 4 * floats // args.peers) for _ in range(args.steps)]
+    params = {"peers": args.peers, "floats": floats, "mbytes_per_peer": round(4 * floats / MB, 1),
+              "steps": args.steps, **common}
+    moved = 2 * args.peers * (args.peers - 1) * (4 * floats // args.peers)
+    potluck_median, tls_median = statistics.median(potluck_cpu), statistics.median(tls_cpu)
+    return [
+        {"metric": "cpu_seconds_per_step", "system": "potluck", "value": round(potluck_median, 3), "unit": "s",
+         "per_step": [round(v, 3) for v in potluck_cpu], "measured": "process CPU of one Averager.astep() "
+         "of every peer, all peers in this process, TLS, matchmaking included", **params},
+        {"metric": "cpu_seconds_per_step", "system": "tls_alone", "value": round(tls_median, 3), "unit": "s",
+         "per_step": [round(v, 3) for v in tls_cpu], "bytes_moved": moved,
+         "measured": "process CPU of moving the all-reduce's bytes (each peer's part to its reducer and "
+         "the result back, on one TLS 1.3 connection per pair of peers) through asyncio TLS streams", **params},
+        {"metric": "cpu_ratio", "value": round(potluck_median / tls_median, 2), "unit": "potluck/tls_alone",
+         "target": 1.5, **params},
+    ]
+
+
+def tls_alone_cpu(peers: int, part_bytes: int) -> float:
+    """Process CPU of moving `part_bytes` each way between every pair of `peers` twice (a part to
+    its reducer, the result back) over TLS 1.3 with potluck's certificates. Blocking sockets, a
+    thread per direction, 1 MiB writes and reads into one buffer: the cheapest way Python moves
+    bytes through TLS (asyncio's TLS streams cost more CPU than potluck's whole step)."""
+    import concurrent.futures
+    import socket
+    import ssl
+    import threading
+
+    from potluck.net.identity import Identity, make_ssl_contexts
+
+    server_context, client_context = make_ssl_contexts(Identity.generate())
+    payload = os.urandom(TLS_WRITE_BYTES)
+    total = 2 * part_bytes // TLS_WRITE_BYTES * TLS_WRITE_BYTES
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    links: list[tuple[ssl.SSLSocket, ssl.SSLSocket]] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as handshakes:
+        for _ in range(peers * (peers - 1) // 2):
+            raw = socket.create_connection(("127.0.0.1", port))
+            accepted, _ = listener.accept()
+            server_side = handshakes.submit(server_context.wrap_socket, accepted, server_side=True)
+            links.append((client_context.wrap_socket(raw), server_side.result()))
+    listener.close()
+
+    def send(sock: ssl.SSLSocket) -> None:
+        for _ in range(total // TLS_WRITE_BYTES):
+            sock.sendall(payload)
+
+    def receive(sock: ssl.SSLSocket) -> None:
+        buffer = memoryview(bytearray(TLS_WRITE_BYTES))
+        left = total
+        while left:
+            left -= sock.recv_into(buffer, min(left, TLS_WRITE_BYTES))
+
+    threads = []
+    for a, b in links:  # both directions of every pair
+        threads += [threading.Thread(target=f, args=(x,)) for f, x in ((send, a), (receive, b), (send, b),
+                                                                       (receive, a))]
+    before = time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spent = time.process_time() - before
+    for a, b in links:
+        a.close()
+        b.close()
+    return spent
+
+
 # == main ==========================================================================================
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -435,7 +541,9 @@ def main() -> None:
     parser.add_argument("--floats", default="16M,1M", help="comma-separated vector sizes (K/M suffixes)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--parts", default="potluck,trusted,hivemind,emulated",
-                        help="potluck (TLS), trusted (potluck, insecure=True), hivemind, emulated")
+                        help="potluck (TLS), trusted (potluck, insecure=True), hivemind, emulated, "
+                             "cpu (potluck's CPU per step against moving the same bytes through TLS alone, "
+                             "in this process)")
     parser.add_argument("--matchmaking-time", type=float, default=1.0,
                         help="potluck's matchmaking_time and hivemind's min_matchmaking_time (s)")
     parser.add_argument("--emulated-peers", type=int, default=8)
@@ -492,6 +600,9 @@ def main() -> None:
                 emit({"metric": "step_seconds_ratio", "value": round(figures["hivemind"] / figures[part], 2),
                       "unit": "hivemind/potluck", "potluck_tls": part == "potluck", "peers": args.peers,
                       "floats": floats, **common})
+        if "cpu" in parts:
+            for row in measure_cpu(args, floats, common):
+                emit(row)
     if "emulated" in parts:
         for row in measure_emulated(args, common):
             emit(row)
