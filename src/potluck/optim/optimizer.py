@@ -195,7 +195,7 @@ class Optimizer(torch.optim.Optimizer):
         self.delta_averager: Averager | None = None  # diloco's averaged change (see astart)
         self._cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
         self._spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
-        self._buffers = dict(common, powersgd_rank=powersgd_rank)
+        self._averaging_options, self._powersgd_rank = common, powersgd_rank  # for astart's averagers
         self._load_state, self._load_state_timeout = load_state, load_state_timeout
         self._started = False
         if start:
@@ -210,14 +210,13 @@ class Optimizer(torch.optim.Optimizer):
         self._started = True
         if self._load_state:  # before the model-sized buffers below: a newcomer's peak is its state
             await self._try_load_state(self._load_state_timeout)
-        options = dict(self._buffers)
-        powersgd_rank = options.pop("powersgd_rank")
+        options = self._averaging_options
         if self.mode == "sync":
             # The gradient accumulator, averaged in place: sum of batch gradients x samples /
             # target_batch_size (about a mean gradient in size, whatever the codec).
             zeros = await run_in_thread(_zeros_like, self._params)
             self.grad_averager = Averager(self.peer, zeros, f"{self.run_id}.grads", allow_state_sharing=False,
-                                          powersgd_rank=powersgd_rank, **options)
+                                          powersgd_rank=self._powersgd_rank, **options)
         if self.mode == "diloco":
             self._outer_params = await run_in_thread(lambda: [p.detach().clone() for p in self._params])
             zeros = await run_in_thread(_zeros_like, self._params)
