@@ -48,10 +48,10 @@ class Peer:
                  client_mode: bool = False, identity_path: str | None = None, *,
                  insecure: bool = False, announce: list[str] | None = None,
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
-                 dht_config: DHTConfig | None = None, **transport_options: Any):
+                 dht_config: DHTConfig | None = None, clock: Clock = get_dht_time, **transport_options: Any):
         self._setup(initial_peers, host=host, port=port, client_mode=client_mode, identity_path=identity_path,
                     insecure=insecure, announce=announce, transport=transport, dht_config=dht_config,
-                    **transport_options)
+                    clock=clock, **transport_options)
         try:
             self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
         except BaseException:
