@@ -13,7 +13,7 @@ Two scenarios, run one after another (the standard machine has 2 cores):
              while the loop waits, and virtual time would jump past every deadline meanwhile.)
 
 Each peer records the time of every epoch it reaches and the digest of its parameters at that
-epoch. After --minutes of training the peers are told to finish at the swarm's epoch + 2, and their
+epoch. After --minutes of training the peers are told to finish at the swarm's epoch + 10, and their
 digests at that epoch are compared.
 
 Figures per scenario (one JSON object per line):
@@ -55,7 +55,8 @@ PROCESS_PEERS = 2
 EMULATED_PEERS = 4
 EMULATED_LATENCY = 0.01  # s one way, a home connection
 EMULATED_BANDWIDTH = 100e6  # bytes/s each way
-FINISH_EPOCHS = 2  # the peers finish at the swarm's epoch + this, so that they all get there together
+FINISH_EPOCHS = 10  # the peers finish at the swarm's epoch + this: ~1 s of epochs, so that the order reaches
+# every peer before it passes that epoch (the parent sees epochs up to 0.1 s late; a busy peer reads late)
 FINISH_TIMEOUT = 60.0  # s for every peer to reach the finish epoch; past it, digests are compared as they are
 MAX_WARMUP = 60.0  # s: Adam's state, averager buffers and connections are all made within the first epochs
 MIN_WARMUP = 8.0  # s: RSS climbs for the first ~5 s (imports done, first rounds) even in short runs
@@ -110,6 +111,8 @@ class Trainer:
         try:
             while not self.stop.is_set():
                 if self.finish_at is not None and (epoch >= self.finish_at or time.time() > self.finish_deadline):
+                    if self.finish_at not in self.digests:
+                        self.error = self.error or f"stopped at epoch {epoch} without a digest at {self.finish_at}"
                     break
                 x = torch.randn(LOCAL_BATCH, MLP_SIZES[0], generator=self.generator)
                 y = torch.randint(0, MLP_SIZES[-1], (LOCAL_BATCH,), generator=self.generator)
@@ -194,6 +197,7 @@ def run_processes(args: argparse.Namespace) -> tuple[list[PeerRecord], float, in
                             record.final = got
         sample(lambda: [rss_mb(w.proc.pid) for w in workers], records, t0, args, drain)
         trained = time.time() - t0
+        drain()
         finish = max(r.epoch for r in records) + FINISH_EPOCHS
         for w in workers:
             w.send(f"finish {finish}")
