@@ -19,6 +19,7 @@ import weakref
 import pytest
 import torch
 
+from potluck.averaging import Averager
 from potluck.averaging.allreduce import POOL_GRANULE, AllReduceRun, AllReduceService, BufferPool
 from potluck.averaging.matchmaking import Matchmaker
 from potluck.core.errors import AveragingError, PeerUnreachable
@@ -310,19 +311,51 @@ def test_matchmaking_formed_or_failed_leaves_no_cyclic_garbage_nor_gatherings():
 
 
 @pytest.mark.timeout(60)
-def test_reducer_buffers_are_reused_across_rounds_within_the_pool_bound():
-    """A long run allocates no new reducer memory per round, and keeps at most the pool's bound."""
+def test_reducer_and_result_buffers_are_reused_across_rounds_within_the_pool_bound():
+    """A long run allocates no new reducer or result memory per round, and keeps at most the
+    pool's bound."""
     async def main():
         net, transports, services = await swarm(3)
         pooled = []
         for r in range(ROUNDS):
             group = make_group(transports, ["node"] * 3, 100_000, gid=b"pool%d" % r)
-            await average(services, group, [torch.randn(100_000) for _ in range(3)], [1.0] * 3)
+            results = await average(services, group, [torch.randn(100_000) for _ in range(3)], [1.0] * 3)
+            for service, result in zip(services, results, strict=True):
+                service.pool.give(result)  # as the Averager does once it has copied the result out
             pool = services[0].pool
             pooled.append(sorted(b.data_ptr() for b in pool._free))
             assert 0 < pool._bytes <= pool.max_bytes
         assert pooled[0] == pooled[1] == pooled[2]
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_averager_steps_reuse_their_snapshot_and_result_buffers():
+    """Steps of an Averager take their flat snapshot and result from the pool and give them back:
+    after the first step, no model-sized buffer is allocated (and faulted in) per round."""
+    async def main():
+        net, peers = await make_swarm(3)
+        avgs = [Averager(p, [torch.randn(50_000), torch.randn(7, 7)], "pool", matchmaking_time=0.5) for p in peers]
+        pooled = []
+        for _ in range(ROUNDS):
+            await asyncio.gather(*(a.astep() for a in avgs))
+            pooled.append(sorted(b.data_ptr() for b in avgs[0].service.pool._free))
+        assert len(pooled[0]) >= 4  # snapshot, result, reduced shard, scratch
+        assert pooled[0] == pooled[1] == pooled[2]
+        assert all(torch.equal(a._tensors[0], avgs[0]._tensors[0]) for a in avgs)
+    run_virtual(main())
+
+
+def test_buffer_pool_drops_a_buffer_that_requests_outgrew():
+    pool = BufferPool()
+    small = pool.take(POOL_GRANULE)
+    pool.give(small[:10])  # a view goes back as its whole buffer
+    assert pool.take(1) is small
+    pool.give(small)
+    larger = pool.take(2 * POOL_GRANULE)
+    assert larger.numel() > 2 * POOL_GRANULE  # grown once: room to grow a little more
+    pool.give(larger)
+    assert pool._free == [larger] and pool._bytes == larger.numel() * 4
 
 
 def test_buffer_pool_keeps_the_largest_buffers_within_its_bound():

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from potluck.averaging.channel import LocalChannel
+from potluck.compression.codec import Codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
 from potluck.core.runner import retrieve_exception
@@ -51,10 +52,11 @@ REGISTRATION_WAIT = 10.0
 LINGER_SECONDS = 15.0
 # Groups a peer waits for at once before they start here (guards memory against junk group ids).
 MAX_PENDING_GROUPS = 1000
-# Reducer buffers kept for the next rounds: the reduced shards of a 4 x 16M-float group, with
-# room to spare. Reusing them keeps a long run from allocating megabytes per round, which glibc's
-# heap otherwise keeps as it fragments.
-MAX_POOLED_BYTES = 128 * 2**20
+# Buffers kept for the next rounds: a member's snapshot and result and its reduced shard, for a
+# vector of up to 32M floats (128 MiB). Reusing them keeps a long run from allocating (and the
+# kernel from zeroing and faulting in, page by page) a model's worth of memory per round: that
+# was a third of a 16M-float round's CPU. Larger vectors get fresh buffers every round.
+MAX_POOLED_BYTES = 320 * 2**20
 # Pooled buffers are sized up to a multiple of this many elements, so shards whose size changes
 # a little between rounds (load balancing) still fit the buffers of the last round.
 POOL_GRANULE = 2**16
@@ -195,13 +197,22 @@ class BufferPool:
         """A buffer of at least `numel` elements (its contents are arbitrary)."""
         fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]  # largest first
         if not fits:
+            # The largest buffer that is too small is most likely one this request outgrew (a
+            # shard that load balancing made larger): drop it, so that the pool holds what rounds
+            # use now rather than filling up to its bound with stale sizes.
+            # It grew once, so it may grow again: leave it an eighth more room.
+            if self._free:
+                self._bytes -= self._free.pop(0).numel() * 4
+                numel += numel // 8
             return torch.empty(-(-max(numel, 1) // POOL_GRANULE) * POOL_GRANULE, dtype=torch.float32)
         buffer = self._free.pop(fits[-1])  # the smallest that fits
         self._bytes -= buffer.numel() * 4
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer from `take` once nothing uses it any more."""
+        """Return a buffer from `take` (or a view of one) once nothing uses it any more."""
+        if buffer._base is not None:
+            buffer = buffer._base
         self._free.append(buffer)
         self._bytes += buffer.numel() * 4
         self._free.sort(key=torch.Tensor.numel, reverse=True)
@@ -250,8 +261,10 @@ def _decode(codec: Any, payload: Any, numel: int) -> torch.Tensor:
     t = codec.decode(payload)
     if not isinstance(t, torch.Tensor) or t.numel() != numel:
         raise AveragingError(f"chunk has the wrong size (expected {numel} elements)")
+    # Codec.decode refuses NaN/inf: one pass over the chunk, not two
+    checked = getattr(type(codec), "decode", None) is Codec.decode and t.dtype == torch.float32
     t = t.reshape(-1).to(torch.float32)
-    if not all_finite(t):  # whatever the codec: the all-reduce never spreads NaN/inf (~25 us a chunk)
+    if not checked and not all_finite(t):  # whatever the codec: the all-reduce never spreads NaN/inf
         raise AveragingError("chunk contains NaN or infinity")
     return t
 
@@ -492,7 +505,7 @@ class AllReduceRun:
         self.refused: str | None = None  # why the codec refused my own data (I then abstain)
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + timeout
-        self.result = torch.empty(group.total, dtype=torch.float32) if self.mode != "aux" else None
+        self.result = self.pool.take(group.total)[:group.total] if self.mode != "aux" else None
         self.final: set[int] = set()
         self.dead: set[int] = set()
         self.reports: dict[int, list[int]] = {}  # my shards' reports (sent with every update)
@@ -920,7 +933,8 @@ class AllReduceService:
 
     async def run(self, group: Group, vector: torch.Tensor | None, weight: float, codec: Any,
                   timeout: float, **kwargs: Any) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-        """Take part in one all-reduce step with `group`; see the module docstring."""
+        """Take part in one all-reduce step with `group`; see the module docstring. The result
+        is a buffer of `self.pool`: give it back once read."""
         me = group.peers.index(self.transport.peer_id)
         gid = group.group_id
         if gid in self.runs or gid in self.finished:
@@ -930,6 +944,10 @@ class AllReduceService:
         self._arrived.setdefault(gid, asyncio.Event()).set()
         try:
             return await run.run()
+        except BaseException:
+            if run.result is not None:  # written only by the run's tasks, all cancelled by now
+                self.pool.give(run.result)
+            raise
         finally:
             del self.runs[gid]
             self.finished[gid] = _Tombstone(group, run.outcome, run.state())

@@ -181,7 +181,9 @@ class Averager:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
-        snapshot = None if self.mode == "aux" else asyncio.ensure_future(run_in_thread(self._flatten))
+        pool = self.service.pool  # used on this loop only
+        buffer = None if self.mode == "aux" else pool.take(self.total)[:self.total]
+        snapshot = None if buffer is None else asyncio.ensure_future(run_in_thread(self._flatten, buffer))
         self.forming = True
         try:
             formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
@@ -197,14 +199,18 @@ class Averager:
             result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
                                                           sender_timeout=self.sender_timeout, stats=stats)
             self._measure(stats)
+            if result is not None:
+                await run_in_thread(self._assign, result)
+                pool.give(result)
+            if vector is not None and me in contributors:
+                pool.give(vector)  # every reducer used all of it: no write of it is still queued
         else:
             grads = None if vector is None else self._split(vector)
             parts, contributors = await powersgd_allreduce(self.service, group, self.powersgd, grads, weight,
                                                            self.codec, self.allreduce_timeout,
                                                            sender_timeout=self.sender_timeout)
-            result = None if parts is None else torch.cat([p.reshape(-1) for p in parts])
-        if result is not None:
-            await run_in_thread(self._assign, result)
+            if parts is not None:
+                await run_in_thread(self._assign, torch.cat([p.reshape(-1) for p in parts]))
         self._advance(me, group.group_id)
         await self.announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers],
@@ -277,11 +283,12 @@ class Averager:
             self.coordinates[dim] = (my_index + offset) % self.grid[dim]
         self.round += 1
 
-    def _flatten(self) -> torch.Tensor:
-        """The local tensors as one float32 vector; AveragingError if any holds NaN or infinity
-        (a non-finite contribution would be refused by every codec; better not to join at all)."""
+    def _flatten(self, vector: torch.Tensor) -> torch.Tensor:
+        """The local tensors as one float32 vector, written into `vector`; AveragingError if any
+        holds NaN or infinity (a non-finite contribution would be refused by every codec; better
+        not to join at all)."""
         with self._lock:
-            vector = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors])
+            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors], out=vector)
             # One pass: a finite sum proves every value finite; only a non-finite sum (NaN, inf,
             # or an overflow of huge finite values) needs the exact check.
             if not torch.isfinite(vector.sum()):
