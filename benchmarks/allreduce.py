@@ -429,6 +429,7 @@ def measure_emulated(args: argparse.Namespace, common: dict) -> list[dict]:
 # == CPU against TLS alone (one process) =============================================================
 # Bytes per TLS write when only moving bytes: the all-reduce's own chunk size is about this.
 TLS_WRITE_BYTES = 1 << 20
+TLS_ALONE_TIMEOUT = 60.0  # s for any one send or receive of the TLS-alone baseline; past it, an error
 
 
 def measure_cpu(args: argparse.Namespace, floats: int, common: dict) -> list[dict]:
@@ -474,7 +475,7 @@ def measure_cpu(args: argparse.Namespace, floats: int, common: dict) -> list[dic
         {"metric": "cpu_seconds_per_step", "system": "tls_alone", "value": round(tls_median, 3), "unit": "s",
          "per_step": [round(v, 3) for v in tls_cpu], "bytes_moved": moved,
          "measured": "process CPU of moving the all-reduce's bytes (each peer's part to its reducer and "
-         "the result back, on one TLS 1.3 connection per pair of peers) through asyncio TLS streams", **params},
+         "the result back) through blocking TLS 1.3 sockets, one connection per direction of each pair", **params},
         {"metric": "cpu_ratio", "value": round(potluck_median / tls_median, 2), "unit": "potluck/tls_alone",
          "target": 1.5, **params},
     ]
@@ -482,9 +483,10 @@ def measure_cpu(args: argparse.Namespace, floats: int, common: dict) -> list[dic
 
 def tls_alone_cpu(peers: int, part_bytes: int) -> float:
     """Process CPU of moving `part_bytes` each way between every pair of `peers` twice (a part to
-    its reducer, the result back) over TLS 1.3 with potluck's certificates. Blocking sockets, a
-    thread per direction, 1 MiB writes and reads into one buffer: the cheapest way Python moves
-    bytes through TLS (asyncio's TLS streams cost more CPU than potluck's whole step)."""
+    its reducer, the result back) over TLS 1.3 with potluck's certificates. Blocking sockets, one
+    connection per direction (an SSL socket is not safe to read and write from two threads at
+    once: that hung), a thread per end, 1 MiB writes and reads into one buffer: the cheapest way
+    Python moves bytes through TLS (asyncio's TLS streams cost more CPU than potluck's step)."""
     import concurrent.futures
     import socket
     import ssl
@@ -497,29 +499,39 @@ def tls_alone_cpu(peers: int, part_bytes: int) -> float:
     total = 2 * part_bytes // TLS_WRITE_BYTES * TLS_WRITE_BYTES
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    links: list[tuple[ssl.SSLSocket, ssl.SSLSocket]] = []
+    links: list[tuple[ssl.SSLSocket, ssl.SSLSocket]] = []  # (sending end, receiving end)
     with concurrent.futures.ThreadPoolExecutor(1) as handshakes:
-        for _ in range(peers * (peers - 1) // 2):
-            raw = socket.create_connection(("127.0.0.1", port))
+        for _ in range(peers * (peers - 1)):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=TLS_ALONE_TIMEOUT)
             accepted, _ = listener.accept()
+            accepted.settimeout(TLS_ALONE_TIMEOUT)
             server_side = handshakes.submit(server_context.wrap_socket, accepted, server_side=True)
             links.append((client_context.wrap_socket(raw), server_side.result()))
     listener.close()
+    failures: list[BaseException] = []
 
     def send(sock: ssl.SSLSocket) -> None:
-        for _ in range(total // TLS_WRITE_BYTES):
-            sock.sendall(payload)
+        try:
+            for _ in range(total // TLS_WRITE_BYTES):
+                sock.sendall(payload)
+        except OSError as e:
+            failures.append(e)
 
     def receive(sock: ssl.SSLSocket) -> None:
         buffer = memoryview(bytearray(TLS_WRITE_BYTES))
         left = total
-        while left:
-            left -= sock.recv_into(buffer, min(left, TLS_WRITE_BYTES))
+        try:
+            while left:
+                got = sock.recv_into(buffer, min(left, TLS_WRITE_BYTES))
+                if not got:
+                    raise ConnectionError("the sending end closed early")
+                left -= got
+        except OSError as e:
+            failures.append(e)
 
     threads = []
-    for a, b in links:  # both directions of every pair
-        threads += [threading.Thread(target=f, args=(x,)) for f, x in ((send, a), (receive, b), (send, b),
-                                                                       (receive, a))]
+    for a, b in links:
+        threads += [threading.Thread(target=send, args=(a,)), threading.Thread(target=receive, args=(b,))]
     before = time.process_time()
     for t in threads:
         t.start()
@@ -529,6 +541,8 @@ def tls_alone_cpu(peers: int, part_bytes: int) -> float:
     for a, b in links:
         a.close()
         b.close()
+    if failures:
+        raise RuntimeError(f"moving bytes through TLS alone failed: {failures[0]!r}")
     return spent
 
 
