@@ -132,7 +132,7 @@ def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any,
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from potluck.cli.demo import make_model
+    from potluck.cli.tasks import make_model
     torch.set_num_threads(1)
     data = torch.load(args.data)
     model = make_model()
@@ -164,7 +164,7 @@ def main() -> None:
         args.target, args.cap, args.repeats, args.systems = 0.9, 12.0, 1, "potluck,torchft"
     import torch
 
-    from potluck.cli.demo import load_data
+    from potluck.cli.tasks import load_data
     common = {"target": args.target, "cap_s": args.cap, "global_batch": GLOBAL_BATCH, "lr": LR, "optimizer": "Adam",
               "slow_rank": SLOW_RANK, "slowdown": SLOWDOWN, "torch_threads_per_process": 1,
               "schedule": "systems run one after another", "date": datetime.date.today().isoformat(),

@@ -87,7 +87,7 @@ def read_line(timeout: float) -> str:
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from potluck.cli.demo import make_model  # plain torch: importable from either venv
+    from potluck.cli.tasks import make_model  # plain torch: importable from either venv
 
     torch.set_num_threads(1)
     x, y, x_test, y_test = torch.load(args.data)
@@ -126,7 +126,7 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
     with `slowdown` > 1, each batch takes that many times as long (a slower computer)."""
     import torch
 
-    from potluck.cli.demo import accuracy
+    from potluck.cli.tasks import accuracy
     x, y, x_test, y_test = data
     t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
     stop = threading.Event()
@@ -272,7 +272,7 @@ def main() -> None:
         args.systems = "potluck,alone,hivemind" + ("" if args.quick else ",hivemind_tuned")
     import torch
 
-    from potluck.cli.demo import load_data
+    from potluck.cli.tasks import load_data
     common = {"target": args.target, "cap_s": args.cap, "target_batch_size": TARGET_BATCH,
               "batch_size_per_step": LOCAL_BATCH, "lr": LR, "optimizer": "Adam",
               "average_state_every": AVERAGE_STATE_EVERY, "matchmaking_time": args.matchmaking_time,

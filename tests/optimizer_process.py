@@ -14,7 +14,7 @@ import time
 import torch
 
 import potluck
-from potluck.cli.demo import load_data, make_model
+from potluck.cli.tasks import load_data, make_model
 
 BATCH, TARGET, LR = 32, 384, 3e-3
 

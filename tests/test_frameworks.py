@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import potluck
-from potluck.cli.demo import load_data, make_model
+from potluck.cli.tasks import load_data, make_model
 
 X, Y, _, _ = load_data()
 BATCH, TARGET, EPOCHS, LR = 32, 128, 4, 3e-3

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import potluck
-from potluck.cli.demo import load_data
+from potluck.cli.tasks import load_data
 from potluck.moe import RemoteMixtureOfExperts
 from tests.conftest import ROOT, PeerProcess
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import potluck
-from potluck.cli.demo import accuracy, load_data, make_model
+from potluck.cli.tasks import accuracy, load_data, make_model
 from potluck.optim import Optimizer
 from potluck.optim.optimizer import MAX_ROUND_ATTEMPTS
 

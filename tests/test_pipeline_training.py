@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from potluck.cli import demo_pipeline as demo
-from potluck.cli.demo import load_data
+from potluck.cli.tasks import accuracy, load_data
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import launch_run
 from potluck.pipeline.profiling import LayerCost
@@ -80,12 +80,12 @@ def test_pipeline_trained_model_matches_one_process_accuracy():
         await until(run, lambda: all(w.stats.updates >= UPDATES for w in firsts), 100)
         model = demo.assemble([run.worker_of(0, s) for s in range(3)])
         rounds = min(w.stats.rounds_applied for w in run.workers.values())
-        accuracy = demo.accuracy(model, x_test, y_test)
+        result = accuracy(model, x_test, y_test)
         await shutdown(peers, run)
-        return accuracy, rounds
+        return result, rounds
 
     pipeline_accuracy, rounds = run_virtual(main())
-    alone = demo.accuracy(train_alone(x, y), x_test, y_test)
+    alone = accuracy(train_alone(x, y), x_test, y_test)
     assert rounds >= UPDATES // demo.AVERAGE_EVERY // 2  # the clusters did average
     assert alone > 0.9
     assert pipeline_accuracy >= alone - 0.02, (pipeline_accuracy, alone)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import potluck
-from potluck.cli.demo import accuracy, load_data
+from potluck.cli.tasks import accuracy, load_data
 from potluck.core.errors import MessageTooLarge, RemoteError
 from potluck.core.serialization import dumps, loads
 from potluck.core.virtual_time import run_virtual

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from potluck.cli.demo import accuracy, load_data, make_model
+from potluck.cli.tasks import accuracy, load_data, make_model
 
 logger = logging.getLogger(__name__)
 

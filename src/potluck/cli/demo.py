@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
+from potluck.cli.tasks import accuracy, load_data, make_model
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
                "mode", "peers", "killed", "joined", "loss_curves")
@@ -52,32 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # -- the worker: one peer process ------------------------------------------------------------------
-def make_model() -> Any:
-    import torch
-    from torch import nn
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def load_data() -> tuple[Any, Any, Any, Any]:
-    import torch
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(y)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    test, train = order[:360], order[360:]
-    return x[train], y[train], x[test], y[test]
-
-
-def accuracy(model: Any, x: Any, y: Any) -> float:
-    import torch
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
-
-
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -320,4 +295,4 @@ class _Display:
             self._print_plain()
 
 
-__all__ = ["register", "run", "make_model", "load_data"]
+__all__ = ["register", "run"]

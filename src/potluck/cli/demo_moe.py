@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
+from potluck.cli.tasks import accuracy, load_data
 
 REPORT_KEYS = ("test_accuracy", "experts_alive_at_end", "experts_at_start", "trainer_accuracies", "killed",
                "wall_seconds", "steps", "experts_per_sample", "loss_curves")
@@ -99,7 +100,6 @@ def _trainer(spec: dict) -> int:
     import torch
 
     import potluck
-    from potluck.cli.demo import accuracy, load_data
     from potluck.moe import NotEnoughExperts
     torch.set_num_threads(1)
     stop = _stop_event()

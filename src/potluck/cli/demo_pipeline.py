@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.cli.processes import missing_demo_packages
+from potluck.cli.tasks import accuracy, load_data
 
 REPORT_KEYS = ("test_accuracy", "single_process_test_accuracy", "stage_utilization", "max_staleness_observed",
                "staleness_bound", "updates", "recoveries", "clusters", "loss_curve", "wall_seconds")
@@ -77,12 +78,6 @@ def train_alone(x: Any, y: Any, updates: int) -> Any:
     return model
 
 
-def accuracy(model: Any, x: Any, y: Any) -> float:
-    import torch
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
-
-
 def assemble(workers: list[Any]) -> Any:
     """One cluster's model, layer by layer from its stages (for evaluation only)."""
     from torch import nn
@@ -100,7 +95,6 @@ def _worker(args: argparse.Namespace) -> int:
 
     import torch
 
-    from potluck.cli.demo import load_data
     from potluck.peer import Peer
     from potluck.pipeline.recovery import LayoutDirectory
     from potluck.pipeline.stage import PipelineConfig, StageWorker
@@ -134,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from potluck.cli.demo import load_data
     from potluck.peer import Peer
     from potluck.pipeline.clustering import ModelDemand, form_clusters
     from potluck.pipeline.harness import launch_run

@@ -66,7 +66,7 @@ def digits_objective(params: dict[str, Any]) -> dict[str, float]:
     """Train a one-hidden-layer MLP on digits with `params`; its test accuracy and final loss."""
     import torch
 
-    from potluck.cli.demo import accuracy, load_data
+    from potluck.cli.tasks import accuracy, load_data
     x, y, x_test, y_test = load_data()
     x, x_test = x.reshape(len(x), -1), x_test.reshape(len(x_test), -1)
     torch.manual_seed(int(params.get("seed", 0)))
