@@ -29,9 +29,10 @@ it holds beyond the model and the wrapped optimizer (one peer, between rounds):
 - "moshpit": 0.
 - "diloco": 3 (the outer starting point, the averaged change, the outer momentum; the momentum
   is part of the state that newcomers download and that groups average when they differ).
-During a round the all-reduce adds transient buffers of the averaged size (a flat snapshot and
-the result), freed when the round ends; a donor holds at most one copy of its state while
-newcomers download it.
+A round with others uses buffers of the averaged size (a flat snapshot and the result, and a
+shard to reduce), which the peer's buffer pool keeps for the next rounds up to
+`MAX_POOLED_BYTES` in all; a donor holds at most one copy of its state while newcomers
+download it.
 """
 
 from __future__ import annotations
