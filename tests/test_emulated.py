@@ -24,6 +24,9 @@ from potluck.core.virtual_time import run_virtual, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
 
 MiB = 2**20
+# Virtual timings repeat exactly; they exceed the model's only by the frames' headers (a few
+# hundred bytes in all, microseconds at these bandwidths).
+HEADERS = 1e-4
 
 
 def vrun(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -184,7 +187,7 @@ async def _one_way_times(chunked: bool) -> tuple[float, float]:
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-message", "4MiB-chunks"])
 def test_transfer_takes_size_over_bandwidth_plus_latency(chunked: bool) -> None:
     elapsed, expected = vrun(_one_way_times(chunked))
-    assert elapsed == pytest.approx(expected, rel=0.1)  # copying 64 MiB takes real time, not virtual
+    assert expected <= elapsed <= expected + HEADERS
 
 
 async def _timed_call(a: Any, b: Any, payload: torch.Tensor) -> float:
@@ -209,9 +212,11 @@ async def _timed_call(a: Any, b: Any, payload: torch.Tensor) -> float:
 
 @pytest.mark.timeout(30)
 def test_transfer_timing_holds_on_the_real_clock(arun: Any) -> None:
+    """On an ordinary loop the network waits for real: a frame never arrives before the model
+    says. How little it overshoots depends on the host's load; benchmarks/transport.py measures it."""
     net = EmulatedNetwork(latency=0.02)
     elapsed = arun(_timed_call(net.transport(upload=80e6), net.transport(), torch.zeros(8 * MiB, dtype=torch.uint8)))
-    assert elapsed == pytest.approx(8 * MiB / 80e6 + 0.02, rel=0.1)
+    assert elapsed >= 8 * MiB / 80e6 + 0.02 - 1e-6  # a timer fires at most 1 ns (the clock tick) early
 
 
 @pytest.mark.timeout(30)
@@ -220,7 +225,8 @@ def test_slow_receiver_download_is_the_bottleneck() -> None:
     net = EmulatedNetwork(latency=0.02)
     sender, receiver = net.transport(upload=200e6), net.transport(download=40e6, max_frame_size=17 * MiB)
     elapsed = vrun(_timed_call(sender, receiver, torch.zeros(16 * MiB, dtype=torch.uint8)))
-    assert elapsed == pytest.approx(16 * MiB / 40e6 + 0.02, rel=0.1)
+    expected = 16 * MiB / 40e6 + 0.02
+    assert expected <= elapsed <= expected + HEADERS
 
 
 @pytest.mark.timeout(30)
@@ -255,8 +261,8 @@ def test_per_link_latency_is_honoured() -> None:
     transfer = 4 * MiB / 100e6
     for name, latency in (("far", 0.25), ("near", 0.01)):
         dial, one_way = times[name]
-        assert dial == pytest.approx(2 * latency, rel=0.1), name
-        assert one_way == pytest.approx(transfer + latency, rel=0.1), name
+        assert dial == pytest.approx(2 * latency), name
+        assert transfer + latency <= one_way <= transfer + latency + HEADERS, name
 
 
 @pytest.mark.timeout(30)
@@ -452,7 +458,8 @@ def test_silent_crash_surfaces_only_at_the_deadline_or_keepalive() -> None:
         t0 = loop.time()
         with pytest.raises(ConnectionLost, match="keepalive"):
             await watcher.call(b.peer_id, "echo", 3, timeout=60)
-        assert loop.time() - t0 < 5  # the keepalive noticed, long before the deadline
+        # 3 s of silence, noticed at the keepalive's next 1 s tick: long before the deadline
+        assert 3.0 <= loop.time() - t0 <= 3.0 + 1.0
 
         t0 = loop.time()
         with pytest.raises(DeadlineExceeded):

@@ -160,11 +160,11 @@ def test_deadline_raises_typed_timeout_and_cancels_remote_handler(arun):
                 raise
         b.add_handler("slow", slow)
         pid = await a.connect(b.addresses[0])
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises(DeadlineExceeded):
+        # The caller's own deadline ends the call (the handler would answer only after 30 s);
+        # how close to 0.3 s it fires is the loop's business, measured by benchmarks/transport.py,
+        # and exact deadlines are tested on the virtual clock (test_emulated).
+        with pytest.raises(DeadlineExceeded, match="got no answer within"):
             await a.call(pid, "slow", timeout=0.3)
-        assert 0.25 < loop.time() - t0 < 2.0
         assert isinstance(DeadlineExceeded("x"), TimeoutError)
         await asyncio.wait_for(cancelled.wait(), 5)  # the remote handler saw the cancellation
         # A caller that is cancelled (not timed out) also cancels the remote handler.
@@ -287,12 +287,12 @@ def test_server_killed_mid_stream_surfaces_typed_error_within_deadline(arun, pee
         for _ in range(5):
             await stream.send(torch.zeros(MiB))
         server.kill(signal.SIGKILL)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        # The reset, not the stream's 20 s deadline, ends the sends: a deadline would raise
+        # DeadlineExceeded, which is neither of these.
+        assert not issubclass(DeadlineExceeded, (ConnectionLost, CallCancelled))
         with pytest.raises((ConnectionLost, CallCancelled)):
             for _ in range(10_000):
                 await stream.send(torch.zeros(MiB))
-        assert loop.time() - t0 < 5
         with pytest.raises((PeerUnreachable, ConnectionLost)):
             await a.call(pid, "echo", 1, timeout=5)
         await a.close()
@@ -310,11 +310,11 @@ def test_frozen_peer_is_detected_by_keepalive_before_the_deadline(arun, peer_pro
         pid = await a.connect(server.address)
         assert await a.call(pid, "echo", 1, timeout=5) == 1
         server.kill(signal.SIGSTOP)  # alive but silent, like a machine that lost its network
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises(ConnectionLost, match="keepalive"):
+        # The keepalive, not the call's 30 s deadline (that would be DeadlineExceeded), ends the
+        # call; how soon it notices is measured by benchmarks/transport.py.
+        with pytest.raises(ConnectionLost, match=r"no data from .* for \d+\.\d s \(keepalive timeout\)"):
             await a.call(pid, "echo", 1, timeout=30)
-        assert loop.time() - t0 < 5
+        assert pid not in a.connected_peers()
         server.kill(signal.SIGCONT)
         await a.close()
     arun(main())
@@ -419,13 +419,19 @@ def test_garbage_truncated_and_oversized_frames_close_only_that_connection(arun,
         # A truncated frame followed by silence on a connection held open: the server drops it at
         # the handshake deadline (lowered here so the test is quick) instead of waiting forever.
         monkeypatch.setattr(tcp_module, "HANDSHAKE_TIMEOUT", 0.5)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        closed_because: list[str | None] = []
+        close = tcp_module.TCPLink.close
+
+        def spy_close(link, reason=None):
+            closed_because.append(reason)
+            close(link, reason)
+
+        monkeypatch.setattr(tcp_module.TCPLink, "close", spy_close)
         reader, writer = await _raw_connect(addr, tls)
         writer.write(PREFIX.pack(VERSION, Kind.HELLO, 0, 100, 0) + b"\x93")
         await writer.drain()
         assert await _closed_by_server(reader)
-        assert 0.45 < loop.time() - t0 < 4.0  # by the deadline, not by a parse error
+        assert closed_because == ["handshake timeout"]  # by the deadline, not by a parse error
         writer.close()
         monkeypatch.undo()
         assert await client.call(pid, "echo", "after truncation", timeout=5) == "after truncation"
@@ -498,10 +504,13 @@ def test_bad_bytes_after_the_handshake_close_only_that_connection(arun, tls, att
             writer.write(b"\x17\x03GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 8)
         else:  # a request cut off inside its header, then silence with the connection open
             writer.write(_request(3, torch.zeros(1000))[:40])
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        (conn,) = server._shared[identity.peer_id]
         assert await _closed_by_server(reader)
-        assert loop.time() - t0 < 5.0
+        # Garbage breaks the framing at once; a half-sent frame is ended by the keepalive.
+        if attack == "garbage":
+            assert "unknown frame version" in conn.close_reason, conn.close_reason
+        else:
+            assert "(keepalive timeout)" in conn.close_reason, conn.close_reason
         writer.close()
         assert identity.peer_id not in server.connected_peers()
         assert await client.call(pid, "echo", attack, timeout=5) == attack

@@ -13,6 +13,8 @@ import argparse
 import asyncio
 import json
 import logging
+import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -32,18 +34,6 @@ BATCH = 32
 # Emulated links: a home connection's 10 MB/s each way and 10 ms one-way latency.
 BANDWIDTH = 10e6
 LATENCY = 0.01
-EXPLANATION = """\
-What the table shows (one worker is {slow:g}x slower than the others{failure}):
-- ps_sync waits for every worker each step, so it moves at the slow worker's pace (and stalls for
-  the worker timeout when a worker dies).
-- backup drops the slowest gradient each step: it moves at the pace of the fast workers.
-- ps_async never waits, but the slow worker's gradients arrive stale; ssp bounds how far the fast
-  workers may run ahead of the slowest, trading some of async's speed for fresher gradients.
-- dedloc (potluck.Optimizer, sync) counts samples, not workers: the slow peer adds what it can to
-  each global batch and nobody waits for it; each global batch costs one all-reduce.
-- moshpit and diloco average parameters only every few local steps, so they communicate least;
-  their peers' models differ between averaging rounds.
-"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "train_seconds: the training part; samples: processed by all workers; updates: "
                     "server steps (PS modes), global steps (dedloc) or the evaluated worker's local steps "
                     "(moshpit, diloco); loss_curve: [seconds, smoothed training loss] pairs), plus "
-                    "'settings' and 'explanation'; and DIR/loss.png (training loss against time).",
+                    "'settings', 'findings' (computed from those figures: target_loss, the median of the "
+                    "modes' final smoothed losses; seconds_to_target per mode, null if never reached; "
+                    "fastest_to_target; most_accurate; least_accurate; samples_per_second per mode) and "
+                    "'explanation' (the findings in words); and DIR/loss.png (training loss against time).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of training per mode")
     parser.add_argument("--workers", type=int, default=4, help="workers (peers) per mode; at least 3")
@@ -325,11 +318,121 @@ def write_report(out: Path, scenario: Scenario, results: dict[str, ModeResult]) 
                           "step_seconds": scenario.step_seconds, "failure": scenario.failure,
                           "bandwidth_bytes_per_s": BANDWIDTH, "latency_s": LATENCY, "batch": BATCH,
                           "learning_rate": LEARNING_RATE}
-    report["explanation"] = EXPLANATION.format(
-        slow=scenario.slow, failure=", and one fast worker dies halfway" if scenario.failure else "")
+    report["findings"], report["explanation"] = explain(report)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(out / "loss.png", results, scenario)
     return report
+
+
+def seconds_to_loss(curve: list[list[float]], target: float) -> float | None:
+    """When a smoothed loss curve first reaches `target` (the end of that time bin), or None."""
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def explain(report: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Findings computed from the report's own figures, and the same in words.
+
+    Every claim about the results comes from the numbers in `report` (as written to report.json),
+    so the text cannot disagree with the table; only the descriptions of how the modes work are
+    fixed, and they say nothing about how well a mode did."""
+    settings = report["settings"]
+    modes = [m for m in MODES if m in report]
+    accuracy_of = {m: report[m]["test_accuracy"] for m in modes if _finite(report[m]["test_accuracy"])}
+    final_loss = {m: report[m]["loss_curve"][-1][1] for m in modes if report[m]["loss_curve"]}
+    rate = {m: round(report[m]["samples"] / report[m]["train_seconds"], 1)
+            for m in modes if report[m]["train_seconds"] > 0}
+    target = statistics.median_high(final_loss.values()) if final_loss else None
+    reached = {m: None if target is None else seconds_to_loss(report[m]["loss_curve"], target) for m in modes}
+    order = sorted((m for m in modes if reached[m] is not None), key=lambda m: (reached[m], MODES.index(m)))
+    findings = {
+        "target_loss": target,
+        "seconds_to_target": reached,
+        "fastest_to_target": order[0] if order else None,
+        "most_accurate": max(accuracy_of, key=accuracy_of.__getitem__) if accuracy_of else None,
+        "least_accurate": min(accuracy_of, key=accuracy_of.__getitem__) if accuracy_of else None,
+        "samples_per_second": rate,
+    }
+
+    failure = ", and one fast worker dies halfway" if settings["failure"] else ""
+    lines = [f"What this run measured ({settings['workers']} workers, one {settings['slow']:g}x slower than "
+             f"the others{failure}; {settings['duration']:g} s of training per mode):"]
+    if accuracy_of:
+        best, worst = findings["most_accurate"], findings["least_accurate"]
+        lines.append(f"- Test accuracy: highest {best} ({accuracy_of[best]:.3f}), "
+                     f"lowest {worst} ({accuracy_of[worst]:.3f}).")
+    if order:
+        first = order[0]
+        line = (f"- Smoothed training loss {target:.4f} (the median of the modes' final ones) was reached "
+                f"first by {first}, after {reached[first]:.1f} s")
+        if len(order) > 1 and reached[first] > 0:
+            second = order[1]
+            line += f"; the next, {second}, took {reached[second] / reached[first]:.1f}x as long"
+        line += "; in order: " + ", ".join(f"{m} {reached[m]:.1f} s" for m in order)
+        missed = [m for m in modes if reached[m] is None]
+        if missed:
+            line += "; never reached by " + ", ".join(
+                f"{m} (final {final_loss[m]:.4f})" if m in final_loss else f"{m} (no losses recorded)"
+                for m in missed)
+        lines.append(line + ".")
+    if rate:
+        most, least = max(rate, key=rate.__getitem__), min(rate, key=rate.__getitem__)
+        line = f"- Samples per second, all workers together: most {most} ({rate[most]:.0f})"
+        if least != most:
+            line += f", least {least} ({rate[least]:.0f})"
+        lines.append(line + ".")
+    lines += _server_step_comparisons(report)
+    lines.append("How the modes work:")
+    notes = _mode_notes()
+    lines += [f"- {m}: {notes[m]}." for m in modes]
+    return findings, "\n".join(lines) + "\n"
+
+
+def _server_step_comparisons(report: dict[str, Any]) -> list[str]:
+    """What the parameter-server modes' step counts say (steps of one server are comparable)."""
+    lines = []
+    if "ps_sync" in report and "backup" in report:
+        sync, backup = report["ps_sync"]["updates"], report["backup"]["updates"]
+        if backup > sync:
+            times = f"{backup / sync:.1f}x" if sync else "more than"
+            lines.append(f"- backup made {times} the server steps of ps_sync ({backup} vs {sync}): not "
+                         "waiting for the slowest gradient of each step let it go faster.")
+        else:
+            lines.append(f"- backup made no more server steps than ps_sync ({backup} vs {sync}): dropping the "
+                         "slowest gradient of each step did not make it faster in this run.")
+    if "ps_async" in report and "ssp" in report:
+        free, bounded = report["ps_async"], report["ssp"]
+        pace = ("fewer server steps than" if bounded["updates"] < free["updates"]
+                else "at least as many server steps as")
+        better = ("higher" if bounded["test_accuracy"] > free["test_accuracy"]
+                  else "lower" if bounded["test_accuracy"] < free["test_accuracy"] else "the same")
+        lines.append(f"- ssp made {pace} ps_async ({bounded['updates']} vs {free['updates']}) and reached "
+                     f"{better} test accuracy ({bounded['test_accuracy']:.3f} vs {free['test_accuracy']:.3f}).")
+    return lines
+
+
+def _mode_notes() -> dict[str, str]:
+    """How each mode works (its design, not its results)."""
+    return {
+        "ps_sync": "the server steps once it has a gradient from every live worker; it drops a worker "
+                   f"silent for {PS_WORKER_TIMEOUT:g} s",
+        "ps_async": "the server applies each gradient as it arrives, however stale",
+        "ssp": f"like ps_async, but no worker may run more than {PS_CONFIG['ssp']['staleness_bound']} "
+               "steps ahead of the slowest",
+        "backup": "the server steps without the last " + (
+            "gradient" if PS_CONFIG["backup"]["backup_workers"] == 1
+            else f"{PS_CONFIG['backup']['backup_workers']} gradients") + " of each step",
+        "dedloc": "potluck.Optimizer, sync: peers add samples to a global batch of "
+                  f"{OPTIMIZER_OPTIONS['dedloc']['target_batch_size']} whatever their speed, then all-reduce "
+                  "the gradients",
+        "moshpit": f"potluck.Optimizer: {OPTIMIZER_OPTIONS['moshpit']['local_steps']} local steps between "
+                   "rounds that average the parameters within groups of a grid",
+        "diloco": f"potluck.Optimizer: {OPTIMIZER_OPTIONS['diloco']['local_steps']} local steps between "
+                  "rounds that average the parameters' changes and apply them with an outer Nesterov step",
+    }
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
 
 
 def table(report: dict[str, Any]) -> str:
