@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 import time
 
@@ -203,31 +204,93 @@ def _mixture_setup(peers, grid=(2, 3)):
     return a, b, client
 
 
+def _grid_experts(*servers) -> dict[str, nn.Module]:
+    """Local copies of every expert the servers host (the reference computes with these)."""
+    return {uid: copy.deepcopy(hosted.module) for s in servers for uid, hosted in s.experts.items()}
+
+
+def _grid_scores(gate: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> tuple[list[str], torch.Tensor]:
+    """Every expert's uid and gating score: the sum of its coordinates' logits (product keys)."""
+    rows, cols = gate(x).split(grid, dim=-1)
+    uids = [f"ffn.{i}.{j}" for i in range(grid[0]) for j in range(grid[1])]
+    scores = torch.stack([rows[:, i] + cols[:, j] for i in range(grid[0]) for j in range(grid[1])], dim=1)
+    return uids, scores
+
+
+def _mixture_reference(gate, experts, x, k, grid, answering=None):
+    """Each sample's k best experts by score, softmax weights over those that answer, the weighted sum."""
+    uids, scores = _grid_scores(gate, x, grid)
+    top = scores.topk(k, dim=1).indices  # [B, k]
+    chosen = [[uids[int(e)] for e in row] for row in top]
+    answered = torch.tensor([[answering is None or u in answering for u in row] for row in chosen])
+    weights = torch.softmax(scores.gather(1, top).masked_fill(~answered, float("-inf")), dim=1)
+    outputs = torch.stack([experts[u](x) for u in uids], dim=1)  # [B, experts, H]
+    picked = outputs.gather(1, top[:, :, None].expand(-1, -1, outputs.shape[-1]))
+    return (weights[:, :, None] * picked).sum(1), chosen, answered
+
+
+def _switch_reference(gate, experts, x, grid, answering):
+    """Top-1 routing: the best expert's output times its gate probability (the product of each
+    coordinate's softmax probability), zero where it does not answer; and the load-balancing
+    loss sum_d size_d * sum_i (fraction of samples routed to coordinate i) * (mean probability of i)."""
+    uids, scores = _grid_scores(gate, x, grid)
+    probs = [torch.softmax(logits, dim=-1) for logits in gate(x).split(grid, dim=-1)]
+    best = scores.argmax(1).tolist()
+    coords = [(e // grid[1], e % grid[1]) for e in best]
+    rows = []
+    for b, (i, j) in enumerate(coords):
+        uid = uids[best[b]]
+        p = probs[0][b, i] * probs[1][b, j]
+        rows.append(p * experts[uid](x[b:b + 1])[0] if uid in answering else torch.zeros(x.shape[1]))
+    aux = x.new_zeros(())
+    for d, size in enumerate(grid):
+        fraction = torch.tensor([sum(c[d] == i for c in coords) / len(coords) for i in range(size)])
+        aux = aux + size * (fraction * probs[d].mean(0)).sum()
+    return torch.stack(rows), [[uids[e]] for e in best], aux
+
+
 @pytest.mark.timeout(60)
 def test_mixture_averages_k_best_experts_and_drops_a_dead_server(peers):
-    a, b, client = _mixture_setup(peers)
+    grid = (2, 3)
+    a, b, client = _mixture_setup(peers, grid)
     try:
         torch.manual_seed(3)
-        layer = RemoteMixtureOfExperts(client, HIDDEN, (2, 3), "ffn", k_best=4, k_min=1, forward_timeout=10)
+        experts = _grid_experts(a, b)
+        layer = RemoteMixtureOfExperts(client, HIDDEN, grid, "ffn", k_best=4, k_min=1, forward_timeout=10)
         x = torch.randn(6, HIDDEN, requires_grad=True)
         out = layer(x)
         out.pow(2).sum().backward()
         assert out.shape == (6, HIDDEN) and layer.last_answered == 4
-        assert layer.gate.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+        x_ref = x.detach().clone().requires_grad_()
+        expected, chosen, _ = _mixture_reference(layer.gate, experts, x_ref, 4, grid)
+        assert [set(u) for u in layer.last_uids] == [set(u) for u in chosen]  # the exact top 4 of 6
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(expected.pow(2).sum(), [x_ref, layer.gate.weight, layer.gate.bias])
+        for got, want in zip([x.grad, layer.gate.weight.grad, layer.gate.bias.grad], grads, strict=True):
+            torch.testing.assert_close(got, want)  # through the experts and through the gate
         b.peer.transport.remove_handler(METHOD_FORWARD)  # b's experts now fail: dropped, weights renormalized
         layer.directory.forget()
         out = layer(x.detach())
-        assert 0 < layer.last_answered < 4 and torch.isfinite(out).all()
+        expected, chosen, answered = _mixture_reference(layer.gate, experts, x.detach(), 4, grid, answering=a.experts)
+        assert [set(u) for u in layer.last_uids] == [set(u) for u in chosen]  # b's are still asked
+        assert 0 < layer.last_answered < 4 and layer.last_answered == answered.sum(1).float().mean().item()
+        torch.testing.assert_close(out, expected)
         with pytest.raises(NotEnoughExperts, match="fewer than 4 expert answers"):
-            RemoteMixtureOfExperts(client, HIDDEN, (2, 3), "ffn", k_best=4, k_min=4)(x.detach())
-        switch = RemoteSwitchMixtureOfExperts(client, HIDDEN, (2, 3), "ffn")
+            RemoteMixtureOfExperts(client, HIDDEN, grid, "ffn", k_best=4, k_min=4)(x.detach())
+        switch = RemoteSwitchMixtureOfExperts(client, HIDDEN, grid, "ffn")
         out, aux = switch(x.detach())
-        served_by_b = {u for u in b.experts}
-        assert {u for uids in switch.last_uids for u in uids} & served_by_b  # the test needs both kinds
-        for row, (uid,) in enumerate(switch.last_uids):  # samples routed to b's (failing) experts get zeros
-            assert (out[row].abs().sum() == 0) == (uid in served_by_b)
+        expected, chosen, expected_aux = _switch_reference(switch.gate, experts, x.detach(), grid, a.experts)
+        assert switch.last_uids == chosen
+        assert {u for (u,) in chosen} & set(b.experts)  # the test needs both kinds
+        assert {u for (u,) in chosen} & set(a.experts)
+        torch.testing.assert_close(out, expected)  # gate-scaled; samples routed to b's (failing) experts get zeros
+        assert all((out[row].abs().sum() == 0) == (uid in b.experts) for row, (uid,) in enumerate(chosen))
+        torch.testing.assert_close(aux, expected_aux)
         aux.backward()
-        assert torch.isfinite(aux) and switch.gate.weight.grad.abs().sum() > 0
+        want = torch.autograd.grad(expected_aux, [switch.gate.weight, switch.gate.bias])
+        torch.testing.assert_close(switch.gate.weight.grad, want[0])
+        torch.testing.assert_close(switch.gate.bias.grad, want[1])
+        assert switch.gate.weight.grad.abs().sum() > 0
     finally:
         a.shutdown()
         b.shutdown()

@@ -185,11 +185,44 @@ def test_peer_with_nan_gradients_is_not_averaged_in(swarm):
     assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.7
 
 
+def record_rounds(member: Member, rounds: dict[bytes, dict[int, str]]) -> None:
+    """Record, for each averaging round of `member` in moshpit or diloco mode, the digest of its
+    parameters once the round is over (diloco: after the outer step), under the group's id."""
+    opt = member.opt
+    averager = opt.state_averager if opt.mode == "moshpit" else opt.delta_averager
+    name = "_moshpit_round" if opt.mode == "moshpit" else "_diloco_round"
+    original_round, original_advance = getattr(opt, name), averager._advance
+    group: list[bytes] = []
+
+    def advance(me: int, group_id: bytes) -> None:  # called only when a group's all-reduce succeeded
+        group.append(group_id)
+        original_advance(me, group_id)
+
+    async def recording_round() -> None:
+        group.clear()
+        await original_round()
+        if group:
+            rounds.setdefault(group[0], {})[member.index] = digest(member.model)
+    averager._advance = advance
+    setattr(opt, name, recording_round)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["moshpit", "diloco"])
 def test_local_update_modes_converge(swarm, mode):
-    members = swarm(3, f"local-{mode}", mode=mode, local_steps=10)
-    train(members, 25, within=200)
+    """Local steps, then an averaging round: every member of a round leaves it with the same
+    parameters to the bit (each shard is reduced once and sent to all), and the peers do average
+    (a broken averaging would leave them apart, learning about as well as each one alone)."""
+    epochs = 25
+    members = swarm(3, f"local-{mode}", mode=mode, local_steps=10, matchmaking_time=0.3)
+    rounds: dict[bytes, dict[int, str]] = {}
+    for m in members:
+        record_rounds(m, rounds)
+    train(members, epochs, within=200)
+    for group_id, digests in rounds.items():
+        assert len(set(digests.values())) == 1, f"round {group_id.hex()}: members differ after it: {digests}"
+    together = [sum(len(d) > 1 and m.index in d for d in rounds.values()) for m in members]
+    assert min(together) >= epochs // 2, together  # rounds each peer averaged in with another
     accuracies = [accuracy(m.model, X_TEST, Y_TEST) for m in members]
     assert min(accuracies) > 0.85, accuracies
 
@@ -215,23 +248,55 @@ def test_checkpoint_saves_and_a_new_swarm_resumes_from_it(swarm, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_auxiliary_peer_helps_average_without_training(swarm):
-    members = swarm(2, "aux")
-    helper = Member(2, members[0].peer.addresses, "aux", averaging_mode="aux")
+    # Three trainers: with two, an aux peer cannot make a round faster (each trainer sends and
+    # receives one vector whoever reduces), and the load split rightly gives it nothing.
+    trainers = 3
+    members = swarm(trainers, "aux")
+    helper = Member(trainers, members[0].peer.addresses, "aux", averaging_mode="aux")
     members.append(helper)
+    served = record_reduced_shards(helper)
     helper.start()
     # The helper is online before training starts: the first round waits for it. (One that
     # comes later joins at a later epoch; these epochs last 0.1 s, shorter than a window.)
     wait_until(lambda: all(helper.peer.peer_id in {r.peer_id for r in m.opt.progress().reports}
-                           for m in members[:2]), 30, "the trainers did not see the helper")
-    for m in members[:2]:
+                           for m in members[:trainers]), 30, "the trainers did not see the helper")
+    for m in members[:trainers]:
         m.start(6)
-    for m in members[:2]:
+    for m in members[:trainers]:
         m.thread.join(120)
     helper.stop.set()
-    assert members[0].opt.local_epoch == members[1].opt.local_epoch == 6
-    assert digest(members[0].model) == digest(members[1].model)
-    assert helper.opt.grad_averager.round > 0  # it took part in (and reduced for) averaging rounds
-    assert helper.opt.samples == 0  # and contributed no samples of its own
+    assert all(m.opt.local_epoch == 6 for m in members[:trainers])
+    assert len({digest(m.model) for m in members[:trainers]}) == 1
+    assert helper.opt.samples == 0  # it contributed no samples of its own
+    # In the trainers' gradient rounds it reduced a shard: a part of the load split, that stayed
+    # with it, complete with every trainer's piece, in a round that committed. (Not checked: a
+    # round a trainer missed, nor state rounds, where bandwidths measured on the loopback may
+    # rightly leave it out.)
+    gradients = [s for s in served if s[2] == helper.opt.grad_averager.total and len(s[5]) == trainers]
+    assert len(gradients) >= 3, served  # of 6 epochs
+    for mode, part, total, kept, complete, senders, committed in gradients:
+        assert mode == "aux" and committed, served
+        assert 0 < part < total and kept and complete == senders, served
+
+
+def record_reduced_shards(member: Member) -> list[tuple]:
+    """For each all-reduce `member` takes part in: its mode in the group, the size of its shard
+    and of the vector, whether the shard stayed with it, the members whose pieces it received
+    in full, the members that send (all but aux ones), and whether the round committed."""
+    service = member.opt.grad_averager.service  # one per transport, shared by its averagers
+    original, served = service.run, []
+
+    async def recording(group, *args, **kwargs):
+        result = await original(group, *args, **kwargs)
+        me = group.peers.index(member.peer.transport.peer_id)
+        left = service.finished[group.group_id]  # what this member knew when the round ended
+        complete = dict((j, c) for j, c in left.state["rep"]).get(me)
+        senders = [i for i, mode in enumerate(group.modes) if mode != "aux"]
+        served.append((group.modes[me], group.part_sizes[me], group.total, left.outcome.assignment.get(me) == me,
+                       complete, senders, left.outcome.committed))
+        return result
+    service.run = recording
+    return served
 
 
 @pytest.mark.timeout(240)
