@@ -255,6 +255,14 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
     helper = Member(trainers, members[0].peer.addresses, "aux", averaging_mode="aux")
     members.append(helper)
     served = record_reduced_shards(helper)
+    state_rounds = [0]
+    for m in members[:trainers]:
+        original = m.opt.state_averager.astep
+
+        async def counting(*args, _original=original, **kwargs):
+            state_rounds[0] += 1
+            return await _original(*args, **kwargs)
+        m.opt.state_averager.astep = counting
     helper.start()
     # The helper is online before training starts: the first round waits for it. (One that
     # comes later joins at a later epoch; these epochs last 0.1 s, shorter than a window.)
@@ -268,6 +276,9 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
     assert all(m.opt.local_epoch == 6 for m in members[:trainers])
     assert len({digest(m.model) for m in members[:trainers]}) == 1
     assert helper.opt.samples == 0  # it contributed no samples of its own
+    # The trainers' states stayed alike, so no state round ran: the helper, which holds no
+    # averaged state, sends no digest that could force one.
+    assert state_rounds == [0], state_rounds
     # In the trainers' gradient rounds it reduced a shard: a part of the load split, that stayed
     # with it, complete with every trainer's piece, in a round that committed. (Not checked: a
     # round a trainer missed, nor state rounds, where bandwidths measured on the loopback may

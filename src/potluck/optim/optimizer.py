@@ -414,7 +414,9 @@ class Optimizer(torch.optim.Optimizer):
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
         gather = {"samples": samples, "sps": self.samples_per_second}
-        if self._averages_state_after(epoch):
+        if self.averaging_mode == "aux":
+            gather["aux"] = True  # holds no averaged state: its digest says nothing
+        elif self._averages_state_after(epoch):
             gather["state"] = await run_in_thread(self._state_digest)  # all alike: no state round needed
         task = asyncio.ensure_future(self.grad_averager.astep(
             weight=1.0, gather=gather,
@@ -473,7 +475,8 @@ class Optimizer(torch.optim.Optimizer):
                 self._publish()
                 return
             logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
-            digests = [m.get("state") if isinstance(m, dict) else None for m in result.gathered.values()]
+            digests = [m.get("state") if isinstance(m, dict) else None for m in result.gathered.values()
+                       if not (isinstance(m, dict) and m.get("aux") is True)]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
             await self._apply_gradients(len(result.contributors) / total, total, pending.expected,
                                         pending.members, same_state=same)
