@@ -112,7 +112,9 @@ class Optimizer(torch.optim.Optimizer):
         scheduler: a learning-rate scheduler over the wrapped optimizer, or a callable
             `optimizer -> scheduler`; stepped once per epoch.
         mode: "sync", "moshpit" or "diloco".
-        averaging_mode: "node", "client" (behind NAT) or "aux" (helps average, trains nothing).
+        averaging_mode: "node", "client" (behind NAT) or "aux" (helps average, trains nothing;
+            the load split gives it a shard only where that shortens the round: with two
+            senders each sends and receives one vector whoever reduces, so it gets none).
         average_state_every: in sync mode, average parameters and statistics every k epochs.
         local_steps: moshpit/diloco: local steps between averaging rounds.
         outer_lr, outer_momentum: diloco's outer Nesterov step.
