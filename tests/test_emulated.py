@@ -592,3 +592,32 @@ def test_transport_close_leaves_no_pending_tasks() -> None:
             assert not pending, pending
 
     vrun(main())
+
+
+@pytest.mark.timeout(10)
+def test_calls_to_self_take_no_virtual_time_and_end_with_a_crash() -> None:
+    async def main() -> None:
+        net = EmulatedNetwork(latency=0.05)
+        (a,) = await started(net, 1, upload=MiB, download=MiB)
+        held = asyncio.Event()
+
+        async def hold(stream: Any, ctx: Any) -> None:
+            held.set()
+            await asyncio.Event().wait()
+
+        a.add_stream_handler("hold", hold)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        payload = torch.randn(MiB)  # 4 MiB: four seconds of this peer's upload, were it sent
+        assert await a.call(a.peer_id, "echo", payload, timeout=5) is payload
+        assert loop.time() == t0  # neither bandwidth nor latency: it never leaves the peer
+        stream = await a.open_stream(a.peer_id, "hold", timeout=60)
+        await held.wait()
+        net.crash(a.peer_id)
+        with pytest.raises(ConnectionLost):
+            await stream.recv(timeout=5)
+        with pytest.raises(PeerUnreachable, match="crashed"):
+            await a.call(a.peer_id, "echo", 1, timeout=5)
+        await a.close()
+
+    vrun(main())

@@ -19,6 +19,7 @@ from potluck.core.errors import (
     CallCancelled,
     ConnectionLost,
     DeadlineExceeded,
+    EndOfStream,
     HandshakeError,
     MessageTooLarge,
     MethodNotFound,
@@ -26,6 +27,7 @@ from potluck.core.errors import (
     RemoteError,
 )
 from potluck.net import Identity, Multiaddr, TCPTransport
+from potluck.net.connection import MAX_STREAM_QUEUE
 from potluck.net.frames import PREFIX, VERSION, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import PeerID
 from tests.conftest import LOOP_KINDS
@@ -619,3 +621,186 @@ def test_dial_to_closed_port_fails_fast_with_peer_unreachable(arun):
 def test_frame_prefix_layout_is_stable():
     assert PREFIX.size == 16
     assert struct.calcsize("<BBHIQ") == 16
+
+
+# -- loopback: calls and streams to our own peer id ------------------------------------------------
+async def lone(**kwargs) -> TCPTransport:
+    a = TCPTransport(Identity.generate(), host="127.0.0.1", **kwargs)
+    await a.start()
+    return a
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("client_mode", [False, True])
+def test_call_and_stream_to_self_pass_the_objects_through_without_a_socket(arun, client_mode):
+    async def main():
+        a = await lone(client_mode=client_mode)
+        seen = []
+
+        async def who(request, ctx):
+            seen.append((ctx.peer_id, ctx.loopback))
+            return request
+
+        async def echo_stream(stream, ctx):
+            seen.append((ctx.peer_id, ctx.loopback, stream.request))
+            async for message in stream:
+                await stream.send(message)
+        a.add_handler("who", who)
+        a.add_stream_handler("echo", echo_stream)
+        payload = {"t": torch.randn(MiB // 4), "n": 3}
+        reply = await a.call(a.peer_id, "who", payload, timeout=5)
+        assert reply is payload  # the very object: nothing was encoded
+        stream = await a.open_stream(a.peer_id, "echo", "hi", timeout=5)
+        assert stream.loopback
+        await stream.send(payload["t"])
+        assert await stream.recv(timeout=5) is payload["t"]
+        await stream.close()
+        with pytest.raises(EndOfStream):
+            await stream.recv(timeout=5)
+        assert seen == [(a.peer_id, True), (a.peer_id, True, "hi")]  # the caller is itself
+        assert a.connected_peers() == [] and not a._links  # no socket, no connection to list
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_stream_to_self_blocks_the_sender_when_the_handler_stalls(arun):
+    async def main():
+        a = await lone()
+        release = asyncio.Event()
+
+        async def lazy(stream, ctx):
+            await release.wait()
+            n = 0
+            async for _t in stream:
+                n += 1
+            await stream.send(n)
+        a.add_stream_handler("lazy", lazy)
+        stream = await a.open_stream(a.peer_id, "lazy", timeout=20)
+        sent = 0
+        with pytest.raises(DeadlineExceeded):
+            while True:
+                await stream.send(torch.zeros(MiB // 4), timeout=0.5)  # 1 MiB messages
+                sent += 1
+        assert 8 <= sent <= 40, sent  # the 16 MiB window, as on a wire
+        # Tiny messages are bounded too: the window stops the sender before the queue limit.
+        stream = await a.open_stream(a.peer_id, "lazy", timeout=20)
+        tiny = 0
+        with pytest.raises(DeadlineExceeded):
+            while True:
+                await stream.send(tiny, timeout=0.5)
+                tiny += 1
+        assert 0 < tiny <= MAX_STREAM_QUEUE, tiny
+        release.set()
+        stream = await a.open_stream(a.peer_id, "lazy", timeout=20)
+        for _ in range(100):
+            await stream.send(torch.zeros(MiB // 4), timeout=5)
+        await stream.close()
+        assert await stream.recv(timeout=5) == 100
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_handler_errors_to_self_are_typed_as_remote_ones(arun):
+    async def main():
+        a = await lone()
+
+        async def broken(request, ctx):
+            raise ValueError("bad value 42")
+
+        async def broken_stream(stream, ctx):
+            await stream.recv()
+            raise KeyError("no such shard")
+        a.add_handler("broken", broken)
+        a.add_stream_handler("broken", broken_stream)
+        with pytest.raises(RemoteError, match="ValueError: bad value 42") as info:
+            await a.call(a.peer_id, "broken", timeout=5)
+        assert info.value.remote_type == "ValueError"
+        with pytest.raises(MethodNotFound):
+            await a.call(a.peer_id, "nope", timeout=5)
+        with pytest.raises(MethodNotFound):
+            s = await a.open_stream(a.peer_id, "nope", timeout=5)
+            await s.recv(timeout=5)
+        stream = await a.open_stream(a.peer_id, "broken", timeout=5)
+        await stream.send(1)
+        with pytest.raises(RemoteError, match="KeyError"):
+            await stream.recv(timeout=5)
+        with pytest.raises(MessageTooLarge):
+            await a.call(a.peer_id, "broken", torch.zeros(a.max_frame_size // 4 + 1), timeout=5)
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_deadline_to_self_raises_and_cancels_the_handler(arun):
+    async def main():
+        a = await lone()
+        cancelled = asyncio.Event()
+
+        async def slow(request, ctx):
+            assert ctx.time_left() <= 0.3
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        async def stuck(stream, ctx):
+            try:
+                await stream.recv()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        a.add_handler("slow", slow)
+        a.add_stream_handler("stuck", stuck)
+        with pytest.raises(DeadlineExceeded, match="got no answer within"):
+            await a.call(a.peer_id, "slow", timeout=0.3)
+        await asyncio.wait_for(cancelled.wait(), 5)
+        cancelled.clear()
+        stream = await a.open_stream(a.peer_id, "stuck", timeout=30)
+        with pytest.raises(DeadlineExceeded):
+            await stream.recv(timeout=0.2)
+        await asyncio.wait_for(cancelled.wait(), 5)
+        with pytest.raises(CallCancelled):
+            await stream.recv(timeout=5)
+        await a.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+def test_closing_the_transport_ends_an_open_loopback_stream_and_leaves_no_cycles(arun):
+    from tests.test_lifetimes import cyclic_garbage, gc_saving_garbage
+
+    async def main():
+        a = await lone()
+        cancelled = asyncio.Event()
+
+        async def hold(stream, ctx):
+            try:
+                async for _ in stream:
+                    pass
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        a.add_stream_handler("hold", hold)
+        with gc_saving_garbage():
+            stream = await a.open_stream(a.peer_id, "hold", timeout=30)
+            await stream.send(torch.randn(1000))
+            receiver = asyncio.ensure_future(stream.recv(timeout=30))
+            await asyncio.sleep(0.05)
+            await a.close()
+            with pytest.raises(ConnectionLost):
+                await receiver
+            await asyncio.wait_for(cancelled.wait(), 5)
+            with pytest.raises(ConnectionLost):
+                await a.call(a.peer_id, "hold", timeout=5)
+            me = asyncio.current_task()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            if others:
+                _, pending = await asyncio.wait(others, timeout=1)
+                assert not pending, pending
+            del stream, receiver
+            assert cyclic_garbage() == []
+    arun(main())

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.channel import LocalChannel
 from potluck.compression.codec import Codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
 from potluck.core.runner import retrieve_exception
 from potluck.core.tensors import all_finite
+from potluck.net.connection import Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 
@@ -160,7 +160,7 @@ class TransferStats:
         return self.sent_bytes / self.busy_seconds if self.sent_bytes and self.busy_seconds > 0 else None
 
     async def send(self, channel: Any, message: Any) -> None:
-        if isinstance(channel, LocalChannel):
+        if channel.loopback:  # this member's own shard: it never leaves the process
             await channel.send(message)
             return
         loop = asyncio.get_running_loop()
@@ -985,12 +985,8 @@ class AllReduceService:
             raise AveragingError("caller is not the group member it claims to be")
         return claimed
 
-    async def open(self, run: AllReduceRun, reducer: int, request: dict) -> Any:
-        if reducer == run.me:
-            mine, theirs = LocalChannel.pair(run.group.peers[run.me])
-            red = await run.reducer(request["j"])
-            run.spawn(red.serve(run.me, request["w"], request["x"], theirs))
-            return mine
+    async def open(self, run: AllReduceRun, reducer: int, request: dict) -> Stream:
+        """A stream to `reducer`'s part handler; to this member itself, through the loopback."""
         left = max(0.1, run.deadline - asyncio.get_running_loop().time())
         return await self.transport.open_stream(run.group.peers[reducer], METHOD_PART, request, timeout=left)
 

@@ -92,6 +92,11 @@ class CallContext:
     connection: Connection
     remote: RemoteInfo = field(repr=False, default=None)  # type: ignore[assignment]
 
+    @property
+    def loopback(self) -> bool:
+        """Whether this peer is calling itself (see `net.loopback`)."""
+        return self.connection.loopback
+
     def time_left(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - asyncio.get_running_loop().time())
 
@@ -131,6 +136,11 @@ class Stream:
     @property
     def peer_id(self) -> PeerID:
         return self.connection.remote.peer_id
+
+    @property
+    def loopback(self) -> bool:
+        """Whether this stream joins a peer to itself: its messages never leave the process."""
+        return self.connection.loopback
 
     def _timeout(self, timeout: float | None) -> float | None:
         if self.deadline is None:
@@ -272,6 +282,7 @@ class Connection:
         self._keepalive_task: asyncio.Task | None = None
         self.last_received = asyncio.get_running_loop().time()
         self.in_use = 0  # active bulk streams (for pooling dedicated connections)
+        self.loopback = False  # joins this peer to itself in memory (net.loopback)
 
     def attach(self, link: FrameLink) -> None:
         self.link = link

@@ -89,6 +89,7 @@ class EmulatedNetwork:
         if peer is None:
             raise KeyError(f"no emulated peer {peer_id} on this network")
         peer._crashed = True
+        peer._close_loopback("this peer crashed")
         if not silent and self._listeners.get(peer._name) is peer:
             del self._listeners[peer._name]
         for end in list(peer._links):
@@ -183,6 +184,11 @@ class EmulatedTransport(Transport):
         if expected is not None and listener.peer_id != expected:
             raise HandshakeError(f"{address} is {listener.peer_id}, not the expected {expected}")
         return self._join(listener, bulk)
+
+    def _loopback_connection(self) -> Connection:
+        if self._crashed:
+            raise PeerUnreachable("this emulated peer has crashed")
+        return super()._loopback_connection()
 
     async def _reach(self, address: Multiaddr) -> EmulatedTransport:
         """The peer listening at `address`; refuse if none, hang (until the caller's deadline)

@@ -13,19 +13,21 @@ from collections.abc import Iterable
 from typing import Any
 
 from potluck.core import compat
-from potluck.core.errors import NetworkError, PeerUnreachable, detached
+from potluck.core.errors import ConnectionLost, NetworkError, PeerUnreachable, detached
 from potluck.net.address import Multiaddr
 from potluck.net.connection import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_STREAM_TIMEOUT,
     Connection,
     Handlers,
+    RemoteInfo,
     Stream,
     StreamHandler,
     UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
 from potluck.net.identity import Identity, PeerID
+from potluck.net.loopback import LoopbackLink
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class Transport:
         self._all: dict[Connection, None] = {}  # ordered, so shutdown order is repeatable
         self._dialing: dict[PeerID, asyncio.Future] = {}
         self._idle_timers: dict[Connection, asyncio.TimerHandle] = {}
+        self._loopback: Connection | None = None  # the calling side of calls to ourselves
         self._closed = False
         # Protocol services that exist once per transport (they own a set of handlers); kept
         # here so they live exactly as long as the transport.
@@ -195,9 +198,34 @@ class Transport:
                 errors.append(f"{addr}: {str(e) or type(e).__name__}")
         raise PeerUnreachable(f"could not connect to {peer_id}: " + "; ".join(errors))
 
+    def _loopback_connection(self) -> Connection:
+        """The in-memory connection to ourselves (see `net.loopback`), made on first use."""
+        if self._closed:
+            raise ConnectionLost("this peer is shut down")
+        conn = self._loopback
+        if conn is None or conn.closed:
+            remote = RemoteInfo(self.peer_id, tuple(a.without_peer_id() for a in self.addresses),
+                                self.client_mode, self.max_frame_size)
+            conn = Connection(self.handlers, remote, True, on_close=self._loopback_lost)
+            served = Connection(self.handlers, remote, False, on_close=self._loopback_lost)
+            LoopbackLink.pair(conn, served, self.max_frame_size)
+            self._loopback = conn
+        return conn
+
+    def _loopback_lost(self, conn: Connection) -> None:
+        if self._loopback is conn:
+            self._loopback = None
+
+    def _close_loopback(self, reason: str) -> None:
+        if self._loopback is not None:
+            self._loopback.close(reason)
+
     async def call(self, peer_id: PeerID, method: str, request: Any = None, *,
                    timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
-        """Call `method` on `peer_id` and return its response, within `timeout` seconds overall."""
+        """Call `method` on `peer_id` and return its response, within `timeout` seconds overall.
+        A call to our own id is served by our own handlers in memory (`net.loopback`)."""
+        if peer_id == self.peer_id:
+            return await self._loopback_connection().call(method, request, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         conn = await self._shared_connection(peer_id, timeout)
@@ -209,7 +237,10 @@ class Transport:
                           dedicated: bool | None = None) -> Stream:
         """Open a stream to `peer_id`. Bulk streams get a connection of their own (TCP does the
         flow control and small calls are not stuck behind them); `dedicated=None` does that
-        whenever the peer can be dialed, and reuses the shared connection otherwise."""
+        whenever the peer can be dialed, and reuses the shared connection otherwise. A stream to
+        our own id runs in memory (`net.loopback`); `stream.loopback` tells so."""
+        if peer_id == self.peer_id:
+            return await self._loopback_connection().open_stream(method, request, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         if dedicated is None:
@@ -267,6 +298,7 @@ class Transport:
             return
         self._closed = True
         await self._stop_listening()
+        self._close_loopback("peer is shutting down")
         for conn in list(self._all):
             conn.close("peer is shutting down")
         for fut in list(self._dialing.values()):

@@ -93,20 +93,10 @@ class StageStats:
     expired: int = 0          # micro-batches given up (their gradient never came)
 
 
-@dataclass
-class _LocalContext:
-    peer_id: PeerID
-
-
 async def call(transport: Transport, peer: PeerID | str, method: str, request: Any, timeout: float) -> Any:
-    """`transport.call`, also to this node itself (a controller configuring its own stage)."""
+    """`transport.call` to a peer id in text or not (a controller may configure its own stage:
+    that call goes through the transport's loopback)."""
     peer = PeerID.from_string(peer) if isinstance(peer, str) else peer
-    if peer == transport.peer_id:
-        handler = transport.handlers.unary.get(method)
-        if handler is None:
-            raise PipelineError(f"this node serves no {method!r}")
-        async with compat.timeout(timeout):
-            return await handler(request, _LocalContext(peer))
     return await transport.call(peer, method, request, timeout=timeout)
 
 

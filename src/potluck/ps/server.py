@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,16 +112,6 @@ def split_by_size(sizes: Sequence[int], num_shards: int) -> list[int]:
     return assignment
 
 
-# The servers each transport hosts, so a worker that serves a shard itself (decentralized form)
-# calls it directly: a transport has no connection to itself.
-_LOCAL: weakref.WeakKeyDictionary[Transport, dict[str, ParameterServer]] = weakref.WeakKeyDictionary()
-
-
-def local_server(transport: Transport, name: str, shard: int) -> ParameterServer | None:
-    """The server of `shard` of run `name` hosted on `transport` itself, if any."""
-    return _LOCAL.get(transport, {}).get(method_name(name, shard, ""))
-
-
 def method_name(name: str, shard: int, verb: str) -> str:
     """The RPC method of one shard's server: several shards (and standbys) can share a peer."""
     return f"ps.{name}.{shard}.{verb}"
@@ -180,13 +169,11 @@ class ParameterServer:
         self._registered = asyncio.Event()
         for verb in ("register", "push", "pull", "replicate"):
             transport.add_handler(method_name(name, shard, verb), self._serve(verb))
-        _LOCAL.setdefault(transport, {})[method_name(name, shard, "")] = self
 
     def shutdown(self) -> None:
         """Stop serving (pending calls end with the connection or their deadline)."""
         for verb in ("register", "push", "pull", "replicate"):
             self.transport.remove_handler(method_name(self.name, self.shard, verb))
-        _LOCAL.get(self.transport, {}).pop(method_name(self.name, self.shard, ""), None)
 
     def _serve(self, verb: str) -> Callable[[Any, CallContext], Any]:
         async def handler(request: Any, ctx: CallContext) -> Any:
@@ -194,7 +181,7 @@ class ParameterServer:
         return handler
 
     async def handle(self, verb: str, request: Any, worker: str) -> Any:
-        """Serve one call from `worker` (a peer id): what the RPC handlers and local calls run."""
+        """Serve one call from `worker` (a peer id), whether another peer or this one."""
         if verb == "replicate":
             if worker != self.primary:
                 raise PSInputError(f"only shard {self.shard}'s primary may update its standby")

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from potluck.core import compat
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
-from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout, local_server, method_name, split_by_size
+from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout, method_name, split_by_size
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +91,11 @@ class PSClient:
         while True:
             server = servers[self._server[shard]]
             try:
-                local = local_server(self.transport, self.name, shard) if server == str(self.transport.peer_id) \
-                    else None
-                if local is not None:  # this worker serves the shard itself
-                    async with compat.timeout(self.timeout):
-                        reply = await local.handle(verb, _copied(request), server)
-                else:
-                    reply = await self.transport.call(PeerID.from_string(server), method_name(self.name, shard, verb),
-                                                      request, timeout=self.timeout)
+                peer = PeerID.from_string(server)
+                if peer == self.transport.peer_id:  # this worker serves the shard itself (loopback)
+                    request = _copied(request)
+                reply = await self.transport.call(peer, method_name(self.name, shard, verb), request,
+                                                  timeout=self.timeout)
                 break
             except _SERVER_GONE as e:
                 if self._server[shard] + 1 >= len(servers):
@@ -127,7 +123,8 @@ class PSClient:
 
 
 def _copied(request: Any) -> Any:
-    """A local call's request with its tensors copied, as the wire would (the server keeps them)."""
+    """A request to this peer itself with its tensors copied, as the wire would: the loopback
+    passes the objects themselves, and the server keeps the gradients past this call."""
     if isinstance(request, dict) and isinstance(request.get("grads"), list):
         return {**request, "grads": [g.clone() if isinstance(g, torch.Tensor) else g for g in request["grads"]]}
     return request
