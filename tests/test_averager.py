@@ -261,6 +261,35 @@ def test_slow_peer_measures_itself_slow_and_gets_a_smaller_shard():
 
 
 @pytest.mark.timeout(60)
+def test_peer_with_a_slow_download_measures_it_and_gets_a_smaller_shard():
+    """Download is measured on its own: a peer that uploads fast but downloads slowly (a home
+    line) reduces less, where an estimate from its upload alone would give it an even share."""
+    async def main():
+        net = EmulatedNetwork(latency=0.005)
+        peers = []
+        for i in range(4):
+            peers.append(await add_peer(net, peers, bandwidth=100e6, download=10e6 if i == 0 else None))
+        avgs = [Averager(p, [torch.randn(4_000_000)], "downjob", target_group_size=4, matchmaking_time=0.5)
+                for p in peers]
+        groups = record_groups(avgs[1])
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(3):
+            start = loop.time()
+            await asyncio.gather(*(a.astep() for a in avgs))
+            times.append(loop.time() - start)
+        slow_id = peers[0].transport.peer_id
+        shares = [g.part_sizes[g.peers.index(slow_id)] / g.total for g in groups]
+        assert shares[0] == pytest.approx(0.25, abs=0.01)  # first step: nothing measured, even split
+        assert shares[1] < 0.1 and shares[2] < 0.1, shares
+        assert times[2] < 0.8 * times[0], times
+        assert avgs[0].download_bandwidth == pytest.approx(10e6, rel=0.2), avgs[0].download_bandwidth
+        assert avgs[0].bandwidth > 50e6, avgs[0].bandwidth  # its upload is not the slow part
+        assert all(a.download_bandwidth > 50e6 for a in avgs[1:]), [a.download_bandwidth for a in avgs]
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_step_failing_during_the_allreduce_leaves_tensors_untouched():
     """Both reducers die after the group formed: the client cannot finish and must not change."""
     async def main():

@@ -60,6 +60,10 @@ MAX_POOLED_BYTES = 320 * 2**20
 # Pooled buffers are sized up to a multiple of this many elements, so shards whose size changes
 # a little between rounds (load balancing) still fit the buffers of the last round.
 POOL_GRANULE = 2**16
+# Stretches a step's receiving time is cut into for the download estimate: enough that the
+# stretch where fast senders fill our link stands out from a slow sender's tail, few enough that
+# each holds several chunks (a burst of chunks that sat in buffers is not a rate).
+DOWNLOAD_BINS = 8
 # Rounds of reassigning the shards of reducers that died after the first decision.
 MAX_REPAIRS = 2
 
@@ -140,7 +144,8 @@ class Outcome:
 
 @dataclass
 class TransferStats:
-    """This member's uploads to other peers during one step, for its bandwidth estimate.
+    """This member's uploads to and downloads from other peers during one step, for its
+    bandwidth estimates.
 
     `busy_seconds` is the time during which at least one send to another peer was in flight
     (a send returns once the transport has taken the frame: on the emulated network, when this
@@ -153,11 +158,53 @@ class TransferStats:
     busy_seconds: float = 0.0
     in_flight: int = 0
     busy_since: float = 0.0
+    received_bytes: int = 0
+    # (previous arrival, this arrival) of each chunk received from another peer after the first
+    # of its stream: the time that chunk was on its way to us. One pair per chunk of the step.
+    arrivals: list[tuple[float, float]] = field(default_factory=list)
+    arrival_bytes: list[int] = field(default_factory=list)
 
     @property
     def upload(self) -> float | None:
         """Measured bytes/s, or None if nothing was sent."""
         return self.sent_bytes / self.busy_seconds if self.sent_bytes and self.busy_seconds > 0 else None
+
+    def received(self, channel: Any, previous: float | None, nbytes: int) -> float | None:
+        """Count a chunk that just arrived on `channel`, whose last chunk arrived at `previous`
+        (None: this is its first, and how long that one took is unknown); returns the time to
+        pass as `previous` next time. Chunks from ourselves count for nothing."""
+        if getattr(channel, "loopback", False):
+            return None
+        now = asyncio.get_running_loop().time()
+        if previous is not None:
+            self.received_bytes += nbytes
+            self.arrivals.append((previous, now))
+            self.arrival_bytes.append(nbytes)
+        return now
+
+    @property
+    def download(self) -> float | None:
+        """Measured bytes/s received: the busiest stretch of the step. Each chunk after its
+        stream's first is spread evenly over the time since the previous one (how long it was
+        on its way); the step is cut into DOWNLOAD_BINS stretches, and the fullest one gives
+        the rate. A slow sender stretches the step but not the stretch where fast senders
+        filled our link; waiting for a stream to start is not counted."""
+        if not self.received_bytes or not self.arrivals:
+            return None
+        begin = min(a for a, _ in self.arrivals)
+        width = (max(b for _, b in self.arrivals) - begin) / DOWNLOAD_BINS
+        if width <= 0:
+            return None
+        filled = [0.0] * DOWNLOAD_BINS
+        for (start, stop), nbytes in zip(self.arrivals, self.arrival_bytes, strict=True):
+            if stop <= start:
+                continue  # arrived with the previous chunk: its bytes show in no stretch
+            rate = nbytes / (stop - start)
+            first, last = int((start - begin) / width), min(DOWNLOAD_BINS - 1, int((stop - begin) / width))
+            for k in range(first, last + 1):
+                overlap = min(stop, begin + (k + 1) * width) - max(start, begin + k * width)
+                filled[k] += rate * max(0.0, overlap)
+        return max(filled) / width if max(filled) > 0 else None
 
     async def send(self, channel: Any, message: Any) -> None:
         if channel.loopback:  # this member's own shard: it never leaves the process
@@ -380,6 +427,7 @@ class ShardReducer:
         self.weights[sender] = weight
         self.pieces[sender] = []
         self.received[sender] = 0
+        last = None  # when its previous chunk arrived (for our download estimate)
         try:
             while True:
                 msg = await channel.recv(timeout=self.sender_timeout)
@@ -390,6 +438,7 @@ class ShardReducer:
                     raise AveragingError("sent more chunks than the shard has")
                 lo, hi = self._chunk_range(c)
                 self.pieces[sender].append(_decode(self.codec, msg, hi - lo))
+                last = self.stats.received(channel, last, 4 * (hi - lo))
                 self.received[sender] = c + 1
                 self._try_reduce(c)
         except EndOfStream:
@@ -607,6 +656,7 @@ class AllReduceRun:
         try:
             channel = await self.service.open(self, reducer, request)
             sender = self.spawn(self._send_piece(channel, start, end, abstain))
+            last = None  # when the previous result chunk arrived (for our download estimate)
             try:
                 async for msg in channel:
                     if "final" in msg:
@@ -619,6 +669,7 @@ class AllReduceRun:
                     if not lo < hi <= end:
                         raise AveragingError("reducer sent a chunk outside its shard")
                     self.result[lo:hi] = _decode(self.codec, msg["d"], hi - lo)
+                    last = self.stats.received(channel, last, 4 * (hi - lo))
             finally:
                 sender.cancel()
         except (NetworkError, PotluckError, KeyError, TypeError, ValueError) as e:

@@ -81,9 +81,10 @@ class Averager:
         coordinates: this peer's starting place on the grid (random if omitted).
         matchmaking_time: seconds a leader gathers peers before it closes the group.
         allreduce_timeout: deadline of the all-reduce part of a step.
-        bandwidth: this peer's bandwidth in bytes/s for the load split. Default: measured at
-            every step (bytes this peer uploaded / time its uploads were in flight, smoothed),
-            starting from DEFAULT_BANDWIDTH; a given value is used as is, never re-measured.
+        bandwidth: this peer's bandwidth in bytes/s for the load split, up and down. Default:
+            both measured at every step (bytes this peer uploaded / time its uploads were in
+            flight; bytes it received / time chunks were arriving; smoothed), starting from
+            DEFAULT_BANDWIDTH; a given value is used for both as is, never re-measured.
         powersgd_rank: average rank-r PowerSGD approximations (with error feedback) instead of
             the tensors themselves: two all-reduces of r * (rows + cols) numbers per matrix
             instead of rows * cols. Meant for gradients; `compression` then applies to P and Q.
@@ -129,8 +130,9 @@ class Averager:
         # In matchmaking now, with no group yet: a step may be cancelled without harm to anyone's
         # round (the Optimizer does when its epoch's round ended without it).
         self.forming = False
-        self.bandwidth = bandwidth or DEFAULT_BANDWIDTH
-        self._configured = self._measured = bandwidth is not None
+        self.bandwidth = bandwidth or DEFAULT_BANDWIDTH  # upload
+        self.download_bandwidth = self.bandwidth
+        self._configured = self._measured = self._measured_download = bandwidth is not None
         self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
@@ -186,8 +188,9 @@ class Averager:
         snapshot = None if buffer is None else asyncio.ensure_future(run_in_thread(self._flatten, buffer))
         self.forming = True
         try:
-            formed = await self.matchmaker.form_group(key, self.matchmaking_time, (self.bandwidth, self.bandwidth),
-                                                      metadata=gather, target=target, ready=snapshot, members=members)
+            formed = await self.matchmaker.form_group(key, self.matchmaking_time,
+                                                      (self.bandwidth, self.download_bandwidth), metadata=gather,
+                                                      target=target, ready=snapshot, members=members)
         finally:
             self.forming = False
             _discard(snapshot)
@@ -312,26 +315,34 @@ class Averager:
                 t.copy_(part)
 
     def _measure(self, stats: TransferStats) -> None:
-        """Update this peer's bandwidth estimate from its own uploads in the step just done.
+        """Update this peer's upload and download estimates from the step just done.
 
-        Bytes it sent to other peers divided by the time at least one of those sends was in
-        flight: time spent waiting for slower peers is not counted, so each peer measures its
-        own link, and the load split can tell slow peers from fast ones. The figure stands for
-        download too (unmeasured; assumed symmetric). A configured bandwidth is never changed.
+        Upload: bytes sent to other peers over the time at least one of those sends was in
+        flight. Download: bytes received from other peers over the time at least one of their
+        chunks was arriving (`TransferStats.download`). Time spent waiting for slower peers is
+        not counted, so each peer measures its own link, and the load split can tell slow peers
+        from fast ones, and a slow download from a slow upload. A configured bandwidth stands
+        for both and is never changed.
         """
-        if self._configured or stats.sent_bytes < MIN_MEASURED_BYTES or stats.upload is None:
+        if self._configured:
             return
-        estimate = stats.upload
-        if self._measured:
-            self.bandwidth = (1 - BANDWIDTH_SMOOTHING) * self.bandwidth + BANDWIDTH_SMOOTHING * estimate
-        else:
-            self.bandwidth, self._measured = estimate, True
+        if stats.sent_bytes >= MIN_MEASURED_BYTES and stats.upload is not None:
+            self.bandwidth = _smoothed(self.bandwidth, stats.upload, self._measured)
+            self._measured = True
+        if stats.received_bytes >= MIN_MEASURED_BYTES and stats.download is not None:
+            self.download_bandwidth = _smoothed(self.download_bandwidth, stats.download, self._measured_download)
+            self._measured_download = True
 
     def shutdown(self) -> None:
         """Stop serving this averager's matchmaking and state."""
         self.matchmaker.close()
         if self.state_server is not None:
             self.state_server.close()
+
+
+def _smoothed(estimate: float, measured: float, seen: bool) -> float:
+    """The new estimate: the first measurement as it is, later ones blended in."""
+    return (1 - BANDWIDTH_SMOOTHING) * estimate + BANDWIDTH_SMOOTHING * measured if seen else measured
 
 
 def _discard(task: asyncio.Future | None) -> None:
