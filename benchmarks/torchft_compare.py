@@ -124,8 +124,9 @@ def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any,
     mode = {"potluck": {}, "potluck_diloco": {"mode": "diloco", "local_steps": DILOCO_LOCAL_STEPS}}[args.worker]
     opt = potluck.Optimizer(peer, "torchft-compare", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                             target_batch_size=GLOBAL_BATCH, batch_size_per_step=POTLUCK_LOCAL_BATCH,
-                            averaging_mode="client" if client else "node", average_state_every=AVERAGE_STATE_EVERY,
-                            matchmaking_time=MATCHMAKING_TIME, averaging_timeout=AVERAGING_TIMEOUT, **mode)
+                            role=potluck.Role.CLIENT if client else potluck.Role.NODE,
+                            average_state_every=AVERAGE_STATE_EVERY, matchmaking_time=MATCHMAKING_TIME,
+                            averaging_timeout=AVERAGING_TIMEOUT, **mode)
     return (peer.addresses[0] if peer.addresses else None), opt, [opt.shutdown, peer.shutdown]
 
 

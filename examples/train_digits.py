@@ -36,7 +36,8 @@ def main() -> None:
             print(f"others join with: --initial-peers {address}", flush=True)
         opt = potluck.Optimizer(peer, "digits-example", model.parameters(), lambda p: torch.optim.Adam(p, 6e-3),
                                 target_batch_size=args.target_batch_size, batch_size_per_step=32, mode=args.mode,
-                                averaging_mode="client" if args.client_mode else "node", average_state_every=5)
+                                role=potluck.Role.CLIENT if args.client_mode else potluck.Role.NODE,
+                                average_state_every=5)
         generator = torch.Generator().manual_seed(int.from_bytes(peer.peer_id.encode()[:4], "little"))
         try:
             while True:

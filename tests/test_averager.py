@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from potluck.averaging import Averager
+from potluck.averaging import Averager, Role
 from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
@@ -138,14 +138,24 @@ def test_peers_with_a_different_schema_do_not_average_together():
 def test_client_and_aux_averagers_take_part():
     async def main():
         net, peers = await make_swarm(4, client_mode=(2,))
-        modes = ["node", "node", "client", "aux"]
+        roles = [Role.NODE, "node", Role.CLIENT, "aux"]  # a Role or its value
         vectors = [torch.randn(100) for _ in peers]
-        avgs = [Averager(p, [v], "modes", mode=m, matchmaking_time=0.5) for p, v, m in zip(peers, vectors, modes, strict=False)]
+        avgs = [Averager(p, [v], "roles", role=r, matchmaking_time=0.5) for p, v, r in zip(peers, vectors, roles, strict=True)]
+        assert [a.role for a in avgs] == [Role.NODE, Role.NODE, Role.CLIENT, Role.AUX]
+        assert all(isinstance(a.role, Role) and a.run_id == "roles" for a in avgs)
         results = await asyncio.gather(*(a.astep() for a in avgs))
         expected = sum(vectors[:3]) / 3
         for a in avgs[:3]:
             torch.testing.assert_close(a._tensors[0], expected)
         assert results[0].group_size == 4 and len(results[0].contributors) == 3
+    run_virtual(main())
+
+
+def test_unknown_role_is_refused_with_the_choices():
+    async def main():
+        net, peers = await make_swarm(1)
+        with pytest.raises(ValueError, match=r"role must be one of \['node', 'client', 'aux'\], not 'server'"):
+            Averager(peers[0], [torch.zeros(3)], "bad-role", role="server")
     run_virtual(main())
 
 

@@ -165,7 +165,7 @@ def test_peer_killed_and_newcomer_joining_training_continues(swarm):
 @pytest.mark.timeout(240)
 def test_client_mode_peer_trains_with_the_swarm(swarm):
     members = swarm(2, "client")
-    members.append(Member(2, members[0].peer.addresses, "client", client_mode=True, averaging_mode="client"))
+    members.append(Member(2, members[0].peer.addresses, "client", client_mode=True, role=potluck.Role.CLIENT))
     train(members, 8, within=120)
     assert members[2].peer.addresses == []
     assert all(m.opt.local_epoch == 8 for m in members)
@@ -252,7 +252,7 @@ def test_auxiliary_peer_helps_average_without_training(swarm):
     # receives one vector whoever reduces), and the load split rightly gives it nothing.
     trainers = 3
     members = swarm(trainers, "aux")
-    helper = Member(trainers, members[0].peer.addresses, "aux", averaging_mode="aux")
+    helper = Member(trainers, members[0].peer.addresses, "aux", role=potluck.Role.AUX)
     members.append(helper)
     served = record_reduced_shards(helper)
     state_rounds = [0]

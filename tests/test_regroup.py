@@ -33,8 +33,8 @@ def count_group_reads(peers) -> list[int]:
     return reads
 
 
-def averagers(peers, prefix="regroup"):
-    return [Averager(p, [torch.full((64,), float(i))], prefix, matchmaking_time=WINDOW) for i, p in enumerate(peers)]
+def averagers(peers, run_id="regroup"):
+    return [Averager(p, [torch.full((64,), float(i))], run_id, matchmaking_time=WINDOW) for i, p in enumerate(peers)]
 
 
 def ids(peers) -> frozenset[str]:

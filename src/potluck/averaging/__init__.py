@@ -8,9 +8,10 @@ from potluck.averaging.allreduce import AllReduceService, Group
 from potluck.averaging.averager import Averager, StepResult
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.averaging.matchmaking import FormedGroup, Matchmaker
+from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import StateServer, download_state
 
 __all__ = [
-    "AllReduceService", "Averager", "FormedGroup", "Group", "Matchmaker", "StateServer", "StepResult",
+    "AllReduceService", "Averager", "FormedGroup", "Group", "Matchmaker", "Role", "StateServer", "StepResult",
     "download_state", "optimal_fractions", "part_sizes",
 ]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
@@ -39,7 +40,7 @@ from potluck.net.transport import Transport
 
 logger = logging.getLogger(__name__)
 
-MODES = ("node", "client", "aux")
+MODES = tuple(r.value for r in Role)  # the wire values of the roles: "node", "client", "aux"
 
 # Elements per streamed chunk: 1 MiB of float32 pipelines well and amortizes per-message cost.
 CHUNK_ELEMENTS = 2**18

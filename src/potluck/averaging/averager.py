@@ -1,4 +1,4 @@
-"""`potluck.Averager`: average a set of tensors with whoever else averages under the same prefix.
+"""`potluck.Averager`: average a set of tensors with whoever else averages under the same run_id.
 
 One `step()` = matchmaking through the DHT (optionally on a Moshpit grid), one fault-tolerant
 butterfly all-reduce in the group, and an atomic update of the local tensors (or an
@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.allreduce import MODES, SENDER_TIMEOUT, AllReduceService, TransferStats
+from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import MAX_ADDRESSES, Matchmaker
+from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
@@ -56,7 +57,7 @@ class StepResult:
 
 
 def _service(transport: Any) -> AllReduceService:
-    """One all-reduce service per transport: several averagers (prefixes) share its handlers."""
+    """One all-reduce service per transport: several averagers (run_ids) share its handlers."""
     service = transport.services.get("allreduce")
     if service is None:
         service = transport.services["allreduce"] = AllReduceService(transport)
@@ -64,18 +65,19 @@ def _service(transport: Any) -> AllReduceService:
 
 
 class Averager:
-    """Averages `tensors` with other peers under `prefix`; see DESIGN.md section 3.
+    """Averages `tensors` with other peers under `run_id`; see DESIGN.md section 3.
 
     Args:
         peer: a `potluck.Peer` (or any object with `.transport`, `.dht` and `.run`).
         tensors: float tensors; the averager keeps its own copies (`get_tensors()`), unless
             `copy=False`.
-        prefix: the name of this averaging job; peers with the same prefix average together.
+        run_id: the name of this averaging job; peers with the same run_id average together.
         target_group_size: close a group once it has this many members (None: whoever shows up).
         min_group_size: fail the step when fewer peers are found.
         compression: a codec name or spec (`potluck.compression.known_codecs()`).
-        mode: "node" (sends and reduces), "client" (behind NAT: only sends and receives),
-            "aux" (reduces for others, holds no result; its tensors only define the shapes).
+        role: a `Role` (or its value): NODE "node" (sends and reduces), CLIENT "client" (behind
+            NAT: only sends and receives), AUX "aux" (reduces for others, holds no result; its
+            tensors only define the shapes). A NODE on a client-mode transport becomes a CLIENT.
         grid: Moshpit grid sizes, e.g. (16, 16): peers group by all coordinates but one, which
             turns each round; with N = prod(grid) peers the exact mean takes len(grid) rounds.
         coordinates: this peer's starting place on the grid (random if omitted).
@@ -93,23 +95,22 @@ class Averager:
             or a newcomer's snapshot never sees them half-written.
     """
 
-    def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], prefix: str,
+    def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], run_id: str,
                  target_group_size: int | None = None, min_group_size: int = 2,
-                 compression: Any = "none", mode: str = "node", *, grid: Sequence[int] | None = None,
+                 compression: Any = "none", role: Role | str = Role.NODE, *, grid: Sequence[int] | None = None,
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
                  powersgd_rank: int | None = None, copy: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        role = Role(role)
         if not tensors or any(not t.is_floating_point() for t in tensors):
             raise ValueError("Averager needs a non-empty list of floating-point tensors")
         if min_group_size < 1 or (target_group_size is not None and target_group_size < min_group_size):
             raise ValueError("need 1 <= min_group_size <= target_group_size")
         self.peer = peer
         self.transport = peer.transport
-        self.prefix = prefix
-        self.mode = "client" if self.transport.client_mode and mode == "node" else mode
+        self.run_id = run_id
+        self.role = Role.CLIENT if self.transport.client_mode and role == Role.NODE else role
         self._tensors = [t.detach().clone() if copy else t.detach() for t in tensors]
         self._lock = threading.Lock()
         self.codec = get_codec(compression)
@@ -133,14 +134,14 @@ class Averager:
         self.bandwidth = bandwidth or DEFAULT_BANDWIDTH  # upload
         self.download_bandwidth = self.bandwidth
         self._configured = self._measured = self._measured_download = bandwidth is not None
-        self.matchmaker = Matchmaker(self.transport, peer.dht, prefix, self.schema, self.total, self.mode,
+        self.matchmaker = Matchmaker(self.transport, peer.dht, run_id, self.schema, self.total, self.role.value,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
         import scipy.optimize  # noqa: F401 - load it now, not on the event loop when we first lead a group
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
-        if allow_state_sharing and self.mode == "node":
-            self.state_server = StateServer(self.transport, self._get_state, prefix, lock=self._lock,
+        if allow_state_sharing and self.role == Role.NODE:
+            self.state_server = StateServer(self.transport, self._get_state, run_id, lock=self._lock,
                                             current_version=lambda: self.round)
 
     # -- the user's side ----------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class Averager:
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
         pool = self.service.pool  # used on this loop only
-        buffer = None if self.mode == "aux" else pool.take(self.total)[:self.total]
+        buffer = None if self.role == Role.AUX else pool.take(self.total)[:self.total]
         snapshot = None if buffer is None else asyncio.ensure_future(run_in_thread(self._flatten, buffer))
         self.forming = True
         try:
@@ -230,7 +231,7 @@ class Averager:
             return
         record = {"version": self.round, "addrs": [str(a) for a in self.transport.addresses][:MAX_ADDRESSES]}
         try:
-            await self.peer.dht.astore(f"{self.prefix}.state", record, self.peer.dht.get_time() + STATE_RECORD_TTL,
+            await self.peer.dht.astore(f"{self.run_id}.state", record, self.peer.dht.get_time() + STATE_RECORD_TTL,
                                        subkey=str(self.transport.peer_id))
         except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
             logger.debug("could not announce state: %s", e)
@@ -244,7 +245,7 @@ class Averager:
     async def aload_state_from_peers(self, timeout: float | None = None) -> tuple[int, Any]:
         """The async twin of `load_state_from_peers`."""
         timeout = timeout or self.allreduce_timeout
-        found = await self.peer.dht.aget(f"{self.prefix}.state", latest=True)
+        found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
         donors = []
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
             try:
@@ -256,12 +257,12 @@ class Averager:
             if peer_id != self.transport.peer_id:
                 donors.append((-version, str(peer_id), peer_id))
         if not donors:
-            raise AveragingError(f"no peer offers the state of {self.prefix!r} yet")
+            raise AveragingError(f"no peer offers the state of {self.run_id!r} yet")
         # Straight into our tensors, chunk by chunk once verified: no second copy of the state.
         # A failed download leaves them partly overwritten, so meanwhile we offer them to nobody.
         with self.state_server.replacing() if self.state_server is not None else contextlib.nullcontext():
             version, metadata, _ = await download_state(
-                self.transport, [d[2] for d in sorted(donors)], self.prefix, timeout, into=self._tensors,
+                self.transport, [d[2] for d in sorted(donors)], self.run_id, timeout, into=self._tensors,
                 lock=self._lock)
             for state in self.powersgd or ():
                 state.reset()  # its residual belonged to the tensors just replaced

@@ -75,7 +75,7 @@ def _worker(args: argparse.Namespace) -> int:
         emit({"address": peer.addresses[0] if peer.addresses else None, "peer_id": peer.peer_id})
         opt = Optimizer(peer, "demo", model.parameters(), lambda p: torch.optim.Adam(p, LEARNING_RATE),
                         target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, mode=spec["mode"],
-                        averaging_mode="client" if spec["role"] == "client" else "node",
+                        role=potluck.Role.CLIENT if spec["role"] == "client" else potluck.Role.NODE,
                         local_steps=20, average_state_every=5, matchmaking_time=0.5, averaging_timeout=20.0)
         generator = torch.Generator().manual_seed(spec["seed"])
         loss_ema, samples, last = None, 0, 0.0

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from potluck.averaging.averager import Averager
+from potluck.averaging.role import Role
 from potluck.core import serialization
 from potluck.core.errors import AveragingError, SerializationError
 from potluck.core.runner import retrieve_exception, run_in_thread
@@ -112,9 +113,10 @@ class Optimizer(torch.optim.Optimizer):
         scheduler: a learning-rate scheduler over the wrapped optimizer, or a callable
             `optimizer -> scheduler`; stepped once per epoch.
         mode: "sync", "moshpit" or "diloco".
-        averaging_mode: "node", "client" (behind NAT) or "aux" (helps average, trains nothing;
-            the load split gives it a shard only where that shortens the round: with two
-            senders each sends and receives one vector whoever reduces, so it gets none).
+        role: a `potluck.Role` (or its value): NODE "node", CLIENT "client" (behind NAT) or AUX
+            "aux" (helps average, trains nothing; the load split gives it a shard only where that
+            shortens the round: with two senders each sends and receives one vector whoever
+            reduces, so it gets none).
         average_state_every: in sync mode, average parameters and statistics every k epochs.
         local_steps: moshpit/diloco: local steps between averaging rounds.
         outer_lr, outer_momentum: diloco's outer Nesterov step.
@@ -132,13 +134,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, peer: Any, run_id: str, params: Iterable[Any], optimizer: Any,
                  target_batch_size: int, batch_size_per_step: int, scheduler: Any = None, *,
-                 mode: str = "sync", averaging_mode: str = "node", average_state_every: int = 1,
+                 mode: str = "sync", role: Role | str = Role.NODE, average_state_every: int = 1,
                  local_steps: int = 10, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  grid: tuple[int, ...] | None = None, compression: Any = "none", matchmaking_time: float = 1.0,
                  averaging_timeout: float = 30.0, delay_updates: bool = False, load_state: bool = True,
                  load_state_timeout: float = 30.0, powersgd_rank: int | None = None, start: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        role = Role(role)
         if target_batch_size <= 0 or batch_size_per_step <= 0:
             raise ValueError("target_batch_size and batch_size_per_step must be positive")
         params = list(params)
@@ -153,7 +156,7 @@ class Optimizer(torch.optim.Optimizer):
         self.peer = peer
         self.run_id = run_id
         self.mode = mode
-        self.averaging_mode = averaging_mode
+        self.role = role
         self.target_batch_size = target_batch_size
         self.batch_size_per_step = batch_size_per_step
         self.average_state_every = average_state_every
@@ -181,13 +184,13 @@ class Optimizer(torch.optim.Optimizer):
         # DiLoCo's outer momentum is part of the state newcomers download and groups average:
         # members whose momentum differs would take different outer steps from one change.
         self._outer_momentum: list[torch.Tensor] = _zeros_like(self._params) if mode == "diloco" else []
-        common = dict(compression=compression, mode=averaging_mode, matchmaking_time=matchmaking_time,
+        common = dict(compression=compression, role=role, matchmaking_time=matchmaking_time,
                       allreduce_timeout=averaging_timeout, copy=False)
         # The parameters and statistics themselves: averaged in place, served to newcomers.
         self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
                                        grid=grid if mode == "moshpit" else None, **common)
         self.state_averager.state_metadata = {"epoch": 0}
-        client_mode = averaging_mode == "client" or peer.transport.client_mode
+        client_mode = role == Role.CLIENT or peer.transport.client_mode
         self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
         self._reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
         self._progress_task: asyncio.Future | None = None
@@ -335,7 +338,7 @@ class Optimizer(torch.optim.Optimizer):
         """Add the batch's `.grad` to the accumulator (in a worker thread); False if it is not finite."""
         grads = [p.grad for p in self._params]
         finite = _finite(grads)
-        if finite and self.averaging_mode != "aux":
+        if finite and self.role != Role.AUX:
             self._accumulate(grads)
         for p in self._params:
             p.grad = None
@@ -416,7 +419,7 @@ class Optimizer(torch.optim.Optimizer):
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
         gather = {"samples": samples, "sps": self.samples_per_second}
-        if self.averaging_mode == "aux":
+        if self.role == Role.AUX:
             gather["aux"] = True  # holds no averaged state: its digest says nothing
         elif self._averages_state_after(epoch):
             gather["state"] = await run_in_thread(self._state_digest)  # all alike: no state round needed

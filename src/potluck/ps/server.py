@@ -112,9 +112,9 @@ def split_by_size(sizes: Sequence[int], num_shards: int) -> list[int]:
     return assignment
 
 
-def method_name(name: str, shard: int, verb: str) -> str:
+def method_name(run_id: str, shard: int, verb: str) -> str:
     """The RPC method of one shard's server: several shards (and standbys) can share a peer."""
-    return f"ps.{name}.{shard}.{verb}"
+    return f"ps.{run_id}.{shard}.{verb}"
 
 
 @dataclass
@@ -129,7 +129,7 @@ class ParameterServer:
 
     Args:
         transport: a started transport (a Peer's `.transport`, or an emulated one).
-        name: the training run; several runs can share a peer.
+        run_id: the training run; several runs can share a peer.
         params: this shard's initial parameters (copied; the server owns its copy).
         optimizer: a callable `params -> torch.optim.Optimizer` (any optimizer).
         config: the mode and its limits.
@@ -141,13 +141,13 @@ class ParameterServer:
             them on the loop, which makes emulated runs under the virtual clock repeat exactly.
     """
 
-    def __init__(self, transport: Transport, name: str, params: Sequence[torch.Tensor],
+    def __init__(self, transport: Transport, run_id: str, params: Sequence[torch.Tensor],
                  optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  config: ServerConfig | None = None, *, shard: int = 0, replica: str | PeerID | None = None,
                  standby: str | None = None, offload: bool = True):
         self.transport = transport
         self.offload = offload
-        self.name = name
+        self.run_id = run_id
         self.shard = shard
         self.config = config or ServerConfig()
         self.params = [p.detach().clone().requires_grad_(True) for p in params]
@@ -168,12 +168,12 @@ class ParameterServer:
         self._changed = asyncio.Event()
         self._registered = asyncio.Event()
         for verb in ("register", "push", "pull", "replicate"):
-            transport.add_handler(method_name(name, shard, verb), self._serve(verb))
+            transport.add_handler(method_name(run_id, shard, verb), self._serve(verb))
 
     def shutdown(self) -> None:
         """Stop serving (pending calls end with the connection or their deadline)."""
         for verb in ("register", "push", "pull", "replicate"):
-            self.transport.remove_handler(method_name(self.name, self.shard, verb))
+            self.transport.remove_handler(method_name(self.run_id, self.shard, verb))
 
     def _serve(self, verb: str) -> Callable[[Any, CallContext], Any]:
         async def handler(request: Any, ctx: CallContext) -> Any:
@@ -207,7 +207,7 @@ class ParameterServer:
                     await self._registered.wait()
             except TimeoutError:
                 self._registered.set()  # start with whoever is here
-                logger.info("ps %s/%d: starting with %d of %d workers", self.name, self.shard,
+                logger.info("ps %s/%d: starting with %d of %d workers", self.run_id, self.shard,
                             len(self.workers), self.config.num_workers)
             async with self._lock:
                 return self._reply()
@@ -310,11 +310,11 @@ class ParameterServer:
         request = {"step": self.step, "params": [p.detach().clone() for p in self.params],
                    "workers": list(self.workers)}
         try:
-            await self.transport.call(self.replica, method_name(self.name, self.shard, "replicate"), request,
+            await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"), request,
                                       timeout=REPLICATE_TIMEOUT)
         except NetworkError as e:
             logger.warning("ps %s/%d: standby %s unavailable (%s); going on without a replica",
-                           self.name, self.shard, self.replica, e)
+                           self.run_id, self.shard, self.replica, e)
             self.replica = None
 
     def _activate(self) -> None:
@@ -326,7 +326,7 @@ class ParameterServer:
         for w in self._replica_workers:
             self.workers.setdefault(w, _WorkerState(now))
         self._registered.set()
-        logger.warning("ps %s/%d: standby takes over at step %d with %d workers", self.name, self.shard,
+        logger.warning("ps %s/%d: standby takes over at step %d with %d workers", self.run_id, self.shard,
                        self.step, len(self.workers))
 
     # -- membership and waiting ---------------------------------------------------------------------
@@ -359,7 +359,7 @@ class ParameterServer:
                 del self.workers[worker]
                 self._round.pop(worker, None)
                 self.dropped_workers.append(worker)
-                logger.warning("ps %s/%d: worker %s silent for %.1f s; dropped", self.name, self.shard,
+                logger.warning("ps %s/%d: worker %s silent for %.1f s; dropped", self.run_id, self.shard,
                                worker, now - state.last_seen)
                 self._notify()
 

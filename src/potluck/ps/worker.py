@@ -41,21 +41,21 @@ class ShardServerLost(PotluckError):
 
 
 class PSClient:
-    """One worker's link to the parameter servers of run `name` (async; see the module docstring).
+    """One worker's link to the parameter servers of run `run_id` (async; see the module docstring).
 
     Args:
         transport: the worker's started transport.
-        name: the training run.
+        run_id: the training run.
         layout: which server holds which parameters (`ShardLayout`).
         params: the model's parameters; replies are copied into them.
         addresses: where to dial the servers: {peer id: [address, ...]} (optional if known).
         timeout: deadline of one push or registration, in seconds.
     """
 
-    def __init__(self, transport: Transport, name: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+    def __init__(self, transport: Transport, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
                  addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
         self.transport = transport
-        self.name = name
+        self.run_id = run_id
         self.layout = layout
         self.params = list(params)
         if len(self.params) != len(layout.assignment):
@@ -94,17 +94,17 @@ class PSClient:
                 peer = PeerID.from_string(server)
                 if peer == self.transport.peer_id:  # this worker serves the shard itself (loopback)
                     request = _copied(request)
-                reply = await self.transport.call(peer, method_name(self.name, shard, verb), request,
+                reply = await self.transport.call(peer, method_name(self.run_id, shard, verb), request,
                                                   timeout=self.timeout)
                 break
             except _SERVER_GONE as e:
                 if self._server[shard] + 1 >= len(servers):
                     raise ShardServerLost(
-                        f"the server of shard {shard} of run {self.name!r} ({server}) is unreachable: {e}; "
+                        f"the server of shard {shard} of run {self.run_id!r} ({server}) is unreachable: {e}; "
                         "training cannot go on without its parameters (the decentralized form keeps a "
                         "standby copy of every shard)") from e
                 self._server[shard] += 1
-                logger.warning("ps %s: shard %d server %s lost (%s); turning to standby %s", self.name, shard,
+                logger.warning("ps %s: shard %d server %s lost (%s); turning to standby %s", self.run_id, shard,
                                server, e, servers[self._server[shard]])
         self._load(shard, reply)
 
@@ -133,10 +133,10 @@ def _copied(request: Any) -> Any:
 class PSWorker:
     """Synchronous facade of `PSClient` for a `potluck.Peer` (see the module docstring)."""
 
-    def __init__(self, peer: Any, name: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+    def __init__(self, peer: Any, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
                  addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
         self.peer = peer
-        self.client = PSClient(peer.transport, name, layout, params, addresses, timeout)
+        self.client = PSClient(peer.transport, run_id, layout, params, addresses, timeout)
 
     def register(self) -> None:
         self.peer.run(self.client.aregister(), self.client.timeout + 5)
@@ -148,7 +148,7 @@ class PSWorker:
         self.peer.run(self.client.apull(), self.client.timeout + 5)
 
 
-def start_parameter_servers(transports: Sequence[Transport], name: str, params: Sequence[torch.Tensor],
+def start_parameter_servers(transports: Sequence[Transport], run_id: str, params: Sequence[torch.Tensor],
                             optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                             config: ServerConfig | None = None, *, decentralized: bool = False,
                             offload: bool = True) -> tuple[list[ParameterServer], ShardLayout, dict[str, list[str]]]:
@@ -166,10 +166,10 @@ def start_parameter_servers(transports: Sequence[Transport], name: str, params: 
     for k, transport in enumerate(transports):
         mine = [params[i] for i, s in enumerate(assignment) if s == k]
         standby = transports[(k + 1) % n] if decentralized and n > 1 else None
-        servers.append(ParameterServer(transport, name, mine, optimizer, config, shard=k,
+        servers.append(ParameterServer(transport, run_id, mine, optimizer, config, shard=k,
                                        replica=standby.peer_id if standby else None, offload=offload))
         if standby is not None:
-            servers.append(ParameterServer(standby, name, mine, optimizer, config, shard=k,
+            servers.append(ParameterServer(standby, run_id, mine, optimizer, config, shard=k,
                                            standby=str(transport.peer_id),
                                            offload=offload))
         shard_servers.append((str(transport.peer_id),) + ((str(standby.peer_id),) if standby else ()))
