@@ -10,6 +10,7 @@ import torch
 
 import potluck
 from potluck.cli.tasks import accuracy, load_data, make_model
+from potluck.core.runner import run_in_thread
 from potluck.optim import Optimizer
 from potluck.optim.optimizer import MAX_ROUND_ATTEMPTS
 
@@ -454,6 +455,27 @@ def test_epochs_hold_between_one_and_one_and_a_quarter_global_batches(swarm):
         counts.append(agreed.pop())
     assert min(counts) >= target, counts
     assert sorted(counts)[len(counts) // 2] <= 1.25 * target, counts
+
+
+@pytest.mark.timeout(60)
+def test_state_digest_is_hashed_after_the_step_and_hashed_again_after_a_write(swarm):
+    """The digest a gradient round carries is hashed right after the last step, while the next
+    batches accumulate; a write to the state since (a download, a loaded checkpoint, a state
+    round) makes it stale, and it is hashed again."""
+    (member,) = swarm(1, "digest")
+    opt, hashed = member.opt, []
+    original = opt._state_digest
+    opt._state_digest = lambda: hashed.append(1) or original()
+
+    async def check() -> None:
+        opt._prepare_digest()  # as after a step
+        first = await opt._digest_now()
+        assert len(hashed) == 1  # the prepared one
+        opt._prepare_digest()
+        await run_in_thread(opt._load_inner, opt.inner.state_dict())  # a write (same values)
+        assert await opt._digest_now() == first
+        assert len(hashed) == 3  # the stale one was not used
+    member.peer.run(check(), 30)
 
 
 @pytest.mark.timeout(240)
