@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 import torch
 
-from potluck.averaging.allreduce import AllReduceService, Group
+from potluck.averaging.allreduce import AllReduceService, Group, MemberState, Outcome, PartRequest
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.compression import get_codec
-from potluck.core.errors import AveragingError
+from potluck.core.errors import AveragingError, MalformedMessage
 from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
+from potluck.net.identity import Identity
 
 
 class PlainCodec:
@@ -319,3 +321,25 @@ def test_member_sending_oversized_chunks_is_excluded():
         # its shard to a survivor; the liar itself may still end with the same result.
         check_survivors_identical(results, [0, 1, 3], weighted_mean(vectors, [1.0] * 4, [0, 1, 3]))
     run_virtual(main())
+
+
+def test_part_request_and_member_state_refuse_malformed_fields_by_name():
+    """Typed messages validate at parse time and name the field that was wrong."""
+    transports = [types.SimpleNamespace(peer_id=Identity.generate().peer_id) for _ in range(3)]
+    group = make_group(transports, ["node"] * 3, 30)
+    good = PartRequest(b"g" * 32, 1, 2, 0.5, False)
+    assert PartRequest.from_wire(good.to_wire()) == good
+    for key, value, field in (("g", "x", "'g'"), ("g", b"g" * 65, "'g'"), ("w", float("nan"), "'w'"),
+                              ("w", -1.0, "'w'"), ("x", 1, "'x'"), ("j", -1, "'j'"), ("s", True, "'s'")):
+        with pytest.raises(MalformedMessage, match=field) as caught:
+            PartRequest.from_wire({**good.to_wire(), key: value})
+        assert caught.value.field
+    state = MemberState(1, (2,), {0: (0, 1)}, (0,), 3, Outcome(3, (0, 1), {0: 0, 1: 1, 2: 2}))
+    assert MemberState.from_wire(state.to_wire(), group) == state
+    for key, value, field in (("m", 3, "'m'"), ("dead", [0] * 4, "'dead'"), ("dead", [7], "'dead'"),
+                              ("rep", [[0, [9]]], "'rep'"), ("rep", [[0]], "'rep'"), ("final", "0", "'final'"),
+                              ("v", -1, "'v'"), ("fail", "x" * 1001, "'fail'"), ("o", {"v": 1}, "'o'")):
+        with pytest.raises(MalformedMessage, match=field):
+            MemberState.from_wire({**state.to_wire(), key: value}, group)
+    with pytest.raises(MalformedMessage, match="not a map"):
+        MemberState.from_wire([1, 2], group)

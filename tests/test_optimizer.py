@@ -302,7 +302,8 @@ def record_reduced_shards(member: Member) -> list[tuple]:
         result = await original(group, *args, **kwargs)
         me = group.peers.index(member.peer.transport.peer_id)
         left = service.finished[group.group_id]  # what this member knew when the round ended
-        complete = dict((j, c) for j, c in left.state["rep"]).get(me)
+        complete = left.state.reports.get(me)
+        complete = None if complete is None else list(complete)
         senders = [i for i, mode in enumerate(group.modes) if mode != "aux"]
         served.append((group.modes[me], group.part_sizes[me], group.total, left.outcome.assignment.get(me) == me,
                        complete, senders, left.outcome.committed))

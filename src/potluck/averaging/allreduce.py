@@ -31,7 +31,7 @@ import torch
 from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
 from potluck.core import compat
-from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError, RemoteError
+from potluck.core.errors import AveragingError, EndOfStream, MalformedMessage, NetworkError, PotluckError, RemoteError
 from potluck.core.runner import retrieve_exception
 from potluck.core.tensors import all_finite
 from potluck.net.connection import Stream
@@ -141,6 +141,103 @@ class Outcome:
             return out
         except (KeyError, TypeError, ValueError) as e:
             raise AveragingError(f"malformed averaging decision: {e}") from None
+
+
+# Longest group id accepted from a peer (ours are 32-byte digests).
+MAX_GROUP_ID_BYTES = 64
+# Longest failure reason carried in a member's state (it is logged and passed on, never parsed).
+MAX_REASON_CHARS = 1000
+
+
+def _int_field(msg: dict, key: str, what: str, low: int, high: int) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
+        raise MalformedMessage(what, f"{key!r} must be an integer in [{low}, {high})")
+    return value
+
+
+def _index_list(msg: dict, key: str, what: str, n: int) -> list[int]:
+    values = msg.get(key)
+    if not isinstance(values, list) or len(values) > n:
+        raise MalformedMessage(what, f"{key!r} must be a list of at most {n} member indices")
+    return [_int_field({key: v}, key, what, 0, n) for v in values]
+
+
+@dataclass(frozen=True)
+class PartRequest:
+    """Opens a sender's stream of one shard's piece to its reducer."""
+
+    group_id: bytes
+    shard: int
+    sender: int
+    weight: float
+    abstain: bool
+
+    def to_wire(self) -> dict:
+        return {"g": self.group_id, "j": self.shard, "s": self.sender, "w": self.weight, "x": self.abstain}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> PartRequest:
+        """Types and ranges that do not depend on the group (the handler checks the rest)."""
+        if not isinstance(msg, dict):
+            raise MalformedMessage("part request", "not a map")
+        group_id, weight, abstain = msg.get("g"), msg.get("w"), msg.get("x")
+        if not isinstance(group_id, bytes) or len(group_id) > MAX_GROUP_ID_BYTES:
+            raise MalformedMessage("part request", f"'g' must be at most {MAX_GROUP_ID_BYTES} bytes")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) \
+                or weight < 0:
+            raise MalformedMessage("part request", "'w' must be a finite non-negative number")
+        if not isinstance(abstain, bool):
+            raise MalformedMessage("part request", "'x' must be a boolean")
+        big = 2**31
+        return cls(group_id, _int_field(msg, "j", "part request", 0, big), _int_field(msg, "s", "part request", 0, big),
+                   float(weight), abstain)
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """Where one member stands in a step, for the coordinator: its index, the members it found
+    dead, its reducers' reports (shard -> senders complete), the shards it has final results of,
+    the outcome version it last saw and that outcome, and why a repair failed (if it did)."""
+
+    member: int
+    dead: tuple[int, ...]
+    reports: dict[int, tuple[int, ...]]
+    final: tuple[int, ...]
+    version: int
+    outcome: Outcome
+    failure: str | None = None
+
+    def to_wire(self) -> dict:
+        return {"m": self.member, "dead": list(self.dead),
+                "rep": [[j, list(c)] for j, c in sorted(self.reports.items())],
+                "final": list(self.final), "v": self.version, "o": self.outcome.to_wire(), "fail": self.failure}
+
+    @classmethod
+    def from_wire(cls, msg: Any, group: Group) -> MemberState:
+        """Validate a member's state message (it comes from the network) against `group`."""
+        what, n = "member state", len(group.peers)
+        if not isinstance(msg, dict):
+            raise MalformedMessage(what, "not a map")
+        reports = msg.get("rep")
+        if not isinstance(reports, list) or len(reports) > n:
+            raise MalformedMessage(what, f"'rep' must be a list of at most {n} [shard, senders] pairs")
+        parsed: dict[int, tuple[int, ...]] = {}
+        for pair in reports:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise MalformedMessage(what, "'rep' entries must be [shard, senders]")
+            shard = _int_field({"rep": pair[0]}, "rep", what, 0, n)
+            parsed[shard] = tuple(_index_list({"rep": pair[1]}, "rep", what, n))
+        failure = msg.get("fail")
+        if failure is not None and not (isinstance(failure, str) and len(failure) <= MAX_REASON_CHARS):
+            raise MalformedMessage(what, f"'fail' must be a reason of at most {MAX_REASON_CHARS} characters")
+        try:
+            outcome = Outcome.from_wire(msg.get("o"), group)
+        except AveragingError as e:
+            raise MalformedMessage(what, f"'o': {e}") from None
+        return cls(_int_field(msg, "m", what, 0, n), tuple(_index_list(msg, "dead", what, n)), parsed,
+                   tuple(_index_list(msg, "final", what, n)), _int_field(msg, "v", what, 0, 2**62), outcome,
+                   failure)
 
 
 @dataclass
@@ -653,7 +750,7 @@ class AllReduceRun:
         start, end = self.group.bounds(shard)
         in_set = self.outcome.version == 0 or self.me in self.outcome.senders
         abstain = self.abstain or not in_set
-        request = {"g": self.group.group_id, "j": shard, "s": self.me, "w": self.weight, "x": abstain}
+        request = PartRequest(self.group.group_id, shard, self.me, self.weight, abstain)
         try:
             channel = await self.service.open(self, reducer, request)
             sender = self.spawn(self._send_piece(channel, start, end, abstain))
@@ -720,11 +817,10 @@ class AllReduceRun:
         self.state_changed.set()
         self.coordinator.poke()
 
-    def state(self) -> dict:
+    def state(self) -> MemberState:
         """What I know, for the coordinator."""
-        return {"m": self.me, "dead": sorted(self.dead), "rep": [[j, c] for j, c in self.reports.items()],
-                "final": sorted(self.final), "v": self.outcome.version, "o": self.outcome.to_wire(),
-                "fail": self.repair_failed}
+        return MemberState(self.me, tuple(sorted(self.dead)), {j: tuple(c) for j, c in self.reports.items()},
+                           tuple(sorted(self.final)), self.outcome.version, self.outcome, self.repair_failed)
 
     async def _follow_outcomes(self) -> None:
         """Send my state to the coordinator and apply its decisions until commit or abort."""
@@ -809,7 +905,7 @@ class Coordinator:
     def __init__(self, run: AllReduceRun):
         self.run = weakref.proxy(run)
         self.active = False
-        self.states: dict[int, dict] = {}
+        self.states: dict[int, MemberState] = {}
         self.outcome = Outcome(assignment=dict(run.outcome.assignment))
         self.repairs = 0
         self.newer = asyncio.Event()
@@ -855,24 +951,23 @@ class Coordinator:
             await self.newer.wait()
         return self.outcome
 
-    def update(self, state: dict) -> None:
+    def update(self, state: MemberState) -> None:
         """Merge a member's state and decide what can be decided."""
-        member = state["m"]
-        self.states[member] = state
-        for d in state["dead"]:  # trust reported deaths: everyone must converge on one coordinator
+        self.states[state.member] = state
+        for d in state.dead:  # trust reported deaths: everyone must converge on one coordinator
             if d != self.run.me:
                 self.run.dead.add(d)
         self.maybe_take_over()
         if not self.active:
             return
-        adopted = Outcome.from_wire(state["o"], self.run.group)
+        adopted = state.outcome
         if adopted.committed and not self.outcome.committed:
             self._publish(adopted)
             return
         if adopted.version > self.outcome.version:
             self.outcome = adopted
-        if state.get("fail"):
-            self._publish(Outcome(self.outcome.version + 1, aborted=state["fail"]))
+        if state.failure:
+            self._publish(Outcome(self.outcome.version + 1, aborted=state.failure))
             return
         self._decide()
 
@@ -885,7 +980,7 @@ class Coordinator:
             self._decide()
 
     def _reported(self, shard: int) -> bool:
-        return any(shard in dict(s["rep"]) for s in self.states.values())
+        return any(shard in s.reports for s in self.states.values())
 
     def _decide(self) -> None:
         out = self.outcome
@@ -901,7 +996,7 @@ class Coordinator:
                 return
             complete: set[int] | None = None
             for s in self.states.values():
-                for j, c in s["rep"]:
+                for j, c in s.reports.items():
                     if out.assignment.get(j) not in dead:
                         complete = set(c) if complete is None else complete & set(c)
             senders = tuple(sorted((complete or set()) - dead))
@@ -913,7 +1008,7 @@ class Coordinator:
         # After a decision: commit once every live receiver holds every shard.
         receivers = [i for i in self.run.group.receivers if i not in dead]
         shards = set(out.assignment)
-        holding = [i for i in receivers if i in self.states and set(self.states[i]["final"]) >= shards]
+        holding = [i for i in receivers if i in self.states and set(self.states[i].final) >= shards]
         if len(holding) == len(receivers):
             self._publish(Outcome(out.version, out.senders, out.assignment, committed=True))
             return
@@ -958,7 +1053,7 @@ class _Tombstone:
 
     group: Group
     outcome: Outcome
-    state: dict
+    state: MemberState
 
 
 class AllReduceService:
@@ -1037,37 +1132,33 @@ class AllReduceService:
             raise AveragingError("caller is not the group member it claims to be")
         return claimed
 
-    async def open(self, run: AllReduceRun, reducer: int, request: dict) -> Stream:
+    async def open(self, run: AllReduceRun, reducer: int, request: PartRequest) -> Stream:
         """A stream to `reducer`'s part handler; to this member itself, through the loopback."""
         left = max(0.1, run.deadline - asyncio.get_running_loop().time())
-        return await self.transport.open_stream(run.group.peers[reducer], METHOD_PART, request, timeout=left)
+        return await self.transport.open_stream(run.group.peers[reducer], METHOD_PART, request.to_wire(),
+                                                timeout=left)
 
     async def _on_part(self, stream: Any, ctx: Any) -> None:
-        req = stream.request
-        if not isinstance(req, dict):
-            raise AveragingError("malformed part request")
-        run = await self._find(req.get("g"))
+        request = PartRequest.from_wire(stream.request)
+        run = await self._find(request.group_id)
         if isinstance(run, _Tombstone):
             raise AveragingError("this averaging step is over here")
-        sender = self._member(run, ctx.peer_id, req.get("s"))
-        shard, weight, abstain = req.get("j"), req.get("w"), req.get("x")
-        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise AveragingError("weight must be a finite non-negative number")
-        reducer = await run.reducer(shard)
-        await reducer.serve(sender, float(weight), bool(abstain), stream)
+        sender = self._member(run, ctx.peer_id, request.sender)
+        reducer = await run.reducer(request.shard)
+        await reducer.serve(sender, request.weight, request.abstain, stream)
 
     async def sync(self, run: AllReduceRun, coordinator: int) -> Outcome:
         left = max(0.1, run.deadline - asyncio.get_running_loop().time())
         reply = await self.transport.call(run.group.peers[coordinator], METHOD_WAIT,
-                                          {"g": run.group.group_id, "st": run.state()}, timeout=left)
+                                          {"g": run.group.group_id, "st": run.state().to_wire()}, timeout=left)
         return Outcome.from_wire(reply, run.group)
 
     async def _on_wait(self, request: Any, ctx: Any) -> dict:
-        if not isinstance(request, dict) or not isinstance(request.get("st"), dict):
-            raise AveragingError("malformed sync request")
+        if not isinstance(request, dict):
+            raise MalformedMessage("sync request", "not a map")
         run = await self._find(request.get("g"))
-        state = _check_state(request["st"], run.group)
-        self._member(run, ctx.peer_id, state["m"])
+        state = MemberState.from_wire(request.get("st"), run.group)
+        self._member(run, ctx.peer_id, state.member)
         if isinstance(run, _Tombstone):
             if not (run.outcome.committed or run.outcome.aborted):
                 raise AveragingError("this member has left the step")
@@ -1076,35 +1167,19 @@ class AllReduceService:
         coordinator.update(state)
         if not coordinator.active:
             raise AveragingError("not the coordinator")
-        outcome = await coordinator.wait_newer(state["v"])
+        outcome = await coordinator.wait_newer(state.version)
         return outcome.to_wire()
 
-    async def query(self, run: AllReduceRun, member: int) -> dict | None:
+    async def query(self, run: AllReduceRun, member: int) -> MemberState | None:
         reply = await self.transport.call(run.group.peers[member], METHOD_QUERY, run.group.group_id, timeout=5.0)
-        return _check_state(reply, run.group) if reply is not None else None
+        return MemberState.from_wire(reply, run.group) if reply is not None else None
 
     async def _on_query(self, request: Any, ctx: Any) -> dict | None:
         if not isinstance(request, bytes):
             return None
         run = self.runs.get(request)
         if run is not None:
-            return run.state()
+            return run.state().to_wire()
         tombstone = self.finished.get(request)
-        return None if tombstone is None else tombstone.state
-
-
-def _check_state(state: Any, group: Group) -> dict:
-    """Validate a member's state message (it comes from the network)."""
-    n = len(group.peers)
-    try:
-        out = {"m": int(state["m"]), "dead": [int(d) for d in state["dead"]],
-               "rep": [[int(j), [int(s) for s in c]] for j, c in state["rep"]],
-               "final": [int(j) for j in state["final"]], "v": int(state["v"]), "o": state["o"],
-               "fail": None if state.get("fail") is None else str(state["fail"])}
-        Outcome.from_wire(out["o"], group)
-        if not 0 <= out["m"] < n or any(not 0 <= i < n for i in out["dead"] + out["final"]):
-            raise ValueError("member index out of range")
-        return out
-    except (KeyError, TypeError, ValueError) as e:
-        raise AveragingError(f"malformed member state: {e}") from None
+        return None if tombstone is None else tombstone.state.to_wire()
 

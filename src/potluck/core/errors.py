@@ -29,6 +29,14 @@ class ProtocolError(NetworkError):
     """The remote side broke the wire protocol (garbage, truncated or oversized frames)."""
 
 
+class MalformedMessage(ProtocolError):
+    """A peer's message failed validation at parse time; `field` names the part that was wrong."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(f"malformed {message}" + (f": {field}" if field else ""))
+        self.field = field
+
+
 class HandshakeError(NetworkError):
     """The remote side could not prove the peer id we dialed, or refused ours."""
 
