@@ -8,7 +8,16 @@ import types
 import pytest
 import torch
 
-from potluck.averaging.allreduce import AllReduceService, Group, MemberState, Outcome, PartRequest
+from potluck.averaging.allreduce import (
+    AllReduceService,
+    Group,
+    MemberState,
+    Outcome,
+    PartRequest,
+    ResultChunk,
+    ResultFinal,
+    parse_result,
+)
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.compression import get_codec
 from potluck.core.errors import AveragingError, MalformedMessage
@@ -343,3 +352,12 @@ def test_part_request_and_member_state_refuse_malformed_fields_by_name():
             MemberState.from_wire({**state.to_wire(), key: value}, group)
     with pytest.raises(MalformedMessage, match="not a map"):
         MemberState.from_wire([1, 2], group)
+
+
+def test_result_messages_refuse_chunks_outside_the_shard_and_bad_finals():
+    assert parse_result(ResultChunk(2, {"x": 1}).to_wire(), 3, 4) == ResultChunk(2, {"x": 1})
+    assert parse_result(ResultFinal((0, 2), 5).to_wire(), 3, 4) == ResultFinal((0, 2), 5)
+    for bad, field in (({"c": 3, "d": {}}, "'c'"), ({"c": -1, "d": {}}, "'c'"), ({"c": 0}, "'d'"),
+                       ({"final": [4], "v": 1}, "'final'"), ({"final": [], "v": "1"}, "'v'"), ([0], "not a map")):
+        with pytest.raises(MalformedMessage, match=field):
+            parse_result(bad, 3, 4)

@@ -195,6 +195,41 @@ class PartRequest:
 
 
 @dataclass(frozen=True)
+class ResultChunk:
+    """A reducer's averaged chunk `chunk` of the shard, encoded by the group's codec."""
+
+    chunk: int
+    payload: Any
+
+    def to_wire(self) -> dict:
+        return {"c": self.chunk, "d": self.payload}
+
+
+@dataclass(frozen=True)
+class ResultFinal:
+    """The reducer's last message: the senders the shard averages, under outcome `version`."""
+
+    senders: tuple[int, ...]
+    version: int
+
+    def to_wire(self) -> dict:
+        return {"final": list(self.senders), "v": self.version}
+
+
+def parse_result(msg: Any, chunks: int, members: int) -> ResultChunk | ResultFinal:
+    """A message on a sender's result stream, checked against the shard's `chunks` and the
+    group's `members`; the payload is checked when decoded."""
+    what = "result"
+    if not isinstance(msg, dict):
+        raise MalformedMessage(what, "not a map")
+    if "final" in msg:
+        return ResultFinal(tuple(_index_list(msg, "final", what, members)), _int_field(msg, "v", what, 0, 2**62))
+    if "d" not in msg:
+        raise MalformedMessage(what, "'d' is missing")
+    return ResultChunk(_int_field(msg, "c", what, 0, chunks), msg["d"])
+
+
+@dataclass(frozen=True)
 class MemberState:
     """Where one member stands in a step, for the coordinator: its index, the members it found
     dead, its reducers' reports (shard -> senders complete), the shards it has final results of,
@@ -499,9 +534,9 @@ class ShardReducer:
         outbox: asyncio.Queue = asyncio.Queue()
         self.outboxes[sender] = outbox
         for c in sorted(self.results):  # a late receiver gets what was already reduced
-            outbox.put_nowait({"c": c, "d": _encode(self.codec, self.results[c])})
+            outbox.put_nowait(ResultChunk(c, _encode(self.codec, self.results[c])))
         if self.final_senders is not None:
-            outbox.put_nowait({"final": list(self.final_senders), "v": self.final_version})
+            outbox.put_nowait(ResultFinal(self.final_senders, self.final_version))
         writer = asyncio.ensure_future(self._write(outbox, channel))
         self._serving[sender] = (channel, writer)
         try:
@@ -555,8 +590,8 @@ class ShardReducer:
         try:
             while True:
                 msg = await outbox.get()
-                await self.stats.send(channel, msg)
-                if "final" in msg:
+                await self.stats.send(channel, msg.to_wire())
+                if isinstance(msg, ResultFinal):
                     await channel.close()
                     return True
         except (NetworkError, PotluckError):
@@ -583,7 +618,7 @@ class ShardReducer:
         _weighted_chunk(self.pieces, self.weights, live, c, result, self.scratch)
         self.reduced_with[c] = live
         self.results[c] = result
-        payload = {"c": c, "d": _encode(self.codec, result)}
+        payload = ResultChunk(c, _encode(self.codec, result))
         for box in self.outboxes.values():
             box.put_nowait(payload)
 
@@ -612,12 +647,12 @@ class ShardReducer:
                 self.results[c] = self.reduced[lo:hi]
                 _weighted_chunk(self.pieces, self.weights, senders, c, self.results[c], self.scratch)
                 self.reduced_with[c] = senders
-                payload = {"c": c, "d": _encode(self.codec, self.results[c])}
+                payload = ResultChunk(c, _encode(self.codec, self.results[c]))
                 for box in self.outboxes.values():
                     box.put_nowait(payload)
         self.final_senders, self.final_version = senders, version
         for box in self.outboxes.values():
-            box.put_nowait({"final": list(senders), "v": version})
+            box.put_nowait(ResultFinal(senders, version))
         self._stop_timer()
 
 
@@ -756,21 +791,20 @@ class AllReduceRun:
             sender = self.spawn(self._send_piece(channel, start, end, abstain))
             last = None  # when the previous result chunk arrived (for our download estimate)
             try:
-                async for msg in channel:
-                    if "final" in msg:
+                chunks = max(1, math.ceil((end - start) / self.chunk))
+                async for raw in channel:
+                    msg = parse_result(raw, chunks, len(self.group.peers))
+                    if isinstance(msg, ResultFinal):
                         self.final.add(shard)
                         self._changed()
                         break
-                    c = int(msg["c"])
-                    lo = start + c * self.chunk
+                    lo = start + msg.chunk * self.chunk
                     hi = min(end, lo + self.chunk)
-                    if not lo < hi <= end:
-                        raise AveragingError("reducer sent a chunk outside its shard")
-                    self.result[lo:hi] = _decode(self.codec, msg["d"], hi - lo)
+                    self.result[lo:hi] = _decode(self.codec, msg.payload, hi - lo)
                     last = self.stats.received(channel, last, 4 * (hi - lo))
             finally:
                 sender.cancel()
-        except (NetworkError, PotluckError, KeyError, TypeError, ValueError) as e:
+        except (NetworkError, PotluckError) as e:
             # Unreachable or sending malformed results: either way the shard must move elsewhere.
             logger.debug("exchange of shard %d with member %d failed: %s", shard, reducer, e)
             self.mark_dead(reducer)
