@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from potluck.averaging.allreduce import MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.core import compat
-from potluck.core.errors import AveragingError, NetworkError, PotluckError, detached
+from potluck.core.errors import AveragingError, MalformedMessage, NetworkError, PotluckError, detached
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 
@@ -59,6 +60,8 @@ REJOIN_WAIT = 5.0
 # A returning member asks to be held for this part of its window; a leader that has not started
 # gathering by then is late or gone, and the member uses the DHT in the rest of the window.
 REJOIN_FRACTION = 0.5
+# Longest group key a join request may name (ours are a prefix, an epoch and a grid cell).
+MAX_KEY_CHARS = 512
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,69 @@ class FormedGroup:
     addresses: tuple[tuple[str, ...], ...]  # how to reach each member (empty for client mode)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A peer in a gathering: who, in which role, its bandwidths (bytes/s, for the load split),
+    what it shares with the group, and how to reach it."""
+
+    peer_id: PeerID
+    role: str
+    upload: float
+    download: float
+    metadata: Any
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Asks a leader to take us into its gathering under `key` (`again`: a member of its last
+    group rejoining, and how long it may be held before the leader gathers)."""
+
+    key: str
+    schema: str
+    role: str
+    upload: float
+    download: float
+    metadata: Any = None
+    again: float | None = None
+
+    def to_wire(self) -> dict:
+        wire = {"key": self.key, "schema": self.schema, "mode": self.role, "bw": [self.upload, self.download],
+                "meta": self.metadata}
+        if self.again is not None:
+            wire["again"] = self.again
+        return wire
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> JoinRequest:
+        what = "join request"
+        if not isinstance(msg, dict):
+            raise MalformedMessage(what, "not a map")
+        key, schema, role = msg.get("key"), msg.get("schema"), msg.get("mode")
+        bw, again = msg.get("bw"), msg.get("again")
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise MalformedMessage(what, f"'key' must be a string of at most {MAX_KEY_CHARS} characters")
+        if not isinstance(schema, str):
+            raise MalformedMessage(what, "'schema' must be a string")
+        if role not in MODES:
+            raise MalformedMessage(what, f"'mode' must be one of {list(MODES)}")
+        if not (isinstance(bw, list) and len(bw) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < math.inf for b in bw)):
+            raise MalformedMessage(what, "'bw' must be [upload, download], positive finite numbers")
+        if again is not None and not (isinstance(again, (int, float)) and not isinstance(again, bool)
+                                      and 0 <= again < math.inf):
+            raise MalformedMessage(what, "'again' must be a non-negative number of seconds")
+        return cls(key, schema, role, float(bw[0]), float(bw[1]), msg.get("meta"),
+                   None if again is None else float(again))
+
+
 @dataclass
 class _Gathering:
     key: str
     schema: str
     target: int
     closes_at: float
-    members: list[tuple[PeerID, str, tuple[float, float], Any, tuple[str, ...]]] = field(default_factory=list)
+    members: list[Candidate] = field(default_factory=list)
     # The group formed, or why none was: a result, never an exception (raised from a future,
     # a stored error would tie its traceback's frames, which hold this gathering, to it: a cycle).
     done: asyncio.Future[FormedGroup | str] = field(
@@ -152,7 +211,8 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         addresses = tuple(str(a) for a in self.transport.addresses)
-        me = (self.transport.peer_id, "client" if self.client else self.mode, bandwidth, metadata, addresses)
+        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, bandwidth[0], bandwidth[1],
+                       metadata, addresses)
         leader = self.leader if self.leader != self.transport.peer_id else None
         if leader is not None:
             await _settle(0.0, ready)  # our own check first: a failing peer must not join
@@ -299,13 +359,12 @@ class Matchmaker:
             candidates.append((order, peer))
         return [peer for _, peer in sorted(candidates, key=lambda c: c[0])]
 
-    async def _join(self, leader: PeerID, group_key: str, me: tuple, give_up: float,
+    async def _join(self, leader: PeerID, group_key: str, me: Candidate, give_up: float,
                     tried: set[PeerID], rejoin_wait: float | None = None) -> FormedGroup | None:
         """Ask `leader` to take us; None if it refused (the caller tries another). A full group
         names its members, so we skip all of them at once."""
-        request = {"key": group_key, "schema": self.schema, "mode": me[1], "bw": list(me[2]), "meta": me[3]}
-        if rejoin_wait is not None:
-            request["again"] = rejoin_wait  # how long the leader may hold us before it gathers
+        request = JoinRequest(group_key, self.schema, me.role, me.upload, me.download, me.metadata,
+                              again=rejoin_wait).to_wire()
         loop = asyncio.get_running_loop()
         try:
             reply = await self.transport.call(leader, f"{METHOD_JOIN}.{self.prefix}", request,
@@ -328,27 +387,19 @@ class Matchmaker:
         return None
 
     async def _on_join(self, request: Any, ctx: Any) -> dict:
-        if not isinstance(request, dict) or not isinstance(request.get("key"), str):
-            raise AveragingError("malformed join request")
-        again = request.get("again")
-        if again is not None and not (isinstance(again, (int, float)) and again >= 0):
-            raise AveragingError("malformed join request: again")
-        if again is not None and ctx.peer_id not in self._last_members:
+        join = JoinRequest.from_wire(request)
+        if join.again is not None and ctx.peer_id not in self._last_members:
             return {"refused": "not a member of our last group"}
-        gathering = self._gatherings.get(request["key"]) if again is None else \
-            await self._gathering_for(request["key"], min(float(again), REJOIN_WAIT))
+        gathering = self._gatherings.get(join.key) if join.again is None else \
+            await self._gathering_for(join.key, min(join.again, REJOIN_WAIT))
         if gathering is None:
             return {"refused": "not gathering a group under this key"}
-        if again is not None and not gathering.keep:
+        if join.again is not None and not gathering.keep:
             return {"refused": "open to newcomers: find the group through the DHT"}
-        if request.get("schema") != gathering.schema:
+        if join.schema != gathering.schema:
             return {"refused": "different tensor schema (shapes, dtypes or compression differ)"}
-        mode, bw = request.get("mode"), request.get("bw")
-        if mode not in MODES or not (isinstance(bw, list) and len(bw) == 2
-                                     and all(isinstance(b, (int, float)) and b > 0 for b in bw)):
-            raise AveragingError("malformed join request: mode or bandwidth")
-        if ctx.remote.client_mode and mode != "client":
-            mode = "client"  # it cannot accept connections, whatever it says
+        # It cannot accept connections if it dialed us in client mode, whatever it says.
+        role = "client" if ctx.remote.client_mode else join.role
         if gathering.ready is not None:
             try:
                 await asyncio.shield(gathering.ready)
@@ -356,14 +407,14 @@ class Matchmaker:
                 return {"refused": "this peer is not averaging this round"}
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.full or gathering.done.done():
-            taken = [m[0].to_bytes() for m in gathering.members]
+            taken = [m.peer_id.to_bytes() for m in gathering.members]
             if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
                 taken = [p.to_bytes() for p in gathering.done.result().group.peers]
             return {"refused": "group is full or already formed", "taken": taken}
-        if any(m[0] == ctx.peer_id for m in gathering.members):
+        if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return {"refused": "already a member"}
-        addresses = tuple(str(a) for a in ctx.remote.addresses)
-        gathering.members.append((ctx.peer_id, mode, (float(bw[0]), float(bw[1])), request.get("meta"), addresses))
+        gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
+                                           tuple(str(a) for a in ctx.remote.addresses)))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)
@@ -382,12 +433,12 @@ class Matchmaker:
             return _formed(gathering)
         # The leader first, then the others by id, not by when their requests came in: reducers
         # add parts in member order, so a group of the same peers averages to the same bits.
-        members = [members[0], *sorted(members[1:], key=lambda m: m[0].to_bytes())]
-        modes = [m[1] for m in members]
-        fractions = optimal_fractions(modes, [m[2][0] for m in members], [m[2][1] for m in members])
-        group = Group(os.urandom(16), tuple(m[0] for m in members), tuple(modes),
+        members = [members[0], *sorted(members[1:], key=lambda m: m.peer_id.to_bytes())]
+        modes = [m.role for m in members]
+        fractions = optimal_fractions(modes, [m.upload for m in members], [m.download for m in members])
+        group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(modes),
                       tuple(part_sizes(self.total, fractions)))
-        formed = FormedGroup(group, tuple(m[3] for m in members), tuple(m[4] for m in members))
+        formed = FormedGroup(group, tuple(m.metadata for m in members), tuple(m.addresses for m in members))
         gathering.done.set_result(formed)
         return formed
 
