@@ -243,28 +243,36 @@ def test_peer_with_nan_tensors_fails_at_once_and_the_others_finish_promptly():
     run_virtual(main())
 
 
+async def three_steps_with_one_slow_link(upload: float, download: float) -> tuple[list, list[float], list[float]]:
+    """4 peers average 16 MB three times on the emulated network, peer 0 with the given link and
+    the others with 100 MB/s each way; the averagers, peer 0's share of each step's split (as
+    peer 1 saw the group) and each step's virtual seconds."""
+    net = EmulatedNetwork(latency=0.005)
+    peers = []
+    for i in range(4):
+        peers.append(await add_peer(net, peers, bandwidth=upload if i == 0 else 100e6,
+                                    download=download if i == 0 else None))
+    avgs = [Averager(p, [torch.randn(4_000_000)], "bwjob", target_group_size=4, matchmaking_time=0.5)
+            for p in peers]
+    groups = record_groups(avgs[1])
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(3):
+        start = loop.time()
+        await asyncio.gather(*(a.astep() for a in avgs))
+        times.append(loop.time() - start)
+    slow_id = peers[0].transport.peer_id
+    return avgs, [g.part_sizes[g.peers.index(slow_id)] / g.total for g in groups], times
+
+
 @pytest.mark.timeout(60)
 def test_slow_peer_measures_itself_slow_and_gets_a_smaller_shard():
     """Bandwidth is measured per peer: the slow one gets little or nothing to reduce next time."""
     async def main():
-        net = EmulatedNetwork(latency=0.005)
-        peers = []
-        for i in range(4):
-            peers.append(await add_peer(net, peers, bandwidth=10e6 if i == 0 else 100e6))
-        avgs = [Averager(p, [torch.randn(4_000_000)], "bwjob", target_group_size=4, matchmaking_time=0.5)
-                for p in peers]
-        groups = record_groups(avgs[1])
-        loop = asyncio.get_running_loop()
-        times = []
-        for _ in range(3):
-            start = loop.time()
-            await asyncio.gather(*(a.astep() for a in avgs))
-            times.append(loop.time() - start)
-        slow_id = peers[0].transport.peer_id
+        avgs, shares, times = await three_steps_with_one_slow_link(upload=10e6, download=10e6)
         estimates = [a.bandwidth for a in avgs]
         assert estimates[0] == pytest.approx(10e6, rel=0.2), estimates
         assert all(e == pytest.approx(100e6, rel=0.2) for e in estimates[1:]), estimates
-        shares = [g.part_sizes[g.peers.index(slow_id)] / g.total for g in groups]
         assert shares[0] == pytest.approx(0.25, abs=0.01)  # first step: nothing measured, even split
         assert shares[1] < 0.05 and shares[2] < 0.05, shares
         assert times[1] < 0.8 * times[0] and times[2] < 0.8 * times[0], times
@@ -276,21 +284,7 @@ def test_peer_with_a_slow_download_measures_it_and_gets_a_smaller_shard():
     """Download is measured on its own: a peer that uploads fast but downloads slowly (a home
     line) reduces less, where an estimate from its upload alone would give it an even share."""
     async def main():
-        net = EmulatedNetwork(latency=0.005)
-        peers = []
-        for i in range(4):
-            peers.append(await add_peer(net, peers, bandwidth=100e6, download=10e6 if i == 0 else None))
-        avgs = [Averager(p, [torch.randn(4_000_000)], "downjob", target_group_size=4, matchmaking_time=0.5)
-                for p in peers]
-        groups = record_groups(avgs[1])
-        loop = asyncio.get_running_loop()
-        times = []
-        for _ in range(3):
-            start = loop.time()
-            await asyncio.gather(*(a.astep() for a in avgs))
-            times.append(loop.time() - start)
-        slow_id = peers[0].transport.peer_id
-        shares = [g.part_sizes[g.peers.index(slow_id)] / g.total for g in groups]
+        avgs, shares, times = await three_steps_with_one_slow_link(upload=100e6, download=10e6)
         assert shares[0] == pytest.approx(0.25, abs=0.01)  # first step: nothing measured, even split
         assert shares[1] < 0.1 and shares[2] < 0.1, shares
         assert times[2] < 0.8 * times[0], times
