@@ -292,10 +292,9 @@ class TransferStats:
     in_flight: int = 0
     busy_since: float = 0.0
     received_bytes: int = 0
-    # (previous arrival, this arrival) of each chunk received from another peer after the first
-    # of its stream: the time that chunk was on its way to us. One pair per chunk of the step.
-    arrivals: list[tuple[float, float]] = field(default_factory=list)
-    arrival_bytes: list[int] = field(default_factory=list)
+    # (previous arrival, this arrival, bytes) of each chunk received from another peer after the
+    # first of its stream: how long that chunk was on its way to us. One per chunk of the step.
+    arrivals: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def upload(self) -> float | None:
@@ -311,8 +310,7 @@ class TransferStats:
         now = asyncio.get_running_loop().time()
         if previous is not None:
             self.received_bytes += nbytes
-            self.arrivals.append((previous, now))
-            self.arrival_bytes.append(nbytes)
+            self.arrivals.append((previous, now, nbytes))
         return now
 
     @property
@@ -324,12 +322,12 @@ class TransferStats:
         filled our link; waiting for a stream to start is not counted."""
         if not self.received_bytes or not self.arrivals:
             return None
-        begin = min(a for a, _ in self.arrivals)
-        width = (max(b for _, b in self.arrivals) - begin) / DOWNLOAD_BINS
+        begin = min(a for a, _, _ in self.arrivals)
+        width = (max(b for _, b, _ in self.arrivals) - begin) / DOWNLOAD_BINS
         if width <= 0:
             return None
         filled = [0.0] * DOWNLOAD_BINS
-        for (start, stop), nbytes in zip(self.arrivals, self.arrival_bytes, strict=True):
+        for start, stop, nbytes in self.arrivals:
             if stop <= start:
                 continue  # arrived with the previous chunk: its bytes show in no stretch
             rate = nbytes / (stop - start)
