@@ -1,4 +1,4 @@
 """Foundations used by every layer: errors, serialization and the per-process event loop.
 
-Imports nothing else from potluck.
+Imports nothing else from potluck at run time (`peer_like` names upper-layer types in annotations only).
 """
