@@ -30,12 +30,35 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from potluck.averaging.allreduce import MODES, Group
+from potluck.averaging.allreduce import MAX_GROUP_ID_BYTES, MAX_REASON_CHARS, MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
-from potluck.core import compat
-from potluck.core.errors import AveragingError, MalformedMessage, NetworkError, PotluckError, detached
+from potluck.averaging.wire import (
+    MAX_ADDRESSES,
+    addresses_field,
+    bytes_field,
+    int_field,
+    list_field,
+    number_field,
+    peer_ids_field,
+    text_field,
+    wire_map,
+)
+from potluck.core import compat, serialization
+from potluck.core.errors import (
+    AveragingError,
+    MalformedMessage,
+    NetworkError,
+    PotluckError,
+    SerializationError,
+    detached,
+)
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
+
+__all__ = [
+    "MAX_ADDRESSES", "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
+    "JoinRequest", "Matchmaker", "parse_join_reply",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +70,11 @@ POLL_FRACTION = 0.1
 MIN_POLL_SECONDS = 0.05
 # After the leader's window closes, followers wait this long for the group to be sent.
 BEGIN_SLACK = 5.0
-# Bounds on what a join request may carry (it comes from the network).
+# Encoded size of the metadata a member hands its group (`gather`: a few numbers and a digest in
+# the optimizer); the leader sends every member's to everyone, so MAX_GROUP_SIZE of these at most.
 MAX_METADATA_BYTES = 16 * 1024
-# Addresses kept per member from a group message.
-MAX_ADDRESSES = 8
+# Longest tensor schema a join request or declaration may name (ours are 32 hex digits of a digest).
+MAX_SCHEMA_CHARS = 64
 # A leader refuses groups larger than this whatever a follower asks (protects its memory/CPU).
 MAX_GROUP_SIZE = 1024
 # A returning member may ask before its leader has started gathering under the key; the leader
@@ -65,15 +89,6 @@ MAX_KEY_CHARS = 512
 
 
 @dataclass(frozen=True)
-class FormedGroup:
-    """A group as every member receives it: the all-reduce plan plus everyone's metadata."""
-
-    group: Group
-    metadata: tuple[Any, ...]
-    addresses: tuple[tuple[str, ...], ...]  # how to reach each member (empty for client mode)
-
-
-@dataclass(frozen=True)
 class Candidate:
     """A peer in a gathering: who, in which role, its bandwidths (bytes/s, for the load split),
     what it shares with the group, and how to reach it."""
@@ -84,6 +99,25 @@ class Candidate:
     download: float
     metadata: Any
     addresses: tuple[str, ...]
+
+
+# -- messages ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Declaration:
+    """A peer's record under a group key in the DHT (subkey: its peer id): it gathers peers whose
+    tensors have this `schema` until the record expires, and can be dialed at `addresses`."""
+
+    schema: str
+    addresses: tuple[str, ...]
+
+    def to_wire(self) -> dict:
+        return {"schema": self.schema, "addrs": list(self.addresses)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Declaration:
+        what = "group declaration"
+        msg = wire_map(msg, what)
+        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS), addresses_field(msg, "addrs", what))
 
 
 @dataclass(frozen=True)
@@ -109,24 +143,120 @@ class JoinRequest:
     @classmethod
     def from_wire(cls, msg: Any) -> JoinRequest:
         what = "join request"
-        if not isinstance(msg, dict):
-            raise MalformedMessage(what, "not a map")
-        key, schema, role = msg.get("key"), msg.get("schema"), msg.get("mode")
-        bw, again = msg.get("bw"), msg.get("again")
-        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
-            raise MalformedMessage(what, f"'key' must be a string of at most {MAX_KEY_CHARS} characters")
-        if not isinstance(schema, str):
-            raise MalformedMessage(what, "'schema' must be a string")
+        msg = wire_map(msg, what)
+        key = text_field(msg, "key", what, MAX_KEY_CHARS)
+        schema = text_field(msg, "schema", what, MAX_SCHEMA_CHARS)
+        role = msg.get("mode")
         if role not in MODES:
             raise MalformedMessage(what, f"'mode' must be one of {list(MODES)}")
-        if not (isinstance(bw, list) and len(bw) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < math.inf for b in bw)):
-            raise MalformedMessage(what, "'bw' must be [upload, download], positive finite numbers")
-        if again is not None and not (isinstance(again, (int, float)) and not isinstance(again, bool)
-                                      and 0 <= again < math.inf):
-            raise MalformedMessage(what, "'again' must be a non-negative number of seconds")
-        return cls(key, schema, role, float(bw[0]), float(bw[1]), msg.get("meta"),
-                   None if again is None else float(again))
+        bw = list_field(msg, "bw", what, 2, length=2)
+        upload = number_field({"bw": bw[0]}, "bw", what, positive=True)
+        download = number_field({"bw": bw[1]}, "bw", what, positive=True)
+        again = number_field(msg, "again", what, optional=True)
+        return cls(key, schema, role, upload, download, _metadata(msg, "meta", what), again)
+
+
+def _metadata(msg: dict, key: str, what: str) -> Any:
+    """A member's metadata for its group: anything encodable, at most MAX_METADATA_BYTES encoded."""
+    value = msg.get(key)
+    if value is None or isinstance(value, (int, float, bool)):
+        return value  # the common cases, free
+    try:
+        size = len(serialization.dumps(value))
+    except SerializationError:
+        size = math.inf
+    if size > MAX_METADATA_BYTES:
+        raise MalformedMessage(what, f"{key!r} must encode to at most {MAX_METADATA_BYTES} bytes")
+    return value
+
+
+@dataclass(frozen=True)
+class FormedGroup:
+    """A group as every member receives it (the leader's announcement): the all-reduce plan plus
+    everyone's metadata and addresses."""
+
+    group: Group
+    metadata: tuple[Any, ...]
+    addresses: tuple[tuple[str, ...], ...]  # how to reach each member (empty for client mode)
+
+    def to_wire(self) -> dict:
+        g = self.group
+        return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
+                "parts": list(g.part_sizes), "meta": list(self.metadata),
+                "addrs": [list(a) for a in self.addresses]}
+
+    @classmethod
+    def from_wire(cls, msg: Any, me: PeerID, total: int) -> FormedGroup:
+        """Check a leader's group: `me` among its distinct members, and part sizes that add up
+        to the `total` elements we average."""
+        what = "group"
+        msg = wire_map(msg, what)
+        group_id = bytes_field(msg, "id", what, MAX_GROUP_ID_BYTES)
+        peers = peer_ids_field(msg, "peers", what, MAX_GROUP_SIZE)
+        if me not in peers or len(set(peers)) != len(peers):
+            raise MalformedMessage(what, "'peers' must be distinct and include the receiver")
+        n = len(peers)
+        modes = list_field(msg, "modes", what, n, length=n)
+        if any(m not in MODES for m in modes):
+            raise MalformedMessage(what, f"'modes' must be among {list(MODES)}")
+        parts = tuple(int_field({"parts": p}, "parts", what, 0, total + 1)
+                      for p in list_field(msg, "parts", what, n, length=n))
+        if sum(parts) != total:
+            raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
+        metadata = tuple(_metadata({"meta": m}, "meta", what) for m in list_field(msg, "meta", what, n, length=n))
+        addresses = tuple(addresses_field({"addrs": a}, "addrs", what)
+                          for a in list_field(msg, "addrs", what, n, length=n))
+        try:
+            group = Group(group_id, peers, tuple(modes), parts)
+        except ValueError as e:
+            raise MalformedMessage(what, f"'parts': {e}") from None
+        return cls(group, metadata, addresses)
+
+
+@dataclass(frozen=True)
+class JoinAccepted:
+    """The leader's answer to a member once the group is formed."""
+
+    group: FormedGroup
+
+    def to_wire(self) -> dict:
+        return {"group": self.group.to_wire()}
+
+
+@dataclass(frozen=True)
+class JoinRefused:
+    """The leader will not take us (a full group names its members: `taken`, to skip them all)."""
+
+    reason: str
+    taken: tuple[PeerID, ...] = ()
+
+    def to_wire(self) -> dict:
+        return {"refused": self.reason[:MAX_REASON_CHARS], "taken": [p.to_bytes() for p in self.taken]}
+
+
+@dataclass(frozen=True)
+class JoinFailed:
+    """The leader took us, but no group formed (e.g. fewer than min_group_size peers came)."""
+
+    reason: str
+
+    def to_wire(self) -> dict:
+        return {"failed": self.reason[:MAX_REASON_CHARS]}
+
+
+JoinReply = JoinAccepted | JoinRefused | JoinFailed
+
+
+def parse_join_reply(msg: Any, me: PeerID, total: int) -> JoinReply:
+    """A leader's answer to our join request (see `FormedGroup.from_wire` for `me` and `total`)."""
+    what = "join reply"
+    msg = wire_map(msg, what)
+    if "group" in msg:
+        return JoinAccepted(FormedGroup.from_wire(msg.get("group"), me, total))
+    if "failed" in msg:
+        return JoinFailed(text_field(msg, "failed", what, MAX_REASON_CHARS))
+    return JoinRefused(text_field(msg, "refused", what, MAX_REASON_CHARS),
+                       peer_ids_field(msg, "taken", what, MAX_GROUP_SIZE))
 
 
 @dataclass
@@ -210,7 +340,7 @@ class Matchmaker:
                     target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
-        addresses = tuple(str(a) for a in self.transport.addresses)
+        addresses = tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES]
         me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, bandwidth[0], bandwidth[1],
                        metadata, addresses)
         leader = self.leader if self.leader != self.transport.peer_id else None
@@ -229,7 +359,7 @@ class Matchmaker:
             opened.set()
             if keep:
                 return await self._keep(gathering, ready, give_up)
-            await self.dht.astore(self._dht_key(group_key), {"schema": self.schema, "addrs": list(addresses)},
+            await self.dht.astore(self._dht_key(group_key), Declaration(self.schema, addresses).to_wire(),
                                   closes_at, subkey=str(self.transport.peer_id))
         try:
             tried: set[PeerID] = set()
@@ -268,7 +398,7 @@ class Matchmaker:
                     gathering.done.set_result("the leader gave up")
                 gathering.settled.set()
 
-    async def _rejoin(self, leader: PeerID, group_key: str, me: tuple, wait: float,
+    async def _rejoin(self, leader: PeerID, group_key: str, me: Candidate, wait: float,
                       give_up: float) -> FormedGroup | None:
         """Ask our last leader to take us again (it may hold us `wait` seconds before it gathers);
         None if it will not (it is open to newcomers, late, or gone): then we use the DHT."""
@@ -309,7 +439,7 @@ class Matchmaker:
                     await self._opened.wait()
         return gathering
 
-    async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: tuple,
+    async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: Candidate,
                             give_up: float, tried: set[PeerID]) -> FormedGroup | None:
         """Try to join `leader`; meanwhile requests to join us wait for the outcome."""
         if gathering is not None:
@@ -345,17 +475,19 @@ class Matchmaker:
                 peer = PeerID.from_string(subkey)
             except (PotluckError, TypeError, ValueError):
                 continue
-            value = entry.value
-            if entry.expiration_time <= now or peer == self.transport.peer_id or not isinstance(value, dict) \
-                    or value.get("schema") != self.schema:
+            if entry.expiration_time <= now or peer == self.transport.peer_id:
+                continue
+            try:
+                declared = Declaration.from_wire(entry.value)
+            except MalformedMessage as e:
+                logger.debug("ignoring %s's declaration under %r: %s", peer, group_key, e)
+                continue
+            if declared.schema != self.schema:
                 continue
             order = (entry.expiration_time, peer.to_bytes())
             if me is not None and order >= me:
                 continue  # later than us: it joins us, not the other way round
-            try:
-                self.transport.add_addresses(peer, [str(a) for a in list(value.get("addrs") or [])[:MAX_ADDRESSES]])
-            except (PotluckError, TypeError, ValueError):
-                continue
+            self.transport.add_addresses(peer, declared.addresses)
             candidates.append((order, peer))
         return [peer for _, peer in sorted(candidates, key=lambda c: c[0])]
 
@@ -372,55 +504,59 @@ class Matchmaker:
         except (NetworkError, PotluckError) as e:
             logger.debug("join %s failed: %s", leader, e)
             return None
-        if isinstance(reply, dict) and "group" in reply:
-            formed = _group_from_wire(reply["group"], self.transport.peer_id)
+        try:
+            answer = parse_join_reply(reply, self.transport.peer_id, self.total)
+        except MalformedMessage as e:  # a broken or hostile leader: try another
+            logger.warning("leader %s sent a %s; not joining it", leader, e)
+            return None
+        if isinstance(answer, JoinAccepted):
+            formed = answer.group
             for peer, addrs in zip(formed.group.peers, formed.addresses, strict=True):
                 if peer != self.transport.peer_id:
                     self.transport.add_addresses(peer, addrs)
             return formed
-        if isinstance(reply, dict) and isinstance(reply.get("taken"), list):
-            for raw in reply["taken"][:MAX_GROUP_SIZE]:
-                with contextlib.suppress(PotluckError, TypeError, ValueError):
-                    tried.add(PeerID(raw))
-        if isinstance(reply, dict) and "failed" in reply:
-            raise AveragingError(f"group under {group_key!r} failed: {reply['failed']}")
+        if isinstance(answer, JoinFailed):
+            raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
+        tried.update(answer.taken)
         return None
 
     async def _on_join(self, request: Any, ctx: Any) -> dict:
-        join = JoinRequest.from_wire(request)
+        return (await self._answer_join(JoinRequest.from_wire(request), ctx)).to_wire()
+
+    async def _answer_join(self, join: JoinRequest, ctx: Any) -> JoinReply:
         if join.again is not None and ctx.peer_id not in self._last_members:
-            return {"refused": "not a member of our last group"}
+            return JoinRefused("not a member of our last group")
         gathering = self._gatherings.get(join.key) if join.again is None else \
             await self._gathering_for(join.key, min(join.again, REJOIN_WAIT))
         if gathering is None:
-            return {"refused": "not gathering a group under this key"}
+            return JoinRefused("not gathering a group under this key")
         if join.again is not None and not gathering.keep:
-            return {"refused": "open to newcomers: find the group through the DHT"}
+            return JoinRefused("open to newcomers: find the group through the DHT")
         if join.schema != gathering.schema:
-            return {"refused": "different tensor schema (shapes, dtypes or compression differ)"}
+            return JoinRefused("different tensor schema (shapes, dtypes or compression differ)")
         # It cannot accept connections if it dialed us in client mode, whatever it says.
         role = "client" if ctx.remote.client_mode else join.role
         if gathering.ready is not None:
             try:
                 await asyncio.shield(gathering.ready)
             except Exception:  # noqa: BLE001 - the owner failed its own check: it forms no group
-                return {"refused": "this peer is not averaging this round"}
+                return JoinRefused("this peer is not averaging this round")
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.full or gathering.done.done():
-            taken = [m.peer_id.to_bytes() for m in gathering.members]
+            taken = tuple(m.peer_id for m in gathering.members)
             if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
-                taken = [p.to_bytes() for p in gathering.done.result().group.peers]
-            return {"refused": "group is full or already formed", "taken": taken}
+                taken = gathering.done.result().group.peers
+            return JoinRefused("group is full or already formed", taken)
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
-            return {"refused": "already a member"}
+            return JoinRefused("already a member")
         gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
                                            tuple(str(a) for a in ctx.remote.addresses)))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)
         if isinstance(formed, str):
-            return {"failed": formed}
-        return {"group": _group_to_wire(formed)}
+            return JoinFailed(formed)
+        return JoinAccepted(formed)
 
     def _close(self, gathering: _Gathering) -> FormedGroup:
         """Decide the group: member order, load split, id; answer every follower."""
@@ -465,23 +601,3 @@ async def _settle(seconds: float, ready: asyncio.Future | None) -> None:
     finally:
         sleep.cancel()
 
-
-def _group_to_wire(formed: FormedGroup) -> dict:
-    g = formed.group
-    return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
-            "parts": list(g.part_sizes), "meta": list(formed.metadata),
-            "addrs": [list(a) for a in formed.addresses]}
-
-
-def _group_from_wire(msg: Any, me: PeerID) -> FormedGroup:
-    try:
-        group = Group(bytes(msg["id"]), tuple(PeerID(p) for p in msg["peers"]), tuple(msg["modes"]),
-                      tuple(int(p) for p in msg["parts"]))
-        metadata = tuple(msg["meta"])
-        addresses = tuple(tuple(str(a) for a in addrs[:MAX_ADDRESSES]) for addrs in msg["addrs"])
-        if not (len(metadata) == len(addresses) == len(group.peers)) or me not in group.peers \
-                or len(set(group.peers)) != len(group.peers):
-            raise ValueError("inconsistent group")
-        return FormedGroup(group, metadata, addresses)
-    except (KeyError, TypeError, ValueError, PotluckError) as e:
-        raise AveragingError(f"the leader sent a malformed group: {e}") from None

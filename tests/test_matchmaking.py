@@ -1,0 +1,154 @@
+"""Matchmaking's wire messages: each malformed field is refused by name, and a peer that sends
+garbage (a join request, a DHT declaration) gets a clear error while the others still form groups."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from potluck.averaging import Averager
+from potluck.averaging.allreduce import MAX_REASON_CHARS, Group
+from potluck.averaging.matchmaking import (
+    MAX_ADDRESSES,
+    MAX_GROUP_SIZE,
+    MAX_METADATA_BYTES,
+    MAX_SCHEMA_CHARS,
+    METHOD_JOIN,
+    Declaration,
+    FormedGroup,
+    JoinAccepted,
+    JoinFailed,
+    JoinRefused,
+    JoinRequest,
+    parse_join_reply,
+)
+from potluck.core.errors import MalformedMessage, RemoteError
+from potluck.core.virtual_time import run_virtual
+from potluck.net.identity import PeerID
+from tests.emulated_swarm import make_swarm
+
+ADDRESS = "/ip4/127.0.0.1/tcp/31337"
+
+
+def peer_ids(n: int) -> list[PeerID]:
+    return [PeerID(os.urandom(32)) for _ in range(n)]
+
+
+def refuses(parse: Any, wire: Any, field: str) -> None:
+    """`parse(wire)` raises MalformedMessage whose field names `field` first."""
+    with pytest.raises(MalformedMessage) as caught:
+        parse(wire)
+    assert caught.value.field.startswith(field), caught.value.field
+
+
+def test_join_request_refuses_malformed_fields_by_name():
+    good = JoinRequest("run.grads/epoch3.0/all", "schema", "node", 1e8, 5e7, {"samples": 3}, again=0.5)
+    assert JoinRequest.from_wire(good.to_wire()) == good
+    refuses(JoinRequest.from_wire, ["key"], "not a map")
+    for key, value, field in (("key", 7, "'key'"), ("key", "k" * 513, "'key'"), ("schema", None, "'schema'"),
+                              ("schema", "s" * (MAX_SCHEMA_CHARS + 1), "'schema'"),
+                              ("mode", "boss", "'mode'"), ("bw", [1.0], "'bw'"), ("bw", [1.0, float("inf")], "'bw'"),
+                              ("bw", [0, 1.0], "'bw'"), ("bw", "fast", "'bw'"), ("again", -1, "'again'"),
+                              ("again", True, "'again'"), ("meta", "x" * (MAX_METADATA_BYTES + 1), "'meta'")):
+        refuses(JoinRequest.from_wire, {**good.to_wire(), key: value}, field)
+
+
+def test_declaration_refuses_malformed_fields_by_name():
+    good = Declaration("a" * 32, (ADDRESS, "/emu/peer7"))
+    assert Declaration.from_wire(good.to_wire()) == good
+    refuses(Declaration.from_wire, "declared", "not a map")
+    for key, value, field in (("schema", None, "'schema'"), ("schema", "a" * (MAX_SCHEMA_CHARS + 1), "'schema'"),
+                              ("addrs", ADDRESS, "'addrs'"), ("addrs", [ADDRESS] * (MAX_ADDRESSES + 1), "'addrs'"),
+                              ("addrs", [7], "'addrs'"), ("addrs", ["/ip4/999.1.1.1/tcp/1"], "'addrs'"),
+                              ("addrs", ["/" * 2000], "'addrs'")):
+        refuses(Declaration.from_wire, {**good.to_wire(), key: value}, field)
+
+
+def a_group(total: int = 100) -> tuple[FormedGroup, PeerID]:
+    peers = peer_ids(3)
+    group = Group(os.urandom(16), tuple(peers), ("node", "client", "aux"), (60, 0, 40))
+    return FormedGroup(group, ({"samples": 3}, None, 1.5), ((ADDRESS,), (), ("/emu/x",))), peers[1]
+
+
+def test_group_announcement_refuses_malformed_fields_by_name():
+    good, me = a_group()
+    assert FormedGroup.from_wire(good.to_wire(), me, 100) == good
+    wire = good.to_wire()
+    refuses(lambda w: FormedGroup.from_wire(w, me, 100), [wire], "not a map")
+    refuses(lambda w: FormedGroup.from_wire(w, peer_ids(1)[0], 100), wire, "'peers'")  # not a member
+    refuses(lambda w: FormedGroup.from_wire(w, me, 99), wire, "'parts'")  # other tensors than ours
+    peers = wire["peers"]
+    for key, value, field in (
+            ("id", "group", "'id'"), ("id", b"g" * 65, "'id'"),
+            ("peers", None, "'peers'"), ("peers", [*peers[:2], b"short"], "'peers'"),
+            ("peers", [peers[0], me.to_bytes(), peers[0]], "'peers'"),
+            ("peers", [me.to_bytes()] + [os.urandom(32) for _ in range(MAX_GROUP_SIZE)], "'peers'"),
+            ("modes", ["node", "client"], "'modes'"), ("modes", ["node", "client", "boss"], "'modes'"),
+            ("parts", [60, 0], "'parts'"), ("parts", [60, 0, 30], "'parts'"), ("parts", [110, 0, -10], "'parts'"),
+            ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'"),  # a client cannot reduce
+            ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'"),
+            ("addrs", [[], []], "'addrs'"), ("addrs", [[], [], ["nowhere"]], "'addrs'"),
+            ("addrs", [[], [], [ADDRESS] * (MAX_ADDRESSES + 1)], "'addrs'")):
+        refuses(lambda w: FormedGroup.from_wire(w, me, 100), {**wire, key: value}, field)
+
+
+def test_join_reply_refuses_malformed_fields_by_name():
+    formed, me = a_group()
+    for reply in (JoinAccepted(formed), JoinFailed("only 1 peer(s) gathered"),
+                  JoinRefused("group is full or already formed", tuple(formed.group.peers)), JoinRefused("no")):
+        assert parse_join_reply(reply.to_wire(), me, 100) == reply
+    parse = lambda w: parse_join_reply(w, me, 100)  # noqa: E731
+    refuses(parse, None, "not a map")
+    refuses(parse, {"group": {**formed.to_wire(), "id": None}}, "'id'")  # the group's own checks
+    refuses(parse, {"failed": 7}, "'failed'")
+    refuses(parse, {"failed": "x" * (MAX_REASON_CHARS + 1)}, "'failed'")
+    refuses(parse, {"refused": None, "taken": []}, "'refused'")
+    refuses(parse, {"refused": "full"}, "'taken'")
+    refuses(parse, {"refused": "full", "taken": [b"short"]}, "'taken'")
+    refuses(parse, {"refused": "full", "taken": [os.urandom(32)] * (MAX_GROUP_SIZE + 1)}, "'taken'")
+
+
+@pytest.mark.timeout(60)
+def test_malformed_join_requests_get_a_clear_error_and_the_leader_still_forms_its_group():
+    async def main():
+        net, peers = await make_swarm(4)
+        rogue = peers[3].transport
+        avgs = [Averager(p, [torch.full((8,), float(i))], "garbled", matchmaking_time=1.0)
+                for i, p in enumerate(peers[:3])]
+        steps = asyncio.gather(*(a.astep(timeout=20) for a in avgs))
+        await asyncio.sleep(0.3)  # the gathering is open now
+        errors = []
+        for garbage in ("join me", {"key": "all", "schema": avgs[0].schema, "mode": "node", "bw": [1e8]},
+                        {**JoinRequest("all", avgs[0].schema, "node", 1e8, 1e8).to_wire(), "meta": "x" * 10**6}):
+            for p in peers[:3]:
+                with pytest.raises(RemoteError) as caught:
+                    await rogue.call(p.transport.peer_id, f"{METHOD_JOIN}.garbled", garbage, timeout=5)
+                errors.append(str(caught.value))
+        assert all("MalformedMessage" in e and "malformed join request" in e for e in errors)
+        assert any("'bw'" in e for e in errors) and any("'meta'" in e for e in errors)
+        results = await steps
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_declaration_in_the_dht_is_ignored():
+    """A record under the group key that declares garbage, stored before anyone else's (so it would
+    lead), is skipped: the honest peers form their group without it."""
+    async def main():
+        net, peers = await make_swarm(4)
+        rogue = peers[3]
+        avgs = [Averager(p, [torch.full((8,), float(i))], "declared", matchmaking_time=1.0)
+                for i, p in enumerate(peers[:3])]
+        bogus = {"schema": avgs[0].schema, "addrs": ["not an address"] * 100}
+        assert await rogue.dht.astore("declared.match.all", bogus, rogue.dht.get_time() + 0.5,
+                                      subkey=str(rogue.transport.peer_id))
+        results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert str(rogue.transport.peer_id) not in results[0].peers
+    run_virtual(main())
