@@ -13,11 +13,22 @@ import torch
 from potluck.averaging import Averager
 from potluck.averaging.state_transfer import (
     CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_TENSORS,
+    MIN_CHUNK_BYTES,
     SNAPSHOT_IDLE_SECONDS,
+    ChunkReply,
+    ChunkRequest,
+    ChunkStreamOpen,
+    DonorRecord,
+    Manifest,
+    ManifestRequest,
     StateServer,
     download_state,
 )
-from potluck.core.errors import AveragingError, RemoteError
+from potluck.averaging.wire import MAX_ADDRESSES
+from potluck.core.errors import AveragingError, MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
@@ -341,30 +352,27 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving() -> None:
             finally:
                 stream.abort()
 
-        with pytest.raises(RemoteError, match="takes no arguments"):
+        with pytest.raises(RemoteError, match="malformed manifest request: it takes no arguments"):
             await client.call(donor, server.manifest_method, {"give": "me everything"}, timeout=10)
-        manifest = await client.call(donor, server.manifest_method, None, timeout=10)
-        snapshot = manifest["snapshot"]
-        with pytest.raises(RemoteError, match="opened with"):
+        manifest = Manifest.from_wire(await client.call(donor, server.manifest_method, None, timeout=10))
+        snapshot = manifest.snapshot
+        with pytest.raises(RemoteError, match="malformed chunk stream request: not a map"):
             await first_reply("garbage")
-        with pytest.raises(RemoteError, match="16 bytes"):
+        with pytest.raises(RemoteError, match="malformed chunk stream request: 'snapshot' must be 16 bytes"):
             await first_reply({"snapshot": b"short"})
         with pytest.raises(RemoteError, match="unknown or expired snapshot"):
             await first_reply({"snapshot": b"\1" * 16})
-        with pytest.raises(RemoteError, match="out of range"):
-            await first_reply({"snapshot": snapshot}, {"i": len(manifest["hashes"])})
-        with pytest.raises(RemoteError, match="out of range"):
-            await first_reply({"snapshot": snapshot}, {"i": -1})
-        with pytest.raises(RemoteError, match="must be"):
-            await first_reply({"snapshot": snapshot}, {"i": "0"})
-        with pytest.raises(RemoteError, match="must be"):
+        for bad in ({"i": len(manifest.hashes)}, {"i": -1}, {"i": "0"}, {"i": True}, {"index": 0}):
+            with pytest.raises(RemoteError, match=r"malformed chunk request: 'i' must be an integer in \[0, "):
+                await first_reply({"snapshot": snapshot}, bad)
+        with pytest.raises(RemoteError, match="malformed chunk request: not a map"):
             await first_reply({"snapshot": snapshot}, [0])
-        reply = await first_reply({"snapshot": snapshot}, {"i": 0})
-        assert reply["i"] == 0 and reply["data"].numel() == CHUNK
+        reply = ChunkReply.from_wire(await first_reply({"snapshot": snapshot}, {"i": 0}), 0, CHUNK)
+        assert reply.index == 0 and reply.data.numel() == CHUNK
 
         await asyncio.sleep(SNAPSHOT_IDLE_SECONDS + 1)  # virtual time: the snapshot expires
         with pytest.raises(RemoteError, match="unknown or expired snapshot"):
-            await first_reply({"snapshot": snapshot}, {"i": 0})
+            await first_reply(ChunkStreamOpen(snapshot).to_wire(), ChunkRequest(0).to_wire())
 
         _, _, tensors = await download_state(client, [donor], PREFIX, timeout=60)
         assert_exact(tensors, state)
@@ -392,7 +400,7 @@ def test_newcomers_arriving_together_share_one_snapshot() -> None:
         first, second = await asyncio.gather(
             a.call(donor.peer_id, server.manifest_method, None, timeout=10),
             b.call(donor.peer_id, server.manifest_method, None, timeout=10))
-        assert first["snapshot"] == second["snapshot"] and len(calls) == 1
+        assert Manifest.from_wire(first).snapshot == Manifest.from_wire(second).snapshot and len(calls) == 1
         for t in (donor, a, b):
             await t.close()
 
@@ -593,3 +601,58 @@ def test_averager_whose_download_failed_keeps_its_version_and_offers_no_torn_sta
         assert manifest["version"] == 1
 
     run_virtual(main())
+
+
+# -- the messages, one malformed field at a time ------------------------------------------------------
+def refuses(parse: Callable[[Any], Any], wire: Any, field: str) -> None:
+    """`parse(wire)` raises MalformedMessage whose field names `field` first."""
+    with pytest.raises(MalformedMessage) as caught:
+        parse(wire)
+    assert caught.value.field.startswith(field), caught.value.field
+
+
+def test_manifest_refuses_malformed_fields_by_name() -> None:
+    good = Manifest(3, {"epoch": 3}, (("float32", (10, 1000)), ("int8", ())), (40_000, 1), 16 * KiB,
+                    (b"\1" * 32, b"\2" * 32, b"\3" * 32), b"\0" * 16)
+    assert Manifest.from_wire(good.to_wire()) == good
+    assert ManifestRequest.from_wire(ManifestRequest().to_wire()) == ManifestRequest()
+    refuses(ManifestRequest.from_wire, {"give": "me everything"}, "it takes no arguments")
+    refuses(Manifest.from_wire, [good.to_wire()], "not a map")
+    refuses(lambda w: Manifest.from_wire(w, max_bytes=40_000), good.to_wire(), "'specs'")
+    for key, value, field in (
+            ("version", -1, "'version'"), ("version", "3", "'version'"), ("version", True, "'version'"),
+            ("chunk_bytes", MIN_CHUNK_BYTES - 1, "'chunk_bytes'"), ("chunk_bytes", MAX_CHUNK_BYTES + 1, "'chunk_bytes'"),
+            ("snapshot", b"\0" * 15, "'snapshot'"), ("snapshot", "id", "'snapshot'"),
+            ("specs", "float32", "'specs'"), ("specs", [["no_such_dtype", [10]]], "'specs'"),
+            ("specs", [["float32", [2**40]]], "'specs'"), ("specs", [["int8", []]] * (MAX_TENSORS + 1), "'specs'"),
+            ("hashes", [b"\1" * 32] * 2, "'hashes'"), ("hashes", [b"\1" * 32] * 4, "'hashes'"),
+            ("hashes", [b"\1" * 32, b"\2" * 32, b"short"], "'hashes'"), ("hashes", None, "'hashes'"),
+            ("metadata", "x" * (MAX_METADATA_BYTES + 1), "'metadata'")):
+        refuses(Manifest.from_wire, {**good.to_wire(), key: value}, field)
+
+
+def test_chunk_messages_refuse_malformed_fields_by_name() -> None:
+    assert ChunkStreamOpen.from_wire(ChunkStreamOpen(b"\7" * 16).to_wire()) == ChunkStreamOpen(b"\7" * 16)
+    refuses(ChunkStreamOpen.from_wire, b"\7" * 16, "not a map")
+    refuses(ChunkStreamOpen.from_wire, {"snapshot": b"\7" * 17}, "'snapshot'")
+    assert ChunkRequest.from_wire(ChunkRequest(4).to_wire(), 5) == ChunkRequest(4)
+    refuses(lambda w: ChunkRequest.from_wire(w, 5), 4, "not a map")
+    for index in (5, -1, 2.0, None):
+        refuses(lambda w: ChunkRequest.from_wire(w, 5), {"i": index}, "'i'")
+    data = torch.zeros(100, dtype=torch.uint8)
+    reply = ChunkReply.from_wire(ChunkReply(3, data).to_wire(), 3, 100)
+    assert reply.index == 3 and reply.data is data
+    refuses(lambda w: ChunkReply.from_wire(w, 3, 100), None, "not a map")
+    refuses(lambda w: ChunkReply.from_wire(w, 3, 100), {"i": 2, "data": data}, "'i'")
+    for bad in (data[:99], data.float(), data.view(10, 10), b"\0" * 100, None):
+        refuses(lambda w: ChunkReply.from_wire(w, 3, 100), {"i": 3, "data": bad}, "'data'")
+
+
+def test_donor_record_refuses_malformed_fields_by_name() -> None:
+    good = DonorRecord(7, ("/ip4/10.0.0.1/tcp/4000", "/emu/donor"))
+    assert DonorRecord.from_wire(good.to_wire()) == good
+    refuses(DonorRecord.from_wire, [7], "not a map")
+    for key, value, field in (("version", -1, "'version'"), ("version", 1.5, "'version'"), ("version", None, "'version'"),
+                              ("addrs", None, "'addrs'"), ("addrs", ["/emu/donor"] * (MAX_ADDRESSES + 1), "'addrs'"),
+                              ("addrs", [b"/emu/donor"], "'addrs'"), ("addrs", ["/tcp/80"], "'addrs'")):
+        refuses(DonorRecord.from_wire, {**good.to_wire(), key: value}, field)

@@ -13,12 +13,13 @@ is dropped and its chunks go back to the queue. Once the queue is empty, idle wo
 chunks still in flight elsewhere (the "endgame"), so a slow or silently dead donor cannot hold
 up the last chunks.
 
-Wire (method names derive from a prefix, so several averagers coexist on one peer):
-- `<prefix>.state.manifest` (unary): request None; answer {"version", "metadata", "specs",
-  "chunk_bytes", "hashes", "snapshot"}.
-- `<prefix>.state.chunks` (stream): opened with {"snapshot": id}; every message {"i": index} is
-  answered, in order, with {"i": index, "data": uint8 tensor}.
+Wire (method names derive from a prefix, so several averagers coexist on one peer), one typed
+message each, checked by its `from_wire`:
+- `<prefix>.state.manifest` (unary): `ManifestRequest` (None), answered with a `Manifest`.
+- `<prefix>.state.chunks` (stream): opened with `ChunkStreamOpen` (a snapshot id); every
+  `ChunkRequest` (a chunk index) is answered, in order, with a `ChunkReply` (index, uint8 tensor).
 The state's tensors are laid end to end as raw bytes; chunk i is bytes [i*C, (i+1)*C) of that.
+A donor says it has a state to give with a `DonorRecord` in the DHT (the `Averager` reads them).
 """
 
 from __future__ import annotations
@@ -38,8 +39,22 @@ from typing import Any
 
 import torch
 
+from potluck.averaging.wire import (
+    addresses_field,
+    bytes_field,
+    int_field,
+    list_field,
+    wire_map,
+)
 from potluck.core import compat, serialization
-from potluck.core.errors import AveragingError, DeadlineExceeded, EndOfStream, NetworkError, SerializationError
+from potluck.core.errors import (
+    AveragingError,
+    DeadlineExceeded,
+    EndOfStream,
+    MalformedMessage,
+    NetworkError,
+    SerializationError,
+)
 from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -48,6 +63,12 @@ __all__ = [
     "CHUNK_BYTES",
     "MAX_STATE_BYTES",
     "PARALLEL_DONORS",
+    "ChunkReply",
+    "ChunkRequest",
+    "ChunkStreamOpen",
+    "DonorRecord",
+    "Manifest",
+    "ManifestRequest",
     "StateServer",
     "chunks_method",
     "download_state",
@@ -107,6 +128,13 @@ CHUNK_STREAM_IDLE_SECONDS = 60.0
 CHUNK_SEND_TIMEOUT = CHUNK_TIMEOUT
 # SHA-256 digest length.
 HASH_BYTES = hashlib.sha256().digest_size
+# Encoded size of a state's metadata: it rides in every manifest, and is small (the optimizer's is
+# an epoch number); a donor refuses to offer more, a newcomer to accept more.
+MAX_METADATA_BYTES = 2**20
+# Tensors a state may hold: as many as one message may carry (each is one spec in the manifest).
+MAX_TENSORS = serialization.MAX_BUFFERS
+# A donor's state version in its DHT record and manifest: a step counter, far below this.
+MAX_VERSION = 2**62
 
 
 def manifest_method(prefix: str) -> str:
@@ -132,6 +160,158 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+# -- messages ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ManifestRequest:
+    """Asks a donor for a manifest of its current state (it carries nothing: None on the wire)."""
+
+    def to_wire(self) -> None:
+        return None
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> ManifestRequest:
+        if msg is not None:
+            raise MalformedMessage("manifest request", "it takes no arguments (send None)")
+        return cls()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A donor's description of one snapshot of its state: what to download and how to check it."""
+
+    version: int
+    metadata: Any
+    specs: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype name, shape) of each tensor
+    sizes: tuple[int, ...]  # bytes of each tensor (derived from `specs`; not on the wire)
+    chunk_bytes: int
+    hashes: tuple[bytes, ...]  # SHA-256 of each chunk
+    snapshot: bytes  # the snapshot's id, to open a chunk stream of it
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def content(self) -> tuple:
+        """What donors must agree on to serve the same bytes."""
+        return self.version, self.specs, self.chunk_bytes, self.hashes
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.total_bytes)
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "metadata": self.metadata, "specs": [[n, list(s)] for n, s in self.specs],
+                "chunk_bytes": self.chunk_bytes, "hashes": list(self.hashes), "snapshot": self.snapshot}
+
+    @classmethod
+    def from_wire(cls, msg: Any, max_bytes: int = MAX_STATE_BYTES) -> Manifest:
+        """Check a donor's manifest strictly, refusing states over `max_bytes`."""
+        what = "manifest"
+        msg = wire_map(msg, what)
+        version = int_field(msg, "version", what, 0, MAX_VERSION)
+        chunk_bytes = int_field(msg, "chunk_bytes", what, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES + 1)
+        snapshot = bytes_field(msg, "snapshot", what, SNAPSHOT_ID_BYTES, exact=True)
+        raw_specs = list_field(msg, "specs", what, MAX_TENSORS)
+        try:
+            sizes = serialization.nbytes_of(raw_specs)
+        except SerializationError as e:
+            raise MalformedMessage(what, f"'specs' must be [dtype, shape] pairs: {e}") from None
+        total = sum(sizes)
+        if total > max_bytes:
+            raise MalformedMessage(what, f"'specs' describe {total} bytes of state, over the limit of {max_bytes}")
+        num_chunks = -(-total // chunk_bytes)
+        hashes = list_field(msg, "hashes", what, num_chunks, length=num_chunks)
+        if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
+            raise MalformedMessage(what, f"'hashes' must be {HASH_BYTES}-byte SHA-256 digests, one per chunk")
+        specs = tuple((name, tuple(shape)) for name, shape in raw_specs)
+        return cls(version, _metadata(msg.get("metadata"), what), specs, tuple(sizes), chunk_bytes, tuple(hashes),
+                   snapshot)
+
+
+def _metadata(value: Any, what: str) -> Any:
+    """A state's metadata, if it encodes to at most MAX_METADATA_BYTES."""
+    if value is None or isinstance(value, (int, float, bool)):
+        return value  # the common cases, free
+    try:
+        size = len(serialization.dumps(value))
+    except SerializationError:
+        size = MAX_METADATA_BYTES + 1
+    if size > MAX_METADATA_BYTES:
+        raise MalformedMessage(what, f"'metadata' must encode to at most {MAX_METADATA_BYTES} bytes")
+    return value
+
+
+@dataclass(frozen=True)
+class ChunkStreamOpen:
+    """Opens a chunk stream of the snapshot a manifest named."""
+
+    snapshot: bytes
+
+    def to_wire(self) -> dict:
+        return {"snapshot": self.snapshot}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> ChunkStreamOpen:
+        what = "chunk stream request"
+        return cls(bytes_field(wire_map(msg, what), "snapshot", what, SNAPSHOT_ID_BYTES, exact=True))
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """Asks for chunk `index` of the stream's snapshot."""
+
+    index: int
+
+    def to_wire(self) -> dict:
+        return {"i": self.index}
+
+    @classmethod
+    def from_wire(cls, msg: Any, num_chunks: int) -> ChunkRequest:
+        what = "chunk request"
+        return cls(int_field(wire_map(msg, what), "i", what, 0, num_chunks))
+
+
+@dataclass(frozen=True)
+class ChunkReply:
+    """Chunk `index`'s bytes (checked against the manifest's hash by the downloader)."""
+
+    index: int
+    data: torch.Tensor  # uint8, 1-D
+
+    def to_wire(self) -> dict:
+        return {"i": self.index, "data": self.data}
+
+    @classmethod
+    def from_wire(cls, msg: Any, index: int, size: int) -> ChunkReply:
+        """The reply to a request for chunk `index`, of `size` bytes."""
+        what = "chunk"
+        msg = wire_map(msg, what)
+        int_field(msg, "i", what, index, index + 1)
+        data = msg.get("data")
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != size:
+            raise MalformedMessage(what, f"'data' must be chunk {index}'s {size} raw bytes (a uint8 tensor)")
+        return cls(index, data)
+
+
+@dataclass(frozen=True)
+class DonorRecord:
+    """A peer's record under `<prefix>.state` in the DHT (subkey: its peer id): it offers its state
+    of `version` to newcomers, and can be dialed at `addresses`."""
+
+    version: int
+    addresses: tuple[str, ...]
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "addrs": list(self.addresses)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> DonorRecord:
+        what = "donor record"
+        msg = wire_map(msg, what)
+        return cls(int_field(msg, "version", what, 0, MAX_VERSION), addresses_field(msg, "addrs", what))
+
+
 # -- the server --------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Snapshot:
@@ -141,17 +321,20 @@ class _Snapshot:
     takes (chunks are sent as copies), so it is freed the moment the server drops it.
     """
 
-    snapshot_id: bytes
-    version: int
-    metadata: Any
-    specs: list[list]
+    manifest: Manifest  # what a downloader is told of it
     flat: torch.Tensor  # uint8, every tensor's bytes end to end
-    chunk_bytes: int
-    hashes: list[bytes]
     created: float = 0.0
     last_used: float = 0.0  # when a manifest of it was handed out or a stream of it ended
     streams: int = 0  # chunk streams serving it now
     claims: int = 0  # manifests handed out whose downloader has not opened a stream yet
+
+    @property
+    def snapshot_id(self) -> bytes:
+        return self.manifest.snapshot
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
     @property
     def idle(self) -> bool:
@@ -160,12 +343,8 @@ class _Snapshot:
     def chunk(self, index: int) -> torch.Tensor:
         """A copy of chunk `index`: what a stalled stream or transport holds is this chunk, never
         (through a view) the whole snapshot."""
-        start = index * self.chunk_bytes
-        return self.flat[start:start + self.chunk_bytes].clone()
-
-    def manifest(self) -> dict:
-        return {"version": self.version, "metadata": self.metadata, "specs": self.specs,
-                "chunk_bytes": self.chunk_bytes, "hashes": self.hashes, "snapshot": self.snapshot_id}
+        start, end = self.manifest.chunk_range(index)
+        return self.flat[start:end].clone()
 
 
 def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
@@ -181,7 +360,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
         tensors = list(tensors)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError("get_state() must return a sequence of torch.Tensor as its tensors")
-        specs = [[_dtype_name(t.dtype), list(t.shape)] for t in tensors]
+        specs = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in tensors)
         sizes = [t.numel() * t.element_size() for t in tensors]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         offset = 0
@@ -190,14 +369,15 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
             flat[offset:offset + size].copy_(source.reshape(-1).view(torch.uint8))
             offset += size
     try:
-        serialization.pack(metadata)
-    except SerializationError as e:
+        _metadata(metadata, "state")
+    except MalformedMessage as e:
         raise TypeError(f"get_state() returned metadata that cannot be sent: {e}") from e
     memory = flat.numpy()
-    hashes = [hashlib.sha256(memory[start:start + chunk_bytes]).digest()
-              for start in range(0, flat.numel(), chunk_bytes)]
-    return _Snapshot(secrets.token_bytes(SNAPSHOT_ID_BYTES), version, metadata, specs, flat,
-                     chunk_bytes, hashes)
+    hashes = tuple(hashlib.sha256(memory[start:start + chunk_bytes]).digest()
+                   for start in range(0, flat.numel(), chunk_bytes))
+    manifest = Manifest(version, metadata, specs, tuple(sizes), chunk_bytes, hashes,
+                        secrets.token_bytes(SNAPSHOT_ID_BYTES))
+    return _Snapshot(manifest, flat)
 
 
 class StateServer:
@@ -272,8 +452,9 @@ class StateServer:
         self._withheld = None
 
     async def _serve_manifest(self, request: Any, ctx: CallContext) -> dict:
-        if request is not None:
-            raise ValueError("a manifest request takes no arguments (send None)")
+        return (await self._manifest(ManifestRequest.from_wire(request))).to_wire()
+
+    async def _manifest(self, request: ManifestRequest) -> Manifest:
         if self._withheld is not None:
             if self._current_version is None or self._current_version() == self._withheld:
                 raise LookupError("this peer's state is being replaced; ask another peer")
@@ -281,7 +462,7 @@ class StateServer:
         snapshot = await self._current_snapshot()
         snapshot.claims += 1
         self._used(snapshot)
-        return snapshot.manifest()
+        return snapshot.manifest
 
     async def _current_snapshot(self) -> _Snapshot:
         """The snapshot to offer now: the newest if it is still current, else a fresh copy if
@@ -351,12 +532,7 @@ class StateServer:
     async def _serve_chunks(self, stream: Stream, ctx: CallContext) -> None:
         # This frame holds the snapshot's id, never the snapshot: a failed stream's exception,
         # traceback and frames (which may live until a garbage collection) cannot keep it alive.
-        request = stream.request
-        if not isinstance(request, dict) or set(request) != {"snapshot"}:
-            raise ValueError('a chunk stream must be opened with {"snapshot": <id>}')
-        snapshot_id = request["snapshot"]
-        if not isinstance(snapshot_id, bytes) or len(snapshot_id) != SNAPSHOT_ID_BYTES:
-            raise ValueError(f"a snapshot id is {SNAPSHOT_ID_BYTES} bytes")
+        snapshot_id = ChunkStreamOpen.from_wire(stream.request).snapshot
         num_chunks = self._lease(snapshot_id)
         self._streams.add(stream)
         try:
@@ -365,16 +541,10 @@ class StateServer:
                     message = await stream.recv(timeout=CHUNK_STREAM_IDLE_SECONDS)
                 except (EndOfStream, DeadlineExceeded):
                     return  # the downloader is done, or gone
-                if not isinstance(message, dict) or set(message) != {"i"}:
-                    raise ValueError('a chunk request must be {"i": <chunk index>}')
-                index = message["i"]
-                if isinstance(index, bool) or not isinstance(index, int):
-                    raise ValueError(f"a chunk index must be an int, got {type(index).__name__}")
-                if not 0 <= index < num_chunks:
-                    raise ValueError(f"chunk index {index} is out of range: this snapshot has {num_chunks} chunks")
+                index = ChunkRequest.from_wire(message, num_chunks).index
                 self.chunks_served += 1
                 try:
-                    await stream.send({"i": index, "data": self._chunk(snapshot_id, index)},
+                    await stream.send(ChunkReply(index, self._chunk(snapshot_id, index)).to_wire(),
                                       timeout=CHUNK_SEND_TIMEOUT)
                 except DeadlineExceeded:
                     logger.info("state server: %s stopped reading chunks; closing its stream", stream.peer_id)
@@ -391,7 +561,7 @@ class StateServer:
         snapshot.streams += 1
         snapshot.claims = max(0, snapshot.claims - 1)
         self._arm_sweeper()
-        return len(snapshot.hashes)
+        return len(snapshot.manifest.hashes)
 
     def _chunk(self, snapshot_id: bytes, index: int) -> torch.Tensor:
         snapshot = self._snapshots.get(snapshot_id)  # leased, so gone only if the server closed
@@ -407,63 +577,6 @@ class StateServer:
 
 
 # -- the downloader ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Manifest:
-    """A donor's manifest, validated."""
-
-    version: int
-    metadata: Any
-    specs: tuple[tuple[str, tuple[int, ...]], ...]
-    sizes: tuple[int, ...]  # bytes of each tensor
-    chunk_bytes: int
-    hashes: tuple[bytes, ...]
-    snapshot: bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def content(self) -> tuple:
-        """What donors must agree on to serve the same bytes."""
-        return self.version, self.specs, self.chunk_bytes, self.hashes
-
-    def chunk_range(self, index: int) -> tuple[int, int]:
-        start = index * self.chunk_bytes
-        return start, min(start + self.chunk_bytes, self.total_bytes)
-
-
-def _parse_manifest(msg: Any, max_bytes: int) -> _Manifest:
-    """Check a donor's manifest strictly; raise ValueError saying what is wrong."""
-    keys = {"version", "metadata", "specs", "chunk_bytes", "hashes", "snapshot"}
-    if not isinstance(msg, dict) or set(msg) != keys:
-        raise ValueError(f"a manifest must be a dict with keys {sorted(keys)}")
-    version, chunk_bytes, hashes, snapshot = msg["version"], msg["chunk_bytes"], msg["hashes"], msg["snapshot"]
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"manifest version must be an int >= 0, got {version!r:.40}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not (
-            MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES):
-        raise ValueError(f"manifest chunk_bytes {chunk_bytes!r:.40} is outside "
-                         f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
-    if not isinstance(snapshot, bytes) or len(snapshot) != SNAPSHOT_ID_BYTES:
-        raise ValueError(f"manifest snapshot id must be {SNAPSHOT_ID_BYTES} bytes")
-    try:
-        sizes = serialization.nbytes_of(msg["specs"])
-    except SerializationError as e:
-        raise ValueError(f"bad tensor specs in manifest: {e}") from e
-    total = sum(sizes)
-    if total > max_bytes:
-        raise ValueError(f"manifest describes {total} bytes of state, over the limit of {max_bytes}")
-    num_chunks = -(-total // chunk_bytes)
-    if not isinstance(hashes, list) or len(hashes) != num_chunks:
-        raise ValueError(f"manifest must list {num_chunks} chunk hashes for {total} bytes "
-                         f"in chunks of {chunk_bytes}")
-    if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
-        raise ValueError(f"manifest chunk hashes must be {HASH_BYTES}-byte SHA-256 digests")
-    specs = tuple((name, tuple(shape)) for name, shape in msg["specs"])
-    return _Manifest(version, msg["metadata"], specs, tuple(sizes), chunk_bytes, tuple(hashes), snapshot)
-
-
 class _DonorMisbehaved(Exception):
     """A donor answered something that is not the chunk it was asked for."""
 
@@ -471,7 +584,7 @@ class _DonorMisbehaved(Exception):
 class _Download:
     """Fetches one manifest's chunks from a group of donors holding it (work-stealing)."""
 
-    def __init__(self, transport: Transport, method: str, manifest: _Manifest, tensors: list[torch.Tensor],
+    def __init__(self, transport: Transport, method: str, manifest: Manifest, tensors: list[torch.Tensor],
                  lock: AbstractContextManager | None, donors: dict[PeerID, bytes], parallel: int,
                  progress: ProgressCallback | None, failures: dict[PeerID, str], deadline: float):
         self.transport = transport
@@ -538,7 +651,7 @@ class _Download:
     async def _fetch_from(self, donor: PeerID) -> None:
         """Fetch chunks from `donor` until the download is complete; raise if the donor fails."""
         loop = asyncio.get_running_loop()
-        stream = await self.transport.open_stream(donor, self.method, {"snapshot": self._snapshots[donor]},
+        stream = await self.transport.open_stream(donor, self.method, ChunkStreamOpen(self._snapshots[donor]).to_wire(),
                                                   timeout=max(0.0, self._deadline - loop.time()))
         asked: deque[int] = deque()
         try:
@@ -550,7 +663,7 @@ class _Download:
                         break
                     asked.append(index)
                     self._fetchers[index] += 1
-                    await stream.send({"i": index}, timeout=CHUNK_TIMEOUT)
+                    await stream.send(ChunkRequest(index).to_wire(), timeout=CHUNK_TIMEOUT)
                 if not asked:
                     await changed.wait()  # others hold the rest; wake if they fail or finish
                     continue
@@ -605,13 +718,10 @@ class _Download:
 
     def _check_reply(self, reply: Any, index: int) -> torch.Tensor:
         start, end = self.manifest.chunk_range(index)
-        if not isinstance(reply, dict) or reply.get("i") != index:
-            raise _DonorMisbehaved(f"answered something other than chunk {index}")
-        data = reply.get("data")
-        if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1
-                or data.numel() != end - start):
-            raise _DonorMisbehaved(f"chunk {index} is not {end - start} raw bytes")
-        return data
+        try:
+            return ChunkReply.from_wire(reply, index, end - start).data
+        except MalformedMessage as e:
+            raise _DonorMisbehaved(str(e)) from None
 
     def _store(self, index: int, data: torch.Tensor) -> bool:
         """Verify a chunk against its hash, then copy it into place (in a worker thread); the
@@ -633,14 +743,14 @@ class _Download:
 
 
 async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str, max_bytes: int,
-                         like: list | None, failures: dict[PeerID, str]) -> dict[PeerID, _Manifest]:
+                         like: list | None, failures: dict[PeerID, str]) -> dict[PeerID, Manifest]:
     """Ask every donor for a manifest at once; wait a short grace after the first one arrives."""
     loop = asyncio.get_running_loop()
 
-    async def ask(donor: PeerID) -> _Manifest | None:
+    async def ask(donor: PeerID) -> Manifest | None:
         try:
-            reply = await transport.call(donor, method, None, timeout=MANIFEST_TIMEOUT)
-            manifest = _parse_manifest(reply, max_bytes)
+            reply = await transport.call(donor, method, ManifestRequest().to_wire(), timeout=MANIFEST_TIMEOUT)
+            manifest = Manifest.from_wire(reply, max_bytes)
             if like is not None and [[n, list(s)] for n, s in manifest.specs] != like:
                 raise ValueError("its tensors' dtypes or shapes differ from ours")
             return manifest
@@ -651,7 +761,7 @@ async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str
 
     tasks = {asyncio.ensure_future(ask(donor)): donor for donor in donors}
     pending = set(tasks)
-    answers: dict[PeerID, _Manifest] = {}
+    answers: dict[PeerID, Manifest] = {}
     grace_until: float | None = None
     try:
         while pending:
@@ -673,7 +783,7 @@ async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str
     return answers
 
 
-def _choose(answers: dict[PeerID, _Manifest], donors: list[PeerID]) -> tuple[_Manifest, dict[PeerID, bytes]]:
+def _choose(answers: dict[PeerID, Manifest], donors: list[PeerID]) -> tuple[Manifest, dict[PeerID, bytes]]:
     """The newest version, held by the largest group of donors with identical hashes; returns
     one of their manifests and each holder's snapshot id."""
     newest = max(m.version for m in answers.values())
