@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -334,6 +335,25 @@ def test_newcomer_downloads_the_averaged_state():
         assert version == 1
         for mine, theirs in zip(newcomer._tensors, avgs[0]._tensors, strict=False):
             assert torch.equal(mine, theirs)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_malformed_donor_records_are_ignored_and_the_newcomer_gets_the_state(caplog):
+    """A record claiming a newer version in a malformed shape is skipped (not tried first)."""
+    async def main():
+        net, peers = await make_swarm(3)
+        avgs = [Averager(p, [torch.randn(100)], "records", matchmaking_time=0.5) for p in peers[:2]]
+        await asyncio.gather(*(a.astep() for a in avgs))
+        rogue = peers[2]
+        assert await rogue.dht.astore("records.state", {"version": "99", "addrs": []}, rogue.dht.get_time() + 60,
+                                      subkey=str(rogue.transport.peer_id))
+        newcomer = Averager(await add_peer(net, peers), [torch.zeros(100)], "records")
+        with caplog.at_level(logging.DEBUG, logger="potluck.averaging.averager"):
+            version, _ = await newcomer.aload_state_from_peers(timeout=20)
+        assert version == 1 and torch.equal(newcomer._tensors[0], avgs[0]._tensors[0])
+        assert any("ignoring a state record" in r.getMessage() and "'version'" in r.getMessage()
+                   for r in caplog.records)
     run_virtual(main())
 
 

@@ -23,10 +23,10 @@ from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, Transf
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import MAX_ADDRESSES, Matchmaker
 from potluck.averaging.role import Role
-from potluck.averaging.state_transfer import StateServer, download_state
+from potluck.averaging.state_transfer import DonorRecord, StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
-from potluck.core.errors import AveragingError, PotluckError
+from potluck.core.errors import AveragingError, IdentityError, MalformedMessage
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.net.identity import PeerID
@@ -229,10 +229,10 @@ class Averager:
         """Tell the DHT that newcomers can download our state (done after every step)."""
         if self.state_server is None:
             return
-        record = {"version": self.round, "addrs": [str(a) for a in self.transport.addresses][:MAX_ADDRESSES]}
+        record = DonorRecord(self.round, tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES])
         try:
-            await self.peer.dht.astore(f"{self.run_id}.state", record, self.peer.dht.get_time() + STATE_RECORD_TTL,
-                                       subkey=str(self.transport.peer_id))
+            await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
+                                       self.peer.dht.get_time() + STATE_RECORD_TTL, subkey=str(self.transport.peer_id))
         except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
             logger.debug("could not announce state: %s", e)
 
@@ -250,12 +250,13 @@ class Averager:
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
             try:
                 peer_id = PeerID.from_string(subkey)
-                version = int(entry.value["version"])
-                self.transport.add_addresses(peer_id, [str(a) for a in entry.value["addrs"][:MAX_ADDRESSES]])
-            except (PotluckError, KeyError, TypeError, ValueError):
+                record = DonorRecord.from_wire(entry.value)
+            except (IdentityError, MalformedMessage) as e:
+                logger.debug("ignoring a state record of %r: %s", self.run_id, e)
                 continue
+            self.transport.add_addresses(peer_id, record.addresses)
             if peer_id != self.transport.peer_id:
-                donors.append((-version, str(peer_id), peer_id))
+                donors.append((-record.version, str(peer_id), peer_id))
         if not donors:
             raise AveragingError(f"no peer offers the state of {self.run_id!r} yet")
         # Straight into our tensors, chunk by chunk once verified: no second copy of the state.
