@@ -37,6 +37,7 @@ from emulated_swarm import make_swarm  # noqa: E402
 
 from potluck.core.virtual_time import run_virtual  # noqa: E402
 from potluck.pipeline.harness import launch_run  # noqa: E402
+from potluck.pipeline.layout import Span  # noqa: E402
 from potluck.pipeline.profiling import LayerCost  # noqa: E402
 from potluck.pipeline.ring import RingAllReduce, ring_segments  # noqa: E402
 from potluck.pipeline.stage import PipelineConfig  # noqa: E402
@@ -69,8 +70,7 @@ async def pipeline_run(mode: str, micro_batches: int, warmup: int, bandwidth: fl
     config = PipelineConfig(f"bench-{mode}", staleness_bound=4 if gpipe else bound, update_frequency=4,
                             flush_every=4 if gpipe else 0, emulate_compute=True, message_timeout=60,
                             average_every=average_every)
-    run = await launch_run([(p.transport, p.dht) for p in peers], [[3 * c, 3 * c + 1, 3 * c + 2]
-                                                                   for c in range(clusters)],
+    run = await launch_run(peers, [[3 * c, 3 * c + 1, 3 * c + 2] for c in range(clusters)],
                            config, make_layers, len(LAYER_SECONDS), lambda p: torch.optim.SGD(p, lr=1e-3),
                            sample=torch.zeros(2, HIDDEN), sources=[source] * clusters, costs=costs, heartbeat=3600)
     stages = [run.worker_of(0, s) for s in range(3)]
@@ -107,9 +107,9 @@ async def multi_ring(clusters: int, floats: list[int], bandwidth: float, latency
     rings = []
     for p in peers:
         p.transport.add_handler("bench.ping", ping)
-        rings.append(RingAllReduce(p.transport, "bench", "bench.ping"))
+        rings.append(RingAllReduce(p, "bench", "bench.ping"))
     ids = [str(p.transport.peer_id) for p in peers]
-    layouts = {f"c{c}": [(ids[3 * c + s], s, s + 1) for s in range(3)] for c in range(clusters)}
+    layouts = {f"c{c}": [Span(ids[3 * c + s], s, s + 1) for s in range(3)] for c in range(clusters)}
     segments = ring_segments(layouts)
     ring_of = {pid: r for pid, r in zip(ids, rings, strict=True)}
     loop = asyncio.get_running_loop()

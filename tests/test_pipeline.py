@@ -15,6 +15,7 @@ from potluck.pipeline.clustering import (
     form_clusters,
     plan_objective,
 )
+from potluck.pipeline.layout import Span
 from potluck.pipeline.partition import (
     PartitionError,
     boundary_shapes,
@@ -201,7 +202,7 @@ def test_stashed_weights_keep_a_version_while_it_is_used():
 
 @pytest.mark.timeout(10)
 def test_ring_segments_cover_differently_split_clusters():
-    layouts = {"c0": [("a", 0, 2), ("b", 2, 6)], "c1": [("x", 0, 3), ("y", 3, 6)]}
+    layouts = {"c0": [Span("a", 0, 2), Span("b", 2, 6)], "c1": [Span("x", 0, 3), Span("y", 3, 6)]}
     segs = ring_segments(layouts)
     assert [(s.start, s.end, s.members) for s in segs] == [
         (0, 2, ("a", "x")), (2, 3, ("b", "x")), (3, 6, ("b", "y"))]

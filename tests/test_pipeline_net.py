@@ -13,6 +13,8 @@ from potluck.core import compat
 from potluck.core.errors import RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import launch_run
+from potluck.pipeline.layout import Span
+from potluck.pipeline.messages import Activation
 from potluck.pipeline.profiling import LayerCost
 from potluck.pipeline.ring import RingAllReduce, Segment, ring_segments
 from potluck.pipeline.stage import PipelineConfig
@@ -52,11 +54,10 @@ async def start(n_clusters: int, config: PipelineConfig, nodes_per_cluster: int 
                 standby: int = 0, lr: float = 0.05, **kwargs):
     total = n_clusters * (nodes_per_cluster + standby)
     net, peers = await make_swarm(total, latency=latency, bandwidth=None)
-    nodes = [(p.transport, p.dht) for p in peers]
     size = nodes_per_cluster + standby
     clusters = [list(range(c * size, c * size + nodes_per_cluster)) for c in range(n_clusters)]
     spares = [list(range(c * size + nodes_per_cluster, (c + 1) * size)) for c in range(n_clusters)]
-    run = await launch_run(nodes, clusters, config, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=lr),
+    run = await launch_run(peers, clusters, config, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=lr),
                            sample=torch.zeros(2, WIDTH), sources=[source_for(c) for c in range(n_clusters)],
                            costs=COSTS, standby=spares, **kwargs)
     return net, peers, run
@@ -92,7 +93,7 @@ def test_backward_uses_the_weights_of_its_forward_exactly():
         for s, w in enumerate(workers):
             for v, params in list(recorded[w.peer_id].items()):
                 versions[(s, v)] = params
-        routes = [(w.route["start"], w.route["end"]) for w in workers]
+        routes = [(w.route.start, w.route.end) for w in workers]
         await stop(peers, run)
         return traces, routes
 
@@ -131,7 +132,7 @@ def test_backward_uses_the_weights_of_its_forward_exactly():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["none", "fp16", "blockwise8"])
 def test_staleness_never_exceeds_the_bound_and_compressed_links_still_learn(codec):
-    config = PipelineConfig("stale", staleness_bound=3, update_frequency=1, codec=codec)
+    config = PipelineConfig("stale", staleness_bound=3, update_frequency=1, compression=codec)
 
     async def main():
         net, peers, run = await start(1, config, lr=0.5)
@@ -143,9 +144,9 @@ def test_staleness_never_exceeds_the_bound_and_compressed_links_still_learn(code
         return stats, losses
 
     stats, losses = run_virtual(main())
-    assert stats[0]["max_in_flight"] == 3  # the bound is reached (zero bubble needs it)...
-    assert all(s["max_in_flight"] <= 3 for s in stats)  # ...and never exceeded anywhere
-    assert all(s["max_version_lag"] <= 3 for s in stats)
+    assert stats[0].max_in_flight == 3  # the bound is reached (zero bubble needs it)...
+    assert all(s.max_in_flight <= 3 for s in stats)  # ...and never exceeded anywhere
+    assert all(s.max_version_lag <= 3 for s in stats)
     first, last = sum(losses[:30]) / 30, sum(losses[-30:]) / 30
     assert last < 0.8 * first, (first, last)  # it learns through (de)compressed activations and gradients
 
@@ -175,12 +176,12 @@ def test_multi_ring_allreduce_gives_the_exact_mean_per_stage():
     async def main():
         net, peers = await ring_swarm(7)
         ids = [str(p.transport.peer_id) for p in peers]
-        rings = {i: RingAllReduce(p.transport, "r", "r.ping", part_bytes=4096)  # several parts per chunk
+        rings = {i: RingAllReduce(p, "r", "r.ping", part_bytes=4096)  # several parts per chunk
                  for i, p in zip(ids, peers)}
         # three clusters split differently: segments, and a ring of 3 among them
-        layouts = {"c0": [(ids[0], 0, 2), (ids[1], 2, 4), (ids[2], 4, 6)],
-                   "c1": [(ids[3], 0, 3), (ids[4], 3, 6)],
-                   "c2": [(ids[5], 0, 4), (ids[6], 4, 6)]}
+        layouts = {"c0": [Span(ids[0], 0, 2), Span(ids[1], 2, 4), Span(ids[2], 4, 6)],
+                   "c1": [Span(ids[3], 0, 3), Span(ids[4], 3, 6)],
+                   "c2": [Span(ids[5], 0, 4), Span(ids[6], 4, 6)]}
         segments = ring_segments(layouts)
         data = {(s, m): v for s in segments for m, v in zip(s.members, _vectors(len(s.members), 10_007, s.start))}
         jobs = [rings[m].allreduce(0, s, data[(s, m)], timeout=30) for s in segments for m in s.members]
@@ -206,7 +207,7 @@ def test_ring_reforms_without_a_member_that_dies_mid_round():
     async def main():
         net, peers = await ring_swarm(3)
         ids = [str(p.transport.peer_id) for p in peers]
-        rings = [RingAllReduce(p.transport, "r", "r.ping") for p in peers]
+        rings = [RingAllReduce(p, "r", "r.ping") for p in peers]
         seg = Segment(0, 1, tuple(ids))
         vecs = _vectors(3, 5000, 7)
         a = asyncio.ensure_future(rings[0].allreduce(0, seg, vecs[0], timeout=30))
@@ -263,7 +264,7 @@ def test_node_killed_mid_run_cluster_recovers_its_stage_from_the_other_cluster(s
     event, killed_at, victim, (a, b), other, survivors = run_virtual(main())
     assert event.detected_at - killed_at <= 0.5 + 1.0 + 0.1  # heartbeat + failure deadline
     assert victim not in survivors and len(survivors) == 2
-    assert event.stages[0][1] == 0 and event.stages[-1][2] == LAYERS
+    assert event.stages[0].start == 0 and event.stages[-1].end == LAYERS
     assert set(event.fetched_from) == set(range(a, b))  # every lost layer came from the other cluster
     for layer, holder in event.fetched_from.items():
         first, end = other[holder]
@@ -280,23 +281,31 @@ def test_bad_messages_get_clear_errors_and_the_stage_keeps_serving():
         target = run.worker_of(0, 1)
         attacker = next(p.transport for p in peers if p.transport not in (target.transport, c0.transport))
         pid = target.transport.peer_id
-        epoch = target.route["epoch"]
+        epoch = target.route.epoch
+        route = target.route.to_wire()
         errors = []
+        # (method, request, what the error must say)
         bad = [
-            ("pipe.fwd", "not a dict"),
-            ("pipe.fwd", {"epoch": epoch, "mb": -1}),
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"name": "none", "bogus": 1}, "y": torch.zeros(2)}),
+            ("pipe.fwd", "not a dict", "activation: not a map"),
+            ("pipe.fwd", {"epoch": epoch, "mb": -1}, "'mb'"),
+            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"name": "none", "bogus": 1}, "y": torch.zeros(2)},
+             "activation"),
             ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH + 1)},
-                          "y": torch.zeros(2)}),  # wrong shape
+                          "y": torch.zeros(2)}, "shape"),  # wrong shape
             ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(5000, WIDTH)},
-                          "y": torch.zeros(5000)}),  # oversized micro-batch
+                          "y": torch.zeros(5000)}, "shape"),  # oversized micro-batch
             ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH, dtype=torch.int32)},
-                          "y": torch.zeros(2)}),  # wrong dtype
-            ("pipe.bwd", {"epoch": epoch, "mb": 10**9, "g": {"data": torch.zeros(2, WIDTH)}}),  # never forwarded
-            ("pipe.ctl", {"op": "format_disk"}),
-            ("pipe.ctl", {"op": "get_layers", "layers": [99]}),
+                          "y": torch.zeros(2)}, "floating"),  # wrong dtype
+            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH)}, "y": [0, 1]},
+             "'y'"),  # labels not a tensor
+            ("pipe.bwd", {"epoch": epoch, "mb": 10**9, "g": {"data": torch.zeros(2, WIDTH)}}, "not waiting"),
+            ("pipe.ctl", {"op": "format_disk"}, "'op'"),
+            ("pipe.ctl", {"op": "get_layers", "layers": [99]}, "does not hold"),
+            ("pipe.ctl", {"op": "get_layers", "layers": list(range(5000))}, "'layers'"),
+            ("pipe.ctl", {"op": "configure", "route": dict(route, end=200000)}, "'end'"),  # builds no 200k layers
+            ("pipe.ctl", {"op": "configure", "route": dict(route, next="not a peer")}, "'next'"),
         ]
-        for method, request in bad:
+        for method, request, _ in bad:
             with pytest.raises(RemoteError) as info:
                 await attacker.call(pid, f"bad.{method}", request, timeout=5)
             errors.append(str(info.value))
@@ -311,14 +320,14 @@ def test_bad_messages_get_clear_errors_and_the_stage_keeps_serving():
         await until(run, lambda: w0.stats.updates >= before + 10, 30, "training goes on")
         assert (await attacker.call(pid, "bad.pipe.ctl", {"op": "ping"}, timeout=5)) == {"ok": True}
         assert not c0.events  # nobody was declared dead
+        assert target.route.end - target.route.start == 2  # the refused route was not taken
         await stop(peers, run)
-        return errors
+        return [expected for _, _, expected in bad], errors
 
-    errors = run_virtual(main())
-    assert "dict" in errors[0] and "mb" in errors[1]
-    assert "shape" in errors[3] and "shape" in errors[4] and "floating" in errors[5]
-    assert "not waiting" in errors[6] and "unknown control op" in errors[7] and "does not hold" in errors[8]
-    assert "cluster report must be" in errors[9]
+    expected, errors = run_virtual(main())
+    for want, error in zip(expected, errors):
+        assert want in error, (want, error)
+    assert "MalformedMessage" in errors[0] and "cluster report" in errors[-1] and "'peer'" in errors[-1]
     assert all(len(e) < 400 for e in errors)
 
 
@@ -332,7 +341,7 @@ def test_lost_micro_batches_expire_instead_of_stalling_the_pipeline():
         honest = worker._on_forward
 
         async def lossy(request, ctx):
-            if isinstance(request, dict) and request.get("mb", 0) % 7 == 3:
+            if Activation.from_wire(request).micro_batch % 7 == 3:
                 return {"ok": True}  # acknowledged, then lost
             return await honest(request, ctx)
         worker.transport.add_handler(worker.fwd_method, lossy)
@@ -359,14 +368,14 @@ def test_standby_takes_the_place_of_a_dead_node_when_survivors_cannot_hold_the_m
         net, peers = await make_swarm(8, latency=0.002, bandwidth=None)
         # a layer needs 1000 B x (4 state + 2 stashes) + 64 B x 4 in flight = 6256 B: two fit per node
         profiles = {str(p.transport.peer_id): NodeProfile(str(p.transport.peer_id), 1.0, 13000) for p in peers}
-        run = await launch_run([(p.transport, p.dht) for p in peers], [[0, 1, 2], [4, 5, 6]], config, make_layers,
+        run = await launch_run(peers, [[0, 1, 2], [4, 5, 6]], config, make_layers,
                                LAYERS, lambda p: torch.optim.SGD(p, lr=0.05), sample=torch.zeros(2, WIDTH),
                                sources=[source_for(0), source_for(1)], costs=COSTS, standby=[[3], [7]],
                                profiles=profiles, heartbeat=0.5, failure_timeout=1.0)
         c0 = run.controllers[0]
         standby = c0.standby[0]
         await until(run, lambda: run.worker_of(0, 0).stats.updates >= 20, 30, "training")
-        victim = c0.stages[1][0]
+        victim = c0.stages[1].peer
         net.crash(run.workers[victim].transport.peer_id)
         await until(run, lambda: c0.events, 10, "recovery")
         workers = [run.workers[p] for p, _, _ in c0.stages]

@@ -52,7 +52,7 @@ async def until(run, condition, timeout: float) -> None:
 async def digits_run(config: PipelineConfig, x, y, **kwargs):
     net, peers = await make_swarm(6, latency=0.002, bandwidth=None)
     costs = [LayerCost(1e-3, 4096, 512)] * demo.LAYERS
-    run = await launch_run([(p.transport, p.dht) for p in peers], [[0, 1, 2], [3, 4, 5]], config, demo.make_layers,
+    run = await launch_run(peers, [[0, 1, 2], [3, 4, 5]], config, demo.make_layers,
                            demo.LAYERS, lambda p: torch.optim.Adam(p, LEARNING_RATE), sample=x[:4],
                            sources=[demo.digits_source(x, y, c) for c in range(2)], costs=costs, **kwargs)
     return peers, run
@@ -162,7 +162,7 @@ def test_pipeline_plan_prints_clusters_and_stages_for_profiles_in_the_dht(tmp_pa
         # a copy needs 36600 B (6000 B of weights x (state 4 + 2 stashes) + activations); 15000 B each: clusters of 3
         for i, p in enumerate(peers):
             profile = NodeProfile(p.peer_id, flops=1e9 * (1 + i % 2), memory=15000)
-            assert p.run(publish_profile(p.dht, "plan-test", profile), timeout=30)
+            assert p.run(publish_profile(p, "plan-test", profile), timeout=30)
         proc = _potluck("pipeline", "plan", "--host", "127.0.0.1", "--initial-peers", peers[0].addresses[0],
                         "--run-id", "plan-test", "--layer-costs", str(tmp_path / "costs.json"),
                         "--reference-flops", "1e9", "--micro-batch", "1", "--staleness-bound", "1", "--json",
@@ -185,7 +185,7 @@ def test_pipeline_plan_prints_clusters_and_stages_for_profiles_in_the_dht(tmp_pa
 @pytest.mark.timeout(60)
 def test_pipeline_plan_explains_itself_from_a_profiles_file(tmp_path):
     from potluck.pipeline.profiling import NodeProfile
-    profiles = [NodeProfile(f"node{i}", flops=1e9, memory=10**7).to_dict() for i in range(3)]
+    profiles = [NodeProfile(f"node{i}", flops=1e9, memory=10**7).to_wire() for i in range(3)]
     (tmp_path / "profiles.json").write_text(json.dumps(profiles))
     costs = [{"seconds": 1e-3, "param_bytes": 1000, "activation_bytes": 100}] * 4
     (tmp_path / "costs.json").write_text(json.dumps(costs))
@@ -216,8 +216,7 @@ def test_stage_process_killed_with_sigkill_is_replaced_over_real_tcp():
         line = proc.stdout.readline()
         assert line, proc.stderr.read()[-3000:]
         remote = json.loads(line)
-        local = [(p.transport, p.dht) for p in peers]
-        nodes = [local[0], local[1], RemoteNode(remote["peer_id"], (remote["address"],)), *local[2:]]
+        nodes = [peers[0], peers[1], RemoteNode(remote["peer_id"], (remote["address"],)), *peers[2:]]
         costs = [LayerCost(1e-3, 4096, 512)] * demo.LAYERS
         run = peers[0].run(launch_run(
             nodes, [[0, 1, 2], [3, 4, 5]], config, demo.make_layers, demo.LAYERS,

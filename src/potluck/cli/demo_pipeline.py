@@ -31,6 +31,7 @@ LEARNING_RATE = 1e-3
 STALENESS_BOUND = 4
 AVERAGE_EVERY = 5
 NODES = 7  # 2 clusters x 3 stages + 1 standby
+RUN_ID = "demo-pipeline"
 # Each node declares memory for this fraction of the model, so a cluster needs three of them.
 MEMORY_FRACTION = 0.4
 
@@ -96,7 +97,6 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
 
     from potluck.peer import Peer
-    from potluck.pipeline.recovery import LayoutDirectory
     from potluck.pipeline.stage import PipelineConfig, StageWorker
 
     spec = json.loads(args.worker)
@@ -109,9 +109,8 @@ def _worker(args: argparse.Namespace) -> int:
                                 average_every=spec.get("average_every", AVERAGE_EVERY))
 
         async def start() -> StageWorker:
-            worker = StageWorker(peer.transport, config, make_layers, lambda p: torch.optim.Adam(p, LEARNING_RATE),
-                                 source=digits_source(x, y, spec["cluster"]),
-                                 directory=LayoutDirectory(peer.dht, config.run_id))
+            worker = StageWorker(peer, config, make_layers, lambda p: torch.optim.Adam(p, LEARNING_RATE),
+                                 source=digits_source(x, y, spec["cluster"]))
             worker.start()
             return worker
         worker = peer.run(start(), timeout=30)
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         peers.append(Peer(host="127.0.0.1"))
         peers += [Peer(initial_peers=peers[0].addresses, host="127.0.0.1") for _ in range(NODES - 1)]
         for p in peers:
-            serve_probes(p.transport)
+            serve_probes(p)
         loop_peer = peers[0]
         all_ids = [p.transport.peer_id for p in peers]
         for a in peers:
@@ -171,10 +170,10 @@ def run(args: argparse.Namespace) -> int:
 
         async def profile_all() -> list[Any]:
             for p in peers:
-                profile = await profile_node(p.transport, [i for i in all_ids if i != p.transport.peer_id],
+                profile = await profile_node(p, [i for i in all_ids if i != p.transport.peer_id],
                                              flops=flops, memory=int(model_memory * MEMORY_FRACTION))
-                await publish_profile(p.dht, "demo-pipeline", profile)
-            return await fetch_profiles(peers[0].dht, "demo-pipeline")
+                await publish_profile(p, RUN_ID, profile)
+            return await fetch_profiles(peers[0], RUN_ID)
         profiles = loop_peer.run(profile_all(), timeout=120)
         reference = max(p.flops for p in profiles)  # every node here is this process: the same speed
         demand = ModelDemand(work=sum(c.seconds for c in costs) * reference,
@@ -184,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
               f"{MEMORY_FRACTION:.0%} of the model's {model_memory / 2**20:.1f} MiB): {len(plan.clusters)} clusters "
               f"of {[len(c) for c in plan.clusters]} nodes, standby {len(plan.standby)}")
         index = {str(p.transport.peer_id): i for i, p in enumerate(peers)}
-        config = PipelineConfig("demo-pipeline", staleness_bound=STALENESS_BOUND, average_every=AVERAGE_EVERY)
+        config = PipelineConfig(RUN_ID, staleness_bound=STALENESS_BOUND, average_every=AVERAGE_EVERY)
         run_ = loop_peer.run(launch_run(
-            [(p.transport, p.dht) for p in peers], [[index[m] for m in c] for c in plan.clusters], config,
+            peers, [[index[m] for m in c] for c in plan.clusters], config,
             make_layers, LAYERS, lambda params: torch.optim.Adam(params, LEARNING_RATE), sample=x[:MICRO_BATCH],
             sources=[digits_source(x, y, c) for c in range(len(plan.clusters))], costs=costs,
             profiles={p.peer_id: p for p in profiles}, reference_flops=reference,
@@ -218,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, run_: Any, loop_peer: Any, peers: list[Any], config: Any) -> dict[str, Any]:
     """Watch the run, print a line per stage every 2 s, shut a node down at 40% (churn)."""
-    async def stats() -> list[list[dict]]:
+    async def stats() -> list[Any]:
         return [await c.stats() for c in run_.controllers]
 
     start = time.time()
@@ -228,7 +227,7 @@ def _train(args: argparse.Namespace, run_: Any, loop_peer: Any, peers: list[Any]
     while (elapsed := time.time() - start) < args.duration:
         time.sleep(0.5)
         if not args.no_churn and killed is None and elapsed > 0.4 * args.duration:
-            killed = run_.controllers[0].stages[1][0]
+            killed = run_.controllers[0].stages[1].peer
             victim = next(p for p in peers if p.peer_id == killed)
             killed_at = loop_peer.run(_loop_time(), timeout=5)
             loop_peer.run(run_.workers[killed].close(), timeout=10)
@@ -242,7 +241,7 @@ def _train(args: argparse.Namespace, run_: Any, loop_peer: Any, peers: list[Any]
                     w = run_.workers[peer]
                     util = (w.stats.busy_seconds - last_busy.get(peer, 0.0)) / (now - last_print)
                     cells.append(f"s{s} {util:4.0%}")
-                last_loss = run_.workers[controller.stages[-1][0]].report()["loss"]
+                last_loss = run_.workers[controller.stages[-1].peer].report().loss
                 cells.append(f"loss {last_loss:.3f}" if last_loss is not None else "loss -")
                 print(f"  {elapsed:5.1f}s cluster {c}: " + "  ".join(cells), flush=True)
                 if c == 0 and last_loss is not None:
@@ -256,17 +255,17 @@ def _train(args: argparse.Namespace, run_: Any, loop_peer: Any, peers: list[Any]
         for s, (peer, _, _) in enumerate(controller.stages):
             w = run_.workers[peer]
             utilization[f"cluster{c}/stage{s}"] = round((w.stats.busy_seconds - busy0.get(peer, 0.0)) / wall, 3)
-    entries = [e for cluster in final for e in cluster if not e.get("dead")]
+    entries = [e for cluster in final for e in cluster.values() if e is not None]  # None: a dead stage
     return {
         "stage_utilization": utilization,
-        "max_staleness_observed": max(e["max_in_flight"] for e in entries),
-        "max_version_lag": max(e["max_version_lag"] for e in entries),
+        "max_staleness_observed": max(e.max_in_flight for e in entries),
+        "max_version_lag": max(e.max_version_lag for e in entries),
         "staleness_bound": config.staleness_bound,
-        "updates": max(e["updates"] for e in entries),  # of the stage that made the most
-        "averaging_rounds": max(e["rounds"] for e in entries),
+        "updates": max(e.updates for e in entries),  # of the stage that made the most
+        "averaging_rounds": max(e.rounds for e in entries),
         "recoveries": [{"dead": ev.dead[:8], "detected_after_s": round(ev.detected_at - killed_at, 3),
                         "recovery_s": round(ev.recovered_at - ev.detected_at, 3),
-                        "stages": [(p[:8], a, b) for p, a, b in ev.stages],
+                        "stages": [(s.peer[:8], s.start, s.end) for s in ev.stages],
                         "fetched_from": {str(k): v[:8] for k, v in ev.fetched_from.items()}}
                        for ev in run_.controllers[0].events],
         "killed": killed[:8] if killed else None,

@@ -58,15 +58,15 @@ def run_node(args: argparse.Namespace) -> int:
     from potluck.pipeline.profiling import profile_node, publish_profile, serve_probes
     stop = StopSignal()
     with start_peer(args) as peer:
-        serve_probes(peer.transport)
+        serve_probes(peer)
         memory = int(args.memory * 2**20) if args.memory else None
         print(f"peer id: {peer.peer_id}")
         for addr in peer.addresses:
             print(f"  --initial-peers {addr}")
         while True:
             others = [p for p in peer.transport.connected_peers()]
-            profile = peer.run(profile_node(peer.transport, others, flops=args.flops, memory=memory), timeout=120)
-            peer.run(publish_profile(peer.dht, args.run_id, profile), timeout=30)
+            profile = peer.run(profile_node(peer, others, flops=args.flops, memory=memory), timeout=120)
+            peer.run(publish_profile(peer, args.run_id, profile), timeout=30)
             print(f"published: {profile.flops / 1e9:.1f} GFLOP/s, {profile.memory / 2**20:.0f} MiB free, "
                   f"{len(profile.bandwidth)} links probed", flush=True)
             if stop.wait(REPUBLISH_SECONDS):
@@ -91,9 +91,9 @@ def _load_costs(args: argparse.Namespace) -> tuple[list[Any], float]:
 def _profiles(args: argparse.Namespace) -> list[Any]:
     from potluck.pipeline.profiling import NodeProfile, fetch_profiles
     if args.profiles:
-        return [NodeProfile.from_dict(p) for p in json.loads(Path(args.profiles).read_text())]
+        return [NodeProfile.from_wire(p) for p in json.loads(Path(args.profiles).read_text())]
     with start_peer(args) as peer:
-        return peer.run(fetch_profiles(peer.dht, args.run_id), timeout=60)
+        return peer.run(fetch_profiles(peer, args.run_id), timeout=60)
 
 
 def make_plan(profiles: list[Any], costs: list[Any], reference_flops: float, clusters: int | None,

@@ -1,4 +1,4 @@
-"""Start a whole pipeline run over ready transports: workers on every node, one controller per
+"""Start a whole pipeline run over ready peers: workers on every node, one controller per
 cluster. Used by the demo, the benchmark and the tests; a deployment does the same per node."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from potluck.core import compat
+from potluck.core.peer_like import PeerLike
 from potluck.net.identity import PeerID
 from potluck.pipeline.partition import boundary_shapes
 from potluck.pipeline.profiling import LayerCost, NodeProfile, profile_layers
-from potluck.pipeline.recovery import ClusterController, LayoutDirectory
+from potluck.pipeline.recovery import ClusterController
 from potluck.pipeline.stage import LossFn, MakeLayers, PipelineConfig, Source, StageWorker
 
 __all__ = ["PipelineRun", "RemoteNode", "launch_run"]
@@ -29,8 +30,8 @@ class RemoteNode:
     addresses: tuple[str, ...]
 
 
-def _peer_id(node: Any) -> str:
-    return node.peer_id if isinstance(node, RemoteNode) else str(node[0].peer_id)
+def _peer_id(node: PeerLike | RemoteNode) -> str:
+    return node.peer_id if isinstance(node, RemoteNode) else str(node.transport.peer_id)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class PipelineRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def worker_of(self, cluster: int, stage: int) -> StageWorker:
-        peer = self.controllers[cluster].stages[stage][0]
+        peer = self.controllers[cluster].stages[stage].peer
         return self.workers[peer]
 
     async def wait_until(self, condition: Callable[[], bool], timeout: float) -> None:
@@ -67,7 +68,7 @@ class PipelineRun:
         await asyncio.gather(*(w.close() for w in self.workers.values()))
 
 
-async def launch_run(nodes: Sequence[tuple[Any, Any]], clusters: Sequence[Sequence[int]], config: PipelineConfig,
+async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[Sequence[int]], config: PipelineConfig,
                      make_layers: MakeLayers, num_layers: int, optimizer: Callable[[list[nn.Parameter]], Any], *,
                      sample: torch.Tensor, sources: Sequence[Source], loss_fn: LossFn | None = None,
                      costs: Sequence[LayerCost] | None = None, profiles: dict[str, NodeProfile] | None = None,
@@ -75,16 +76,16 @@ async def launch_run(nodes: Sequence[tuple[Any, Any]], clusters: Sequence[Sequen
                      heartbeat: float = 1.0, failure_timeout: float = 3.0,
                      prepare: Callable[[StageWorker], None] | None = None,
                      scheduler: Callable[[Any], Any] | None = None) -> PipelineRun:
-    """`nodes[i]` = (transport, dht) of node i, or a `RemoteNode` whose worker runs elsewhere;
+    """`nodes[i]` = the peer of node i, or a `RemoteNode` whose worker runs elsewhere;
     `clusters[c]` = node indices of cluster c;
     `prepare(worker)` runs on each worker before it is configured (hooks, tracing)."""
-    local = [n for n in nodes if not isinstance(n, RemoteNode)]
-    for a, _ in local:  # every node may have to talk to every other (stages, rings, recovery)
+    local = [n.transport for n in nodes if not isinstance(n, RemoteNode)]
+    for a in local:  # every node may have to talk to every other (stages, rings, recovery)
         for b in nodes:
             if isinstance(b, RemoteNode):
                 a.add_addresses(PeerID.from_string(b.peer_id), list(b.addresses))
-            elif a is not b[0] and b[0].addresses:
-                a.add_addresses(b[0].peer_id, b[0].addresses)
+            elif a is not b.transport and b.transport.addresses:
+                a.add_addresses(b.transport.peer_id, b.transport.addresses)
     layers = make_layers(list(range(num_layers)))
     shapes = boundary_shapes(layers, list(sample.shape[1:]))
     if costs is None:
@@ -97,9 +98,8 @@ async def launch_run(nodes: Sequence[tuple[Any, Any]], clusters: Sequence[Sequen
         for i in [*members, *spare]:
             if isinstance(nodes[i], RemoteNode):
                 continue  # its process runs its own worker
-            transport, dht = nodes[i]
-            worker = StageWorker(transport, config, make_layers, optimizer, source=sources[c], loss_fn=loss_fn,
-                                 directory=LayoutDirectory(dht, config.run_id), scheduler=scheduler)
+            worker = StageWorker(nodes[i], config, make_layers, optimizer, source=sources[c], loss_fn=loss_fn,
+                                 scheduler=scheduler)
             if prepare is not None:
                 prepare(worker)
             worker.start()
@@ -107,10 +107,9 @@ async def launch_run(nodes: Sequence[tuple[Any, Any]], clusters: Sequence[Sequen
         host = next((i for i in members if not isinstance(nodes[i], RemoteNode)), None)
         if host is None:
             raise ValueError(f"cluster {c} needs a local node to run its controller")
-        transport, dht = nodes[host]
         controllers.append(ClusterController(
-            transport, config, f"c{c}", [_peer_id(nodes[i]) for i in members], costs, shapes,
-            LayoutDirectory(dht, config.run_id), profiles=profiles, reference_flops=reference_flops,
+            nodes[host], config, f"c{c}", [_peer_id(nodes[i]) for i in members], costs, shapes,
+            profiles=profiles, reference_flops=reference_flops,
             standby=[_peer_id(nodes[i]) for i in spare], heartbeat=heartbeat, failure_timeout=failure_timeout))
     for controller in controllers:
         await controller.plan()

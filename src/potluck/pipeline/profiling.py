@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from potluck.core.errors import PotluckError
+from potluck.core.errors import MalformedMessage
+from potluck.core.peer_like import PeerLike
 from potluck.net.identity import PeerID
-from potluck.net.transport import Transport
+from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest, number_field, str_field
 
 __all__ = ["LayerCost", "NodeProfile", "measure_flops", "free_memory_bytes", "profile_layers",
            "serve_probes", "probe_link", "publish_profile", "fetch_profiles"]
@@ -41,6 +42,10 @@ PROBE_TIMEOUT = 10.0
 PROFILE_TTL = 300.0
 # Matmul size for the FLOP/s probe: big enough to reach the BLAS's steady speed on a CPU core.
 MATMUL_SIZE = 256
+# Links in one profile: one per peer probed; a pipeline run has tens of nodes, not thousands.
+MAX_PROFILE_LINKS = 1024
+# Profiles read from the DHT at once (one per node of the run).
+MAX_PROFILES = 4096
 
 
 @dataclass
@@ -57,20 +62,36 @@ class NodeProfile:
     def bandwidth_to(self, other: str) -> float:
         return self.bandwidth.get(other, self.default_bandwidth)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> NodeProfile:
+    def from_wire(cls, data: Any) -> NodeProfile:
+        """A profile from the DHT or a plan file; node ids there may be any label (plans of
+        imagined nodes), so they are bounded but not parsed as peer ids."""
+        what = "node profile"
         if not isinstance(data, dict):
-            raise PotluckError(f"a node profile must be a dict, got {type(data).__name__}")
-        try:
-            return cls(peer_id=str(data["peer_id"]), flops=float(data["flops"]), memory=int(data["memory"]),
-                       bandwidth={str(k): float(v) for k, v in dict(data.get("bandwidth", {})).items()},
-                       latency={str(k): float(v) for k, v in dict(data.get("latency", {})).items()},
-                       default_bandwidth=float(data.get("default_bandwidth", 100e6)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise PotluckError(f"malformed node profile: {e}") from None
+            raise MalformedMessage(what, "not a map")
+        memory = data.get("memory")
+        if not isinstance(memory, int) or isinstance(memory, bool) or not 0 <= memory < MAX_COUNTER:
+            raise MalformedMessage(what, f"'memory' must be an integer in [0, {MAX_COUNTER})")
+        flops = number_field(data, "flops", what)
+        if flops <= 0:
+            raise MalformedMessage(what, "'flops' must be positive")
+        return cls(peer_id=str_field(data, "peer_id", what, MAX_NAME_CHARS), flops=flops, memory=memory,
+                   bandwidth=_links(data, "bandwidth", what), latency=_links(data, "latency", what),
+                   default_bandwidth=number_field(data, "default_bandwidth", what, 100e6))
+
+
+def _links(data: dict, key: str, what: str) -> dict[str, float]:
+    """{node id: measure} of a profile: bounded, every measure finite and non-negative."""
+    links = data.get(key, {})
+    if not isinstance(links, dict) or len(links) > MAX_PROFILE_LINKS:
+        raise MalformedMessage(what, f"'{key}' must map at most {MAX_PROFILE_LINKS} node ids to numbers")
+    for peer in links:
+        if not isinstance(peer, str) or len(peer) > MAX_NAME_CHARS:
+            raise MalformedMessage(what, f"'{key}' keys must be node ids")
+    return {peer: number_field(links, peer, what) for peer in links}
 
 
 def measure_flops(size: int = MATMUL_SIZE, seconds: float = 0.2) -> float:
@@ -129,41 +150,38 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
     return costs
 
 
-def serve_probes(transport: Transport) -> None:
-    """Answer bandwidth / latency probes from other nodes."""
+def serve_probes(peer: PeerLike) -> None:
+    """Answer bandwidth / latency probes from other nodes (the reply is only timed, never read)."""
     async def probe(request: Any, ctx: Any) -> Any:
-        if not isinstance(request, dict):
-            raise PotluckError("probe request must be a dict")
-        size = request.get("reply_bytes", 0)
-        if not isinstance(size, int) or not 0 <= size <= MAX_PROBE_BYTES:
-            raise PotluckError(f"reply_bytes must be an int in [0, {MAX_PROBE_BYTES}]")
+        size = ProbeRequest.from_wire(request, MAX_PROBE_BYTES).reply_bytes
         return {"data": torch.zeros(size, dtype=torch.uint8)} if size else {}
-    transport.add_handler(PROBE_METHOD, probe)
+    peer.transport.add_handler(PROBE_METHOD, probe)
 
 
-async def probe_link(transport: Transport, peer: PeerID, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
-    """(download bytes/s from `peer`, one-way latency s): a tiny call, then a `nbytes` reply."""
+async def probe_link(peer: PeerLike, other: PeerID, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(download bytes/s from `other`, one-way latency s): a tiny call, then a `nbytes` reply."""
+    transport = peer.transport
     loop = asyncio.get_running_loop()
-    await transport.call(peer, PROBE_METHOD, {}, timeout=PROBE_TIMEOUT)  # connect first
+    await transport.call(other, PROBE_METHOD, ProbeRequest().to_wire(), timeout=PROBE_TIMEOUT)  # connect first
     start = loop.time()
-    await transport.call(peer, PROBE_METHOD, {}, timeout=PROBE_TIMEOUT)
+    await transport.call(other, PROBE_METHOD, ProbeRequest().to_wire(), timeout=PROBE_TIMEOUT)
     rtt = loop.time() - start
     start = loop.time()
-    await transport.call(peer, PROBE_METHOD, {"reply_bytes": nbytes}, timeout=PROBE_TIMEOUT)
+    await transport.call(other, PROBE_METHOD, ProbeRequest(nbytes).to_wire(), timeout=PROBE_TIMEOUT)
     elapsed = max(loop.time() - start - rtt, 1e-6)
     return nbytes / elapsed, rtt / 2
 
 
-async def profile_node(transport: Transport, others: Sequence[PeerID], *, flops: float | None = None,
+async def profile_node(peer: PeerLike, others: Sequence[PeerID], *, flops: float | None = None,
                        memory: int | None = None) -> NodeProfile:
     """This node's profile; links to `others` are probed one by one (probes must not compete)."""
-    profile = NodeProfile(str(transport.peer_id),
+    profile = NodeProfile(str(peer.transport.peer_id),
                           flops if flops is not None else await asyncio.get_running_loop().run_in_executor(
                               None, measure_flops),
                           memory if memory is not None else free_memory_bytes())
     for other in others:
         try:
-            bw, lat = await probe_link(transport, other)
+            bw, lat = await probe_link(peer, other)
         except Exception as e:  # noqa: BLE001 - an unreachable node is just left unprobed
             logger.warning("could not probe %s: %s", other, e)
             continue
@@ -175,19 +193,20 @@ def profiles_key(run_id: str) -> str:
     return f"{run_id}.pipeline.profiles"
 
 
-async def publish_profile(dht: Any, run_id: str, profile: NodeProfile, ttl: float = PROFILE_TTL) -> bool:
+async def publish_profile(peer: PeerLike, run_id: str, profile: NodeProfile, ttl: float = PROFILE_TTL) -> bool:
     """Store `profile` in the DHT (subkey = peer id)."""
-    return await dht.astore(profiles_key(run_id), profile.to_dict(), dht.get_time() + ttl, subkey=profile.peer_id)
+    dht = peer.dht
+    return await dht.astore(profiles_key(run_id), profile.to_wire(), dht.get_time() + ttl, subkey=profile.peer_id)
 
 
-async def fetch_profiles(dht: Any, run_id: str) -> list[NodeProfile]:
+async def fetch_profiles(peer: PeerLike, run_id: str) -> list[NodeProfile]:
     """Every live profile of the run, sorted by peer id (malformed ones are skipped)."""
-    found = await dht.aget(profiles_key(run_id), latest=True)
+    found = await peer.dht.aget(profiles_key(run_id), latest=True)
     profiles = []
     if found is not None and isinstance(found.value, dict):
-        for entry in found.value.values():
+        for entry in list(found.value.values())[:MAX_PROFILES]:
             try:
-                profiles.append(NodeProfile.from_dict(entry.value))
-            except PotluckError as e:
+                profiles.append(NodeProfile.from_wire(entry.value))
+            except MalformedMessage as e:
                 logger.warning("skipping a profile: %s", e)
     return sorted(profiles, key=lambda p: p.peer_id)

@@ -25,13 +25,24 @@ from typing import Any
 
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
 from potluck.net.identity import PeerID
-from potluck.net.transport import Transport
+from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
+from potluck.pipeline.messages import (
+    MAX_ADDRESSES,
+    Ack,
+    Configure,
+    FailureReport,
+    GetStats,
+    Ping,
+    Route,
+    StageReport,
+)
 from potluck.pipeline.partition import Partition, PartitionError, Stage, partition_layers
 from potluck.pipeline.profiling import LayerCost, NodeProfile
-from potluck.pipeline.stage import PipelineConfig, PipelineError, call
+from potluck.pipeline.stage import PipelineConfig, call
 
-__all__ = ["ClusterController", "LayoutDirectory", "RecoveryEvent"]
+__all__ = ["ClusterController", "RecoveryEvent"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,42 +52,6 @@ HEARTBEAT = 1.0
 FAILURE_TIMEOUT = 3.0
 # Configuring a stage may include fetching its weights from another cluster.
 CONFIGURE_TIMEOUT = 60.0
-# Addresses kept per peer from a layout (a peer gains nothing by listing more).
-MAX_ADDRESSES = 8
-# Layouts in the DHT expire after this unless republished (the controller republishes at half).
-LAYOUT_TTL = 120.0
-
-
-class LayoutDirectory:
-    """Every cluster's layout, in the DHT: key `{run_id}.pipeline.layout`, subkey = cluster id.
-
-    A layout lists (peer id, first layer, end layer) per stage and the stages' addresses, so ring
-    members in other clusters, and nodes that must fetch lost layers, can dial each other.
-    """
-
-    def __init__(self, dht: Any, run_id: str):
-        self.dht = dht
-        self.key = f"{run_id}.pipeline.layout"
-        self.addresses: dict[str, list[str]] = {}  # from the last fetch
-
-    async def publish(self, cluster_id: str, epoch: int, stages: Sequence[tuple[str, int, int]],
-                      addresses: dict[str, list[str]] | None = None) -> None:
-        value = {"epoch": epoch, "stages": [[p, a, b] for p, a, b in stages], "addresses": addresses or {}}
-        await self.dht.astore(self.key, value, self.dht.get_time() + LAYOUT_TTL, subkey=cluster_id)
-
-    async def fetch(self) -> dict[str, list[tuple[str, int, int]]]:
-        found = await self.dht.aget(self.key, latest=True)
-        layouts: dict[str, list[tuple[str, int, int]]] = {}
-        if found is None or not isinstance(found.value, dict):
-            return layouts
-        for cluster, entry in found.value.items():
-            try:
-                layouts[str(cluster)] = [(str(p), int(a), int(b)) for p, a, b in entry.value["stages"]]
-                for peer, addrs in dict(entry.value.get("addresses") or {}).items():
-                    self.addresses[str(peer)] = [str(a) for a in list(addrs)[:MAX_ADDRESSES]]
-            except (KeyError, TypeError, ValueError, AttributeError):
-                logger.warning("malformed layout for cluster %r ignored", cluster)
-        return layouts
 
 
 @dataclass
@@ -85,25 +60,26 @@ class RecoveryEvent:
     detected_at: float   # loop time
     recovered_at: float
     epoch: int
-    stages: list[tuple[str, int, int]]
+    stages: list[Span]
     fetched_from: dict[int, str] = field(default_factory=dict)  # layer -> other cluster's node
 
 
 class ClusterController:
     """Partitions, configures and heals one cluster."""
 
-    def __init__(self, transport: Transport, config: PipelineConfig, cluster_id: str, members: Sequence[str],
-                 costs: Sequence[LayerCost], shapes: Sequence[Sequence[int]], directory: LayoutDirectory, *,
+    def __init__(self, peer: PeerLike, config: PipelineConfig, cluster_id: str, members: Sequence[str],
+                 costs: Sequence[LayerCost], shapes: Sequence[Sequence[int]], *,
                  profiles: dict[str, NodeProfile] | None = None, reference_flops: float = 1.0,
                  standby: Sequence[str] = (), heartbeat: float = HEARTBEAT, failure_timeout: float = FAILURE_TIMEOUT):
-        self.transport = transport
+        self.peer = peer
+        self.transport = transport = peer.transport
         self.config = config
         self.cluster_id = cluster_id
         self.members = list(members)
         self.standby = list(standby)
         self.costs = list(costs)
-        self.shapes = [list(s) for s in shapes]  # shapes[i]: per-sample input of layer i; shapes[-1]: output
-        self.directory = directory
+        self.shapes = [tuple(s) for s in shapes]  # shapes[i]: per-sample input of layer i; shapes[-1]: output
+        self.directory = LayoutDirectory(peer, config.run_id)
         self.profiles = profiles or {}
         self.reference_flops = reference_flops
         self.heartbeat = heartbeat
@@ -121,8 +97,8 @@ class ClusterController:
         transport.add_handler(self._report_method, self._on_report)
 
     @property
-    def stages(self) -> list[tuple[str, int, int]]:
-        return [(s.peer_id, s.start, s.end) for s in self.partition.stages] if self.partition else []
+    def stages(self) -> list[Span]:
+        return [Span(s.peer_id, s.start, s.end) for s in self.partition.stages] if self.partition else []
 
     def _profile(self, peer: str) -> NodeProfile:
         return self.profiles.get(peer) or NodeProfile(peer, self.reference_flops, 2**62)
@@ -132,7 +108,11 @@ class ClusterController:
         first, so their stages' first ring rounds already see every cluster."""
         self.partition = partition_layers(self.costs, [self._profile(m) for m in self.members], self.reference_flops,
                                           in_flight=self.config.staleness_bound)
-        await self.directory.publish(self.cluster_id, self.epoch, self.stages, self._addresses(self.members))
+        await self._publish()
+
+    async def _publish(self) -> None:
+        await self.directory.publish(self.cluster_id, Layout(self.epoch, tuple(self.stages),
+                                                             self._addresses(self.members)))
 
     async def start(self) -> None:
         """Partition over the members, configure them, publish the layout, start watching."""
@@ -159,38 +139,38 @@ class ClusterController:
         addresses = self._addresses([*self.members, me])
         for peers in elsewhere.values():
             for p in peers:
-                addresses.setdefault(p, self.directory.addresses.get(p, []))
+                addresses.setdefault(p, self.directory.addresses.get(p, ()))
 
-        def sources(s: Stage) -> dict[str, list[str]]:
-            return {str(i): ([holders[i]] if i in holders else []) + elsewhere.get(i, [])
+        def sources(s: Stage) -> dict[int, tuple[str, ...]]:
+            return {i: tuple(([holders[i]] if i in holders else []) + elsewhere.get(i, []))
                     for i in range(s.start, s.end) if holders.get(i) != s.peer_id}
 
         async def configure(index: int) -> None:
             s = stages[index]
-            route = {"epoch": self.epoch, "cluster": self.cluster_id, "stage": index, "start": s.start, "end": s.end,
-                     "prev": stages[index - 1].peer_id if index > 0 else None,
-                     "next": stages[index + 1].peer_id if index + 1 < len(stages) else None,
-                     "in_shape": self.shapes[s.start], "out_shape": self.shapes[s.end],
-                     "controller": me, "report_method": self._report_method,
-                     "compute_seconds": sum(c.seconds for c in self.costs[s.start:s.end]) * self.reference_flops
-                     / self._profile(s.peer_id).flops,
-                     "sources": sources(s),
-                     "addresses": addresses}
-            await call(self.transport, s.peer_id, self._ctl, {"op": "configure", "route": route}, CONFIGURE_TIMEOUT)
+            route = Route(epoch=self.epoch, cluster=self.cluster_id, stage=index, start=s.start, end=s.end,
+                          prev_peer=stages[index - 1].peer_id if index > 0 else None,
+                          next_peer=stages[index + 1].peer_id if index + 1 < len(stages) else None,
+                          in_shape=self.shapes[s.start], out_shape=self.shapes[s.end],
+                          controller=me, report_method=self._report_method,
+                          compute_seconds=sum(c.seconds for c in self.costs[s.start:s.end]) * self.reference_flops
+                          / self._profile(s.peer_id).flops,
+                          sources=sources(s), addresses=addresses)
+            Ack.from_wire(await call(self.transport, s.peer_id, self._ctl, Configure(route), CONFIGURE_TIMEOUT))
         async with compat.TaskGroup() as group:
             for i in range(len(stages)):
                 group.create_task(configure(i))
-        await self.directory.publish(self.cluster_id, self.epoch, self.stages, self._addresses(self.members))
+        await self._publish()
 
-    def _addresses(self, peers: Sequence[str]) -> dict[str, list[str]]:
-        """Where each of `peers` can be dialed, as this node knows it."""
+    def _addresses(self, peers: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """Where each of `peers` can be dialed, as this node knows it (the newest few)."""
         me = str(self.transport.peer_id)
-        return {p: [str(a) for a in (self.transport.addresses if p == me
-                                     else self.transport.addresses_of(PeerID.from_string(p)))] for p in peers}
+        return {p: tuple(str(a) for a in (self.transport.addresses if p == me
+                                          else self.transport.addresses_of(PeerID.from_string(p)))[:MAX_ADDRESSES])
+                for p in peers}
 
     async def _alive(self, peer: str) -> bool:
         try:
-            await call(self.transport, peer, self._ctl, {"op": "ping"}, self.failure_timeout)
+            await call(self.transport, peer, self._ctl, Ping(), self.failure_timeout)
             return True
         except (NetworkError, TimeoutError):
             return False
@@ -207,18 +187,16 @@ class ClusterController:
                 await self._recover_logged(dead, loop.time())
             elif loop.time() - published > LAYOUT_TTL / 2:
                 published = loop.time()
-                await self.directory.publish(self.cluster_id, self.epoch, self.stages, self._addresses(self.members))
+                await self._publish()
 
     async def _on_report(self, request: Any, ctx: Any) -> Any:
-        if not isinstance(request, dict) or request.get("op") != "failure" or not isinstance(request.get("peer"), str):
-            raise PipelineError("cluster report must be {'op': 'failure', 'peer': <peer id>, 'epoch': int}")
-        peer = request["peer"]
-        if request.get("epoch") == self.epoch and peer in self.members and not await self._alive(peer):
+        report = FailureReport.from_wire(request)
+        if report.epoch == self.epoch and report.peer in self.members and not await self._alive(report.peer):
             # recovery outlives this call (it re-configures the reporter too): the controller owns it
-            task = asyncio.ensure_future(self._recover_logged([peer], asyncio.get_running_loop().time()))
+            task = asyncio.ensure_future(self._recover_logged([report.peer], asyncio.get_running_loop().time()))
             self._recoveries.add(task)
             task.add_done_callback(self._recoveries.discard)
-        return {"ok": True}
+        return Ack().to_wire()
 
     async def _recover_logged(self, dead: Sequence[str], detected_at: float) -> None:
         try:
@@ -234,7 +212,7 @@ class ClusterController:
             if not dead:
                 return None
             self.dead.update(dead)
-            lost = {i for p, a, b in self.stages if p in dead for i in range(a, b)}
+            lost = {i for s in self.stages if s.peer in dead for i in range(s.start, s.end)}
             survivors = [m for m in self.members if m not in dead]
             self.epoch += 1
             layouts = await self.directory.fetch()
@@ -242,12 +220,12 @@ class ClusterController:
             for cluster, stages in sorted(layouts.items()):
                 if cluster == self.cluster_id:
                     continue
-                for p, a, b in stages:
-                    for i in range(a, b):
-                        if p not in self.dead:
-                            elsewhere.setdefault(i, []).append(p)
+                for span in stages:
+                    for i in range(span.start, span.end):
+                        if span.peer not in self.dead:
+                            elsewhere.setdefault(i, []).append(span.peer)
             while True:
-                holders = {i: p for p, a, b in self.stages if p not in self.dead for i in range(a, b)}
+                holders = {i: s.peer for s in self.stages if s.peer not in self.dead for i in range(s.start, s.end)}
                 try:
                     await self._apply(survivors, holders, elsewhere)
                     break
@@ -268,15 +246,17 @@ class ClusterController:
                                   self.stages, {i: elsewhere[i][0] for i in sorted(lost) if i in elsewhere})
             self.events.append(event)
             logger.warning("cluster %s recovered from the loss of %s: epoch %d, stages %s", self.cluster_id,
-                           event.dead[:8], self.epoch, [(p[:8], a, b) for p, a, b in self.stages])
+                           event.dead[:8], self.epoch, [(s.peer[:8], s.start, s.end) for s in self.stages])
             return event
 
-    async def stats(self) -> list[dict[str, Any]]:
-        """Each member's counters (busy seconds, updates, staleness...), in stage order."""
-        async def one(peer: str) -> dict[str, Any]:
+    async def stats(self) -> dict[str, StageReport | None]:
+        """Each member's counters (busy seconds, updates, staleness...), in stage order; None for a
+        member that does not answer (or answers nonsense)."""
+        async def one(peer: str) -> StageReport | None:
             try:
-                reply = await call(self.transport, peer, self._ctl, {"op": "stats"}, self.failure_timeout)
-                return dict(reply, peer=peer)
-            except (NetworkError, TimeoutError):
-                return {"peer": peer, "dead": True}
-        return list(await asyncio.gather(*(one(p) for p in self.members)))
+                return StageReport.from_wire(await call(self.transport, peer, self._ctl, GetStats(),
+                                                        self.failure_timeout))
+            except (NetworkError, TimeoutError):  # MalformedMessage is a NetworkError
+                return None
+        members = list(self.members)
+        return dict(zip(members, await asyncio.gather(*(one(p) for p in members)), strict=True))

@@ -19,16 +19,21 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from potluck.core import compat
-from potluck.core.errors import NetworkError, PotluckError
-from potluck.net.identity import PeerID
-from potluck.net.transport import Transport
+from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
+from potluck.net.identity import PEER_ID_MAX_CHARS, PeerID
+from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, MAX_LAYER_INDEX, Ack, Ping, int_field, str_field
 
-__all__ = ["MemberGone", "RingAllReduce", "RingError", "RoundSkipped", "Segment", "ring_segments"]
+if TYPE_CHECKING:
+    from potluck.pipeline.layout import Span
+
+__all__ = ["MemberGone", "PartKey", "RingAllReduce", "RingError", "RingPart", "RingStatus", "RingStatusQuery",
+           "RoundSkipped", "Segment", "parse_ring", "ring_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,85 @@ MAX_ATTEMPTS = 4
 ROUNDS_AHEAD = 2
 # Pieces we buffer at once, whatever senders do.
 MAX_BUFFERED = 4096
+
+
+# The members of a ring in its messages: one peer id per cluster, comma-separated.
+MAX_MEMBERS_CHARS = MAX_CLUSTERS * (PEER_ID_MAX_CHARS + 1)
+# Parts per chunk: a sender cuts one member's chunk into parts of its own `part_bytes`; 2^31 parts
+# of even one value is past any vector a ring carries.
+MAX_PARTS = 2**31
+
+
+@dataclass(frozen=True)
+class PartKey:
+    """Which piece a ring message is: round, ring (layers [start, end)), attempt and its members
+    (so pieces of a re-formed ring never mix with the old one's), step and part of the step."""
+
+    round: int
+    start: int
+    end: int
+    attempt: int
+    members: str
+    step: int
+    part: int
+
+
+@dataclass(frozen=True)
+class RingPart:
+    """One piece of a chunk, sent to the right-hand neighbour."""
+
+    key: PartKey
+    data: torch.Tensor
+
+    def to_wire(self) -> dict:
+        k = self.key
+        return {"r": k.round, "a": k.start, "b": k.end, "t": k.attempt, "m": k.members, "s": k.step, "p": k.part,
+                "d": self.data}
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> RingPart:
+        what = "ring part"
+        start = int_field(msg, "a", what, 0, MAX_LAYER_INDEX)
+        key = PartKey(int_field(msg, "r", what, 0, MAX_COUNTER), start,
+                      int_field(msg, "b", what, start + 1, MAX_LAYER_INDEX + 1),
+                      int_field(msg, "t", what, 0, MAX_ATTEMPTS), str_field(msg, "m", what, MAX_MEMBERS_CHARS),
+                      int_field(msg, "s", what, 0, 2 * MAX_CLUSTERS), int_field(msg, "p", what, 0, MAX_PARTS))
+        data = msg.get("d")
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.float32 or data.dim() != 1:
+            raise MalformedMessage(what, "'d' must be a 1-d float32 tensor")
+        return cls(key, data)
+
+
+@dataclass(frozen=True)
+class RingStatusQuery:
+    """Which round are you at? (asked of a neighbour that has sent nothing for a while)."""
+
+    def to_wire(self) -> dict:
+        return {"status": True}
+
+
+@dataclass(frozen=True)
+class RingStatus:
+    """The lowest round a member still accepts."""
+
+    round: int
+
+    def to_wire(self) -> dict:
+        return {"round": self.round}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> RingStatus:
+        if not isinstance(msg, Mapping):
+            raise MalformedMessage("ring status", "not a map")
+        return cls(int_field(msg, "round", "ring status", 0, MAX_COUNTER))
+
+
+def parse_ring(msg: Any) -> RingPart | RingStatusQuery:
+    if not isinstance(msg, Mapping):
+        raise MalformedMessage("ring message", "not a map")
+    if msg.get("status") is True:
+        return RingStatusQuery()
+    return RingPart.from_wire(msg)
 
 
 class RingError(PotluckError):
@@ -83,15 +167,15 @@ class Segment:
     members: tuple[str, ...]
 
 
-def ring_segments(layouts: Mapping[str, Sequence[tuple[str, int, int]]]) -> list[Segment]:
-    """Rings from layouts {cluster id: [(peer id, start, end), ...]}, clusters in sorted order."""
+def ring_segments(layouts: Mapping[str, Sequence[Span]]) -> list[Segment]:
+    """Rings from layouts {cluster id: [Span(peer id, start, end), ...]}, clusters in sorted order."""
     clusters = sorted(layouts)
-    cuts = sorted({b for c in clusters for _, a, b in layouts[c]} | {a for c in clusters for _, a, _ in layouts[c]})
+    cuts = sorted({s.end for c in clusters for s in layouts[c]} | {s.start for c in clusters for s in layouts[c]})
     segments = []
     for start, end in zip(cuts, cuts[1:], strict=False):
         members = []
         for c in clusters:
-            holder = [p for p, a, b in layouts[c] if a <= start and end <= b]
+            holder = [s.peer for s in layouts[c] if s.start <= start and end <= s.end]
             if holder:
                 members.append(holder[0])
         if members:
@@ -114,46 +198,40 @@ def _chunks(length: int, parts: int) -> list[tuple[int, int]]:
 class RingAllReduce:
     """One node's side of every ring it is in (one handler, a mailbox keyed by round and ring)."""
 
-    def __init__(self, transport: Transport, run_id: str, ping_method: str, *,
+    def __init__(self, peer: PeerLike, run_id: str, ping_method: str, *,
                  part_bytes: int = RING_PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT):
-        self.transport = transport
+        self.transport = peer.transport
         self.part_bytes = part_bytes
         self.parts_in_flight = parts_in_flight
         self.method = f"{run_id}.pipe.ring"
         self.ping_method = ping_method
         self.round = 0  # the lowest round still accepted
-        self._mailbox: dict[tuple, torch.Tensor] = {}
+        self._mailbox: dict[tuple[PartKey, str], torch.Tensor] = {}  # (key, sender) -> data
         self._arrived = asyncio.Event()
-        transport.add_handler(self.method, self._receive)
+        self.transport.add_handler(self.method, self._receive)
 
     async def _receive(self, request: Any, ctx: Any) -> Any:
-        if not isinstance(request, dict):
-            raise RingError("ring message must be a dict")
-        if request.get("status"):
-            return {"round": self.round}
-        key, data = request.get("key"), request.get("data")
-        if not (isinstance(key, list) and len(key) == 7 and all(isinstance(k, (int, str)) for k in key)):
-            raise RingError("ring message key must be [round, start, end, attempt, members, step, part]")
-        if not isinstance(data, torch.Tensor) or data.dtype != torch.float32 or data.dim() != 1:
-            raise RingError("ring message data must be a 1-d float32 tensor")
-        if not isinstance(key[0], int) or not self.round <= key[0] <= self.round + ROUNDS_AHEAD:
-            return {"ok": False}  # a stale or far-future round: nobody will read it
+        message = parse_ring(request)
+        if isinstance(message, RingStatusQuery):
+            return RingStatus(self.round).to_wire()
+        if not self.round <= message.key.round <= self.round + ROUNDS_AHEAD:
+            return Ack(False).to_wire()  # a stale or far-future round: nobody will read it
         if len(self._mailbox) >= MAX_BUFFERED:
             raise RingError("ring mailbox is full")
-        self._mailbox[(*key, str(ctx.peer_id))] = data
+        self._mailbox[(message.key, str(ctx.peer_id))] = message.data
         self._arrived.set()
-        return {"ok": True}
+        return Ack().to_wire()
 
     async def _alive(self, peer: PeerID) -> bool:
         try:
-            await self.transport.call(peer, self.ping_method, {"op": "ping"}, timeout=PING_TIMEOUT)
+            await self.transport.call(peer, self.ping_method, Ping().to_wire(), timeout=PING_TIMEOUT)
             return True
         except (NetworkError, TimeoutError):
             return False
 
-    async def _take(self, key: tuple, sender: PeerID, size: int, deadline: float) -> torch.Tensor:
+    async def _take(self, key: PartKey, sender: PeerID, size: int, deadline: float) -> torch.Tensor:
         loop = asyncio.get_running_loop()
-        full = (*key, str(sender))
+        full = (key, str(sender))
         while full not in self._mailbox:
             left = deadline - loop.time()
             if left <= 0:
@@ -164,12 +242,12 @@ class RingAllReduce:
                     await self._arrived.wait()
             except TimeoutError:
                 try:
-                    status = await self.transport.call(sender, self.method, {"status": True}, timeout=PING_TIMEOUT)
-                except (NetworkError, TimeoutError):
+                    status = RingStatus.from_wire(await self.transport.call(
+                        sender, self.method, RingStatusQuery().to_wire(), timeout=PING_TIMEOUT))
+                except (NetworkError, TimeoutError):  # a malformed answer too (MalformedMessage)
                     raise MemberGone(f"ring member {sender} is not answering", str(sender)) from None
-                theirs = status.get("round") if isinstance(status, dict) else None
-                if isinstance(theirs, int) and theirs > key[0]:
-                    raise RoundSkipped(f"{sender} is already past round {key[0]}", theirs) from None
+                if status.round > key.round:
+                    raise RoundSkipped(f"{sender} is already past round {key.round}", status.round) from None
         data = self._mailbox.pop(full)
         if data.numel() != size:
             raise RingError(f"ring part from {sender} has {data.numel()} values, expected {size}")
@@ -209,7 +287,7 @@ class RingAllReduce:
         right, left = PeerID.from_string(members[(pos + 1) % n]), PeerID.from_string(members[(pos - 1) % n])
         data = vector.detach().to(torch.float32).clone().reshape(-1)
         chunks = _chunks(data.numel(), n)
-        base = [round_id, segment.start, segment.end, attempt, ",".join(members)]
+        ring = ",".join(members)
         part_values = max(1, self.part_bytes // 4)
 
         async def exchange(step: int, send_chunk: int, recv_chunk: int, reduce: bool) -> None:
@@ -220,8 +298,8 @@ class RingAllReduce:
 
             async def send_part(i: int, x: int, y: int, window: asyncio.Semaphore) -> None:
                 async with window:
-                    await self.transport.call(right, self.method, {"key": [*base, step, i],
-                                                                   "data": data[a + x:a + y].clone()},
+                    key = PartKey(round_id, segment.start, segment.end, attempt, ring, step, i)
+                    await self.transport.call(right, self.method, RingPart(key, data[a + x:a + y].clone()).to_wire(),
                                               timeout=SEND_TIMEOUT)
 
             async def send() -> None:
@@ -233,7 +311,8 @@ class RingAllReduce:
 
             async def receive() -> None:
                 for i, (x, y) in enumerate(recvs):
-                    piece = await self._take((*base, step, i), left, y - x, deadline)
+                    key = PartKey(round_id, segment.start, segment.end, attempt, ring, step, i)
+                    piece = await self._take(key, left, y - x, deadline)
                     if reduce:
                         data[c + x:c + y] += piece
                     else:
@@ -257,8 +336,8 @@ class RingAllReduce:
     def finish_round(self, round_id: int) -> None:
         """Stop accepting messages of rounds up to `round_id` and drop what is left of them."""
         self.round = max(self.round, round_id + 1)
-        for key in [k for k in self._mailbox if k[0] <= round_id]:
-            del self._mailbox[key]
+        for key, sender in [(key, sender) for key, sender in self._mailbox if key.round <= round_id]:
+            del self._mailbox[key, sender]
 
     def close(self) -> None:
         self.transport.remove_handler(self.method)

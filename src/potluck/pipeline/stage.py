@@ -3,20 +3,20 @@
 A `StageWorker` holds a contiguous run of layers. It follows `StageSchedule` (backward first, a
 staleness bound, no flush), computes on `StashedWeights` snapshots (exact weight stashing),
 streams activations forward and gradients backward as unary calls (optionally compressed with a
-`potluck.compression` codec), applies an update after every `update_frequency` backwards, and,
-every `average_every` updates, averages its layers with the nodes holding them in other clusters
-(`ring.RingAllReduce`) in the background, without pausing the pipeline.
+`potluck.compression` codec, `PipelineConfig.compression`), applies an update after every
+`update_frequency` backwards, and, every `average_every` updates, averages its layers with the
+nodes holding them in other clusters (`ring.RingAllReduce`) in the background, without pausing the pipeline.
 
-Methods served (prefix `{run_id}.pipe.`): `fwd` (activation + labels), `bwd` (gradient), `ctl`
-(ping, configure, get_layers, stats). Malformed or mis-shaped input is refused with a clear
-error and the worker goes on serving.
+Methods served (prefix `{run_id}.pipe.`): `fwd` (`Activation`), `bwd` (`Gradient`), `ctl`
+(`Ping`, `Configure`, `GetLayers`, `GetStats`; see `messages`). Malformed or mis-shaped input is
+refused with a clear error and the worker goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +27,25 @@ from torch.func import functional_call
 from potluck.compression import get_codec
 from potluck.core import compat
 from potluck.core.errors import CompressionError, NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
 from potluck.core.runner import run_in_thread
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
+from potluck.pipeline.layout import LayoutDirectory
+from potluck.pipeline.messages import (
+    Ack,
+    Activation,
+    Configure,
+    FailureReport,
+    GetLayers,
+    GetStats,
+    Gradient,
+    LayerStates,
+    Ping,
+    Route,
+    StageReport,
+    parse_control,
+)
 from potluck.pipeline.ring import RingAllReduce, RingError, RoundSkipped, ring_segments
 from potluck.pipeline.schedule import StageSchedule
 from potluck.pipeline.stash import StashedWeights
@@ -69,7 +85,7 @@ class PipelineConfig:
     run_id: str
     staleness_bound: int = 4        # micro-batches in flight per cluster
     update_frequency: int = 1       # backwards per optimizer update
-    codec: Any = "none"             # activations and gradients on the wire ("fp16", "uniform8", ...)
+    compression: Any = "none"       # activations and gradients on the wire ("fp16", "uniform8", ...)
     message_timeout: float = 30.0   # deadline of one activation/gradient message
     average_every: int = 0          # ring all-reduce every this many updates (0: never)
     ring_timeout: float = 60.0      # deadline of one ring round
@@ -93,27 +109,38 @@ class StageStats:
     expired: int = 0          # micro-batches given up (their gradient never came)
 
 
-async def call(transport: Transport, peer: PeerID | str, method: str, request: Any, timeout: float) -> Any:
-    """`transport.call` to a peer id in text or not (a controller may configure its own stage:
-    that call goes through the transport's loopback)."""
+async def call(transport: Transport, peer: PeerID | str, method: str, message: Any, timeout: float) -> Any:
+    """Send a typed `message` to a peer id in text or not; the raw reply, for the caller's
+    `from_wire` (a controller may configure its own stage: that goes through the loopback)."""
     peer = PeerID.from_string(peer) if isinstance(peer, str) else peer
-    return await transport.call(peer, method, request, timeout=timeout)
+    return await transport.call(peer, method, message.to_wire(), timeout=timeout)
 
 
-def _tensor(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise PipelineError(f"{what} must be a tensor, got {type(value).__name__}")
-    return value
+@dataclass(slots=True)
+class InFlight:
+    """A micro-batch between its arrival and its backward: input, labels, then its forward's
+    output and weight version, then the gradient of that output."""
+
+    x: torch.Tensor | None
+    labels: torch.Tensor | None
+    out: torch.Tensor | None = None
+    version: int = -1
+    grad: torch.Tensor | None = None
+
+    @property
+    def forwarded(self) -> bool:
+        return self.out is not None
 
 
 class StageWorker:
     """One node's stage; configured (and re-configured after failures) by a `ClusterController`."""
 
-    def __init__(self, transport: Transport, config: PipelineConfig, make_layers: MakeLayers,
+    def __init__(self, peer: PeerLike, config: PipelineConfig, make_layers: MakeLayers,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-                 source: Source | None = None, loss_fn: LossFn | None = None, directory: Any = None,
+                 source: Source | None = None, loss_fn: LossFn | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None):
-        self.transport = transport
+        self.peer = peer
+        self.transport = transport = peer.transport
         self.config = config
         self.make_layers = make_layers
         self.optimizer_factory = optimizer
@@ -121,18 +148,18 @@ class StageWorker:
         self.lr_scheduler: Any = None
         self.source = source
         self.loss_fn = loss_fn or nn.functional.cross_entropy
-        self.directory = directory  # layouts of every cluster (for the rings); see controller.LayoutDirectory
-        self.codec = get_codec(config.codec)
+        self.directory = LayoutDirectory(peer, config.run_id)  # every cluster's layout, for the rings
+        self.codec = get_codec(config.compression)
         self.stats = StageStats()
         self.layers: dict[int, nn.Module] = {}
         self._retired: dict[int, nn.Module] = {}
         self._epoch_changed = asyncio.Event()
-        self.route: dict[str, Any] | None = None
+        self.route: Route | None = None
         self.schedule: StageSchedule | None = None
         self.stash: StashedWeights | None = None
         self.module: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
-        self._saved: dict[int, tuple] = {}
+        self._saved: dict[int, InFlight] = {}
         self._wake = asyncio.Event()
         self.progressed = asyncio.Event()  # set after every task, (re)configuration and ring round
         self._compute_lock = asyncio.Lock()
@@ -150,7 +177,7 @@ class StageWorker:
         transport.add_handler(self.fwd_method, self._on_forward)
         transport.add_handler(self.bwd_method, self._on_backward)
         transport.add_handler(self.ctl_method, self._on_control)
-        self.ring = RingAllReduce(transport, config.run_id, self.ctl_method, part_bytes=BACKGROUND_PART_BYTES,
+        self.ring = RingAllReduce(peer, config.run_id, self.ctl_method, part_bytes=BACKGROUND_PART_BYTES,
                                   parts_in_flight=BACKGROUND_PARTS_IN_FLIGHT)
 
     @property
@@ -173,16 +200,15 @@ class StageWorker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- configuration ------------------------------------------------------------------------------
-    async def configure(self, route: dict[str, Any]) -> None:
+    async def configure(self, route: Route) -> None:
         """Take the stage `route` describes: layers [start, end), neighbours, shapes, epoch.
 
         Layers already held keep their trained weights; missing ones are fetched from
-        `route["sources"]` ({layer: [peer ids]}, the holders in other clusters) or built fresh.
+        `route.sources` ({layer: peer ids}, the holders in other clusters) or built fresh.
         In-flight micro-batches of the previous epoch are dropped.
         """
-        start, end = int(route["start"]), int(route["end"])
-        needed = list(range(start, end))
-        self._learn_addresses(route.get("addresses"))
+        needed = list(range(route.start, route.end))
+        self._learn_addresses(route.addresses)
         async with self._compute_lock:
             self.route = None  # refuse traffic while reconfiguring
             if self.schedule is not None:
@@ -194,8 +220,7 @@ class StageWorker:
                 while not queue.empty():
                     queue.get_nowait()
             missing = [i for i in needed if i not in self.layers]
-            sources = {int(k): v for k, v in dict(route.get("sources") or {}).items()}
-            fetched = await self._fetch_layers(missing, sources) if sources else {}
+            fetched = await self._fetch_layers(missing, route.sources) if route.sources else {}
             fresh = [i for i in missing if i not in fetched]
             built = dict(zip(fresh, self.make_layers(fresh), strict=True)) if fresh else {}
             built.update(fetched)
@@ -212,70 +237,60 @@ class StageWorker:
             for p in self.module.parameters():
                 p.grad = torch.zeros_like(p)
             self.stash = StashedWeights(self.module)
-            first, last = route.get("prev") is None, route.get("next") is None
-            self.schedule = StageSchedule(self.config.staleness_bound, self.config.update_frequency, first=first,
-                                          flush_every=self.config.flush_every)
+            self.schedule = StageSchedule(self.config.staleness_bound, self.config.update_frequency,
+                                          first=route.first, flush_every=self.config.flush_every)
             self.schedule.next_micro_batch = self._micro_batch_base
-            self.route = dict(route, first=first, last=last)
+            self.route = route
             if self.on_version:
-                self.on_version(int(route["epoch"]), 0, self.stash.weights(0))
-        logger.info("%s: stage %s of cluster %s, layers %d-%d, epoch %s", self.peer_id[:8], route.get("stage"),
-                    route.get("cluster"), start, end, route["epoch"])
+                self.on_version(route.epoch, 0, self.stash.weights(0))
+        logger.info("%s: stage %d of cluster %s, layers %d-%d, epoch %d", self.peer_id[:8], route.stage,
+                    route.cluster, route.start, route.end, route.epoch)
         self._wake.set()
         self._epoch_changed.set()
         self.progressed.set()
 
-    def _learn_addresses(self, addresses: Any) -> None:
-        """Remember where peers named in a route or layout can be dialed (malformed entries skipped)."""
-        if not isinstance(addresses, dict):
-            return
+    def _learn_addresses(self, addresses: Mapping[str, tuple[str, ...]]) -> None:
+        """Remember where peers named in a route or layout can be dialed (unparsable addresses skipped)."""
         for peer, addrs in addresses.items():
             try:
-                self.transport.add_addresses(PeerID.from_string(peer), list(addrs))
-            except (PotluckError, TypeError, ValueError) as e:
-                logger.debug("ignoring addresses of %r: %s", peer, e)
+                self.transport.add_addresses(PeerID.from_string(peer), addrs)
+            except (PotluckError, ValueError) as e:
+                logger.debug("ignoring addresses of %s: %s", peer[:8], e)
 
-    async def _fetch_layers(self, layers: list[int], sources: dict[int, list[str]]) -> dict[int, nn.Module]:
+    async def _fetch_layers(self, layers: list[int], sources: Mapping[int, tuple[str, ...]]) -> dict[int, nn.Module]:
         """Layers built here and loaded with the weights of their holder in another cluster."""
         got: dict[int, nn.Module] = {}
         for i in layers:
-            for peer in sources.get(i, []):
+            for peer in sources.get(i, ()):
                 try:
-                    reply = await self.transport.call(PeerID.from_string(peer), self.ctl_method,
-                                                      {"op": "get_layers", "layers": [i]},
-                                                      timeout=self.config.message_timeout)
+                    reply = await call(self.transport, peer, self.ctl_method, GetLayers((i,)),
+                                       self.config.message_timeout)
                     layer = self.make_layers([i])[0]
-                    layer.load_state_dict(reply["state"][str(i)])  # strict: names, shapes and dtypes must match
+                    # strict: names, shapes and dtypes must match (RuntimeError otherwise)
+                    layer.load_state_dict(LayerStates.from_wire(reply, (i,)).states[i])
                     got[i] = layer
                     break
-                except (NetworkError, KeyError, TypeError, RuntimeError) as e:
+                except (NetworkError, RuntimeError) as e:  # MalformedMessage is a NetworkError
                     logger.warning("could not fetch layer %d from %s: %s", i, peer[:8], e)
         return got
 
     # -- handlers -----------------------------------------------------------------------------------
-    async def _check_epoch(self, request: Any) -> dict[str, Any] | None:
-        """The route a message belongs to, or None if it is from an older epoch (dropped). A message
-        from a newer epoch waits, within its call's deadline, until this stage is configured for
-        it: the controller configures the stages concurrently, so a neighbour may start first."""
-        if not isinstance(request, dict):
-            raise PipelineError("pipeline message must be a dict")
-        mb, epoch = request.get("mb"), request.get("epoch")
-        if not isinstance(mb, int) or isinstance(mb, bool) or mb < 0:
-            raise PipelineError("pipeline message needs a non-negative int 'mb'")
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
-            raise PipelineError("pipeline message needs an int 'epoch'")
-        if self.route is not None and epoch > self.route["epoch"] + MAX_EPOCHS_AHEAD:
-            raise PipelineError(f"epoch {epoch} is far ahead of this stage's {self.route['epoch']}")
+    async def _check_epoch(self, epoch: int) -> Route | None:
+        """The route a message of `epoch` belongs to, or None if that epoch is over (dropped). A
+        message from a newer epoch waits, within its call's deadline, until this stage is configured
+        for it: the controller configures the stages concurrently, so a neighbour may start first."""
+        if self.route is not None and epoch > self.route.epoch + MAX_EPOCHS_AHEAD:
+            raise PipelineError(f"epoch {epoch} is far ahead of this stage's {self.route.epoch}")
         try:
             async with compat.timeout(self.config.message_timeout):
-                while self.route is None or self.route["epoch"] < epoch:
+                while self.route is None or self.route.epoch < epoch:
                     self._epoch_changed.clear()
                     await self._epoch_changed.wait()
         except TimeoutError:
             raise PipelineError(f"this stage was not configured for epoch {epoch} in time") from None
-        return self.route if self.route["epoch"] == epoch else None
+        return self.route if self.route.epoch == epoch else None
 
-    def _decode(self, payload: Any, shape: Sequence[int], what: str) -> torch.Tensor:
+    def _decode(self, payload: Mapping[str, Any], shape: Sequence[int], what: str) -> torch.Tensor:
         try:
             tensor = self.codec.decode(payload)
         except CompressionError as e:
@@ -288,68 +303,61 @@ class StageWorker:
         return tensor.float()
 
     async def _on_forward(self, request: Any, ctx: Any) -> Any:
-        route = await self._check_epoch(request)
+        message = Activation.from_wire(request)
+        route = await self._check_epoch(message.epoch)
         if route is None:
-            return {"ok": False}
-        if route["first"]:
+            return Ack(False).to_wire()
+        if route.first:
             raise PipelineError("the first stage takes no activations")
-        x = self._decode(request.get("x"), route["in_shape"], "activation")
-        y = _tensor(request.get("y"), "labels")
+        x = self._decode(message.payload, route.in_shape, "activation")
+        y = message.labels
         if y.shape[:1] != x.shape[:1]:
             raise PipelineError(f"{y.shape[0] if y.dim() else 0} labels for {x.shape[0]} samples")
-        mb = request["mb"]
+        mb = message.micro_batch
         if mb in self._saved or mb in self.schedule.forward_ready:
             raise PipelineError(f"micro-batch {mb} was already received")
         if len(self.schedule.forward_ready) >= self.config.staleness_bound:
             raise PipelineError("too many micro-batches queued: the sender ignores the staleness bound")
-        self._saved[mb] = ("input", x, y)
+        self._saved[mb] = InFlight(x, y)
         self.schedule.add_forward(mb)
         self._wake.set()
-        return {"ok": True}
+        return Ack().to_wire()
 
     async def _on_backward(self, request: Any, ctx: Any) -> Any:
-        route = await self._check_epoch(request)
+        message = Gradient.from_wire(request)
+        route = await self._check_epoch(message.epoch)
         if route is None:
-            return {"ok": False}
-        mb = request["mb"]
+            return Ack(False).to_wire()
+        mb = message.micro_batch
         saved = self._saved.get(mb)
-        if saved is None or saved[0] != "forwarded" or mb in self.schedule.backward_ready:
+        if saved is None or not saved.forwarded or saved.grad is not None or mb in self.schedule.backward_ready:
             raise PipelineError(f"gradient for micro-batch {mb}, which is not waiting for one here")
-        out = saved[2]
-        g = self._decode(request.get("g"), tuple(out.shape[1:]), "gradient")
+        out = saved.out
+        g = self._decode(message.payload, tuple(out.shape[1:]), "gradient")
         if g.shape != out.shape:
             raise PipelineError(f"gradient has shape {tuple(g.shape)}, the activation had {tuple(out.shape)}")
-        self._saved[mb] = (*saved, g)
+        saved.grad = g
         self.schedule.add_backward(mb)
         self._wake.set()
-        return {"ok": True}
+        return Ack().to_wire()
 
     async def _on_control(self, request: Any, ctx: Any) -> Any:
-        if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-            raise PipelineError("control message must be a dict with an 'op'")
-        op = request["op"]
-        if op == "ping":
-            return {"ok": True}
-        if op == "stats":
-            return self.report()
-        if op == "configure":
-            route = request.get("route")
-            if not isinstance(route, dict) or not {"start", "end", "epoch", "in_shape", "out_shape"} <= set(route):
-                raise PipelineError("configure needs a route with start, end, epoch, in_shape, out_shape")
-            await self.configure(route)
-            return {"ok": True}
-        if op == "get_layers":
-            wanted = request.get("layers")
-            if not isinstance(wanted, list) or not all(isinstance(i, int) for i in wanted):
-                raise PipelineError("get_layers needs a list of layer indices")
-            held = {**self._retired, **self.layers}
-            missing = [i for i in wanted if i not in held]
-            if missing:
-                raise PipelineError(f"this node does not hold layers {missing}")
-            async with self._compute_lock:
-                return {"state": {str(i): {k: v.detach().clone() for k, v in held[i].state_dict().items()}
-                                  for i in wanted}}
-        raise PipelineError(f"unknown control op {op!r:.40}")
+        match parse_control(request):
+            case Ping():
+                return Ack().to_wire()
+            case GetStats():
+                return self.report().to_wire()
+            case Configure(route=route):
+                await self.configure(route)
+                return Ack().to_wire()
+            case GetLayers(layers=wanted):
+                held = {**self._retired, **self.layers}
+                missing = [i for i in wanted if i not in held]
+                if missing:
+                    raise PipelineError(f"this node does not hold layers {missing[:8]}")
+                async with self._compute_lock:
+                    return LayerStates({i: {k: v.detach().clone() for k, v in held[i].state_dict().items()}
+                                        for i in wanted}).to_wire()
 
     @property
     def idle(self) -> bool:
@@ -358,13 +366,13 @@ class StageWorker:
         return not self._compute_lock.locked() and (sch is None or not (sch.in_flight or sch.forward_ready
                                                                         or sch.backward_ready))
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> StageReport:
         s = self.stats
-        return {"busy_seconds": s.busy_seconds, "forwards": s.forwards, "backwards": s.backwards,
-                "updates": s.updates, "max_in_flight": self.schedule.max_in_flight if self.schedule else 0,
-                "max_version_lag": s.max_version_lag, "rounds": s.rounds, "rounds_applied": s.rounds_applied,
-                "loss": sum(s.losses[-20:]) / len(s.losses[-20:]) if s.losses else None,
-                "stage": self.route.get("stage") if self.route else None}
+        return StageReport(busy_seconds=s.busy_seconds, forwards=s.forwards, backwards=s.backwards,
+                           updates=s.updates, max_in_flight=self.schedule.max_in_flight if self.schedule else 0,
+                           max_version_lag=s.max_version_lag, rounds=s.rounds, rounds_applied=s.rounds_applied,
+                           loss=sum(s.losses[-20:]) / len(s.losses[-20:]) if s.losses else None,
+                           stage=self.route.stage if self.route else None)
 
     # -- compute ------------------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
@@ -405,26 +413,26 @@ class StageWorker:
     def _expire_stale(self, now: float) -> None:
         for mb in self.schedule.expire(now, self.config.micro_batch_timeout):
             entry = self._saved.pop(mb, None)
-            if entry is not None and entry[0] == "forwarded":
-                self.stash.release(entry[4])
+            if entry is not None and entry.forwarded:
+                self.stash.release(entry.version)
             self.stats.expired += 1
             logger.warning("%s: micro-batch %d expired: no gradient within %.0f s", self.peer_id[:8], mb,
                            self.config.micro_batch_timeout)
 
-    def _emulated_seconds(self, kind: str, route: dict) -> float:
+    def _emulated_seconds(self, kind: str, route: Route) -> float:
         """The profiled time of this task on this node: forward 1/3, backward 2/3 of forward+backward."""
-        total = float(route.get("compute_seconds", 0.0)) * self._last_batch
-        if route["last"]:
+        total = route.compute_seconds * self._last_batch
+        if route.last:
             return total  # forward, loss and backward in one task
         return total / 3 if kind == "forward" else 2 * total / 3
 
-    def _forward(self, mb: int, route: dict) -> tuple[str, dict] | None:
-        if route["first"]:
+    def _forward(self, mb: int, route: Route) -> tuple[str, Activation | Gradient] | None:
+        if route.first:
             x, y = self.source(mb)
             x = x.float()
         else:
-            _, x, y = self._saved[mb]
-            x = x.requires_grad_()
+            saved = self._saved[mb]
+            x, y = saved.x.requires_grad_(), saved.labels
         self._last_batch = x.shape[0]
         version, params = self.stash.acquire()
         out = functional_call(self.module, params, (x,))
@@ -432,23 +440,23 @@ class StageWorker:
         self.stats.forwards += 1
         if self.trace is not None:
             self.trace.append(("forward", mb, version))
-        self._saved[mb] = ("forwarded", x, out, y, version)
-        if route["last"]:
+        self._saved[mb] = InFlight(x, y, out, version)
+        if route.last:
             loss = self.loss_fn(out, y)
             self.stats.losses.append(loss.item())
             return self._backward(mb, route, loss)
-        return "next", {"epoch": route["epoch"], "mb": mb, "x": self.codec.encode(out.detach()), "y": y}
+        return "next", Activation(route.epoch, mb, self.codec.encode(out.detach()), y)
 
-    def _backward(self, mb: int, route: dict, loss: torch.Tensor | None = None) -> tuple[str, dict] | None:
+    def _backward(self, mb: int, route: Route, loss: torch.Tensor | None = None) -> tuple[str, Gradient] | None:
         saved = self._saved.pop(mb)
-        _, x, out, _y, version = saved[:5]
+        x, out, version = saved.x, saved.out, saved.version
         params = self.stash.weights(version)
         names = list(params)
-        inputs = [params[n] for n in names] + ([] if route["first"] else [x])
+        inputs = [params[n] for n in names] + ([] if route.first else [x])
         if loss is not None:
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
-            grads = torch.autograd.grad(out, inputs, saved[5], allow_unused=True)
+            grads = torch.autograd.grad(out, inputs, saved.grad, allow_unused=True)
         scale = 1.0 / self.config.update_frequency
         master = dict(self.module.named_parameters())
         for name, g in zip(names, grads, strict=False):
@@ -468,10 +476,10 @@ class StageWorker:
             new = self.stash.advance()
             self.stats.updates += 1
             if self.on_version:
-                self.on_version(int(route["epoch"]), new, self.stash.weights(new))
-        if route["first"]:
+                self.on_version(route.epoch, new, self.stash.weights(new))
+        if route.first:
             return None
-        return "prev", {"epoch": route["epoch"], "mb": mb, "g": self.codec.encode(grads[-1])}
+        return "prev", Gradient(route.epoch, mb, self.codec.encode(grads[-1]))
 
     async def _sender(self, direction: str) -> None:
         """Send queued messages without waiting for each reply before the next (a reply costs a round
@@ -493,30 +501,29 @@ class StageWorker:
             for task in pending:
                 task.cancel()
 
-    async def _send(self, direction: str, route: dict, message: dict) -> None:
-        target = PeerID.from_string(route[direction])
+    async def _send(self, direction: str, route: Route, message: Activation | Gradient) -> None:
+        target = route.next_peer if direction == "next" else route.prev_peer
         method = self.fwd_method if direction == "next" else self.bwd_method
         try:
-            await self.transport.call(target, method, message, timeout=self.config.message_timeout)
+            await call(self.transport, target, method, message, self.config.message_timeout)
         except (NetworkError, TimeoutError) as e:
             if route is self.route:
-                logger.warning("%s: %s stage %s failed: %s", self.peer_id[:8], direction, route[direction][:8], e)
-                await self._report_failure(route, route[direction])
+                logger.warning("%s: %s stage %s failed: %s", self.peer_id[:8], direction, target[:8], e)
+                await self._report_failure(route, target)
 
-    async def _report_failure(self, route: dict, peer: str) -> None:
-        controller = route.get("controller")
-        if controller is None:
+    async def _report_failure(self, route: Route, peer: str) -> None:
+        if route.controller is None or route.report_method is None:
             return
         try:
-            await call(self.transport, controller, str(route.get("report_method")),
-                       {"op": "failure", "peer": peer, "epoch": route["epoch"]}, REPORT_TIMEOUT)
+            await call(self.transport, route.controller, route.report_method, FailureReport(peer, route.epoch),
+                       REPORT_TIMEOUT)
         except (PotluckError, TimeoutError) as e:
             logger.warning("could not report a failure to the controller: %s", e)
 
     # -- averaging across clusters --------------------------------------------------------------------
     def _maybe_average(self) -> None:
         every = self.config.average_every
-        if not every or self.directory is None or self.stats.updates - self._updates_at_last_round < every:
+        if not every or self.stats.updates - self._updates_at_last_round < every:
             return
         if self._averaging is not None and not self._averaging.done():
             return  # the previous round still runs; compute goes on
@@ -529,12 +536,12 @@ class StageWorker:
         self.stats.rounds += 1
         try:
             layouts = await self.directory.fetch()
-            self._learn_addresses(getattr(self.directory, "addresses", None))
+            self._learn_addresses(self.directory.addresses)
             route = self.route
             if route is None:
                 return False
             mine = [s for s in ring_segments(layouts) if self.peer_id in s.members
-                    and route["start"] <= s.start and s.end <= route["end"]]
+                    and route.start <= s.start and s.end <= route.end]
             async with self._compute_lock:
                 snapshots = {s: [p.detach().clone() for i in range(s.start, s.end)
                                  for p in self.layers[i].parameters()] for s in mine}
@@ -570,7 +577,7 @@ class StageWorker:
                     self.stats.rounds_applied += 1
                     version = self.stash.advance()
                     if self.on_version:
-                        self.on_version(int(route["epoch"]), version, self.stash.weights(version))
+                        self.on_version(route.epoch, version, self.stash.weights(version))
             return applied
         except (RingError, NetworkError, TimeoutError, PotluckError) as e:
             self.stats.ring_failures += 1

@@ -1,0 +1,100 @@
+"""Cluster layouts in the DHT: which peer holds which layers, read by rings and by recovery.
+
+Key `{run_id}.pipeline.layout`, one subkey per cluster, written by the cluster's controller.
+A `Layout` lists a `Span` (peer id, first layer, end layer) per stage and the stages' addresses,
+so ring members in other clusters, and nodes that must fetch lost layers, can dial each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from potluck.core.errors import MalformedMessage
+from potluck.core.peer_like import PeerLike
+from potluck.pipeline.messages import (
+    MAX_CLUSTERS,
+    MAX_COUNTER,
+    MAX_LAYER_INDEX,
+    MAX_STAGES,
+    addresses_field,
+    int_field,
+    list_field,
+    peer_text,
+)
+
+__all__ = ["Layout", "LayoutDirectory", "Span"]
+
+logger = logging.getLogger(__name__)
+
+# Layouts in the DHT expire after this unless republished (the controller republishes at half).
+LAYOUT_TTL = 120.0
+
+
+class Span(NamedTuple):
+    """One stage of a layout: `peer` holds layers [start, end)."""
+
+    peer: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One cluster's stages in `epoch`, and where they can be dialed."""
+
+    epoch: int
+    stages: tuple[Span, ...]
+    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages],
+                "addresses": {p: list(a) for p, a in self.addresses.items()}}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Layout:
+        what = "layout"
+        if not isinstance(msg, Mapping):
+            raise MalformedMessage(what, "not a map")
+        stages = []
+        for entry in list_field(msg, "stages", what, MAX_STAGES):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise MalformedMessage(what, "'stages' entries must be [peer id, start, end]")
+            peer, start, end = entry
+            start = int_field({"stages": start}, "stages", what, 0, MAX_LAYER_INDEX)
+            stages.append(Span(peer_text(peer, "stages", what), start,
+                               int_field({"stages": end}, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
+        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages),
+                   addresses_field(msg, "addresses", what, MAX_STAGES))
+
+
+class LayoutDirectory:
+    """Every cluster's layout, in the DHT of `peer`."""
+
+    def __init__(self, peer: PeerLike, run_id: str):
+        self.dht = peer.dht
+        self.key = f"{run_id}.pipeline.layout"
+        self.addresses: dict[str, tuple[str, ...]] = {}  # from the last fetch
+
+    async def publish(self, cluster_id: str, layout: Layout) -> None:
+        await self.dht.astore(self.key, layout.to_wire(), self.dht.get_time() + LAYOUT_TTL, subkey=cluster_id)
+
+    async def fetch(self) -> dict[str, list[Span]]:
+        """{cluster id: its stages}, malformed layouts skipped; remembers their addresses."""
+        found = await self.dht.aget(self.key, latest=True)
+        layouts: dict[str, list[Span]] = {}
+        addresses: dict[str, tuple[str, ...]] = {}
+        if found is None or not isinstance(found.value, dict):
+            return layouts
+        for cluster, entry in list(found.value.items())[:MAX_CLUSTERS]:
+            try:
+                layout = Layout.from_wire(entry.value)
+            except MalformedMessage as e:
+                logger.warning("layout for cluster %r ignored: %s", str(cluster)[:64], e)
+                continue
+            layouts[str(cluster)] = list(layout.stages)
+            addresses.update(layout.addresses)
+        self.addresses = addresses
+        return layouts

@@ -1,0 +1,423 @@
+"""Every message of the pipeline protocol, as typed values checked once, at parse time.
+
+Each class has `to_wire()` (plain msgpack-able data, short keys) and `from_wire()`, which checks
+types, sizes and ranges and raises `MalformedMessage` naming the field; handlers only ever see
+these classes. Control calls share one method per stage, so their tag is read from one table
+(`CONTROL_MESSAGES`) in `parse_control`. The DHT records (layouts, profiles) live with their
+directories (`layout`, `profiling`) and use the same checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from potluck.core.errors import IdentityError, MalformedMessage
+from potluck.net.address import MAX_ADDRESS_CHARS
+from potluck.net.identity import PEER_ID_MAX_CHARS, PeerID
+
+__all__ = [
+    "Ack", "Activation", "CONTROL_MESSAGES", "Configure", "ControlMessage", "FailureReport", "GetLayers", "GetStats",
+    "Gradient", "LayerStates", "Ping", "ProbeRequest", "Route", "StageReport", "parse_control",
+]
+
+# Counters (epochs, micro-batch ids, ring rounds) never wrap in a run and must fit msgpack's int64.
+MAX_COUNTER = 2**62
+# Layer indices: 2^20 layers is far past any model split into stages (GPT-3 has 96 blocks).
+MAX_LAYER_INDEX = 2**20
+# A stage builds one module per layer it is given, so a route or request naming more layers than
+# this (e.g. end=200000) is refused before anything is built.
+MAX_STAGE_LAYERS = 4096
+# Stages per cluster: a pipeline deeper than this spends longer filling than computing.
+MAX_STAGES = 256
+# Clusters whose layouts are read (and so members of one ring); each adds a copy of the model.
+MAX_CLUSTERS = 256
+# Peers a route names addresses for: its cluster's members, its controller and its layers' holders
+# in other clusters (at most one per cluster for each of its layers' ring segments).
+MAX_ROUTE_PEERS = 1024
+# Addresses kept per peer: a transport keeps no more than 8 per peer anyway.
+MAX_ADDRESSES = 8
+# Per-sample shapes at stage boundaries: batch aside, activations have at most a handful of dims.
+MAX_SHAPE_DIMS = 8
+MAX_DIM = 2**31
+# Cluster ids and method names are chosen by the controller; this is room for any sane one.
+MAX_NAME_CHARS = 256
+# Parameters and buffers per layer in a `get_layers` reply (a transformer block has about 20).
+MAX_TENSORS_PER_LAYER = 4096
+
+
+# -- field checks shared by every message ---------------------------------------------------------
+def _map(msg: Any, what: str) -> Mapping:
+    if not isinstance(msg, Mapping):
+        raise MalformedMessage(what, "not a map")
+    return msg
+
+
+def int_field(msg: Mapping, key: str, what: str, low: int, high: int) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
+        raise MalformedMessage(what, f"'{key}' must be an integer in [{low}, {high})")
+    return value
+
+
+def number_field(msg: Mapping, key: str, what: str, default: float | None = None, low: float = 0.0) -> float:
+    value = msg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < low:
+        raise MalformedMessage(what, f"'{key}' must be a finite number >= {low}")
+    return float(value)
+
+
+def str_field(msg: Mapping, key: str, what: str, limit: int = MAX_NAME_CHARS) -> str:
+    value = msg.get(key)
+    if not isinstance(value, str) or len(value) > limit:
+        raise MalformedMessage(what, f"'{key}' must be a string of at most {limit} characters")
+    return value
+
+
+def peer_text(value: Any, key: str, what: str) -> str:
+    """A peer id in text form, parsed (so a later dial cannot fail on it)."""
+    if not isinstance(value, str) or len(value) > PEER_ID_MAX_CHARS:
+        raise MalformedMessage(what, f"'{key}' must be a peer id")
+    try:
+        PeerID.from_string(value)
+    except IdentityError:
+        raise MalformedMessage(what, f"'{key}' must be a peer id") from None
+    return value
+
+
+def optional_peer(msg: Mapping, key: str, what: str) -> str | None:
+    value = msg.get(key)
+    return None if value is None else peer_text(value, key, what)
+
+
+def list_field(msg: Mapping, key: str, what: str, limit: int) -> list:
+    value = msg.get(key)
+    if not isinstance(value, (list, tuple)) or len(value) > limit:
+        raise MalformedMessage(what, f"'{key}' must be a list of at most {limit} entries")
+    return list(value)
+
+
+def addresses_field(msg: Mapping, key: str, what: str, limit: int = MAX_ROUTE_PEERS) -> dict[str, tuple[str, ...]]:
+    """{peer id: addresses}: at most `limit` peers and `MAX_ADDRESSES` addresses each."""
+    value = msg.get(key, {})
+    if not isinstance(value, Mapping) or len(value) > limit:
+        raise MalformedMessage(what, f"'{key}' must map at most {limit} peer ids to addresses")
+    out = {}
+    for peer, addrs in value.items():
+        if not isinstance(addrs, (list, tuple)) or len(addrs) > MAX_ADDRESSES or not all(
+                isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in addrs):
+            raise MalformedMessage(what, f"'{key}' entries must be lists of at most {MAX_ADDRESSES} addresses")
+        out[peer_text(peer, key, what)] = tuple(addrs)
+    return out
+
+
+def shape_field(msg: Mapping, key: str, what: str) -> tuple[int, ...]:
+    dims = list_field(msg, key, what, MAX_SHAPE_DIMS)
+    return tuple(int_field({key: d}, key, what, 1, MAX_DIM) for d in dims)
+
+
+def _tensor(msg: Mapping, key: str, what: str) -> torch.Tensor:
+    value = msg.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise MalformedMessage(what, f"'{key}' must be a tensor")
+    return value
+
+
+def _payload(msg: Mapping, key: str, what: str) -> Mapping:
+    """A codec payload: its contents are checked when decoded (`Codec.decode`)."""
+    value = msg.get(key)
+    if not isinstance(value, Mapping):
+        raise MalformedMessage(what, f"'{key}' must be a codec payload (a map)")
+    return value
+
+
+# -- replies and the route -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ack:
+    """The reply to a message that needs no answer: `ok` False if it was dropped (old epoch)."""
+
+    ok: bool = True
+
+    def to_wire(self) -> dict:
+        return {"ok": self.ok}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Ack:
+        ok = _map(msg, "ack").get("ok")
+        if not isinstance(ok, bool):
+            raise MalformedMessage("ack", "'ok' must be a boolean")
+        return cls(ok)
+
+
+@dataclass(frozen=True)
+class Route:
+    """What a stage is told to be: layers [start, end) of cluster `cluster` in `epoch`, its
+    neighbours (None at the ends), the per-sample shapes it receives and sends, who to report
+    failures to, where to fetch layers it lacks and where the peers it needs can be dialed."""
+
+    epoch: int
+    cluster: str
+    stage: int
+    start: int
+    end: int
+    prev_peer: str | None
+    next_peer: str | None
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    controller: str | None = None
+    report_method: str | None = None
+    compute_seconds: float = 0.0  # profiled seconds per sample, forward + backward (emulate_compute)
+    sources: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # layer -> holders elsewhere
+    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def first(self) -> bool:
+        return self.prev_peer is None
+
+    @property
+    def last(self) -> bool:
+        return self.next_peer is None
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "cluster": self.cluster, "stage": self.stage, "start": self.start,
+                "end": self.end, "prev": self.prev_peer, "next": self.next_peer, "in_shape": list(self.in_shape),
+                "out_shape": list(self.out_shape), "controller": self.controller,
+                "report_method": self.report_method, "compute_seconds": self.compute_seconds,
+                "sources": {str(i): list(p) for i, p in self.sources.items()},
+                "addresses": {p: list(a) for p, a in self.addresses.items()}}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Route:
+        what = "route"
+        msg = _map(msg, what)
+        start = int_field(msg, "start", what, 0, MAX_LAYER_INDEX)
+        end = int_field(msg, "end", what, start + 1, min(start + MAX_STAGE_LAYERS, MAX_LAYER_INDEX) + 1)
+        report_method = msg.get("report_method")
+        if report_method is not None:
+            report_method = str_field(msg, "report_method", what)
+        raw_sources = msg.get("sources", {})
+        if not isinstance(raw_sources, Mapping) or len(raw_sources) > end - start:
+            raise MalformedMessage(what, "'sources' must map at most one entry per layer of the stage")
+        sources = {}
+        for layer, holders in raw_sources.items():
+            if not isinstance(layer, str) or not layer.isdigit() or not start <= int(layer) < end:
+                raise MalformedMessage(what, f"'sources' keys must be layers in [{start}, {end})")
+            holders = list_field({"sources": holders}, "sources", what, MAX_CLUSTERS + 1)
+            sources[int(layer)] = tuple(peer_text(p, "sources", what) for p in holders)
+        return cls(epoch=int_field(msg, "epoch", what, 0, MAX_COUNTER), cluster=str_field(msg, "cluster", what),
+                   stage=int_field(msg, "stage", what, 0, MAX_STAGES), start=start, end=end,
+                   prev_peer=optional_peer(msg, "prev", what), next_peer=optional_peer(msg, "next", what),
+                   in_shape=shape_field(msg, "in_shape", what), out_shape=shape_field(msg, "out_shape", what),
+                   controller=optional_peer(msg, "controller", what), report_method=report_method,
+                   compute_seconds=number_field(msg, "compute_seconds", what, 0.0), sources=sources,
+                   addresses=addresses_field(msg, "addresses", what))
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A stage's counters, as `stats` returns them (busy seconds, updates, staleness...)."""
+
+    busy_seconds: float = 0.0
+    forwards: int = 0
+    backwards: int = 0
+    updates: int = 0
+    max_in_flight: int = 0
+    max_version_lag: int = 0
+    rounds: int = 0
+    rounds_applied: int = 0
+    loss: float | None = None  # mean of the last losses (last stage only)
+    stage: int | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> StageReport:
+        what = "stage report"
+        msg = _map(msg, what)
+        counts = {k: int_field(msg, k, what, 0, MAX_COUNTER) for k in
+                  ("forwards", "backwards", "updates", "max_in_flight", "max_version_lag", "rounds",
+                   "rounds_applied")}
+        loss = None if msg.get("loss") is None else number_field(msg, "loss", what, low=-math.inf)
+        stage = None if msg.get("stage") is None else int_field(msg, "stage", what, 0, MAX_STAGES)
+        return cls(busy_seconds=number_field(msg, "busy_seconds", what), loss=loss, stage=stage, **counts)
+
+
+@dataclass(frozen=True)
+class LayerStates:
+    """The reply to `GetLayers`: each layer's state dict (checked strictly again by `load_state_dict`)."""
+
+    states: Mapping[int, Mapping[str, torch.Tensor]]
+
+    def to_wire(self) -> dict:
+        return {"state": {str(i): dict(s) for i, s in self.states.items()}}
+
+    @classmethod
+    def from_wire(cls, msg: Any, wanted: tuple[int, ...]) -> LayerStates:
+        what = "layer states"
+        state = _map(msg, what).get("state")
+        if not isinstance(state, Mapping) or set(state) != {str(i) for i in wanted}:
+            raise MalformedMessage(what, f"'state' must hold exactly layers {list(wanted)}")
+        out = {}
+        for i in wanted:
+            tensors = state[str(i)]
+            if not isinstance(tensors, Mapping) or len(tensors) > MAX_TENSORS_PER_LAYER or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+                raise MalformedMessage(what, f"'state' of layer {i} must map at most {MAX_TENSORS_PER_LAYER} "
+                                             "names to tensors")
+            out[i] = dict(tensors)
+        return cls(out)
+
+
+# -- control: one method per stage, a tag per message ----------------------------------------------
+@dataclass(frozen=True)
+class Ping:
+    """Are you alive? (heartbeats, ring members checking a silent neighbour)."""
+
+    TAG: ClassVar[str] = "ping"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG}
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> Ping:
+        return cls()
+
+
+@dataclass(frozen=True)
+class GetStats:
+    """Ask for the stage's `StageReport`."""
+
+    TAG: ClassVar[str] = "stats"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG}
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> GetStats:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Configure:
+    """Take the stage `route` describes (from the cluster's controller)."""
+
+    route: Route
+    TAG: ClassVar[str] = "configure"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG, "route": self.route.to_wire()}
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> Configure:
+        return cls(Route.from_wire(msg.get("route")))
+
+
+@dataclass(frozen=True)
+class GetLayers:
+    """Send me these layers' weights (a stage taking over layers this node holds or held)."""
+
+    layers: tuple[int, ...]
+    TAG: ClassVar[str] = "get_layers"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG, "layers": list(self.layers)}
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> GetLayers:
+        what = "get_layers"
+        layers = list_field(msg, "layers", what, MAX_STAGE_LAYERS)
+        return cls(tuple(int_field({"layers": i}, "layers", what, 0, MAX_LAYER_INDEX) for i in layers))
+
+
+ControlMessage = Ping | GetStats | Configure | GetLayers
+# The wire tag of each control message: the one place a tag is compared.
+CONTROL_MESSAGES: dict[str, type[ControlMessage]] = {c.TAG: c for c in (Ping, GetStats, Configure, GetLayers)}
+
+
+def parse_control(msg: Any) -> ControlMessage:
+    op = _map(msg, "control message").get("op")
+    kind = CONTROL_MESSAGES.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise MalformedMessage("control message", f"'op' must be one of {sorted(CONTROL_MESSAGES)}")
+    return kind.from_wire(msg)
+
+
+# -- the pipeline's data ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Activation:
+    """Micro-batch `micro_batch`'s activation (a codec payload) and labels, sent to the next stage."""
+
+    epoch: int
+    micro_batch: int
+    payload: Mapping[str, Any]
+    labels: torch.Tensor
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "mb": self.micro_batch, "x": self.payload, "y": self.labels}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Activation:
+        what = "activation"
+        msg = _map(msg, what)
+        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
+                   _payload(msg, "x", what), _tensor(msg, "y", what))
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """The gradient of micro-batch `micro_batch`'s activation (a codec payload), sent back."""
+
+    epoch: int
+    micro_batch: int
+    payload: Mapping[str, Any]
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "mb": self.micro_batch, "g": self.payload}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Gradient:
+        what = "gradient"
+        msg = _map(msg, what)
+        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
+                   _payload(msg, "g", what))
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A stage tells its controller that sending to `peer` failed in `epoch`."""
+
+    peer: str
+    epoch: int
+    TAG: ClassVar[str] = "failure"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG, "peer": self.peer, "epoch": self.epoch}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> FailureReport:
+        what = "cluster report"
+        msg = _map(msg, what)
+        if msg.get("op") != cls.TAG:
+            raise MalformedMessage(what, f"'op' must be {cls.TAG!r}")
+        return cls(peer_text(msg.get("peer"), "peer", what), int_field(msg, "epoch", what, 0, MAX_COUNTER))
+
+
+# -- profiling probes -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProbeRequest:
+    """A bandwidth / latency probe: answer with `reply_bytes` bytes (capped by the caller's limit)."""
+
+    reply_bytes: int = 0
+
+    def to_wire(self) -> dict:
+        return {"reply_bytes": self.reply_bytes} if self.reply_bytes else {}
+
+    @classmethod
+    def from_wire(cls, msg: Any, limit: int) -> ProbeRequest:
+        msg = _map(msg, "probe")
+        return cls(int_field(msg, "reply_bytes", "probe", 0, limit + 1) if "reply_bytes" in msg else 0)
