@@ -84,11 +84,11 @@ def _worker(args: argparse.Namespace) -> int:
             batch = torch.randint(0, len(y), (LOCAL_BATCH,), generator=generator)
             loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
+            if spec["role"] == "slow":  # computes twice as slowly as the others (the wait for
+                time.sleep(time.perf_counter() - started)  # the swarm in step() is not computing)
             opt.step()
             samples += LOCAL_BATCH
             loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
-            if spec["role"] == "slow":
-                time.sleep(time.perf_counter() - started)  # twice as slow as the others
             if time.monotonic() - last > 0.5:
                 last = time.monotonic()
                 emit({"epoch": opt.local_epoch, "loss": loss_ema, "sps": opt.samples_per_second,
