@@ -406,7 +406,8 @@ class StageWorker:
                     await asyncio.sleep(self._emulated_seconds(task.kind, route))
                 self.stats.busy_seconds += loop.time() - started
             if message is not None:
-                self._outbox[message[0]].put_nowait((route, message[1]))
+                direction, outgoing = message
+                self._outbox[direction].put_nowait((route, outgoing))
             self.progressed.set()
             self._maybe_average()
 
@@ -562,8 +563,9 @@ class StageWorker:
                         logger.log(logging.INFO if isinstance(result, RoundSkipped) else logging.WARNING,
                                    "ring %d-%d round %d failed: %s", s.start, s.end, round_id, result)
                         continue
-                    applied = applied or len(result[1]) > 1
-                    mean, offset = result[0], 0
+                    mean, members = result
+                    applied = applied or len(members) > 1
+                    offset = 0
                     params = [p for i in range(s.start, s.end) for p in self.layers[i].parameters()]
                     with torch.no_grad():
                         for p, snap in zip(params, snapshots[s], strict=True):
