@@ -24,7 +24,7 @@ from potluck.pipeline.messages import (
     StageReport,
     parse_control,
 )
-from potluck.pipeline.profiling import NodeProfile
+from potluck.pipeline.profiling import LayerCost, NodeProfile
 from potluck.pipeline.ring import PartKey, RingPart, RingStatus, RingStatusQuery, parse_ring
 
 A, B, C = (str(Identity.generate().peer_id) for _ in range(3))
@@ -144,3 +144,8 @@ def test_malformed_ring_layout_and_profile_fields_are_refused_by_name():
                           ({"latency": {str(i): 0.1 for i in range(2000)}}, "'latency'"),
                           ({"default_bandwidth": "fast"}, "'default_bandwidth'")]:
         refused(NodeProfile.from_wire, {**profile, **change}, field)
+    cost = LayerCost(1e-3, 1000, 64).to_wire()
+    assert LayerCost.from_wire(cost) == LayerCost(1e-3, 1000, 64)
+    for change, field in [({"seconds": -1.0}, "'seconds'"), ({"param_bytes": 1.5}, "'param_bytes'"),
+                          ({"activation_bytes": None}, "'activation_bytes'")]:
+        refused(LayerCost.from_wire, {**cost, **change}, field)

@@ -78,7 +78,7 @@ def _load_costs(args: argparse.Namespace) -> tuple[list[Any], float]:
     from potluck.pipeline.profiling import LayerCost, measure_flops, profile_layers
     if args.layer_costs:
         raw = json.loads(Path(args.layer_costs).read_text())
-        costs = [LayerCost(float(c["seconds"]), int(c["param_bytes"]), int(c["activation_bytes"])) for c in raw]
+        costs = [LayerCost.from_wire(c) for c in raw]
         return costs, args.reference_flops or 1.0
     import torch
 

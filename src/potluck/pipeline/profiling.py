@@ -22,7 +22,7 @@ from torch import nn
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.net.identity import PeerID
-from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest, number_field, str_field
+from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest, int_field, number_field, str_field
 
 __all__ = ["LayerCost", "NodeProfile", "measure_flops", "free_memory_bytes", "profile_layers",
            "serve_probes", "probe_link", "publish_profile", "fetch_profiles"]
@@ -72,9 +72,7 @@ class NodeProfile:
         what = "node profile"
         if not isinstance(data, dict):
             raise MalformedMessage(what, "not a map")
-        memory = data.get("memory")
-        if not isinstance(memory, int) or isinstance(memory, bool) or not 0 <= memory < MAX_COUNTER:
-            raise MalformedMessage(what, f"'memory' must be an integer in [0, {MAX_COUNTER})")
+        memory = int_field(data, "memory", what, 0, MAX_COUNTER)
         flops = number_field(data, "flops", what)
         if flops <= 0:
             raise MalformedMessage(what, "'flops' must be positive")
@@ -128,6 +126,18 @@ class LayerCost:
     seconds: float          # forward + backward time per sample on the measuring node
     param_bytes: int        # weights
     activation_bytes: int   # output per sample (what crosses a stage boundary after this layer)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> LayerCost:
+        """A layer's cost from a plan's costs file (`potluck pipeline plan --layer-costs`)."""
+        what = "layer cost"
+        if not isinstance(data, dict):
+            raise MalformedMessage(what, "not a map")
+        return cls(number_field(data, "seconds", what), int_field(data, "param_bytes", what, 0, MAX_COUNTER),
+                   int_field(data, "activation_bytes", what, 0, MAX_COUNTER))
 
 
 def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[LayerCost]:
