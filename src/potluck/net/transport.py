@@ -3,6 +3,11 @@
 A `Transport` is one peer's presence on the network: its handlers, its address book and its
 connections. Subclasses only know how to dial an address and how to accept; everything else
 (connection reuse, dedicated connections for bulk streams, client mode) lives here once.
+
+Callers name peers by id. A dial tries the address book (`net.address_book`: what the peer itself
+vouched for first, third-party hints after); when that has nothing that works, it asks the
+registered `PeerResolver` (the DHT) for the peer's signed record (`net.peer_record`) and dials what
+the record says. Concurrent dials share one lookup; results are cached until the record expires.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 from potluck.core import compat
 from potluck.core.errors import ConnectionLost, NetworkError, PeerUnreachable, detached
 from potluck.net.address import Multiaddr
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER, AddressBook
 from potluck.net.connection import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_STREAM_TIMEOUT,
@@ -28,6 +34,9 @@ from potluck.net.connection import (
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
 from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
+from potluck.net.peer_record import PeerRecord, PeerResolver
+
+__all__ = ["MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "Transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +49,16 @@ IDLE_BULK_SECONDS = 30.0
 KEEPALIVE_INTERVAL = 10.0
 KEEPALIVE_TIMEOUT = 30.0
 
-# Addresses remembered per peer; a peer that advertises more is trimmed (it gains nothing).
-MAX_ADDRESSES_PER_PEER = 8
+# Looking up a peer's signed record: a DHT get is a few RPC rounds (well under a second on a live
+# network); past this the dial fails with PeerUnreachable rather than wait for a mostly dead DHT.
+RESOLVE_TIMEOUT = 10.0
+# A peer whose record was not found, or whose recorded addresses did not answer, is looked up
+# again at most this often: each lookup costs RPCs to ~20 peers, and a restarted peer republishes
+# its record at once, so a retry this much later finds it.
+RESOLVE_RETRY_SECONDS = 10.0
+# Resolved records cached per transport (oldest dropped first): far more peers than one peer
+# talks to, and a bound on what a flood of distinct ids can make us keep.
+MAX_CACHED_RECORDS = 4096
 
 
 class Transport:
@@ -60,7 +77,11 @@ class Transport:
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
         self.handlers = Handlers()
-        self._address_book: dict[PeerID, list[Multiaddr]] = {}
+        self._book = AddressBook()
+        self._resolver: PeerResolver | None = None
+        self._resolving: dict[PeerID, asyncio.Future] = {}  # one lookup per peer at a time
+        # peer -> (addresses from its record, loop time until which they are used without a lookup)
+        self._resolved: dict[PeerID, tuple[tuple[Multiaddr, ...], float]] = {}
         self._shared: dict[PeerID, list[Connection]] = {}
         self._bulk_idle: dict[PeerID, list[Connection]] = {}
         self._all: dict[Connection, None] = {}  # ordered, so shutdown order is repeatable
@@ -103,20 +124,33 @@ class Transport:
 
     # -- address book ---------------------------------------------------------------------------
     def add_addresses(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
-        """Remember where `peer_id` can be dialed (e.g. learned from the DHT)."""
-        if peer_id == self.peer_id:
-            return
-        known = self._address_book.setdefault(peer_id, [])
-        for addr in addresses:
-            addr = Multiaddr.parse(addr) if isinstance(addr, str) else addr
-            if addr.peer_id is not None:
-                addr = addr.without_peer_id()
-            if addr not in known:
-                known.insert(0, addr)  # newest first: the most likely to be current
-        del known[MAX_ADDRESSES_PER_PEER:]
+        """Remember third-party hints of where `peer_id` can be dialed (e.g. a DHT find answer).
+        They are tried after what the peer vouched for itself and can never displace it. Most
+        callers need none of this: a dial to an unknown id looks up the peer's signed record."""
+        if peer_id != self.peer_id:
+            self._book.add_hints(peer_id, addresses)
+
+    def _vouch(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
+        """Addresses the peer itself stated: its handshake, an address where it proved its id,
+        or its signed record."""
+        if peer_id != self.peer_id:
+            self._book.add_vouched(peer_id, addresses)
 
     def addresses_of(self, peer_id: PeerID) -> list[Multiaddr]:
-        return list(self._address_book.get(peer_id, ()))
+        """Known addresses in dial order: the peer's own first, then hints."""
+        return self._book.dial_order(peer_id)
+
+    def vouched_addresses_of(self, peer_id: PeerID) -> list[Multiaddr]:
+        """Only the addresses the peer stated itself (what is safe to pass on to others)."""
+        return self._book.vouched(peer_id)
+
+    @property
+    def resolver(self) -> PeerResolver | None:
+        return self._resolver
+
+    def set_resolver(self, resolver: PeerResolver | None) -> None:
+        """Who finds the signed record of a peer we cannot otherwise dial (the DHT sets itself)."""
+        self._resolver = resolver
 
     def is_connected(self, peer_id: PeerID) -> bool:
         return any(not c.closed for c in self._shared.get(peer_id, ()))
@@ -137,7 +171,7 @@ class Transport:
                 conn = await self._dial(addr.without_peer_id(), addr.peer_id, bulk=False)
         except TimeoutError:
             raise PeerUnreachable(f"could not reach {addr} within {timeout} s") from None
-        self.add_addresses(conn.peer_id, [addr])
+        self._vouch(conn.peer_id, [addr])  # the peer proved its id at this address
         return conn.peer_id
 
     def _register(self, conn: Connection) -> None:
@@ -149,7 +183,7 @@ class Transport:
             return
         self._all[conn] = None
         if conn.remote.addresses:
-            self.add_addresses(conn.peer_id, conn.remote.addresses)
+            self._vouch(conn.peer_id, conn.remote.addresses)
         if not conn.remote.bulk:
             self._shared.setdefault(conn.peer_id, []).append(conn)
 
@@ -165,14 +199,14 @@ class Transport:
                 if not conns:
                     del pool[conn.peer_id]
 
-    async def _shared_connection(self, peer_id: PeerID, timeout: float | None) -> Connection:
+    async def _shared_connection(self, peer_id: PeerID, timeout: float | None, resolve: bool = True) -> Connection:
         for conn in self._shared.get(peer_id, ()):
             if not conn.closed:
                 return conn
         # One dial per peer at a time: concurrent callers wait for the same attempt.
         pending = self._dialing.get(peer_id)
         if pending is None:
-            pending = asyncio.ensure_future(self._dial_known(peer_id, bulk=False))
+            pending = asyncio.ensure_future(self._dial_known(peer_id, bulk=False, resolve=resolve))
             self._dialing[peer_id] = pending
             pending.add_done_callback(lambda f: (self._dialing.pop(peer_id, None), f.cancelled() or f.exception()))
         try:
@@ -184,19 +218,98 @@ class Transport:
             raise detached(pending.exception())  # shared by every waiter: raise a copy of it
         return pending.result()
 
-    async def _dial_known(self, peer_id: PeerID, bulk: bool) -> Connection:
-        addresses = self._address_book.get(peer_id)
-        if not addresses:
-            raise PeerUnreachable(f"no known address for {peer_id} (it may be in client mode, or "
-                                  "was never announced); add one with add_addresses()")
-        errors = []
-        for addr in list(addresses):
+    async def _dial_known(self, peer_id: PeerID, bulk: bool, resolve: bool = True) -> Connection:
+        """Dial the book's addresses in order; if none works, the peer's signed record's."""
+        errors: list[str] = []
+        tried = self._book.dial_order(peer_id)
+        conn = await self._dial_first(peer_id, tried, bulk, errors)
+        if conn is not None:
+            return conn
+        if resolve and self._resolver is not None:
+            try:
+                recorded = await self._resolve(peer_id)
+            except PeerUnreachable as e:
+                errors.append(str(e))
+            else:
+                conn = await self._dial_first(peer_id, [a for a in recorded if a not in tried], bulk, errors)
+                if conn is not None:
+                    return conn
+                self._retry_resolve_soon(peer_id)  # the record is stale, or the peer is down
+        if not errors:
+            raise PeerUnreachable(f"no known address for {peer_id} (it may be in client mode, or was never "
+                                  "announced) and no DHT to look up its signed peer record")
+        raise PeerUnreachable(f"could not connect to {peer_id}: " + "; ".join(errors))
+
+    async def _dial_first(self, peer_id: PeerID, addresses: list[Multiaddr], bulk: bool,
+                          errors: list[str]) -> Connection | None:
+        for addr in addresses:
             try:
                 async with compat.timeout(self.dial_timeout):
-                    return await self._dial(addr, peer_id, bulk=bulk)
+                    conn = await self._dial(addr, peer_id, bulk=bulk)
             except (NetworkError, OSError, TimeoutError) as e:
                 errors.append(f"{addr}: {str(e) or type(e).__name__}")
-        raise PeerUnreachable(f"could not connect to {peer_id}: " + "; ".join(errors))
+            else:
+                self._vouch(peer_id, [addr])  # it proved its id here: a hint becomes a fact
+                return conn
+        return None
+
+    # -- resolution -----------------------------------------------------------------------------
+    async def _resolve(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
+        """Addresses from `peer_id`'s signed record: cached, or looked up once for all concurrent
+        dials. Raises PeerUnreachable if no record is found within RESOLVE_TIMEOUT."""
+        loop = asyncio.get_running_loop()
+        cached = self._resolved.get(peer_id)
+        if cached is not None and loop.time() < cached[1]:
+            if not cached[0]:
+                raise PeerUnreachable(f"no signed peer record of {peer_id} in the DHT (looked up recently; "
+                                      "it may be in client mode, offline, or never joined)")
+            return cached[0]
+        pending = self._resolving.get(peer_id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._lookup_record(peer_id))
+            self._resolving[peer_id] = pending
+            pending.add_done_callback(lambda f: (self._resolving.pop(peer_id, None),
+                                                 f.cancelled() or f.exception()))
+        await asyncio.wait([pending])  # bounded: the lookup has its own deadline
+        if pending.cancelled():
+            raise PeerUnreachable(f"the lookup of {peer_id}'s peer record was cancelled")
+        if pending.exception() is not None:
+            raise detached(pending.exception())
+        return pending.result()
+
+    async def _lookup_record(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
+        resolver = self._resolver
+        assert resolver is not None
+        loop = asyncio.get_running_loop()
+        try:
+            async with compat.timeout(RESOLVE_TIMEOUT):
+                found = await resolver.resolve_peer(peer_id, RESOLVE_TIMEOUT)
+        except TimeoutError:
+            found = None
+        except Exception:  # noqa: BLE001 - a broken lookup is one more reason the dial failed
+            logger.warning("looking up the peer record of %s failed", peer_id, exc_info=True)
+            found = None
+        if found is None or not isinstance(found[0], PeerRecord) or found[0].peer_id != peer_id:
+            self._cache_resolved(peer_id, (), loop.time() + RESOLVE_RETRY_SECONDS)
+            raise PeerUnreachable(f"no known address for {peer_id}, and no signed peer record of it found in "
+                                  f"the DHT within {RESOLVE_TIMEOUT:g} s (it may be in client mode, offline, "
+                                  "or never joined)")
+        record, ttl = found
+        self._vouch(peer_id, record.addresses)
+        self._cache_resolved(peer_id, record.addresses, loop.time() + max(0.0, ttl))
+        return record.addresses
+
+    def _cache_resolved(self, peer_id: PeerID, addresses: tuple[Multiaddr, ...], until: float) -> None:
+        self._resolved.pop(peer_id, None)
+        self._resolved[peer_id] = (addresses, until)
+        while len(self._resolved) > MAX_CACHED_RECORDS:
+            del self._resolved[next(iter(self._resolved))]
+
+    def _retry_resolve_soon(self, peer_id: PeerID) -> None:
+        cached = self._resolved.get(peer_id)
+        if cached is not None:
+            until = min(cached[1], asyncio.get_running_loop().time() + RESOLVE_RETRY_SECONDS)
+            self._resolved[peer_id] = (cached[0], until)
 
     def _loopback_connection(self) -> Connection:
         """The in-memory connection to ourselves (see `net.loopback`), made on first use."""
@@ -221,14 +334,15 @@ class Transport:
             self._loopback.close(reason)
 
     async def call(self, peer_id: PeerID, method: str, request: Any = None, *,
-                   timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
+                   timeout: float | None = DEFAULT_CALL_TIMEOUT, resolve: bool = True) -> Any:
         """Call `method` on `peer_id` and return its response, within `timeout` seconds overall.
-        A call to our own id is served by our own handlers in memory (`net.loopback`)."""
+        A call to our own id is served by our own handlers in memory (`net.loopback`).
+        `resolve=False` never looks up the peer's record (the DHT's own calls: no recursion)."""
         if peer_id == self.peer_id:
             return await self._loopback_connection().call(method, request, timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        conn = await self._shared_connection(peer_id, timeout)
+        conn = await self._shared_connection(peer_id, timeout, resolve)
         left = None if deadline is None else max(0.0, deadline - loop.time())
         return await conn.call(method, request, left)
 
@@ -244,7 +358,14 @@ class Transport:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         if dedicated is None:
-            dedicated = bool(self._address_book.get(peer_id)) or bool(self._bulk_idle.get(peer_id))
+            if (peer_id not in self._book and not self._bulk_idle.get(peer_id) and not self.is_connected(peer_id)
+                    and self._resolver is not None):
+                try:  # an unknown peer: its record says whether it can be dialed (bulk) at all
+                    async with compat.timeout(timeout):
+                        await self._resolve(peer_id)
+                except TimeoutError:
+                    raise PeerUnreachable(f"could not find {peer_id}'s address within {timeout} s") from None
+            dedicated = peer_id in self._book or bool(self._bulk_idle.get(peer_id))
         if dedicated:
             conn = await self._bulk_connection(peer_id, timeout)
         else:
@@ -301,6 +422,6 @@ class Transport:
         self._close_loopback("peer is shutting down")
         for conn in list(self._all):
             conn.close("peer is shutting down")
-        for fut in list(self._dialing.values()):
+        for fut in [*self._dialing.values(), *self._resolving.values()]:
             fut.cancel()
         await asyncio.sleep(0)

@@ -1,0 +1,80 @@
+"""`AddressBook`: where each peer can be dialed, and how much we believe it.
+
+Two kinds of entries per peer:
+- *vouched*: addresses the peer itself stated over an authenticated connection (its handshake),
+  an address where it proved its id when we dialed, or its own signed peer record. Only the peer
+  can produce these, so a stranger cannot plant or displace them.
+- *hints*: addresses a third party told us (a DHT find answer, a protocol's record). Tried after
+  the vouched ones; a hint never evicts a vouched address, only older hints.
+Plain logic, no I/O: the transport feeds it and asks it for a dial order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from potluck.net.address import Multiaddr
+from potluck.net.identity import PeerID
+
+__all__ = ["MAX_ADDRESSES_PER_PEER", "MAX_HINTS_PER_PEER", "AddressBook"]
+
+# Addresses remembered per peer; a peer that advertises more is trimmed (it gains nothing). A host
+# has a handful of interfaces; the peer record allows the same number (peer_record.MAX_RECORD_ADDRESSES).
+MAX_ADDRESSES_PER_PEER = 8
+# Third-party hints kept per peer, newest first. Separate from the vouched ones, so flooding hints
+# (a stranger's fake addresses) can push out only other hints.
+MAX_HINTS_PER_PEER = 8
+
+
+def _bare(addr: Multiaddr | str) -> Multiaddr:
+    addr = Multiaddr.parse(addr) if isinstance(addr, str) else addr
+    return addr.without_peer_id() if addr.peer_id is not None else addr
+
+
+class AddressBook:
+    """Per-peer vouched addresses and hints, each list newest first and capped."""
+
+    def __init__(self) -> None:
+        self._vouched: dict[PeerID, list[Multiaddr]] = {}
+        self._hints: dict[PeerID, list[Multiaddr]] = {}
+
+    def add_vouched(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
+        """Addresses the peer stated itself (authenticated connection or signed record)."""
+        known = self._vouched.setdefault(peer_id, [])
+        hints = self._hints.get(peer_id)
+        for addr in reversed([_bare(a) for a in addresses]):  # keep the given order, ahead of older ones
+            if addr in known:
+                known.remove(addr)
+            known.insert(0, addr)  # newest first: the most likely to be current
+            if hints and addr in hints:
+                hints.remove(addr)
+        del known[MAX_ADDRESSES_PER_PEER:]
+        if not known:
+            del self._vouched[peer_id]
+        if hints is not None and not hints:
+            del self._hints[peer_id]
+
+    def add_hints(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
+        """Addresses a third party gave for `peer_id`: kept apart, behind the vouched ones."""
+        vouched = self._vouched.get(peer_id, ())
+        known = self._hints.setdefault(peer_id, [])
+        for addr in reversed([_bare(a) for a in addresses]):
+            if addr in vouched or addr in known:
+                continue
+            known.insert(0, addr)
+        del known[MAX_HINTS_PER_PEER:]
+        if not known:
+            del self._hints[peer_id]
+
+    def dial_order(self, peer_id: PeerID) -> list[Multiaddr]:
+        """Vouched addresses first (newest first), then hints."""
+        return [*self._vouched.get(peer_id, ()), *self._hints.get(peer_id, ())]
+
+    def vouched(self, peer_id: PeerID) -> list[Multiaddr]:
+        return list(self._vouched.get(peer_id, ()))
+
+    def hints(self, peer_id: PeerID) -> list[Multiaddr]:
+        return list(self._hints.get(peer_id, ()))
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._vouched or peer_id in self._hints
