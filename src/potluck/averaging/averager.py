@@ -246,7 +246,7 @@ class Averager:
         """The async twin of `load_state_from_peers`."""
         timeout = timeout or self.allreduce_timeout
         found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
-        donors = []
+        donors: dict[PeerID, int] = {}  # peer -> the version it offers
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
             try:
                 peer_id = PeerID.from_string(subkey)
@@ -256,15 +256,15 @@ class Averager:
                 continue
             self.transport.add_addresses(peer_id, record.addresses)
             if peer_id != self.transport.peer_id:
-                donors.append((-record.version, str(peer_id), peer_id))
+                donors[peer_id] = record.version
         if not donors:
             raise AveragingError(f"no peer offers the state of {self.run_id!r} yet")
         # Straight into our tensors, chunk by chunk once verified: no second copy of the state.
         # A failed download leaves them partly overwritten, so meanwhile we offer them to nobody.
         with self.state_server.replacing() if self.state_server is not None else contextlib.nullcontext():
-            version, metadata, _ = await download_state(
-                self.transport, [d[2] for d in sorted(donors)], self.run_id, timeout, into=self._tensors,
-                lock=self._lock)
+            newest_first = sorted(donors, key=lambda p: (-donors[p], str(p)))
+            version, metadata, _ = await download_state(self.transport, newest_first, self.run_id, timeout,
+                                                        into=self._tensors, lock=self._lock)
             for state in self.powersgd or ():
                 state.reset()  # its residual belonged to the tensors just replaced
             self.round, self.state_metadata = version, metadata

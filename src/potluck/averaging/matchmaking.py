@@ -341,7 +341,8 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         addresses = tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES]
-        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, bandwidth[0], bandwidth[1],
+        upload, download = bandwidth
+        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download,
                        metadata, addresses)
         leader = self.leader if self.leader != self.transport.peer_id else None
         if leader is not None:
@@ -469,7 +470,7 @@ class Matchmaker:
         now = self.dht.get_time()
         mine = self._gatherings.get(group_key)
         me = None if mine is None else (mine.closes_at, self.transport.peer_id.to_bytes())
-        candidates = []
+        candidates: dict[tuple[float, bytes], PeerID] = {}  # (expiration, id) -> peer: earliest leads
         for subkey, entry in found.value.items():
             try:
                 peer = PeerID.from_string(subkey)
@@ -488,8 +489,8 @@ class Matchmaker:
             if me is not None and order >= me:
                 continue  # later than us: it joins us, not the other way round
             self.transport.add_addresses(peer, declared.addresses)
-            candidates.append((order, peer))
-        return [peer for _, peer in sorted(candidates, key=lambda c: c[0])]
+            candidates[order] = peer
+        return [candidates[order] for order in sorted(candidates)]
 
     async def _join(self, leader: PeerID, group_key: str, me: Candidate, give_up: float,
                     tried: set[PeerID], rejoin_wait: float | None = None) -> FormedGroup | None:
