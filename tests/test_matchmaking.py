@@ -152,3 +152,30 @@ def test_a_malformed_declaration_in_the_dht_is_ignored():
         assert [r.group_size for r in results] == [3, 3, 3]
         assert str(rogue.transport.peer_id) not in results[0].peers
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
+    """A hostile peer declares itself first and answers every join with a broken group: each
+    follower logs what was wrong, tries the next leader, and the honest peers still group."""
+    async def main():
+        net, peers = await make_swarm(4)
+        rogue = peers[3]
+        avgs = [Averager(p, [torch.full((8,), float(i))], "hostile", matchmaking_time=1.0)
+                for i, p in enumerate(peers[:3])]
+        asked = []
+
+        async def broken_group(request: Any, ctx: Any) -> dict:
+            asked.append(ctx.peer_id)
+            return {"group": {"id": "not bytes"}}
+
+        rogue.transport.add_handler(f"{METHOD_JOIN}.hostile", broken_group)
+        declared = Declaration(avgs[0].schema, tuple(str(a) for a in rogue.transport.addresses))
+        assert await rogue.dht.astore("hostile.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
+                                      subkey=str(rogue.transport.peer_id))
+        with caplog.at_level("WARNING", logger="potluck.averaging.matchmaking"):
+            results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert asked, "nobody asked the hostile leader, so the test proves nothing"
+        assert any("malformed group: 'id'" in r.getMessage() for r in caplog.records)
+    run_virtual(main())
