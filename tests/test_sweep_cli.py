@@ -16,7 +16,7 @@ from potluck.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = """\
-name = "cli-test"
+run_id = "cli-test"
 kind = "grid"
 metric = "score"
 [space]
@@ -96,6 +96,6 @@ def test_peer_killed_mid_sweep_has_its_trial_rerun_and_every_trial_appears_once(
 @pytest.mark.timeout(30)
 def test_sweep_command_with_a_malformed_config_gives_a_clear_error(tmp_path, capsys):
     config = tmp_path / "bad.toml"
-    config.write_text('name = "x"\nkind = "grid"\n[space]\nlr = []\n')
+    config.write_text('run_id = "x"\nkind = "grid"\n[space]\nlr = []\n')
     assert main(["sweep", str(config), "--out", str(tmp_path / "out")]) == 1
     assert "space.lr is an empty list" in capsys.readouterr().err

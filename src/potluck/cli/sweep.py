@@ -14,7 +14,7 @@ from typing import Any
 
 from potluck.cli.peer import add_peer_options, start_peer
 from potluck.cli.signals import StopSignal
-from potluck.ps.sweep import LEASE_SECONDS, SweepError, SweepSpec, Trial, run_sweep
+from potluck.ps.sweep import LEASE_SECONDS, SweepError, SweepSpec, TrialResult, run_sweep
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ SWEEP_DEADLINE = 7 * 24 * 3600.0
 EXAMPLE = """\
 example config (TOML; JSON with the same keys works too):
 
-  name = "digits-lr"
+  run_id = "digits-lr"     # peers that run the same config under one run_id share the trials
   kind = "grid"            # or "random", with trials = N and seed = S
   metric = "test_accuracy" # what the plot and the best row use
   goal = "max"
@@ -114,15 +114,15 @@ def run(args: argparse.Namespace) -> int:
     stop = StopSignal()
     started = time.time()
     with start_peer(args) as peer:
-        print(f"sweep {spec.name!r}: {len(trials)} trials; peer id {peer.peer_id}")
+        print(f"sweep {spec.run_id!r}: {len(trials)} trials; peer id {peer.peer_id}")
         for addr in peer.addresses[:1]:
             print(f"other peers can join with: potluck sweep {args.config} --initial-peers {addr}", flush=True)
 
-        def on_result(trial: Trial, result: dict[str, Any]) -> None:
-            shown = ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()) or result.get("error", "")
-            print(f"trial {trial.index} of {len(trials)} {trial.params}: {shown} ({result['seconds']:.1f} s)",
+        def on_result(result: TrialResult) -> None:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()) or result.error
+            print(f"trial {result.index} of {len(trials)} {result.params}: {shown} ({result.seconds:.1f} s)",
                   flush=True)
-        future = peer.submit(run_sweep(peer.dht, spec, objective, lease_seconds=args.lease, on_result=on_result))
+        future = peer.submit(run_sweep(peer, spec, objective, lease_seconds=args.lease, on_result=on_result))
         while not future.done():
             if stop.is_set() or time.time() - started > SWEEP_DEADLINE:
                 future.cancel()
@@ -130,54 +130,58 @@ def run(args: argparse.Namespace) -> int:
                 return 130
             concurrent.futures.wait([future], timeout=0.5)
         results = future.result()
-    report = write_report(Path(args.out), spec, results, time.time() - started)
-    best = report["best"]
+    write_report(Path(args.out), spec, results, time.time() - started)
+    best = _best(spec, results)
     if best is not None:
-        print(f"best: trial {best['index']} {best['params']}: {spec.metric}={best['metrics'][spec.metric]:.4g}")
+        print(f"best: trial {best.index} {best.params}: {spec.metric}={best.metrics[spec.metric]:.4g}")
     print(f"wrote {args.out}/results.csv, results.json, sweep.png, report.json")
     return 0
 
 
-def write_report(out: Path, spec: SweepSpec, results: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
+def _best(spec: SweepSpec, results: list[TrialResult]) -> TrialResult | None:
+    scored = [r for r in results if spec.metric in r.metrics]
+    pick = max if spec.goal == "max" else min
+    return pick(scored, key=lambda r: r.metrics[spec.metric]) if scored else None
+
+
+def write_report(out: Path, spec: SweepSpec, results: list[TrialResult], wall_seconds: float) -> dict[str, Any]:
     """results.csv, results.json, sweep.png and report.json in `out`; returns the report."""
     out.mkdir(parents=True, exist_ok=True)
-    params = sorted({k for r in results for k in r["params"]})
-    metrics = sorted({k for r in results for k in r["metrics"]})
+    params = sorted({k for r in results for k in r.params})
+    metrics = sorted({k for r in results for k in r.metrics})
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["index", *params, *metrics, "peer", "seconds", "error"])
         for r in results:
-            writer.writerow([r["index"], *(r["params"].get(p) for p in params),
-                             *(r["metrics"].get(m) for m in metrics), r["peer"], r["seconds"], r.get("error", "")])
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    scored = [r for r in results if spec.metric in r["metrics"]]
-    pick = max if spec.goal == "max" else min
-    best = pick(scored, key=lambda r: r["metrics"][spec.metric]) if scored else None
-    report = {"sweep": spec.name, "sweep_id": spec.sweep_id, "metric": spec.metric, "goal": spec.goal,
-              "trials": len(results), "best": best, "peers": sorted({r["peer"] for r in results}),
-              "wall_seconds": round(wall_seconds, 2)}
+            writer.writerow([r.index, *(r.params.get(p) for p in params), *(r.metrics.get(m) for m in metrics),
+                             str(r.peer), r.seconds, r.error or ""])
+    (out / "results.json").write_text(json.dumps([r.to_record() for r in results], indent=1))
+    best = _best(spec, results)
+    report = {"sweep": spec.run_id, "sweep_id": spec.sweep_id, "metric": spec.metric, "goal": spec.goal,
+              "trials": len(results), "best": best.to_record() if best is not None else None,
+              "peers": sorted({str(r.peer) for r in results}), "wall_seconds": round(wall_seconds, 2)}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    _plot(out / "sweep.png", spec, scored)
+    _plot(out / "sweep.png", spec, [r for r in results if spec.metric in r.metrics])
     return report
 
 
-def _plot(path: Path, spec: SweepSpec, results: list[dict[str, Any]]) -> None:
+def _plot(path: Path, spec: SweepSpec, results: list[TrialResult]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n in sorted(spec.space) if all(isinstance(r["params"].get(n), (int, float)) for r in results)]
+    names = [n for n in sorted(spec.space) if all(isinstance(r.params.get(n), (int, float)) for r in results)]
     names = names or sorted(spec.space)
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        xs = [r["params"].get(name) for r in results]
+        xs = [r.params.get(name) for r in results]
         ax.scatter([str(x) if not isinstance(x, (int, float)) else x for x in xs],
-                   [r["metrics"][spec.metric] for r in results])
+                   [r.metrics[spec.metric] for r in results])
         if all(isinstance(x, (int, float)) and x > 0 for x in xs) and len(set(xs)) > 1 \
                 and max(xs) / min(xs) > 50:
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)
-    fig.suptitle(f"sweep {spec.name}: {len(results)} trials")
+    fig.suptitle(f"sweep {spec.run_id}: {len(results)} trials")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -15,9 +15,9 @@ sits above.
 """
 
 from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, ShardLayout, split_by_size
-from potluck.ps.sweep import SweepError, SweepSpec, Trial, run_sweep
+from potluck.ps.sweep import SweepError, SweepSpec, Trial, TrialResult, run_sweep
 from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
 
 __all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "ServerConfig", "ShardLayout",
-           "ShardServerLost", "SweepError", "SweepSpec", "Trial", "run_sweep", "split_by_size",
+           "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult", "run_sweep", "split_by_size",
            "start_parameter_servers"]

@@ -1,13 +1,16 @@
 """Hyperparameter sweeps: independent trials shared out among peers through the DHT, with leases.
 
 Every peer derives the same trial list from the sweep's spec (grid, or random with a seed), so only
-two things cross the DHT, each a dictionary keyed by trial index (DHT subkeys):
-- leases: `{index: holder}` that expire `lease_seconds` after they were last renewed. A peer runs a
-  trial only while it holds an unexpired lease and renews it as it goes; a peer that dies stops
-  renewing, so its trial is free again at most one lease later and another peer re-runs it.
-- results: `{index: {params, metrics, peer, seconds}}`. A trial has one subkey, so it appears once
-  in the results however many peers ran it (two peers can both claim a trial in the same instant;
-  the later result replaces the earlier, and the table still has one row per trial).
+two records cross the DHT, each a dictionary keyed by trial index (DHT subkeys):
+- leases (`TrialLease`): `{index: holder}` that expire `lease_seconds` after they were last
+  renewed. A peer runs a trial only while it holds an unexpired lease and renews it as it goes; a
+  peer that dies stops renewing, so its trial is free again at most one lease later and another
+  peer re-runs it.
+- results (`TrialResult`): `{index: {metrics, peer, seconds, error}}`; the parameters are the
+  trial's own, so they are not sent. A trial has one subkey, so it appears once in the results
+  however many peers ran it (two peers can both claim a trial in the same instant; the later
+  result replaces the earlier, and the table still has one row per trial).
+Both are parsed by `from_wire`; a malformed record is logged and ignored (its trial is re-run).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from potluck.core import compat
-from potluck.core.errors import NetworkError, PotluckError
+from potluck.core.errors import IdentityError, MalformedMessage, NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
 from potluck.dht import DHT
+from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,12 @@ RESULT_TTL = 20 * 3600.0
 POLL_SECONDS = 2.0
 # Trials in one sweep: the results dictionary is read whole at every claim.
 MAX_TRIALS = 1000
+# Metrics one trial reports: an objective reports a handful of figures, and every peer reads
+# every result at every claim.
+MAX_METRICS = 64
+# Longest metric name and failure text kept in a result (a traceback's last line fits).
+MAX_METRIC_CHARS = 128
+MAX_ERROR_CHARS = 1000
 
 Objective = Callable[[dict[str, Any]], dict[str, float] | Awaitable[dict[str, float]]]
 
@@ -63,7 +74,7 @@ class SweepSpec:
     random sweeps, to `{"low": a, "high": b, "log": bool, "int": bool}`. `fixed` values are passed
     to every trial unchanged."""
 
-    name: str
+    run_id: str
     space: dict[str, Any]
     kind: str = "grid"
     trials: int = 0  # random: how many
@@ -73,15 +84,15 @@ class SweepSpec:
     goal: str = "max"
 
     def __post_init__(self) -> None:
-        for key, kind, article in (("name", str, "a"), ("kind", str, "a"), ("trials", int, "an"), ("seed", int, "an"),
+        for key, kind, article in (("run_id", str, "a"), ("kind", str, "a"), ("trials", int, "an"), ("seed", int, "an"),
                                    ("fixed", dict, "a"), ("metric", str, "a"), ("goal", str, "a")):
             value = getattr(self, key)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise SweepError(f"{key} must be {article} {kind.__name__}, got {value!r}")
         if self.kind not in ("grid", "random"):
             raise SweepError(f"kind must be 'grid' or 'random', not {self.kind!r}")
-        if not self.name or not isinstance(self.space, dict) or not self.space:
-            raise SweepError("a sweep needs a name and a non-empty space")
+        if not self.run_id or not isinstance(self.space, dict) or not self.space:
+            raise SweepError("a sweep needs a run_id and a non-empty space")
         if self.goal not in ("max", "min"):
             raise SweepError(f"goal must be 'max' or 'min', not {self.goal!r}")
         for key, values in self.space.items():
@@ -111,7 +122,7 @@ class SweepSpec:
             data = json.loads(text) if path.suffix == ".json" else compat.tomllib.loads(text)
         except (OSError, ValueError) as e:
             raise SweepError(f"cannot read sweep config {path}: {e}") from e
-        known = {"name", "space", "kind", "trials", "seed", "fixed", "metric", "goal"}
+        known = {"run_id", "space", "kind", "trials", "seed", "fixed", "metric", "goal"}
         unknown = set(data) - known
         if unknown:
             raise SweepError(f"unknown keys in {path}: {sorted(unknown)} (known: {sorted(known)})")
@@ -130,10 +141,10 @@ class SweepSpec:
 
     @property
     def sweep_id(self) -> str:
-        """The DHT name of this sweep: its name and a digest of its trials, so peers that were
-        given different configs under one name do not mix their results."""
+        """The DHT name of this sweep: its run id and a digest of its trials, so peers that were
+        given different configs under one run id do not mix their results."""
         digest = hashlib.sha256(json.dumps([t.params for t in self.trial_list()], sort_keys=True).encode())
-        return f"{self.name}.{digest.hexdigest()[:12]}"
+        return f"{self.run_id}.{digest.hexdigest()[:12]}"
 
 
 def _draw(rng: random.Random, values: Any) -> Any:
@@ -144,87 +155,164 @@ def _draw(rng: random.Random, values: Any) -> Any:
     return int(round(x)) if values.get("int") else x
 
 
+def _peer_id(value: Any, what: str, key: str) -> PeerID:
+    try:
+        return PeerID.from_string(value)
+    except IdentityError as e:
+        raise MalformedMessage(what, f"{key!r} must be a peer id: {e}") from None
+
+
+@dataclass(frozen=True)
+class TrialLease:
+    """Who runs a trial, until when (the DHT entry's expiration): renewed while the trial runs."""
+
+    holder: PeerID
+    expires: float
+
+    def to_wire(self) -> str:
+        return str(self.holder)
+
+    @classmethod
+    def from_wire(cls, value: Any, expires: float) -> TrialLease:
+        return cls(_peer_id(value, "trial lease", "holder"), expires)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One trial's outcome: its metrics (empty if it failed, with `error` saying why), the peer
+    that ran it and how long the objective took."""
+
+    index: int
+    params: dict[str, Any]
+    metrics: dict[str, float]
+    peer: PeerID
+    seconds: float
+    error: str | None = None
+
+    def to_wire(self) -> dict:
+        return {"metrics": self.metrics, "peer": str(self.peer), "seconds": self.seconds, "error": self.error}
+
+    @classmethod
+    def from_wire(cls, msg: Any, trial: Trial) -> TrialResult:
+        """A result stored under `trial`'s subkey; its parameters are the trial's own."""
+        what = "trial result"
+        if not isinstance(msg, dict):
+            raise MalformedMessage(what, "not a map")
+        metrics = msg.get("metrics")
+        if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
+                isinstance(k, str) and len(k) <= MAX_METRIC_CHARS and isinstance(v, (int, float))
+                and not isinstance(v, bool) for k, v in metrics.items()):
+            raise MalformedMessage(what, f"'metrics' must map at most {MAX_METRICS} names of at most "
+                                         f"{MAX_METRIC_CHARS} characters to numbers")
+        seconds, error = msg.get("seconds"), msg.get("error")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
+            raise MalformedMessage(what, "'seconds' must be a finite non-negative number")
+        if error is not None and not (isinstance(error, str) and len(error) <= MAX_ERROR_CHARS):
+            raise MalformedMessage(what, f"'error' must be a text of at most {MAX_ERROR_CHARS} characters")
+        return cls(trial.index, trial.params, {k: float(v) for k, v in metrics.items()},
+                   _peer_id(msg.get("peer"), what, "peer"), float(seconds), error)
+
+    def to_record(self) -> dict[str, Any]:
+        """The row written to results.json: index, params, metrics, peer, seconds (and error)."""
+        row = {"index": self.index, "params": self.params, "metrics": self.metrics, "peer": str(self.peer),
+               "seconds": self.seconds}
+        if self.error is not None:
+            row["error"] = self.error
+        return row
+
+
 @dataclass
 class _Board:
     """The sweep's shared state as read from the DHT."""
 
-    results: dict[int, dict[str, Any]]
-    leases: dict[int, tuple[str, float]]  # index -> (holder, expiration)
+    results: dict[int, TrialResult]
+    leases: dict[int, TrialLease]
 
 
-async def run_sweep(dht: DHT, spec: SweepSpec, objective: Objective, *, lease_seconds: float = LEASE_SECONDS,
+async def run_sweep(peer: PeerLike, spec: SweepSpec, objective: Objective, *, lease_seconds: float = LEASE_SECONDS,
                     poll_seconds: float = POLL_SECONDS,
-                    on_result: Callable[[Trial, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Take part in the sweep until every trial has a result; return the results, one per trial
-    in trial order (`{"index", "params", "metrics", "peer", "seconds"}`).
+                    on_result: Callable[[TrialResult], None] | None = None) -> list[TrialResult]:
+    """Take part in the sweep on `peer`'s DHT until every trial has a result; return the
+    results, one per trial in trial order.
 
     `objective(params) -> {metric: float}` runs one trial; a plain function runs in a worker
     thread, a coroutine function on the loop. If it raises, the trial's result records the error
     (it is not retried: a failing configuration fails everywhere).
     """
+    dht = peer.dht
     trials = spec.trial_list()
-    me = str(dht.peer_id)
+    me = dht.peer_id
     keys = (f"sweep.{spec.sweep_id}.results", f"sweep.{spec.sweep_id}.leases")
     # Each peer starts its search at a different place in the list, so peers that start together
     # rarely claim the same trial.
-    offset = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big")
+    offset = int.from_bytes(hashlib.sha256(str(me).encode()).digest()[:4], "big")
     while True:
-        board = await _read(dht, keys, len(trials))
+        board = await _read(dht, keys, trials)
         if len(board.results) == len(trials):
             return [board.results[t.index] for t in trials]
         now = dht.get_time()
         free = [t for t in trials if t.index not in board.results
-                and (t.index not in board.leases or board.leases[t.index][1] <= now)]
+                and (t.index not in board.leases or board.leases[t.index].expires <= now)]
         if not free:
-            pending = [exp for i, (_, exp) in board.leases.items() if i not in board.results]
-            wait = min([poll_seconds] + [max(0.0, exp - now) for exp in pending])
+            pending = [lease.expires for i, lease in board.leases.items() if i not in board.results]
+            wait = min([poll_seconds] + [max(0.0, expires - now) for expires in pending])
             await asyncio.sleep(max(wait, 0.01))  # periodic re-check of other peers' leases
             continue
         trial = free[offset % len(free)]
         if not await _claim(dht, keys[1], trial.index, me, lease_seconds):
             continue
         result = await _run_trial(dht, keys[1], trial, objective, me, lease_seconds)
-        await dht.astore(keys[0], result, dht.get_time() + RESULT_TTL, subkey=trial.index)
+        await dht.astore(keys[0], result.to_wire(), dht.get_time() + RESULT_TTL, subkey=trial.index)
         if on_result is not None:
-            on_result(trial, result)
+            on_result(result)
 
 
-async def _read(dht: DHT, keys: tuple[str, str], count: int) -> _Board:
+async def _read(dht: DHT, keys: tuple[str, str], trials: list[Trial]) -> _Board:
     found = await dht.aget_many(keys, latest=True)
-    results: dict[int, dict[str, Any]] = {}
-    leases: dict[int, tuple[str, float]] = {}
+    results: dict[int, TrialResult] = {}
+    leases: dict[int, TrialLease] = {}
     entries = found[keys[0]].value if found[keys[0]] is not None else {}
     for index, item in (entries.items() if isinstance(entries, dict) else ()):
-        value = item.value
-        if isinstance(index, int) and 0 <= index < count and isinstance(value, dict) \
-                and isinstance(value.get("metrics"), dict):
-            results[index] = value
-        else:
-            logger.warning("sweep: ignoring a malformed result under %r (it will be re-run)", index)
+        try:
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(trials):
+                raise MalformedMessage("trial result", f"subkey {index!r} is not a trial of this sweep")
+            results[index] = TrialResult.from_wire(item.value, trials[index])
+        except MalformedMessage as e:
+            logger.warning("sweep: ignoring a result under %r (it will be re-run): %s", index, e)
     entries = found[keys[1]].value if found[keys[1]] is not None else {}
     for index, item in (entries.items() if isinstance(entries, dict) else ()):
-        if isinstance(index, int) and isinstance(item.value, str):
-            leases[index] = (item.value, item.expiration_time)
+        try:
+            if isinstance(index, int) and not isinstance(index, bool):
+                leases[index] = TrialLease.from_wire(item.value, item.expiration_time)
+        except MalformedMessage as e:
+            logger.debug("sweep: ignoring a lease under %r: %s", index, e)
     return _Board(results, leases)
 
 
-async def _claim(dht: DHT, key: str, index: int, me: str, lease_seconds: float) -> bool:
+async def _claim(dht: DHT, key: str, index: int, me: PeerID, lease_seconds: float) -> bool:
     """Take the lease of trial `index`; True if it is ours once read back."""
-    await dht.astore(key, me, dht.get_time() + lease_seconds, subkey=index)
+    expires = dht.get_time() + lease_seconds
+    await dht.astore(key, TrialLease(me, expires).to_wire(), expires, subkey=index)
     found = await dht.aget(key, latest=True)
     entry = found.value.get(index) if found is not None and isinstance(found.value, dict) else None
-    return entry is not None and entry.value == me
+    if entry is None:
+        return False
+    try:
+        return TrialLease.from_wire(entry.value, entry.expiration_time).holder == me
+    except MalformedMessage:
+        return False
 
 
-async def _run_trial(dht: DHT, key: str, trial: Trial, objective: Objective, me: str,
-                     lease_seconds: float) -> dict[str, Any]:
+async def _run_trial(dht: DHT, key: str, trial: Trial, objective: Objective, me: PeerID,
+                     lease_seconds: float) -> TrialResult:
     loop = asyncio.get_running_loop()
 
     async def renew() -> None:
         while True:
             await asyncio.sleep(lease_seconds / 3)
             try:
-                await dht.astore(key, me, dht.get_time() + lease_seconds, subkey=trial.index)
+                expires = dht.get_time() + lease_seconds
+                await dht.astore(key, TrialLease(me, expires).to_wire(), expires, subkey=trial.index)
             except NetworkError as e:
                 logger.warning("sweep: could not renew the lease of trial %d: %s", trial.index, e)
 
@@ -236,15 +324,14 @@ async def _run_trial(dht: DHT, key: str, trial: Trial, objective: Objective, me:
         else:
             metrics = await loop.run_in_executor(None, objective, dict(trial.params))
         metrics = {str(k): float(v) for k, v in dict(metrics).items()}
+        if len(metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_CHARS for k in metrics):
+            raise SweepError(f"an objective reports at most {MAX_METRICS} metrics, with names of at most "
+                             f"{MAX_METRIC_CHARS} characters (other peers would refuse this result)")
         error = None
     except Exception as e:  # noqa: BLE001 - the trial's failure is its result
         logger.warning("sweep: trial %d %s failed: %s", trial.index, trial.params, e)
-        metrics, error = {}, f"{type(e).__name__}: {e}"
+        metrics, error = {}, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
     finally:
         renewal.cancel()
         await asyncio.gather(renewal, return_exceptions=True)
-    result = {"index": trial.index, "params": trial.params, "metrics": metrics, "peer": me,
-              "seconds": round(time.perf_counter() - started, 3)}
-    if error is not None:
-        result["error"] = error
-    return result
+    return TrialResult(trial.index, trial.params, metrics, me, round(time.perf_counter() - started, 3), error)
