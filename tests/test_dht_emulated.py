@@ -7,6 +7,7 @@ connections its timers would dominate the run, and crashes in these tests are lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import statistics
@@ -37,7 +38,10 @@ LATENCY = 0.01  # 10 ms one way between any two emulated peers
 
 async def build_swarm(net: EmulatedNetwork, n: int, *, seed: int = 0, config: DHTConfig | None = None,
                       client_mode: bool = False, first: list[DHT] | None = None) -> list[DHT]:
-    """`n` DHT peers joining one by one, each through a random peer already in (or in `first`)."""
+    """`n` DHT peers joining one by one, each through a random peer already in (or in `first`).
+    They publish no peer records: these tests follow the DHT's own records one by one (peer
+    records have their own tests in test_peer_records.py)."""
+    config = dataclasses.replace(config or DHTConfig(), peer_record_ttl=None)
     rng = random.Random(seed)
     clock = event_loop_clock()
     dhts: list[DHT] = []
@@ -346,7 +350,8 @@ def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
 def test_a_full_bucket_pings_its_oldest_entry_and_replaces_it_only_if_it_is_dead():
     async def scenario():
         net = EmulatedNetwork(latency=LATENCY, seed=11)
-        config = DHTConfig(bucket_size=1, depth_modulo=1)  # the far half of the id space: one slot
+        # The far half of the id space: one slot. No peer records: their stores would ping too.
+        config = DHTConfig(bucket_size=1, depth_modulo=1, peer_record_ttl=None)
         home = await DHT.create(await started(net), clock=event_loop_clock(), config=config)
         far = []
         while len(far) < 3:  # peers in the half of the id space that does not hold home's id

@@ -15,6 +15,11 @@ Replication and churn:
   after repeated failures (at once if a fresher replacement is waiting).
 Records are not republished by their holders: every potluck record is re-stored by its writer
 before it expires (experts, groups and progress all announce themselves periodically).
+
+Peer records (`dht.peer_records`): a node publishes its peer's signed record at start and re-signs
+it every third of its lifetime, and serves as the transport's `PeerResolver`, so a dial to a peer
+id with no known address looks the record up. The node's own RPCs never resolve (no recursion):
+the peers it calls come with addresses in find answers.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from typing import Any
 from potluck.core import compat
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import NetworkError, PeerUnreachable
+from potluck.core.serialization import dumps, loads
 from potluck.dht import protocol
 from potluck.dht.errors import BadRequest, DHTError, RecordRejected
 from potluck.dht.lookup import Answer, Backoff, Lookup, TargetResult
+from potluck.dht.peer_records import PEER_RECORD_TTL, PeerRecordValidator, parse_peer_record, peer_record_key
 from potluck.dht.records import Key, Record, key_id_of
 from potluck.dht.routing import DEFAULT_BUCKET_SIZE, DEFAULT_DEPTH_MODULO, RoutingTable, node_id_of
 from potluck.dht.storage import DEFAULT_MAX_STORAGE_BYTES, Storage, merge_records
@@ -43,10 +50,12 @@ from potluck.dht.validation import (
     Limits,
     RecordValidator,
     check_record,
+    sign_record,
 )
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
+from potluck.net.peer_record import PeerRecord
 from potluck.net.transport import Transport
 
 __all__ = ["DHTConfig", "DHTNode", "GetOutcome"]
@@ -80,6 +89,9 @@ STALE_AFTER_FAILURES = 3
 MAX_BACKGROUND_TASKS = 512
 # Peers whose addresses we heard of but have not called yet (oldest forgotten first).
 MAX_HEARSAY = 65536
+# Storing our peer record at start: one store traversal; past this, start goes on without it
+# (the refresh retries), so a slow network delays joining by at most this much.
+PUBLISH_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class DHTConfig:
     refresh_interval: float | None = REFRESH_INTERVAL  # None: no periodic upkeep
     cache_on_get: bool = True
     handoff: bool = True  # hand records to newcomers that become their closest nodes
+    peer_record_ttl: float | None = PEER_RECORD_TTL  # None: publish no peer record (for DHT-only tests)
 
     @property
     def num_replicas(self) -> int:
@@ -127,7 +140,7 @@ class DHTNode:
         self.node_id = _node_id(self.peer_id)
         self.config = config or DHTConfig()
         self.limits = Limits(self.config.max_value_bytes, self.config.max_ttl)
-        self.validators = list(validators)
+        self.validators: list[RecordValidator] = [PeerRecordValidator(clock), *validators]
         self.now = clock
         self.client_mode = transport.client_mode
         self.routing = RoutingTable(self.node_id, self.config.bucket_size, self.config.depth_modulo)
@@ -142,6 +155,7 @@ class DHTNode:
         # that peer: a lookup hears of hundreds of peers and calls a few dozen.
         self._hearsay: dict[int, list[Multiaddr]] = {}
         self._upkeep_task: asyncio.Task | None = None
+        self._republish_task: asyncio.Task | None = None
         self._started = False
         self._closed = False
 
@@ -156,11 +170,15 @@ class DHTNode:
         self.transport.add_handler(protocol.PING, self._on_ping)
         self.transport.add_handler(protocol.FIND, self._on_find)
         self.transport.add_handler(protocol.STORE, self._on_store)
+        self.transport.set_resolver(self)
         if self.config.refresh_interval:
             self._upkeep_task = self._spawn(self._upkeep(self.config.refresh_interval))
         initial = list(initial_peers)
         if initial:
             await self.bootstrap(initial, timeout)
+        if self._publishes_peer_record():
+            await self.publish_peer_record(min(timeout, PUBLISH_TIMEOUT))
+            self._republish_task = self._spawn(self._republish_forever(self.config.peer_record_ttl / 3))
 
     async def bootstrap(self, initial_peers: Iterable[Multiaddr | str | PeerID],
                         timeout: float = BOOTSTRAP_TIMEOUT) -> None:
@@ -183,11 +201,7 @@ class DHTNode:
         timeout = max(0.0, deadline - asyncio.get_running_loop().time())
         if not isinstance(peer, PeerID):
             addr = Multiaddr.parse(peer) if isinstance(peer, str) else peer
-            if addr.peer_id is not None:
-                self.transport.add_addresses(addr.peer_id, [addr])
-                peer = addr.peer_id
-            else:
-                peer = await self.transport.connect(addr, timeout)
+            peer = await self.transport.connect(addr, timeout)  # checks the /p2p/ id when given
         await self.ping(peer, timeout)
 
     async def shutdown(self) -> None:
@@ -198,6 +212,8 @@ class DHTNode:
         if self._started:
             for method in (protocol.PING, protocol.FIND, protocol.STORE):
                 self.transport.remove_handler(method)
+            if self.transport.resolver is self:
+                self.transport.set_resolver(None)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -208,7 +224,8 @@ class DHTNode:
         """Wait until the background work started so far (hand-offs, caching stores, pings) is
         done; for tests and orderly benchmarks. Raises TimeoutError after `timeout`."""
         async with compat.timeout(timeout):
-            while pending := [t for t in self._tasks if t is not self._upkeep_task]:
+            forever = (self._upkeep_task, self._republish_task)
+            while pending := [t for t in self._tasks if t not in forever]:
                 await asyncio.wait(pending)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
@@ -283,7 +300,7 @@ class DHTNode:
         try:
             self._introduce(peer)
             await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST,
-                                      timeout=timeout or self.config.rpc_timeout)
+                                      timeout=timeout or self.config.rpc_timeout, resolve=False)
         except (NetworkError, TimeoutError):
             self._peer_failed(peer)
             raise
@@ -312,7 +329,7 @@ class DHTNode:
             if not (records and stop):
                 for peer, _ in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
                     if peer not in index:
-                        addrs = self.transport.addresses_of(peer)
+                        addrs = self.transport.vouched_addresses_of(peer)  # never pass hints on
                         if not addrs:
                             continue
                         index[peer] = len(peers)
@@ -340,7 +357,7 @@ class DHTNode:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
         response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values, stop),
-                                             timeout=timeout)
+                                             timeout=timeout, resolve=False)
         parsed = protocol.parse_find_response(response, len(ids))
         now = self.now()
         answers = {}
@@ -516,7 +533,7 @@ class DHTNode:
             try:
                 self._introduce(peer)
                 response = await self.transport.call(peer, protocol.STORE, protocol.store_request(chunk),
-                                                     timeout=timeout)
+                                                     timeout=timeout, resolve=False)
                 answers.extend(protocol.parse_store_response(response, len(chunk)))
             except (NetworkError, BadRequest, TimeoutError) as e:
                 logger.debug("store on %s failed: %s", peer, e)
@@ -526,6 +543,57 @@ class DHTNode:
             else:
                 self._peer_ok(peer)
         return answers
+
+    # -- peer records ----------------------------------------------------------------------------------
+    def _publishes_peer_record(self) -> bool:
+        return (self.config.peer_record_ttl is not None and not self.client_mode
+                and bool(self.transport.addresses))
+
+    async def publish_peer_record(self, timeout: float = PUBLISH_TIMEOUT) -> bool:
+        """Sign and store our peer record (where we listen, for `peer_record_ttl` seconds); True if
+        a replica holds it. Failures are logged, not raised: the refresh tries again."""
+        if not self._publishes_peer_record():
+            return False
+        assert self.config.peer_record_ttl is not None
+        identity = self.transport.identity
+        expiration = self.now() + self.config.peer_record_ttl
+        signed = PeerRecord.sign(identity, self.transport.addresses, expiration)
+        record = sign_record(Record(peer_record_key(self.peer_id), None, dumps(signed.to_value()), expiration),
+                             identity)
+        try:
+            check_record(record, self.limits, self.now(), self.validators, skew=0.0)
+            stored = (await self.store_many([record], timeout))[0]
+        except (RecordRejected, NetworkError, DHTError) as e:
+            logger.warning("could not publish this peer's record: %s", e)
+            return False
+        if not stored:
+            logger.warning("no DHT node accepted this peer's record; it is retried in %.0f s",
+                           self.config.peer_record_ttl / 3)
+        return stored
+
+    async def _republish_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.publish_peer_record()
+
+    async def resolve_peer(self, peer_id: PeerID, timeout: float) -> tuple[PeerRecord, float] | None:
+        """The transport's `PeerResolver`: `peer_id`'s newest valid signed record and its seconds
+        to live, or None. Asks all of the key's closest nodes (a restarted peer's newer record
+        must beat a stale copy cached on the way)."""
+        key = peer_record_key(peer_id)
+        outcome = (await self.get_many([key], latest=True, timeout=timeout))[key]
+        now = self.now()
+        best: PeerRecord | None = None
+        for record in outcome.records:
+            if record.subkey is not None or record.expiration_time <= now:
+                continue
+            try:
+                parsed = parse_peer_record(loads(record.value))
+            except Exception:  # noqa: BLE001 - checked on arrival already; skip anything odd
+                continue
+            if parsed.peer_id == peer_id and (best is None or parsed.expiration_time > best.expiration_time):
+                best = parsed
+        return None if best is None else (best, best.expiration_time - now)
 
     # -- hand-off and upkeep ---------------------------------------------------------------------------
     def _welcome(self, peer: PeerID) -> None:

@@ -1,0 +1,69 @@
+"""Peer records in the DHT: the one place where a peer's addresses are published and looked up.
+
+Every (dialable) peer stores its signed `PeerRecord` (`potluck.net.peer_record`) under
+`peer_record_key(peer_id)` = `"_peer.[owner:<peer id>]"`. The key is owner-marked, so the DHT's
+own owner signature already stops anyone else from writing or squatting it; the value carries the
+record's own signature too, so the transport can check what it dials without trusting the DHT.
+`PeerRecordValidator` is installed on every DHT node: a record under a `_peer.` key that does not
+parse, names another peer, disagrees with the DHT record's expiration or lives too long is refused
+at parse time, by the writer and by every node that receives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from potluck.core.dht_time import Clock
+from potluck.dht.errors import ExpirationTooFar, RecordRejected
+from potluck.dht.records import Record, owner_marker, owners_of
+from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
+from potluck.net.identity import PeerID
+from potluck.net.peer_record import PeerRecord, PeerRecordError
+
+__all__ = ["MAX_PEER_RECORD_TTL", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator", "peer_record_key"]
+
+# Keys starting with this are reserved for peer records.
+PEER_RECORD_PREFIX = "_peer."
+# A record lives 30 minutes and is re-signed every third of that: a dead peer's addresses linger
+# at most this long (dials to them fail fast anyway), and one missed refresh is harmless.
+PEER_RECORD_TTL = 30 * 60.0
+# Nodes refuse peer records expiring further ahead: later expiration wins in storage, so a record
+# signed for a day by a misconfigured run would hide a restarted peer's new addresses all day.
+MAX_PEER_RECORD_TTL = 2 * 3600.0
+
+
+def peer_record_key(peer_id: PeerID | str) -> str:
+    """The DHT key of `peer_id`'s record (owner-marked: only that peer can write it)."""
+    return f"{PEER_RECORD_PREFIX}{owner_marker(peer_id)}"
+
+
+class PeerRecordValidator:
+    """The rules of `_peer.` keys (see the module docstring); a `RecordValidator`."""
+
+    def __init__(self, clock: Clock, max_ttl: float = MAX_PEER_RECORD_TTL):
+        self.clock = clock
+        self.max_ttl = max_ttl
+
+    def validate(self, record: Record, value: Any) -> None:
+        key = record.key
+        if not (isinstance(key, str) and key.startswith(PEER_RECORD_PREFIX)):
+            return
+        owner = owners_of(key, record.subkey)
+        if owner is None or key != peer_record_key(owner) or record.subkey is not None:
+            raise RecordRejected(f"{PEER_RECORD_PREFIX!r} keys hold peer records only: "
+                                 f"'{PEER_RECORD_PREFIX}[owner:<peer id>]' with no subkey")
+        parsed = parse_peer_record(value)
+        if parsed.peer_id != owner:
+            raise RecordRejected(f"the peer record under {key!r:.80} is {parsed.peer_id}'s, not its owner's")
+        if parsed.expiration_time != record.expiration_time:
+            raise RecordRejected("a peer record's signed expiration must equal the DHT record's")
+        if record.expiration_time > self.clock() + self.max_ttl + CLOCK_SKEW_ALLOWANCE:
+            raise ExpirationTooFar(f"peer records may live at most {self.max_ttl:.0f} s; re-sign them instead")
+
+
+def parse_peer_record(value: Any) -> PeerRecord:
+    """`PeerRecord.from_value` with the DHT's error type."""
+    try:
+        return PeerRecord.from_value(value)
+    except PeerRecordError as e:
+        raise RecordRejected(str(e)) from None

@@ -1,0 +1,227 @@
+"""One address path: each peer's signed record in the DHT, and dials that resolve a bare peer id."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import potluck
+from potluck.core.errors import PeerUnreachable
+from potluck.core.serialization import dumps
+from potluck.core.virtual_time import run_virtual
+from potluck.dht import DHT, DHTConfig, ExpirationTooFar, NotOwner, RecordRejected, event_loop_clock, protocol
+from potluck.dht.peer_records import MAX_PEER_RECORD_TTL, PeerRecordValidator, peer_record_key
+from potluck.dht.records import Record
+from potluck.dht.validation import Limits, check_record, sign_record
+from potluck.net.address import Multiaddr
+from potluck.net.emulated import EmulatedNetwork
+from potluck.net.identity import Identity
+from potluck.net.peer_record import MAX_RECORD_ADDRESSES, PeerRecord, PeerRecordError
+from potluck.net.transport import RESOLVE_TIMEOUT
+from tests.emulated_swarm import SimPeer, add_peer, make_swarm
+
+ADDR = "/ip4/10.0.0.1/tcp/4000"
+
+
+async def echo(request, ctx):
+    return request
+
+
+# -- the record itself ------------------------------------------------------------------------------
+def test_a_signed_record_round_trips_and_any_change_breaks_its_signature():
+    me = Identity.generate()
+    record = PeerRecord.sign(me, [f"{ADDR}/p2p/{me.peer_id}", "/emu/7"], 1000.0)
+    assert [str(a) for a in record.addresses] == [ADDR, "/emu/7"]
+    assert PeerRecord.from_value(record.to_value()) == record
+    for field, value in (("addrs", ["/ip4/203.0.113.9/tcp/1"]), ("exp", 99999.0),
+                         ("peer", Identity.generate().peer_id.to_bytes())):
+        tampered = dict(record.to_value(), **{field: value})
+        with pytest.raises(PeerRecordError, match="does not verify"):
+            PeerRecord.from_value(tampered)
+
+
+def test_a_record_signed_by_another_key_is_refused_at_parse_time():
+    victim, stranger = Identity.generate(), Identity.generate()
+    forged = PeerRecord.sign(stranger, [ADDR], 1000.0).to_value()
+    forged["peer"] = victim.peer_id.to_bytes()  # claims the victim's id with the stranger's signature
+    with pytest.raises(PeerRecordError, match="forged, or signed by another key"):
+        PeerRecord.from_value(forged)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ({"peer": b"x", "addrs": [ADDR], "exp": 1.0, "sig": bytes(64)}, "'peer'"),
+    ({"addrs": [ADDR], "exp": 1.0, "sig": bytes(64)}, "exactly"),
+    ("text", "exactly"),
+    ({"peer": bytes(32), "addrs": [ADDR] * 2, "exp": 1.0, "sig": bytes(64)}, "twice"),
+    ({"peer": bytes(32), "addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(MAX_RECORD_ADDRESSES + 1)],
+      "exp": 1.0, "sig": bytes(64)}, f"at most {MAX_RECORD_ADDRESSES}"),
+    ({"peer": bytes(32), "addrs": ["/ip4/10.0.0.1/tcp/" + "1" * 2000], "exp": 1.0, "sig": bytes(64)}, "longer than"),
+    ({"peer": bytes(32), "addrs": [], "exp": 1.0, "sig": bytes(64)}, "empty"),
+    ({"peer": bytes(32), "addrs": [ADDR], "exp": float("inf"), "sig": bytes(64)}, "finite"),
+    ({"peer": bytes(32), "addrs": [ADDR], "exp": 1.0, "sig": b"short"}, "64 bytes"),
+])
+def test_malformed_records_name_the_field_that_is_wrong(value, words):
+    with pytest.raises(PeerRecordError, match=words):
+        PeerRecord.from_value(value)
+
+
+def test_the_dht_refuses_forged_misplaced_or_long_lived_peer_records():
+    now = 1000.0
+    victim, stranger = Identity.generate(), Identity.generate()
+    rules = [PeerRecordValidator(lambda: now)]
+    key = peer_record_key(victim.peer_id)
+
+    def dht_record(signer: Identity, record: PeerRecord, key: str = key) -> Record:
+        return sign_record(Record(key, None, dumps(record.to_value()), record.expiration_time), signer)
+
+    good = PeerRecord.sign(victim, [ADDR], now + 60)
+    check_record(dht_record(victim, good), Limits(), now, rules)
+    with pytest.raises(NotOwner):  # the stranger cannot even write the victim's key
+        check_record(Record(key, None, dumps(good.to_value()), good.expiration_time,
+                            stranger.sign(b"anything")), Limits(), now, rules)
+    with pytest.raises(RecordRejected, match="not its owner's"):  # the victim's key, the stranger's record
+        check_record(dht_record(victim, PeerRecord.sign(stranger, [ADDR], now + 60)), Limits(), now, rules)
+    with pytest.raises(RecordRejected, match="must equal"):
+        check_record(sign_record(Record(key, None, dumps(good.to_value()), now + 30), victim), Limits(), now, rules)
+    with pytest.raises(ExpirationTooFar, match="peer records may live"):
+        check_record(dht_record(victim, PeerRecord.sign(victim, [ADDR], now + 2 * MAX_PEER_RECORD_TTL)),
+                     Limits(), now, rules)
+    with pytest.raises(RecordRejected, match="hold peer records only"):
+        check_record(Record("_peer.anything", None, dumps(1), now + 60), Limits(), now, rules)
+
+
+# -- resolution on the emulated network --------------------------------------------------------------
+async def newcomer_knowing_nobody(net: EmulatedNetwork, peers: list[SimPeer]) -> SimPeer:
+    """A client-mode peer that joined before the others it will call, so it holds no address of them."""
+    return await add_peer(net, peers[:1], client=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_that_knows_only_a_peer_id_can_call_it():
+    async def scenario():
+        net, peers = await make_swarm(4)
+        newcomer = await newcomer_knowing_nobody(net, peers)
+        target = await add_peer(net, peers)  # joins after the newcomer: the newcomer never heard of it
+        target.transport.add_handler("echo", echo)
+        assert newcomer.transport.addresses_of(target.transport.peer_id) == []
+        assert await newcomer.transport.call(target.transport.peer_id, "echo", "hi", timeout=5) == "hi"
+        assert newcomer.transport.vouched_addresses_of(target.transport.peer_id) == [
+            a.without_peer_id() for a in target.transport.addresses]
+        for p in [*peers, newcomer, target]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_dials_to_one_unknown_id_share_one_lookup_and_later_dials_use_the_cache():
+    async def scenario():
+        net, peers = await make_swarm(4)
+        newcomer = await newcomer_knowing_nobody(net, peers)
+        target = await add_peer(net, peers)
+        target.transport.add_handler("echo", echo)
+        lookups = []
+        resolve = newcomer.dht.node.resolve_peer
+
+        async def counting(peer_id, timeout):
+            lookups.append(peer_id)
+            return await resolve(peer_id, timeout)
+        newcomer.dht.node.resolve_peer = counting
+        pid = target.transport.peer_id
+        assert await asyncio.gather(*(newcomer.transport.call(pid, "echo", i, timeout=5) for i in range(5))) == [
+            0, 1, 2, 3, 4]
+        assert lookups == [pid]
+        stream = await newcomer.transport.open_stream(pid, "missing", timeout=5)  # a bulk dial: no new lookup
+        stream.abort()
+        assert lookups == [pid]
+        for p in [*peers, newcomer, target]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_dial_to_an_id_with_no_record_fails_with_peer_unreachable_within_its_deadline():
+    async def scenario():
+        net, peers = await make_swarm(4)
+        loop = asyncio.get_running_loop()
+        nobody = Identity.generate().peer_id
+        start = loop.time()
+        with pytest.raises(PeerUnreachable, match="no signed peer record"):
+            await peers[1].transport.call(nobody, "echo", 1, timeout=5)
+        assert loop.time() - start <= 5
+        # A network that never answers: the dial still ends at the caller's deadline.
+        net.partition([peers[3].transport.peer_id], [p.transport.peer_id for p in peers[:3]])
+        start = loop.time()
+        with pytest.raises(PeerUnreachable):
+            await peers[3].transport.call(Identity.generate().peer_id, "echo", 1, timeout=2)
+        assert loop.time() - start <= 2 + 1e-6
+        net.heal()
+        await asyncio.sleep(RESOLVE_TIMEOUT)  # the abandoned lookup ends at its own deadline
+        assert not peers[3].transport._resolving
+        for p in peers:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_the_record_is_refreshed_before_it_expires():
+    ttl = 60.0
+
+    async def scenario():
+        net = EmulatedNetwork(latency=0.005)
+        config = DHTConfig(peer_record_ttl=ttl)
+        dhts = []
+        for _ in range(3):
+            transport = net.transport()
+            await transport.start()
+            boot = [dhts[0].node.transport.addresses[0]] if dhts else []
+            dhts.append(await DHT.create(transport, clock=event_loop_clock(), initial_peers=boot, config=config))
+        owner, reader = dhts[1], dhts[2]
+        first = await reader.node.resolve_peer(owner.peer_id, 5)
+        assert first is not None and first[1] <= ttl
+        await asyncio.sleep(5 * ttl)  # virtual: five lifetimes
+        latest = await reader.node.resolve_peer(owner.peer_id, 5)
+        assert latest is not None, "the record lapsed: it was not re-published in time"
+        assert latest[0].expiration_time > first[0].expiration_time + 4 * ttl - ttl / 3 - 1
+        for d in dhts:
+            await d.ashutdown()
+            await d.node.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_strangers_record_for_another_peer_is_refused_by_every_node():
+    async def scenario():
+        net, peers = await make_swarm(3)
+        victim, node, stranger = peers
+        key = peer_record_key(victim.transport.peer_id)
+        fake = PeerRecord.sign(stranger.transport.identity, ["/emu/nowhere"], node.dht.get_time() + 60)
+        forged = Record(key, None, dumps(fake.to_value()), fake.expiration_time,
+                        stranger.transport.identity.sign(b"x" * 64))
+        answer = protocol.parse_store_response(await stranger.transport.call(
+            node.transport.peer_id, protocol.STORE, protocol.store_request([forged]), timeout=5), 1)
+        assert isinstance(answer[0], str) and "NotOwner" in answer[0]
+        found = await stranger.dht.node.resolve_peer(victim.transport.peer_id, 5)
+        assert found is not None and list(found[0].addresses) == [
+            a.without_peer_id() for a in victim.transport.addresses]
+        for p in peers:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+# -- resolution over TCP -------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_newcomer_that_knows_only_a_peer_id_can_call_it_over_tcp():
+    with potluck.Peer(host="127.0.0.1") as first, \
+            potluck.Peer(initial_peers=first.addresses, client_mode=True) as newcomer, \
+            potluck.Peer(initial_peers=first.addresses, host="127.0.0.1") as target:
+        target.transport.add_handler("echo", echo)
+        target_id = target.transport.peer_id
+        assert newcomer.transport.addresses_of(target_id) == []
+        assert newcomer.call(target.peer_id, "echo", [1, 2], timeout=20) == [1, 2]
+        assert newcomer.transport.vouched_addresses_of(target_id) == [
+            Multiaddr.parse(a).without_peer_id() for a in target.addresses]
