@@ -42,8 +42,6 @@ def _translate(error: RemoteError) -> Exception:
 
 
 async def _call(transport: Any, location: ExpertLocation, method: str, request: dict, timeout: float) -> Any:
-    if location.addresses:
-        transport.add_addresses(location.peer_id, location.addresses)
     try:
         return await transport.call(location.peer_id, method, request, timeout=timeout)
     except RemoteError as e:

@@ -31,25 +31,24 @@ DEFAULT_BEAM_SIZE = 4
 
 @dataclass(frozen=True)
 class ExpertLocation:
-    """Where one expert is served."""
+    """Where one expert is served: the serving peer's id. Its addresses come from the peer's own
+    signed record, which the transport looks up when it dials (`potluck.net.peer_record`)."""
 
     uid: str
     peer_id: PeerID
-    addresses: tuple[str, ...] = ()
 
     def to_value(self) -> dict:
-        return {"peer": str(self.peer_id), "addrs": list(self.addresses)}
+        return {"peer": str(self.peer_id)}
 
     @classmethod
     def from_value(cls, uid: str, value: object) -> ExpertLocation | None:
         """Parse a DHT value; None (and a debug log) if it is malformed."""
         try:
             peer = PeerID.from_string(value["peer"])  # type: ignore[index]
-            addrs = tuple(str(a) for a in value.get("addrs", ())[:8])  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - anyone can write to the DHT; skip garbage
             logger.debug("malformed expert record for %s: %r", uid, value)
             return None
-        return cls(uid, peer, addrs)
+        return cls(uid, peer)
 
 
 def parse_uid(uid: str) -> tuple[str, tuple[int, ...]]:

@@ -385,7 +385,7 @@ class ExpertServer:
         return {uid: hosted.stats for uid, hosted in self.experts.items()}
 
     def locations(self) -> list[ExpertLocation]:
-        return [ExpertLocation(uid, self.peer.transport.peer_id, tuple(self.peer.addresses)) for uid in self.experts]
+        return [ExpertLocation(uid, self.peer.transport.peer_id) for uid in self.experts]
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def _astart(self) -> None:
