@@ -13,10 +13,28 @@ import torch
 
 import potluck
 from potluck.cli.tasks import accuracy, load_data
-from potluck.core.errors import MessageTooLarge, RemoteError
+from potluck.core.errors import MalformedMessage, MessageTooLarge, RemoteError
 from potluck.core.serialization import dumps, loads
 from potluck.core.virtual_time import run_virtual
-from potluck.ps import PSWorker, ServerConfig, ShardLayout, ShardServerLost, split_by_size, start_parameter_servers
+from potluck.net.identity import Identity
+from potluck.ps import (
+    PSWorker,
+    ServerAddresses,
+    ServerConfig,
+    ShardLayout,
+    ShardServerLost,
+    split_by_size,
+    start_parameter_servers,
+)
+from potluck.ps.messages import (
+    MAX_SERVER_ADDRESSES,
+    MAX_SERVERS_PER_SHARD,
+    ParamsReply,
+    PullRequest,
+    PushRequest,
+    ReplicaAck,
+    ReplicaUpdate,
+)
 from potluck.ps.server import method_name
 from potluck.ps.simulation import PSSimulation
 
@@ -83,6 +101,80 @@ def test_split_by_size_balances_elements_over_shards():
     assert sorted(loads) == [1002, 2048]
     assert split_by_size(sizes, 2) == assignment  # deterministic
     assert set(split_by_size([5, 5, 5, 5], 4)) == {0, 1, 2, 3}
+
+
+SHARD = [torch.zeros(4, 3), torch.zeros(3)]  # the shard's parameters the messages are checked against
+PEERS = [Identity.generate().peer_id for _ in range(3)]
+GOOD = {
+    "push": PushRequest(2, (torch.ones(4, 3), torch.ones(3))).to_wire(),
+    "reply": ParamsReply(7, (torch.ones(4, 3), torch.ones(3)), dropped=True).to_wire(),
+    "replica": ReplicaUpdate(7, (torch.ones(4, 3), torch.ones(3)), tuple(PEERS[:2])).to_wire(),
+    "layout": ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))).to_wire(),
+    "addresses": ServerAddresses(PEERS[0], ()).to_wire() | {"addrs": ["/ip4/10.0.0.1/tcp/31337"]},
+}
+PARSE = {
+    "push": lambda msg: PushRequest.from_wire(msg, SHARD, latest_step=3),
+    "reply": lambda msg: ParamsReply.from_wire(msg, SHARD),
+    "replica": lambda msg: ReplicaUpdate.from_wire(msg, SHARD),
+    "layout": ShardLayout.from_wire,
+    "addresses": ServerAddresses.from_wire,
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind, changes, field", [
+    ("push", {"step": 4}, "'step'"),  # computed on parameters the server has not made yet
+    ("push", {"step": -1}, "'step'"),
+    ("push", {"step": True}, "'step'"),
+    ("push", {"grads": None}, "'grads'"),
+    ("push", {"grads": [torch.ones(4, 3)]}, "'grads'"),
+    ("push", {"grads": [torch.ones(4, 3), "x"]}, "'grads'[1]"),
+    ("push", {"grads": [torch.ones(3, 4), torch.ones(3)]}, "'grads'[0]"),
+    ("push", {"grads": [torch.ones(4, 3), torch.ones(3, dtype=torch.float64)]}, "'grads'[1]"),
+    ("push", {"grads": [torch.ones(4, 3), torch.tensor([1.0, float("inf"), 0.0])]}, "'grads'[1]"),
+    ("reply", {"step": 2**62}, "'step'"),
+    ("reply", {"params": [torch.ones(4, 3)]}, "'params'"),
+    ("reply", {"params": [torch.ones(4, 3), torch.ones(4)]}, "'params'[1]"),
+    ("reply", {"dropped": 1}, "'dropped'"),
+    ("replica", {"step": "7"}, "'step'"),
+    ("replica", {"params": [torch.ones(4, 3), torch.full((3,), float("nan"))]}, "'params'[1]"),
+    ("replica", {"workers": ["not a peer id"]}, "'workers'"),
+    ("replica", {"workers": "abc"}, "'workers'"),
+    ("layout", {"servers": []}, "'servers'"),
+    ("layout", {"servers": [[]]}, "'servers'"),
+    ("layout", {"servers": [[str(PEERS[0])] * (MAX_SERVERS_PER_SHARD + 1)]}, "'servers'"),
+    ("layout", {"servers": [["nobody"]]}, "'servers'"),
+    ("layout", {"assignment": [0, 2]}, "'assignment'"),  # shard 2 does not exist
+    ("layout", {"assignment": "012"}, "'assignment'"),
+    ("addresses", {"peer": 5}, "'peer'"),
+    ("addresses", {"addrs": ["/ip4/10.0.0.1/tcp/1"] * (MAX_SERVER_ADDRESSES + 1)}, "'addrs'"),
+    ("addresses", {"addrs": ["/ip4/999.0.0.1/tcp/1"]}, "'addrs'"),
+    ("addresses", {"addrs": [7]}, "'addrs'"),
+])
+def test_malformed_messages_are_refused_naming_the_field(kind, changes, field):
+    parse, good = PARSE[kind], GOOD[kind]
+    assert parse(loads(dumps(good))).to_wire().keys() == good.keys()  # the good one survives the wire
+    with pytest.raises(MalformedMessage) as caught:
+        parse({**good, **changes})
+    assert caught.value.field.startswith(field), caught.value
+    with pytest.raises(MalformedMessage, match="not a map"):
+        parse([good])
+
+
+@pytest.mark.timeout(30)
+def test_messages_round_trip_through_the_wire():
+    layout = ShardLayout.from_wire(loads(dumps(GOOD["layout"])))
+    assert layout == ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))) and layout.indices(1) == [1, 2]
+    push = PushRequest.from_wire(loads(dumps(GOOD["push"])), SHARD, latest_step=2)
+    assert push.step == 2 and all(torch.equal(g, torch.ones_like(p)) for g, p in zip(push.grads, SHARD))
+    reply = ParamsReply.from_wire(loads(dumps(GOOD["reply"])), SHARD)
+    assert reply.step == 7 and reply.dropped
+    assert ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), SHARD).workers == tuple(PEERS[:2])
+    assert str(ServerAddresses.from_wire(GOOD["addresses"]).addresses[0]) == "/ip4/10.0.0.1/tcp/31337"
+    assert PullRequest.from_wire(loads(dumps(PullRequest().to_wire()))) == PullRequest()
+    assert ReplicaAck.from_wire(ReplicaAck(False).to_wire()) == ReplicaAck(False)
+    with pytest.raises(MalformedMessage, match="'accepted'"):
+        ReplicaAck.from_wire({"accepted": "yes"})
 
 
 @pytest.mark.timeout(90)
@@ -157,7 +249,7 @@ def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_contin
             await sim.close()
         return sim, steps_at_kill[0]
     sim, at_kill = run_virtual(scenario())
-    assert sim.primary.dropped_workers == [str(sim.workers[2].peer_id)]  # dropped once, and only it
+    assert sim.primary.dropped_workers == [sim.workers[2].transport.peer_id]  # dropped once, and only it
     assert sim.primary.step >= 400 > at_kill
     assert sim.clients[2].pushes <= at_kill + 1 < sim.clients[0].pushes
 
@@ -197,9 +289,9 @@ def test_decentralized_shard_is_taken_over_from_its_replica_when_its_peer_dies()
             await sim.close()
         return sim, state["killed_at"]
     sim, killed_at = run_virtual(scenario())
-    standby = next(s for s in sim.servers if s.shard == 1 and s.transport is sim.workers[2])
+    standby = next(s for s in sim.servers if s.shard == 1 and s.peer is sim.workers[2])
     assert not standby.standby and standby.step >= 300 > killed_at  # it took over and went on stepping
-    assert str(sim.workers[1].peer_id) in standby.dropped_workers
+    assert sim.workers[1].transport.peer_id in standby.dropped_workers
     assert accuracy(sim.models[0], X_TEST, Y_TEST) >= reference_accuracy() - 0.02
 
 
@@ -208,7 +300,7 @@ def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
     async def scenario():
         sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="async", num_workers=1), [FAST],
                                        offload=False)
-        client, server = sim.clients[0], sim.server_transports[0].peer_id
+        client, server = sim.clients[0], sim.server_peers[0].transport.peer_id
         push = method_name("sim", 0, "push")
         good = [torch.zeros_like(p) for p in sim.models[0].parameters()]
         bad = {
@@ -223,6 +315,7 @@ def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
         for what, request in bad.items():
             with pytest.raises(RemoteError) as info:
                 await client.transport.call(server, push, request, timeout=5)
+            assert info.value.remote_type == "MalformedMessage", info.value
             errors[what] = str(info.value)
         with pytest.raises(MessageTooLarge):  # over the server's frame limit: refused before sending
             await client.transport.call(server, push, {"step": 0, "grads": [torch.zeros(2**25)]}, timeout=5)
@@ -230,12 +323,12 @@ def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
         await sim.close()
         return errors, sim.primary.step
     errors, step = run_virtual(scenario())
-    assert "must be a dict" in errors["not a dict"]
-    assert "expected a list of 4 gradient tensors" in errors["wrong count"]
-    assert "gradient 0 is torch.float32 (3, 3); expected torch.float32 (32, 64)" in errors["wrong shape"]
-    assert "non-finite" in errors["non-finite"]
-    assert "gradient 0 is torch.float32 (65536, 64)" in errors["oversized"]
-    assert "step must be an int between 0 and the server's step 0" in errors["future step"]
+    assert "malformed push: not a map" in errors["not a dict"]
+    assert "'grads' must be a list of 4 tensors, got 2" in errors["wrong count"]
+    assert "'grads'[0] is torch.float32 (3, 3); expected torch.float32 (32, 64)" in errors["wrong shape"]
+    assert "'grads'[0] has non-finite values" in errors["non-finite"]
+    assert "'grads'[0] is torch.float32 (65536, 64)" in errors["oversized"]
+    assert "'step' must be an integer in [0, 1)" in errors["future step"]
     assert step == 1
 
 
@@ -245,12 +338,13 @@ def test_standby_accepts_state_only_from_its_primary_and_checks_it():
         sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=3), [FAST] * 3,
                                        decentralized=True, offload=False)
         standby = next(s for s in sim.servers if s.standby and s.shard == 0)
-        primary, stranger = sim.workers[0], sim.workers[2]
-        assert standby.transport is sim.workers[1]
+        primary, stranger = sim.workers[0].transport, sim.workers[2].transport
+        assert standby.peer is sim.workers[1]
         method = method_name("sim", 0, "replicate")
         good = [p.detach().clone() for p in sim.servers[0].params]
         errors = []
         for sender, request in [(stranger, {"step": 5, "params": good, "workers": []}),
+                                (stranger, "junk"),  # who calls is checked before what is sent
                                 (primary, {"step": 5, "params": good + good, "workers": []}),
                                 (primary, {"step": 5, "params": good, "workers": [1]}),
                                 (primary, "junk")]:
@@ -260,11 +354,12 @@ def test_standby_accepts_state_only_from_its_primary_and_checks_it():
         accepted = await primary.call(standby.transport.peer_id, method, {"step": 5, "params": good, "workers": []},
                                       timeout=5)
         await sim.close()
-        return errors, accepted, standby.step
-    errors, accepted, step = run_virtual(scenario())
-    assert "only shard 0's primary may update its standby" in errors[0]
-    assert "parameter tensors" in errors[1] and "workers as strings" in errors[2] and "replica update" in errors[3]
-    assert accepted is True and step == 5
+        return errors, ReplicaAck.from_wire(accepted), standby.step, len(good)
+    errors, ack, step, n = run_virtual(scenario())
+    assert "only shard 0's primary may update its standby" in errors[0] and errors[1] == errors[0]
+    assert f"'params' must be a list of {n} tensors, got {2 * n}" in errors[2]
+    assert "'workers' must hold peer ids" in errors[3] and "malformed replica update: not a map" in errors[4]
+    assert ack.accepted and step == 5
 
 
 @pytest.mark.timeout(60)
@@ -273,8 +368,9 @@ def test_sync_parameter_server_trains_over_tcp_with_real_peers():
     peers = [potluck.Peer(host="127.0.0.1") for _ in range(2)]
     try:
         servers, layout, addresses = start_parameter_servers(
-            [server_peer.transport], "tcp", list(make_mlp().parameters()), adam, ServerConfig("sync", num_workers=2))
-        layout = ShardLayout.from_dict(loads(dumps(layout.to_dict())))  # as a worker would receive it
+            [server_peer], "tcp", list(make_mlp().parameters()), adam, ServerConfig("sync", num_workers=2))
+        layout = ShardLayout.from_wire(loads(dumps(layout.to_wire())))  # as a worker would receive it
+        addresses = [ServerAddresses.from_wire(loads(dumps(a.to_wire()))) for a in addresses]
         models = [make_mlp() for _ in peers]
         workers = [PSWorker(p, "tcp", layout, m.parameters(), addresses) for p, m in zip(peers, models)]
         errors: list[BaseException] = []

@@ -1,5 +1,6 @@
 """`potluck.ps`: the classic design space: parameter-server training and hyperparameter sweeps.
 
+- `messages`: the typed wire messages (push, pull, replica updates, layouts), checked at parse time.
 - `server`: a parameter server (or one shard of it) in the modes of the primer: `sync`, `async`,
   `ssp` (bounded staleness) and `backup` workers; shards split by size over several servers, and
   the decentralized form in which every worker also serves one shard and keeps a replica of the
@@ -14,10 +15,11 @@ Imports from `core`, `net` and `dht` only (and torch); the CLI (`potluck sweep`,
 sits above.
 """
 
-from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, ShardLayout, split_by_size
+from potluck.ps.messages import ServerAddresses, ShardLayout
+from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, split_by_size
 from potluck.ps.sweep import SweepError, SweepSpec, Trial, TrialResult, run_sweep
 from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
 
-__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "ServerConfig", "ShardLayout",
-           "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult", "run_sweep", "split_by_size",
-           "start_parameter_servers"]
+__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "ServerAddresses", "ServerConfig",
+           "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult", "run_sweep",
+           "split_by_size", "start_parameter_servers"]

@@ -14,6 +14,9 @@ A worker that stays silent for `worker_timeout` (and is not waiting in a call) i
 dead worker stops a round for at most that long. In the decentralized form a shard's server
 copies its state to a standby on another peer after every step, before it answers the workers;
 the standby takes over when workers turn to it.
+
+Every call is parsed into its typed message (`potluck.ps.messages`) before a handler sees it; a
+malformed one is refused with `MalformedMessage` naming the field, and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -21,17 +24,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
-from potluck.net.transport import Transport
+from potluck.ps.messages import (
+    ParamsReply,
+    PullRequest,
+    PushRequest,
+    RegisterRequest,
+    ReplicaAck,
+    ReplicaUpdate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +63,8 @@ MAX_RECORDS = 100_000
 
 
 class PSInputError(PotluckError, ValueError):
-    """A worker sent a push the server cannot use (malformed, wrong count/shape/dtype, non-finite)."""
+    """A peer made a call the server refuses whatever its contents (e.g. a replica update from a
+    peer other than the shard's primary); malformed messages raise `MalformedMessage` instead."""
 
 
 @dataclass
@@ -73,29 +85,6 @@ class ServerConfig:
             raise ValueError("num_workers must be >= 1; staleness_bound and backup_workers >= 0")
         if self.worker_timeout <= 0 or self.registration_timeout < 0:
             raise ValueError("worker_timeout must be positive and registration_timeout non-negative")
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Which server holds which parameters: `assignment[i]` is parameter i's shard, and
-    `servers[k]` the peer ids that serve shard k, primary first, then its standbys."""
-
-    assignment: tuple[int, ...]
-    servers: tuple[tuple[str, ...], ...]
-
-    def indices(self, shard: int) -> list[int]:
-        return [i for i, s in enumerate(self.assignment) if s == shard]
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.servers)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"assignment": list(self.assignment), "servers": [list(s) for s in self.servers]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardLayout:
-        return cls(tuple(int(i) for i in data["assignment"]), tuple(tuple(map(str, s)) for s in data["servers"]))
 
 
 def split_by_size(sizes: Sequence[int], num_shards: int) -> list[int]:
@@ -124,80 +113,84 @@ class _WorkerState:
     in_call: int = 0  # calls it is waiting in (a waiting worker is alive, whatever its silence)
 
 
+Message = TypeVar("Message")
+
+
 class ParameterServer:
-    """Serves one shard of a model's parameters on `transport` (see the module docstring).
+    """Serves one shard of a model's parameters on `peer` (see the module docstring).
 
     Args:
-        transport: a started transport (a Peer's `.transport`, or an emulated one).
+        peer: a started peer (a `potluck.Peer`, or an emulated one); the server answers on its transport.
         run_id: the training run; several runs can share a peer.
         params: this shard's initial parameters (copied; the server owns its copy).
         optimizer: a callable `params -> torch.optim.Optimizer` (any optimizer).
         config: the mode and its limits.
         shard: this shard's index (it is part of the method names).
         replica: the peer that keeps a standby copy of this shard (decentralized form).
-        standby: the peer id of the shard's primary: start as its standby, take copies of the state
-            from it (and from nobody else), and serve once a worker turns here.
+        standby_of: the shard's primary: start as its standby, take copies of the state from it
+            (and from nobody else), and serve once a worker turns here.
         offload: run optimizer steps in a worker thread (keeps the loop responsive); False runs
             them on the loop, which makes emulated runs under the virtual clock repeat exactly.
     """
 
-    def __init__(self, transport: Transport, run_id: str, params: Sequence[torch.Tensor],
+    def __init__(self, peer: PeerLike, run_id: str, params: Sequence[torch.Tensor],
                  optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-                 config: ServerConfig | None = None, *, shard: int = 0, replica: str | PeerID | None = None,
-                 standby: str | None = None, offload: bool = True):
-        self.transport = transport
+                 config: ServerConfig | None = None, *, shard: int = 0, replica: PeerID | None = None,
+                 standby_of: PeerID | None = None, offload: bool = True):
+        self.peer = peer
+        self.transport = peer.transport
         self.offload = offload
         self.run_id = run_id
         self.shard = shard
         self.config = config or ServerConfig()
         self.params = [p.detach().clone().requires_grad_(True) for p in params]
         self.optimizer = optimizer(self.params)
-        self.replica = PeerID.from_string(replica) if isinstance(replica, str) else replica
-        self.primary = standby
-        self.standby = standby is not None
+        self.replica = replica
+        self.primary = standby_of
+        self.standby = standby_of is not None
         self.step = 0
-        self.workers: dict[str, _WorkerState] = {}
+        self.workers: dict[PeerID, _WorkerState] = {}
         self.staleness: deque[int] = deque(maxlen=MAX_RECORDS)  # per applied gradient, in server steps
         self.clock_gaps: deque[int] = deque(maxlen=MAX_RECORDS)  # per push: its clock minus the slowest's
         self.step_times: deque[float] = deque(maxlen=MAX_RECORDS)  # loop time of every step
         self.dropped_gradients = 0
-        self.dropped_workers: list[str] = []
-        self._round: dict[str, list[torch.Tensor]] = {}
-        self._replica_workers: list[str] = []
+        self.dropped_workers: list[PeerID] = []
+        self._round: dict[PeerID, tuple[torch.Tensor, ...]] = {}
+        self._replica_workers: tuple[PeerID, ...] = ()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._registered = asyncio.Event()
-        for verb in ("register", "push", "pull", "replicate"):
-            transport.add_handler(method_name(run_id, shard, verb), self._serve(verb))
+        self._serve("register", RegisterRequest.from_wire, self._on_register)
+        self._serve("pull", PullRequest.from_wire, self._on_pull)
+        self._serve("push", lambda msg: PushRequest.from_wire(msg, self.params, self.step), self._on_push)
+        self._serve("replicate", lambda msg: ReplicaUpdate.from_wire(msg, self.params), self._on_replicate,
+                    caller=self._check_primary)
 
     def shutdown(self) -> None:
         """Stop serving (pending calls end with the connection or their deadline)."""
         for verb in ("register", "push", "pull", "replicate"):
             self.transport.remove_handler(method_name(self.run_id, self.shard, verb))
 
-    def _serve(self, verb: str) -> Callable[[Any, CallContext], Any]:
+    def _serve(self, verb: str, parse: Callable[[Any], Message],
+               serve: Callable[[Message, PeerID], Awaitable[ParamsReply | ReplicaAck]],
+               caller: Callable[[PeerID], None] | None = None) -> None:
+        """Answer `verb` calls: check who calls (before spending time on the request), parse the
+        request into its message, serve it, send the reply's wire form."""
         async def handler(request: Any, ctx: CallContext) -> Any:
-            return await self.handle(verb, request, str(ctx.peer_id))
-        return handler
-
-    async def handle(self, verb: str, request: Any, worker: str) -> Any:
-        """Serve one call from `worker` (a peer id), whether another peer or this one."""
-        if verb == "replicate":
-            if worker != self.primary:
-                raise PSInputError(f"only shard {self.shard}'s primary may update its standby")
-            return await self._on_replicate(request)
-        self._activate()
-        if verb == "register":
-            return await self._on_register(worker)
-        if verb == "pull":
-            async with self._lock:
-                return self._reply()
-        if verb == "push":
-            return await self._on_push(request, worker)
-        raise PSInputError(f"unknown parameter-server call {verb!r}")
+            if caller is not None:
+                caller(ctx.peer_id)
+            reply = await serve(parse(request), ctx.peer_id)
+            return reply.to_wire()
+        self.transport.add_handler(method_name(self.run_id, self.shard, verb), handler)
 
     # -- handlers ---------------------------------------------------------------------------------
-    async def _on_register(self, worker: str) -> dict[str, Any]:
+    async def _on_pull(self, request: PullRequest, worker: PeerID) -> ParamsReply:
+        self._activate()
+        async with self._lock:
+            return self._reply()
+
+    async def _on_register(self, request: RegisterRequest, worker: PeerID) -> ParamsReply:
+        self._activate()
         self._enter(worker)
         try:
             if len(self.workers) >= self.config.num_workers:
@@ -214,8 +207,9 @@ class ParameterServer:
         finally:
             self._leave(worker)
 
-    async def _on_push(self, request: Any, worker: str) -> dict[str, Any]:
-        base_step, grads = self._check_push(request)
+    async def _on_push(self, request: PushRequest, worker: PeerID) -> ParamsReply:
+        self._activate()
+        base_step, grads = request.step, request.grads
         self._drop_expired()  # modes that never wait (async, backup) still drop the dead
         self._enter(worker)
         try:
@@ -239,29 +233,27 @@ class ParameterServer:
         finally:
             self._leave(worker)
 
-    async def _on_replicate(self, request: Any) -> bool:
+    def _check_primary(self, caller: PeerID) -> None:
+        if caller != self.primary:
+            raise PSInputError(f"only shard {self.shard}'s primary may update its standby")
+
+    async def _on_replicate(self, update: ReplicaUpdate, sender: PeerID) -> ReplicaAck:
         if not self.standby:
-            return False  # promoted already: the old primary's late copy is not wanted
-        if not isinstance(request, dict) or not isinstance(request.get("step"), int):
-            raise PSInputError("a replica update must be {'step': int, 'params': [tensors], 'workers': [ids]}")
-        params = self._check_tensors(request.get("params"), "parameter")
-        workers = request.get("workers")
-        if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
-            raise PSInputError("a replica update must list the workers as strings")
+            return ReplicaAck(False)  # promoted already: the old primary's late copy is not wanted
         async with self._lock:
             with torch.no_grad():
-                for p, new in zip(self.params, params, strict=True):
+                for p, new in zip(self.params, update.params, strict=True):
                     p.copy_(new)
-            self.step = request["step"]
-            self._replica_workers = workers
-        return True
+            self.step = update.step
+            self._replica_workers = update.workers
+        return ReplicaAck(True)
 
     # -- rounds (sync, backup) --------------------------------------------------------------------
-    async def _push_round(self, worker: str, base_step: int, grads: list[torch.Tensor]) -> dict[str, Any]:
+    async def _push_round(self, worker: PeerID, base_step: int, grads: tuple[torch.Tensor, ...]) -> ParamsReply:
         async with self._lock:  # not while a step is being applied: the push belongs to the next round
             if self.config.mode == "backup" and base_step < self.step:
                 self.dropped_gradients += 1  # computed on parameters a finished round has replaced
-                return {**self._reply(), "dropped": True}
+                return self._reply(dropped=True)
             target = self.step + 1
             self._round[worker] = grads
             self.workers[worker].clock += 1
@@ -286,7 +278,7 @@ class ParameterServer:
             await self._apply(grads, [0] * len(grads))
 
     # -- applying gradients -----------------------------------------------------------------------
-    async def _apply(self, grads: list[list[torch.Tensor]], staleness: list[int]) -> None:
+    async def _apply(self, grads: list[tuple[torch.Tensor, ...]], staleness: list[int]) -> None:
         """One optimizer step with the mean of `grads`; the caller holds the lock."""
         if self.offload:
             await asyncio.get_running_loop().run_in_executor(None, self._step_now, grads)
@@ -299,7 +291,7 @@ class ParameterServer:
             await self._replicate()
         self._notify()
 
-    def _step_now(self, grads: list[list[torch.Tensor]]) -> None:
+    def _step_now(self, grads: list[tuple[torch.Tensor, ...]]) -> None:
         """Average and step (in a worker thread when offloaded: tensor math stays off the loop)."""
         for i, p in enumerate(self.params):
             p.grad = torch.stack([g[i] for g in grads]).mean(0) if len(grads) > 1 else grads[0][i].clone()
@@ -307,14 +299,19 @@ class ParameterServer:
         self.optimizer.zero_grad(set_to_none=True)
 
     async def _replicate(self) -> None:
-        request = {"step": self.step, "params": [p.detach().clone() for p in self.params],
-                   "workers": list(self.workers)}
+        update = ReplicaUpdate(self.step, tuple(p.detach().clone() for p in self.params), tuple(self.workers))
         try:
-            await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"), request,
-                                      timeout=REPLICATE_TIMEOUT)
-        except NetworkError as e:
+            reply = await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"),
+                                              update.to_wire(), timeout=REPLICATE_TIMEOUT)
+            accepted = ReplicaAck.from_wire(reply).accepted
+        except NetworkError as e:  # MalformedMessage is a ProtocolError, so one too
             logger.warning("ps %s/%d: standby %s unavailable (%s); going on without a replica",
                            self.run_id, self.shard, self.replica, e)
+            self.replica = None
+            return
+        if not accepted:
+            logger.warning("ps %s/%d: standby %s has taken over the shard (workers thought this server dead); "
+                           "no longer replicating to it", self.run_id, self.shard, self.replica)
             self.replica = None
 
     def _activate(self) -> None:
@@ -330,7 +327,7 @@ class ParameterServer:
                        self.step, len(self.workers))
 
     # -- membership and waiting ---------------------------------------------------------------------
-    def _enter(self, worker: str) -> None:
+    def _enter(self, worker: PeerID) -> None:
         now = asyncio.get_running_loop().time()
         state = self.workers.get(worker)
         if state is None:
@@ -339,7 +336,7 @@ class ParameterServer:
         state.last_seen = now
         state.in_call += 1
 
-    def _leave(self, worker: str) -> None:
+    def _leave(self, worker: PeerID) -> None:
         state = self.workers.get(worker)
         if state is not None:
             state.in_call -= 1
@@ -382,30 +379,6 @@ class ParameterServer:
             except TimeoutError:
                 self._drop_expired()
 
-    # -- checks and replies ---------------------------------------------------------------------------
-    def _check_push(self, request: Any) -> tuple[int, list[torch.Tensor]]:
-        if not isinstance(request, dict):
-            raise PSInputError("a push must be a dict {'step': int, 'grads': [tensors]}, "
-                               f"not {type(request).__name__}")
-        step = request.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= self.step:
-            raise PSInputError(f"a push's step must be an int between 0 and the server's step {self.step}, "
-                               f"got {step!r}")
-        return step, self._check_tensors(request.get("grads"), "gradient")
-
-    def _check_tensors(self, tensors: Any, what: str) -> list[torch.Tensor]:
-        if not isinstance(tensors, list) or len(tensors) != len(self.params):
-            count = len(tensors) if isinstance(tensors, list) else type(tensors).__name__
-            raise PSInputError(f"expected a list of {len(self.params)} {what} tensors for shard {self.shard}, "
-                               f"got {count}")
-        for i, (t, p) in enumerate(zip(tensors, self.params, strict=True)):
-            if not isinstance(t, torch.Tensor):
-                raise PSInputError(f"{what} {i} is a {type(t).__name__}, not a tensor")
-            if t.shape != p.shape or t.dtype != p.dtype:
-                raise PSInputError(f"{what} {i} is {t.dtype} {tuple(t.shape)}; expected {p.dtype} {tuple(p.shape)}")
-            if not torch.isfinite(t).all():
-                raise PSInputError(f"{what} {i} has non-finite values")
-        return tensors
-
-    def _reply(self) -> dict[str, Any]:
-        return {"step": self.step, "params": [p.detach().clone() for p in self.params]}
+    # -- replies ------------------------------------------------------------------------------------
+    def _reply(self, dropped: bool = False) -> ParamsReply:
+        return ParamsReply(self.step, tuple(p.detach().clone() for p in self.params), dropped)

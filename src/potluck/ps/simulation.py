@@ -15,13 +15,38 @@ from typing import Any
 
 import torch
 
+from potluck.dht import DHT, event_loop_clock
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
-from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout
+from potluck.ps.messages import ShardLayout
+from potluck.ps.server import ParameterServer, ServerConfig
 from potluck.ps.worker import PSClient, start_parameter_servers, train_worker
 
 logger = logging.getLogger(__name__)
 
 Batches = Callable[[int], Callable[[], tuple[Any, Any]]]  # worker index -> next-batch function
+RUN_ID = "sim"
+
+
+@dataclass
+class EmulatedPeer:
+    """A transport and its DHT on the emulated network: a `PeerLike` for the servers and clients."""
+
+    transport: EmulatedTransport
+    dht: DHT
+
+    @classmethod
+    async def start(cls, network: EmulatedNetwork, bandwidth: float | None,
+                    bootstrap: EmulatedPeer | None) -> EmulatedPeer:
+        transport = network.transport(upload=bandwidth, download=bandwidth)
+        await transport.start()
+        dht = DHT(transport, initial_peers=[bootstrap.transport.addresses[0]] if bootstrap else [],
+                  clock=event_loop_clock())
+        await dht.astart()
+        return cls(transport, dht)
+
+    async def close(self) -> None:
+        await self.dht.ashutdown()
+        await self.transport.close()
 
 
 @dataclass
@@ -36,8 +61,8 @@ class PSSimulation:
     network: EmulatedNetwork
     servers: list[ParameterServer]
     layout: ShardLayout
-    workers: list[EmulatedTransport]
-    server_transports: list[EmulatedTransport]
+    workers: list[EmulatedPeer]
+    server_peers: list[EmulatedPeer]
     models: list[torch.nn.Module]
     clients: list[PSClient]
     compute_times: list[float]
@@ -51,19 +76,19 @@ class PSSimulation:
                     compute_times: Sequence[float], *, num_shards: int = 1, decentralized: bool = False,
                     bandwidth: float | None = 100e6, latency: float = 0.001, offload: bool = True) -> PSSimulation:
         network = EmulatedNetwork(latency=latency)
-        workers = [network.transport(upload=bandwidth, download=bandwidth) for _ in compute_times]
-        server_transports = workers if decentralized else \
-            [network.transport(upload=bandwidth, download=bandwidth) for _ in range(num_shards)]
-        for t in {id(t): t for t in workers + server_transports}.values():
-            await t.start()
+        peers: list[EmulatedPeer] = []
+        for _ in range(len(compute_times) + (0 if decentralized else num_shards)):
+            peers.append(await EmulatedPeer.start(network, bandwidth, peers[0] if peers else None))
+        workers = peers[:len(compute_times)]
+        server_peers = workers if decentralized else peers[len(compute_times):]
         reference = make_model()
-        servers, layout, addresses = start_parameter_servers(server_transports, "sim", list(reference.parameters()),
+        servers, layout, addresses = start_parameter_servers(server_peers, RUN_ID, list(reference.parameters()),
                                                              optimizer, config, decentralized=decentralized,
                                                              offload=offload)
         models = [make_model() for _ in compute_times]
-        clients = [PSClient(t, "sim", layout, m.parameters(), addresses) for t, m in zip(workers, models, strict=True)]
+        clients = [PSClient(p, RUN_ID, layout, m.parameters(), addresses) for p, m in zip(workers, models, strict=True)]
         await asyncio.gather(*(c.aregister() for c in clients))
-        return cls(network, servers, layout, workers, server_transports, models, clients, list(compute_times),
+        return cls(network, servers, layout, workers, server_peers, models, clients, list(compute_times),
                    offload=offload)
 
     @property
@@ -106,13 +131,12 @@ class PSSimulation:
         """Worker `index` dies: its process stops and its connections reset."""
         if self.tasks:
             self.tasks[index].cancel()
-        self.network.crash(self.workers[index].peer_id)
+        self.network.crash(self.workers[index].transport.peer_id)
 
     def crash_server(self, shard: int) -> None:
         """Shard `shard`'s primary server's machine dies."""
-        peer = self.layout.servers[shard][0]
-        self.network.crash(next(t.peer_id for t in self.server_transports if str(t.peer_id) == peer))
+        self.network.crash(self.layout.servers[shard][0])
 
     async def close(self) -> None:
-        for t in {id(t): t for t in self.workers + self.server_transports}.values():
-            await t.close()
+        for peer in {id(p): p for p in self.workers + self.server_peers}.values():
+            await peer.close()

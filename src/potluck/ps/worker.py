@@ -18,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
-from potluck.net.identity import PeerID
-from potluck.net.transport import Transport
-from potluck.ps.server import ParameterServer, ServerConfig, ShardLayout, method_name, split_by_size
+from potluck.core.peer_like import PeerLike
+from potluck.ps.messages import ParamsReply, PullRequest, PushRequest, RegisterRequest, ServerAddresses, ShardLayout
+from potluck.ps.server import ParameterServer, ServerConfig, method_name, split_by_size
+
+if TYPE_CHECKING:
+    from potluck.peer import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -44,25 +47,27 @@ class PSClient:
     """One worker's link to the parameter servers of run `run_id` (async; see the module docstring).
 
     Args:
-        transport: the worker's started transport.
+        peer: the worker's started peer (a `potluck.Peer`, or an emulated one).
         run_id: the training run.
         layout: which server holds which parameters (`ShardLayout`).
         params: the model's parameters; replies are copied into them.
-        addresses: where to dial the servers: {peer id: [address, ...]} (optional if known).
+        addresses: where to dial the servers (optional if the transport knows them).
         timeout: deadline of one push or registration, in seconds.
     """
 
-    def __init__(self, transport: Transport, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
-                 addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
-        self.transport = transport
+    def __init__(self, peer: PeerLike, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+                 addresses: Iterable[ServerAddresses] = (), timeout: float = PUSH_TIMEOUT):
+        self.peer = peer
+        self.transport = peer.transport
         self.run_id = run_id
         self.layout = layout
         self.params = list(params)
         if len(self.params) != len(layout.assignment):
             raise ValueError(f"the layout places {len(layout.assignment)} tensors, the model has {len(self.params)}")
         self.timeout = timeout
-        for peer, addrs in (addresses or {}).items():
-            transport.add_addresses(PeerID.from_string(peer), addrs)
+        for server in addresses:
+            self.transport.add_addresses(server.peer_id, server.addresses)
+        self._indices = [layout.indices(k) for k in range(layout.num_shards)]  # each shard's parameters
         self._server = [0] * layout.num_shards  # which of each shard's servers is in use
         self.steps = [0] * layout.num_shards  # server step of the parameters held, per shard
         self.pushes = 0
@@ -70,7 +75,7 @@ class PSClient:
 
     async def aregister(self) -> None:
         """Join the run: wait for the servers' start barrier and load their parameters."""
-        await asyncio.gather(*(self._call(k, "register", None) for k in range(self.layout.num_shards)))
+        await asyncio.gather(*(self._call(k, "register", RegisterRequest()) for k in range(self.layout.num_shards)))
 
     async def apush(self, grads: Sequence[torch.Tensor] | None = None) -> None:
         """Send gradients (default: each parameter's `.grad`) and load the parameters of the reply."""
@@ -78,23 +83,22 @@ class PSClient:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         grads = [g.detach() for g in grads]
         await asyncio.gather(*(
-            self._call(k, "push", {"step": self.steps[k], "grads": [grads[i] for i in self.layout.indices(k)]})
-            for k in range(self.layout.num_shards)))
+            self._call(k, "push", PushRequest(self.steps[k], tuple(grads[i] for i in indices)))
+            for k, indices in enumerate(self._indices)))
         self.pushes += 1
 
     async def apull(self) -> None:
         """Load the servers' current parameters without pushing anything."""
-        await asyncio.gather(*(self._call(k, "pull", None) for k in range(self.layout.num_shards)))
+        await asyncio.gather(*(self._call(k, "pull", PullRequest()) for k in range(self.layout.num_shards)))
 
-    async def _call(self, shard: int, verb: str, request: Any) -> None:
+    async def _call(self, shard: int, verb: str, request: RegisterRequest | PullRequest | PushRequest) -> None:
         servers = self.layout.servers[shard]
         while True:
             server = servers[self._server[shard]]
             try:
-                peer = PeerID.from_string(server)
-                if peer == self.transport.peer_id:  # this worker serves the shard itself (loopback)
+                if server == self.transport.peer_id:  # this worker serves the shard itself (loopback)
                     request = _copied(request)
-                reply = await self.transport.call(peer, method_name(self.run_id, shard, verb), request,
+                reply = await self.transport.call(server, method_name(self.run_id, shard, verb), request.to_wire(),
                                                   timeout=self.timeout)
                 break
             except _SERVER_GONE as e:
@@ -108,35 +112,31 @@ class PSClient:
                                server, e, servers[self._server[shard]])
         self._load(shard, reply)
 
-    def _load(self, shard: int, reply: Any) -> None:
-        indices = self.layout.indices(shard)
-        if not isinstance(reply, dict) or not isinstance(reply.get("params"), list) \
-                or len(reply["params"]) != len(indices):
-            raise PotluckError(f"shard {shard}'s server sent a malformed reply")
+    def _load(self, shard: int, wire: Any) -> None:
+        indices = self._indices[shard]
+        reply = ParamsReply.from_wire(wire, [self.params[i] for i in indices])
         with torch.no_grad():
-            for i, value in zip(indices, reply["params"], strict=True):
-                if not isinstance(value, torch.Tensor) or value.shape != self.params[i].shape:
-                    raise PotluckError(f"shard {shard}'s server sent parameter {i} with the wrong shape")
+            for i, value in zip(indices, reply.params, strict=True):
                 self.params[i].copy_(value)
-        self.steps[shard] = int(reply["step"])
-        self.dropped += bool(reply.get("dropped"))
+        self.steps[shard] = reply.step
+        self.dropped += reply.dropped
 
 
-def _copied(request: Any) -> Any:
+def _copied(request: RegisterRequest | PullRequest | PushRequest) -> RegisterRequest | PullRequest | PushRequest:
     """A request to this peer itself with its tensors copied, as the wire would: the loopback
     passes the objects themselves, and the server keeps the gradients past this call."""
-    if isinstance(request, dict) and isinstance(request.get("grads"), list):
-        return {**request, "grads": [g.clone() if isinstance(g, torch.Tensor) else g for g in request["grads"]]}
+    if isinstance(request, PushRequest):
+        return PushRequest(request.step, tuple(g.clone() for g in request.grads))
     return request
 
 
 class PSWorker:
     """Synchronous facade of `PSClient` for a `potluck.Peer` (see the module docstring)."""
 
-    def __init__(self, peer: Any, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
-                 addresses: dict[str, list[str]] | None = None, timeout: float = PUSH_TIMEOUT):
-        self.peer = peer
-        self.client = PSClient(peer.transport, run_id, layout, params, addresses, timeout)
+    def __init__(self, peer: Peer, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
+                 addresses: Iterable[ServerAddresses] = (), timeout: float = PUSH_TIMEOUT):
+        self.peer = peer  # a `potluck.Peer`: its `run` drives the client on the peer's event loop
+        self.client = PSClient(peer, run_id, layout, params, addresses, timeout)
 
     def register(self) -> None:
         self.peer.run(self.client.aregister(), self.client.timeout + 5)
@@ -148,32 +148,34 @@ class PSWorker:
         self.peer.run(self.client.apull(), self.client.timeout + 5)
 
 
-def start_parameter_servers(transports: Sequence[Transport], run_id: str, params: Sequence[torch.Tensor],
+def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequence[torch.Tensor],
                             optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                             config: ServerConfig | None = None, *, decentralized: bool = False,
-                            offload: bool = True) -> tuple[list[ParameterServer], ShardLayout, dict[str, list[str]]]:
-    """Serve `params` split by size over one shard per transport.
+                            offload: bool = True
+                            ) -> tuple[list[ParameterServer], ShardLayout, tuple[ServerAddresses, ...]]:
+    """Serve `params` split by size over one shard per peer.
 
-    With `decentralized=True` (the transports are the workers' own) the server of shard k also
-    copies its state to a standby on the next transport, which takes over if k's server dies.
+    With `decentralized=True` (the peers are the workers' own) the server of shard k also
+    copies its state to a standby on the next peer, which takes over if k's server dies.
     Returns the servers (standbys included), the layout and the servers' addresses for clients.
     `offload`: see `ParameterServer`.
     """
-    n = len(transports)
+    n = len(peers)
     assignment = split_by_size([p.numel() for p in params], n)
     servers: list[ParameterServer] = []
-    shard_servers: list[tuple[str, ...]] = []
-    for k, transport in enumerate(transports):
+    shard_servers = []
+    for k, peer in enumerate(peers):
         mine = [params[i] for i, s in enumerate(assignment) if s == k]
-        standby = transports[(k + 1) % n] if decentralized and n > 1 else None
-        servers.append(ParameterServer(transport, run_id, mine, optimizer, config, shard=k,
-                                       replica=standby.peer_id if standby else None, offload=offload))
+        standby = peers[(k + 1) % n] if decentralized and n > 1 else None
+        primary_id = peer.transport.peer_id
+        standby_id = standby.transport.peer_id if standby is not None else None
+        servers.append(ParameterServer(peer, run_id, mine, optimizer, config, shard=k, replica=standby_id,
+                                       offload=offload))
         if standby is not None:
-            servers.append(ParameterServer(standby, run_id, mine, optimizer, config, shard=k,
-                                           standby=str(transport.peer_id),
+            servers.append(ParameterServer(standby, run_id, mine, optimizer, config, shard=k, standby_of=primary_id,
                                            offload=offload))
-        shard_servers.append((str(transport.peer_id),) + ((str(standby.peer_id),) if standby else ()))
-    addresses = {str(t.peer_id): [str(a) for a in t.addresses] for t in transports}
+        shard_servers.append((primary_id,) + ((standby_id,) if standby_id is not None else ()))
+    addresses = tuple(ServerAddresses(p.transport.peer_id, tuple(p.transport.addresses)) for p in peers)
     return servers, ShardLayout(tuple(assignment), tuple(shard_servers)), addresses
 
 
