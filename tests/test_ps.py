@@ -46,6 +46,17 @@ APPLIED = 1200  # gradients of BATCH samples each, as many as REFERENCE_STEPS x 
 REFERENCE_STEPS = 300
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The swarms run every worker's tiny forward and backward on the event loop: with several
+    intra-op threads on a loaded machine each one waits on the others (4x slower here), enough to
+    push the takeover test past its timeout."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))

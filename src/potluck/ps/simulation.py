@@ -112,18 +112,24 @@ class PSSimulation:
         self.tasks = [asyncio.create_task(train_worker(c, m, batches(i), compute_time=self.compute_times[i],
                                                        stop=stop, on_step=on_step, offload=self.offload))
                       for i, (c, m) in enumerate(zip(self.clients, self.models, strict=True))]
-        finished = asyncio.gather(*self.tasks, return_exceptions=True)
         stopped = asyncio.ensure_future(stop.wait())
         try:
             # Once stopped, pushes still waiting for a round are cut short: the run is over, and
             # waiting for them would only wait out the worker timeout of the workers that stopped.
-            await asyncio.wait([finished, stopped], return_when=asyncio.FIRST_COMPLETED)
+            # A worker that fails ends the run too: the others could wait for it forever (`until`
+            # may count its steps), which would turn any error, a test's timeout included, into a hang.
+            pending: set[asyncio.Future] = {stopped, *self.tasks}
+            while stopped in pending and len(pending) > 1:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(not t.cancelled() and t.exception() is not None for t in done if t is not stopped):
+                    break
         finally:
             stopped.cancel()
             for task in self.tasks:
                 task.cancel()
-            results = await finished
-        errors = [r for r in results if isinstance(r, Exception)]  # crashed workers end cancelled: not errors
+            results = await asyncio.gather(*self.tasks, return_exceptions=True)
+        # Crashed workers end cancelled: not errors.
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
         if errors:
             raise errors[0]
 
