@@ -14,7 +14,7 @@ from potluck.averaging import Averager
 from potluck.averaging.state_transfer import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
-    MAX_METADATA_BYTES,
+    MAX_STATE_METADATA_BYTES,
     MAX_TENSORS,
     MIN_CHUNK_BYTES,
     SNAPSHOT_IDLE_SECONDS,
@@ -434,9 +434,15 @@ def test_state_server_reports_a_broken_get_state_to_the_caller() -> None:
     async def main() -> None:
         donor, client = await donor_and_client()
         bad: Callable[[], Any] = lambda: (1, None, ["not a tensor"])  # noqa: E731
-        StateServer(donor, bad, PREFIX)
+        server = StateServer(donor, bad, PREFIX)
         with pytest.raises(AveragingError, match="torch.Tensor"):
             await download_state(client, [donor.peer_id], PREFIX, timeout=10)
+        for metadata, words in (("x" * (MAX_STATE_METADATA_BYTES + 1), "must encode to at most"),
+                                (object(), "cannot be encoded")):
+            server.close()
+            server = StateServer(donor, lambda m=metadata: (1, m, [torch.zeros(3)]), PREFIX)
+            with pytest.raises(AveragingError, match=f"metadata that cannot be sent: .*{words}"):
+                await download_state(client, [donor.peer_id], PREFIX, timeout=10)
         for t in (donor, client):
             await t.close()
 
@@ -627,7 +633,7 @@ def test_manifest_refuses_malformed_fields_by_name() -> None:
             ("specs", [["float32", [2**40]]], "'specs'"), ("specs", [["int8", []]] * (MAX_TENSORS + 1), "'specs'"),
             ("hashes", [b"\1" * 32] * 2, "'hashes'"), ("hashes", [b"\1" * 32] * 4, "'hashes'"),
             ("hashes", [b"\1" * 32, b"\2" * 32, b"short"], "'hashes'"), ("hashes", None, "'hashes'"),
-            ("metadata", "x" * (MAX_METADATA_BYTES + 1), "'metadata'")):
+            ("metadata", "x" * (MAX_STATE_METADATA_BYTES + 1), "'metadata'")):
         refuses(Manifest.from_wire, {**good.to_wire(), key: value}, field)
 
 

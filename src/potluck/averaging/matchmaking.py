@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from potluck.averaging.wire import (
     MAX_ADDRESSES,
     addresses_field,
     bytes_field,
+    encoded_field,
     int_field,
     list_field,
     number_field,
@@ -43,13 +43,12 @@ from potluck.averaging.wire import (
     text_field,
     wire_map,
 )
-from potluck.core import compat, serialization
+from potluck.core import compat
 from potluck.core.errors import (
     AveragingError,
     MalformedMessage,
     NetworkError,
     PotluckError,
-    SerializationError,
     detached,
 )
 from potluck.net.identity import PeerID
@@ -153,21 +152,7 @@ class JoinRequest:
         upload = number_field({"bw": bw[0]}, "bw", what, positive=True)
         download = number_field({"bw": bw[1]}, "bw", what, positive=True)
         again = number_field(msg, "again", what, optional=True)
-        return cls(key, schema, role, upload, download, _metadata(msg, "meta", what), again)
-
-
-def _metadata(msg: dict, key: str, what: str) -> Any:
-    """A member's metadata for its group: anything encodable, at most MAX_METADATA_BYTES encoded."""
-    value = msg.get(key)
-    if value is None or isinstance(value, (int, float, bool)):
-        return value  # the common cases, free
-    try:
-        size = len(serialization.dumps(value))
-    except SerializationError:
-        size = math.inf
-    if size > MAX_METADATA_BYTES:
-        raise MalformedMessage(what, f"{key!r} must encode to at most {MAX_METADATA_BYTES} bytes")
-    return value
+        return cls(key, schema, role, upload, download, encoded_field(msg, "meta", what, MAX_METADATA_BYTES), again)
 
 
 @dataclass(frozen=True)
@@ -203,7 +188,8 @@ class FormedGroup:
                       for p in list_field(msg, "parts", what, n, length=n))
         if sum(parts) != total:
             raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
-        metadata = tuple(_metadata({"meta": m}, "meta", what) for m in list_field(msg, "meta", what, n, length=n))
+        metadata = tuple(encoded_field({"meta": m}, "meta", what, MAX_METADATA_BYTES)
+                         for m in list_field(msg, "meta", what, n, length=n))
         addresses = tuple(addresses_field({"addrs": a}, "addrs", what)
                           for a in list_field(msg, "addrs", what, n, length=n))
         try:

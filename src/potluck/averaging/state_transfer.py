@@ -42,6 +42,7 @@ import torch
 from potluck.averaging.wire import (
     addresses_field,
     bytes_field,
+    encoded_field,
     int_field,
     list_field,
     wire_map,
@@ -130,7 +131,7 @@ CHUNK_SEND_TIMEOUT = CHUNK_TIMEOUT
 HASH_BYTES = hashlib.sha256().digest_size
 # Encoded size of a state's metadata: it rides in every manifest, and is small (the optimizer's is
 # an epoch number); a donor refuses to offer more, a newcomer to accept more.
-MAX_METADATA_BYTES = 2**20
+MAX_STATE_METADATA_BYTES = 2**20
 # Tensors a state may hold: as many as one message may carry (each is one spec in the manifest).
 MAX_TENSORS = serialization.MAX_BUFFERS
 # A donor's state version in its DHT record and manifest: a step counter, far below this.
@@ -225,21 +226,8 @@ class Manifest:
         if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
             raise MalformedMessage(what, f"'hashes' must be {HASH_BYTES}-byte SHA-256 digests, one per chunk")
         specs = tuple((name, tuple(shape)) for name, shape in raw_specs)
-        return cls(version, _metadata(msg.get("metadata"), what), specs, tuple(sizes), chunk_bytes, tuple(hashes),
-                   snapshot)
-
-
-def _metadata(value: Any, what: str) -> Any:
-    """A state's metadata, if it encodes to at most MAX_METADATA_BYTES."""
-    if value is None or isinstance(value, (int, float, bool)):
-        return value  # the common cases, free
-    try:
-        size = len(serialization.dumps(value))
-    except SerializationError:
-        size = MAX_METADATA_BYTES + 1
-    if size > MAX_METADATA_BYTES:
-        raise MalformedMessage(what, f"'metadata' must encode to at most {MAX_METADATA_BYTES} bytes")
-    return value
+        metadata = encoded_field(msg, "metadata", what, MAX_STATE_METADATA_BYTES)
+        return cls(version, metadata, specs, tuple(sizes), chunk_bytes, tuple(hashes), snapshot)
 
 
 @dataclass(frozen=True)
@@ -369,7 +357,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
             flat[offset:offset + size].copy_(source.reshape(-1).view(torch.uint8))
             offset += size
     try:
-        _metadata(metadata, "state")
+        encoded_field({"metadata": metadata}, "metadata", "state", MAX_STATE_METADATA_BYTES)
     except MalformedMessage as e:
         raise TypeError(f"get_state() returned metadata that cannot be sent: {e}") from e
     memory = flat.numpy()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from potluck.core.errors import AddressError, IdentityError, MalformedMessage
+from potluck.core import serialization
+from potluck.core.errors import AddressError, IdentityError, MalformedMessage, SerializationError
 from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
 from potluck.net.identity import PeerID
 from potluck.net.transport import MAX_ADDRESSES_PER_PEER
@@ -67,6 +68,21 @@ def list_field(msg: dict, key: str, what: str, max_items: int, *, length: int | 
     if not isinstance(value, list) or len(value) > max_items or (length is not None and len(value) != length):
         size = f"{length}" if length is not None else f"at most {max_items}"
         raise MalformedMessage(what, f"{key!r} must be a list of {size} items")
+    return value
+
+
+def encoded_field(msg: dict, key: str, what: str, max_bytes: int) -> Any:
+    """Anything encodable (opaque to the protocol: a user's metadata) of at most `max_bytes`
+    encoded; absent is None."""
+    value = msg.get(key)
+    if value is None or isinstance(value, (int, float, bool)):
+        return value  # the common cases, free
+    try:
+        size = len(serialization.dumps(value))
+    except SerializationError as e:
+        raise MalformedMessage(what, f"{key!r} cannot be encoded: {e}") from None
+    if size > max_bytes:
+        raise MalformedMessage(what, f"{key!r} must encode to at most {max_bytes} bytes")
     return value
 
 
