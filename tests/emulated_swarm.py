@@ -1,4 +1,7 @@
-"""Many emulated peers (transport + DHT) in one virtual-time loop, for tests of upper layers."""
+"""Many emulated peers (transport + DHT) in one virtual-time loop, for tests of upper layers.
+
+Each DHT publishes its peer's signed record at start, so any peer can call any other by id alone.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """`potluck.Peer`: one participant of a swarm: identity, transport, and the DHT (`peer.dht`).
 
 A Peer starts at once, runs its networking on the process's shared event loop, and offers a
-synchronous API for user code. Several Peers may live in one process.
+synchronous API for user code. Several Peers may live in one process. Its DHT publishes the peer's
+signed address record (`potluck.net.peer_record`), so others reach it knowing only its id, and
+resolves the ids this peer calls in the same way.
 """
 
 from __future__ import annotations
