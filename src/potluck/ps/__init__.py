@@ -17,9 +17,9 @@ sits above.
 
 from potluck.ps.messages import ServerAddresses, ShardLayout
 from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, split_by_size
-from potluck.ps.sweep import SweepError, SweepSpec, Trial, TrialResult, run_sweep
+from potluck.ps.sweep import Range, SweepError, SweepSpec, Trial, TrialResult, run_sweep
 from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
 
-__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "ServerAddresses", "ServerConfig",
+__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "Range", "ServerAddresses", "ServerConfig",
            "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult", "run_sweep",
            "split_by_size", "start_parameter_servers"]

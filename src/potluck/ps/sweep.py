@@ -68,11 +68,42 @@ class Trial:
     params: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Range:
+    """A random sweep's numeric dimension: uniform in [low, high] (log-uniform if `log`), rounded
+    to an integer if `integer`. Written `{low = a, high = b, log = true, int = true}` in a config."""
+
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = False
+
+    @classmethod
+    def from_config(cls, name: str, values: dict[str, Any]) -> Range:
+        unknown = set(values) - {"low", "high", "log", "int"}
+        if unknown:
+            raise SweepError(f"space.{name}: unknown range keys {sorted(unknown)} (known: low, high, log, int)")
+        low, high = values.get("low"), values.get("high")
+        log, integer = values.get("log", False), values.get("int", False)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (low, high)) or not low < high:
+            raise SweepError(f"space.{name} needs numbers low < high, got {values}")
+        if not isinstance(log, bool) or not isinstance(integer, bool):
+            raise SweepError(f"space.{name}: log and int must be true or false")
+        if log and low <= 0:
+            raise SweepError(f"space.{name}: a log range needs low > 0")
+        return cls(float(low), float(high), log, integer)
+
+    def draw(self, rng: random.Random) -> float | int:
+        x = math.exp(rng.uniform(math.log(self.low), math.log(self.high))) if self.log \
+            else rng.uniform(self.low, self.high)
+        return int(round(x)) if self.integer else x
+
+
 @dataclass
 class SweepSpec:
     """What to try. `space` maps a name to a list of values (grid, or a random choice) or, for
-    random sweeps, to `{"low": a, "high": b, "log": bool, "int": bool}`. `fixed` values are passed
-    to every trial unchanged."""
+    random sweeps, to a `Range` (in a config: `{"low": a, "high": b, "log": bool, "int": bool}`).
+    `fixed` values are passed to every trial unchanged."""
 
     run_id: str
     space: dict[str, Any]
@@ -95,16 +126,15 @@ class SweepSpec:
             raise SweepError("a sweep needs a run_id and a non-empty space")
         if self.goal not in ("max", "min"):
             raise SweepError(f"goal must be 'max' or 'min', not {self.goal!r}")
-        for key, values in self.space.items():
+        self.space = dict(self.space)  # ranges are parsed in place: the caller's dict stays as it was
+        for key, values in list(self.space.items()):
             if isinstance(values, list):
                 if not values:
                     raise SweepError(f"space.{key} is an empty list")
             elif isinstance(values, dict) and self.kind == "random":
-                low, high = values.get("low"), values.get("high")
-                if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or not low < high:
-                    raise SweepError(f"space.{key} needs numbers low < high, got {values}")
-                if values.get("log") and low <= 0:
-                    raise SweepError(f"space.{key}: a log range needs low > 0")
+                self.space[key] = Range.from_config(key, values)
+            elif isinstance(values, Range) and self.kind == "random":
+                pass
             else:
                 raise SweepError(f"space.{key} must be a list of values"
                                  + (" or {low, high}" if self.kind == "random" else " in a grid sweep"))
@@ -147,12 +177,8 @@ class SweepSpec:
         return f"{self.run_id}.{digest.hexdigest()[:12]}"
 
 
-def _draw(rng: random.Random, values: Any) -> Any:
-    if isinstance(values, list):
-        return rng.choice(values)
-    low, high = values["low"], values["high"]
-    x = math.exp(rng.uniform(math.log(low), math.log(high))) if values.get("log") else rng.uniform(low, high)
-    return int(round(x)) if values.get("int") else x
+def _draw(rng: random.Random, values: list | Range) -> Any:
+    return rng.choice(values) if isinstance(values, list) else values.draw(rng)
 
 
 def _peer_id(value: Any, what: str, key: str) -> PeerID:
