@@ -20,6 +20,6 @@ from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig
 from potluck.ps.sweep import Range, SweepError, SweepSpec, Trial, TrialResult, run_sweep
 from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
 
-__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "Range", "ServerAddresses", "ServerConfig",
-           "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult", "run_sweep",
-           "split_by_size", "start_parameter_servers"]
+__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "Range", "ServerAddresses",
+           "ServerConfig", "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult",
+           "run_sweep", "split_by_size", "start_parameter_servers"]
