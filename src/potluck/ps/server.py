@@ -1,4 +1,4 @@
-"""A parameter server (or one shard of one) over any potluck transport, TCP or emulated.
+"""A parameter server (or one shard of one) on any potluck peer, over TCP or the emulated network.
 
 Workers push gradients and get fresh parameters back in the reply; what the server waits for
 before it answers is the mode:
