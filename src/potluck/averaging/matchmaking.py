@@ -537,7 +537,7 @@ class Matchmaker:
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return JoinRefused("already a member")
         gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
-                                           tuple(str(a) for a in ctx.remote.addresses)))
+                                           tuple(str(a) for a in ctx.remote.addresses)[:MAX_ADDRESSES]))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)
