@@ -271,6 +271,7 @@ class Connection:
         self.initiator = initiator
         self.link: FrameLink = None  # type: ignore[assignment] - set by attach()
         self.closed = False
+        self.closed_here = False  # close() was called on this side
         self.close_reason: str | None = None
         self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the acceptor
         self._pending: dict[int, asyncio.Future] = {}
@@ -511,7 +512,13 @@ class Connection:
 
     def close(self, reason: str = "closed by this peer") -> None:
         if not self.closed:
+            self.closed_here = True
             self.link.close(reason)
+
+    @property
+    def lost(self) -> bool:
+        """Closed by the other side or the network (a reset, end of file, keepalive expired)."""
+        return self.closed and not self.closed_here
 
 
 def _error_frame(call_id: int, type_name: str, message: str) -> Frame:

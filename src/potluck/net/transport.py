@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from potluck.core import compat
@@ -79,6 +79,7 @@ class Transport:
         self.handlers = Handlers()
         self._book = AddressBook()
         self._resolver: PeerResolver | None = None
+        self._disconnect_watchers: list[Callable[[PeerID], None]] = []
         self._resolving: dict[PeerID, asyncio.Future] = {}  # one lookup per peer at a time
         # peer -> (addresses from its record, loop time until which they are used without a lookup)
         self._resolved: dict[PeerID, tuple[tuple[Multiaddr, ...], float]] = {}
@@ -152,6 +153,15 @@ class Transport:
         """Who finds the signed record of a peer we cannot otherwise dial (the DHT sets itself)."""
         self._resolver = resolver
 
+    def watch_disconnects(self, callback: Callable[[PeerID], None]) -> None:
+        """Call `callback(peer_id)` when the last open connection with a peer is lost (not closed
+        by us): how a protocol learns at once that a member it cannot dial (client mode) died."""
+        self._disconnect_watchers.append(callback)
+
+    def unwatch_disconnects(self, callback: Callable[[PeerID], None]) -> None:
+        if callback in self._disconnect_watchers:
+            self._disconnect_watchers.remove(callback)
+
     def is_connected(self, peer_id: PeerID) -> bool:
         return any(not c.closed for c in self._shared.get(peer_id, ()))
 
@@ -198,6 +208,10 @@ class Transport:
                 conns.remove(conn)
                 if not conns:
                     del pool[conn.peer_id]
+        if conn.lost and self._disconnect_watchers \
+                and not any(c.peer_id == conn.peer_id and not c.closed for c in self._all):
+            for callback in list(self._disconnect_watchers):
+                callback(conn.peer_id)
 
     async def _shared_connection(self, peer_id: PeerID, timeout: float | None, resolve: bool = True) -> Connection:
         for conn in self._shared.get(peer_id, ()):
