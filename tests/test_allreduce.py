@@ -361,3 +361,51 @@ def test_result_messages_refuse_chunks_outside_the_shard_and_bad_finals():
                        ({"final": [4], "v": 1}, "'final'"), ({"final": [], "v": "1"}, "'v'"), ([0], "not a map")):
         with pytest.raises(MalformedMessage, match=field):
             parse_result(bad, 3, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before-sending", "decided", "first-final", "all-final"])
+def test_killed_client_member_does_not_hold_the_others_until_a_deadline(monkeypatch, when):
+    """A client-mode member killed at any point of a step: it cannot be dialed, so the lost
+    connections are the only sign; the survivors must finish at once, not at the sender timeout
+    or the step's deadline (the demo's swarm stalled 20 s whenever its client-mode peer died)."""
+    from potluck.averaging import allreduce
+
+    modes = ["node", "node", "client", "node"]
+    crashed: list[float] = []
+
+    async def main():
+        net, transports, services = await swarm(len(modes), modes=modes)
+        group = make_group(transports, modes, 50_000)
+
+        def crash():
+            if not crashed:
+                crashed.append(asyncio.get_running_loop().time())
+                net.crash(group.peers[2])
+        publish, changed = allreduce.Coordinator._publish, allreduce.AllReduceRun._changed
+
+        def on_publish(self, outcome):  # the coordinator has just decided who the senders are
+            publish(self, outcome)
+            if when == "decided" and outcome.version == 1 and not outcome.committed:
+                crash()
+
+        def on_changed(self):  # the client has just received its first or its last averaged
+            # shard: every reducer has sent it FINAL, and it has not told the coordinator yet
+            if self.me == 2 and len(self.final) == {"first-final": 1, "all-final": 3}.get(when):
+                crash()
+            changed(self)
+        monkeypatch.setattr(allreduce.Coordinator, "_publish", on_publish)
+        monkeypatch.setattr(allreduce.AllReduceRun, "_changed", on_changed)
+        vectors = [torch.randn(50_000) for _ in modes]
+        weights = [1.0, 2.0, 3.0, 4.0]
+        loop = asyncio.get_running_loop()
+        if when == "before-sending":  # right after the group formed, before its first byte;
+            # only the coordinator had a connection with it (the others learn it from there)
+            await transports[2].connect(transports[group.coordinators()[0]].addresses[0])
+            loop.call_soon(crash)
+        results = await average(services, group, vectors, weights, timeout=60.0, sender_timeout=30.0)
+        assert crashed, "the client was never killed: this test tested nothing"
+        averaged = [0, 1, 3] if when == "before-sending" else [0, 1, 2, 3]
+        check_survivors_identical(results, [0, 1, 3], weighted_mean(vectors, weights, averaged))
+        assert loop.time() - crashed[0] < 5.0  # not the 30 s sender timeout, nor the 60 s deadline
+    run_virtual(main())

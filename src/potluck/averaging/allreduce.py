@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,12 @@ REGISTRATION_WAIT = 10.0
 LINGER_SECONDS = 15.0
 # Groups a peer waits for at once before they start here (guards memory against junk group ids).
 MAX_PENDING_GROUPS = 1000
+# A client-mode peer whose connections with us were all lost this recently, and which has not
+# come back, is presumed dead by a step that starts now: it may have died between forming the
+# group and the step (a minute covers matchmaking and the snapshot). Peers remembered at most:
+# one per peer met in that minute, bounded against churn.
+LOST_MEMORY_SECONDS = 60.0
+MAX_REMEMBERED_LOSSES = 1024
 # Buffers kept for the next rounds: a member's snapshot and result and its reduced shard, for a
 # vector of up to 32M floats (128 MiB). Reusing them keeps a long run from allocating (and the
 # kernel from zeroing and faulting in, page by page) a model's worth of memory per round: that
@@ -131,16 +138,24 @@ class Outcome:
 
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> Outcome:
-        try:
-            n = len(group.peers)
-            out = cls(int(msg["v"]), tuple(int(s) for s in msg["s"]),
-                      {int(j): int(r) for j, r in msg["a"]}, bool(msg["c"]),
-                      None if msg["x"] is None else str(msg["x"]))
-            if any(not 0 <= i < n for i in (*out.senders, *out.assignment, *out.assignment.values())):
-                raise ValueError("member index out of range")
-            return out
-        except (KeyError, TypeError, ValueError) as e:
-            raise AveragingError(f"malformed averaging decision: {e}") from None
+        what, n = "averaging decision", len(group.peers)
+        if not isinstance(msg, dict):
+            raise MalformedMessage(what, "not a map")
+        pairs = msg.get("a")
+        if not isinstance(pairs, list) or len(pairs) > n:
+            raise MalformedMessage(what, f"'a' must be a list of at most {n} [shard, reducer] pairs")
+        assignment: dict[int, int] = {}
+        for pair in pairs:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise MalformedMessage(what, "'a' entries must be [shard, reducer]")
+            assignment[_int_field({"a": pair[0]}, "a", what, 0, n)] = _int_field({"a": pair[1]}, "a", what, 0, n)
+        committed, aborted = msg.get("c"), msg.get("x")
+        if not isinstance(committed, bool):
+            raise MalformedMessage(what, "'c' must be a boolean")
+        if aborted is not None and not (isinstance(aborted, str) and len(aborted) <= MAX_REASON_CHARS):
+            raise MalformedMessage(what, f"'x' must be a reason of at most {MAX_REASON_CHARS} characters")
+        return cls(_int_field(msg, "v", what, 0, 2**62), tuple(_index_list(msg, "s", what, n)), assignment,
+                   committed, aborted)
 
 
 # Longest group id accepted from a peer (ours are 32-byte digests).
@@ -268,11 +283,59 @@ class MemberState:
             raise MalformedMessage(what, f"'fail' must be a reason of at most {MAX_REASON_CHARS} characters")
         try:
             outcome = Outcome.from_wire(msg.get("o"), group)
-        except AveragingError as e:
-            raise MalformedMessage(what, f"'o': {e}") from None
+        except MalformedMessage as e:
+            raise MalformedMessage(what, f"'o': {e.field}") from None
         return cls(_int_field(msg, "m", what, 0, n), tuple(_index_list(msg, "dead", what, n)), parsed,
                    tuple(_index_list(msg, "final", what, n)), _int_field(msg, "v", what, 0, 2**62), outcome,
                    failure)
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """A member's wait for the coordinator's next decision, carrying where it stands."""
+
+    group_id: bytes
+    state: MemberState
+
+    def to_wire(self) -> dict:
+        return {"g": self.group_id, "st": self.state.to_wire()}
+
+    @staticmethod
+    def group_id_of(msg: Any) -> bytes:
+        """The step it is about: needed first, as the state is checked against that step's group."""
+        if not isinstance(msg, dict):
+            raise MalformedMessage("sync request", "not a map")
+        group_id = msg.get("g")
+        if not isinstance(group_id, bytes) or len(group_id) > MAX_GROUP_ID_BYTES:
+            raise MalformedMessage("sync request", f"'g' must be at most {MAX_GROUP_ID_BYTES} bytes")
+        return group_id
+
+    @classmethod
+    def from_wire(cls, msg: Any, group: Group) -> SyncRequest:
+        return cls(cls.group_id_of(msg), MemberState.from_wire(msg.get("st"), group))
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """The coordinator's answer to a wait: its decision, and every member it knows dead (a
+    member's reducers then stop waiting for their pieces: not every member sees every death)."""
+
+    outcome: Outcome
+    dead: tuple[int, ...]
+
+    def to_wire(self) -> dict:
+        return {"o": self.outcome.to_wire(), "dead": list(self.dead)}
+
+    @classmethod
+    def from_wire(cls, msg: Any, group: Group) -> SyncReply:
+        what = "sync reply"
+        if not isinstance(msg, dict):
+            raise MalformedMessage(what, "not a map")
+        try:
+            outcome = Outcome.from_wire(msg.get("o"), group)
+        except MalformedMessage as e:
+            raise MalformedMessage(what, f"'o': {e.field}") from None
+        return cls(outcome, tuple(_index_list(msg, "dead", what, len(group.peers))))
 
 
 @dataclass
@@ -595,6 +658,10 @@ class ShardReducer:
         except (NetworkError, PotluckError):
             return False
 
+    def sender_died(self, sender: int) -> None:
+        if sender in self.expected and sender not in self.complete:
+            self._fail(sender, "it died")
+
     def _fail(self, sender: int, reason: str) -> None:
         if sender in self.failed or sender in self.complete or self.closed:
             return
@@ -834,7 +901,15 @@ class AllReduceRun:
     def mark_dead(self, member: int) -> None:
         if member != self.me and member not in self.dead:
             self.dead.add(member)
+            self.note_dead_senders((member,))
             self._changed()
+
+    def note_dead_senders(self, members: tuple[int, ...]) -> None:
+        """My reducers stop waiting for the pieces of members known dead: at once, not at the
+        sender timeout."""
+        for red in list(self.reducers.values()):
+            for member in members:
+                red.sender_died(member)
 
     def on_report(self, shard: int, complete: list[int]) -> None:
         logger.debug("member %d: shard %d complete senders %s", self.me, shard, complete)
@@ -864,7 +939,7 @@ class AllReduceRun:
             self.state_changed.clear()
             if coordinator == self.me:
                 self.coordinator.update(self.state())
-                waiter = asyncio.ensure_future(self.coordinator.wait_newer(self.outcome.version))
+                waiter = asyncio.ensure_future(self.coordinator.wait_newer(self.outcome.version, self.dead))
             else:
                 waiter = asyncio.ensure_future(self.service.sync(self, coordinator))
             changed = asyncio.ensure_future(self.state_changed.wait())
@@ -878,7 +953,10 @@ class AllReduceRun:
             if waiter.done() and not waiter.cancelled():
                 error = waiter.exception()
                 if error is None:
-                    self.apply(waiter.result())
+                    reply = waiter.result()
+                    for member in reply.dead:
+                        self.mark_dead(member)
+                    self.apply(reply.outcome)
                 elif isinstance(error, RemoteError):
                     await asyncio.sleep(0.05)  # it has not yet seen what we saw; ask again shortly
                 elif isinstance(error, NetworkError):
@@ -977,18 +1055,23 @@ class Coordinator:
                 self.update(state)
         await asyncio.gather(*(ask(i) for i in self.run.group.coordinators() if i != self.run.me))
 
-    async def wait_newer(self, version: int) -> Outcome:
-        while not (self.outcome.version > version or self.outcome.committed or self.outcome.aborted):
+    async def wait_newer(self, version: int, known: Collection[int]) -> SyncReply:
+        """Wait for a decision newer than `version`, or a death not among `known` (the waiter's
+        dead and itself: a member presumed dead must not be woken by its own death)."""
+        while not (self.outcome.version > version or self.outcome.committed or self.outcome.aborted
+                   or not self.run.dead <= set(known)):
             self.newer.clear()
             await self.newer.wait()
-        return self.outcome
+        return SyncReply(self.outcome, tuple(sorted(self.run.dead)))
 
     def update(self, state: MemberState) -> None:
         """Merge a member's state and decide what can be decided."""
+        self.newer.set()  # waiters check again: a death may be news to them
         self.states[state.member] = state
-        for d in state.dead:  # trust reported deaths: everyone must converge on one coordinator
-            if d != self.run.me:
-                self.run.dead.add(d)
+        news = [d for d in state.dead if d != self.run.me and d not in self.run.dead]
+        self.run.dead.update(news)  # trust reported deaths: everyone must converge on one coordinator
+        if news:  # my reducers stop waiting for them, after this update (their reports update again)
+            asyncio.get_running_loop().call_soon(self.run.note_dead_senders, tuple(news))
         self.maybe_take_over()
         if not self.active:
             return
@@ -1098,17 +1181,35 @@ class AllReduceService:
         self.pool = BufferPool()
         self._arrived: dict[bytes, asyncio.Event] = {}
         self._linger: dict[bytes, asyncio.TimerHandle] = {}
+        self._lost: dict[PeerID, float] = {}  # peer -> loop time its last connection was lost
         transport.add_stream_handler(METHOD_PART, self._on_part)
         transport.add_handler(METHOD_WAIT, self._on_wait)
         transport.add_handler(METHOD_QUERY, self._on_query)
+        transport.watch_disconnects(self._on_disconnect)
 
     def close(self) -> None:
         for method in (METHOD_PART, METHOD_WAIT, METHOD_QUERY):
             self.transport.remove_handler(method)
+        self.transport.unwatch_disconnects(self._on_disconnect)
         for timer in self._linger.values():
             timer.cancel()
         self._linger.clear()
         self.finished.clear()
+
+    def _on_disconnect(self, peer_id: PeerID) -> None:
+        """A member in client mode that we lost every connection with has died, as far as any
+        step can tell: it cannot be dialed, and a live one keeps the connections it opened.
+        Without this, the others would wait for its piece or its FINAL reports until a deadline.
+        (Members that listen are not presumed dead: a failed dial or stream proves it.)"""
+        self._lost.pop(peer_id, None)
+        self._lost[peer_id] = asyncio.get_running_loop().time()
+        while len(self._lost) > MAX_REMEMBERED_LOSSES:
+            del self._lost[next(iter(self._lost))]
+        for run in list(self.runs.values()):
+            if peer_id in run.group.peers:
+                member = run.group.peers.index(peer_id)
+                if run.group.modes[member] == "client":
+                    run.mark_dead(member)
 
     async def run(self, group: Group, vector: torch.Tensor | None, weight: float, codec: Any,
                   timeout: float, **kwargs: Any) -> tuple[torch.Tensor | None, tuple[int, ...]]:
@@ -1121,6 +1222,12 @@ class AllReduceService:
         run = AllReduceRun(self, group, me, vector, weight, codec, timeout, pool=self.pool, **kwargs)
         self.runs[gid] = run
         self._arrived.setdefault(gid, asyncio.Event()).set()
+        now = asyncio.get_running_loop().time()
+        for i, (peer, mode) in enumerate(zip(group.peers, group.modes, strict=True)):
+            lost = self._lost.get(peer)
+            if mode == "client" and lost is not None and now - lost < LOST_MEMORY_SECONDS \
+                    and not self.transport.is_connected(peer):
+                run.mark_dead(i)  # gone since it joined the group (see _on_disconnect)
         try:
             return await run.run()
         except BaseException:
@@ -1179,28 +1286,29 @@ class AllReduceService:
         reducer = await run.reducer(request.shard)
         await reducer.serve(sender, request.weight, request.abstain, stream)
 
-    async def sync(self, run: AllReduceRun, coordinator: int) -> Outcome:
+    async def sync(self, run: AllReduceRun, coordinator: int) -> SyncReply:
         left = max(0.1, run.deadline - asyncio.get_running_loop().time())
         reply = await self.transport.call(run.group.peers[coordinator], METHOD_WAIT,
-                                          {"g": run.group.group_id, "st": run.state().to_wire()}, timeout=left)
-        return Outcome.from_wire(reply, run.group)
+                                          SyncRequest(run.group.group_id, run.state()).to_wire(), timeout=left)
+        try:
+            return SyncReply.from_wire(reply, run.group)
+        except MalformedMessage as e:
+            raise AveragingError(str(e)) from None  # its coordinator misbehaves: not a network failure
 
     async def _on_wait(self, request: Any, ctx: Any) -> dict:
-        if not isinstance(request, dict):
-            raise MalformedMessage("sync request", "not a map")
-        run = await self._find(request.get("g"))
-        state = MemberState.from_wire(request.get("st"), run.group)
+        run = await self._find(SyncRequest.group_id_of(request))
+        state = SyncRequest.from_wire(request, run.group).state
         self._member(run, ctx.peer_id, state.member)
         if isinstance(run, _Tombstone):
             if not (run.outcome.committed or run.outcome.aborted):
                 raise AveragingError("this member has left the step")
-            return run.outcome.to_wire()
+            return SyncReply(run.outcome, ()).to_wire()
         coordinator = run.coordinator
         coordinator.update(state)
         if not coordinator.active:
             raise AveragingError("not the coordinator")
-        outcome = await coordinator.wait_newer(state.version)
-        return outcome.to_wire()
+        reply = await coordinator.wait_newer(state.version, {*state.dead, state.member})
+        return reply.to_wire()
 
     async def query(self, run: AllReduceRun, member: int) -> MemberState | None:
         reply = await self.transport.call(run.group.peers[member], METHOD_QUERY, run.group.group_id, timeout=5.0)
