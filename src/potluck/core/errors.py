@@ -77,6 +77,17 @@ class EndOfStream(NetworkError):
     """The other side finished sending on this stream; nothing more will arrive."""
 
 
+class MembershipError(PotluckError):
+    """This peer is not, or no longer, a member of an authority-governed run: no token, an expired,
+    revoked, forged or foreign token, or credentials the authority refused. The text says which
+    and what to do."""
+
+
+class MembershipRefused(MembershipError, HandshakeError):
+    """A handshake was refused for membership: the other side has no valid token for the run
+    (or, seen from the dialer, we had none it accepts)."""
+
+
 class CompressionError(PotluckError, ValueError):
     """A tensor cannot be compressed or decompressed safely (non-finite, out of range, malformed)."""
 

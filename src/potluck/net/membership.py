@@ -1,0 +1,310 @@
+"""Membership tokens and revocation lists: who belongs to an authority-governed run.
+
+A run's authority is a peer whose Ed25519 key (its peer id) signs two kinds of statement:
+
+- a `MembershipToken` `{peer_id, name, run_id, expires}`: "this peer id may take part in this run
+  until then". A peer shows it in its handshake (and in its DHT records); anyone who knows the
+  authority's peer id checks it without asking the authority.
+- a `RevocationList` `{run_id, version, expires, revoked peer ids}`: tokens of these peers are void
+  before they expire. The authority publishes it in the DHT; a higher version replaces a lower one.
+
+`MembershipGate` is what a transport consults in its handshake. This module knows nothing of the
+DHT or of how tokens are obtained (`potluck.membership`); it imports only `core` and `net.identity`.
+
+Wire forms are msgpack maps with exactly the keys below; each signature covers a label (so a token
+signature can never pass for a handshake, record or revocation one) and every other field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgpack
+
+from potluck.core.errors import IdentityError, MalformedMessage, MembershipError, MembershipRefused
+from potluck.net.identity import PEER_ID_BYTES, SIGNATURE_BYTES, Identity, PeerID
+
+__all__ = [
+    "MAX_NAME_CHARS", "MAX_REVOKED_PEERS", "MAX_RUN_ID_CHARS", "MAX_TOKEN_BYTES", "MembershipGate",
+    "MembershipToken", "RevocationList", "TOKEN_LIFETIME",
+]
+
+# Domain separation labels for the authority's two kinds of signature.
+TOKEN_LABEL = "potluck/membership-token/1"
+REVOCATION_LABEL = "potluck/revocation-list/1"
+# A token travels in every HELLO and DHT record: 1 KiB (the DHT's `records.MAX_TOKEN_BYTES`) is
+# three times what the largest valid token takes (32 + 64 bytes of key and signature, the names).
+MAX_TOKEN_BYTES = 1024
+# A member's display name (a user name, or what the allowlist calls it): a label for logs.
+MAX_NAME_CHARS = 64
+# Run ids name runs in DHT keys too (`<run_id>.progress` etc.); 128 characters is plenty.
+MAX_RUN_ID_CHARS = 128
+# Peer ids one revocation list may hold: 1024 x 32 bytes is 32 KiB, so the whole signed list fits
+# in one DHT value (at most 64 KiB, `dht.validation.DEFAULT_MAX_VALUE_BYTES`). A run that revokes
+# more should rotate its authority key.
+MAX_REVOKED_PEERS = 1024
+MAX_REVOCATION_BYTES = 40 * 1024
+
+# How long a token is valid. Short enough that a revoked peer that somehow misses the revocation
+# list (or a leaked token) is locked out within the hour; long enough that peers ride out an
+# authority restart or outage (they renew RENEW_BEFORE ahead, see `potluck.membership`).
+TOKEN_LIFETIME = 3600.0
+# How long a published revocation list is valid; the authority re-signs it well before.
+REVOCATION_LIFETIME = 3600.0
+
+_TOKEN_KEYS = frozenset({"peer", "name", "run", "exp", "sig"})
+_REVOCATION_KEYS = frozenset({"run", "ver", "exp", "revoked", "sig"})
+
+
+class MalformedToken(MalformedMessage):
+    """Token bytes that are not a well-formed token; `field` names the part that was wrong."""
+
+    def __init__(self, field: str):
+        super().__init__("membership token", field)
+
+
+class MalformedRevocationList(MalformedMessage):
+    """Bytes that are not a well-formed revocation list; `field` names the part that was wrong."""
+
+    def __init__(self, field: str):
+        super().__init__("revocation list", field)
+
+
+def _unpack(data: object, limit: int, error: Callable[[str], MalformedMessage], what: str) -> dict:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise error(f"a {what} is bytes, got {type(data).__name__}")
+    if len(data) > limit:
+        raise error(f"{len(data)} bytes, more than the {limit} a {what} may take")
+    try:
+        # The size is bounded above, so these caps only stop absurd element counts early.
+        obj = msgpack.unpackb(bytes(data), raw=False, max_str_len=limit, max_bin_len=limit,
+                              max_array_len=MAX_REVOKED_PEERS, max_map_len=8, max_ext_len=0)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for garbage
+        raise error(f"not msgpack ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise error(f"a {what} is a msgpack map")
+    return obj
+
+
+def _check_text(value: object, field: str, limit: int, error: Callable[[str], MalformedMessage]) -> str:
+    if not isinstance(value, str):
+        raise error(f"'{field}' must be a string")
+    if not value or len(value) > limit or not value.isprintable():
+        raise error(f"'{field}' must be 1 to {limit} printable characters")
+    return value
+
+
+def _check_time(value: object, field: str, error: Callable[[str], MalformedMessage]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise error(f"'{field}' must be a finite number (seconds since the epoch)")
+    return float(value)
+
+
+def _check_peer(value: object, field: str, error: Callable[[str], MalformedMessage]) -> PeerID:
+    if not isinstance(value, bytes) or len(value) != PEER_ID_BYTES:
+        raise error(f"'{field}' must be a {PEER_ID_BYTES}-byte peer id")
+    try:
+        return PeerID(value)
+    except IdentityError as e:
+        raise error(f"'{field}': {e}") from None
+
+
+@dataclass(frozen=True)
+class MembershipToken:
+    """The authority's signed statement that `peer_id` (known as `name`) may take part in
+    `run_id` until `expires` (seconds since the epoch, the DHT clock)."""
+
+    peer_id: PeerID
+    name: str
+    run_id: str
+    expires: float
+    signature: bytes
+
+    @staticmethod
+    def _signed_bytes(peer_id: PeerID, name: str, run_id: str, expires: float) -> bytes:
+        return msgpack.packb([TOKEN_LABEL, peer_id.to_bytes(), name, run_id, float(expires)], use_bin_type=True)
+
+    @classmethod
+    def issue(cls, authority: Identity, peer_id: PeerID, name: str, run_id: str, expires: float) -> MembershipToken:
+        """Sign a token (the authority's side); refuses fields another peer would refuse."""
+        _check_text(name, "name", MAX_NAME_CHARS, MalformedToken)
+        _check_text(run_id, "run", MAX_RUN_ID_CHARS, MalformedToken)
+        expires = _check_time(expires, "exp", MalformedToken)
+        signature = authority.sign(cls._signed_bytes(peer_id, name, run_id, expires))
+        return cls(peer_id, name, run_id, expires, signature)
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb({"peer": self.peer_id.to_bytes(), "name": self.name, "run": self.run_id,
+                              "exp": self.expires, "sig": self.signature}, use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: object) -> MembershipToken:
+        """Parse token bytes from another peer (types and sizes only; `verify` checks the rest)."""
+        obj = _unpack(data, MAX_TOKEN_BYTES, MalformedToken, "token")
+        if set(obj) != _TOKEN_KEYS:
+            raise MalformedToken(f"a token has exactly the keys {sorted(_TOKEN_KEYS)}")
+        peer_id = _check_peer(obj["peer"], "peer", MalformedToken)
+        name = _check_text(obj["name"], "name", MAX_NAME_CHARS, MalformedToken)
+        run_id = _check_text(obj["run"], "run", MAX_RUN_ID_CHARS, MalformedToken)
+        expires = _check_time(obj["exp"], "exp", MalformedToken)
+        signature = obj["sig"]
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise MalformedToken(f"'sig' must be {SIGNATURE_BYTES} bytes")
+        return cls(peer_id, name, run_id, expires, signature)
+
+    def verify(self, authority: PeerID, peer_id: PeerID, now: float, *, run_id: str | None = None,
+               revocations: RevocationList | None = None) -> None:
+        """Raise MembershipError saying what is wrong unless this token, signed by `authority`,
+        lets `peer_id` take part in `run_id` (any run if None) at time `now`."""
+        if not authority.verify(self.signature, self._signed_bytes(self.peer_id, self.name, self.run_id,
+                                                                   self.expires)):
+            raise MembershipError(f"the membership token of {self.name!r} is not signed by this run's "
+                                  f"authority {authority} (forged, or issued by another authority); "
+                                  "get a token from the run's authority (`--authority`)")
+        if self.peer_id != peer_id:
+            raise MembershipError(f"the membership token was issued to peer {self.peer_id}, not to {peer_id}; "
+                                  "a token only admits the peer id it names: request one for this identity")
+        if run_id is not None and self.run_id != run_id:
+            raise MembershipError(f"the membership token is for run {self.run_id!r}, not {run_id!r}; "
+                                  f"get a token from the authority of run {run_id!r}")
+        if now >= self.expires:
+            raise MembershipError(f"the membership token of {self.name!r} expired {now - self.expires:.0f} s ago; "
+                                  "the peer must renew it with the authority (is the authority reachable? "
+                                  "are both clocks right?)")
+        if revocations is not None and revocations.is_revoked(self.peer_id):
+            raise MembershipError(f"the membership of {self.name!r} ({self.peer_id}) was revoked by the "
+                                  "authority; ask the run's organizers to restore it")
+
+    def __repr__(self) -> str:
+        return f"MembershipToken({self.name!r}, {self.peer_id!r}, run={self.run_id!r}, expires={self.expires:.0f})"
+
+
+@dataclass(frozen=True)
+class RevocationList:
+    """The authority's signed list of peers whose tokens are void, version `version`, valid until
+    `expires`. A peer keeps the highest valid version it has seen."""
+
+    run_id: str
+    version: int
+    expires: float
+    revoked: frozenset[PeerID]
+    signature: bytes
+
+    @staticmethod
+    def _signed_bytes(run_id: str, version: int, expires: float, revoked: list[bytes]) -> bytes:
+        return msgpack.packb([REVOCATION_LABEL, run_id, version, float(expires), revoked], use_bin_type=True)
+
+    @staticmethod
+    def _ordered(revoked: Iterable[PeerID]) -> list[bytes]:
+        return sorted(p.to_bytes() for p in revoked)
+
+    @classmethod
+    def issue(cls, authority: Identity, run_id: str, version: int, expires: float,
+              revoked: Iterable[PeerID]) -> RevocationList:
+        revoked = frozenset(revoked)
+        if len(revoked) > MAX_REVOKED_PEERS:
+            raise MalformedRevocationList(f"'revoked' lists {len(revoked)} peers; at most {MAX_REVOKED_PEERS} "
+                                          "(rotate the authority key to start a fresh run)")
+        _check_text(run_id, "run", MAX_RUN_ID_CHARS, MalformedRevocationList)
+        expires = _check_time(expires, "exp", MalformedRevocationList)
+        signature = authority.sign(cls._signed_bytes(run_id, int(version), expires, cls._ordered(revoked)))
+        return cls(run_id, int(version), expires, revoked, signature)
+
+    def is_revoked(self, peer_id: PeerID) -> bool:
+        return peer_id in self.revoked
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb({"run": self.run_id, "ver": self.version, "exp": self.expires,
+                              "revoked": self._ordered(self.revoked), "sig": self.signature}, use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: object) -> RevocationList:
+        """Parse a list from the DHT (types and sizes; `verify` checks signature and validity)."""
+        obj = _unpack(data, MAX_REVOCATION_BYTES, MalformedRevocationList, "revocation list")
+        if set(obj) != _REVOCATION_KEYS:
+            raise MalformedRevocationList(f"a revocation list has exactly the keys {sorted(_REVOCATION_KEYS)}")
+        run_id = _check_text(obj["run"], "run", MAX_RUN_ID_CHARS, MalformedRevocationList)
+        version = obj["ver"]
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+            raise MalformedRevocationList("'ver' must be a non-negative 64-bit integer")
+        expires = _check_time(obj["exp"], "exp", MalformedRevocationList)
+        raw = obj["revoked"]
+        if not isinstance(raw, list) or len(raw) > MAX_REVOKED_PEERS:
+            raise MalformedRevocationList(f"'revoked' must be a list of at most {MAX_REVOKED_PEERS} peer ids")
+        revoked = [_check_peer(item, "revoked", MalformedRevocationList) for item in raw]
+        if raw != sorted(raw) or len(set(raw)) != len(raw):
+            raise MalformedRevocationList("'revoked' must be sorted and without repeats (as `issue` writes it)")
+        signature = obj["sig"]
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise MalformedRevocationList(f"'sig' must be {SIGNATURE_BYTES} bytes")
+        return cls(run_id, version, expires, frozenset(revoked), signature)
+
+    def verify(self, authority: PeerID, run_id: str | None, now: float) -> None:
+        """Raise MembershipError unless `authority` signed this list for `run_id` and it is current."""
+        if not authority.verify(self.signature, self._signed_bytes(self.run_id, self.version, self.expires,
+                                                                   self._ordered(self.revoked))):
+            raise MembershipError(f"the revocation list is not signed by the authority {authority} (forged)")
+        if run_id is not None and self.run_id != run_id:
+            raise MembershipError(f"the revocation list is for run {self.run_id!r}, not {run_id!r}")
+        if now >= self.expires:
+            raise MembershipError(f"the revocation list (version {self.version}) expired "
+                                  f"{now - self.expires:.0f} s ago")
+
+
+class MembershipGate:
+    """What a transport of an authority-governed run checks in every handshake, and what it shows.
+
+    `check` admits a remote peer id with the token bytes it presented, or raises MembershipRefused
+    saying why. The authority itself needs no token. `guest_methods` are the only methods served
+    on a connection whose peer has no valid token (the authority's token request), or none.
+    """
+
+    def __init__(self, authority: PeerID, run_id: str | None, *, clock: Callable[[], float],
+                 token: Callable[[], MembershipToken | None] = lambda: None,
+                 guest_methods: Iterable[str] = ()):
+        self.authority = authority
+        self.run_id = run_id
+        self.clock = clock
+        self._token = token
+        self.guest_methods = frozenset(guest_methods)
+        self.revocations: RevocationList | None = None
+
+    def own_token(self) -> bytes | None:
+        """The token bytes this peer shows in its HELLO (None while it has none)."""
+        token = self._token()
+        return None if token is None else token.to_wire()
+
+    def update_revocations(self, revocations: RevocationList) -> bool:
+        """Adopt `revocations` if the authority signed it for this run and it is newer than ours."""
+        try:
+            revocations.verify(self.authority, self.run_id, self.clock())
+        except MembershipError:
+            return False
+        if self.revocations is not None and revocations.version <= self.revocations.version:
+            return False
+        self.revocations = revocations
+        return True
+
+    def verify(self, remote: PeerID, token: MembershipToken | None) -> None:
+        """Raise MembershipError unless `remote` is the authority or `token` admits it now."""
+        if remote == self.authority:
+            return
+        if token is None:
+            raise MembershipError(f"peer {remote} presented no membership token, and this run is governed by "
+                                  f"the authority {self.authority}; start it with `--authority` and a credential")
+        token.verify(self.authority, remote, self.clock(), run_id=self.run_id, revocations=self.revocations)
+
+    def check(self, remote: PeerID, token_bytes: object) -> MembershipToken | None:
+        """The remote's verified token (None for the authority); MembershipRefused if it has none
+        that admits it."""
+        try:
+            token = None if token_bytes is None else MembershipToken.from_wire(token_bytes)
+            self.verify(remote, token)
+        except MalformedMessage as e:
+            raise MembershipRefused(f"peer {remote} presented an unreadable membership token ({e}); "
+                                    "it must request a fresh one from the authority") from None
+        except MembershipError as e:
+            raise MembershipRefused(str(e)) from None
+        return token
