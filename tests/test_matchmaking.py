@@ -13,7 +13,6 @@ import torch
 from potluck.averaging import Averager
 from potluck.averaging.allreduce import MAX_REASON_CHARS, Group
 from potluck.averaging.matchmaking import (
-    MAX_ADDRESSES,
     MAX_GROUP_SIZE,
     MAX_METADATA_BYTES,
     MAX_SCHEMA_CHARS,
@@ -28,6 +27,7 @@ from potluck.averaging.matchmaking import (
 )
 from potluck.core.errors import MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
 from tests.emulated_swarm import make_swarm
 
@@ -62,7 +62,7 @@ def test_declaration_refuses_malformed_fields_by_name():
     assert Declaration.from_wire(good.to_wire()) == good
     refuses(Declaration.from_wire, "declared", "not a map")
     for key, value, field in (("schema", None, "'schema'"), ("schema", "a" * (MAX_SCHEMA_CHARS + 1), "'schema'"),
-                              ("addrs", ADDRESS, "'addrs'"), ("addrs", [ADDRESS] * (MAX_ADDRESSES + 1), "'addrs'"),
+                              ("addrs", ADDRESS, "'addrs'"), ("addrs", [ADDRESS] * (MAX_ADDRESSES_PER_PEER + 1), "'addrs'"),
                               ("addrs", [7], "'addrs'"), ("addrs", ["/ip4/999.1.1.1/tcp/1"], "'addrs'"),
                               ("addrs", ["/" * 2000], "'addrs'")):
         refuses(Declaration.from_wire, {**good.to_wire(), key: value}, field)
@@ -92,7 +92,7 @@ def test_group_announcement_refuses_malformed_fields_by_name():
             ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'"),  # a client cannot reduce
             ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'"),
             ("addrs", [[], []], "'addrs'"), ("addrs", [[], [], ["nowhere"]], "'addrs'"),
-            ("addrs", [[], [], [ADDRESS] * (MAX_ADDRESSES + 1)], "'addrs'")):
+            ("addrs", [[], [], [ADDRESS] * (MAX_ADDRESSES_PER_PEER + 1)], "'addrs'")):
         refuses(lambda w: FormedGroup.from_wire(w, me, 100), {**wire, key: value}, field)
 
 

@@ -27,10 +27,10 @@ from potluck.averaging.state_transfer import (
     StateServer,
     download_state,
 )
-from potluck.averaging.wire import MAX_ADDRESSES
 from potluck.core.errors import AveragingError, MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
 from tests.emulated_swarm import make_swarm
 
@@ -659,6 +659,6 @@ def test_donor_record_refuses_malformed_fields_by_name() -> None:
     assert DonorRecord.from_wire(good.to_wire()) == good
     refuses(DonorRecord.from_wire, [7], "not a map")
     for key, value, field in (("version", -1, "'version'"), ("version", 1.5, "'version'"), ("version", None, "'version'"),
-                              ("addrs", None, "'addrs'"), ("addrs", ["/emu/donor"] * (MAX_ADDRESSES + 1), "'addrs'"),
+                              ("addrs", None, "'addrs'"), ("addrs", ["/emu/donor"] * (MAX_ADDRESSES_PER_PEER + 1), "'addrs'"),
                               ("addrs", [b"/emu/donor"], "'addrs'"), ("addrs", ["/tcp/80"], "'addrs'")):
         refuses(DonorRecord.from_wire, {**good.to_wire(), key: value}, field)

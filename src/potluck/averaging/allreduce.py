@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,16 @@ from potluck.core import compat
 from potluck.core.errors import AveragingError, EndOfStream, MalformedMessage, NetworkError, PotluckError, RemoteError
 from potluck.core.runner import retrieve_exception
 from potluck.core.tensors import all_finite
+from potluck.core.wire import (
+    bool_field,
+    bytes_field,
+    int_field,
+    int_value,
+    list_field,
+    number_field,
+    text_field,
+    wire_map,
+)
 from potluck.net.connection import Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -139,23 +149,14 @@ class Outcome:
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> Outcome:
         what, n = "averaging decision", len(group.peers)
-        if not isinstance(msg, dict):
-            raise MalformedMessage(what, "not a map")
-        pairs = msg.get("a")
-        if not isinstance(pairs, list) or len(pairs) > n:
-            raise MalformedMessage(what, f"'a' must be a list of at most {n} [shard, reducer] pairs")
+        msg = wire_map(msg, what)
         assignment: dict[int, int] = {}
-        for pair in pairs:
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise MalformedMessage(what, "'a' entries must be [shard, reducer]")
-            assignment[_int_field({"a": pair[0]}, "a", what, 0, n)] = _int_field({"a": pair[1]}, "a", what, 0, n)
-        committed, aborted = msg.get("c"), msg.get("x")
-        if not isinstance(committed, bool):
-            raise MalformedMessage(what, "'c' must be a boolean")
-        if aborted is not None and not (isinstance(aborted, str) and len(aborted) <= MAX_REASON_CHARS):
-            raise MalformedMessage(what, f"'x' must be a reason of at most {MAX_REASON_CHARS} characters")
-        return cls(_int_field(msg, "v", what, 0, 2**62), tuple(_index_list(msg, "s", what, n)), assignment,
-                   committed, aborted)
+        for pair in list_field(msg, "a", what, n):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise MalformedMessage(what, "'a' entries must be [shard, reducer] pairs")
+            assignment[int_value(pair[0], "a", what, 0, n)] = int_value(pair[1], "a", what, 0, n)
+        return cls(int_field(msg, "v", what, 0, 2**62), _members(msg, "s", what, n), assignment,
+                   bool_field(msg, "c", what), text_field(msg, "x", what, MAX_REASON_CHARS, optional=True))
 
 
 # Longest group id accepted from a peer (ours are 32-byte digests).
@@ -164,18 +165,9 @@ MAX_GROUP_ID_BYTES = 64
 MAX_REASON_CHARS = 1000
 
 
-def _int_field(msg: dict, key: str, what: str, low: int, high: int) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
-        raise MalformedMessage(what, f"{key!r} must be an integer in [{low}, {high})")
-    return value
-
-
-def _index_list(msg: dict, key: str, what: str, n: int) -> list[int]:
-    values = msg.get(key)
-    if not isinstance(values, list) or len(values) > n:
-        raise MalformedMessage(what, f"{key!r} must be a list of at most {n} member indices")
-    return [_int_field({key: v}, key, what, 0, n) for v in values]
+def _members(msg: Mapping, key: str, what: str, n: int) -> tuple[int, ...]:
+    """At most `n` indices of members of an `n`-member group."""
+    return tuple(list_field(msg, key, what, n, each=lambda v: int_value(v, key, what, 0, n)))
 
 
 @dataclass(frozen=True)
@@ -194,19 +186,10 @@ class PartRequest:
     @classmethod
     def from_wire(cls, msg: Any) -> PartRequest:
         """Types and ranges that do not depend on the group (the handler checks the rest)."""
-        if not isinstance(msg, dict):
-            raise MalformedMessage("part request", "not a map")
-        group_id, weight, abstain = msg.get("g"), msg.get("w"), msg.get("x")
-        if not isinstance(group_id, bytes) or len(group_id) > MAX_GROUP_ID_BYTES:
-            raise MalformedMessage("part request", f"'g' must be at most {MAX_GROUP_ID_BYTES} bytes")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) \
-                or weight < 0:
-            raise MalformedMessage("part request", "'w' must be a finite non-negative number")
-        if not isinstance(abstain, bool):
-            raise MalformedMessage("part request", "'x' must be a boolean")
-        big = 2**31
-        return cls(group_id, _int_field(msg, "j", "part request", 0, big), _int_field(msg, "s", "part request", 0, big),
-                   float(weight), abstain)
+        what, big = "part request", 2**31
+        msg = wire_map(msg, what)
+        return cls(bytes_field(msg, "g", what, MAX_GROUP_ID_BYTES), int_field(msg, "j", what, 0, big),
+                   int_field(msg, "s", what, 0, big), number_field(msg, "w", what), bool_field(msg, "x", what))
 
 
 @dataclass(frozen=True)
@@ -235,13 +218,12 @@ def parse_result(msg: Any, chunks: int, members: int) -> ResultChunk | ResultFin
     """A message on a sender's result stream, checked against the shard's `chunks` and the
     group's `members`; the payload is checked when decoded."""
     what = "result"
-    if not isinstance(msg, dict):
-        raise MalformedMessage(what, "not a map")
+    msg = wire_map(msg, what)
     if "final" in msg:
-        return ResultFinal(tuple(_index_list(msg, "final", what, members)), _int_field(msg, "v", what, 0, 2**62))
+        return ResultFinal(_members(msg, "final", what, members), int_field(msg, "v", what, 0, 2**62))
     if "d" not in msg:
         raise MalformedMessage(what, "'d' is missing")
-    return ResultChunk(_int_field(msg, "c", what, 0, chunks), msg["d"])
+    return ResultChunk(int_field(msg, "c", what, 0, chunks), msg["d"])
 
 
 @dataclass(frozen=True)
@@ -267,27 +249,19 @@ class MemberState:
     def from_wire(cls, msg: Any, group: Group) -> MemberState:
         """Validate a member's state message (it comes from the network) against `group`."""
         what, n = "member state", len(group.peers)
-        if not isinstance(msg, dict):
-            raise MalformedMessage(what, "not a map")
-        reports = msg.get("rep")
-        if not isinstance(reports, list) or len(reports) > n:
-            raise MalformedMessage(what, f"'rep' must be a list of at most {n} [shard, senders] pairs")
+        msg = wire_map(msg, what)
         parsed: dict[int, tuple[int, ...]] = {}
-        for pair in reports:
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise MalformedMessage(what, "'rep' entries must be [shard, senders]")
-            shard = _int_field({"rep": pair[0]}, "rep", what, 0, n)
-            parsed[shard] = tuple(_index_list({"rep": pair[1]}, "rep", what, n))
-        failure = msg.get("fail")
-        if failure is not None and not (isinstance(failure, str) and len(failure) <= MAX_REASON_CHARS):
-            raise MalformedMessage(what, f"'fail' must be a reason of at most {MAX_REASON_CHARS} characters")
+        for pair in list_field(msg, "rep", what, n):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise MalformedMessage(what, "'rep' entries must be [shard, senders] pairs")
+            parsed[int_value(pair[0], "rep", what, 0, n)] = _members({"rep": pair[1]}, "rep", what, n)
+        failure = text_field(msg, "fail", what, MAX_REASON_CHARS, optional=True)
         try:
             outcome = Outcome.from_wire(msg.get("o"), group)
         except MalformedMessage as e:
             raise MalformedMessage(what, f"'o': {e.field}") from None
-        return cls(_int_field(msg, "m", what, 0, n), tuple(_index_list(msg, "dead", what, n)), parsed,
-                   tuple(_index_list(msg, "final", what, n)), _int_field(msg, "v", what, 0, 2**62), outcome,
-                   failure)
+        return cls(int_field(msg, "m", what, 0, n), _members(msg, "dead", what, n), parsed,
+                   _members(msg, "final", what, n), int_field(msg, "v", what, 0, 2**62), outcome, failure)
 
 
 @dataclass(frozen=True)
@@ -303,12 +277,7 @@ class SyncRequest:
     @staticmethod
     def group_id_of(msg: Any) -> bytes:
         """The step it is about: needed first, as the state is checked against that step's group."""
-        if not isinstance(msg, dict):
-            raise MalformedMessage("sync request", "not a map")
-        group_id = msg.get("g")
-        if not isinstance(group_id, bytes) or len(group_id) > MAX_GROUP_ID_BYTES:
-            raise MalformedMessage("sync request", f"'g' must be at most {MAX_GROUP_ID_BYTES} bytes")
-        return group_id
+        return bytes_field(wire_map(msg, "sync request"), "g", "sync request", MAX_GROUP_ID_BYTES)
 
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> SyncRequest:
@@ -329,13 +298,12 @@ class SyncReply:
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> SyncReply:
         what = "sync reply"
-        if not isinstance(msg, dict):
-            raise MalformedMessage(what, "not a map")
+        msg = wire_map(msg, what)
         try:
             outcome = Outcome.from_wire(msg.get("o"), group)
         except MalformedMessage as e:
             raise MalformedMessage(what, f"'o': {e.field}") from None
-        return cls(outcome, tuple(_index_list(msg, "dead", what, len(group.peers))))
+        return cls(outcome, _members(msg, "dead", what, len(group.peers)))
 
 
 @dataclass

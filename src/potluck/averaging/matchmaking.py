@@ -31,18 +31,6 @@ from typing import Any
 
 from potluck.averaging.allreduce import MAX_GROUP_ID_BYTES, MAX_REASON_CHARS, MODES, Group
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
-from potluck.averaging.wire import (
-    MAX_ADDRESSES,
-    addresses_field,
-    bytes_field,
-    encoded_field,
-    int_field,
-    list_field,
-    number_field,
-    peer_ids_field,
-    text_field,
-    wire_map,
-)
 from potluck.core import compat
 from potluck.core.errors import (
     AveragingError,
@@ -51,11 +39,23 @@ from potluck.core.errors import (
     PotluckError,
     detached,
 )
+from potluck.core.wire import (
+    bytes_field,
+    encoded_value,
+    int_value,
+    list_field,
+    number_field,
+    number_value,
+    text_field,
+    wire_map,
+)
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
+from potluck.net.wire import addresses_value, peer_id_value
 
 __all__ = [
-    "MAX_ADDRESSES", "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
+    "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
     "JoinRequest", "Matchmaker", "parse_join_reply",
 ]
 
@@ -116,7 +116,7 @@ class Declaration:
     def from_wire(cls, msg: Any) -> Declaration:
         what = "group declaration"
         msg = wire_map(msg, what)
-        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS), addresses_field(msg, "addrs", what))
+        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS), addresses_value(msg.get("addrs"), "addrs", what))
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,10 @@ class JoinRequest:
         role = msg.get("mode")
         if role not in MODES:
             raise MalformedMessage(what, f"'mode' must be one of {list(MODES)}")
-        bw = list_field(msg, "bw", what, 2, length=2)
-        upload = number_field({"bw": bw[0]}, "bw", what, positive=True)
-        download = number_field({"bw": bw[1]}, "bw", what, positive=True)
-        again = number_field(msg, "again", what, optional=True)
-        return cls(key, schema, role, upload, download, encoded_field(msg, "meta", what, MAX_METADATA_BYTES), again)
+        upload, download = list_field(msg, "bw", what, 2, length=2,
+                                      each=lambda v: number_value(v, "bw", what, positive=True))
+        metadata = encoded_value(msg.get("meta"), "meta", what, MAX_METADATA_BYTES)
+        return cls(key, schema, role, upload, download, metadata, number_field(msg, "again", what, optional=True))
 
 
 @dataclass(frozen=True)
@@ -177,21 +176,20 @@ class FormedGroup:
         what = "group"
         msg = wire_map(msg, what)
         group_id = bytes_field(msg, "id", what, MAX_GROUP_ID_BYTES)
-        peers = peer_ids_field(msg, "peers", what, MAX_GROUP_SIZE)
+        peers = _peer_ids(msg, "peers", what)
         if me not in peers or len(set(peers)) != len(peers):
             raise MalformedMessage(what, "'peers' must be distinct and include the receiver")
         n = len(peers)
         modes = list_field(msg, "modes", what, n, length=n)
         if any(m not in MODES for m in modes):
             raise MalformedMessage(what, f"'modes' must be among {list(MODES)}")
-        parts = tuple(int_field({"parts": p}, "parts", what, 0, total + 1)
-                      for p in list_field(msg, "parts", what, n, length=n))
+        parts = tuple(list_field(msg, "parts", what, n, length=n,
+                                 each=lambda v: int_value(v, "parts", what, 0, total + 1)))
         if sum(parts) != total:
             raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
-        metadata = tuple(encoded_field({"meta": m}, "meta", what, MAX_METADATA_BYTES)
-                         for m in list_field(msg, "meta", what, n, length=n))
-        addresses = tuple(addresses_field({"addrs": a}, "addrs", what)
-                          for a in list_field(msg, "addrs", what, n, length=n))
+        metadata = tuple(list_field(msg, "meta", what, n, length=n,
+                                    each=lambda v: encoded_value(v, "meta", what, MAX_METADATA_BYTES)))
+        addresses = tuple(list_field(msg, "addrs", what, n, length=n, each=lambda v: addresses_value(v, "addrs", what)))
         try:
             group = Group(group_id, peers, tuple(modes), parts)
         except ValueError as e:
@@ -233,6 +231,11 @@ class JoinFailed:
 JoinReply = JoinAccepted | JoinRefused | JoinFailed
 
 
+def _peer_ids(msg: dict, key: str, what: str) -> tuple[PeerID, ...]:
+    """At most MAX_GROUP_SIZE peer ids, each as its raw key bytes."""
+    return tuple(list_field(msg, key, what, MAX_GROUP_SIZE, each=lambda v: peer_id_value(v, key, what, raw=True)))
+
+
 def parse_join_reply(msg: Any, me: PeerID, total: int) -> JoinReply:
     """A leader's answer to our join request (see `FormedGroup.from_wire` for `me` and `total`)."""
     what = "join reply"
@@ -242,7 +245,7 @@ def parse_join_reply(msg: Any, me: PeerID, total: int) -> JoinReply:
     if "failed" in msg:
         return JoinFailed(text_field(msg, "failed", what, MAX_REASON_CHARS))
     return JoinRefused(text_field(msg, "refused", what, MAX_REASON_CHARS),
-                       peer_ids_field(msg, "taken", what, MAX_GROUP_SIZE))
+                       _peer_ids(msg, "taken", what))
 
 
 @dataclass
@@ -326,7 +329,7 @@ class Matchmaker:
                     target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
-        addresses = tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES]
+        addresses = tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES_PER_PEER]
         upload, download = bandwidth
         me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download,
                        metadata, addresses)
@@ -537,7 +540,7 @@ class Matchmaker:
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return JoinRefused("already a member")
         gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
-                                           tuple(str(a) for a in ctx.remote.addresses)[:MAX_ADDRESSES]))
+                                           tuple(str(a) for a in ctx.remote.addresses)[:MAX_ADDRESSES_PER_PEER]))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)

@@ -39,14 +39,6 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.wire import (
-    addresses_field,
-    bytes_field,
-    encoded_field,
-    int_field,
-    list_field,
-    wire_map,
-)
 from potluck.core import compat, serialization
 from potluck.core.errors import (
     AveragingError,
@@ -56,9 +48,11 @@ from potluck.core.errors import (
     NetworkError,
     SerializationError,
 )
+from potluck.core.wire import bytes_field, encoded_value, int_field, list_field, wire_map
 from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
+from potluck.net.wire import addresses_value
 
 __all__ = [
     "CHUNK_BYTES",
@@ -226,7 +220,7 @@ class Manifest:
         if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
             raise MalformedMessage(what, f"'hashes' must be {HASH_BYTES}-byte SHA-256 digests, one per chunk")
         specs = tuple((name, tuple(shape)) for name, shape in raw_specs)
-        metadata = encoded_field(msg, "metadata", what, MAX_STATE_METADATA_BYTES)
+        metadata = encoded_value(msg.get("metadata"), "metadata", what, MAX_STATE_METADATA_BYTES)
         return cls(version, metadata, specs, tuple(sizes), chunk_bytes, tuple(hashes), snapshot)
 
 
@@ -297,7 +291,7 @@ class DonorRecord:
     def from_wire(cls, msg: Any) -> DonorRecord:
         what = "donor record"
         msg = wire_map(msg, what)
-        return cls(int_field(msg, "version", what, 0, MAX_VERSION), addresses_field(msg, "addrs", what))
+        return cls(int_field(msg, "version", what, 0, MAX_VERSION), addresses_value(msg.get("addrs"), "addrs", what))
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -357,7 +351,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
             flat[offset:offset + size].copy_(source.reshape(-1).view(torch.uint8))
             offset += size
     try:
-        encoded_field({"metadata": metadata}, "metadata", "state", MAX_STATE_METADATA_BYTES)
+        encoded_value(metadata, "metadata", "state", MAX_STATE_METADATA_BYTES)
     except MalformedMessage as e:
         raise TypeError(f"get_state() returned metadata that cannot be sent: {e}") from e
     memory = flat.numpy()
