@@ -30,6 +30,8 @@ from potluck.net.membership import (
     MAX_TOKEN_BYTES,
     REVOCATION_LIFETIME,
     TOKEN_LIFETIME,
+    GuestHandlers,
+    MembershipGate,
     MembershipToken,
     RevocationList,
 )
@@ -143,6 +145,9 @@ class Authority:
         self.limiter = AttemptLimiter(clock)
         self._kdf_lock = asyncio.Lock()  # one scrypt at a time: 16 MiB and ~50 ms each
         self._publisher: asyncio.Task | None = None
+        # Peers without a token may connect, but may only ask for one (`net.membership.GuestHandlers`).
+        self.gate = MembershipGate(transport.peer_id, run_id, clock=clock, guest_methods={TOKEN_METHOD})
+        transport.membership = self.gate
         transport.add_handler(TOKEN_METHOD, self._serve)
 
     @property
@@ -159,6 +164,7 @@ class Authority:
     async def publish_revocations(self) -> RevocationList:
         """Sign the current list and store it in the DHT (if any); returns it."""
         revocations = self.revocations()
+        self.gate.update_revocations(revocations)
         if self.dht is not None:
             await self.dht.astore(revocation_key(self.run_id, self.peer_id), revocations.to_wire(),
                                   revocations.expires)
@@ -209,7 +215,7 @@ class Authority:
             current.verify(self.peer_id, peer_id, self.clock(), run_id=self.run_id, revocations=revoked)
             token = self.issue(peer_id, current.name)
             logger.info("renewed the token of %s (%s)", current.name, peer_id)
-            return {"token": token.to_wire()}
+            return self._answer(token, ctx)
         assert parsed.credential is not None
         self.limiter.attempt(peer_id)
         try:
@@ -224,4 +230,11 @@ class Authority:
         if changed:
             self._save()
         logger.info("issued a token to %s (%s)", name, peer_id)
-        return {"token": self.issue(peer_id, name).to_wire()}
+        return self._answer(self.issue(peer_id, name), ctx)
+
+    def _answer(self, token: MembershipToken, ctx: CallContext) -> dict:
+        """The token, after making the caller's connection a member's: it came as a guest."""
+        self.gate.present(ctx.peer_id, token.to_wire())
+        if isinstance(ctx.connection.handlers, GuestHandlers):
+            ctx.connection.handlers = self.transport.handlers
+        return {"token": token.to_wire()}

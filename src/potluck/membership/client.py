@@ -23,8 +23,9 @@ from potluck.core.errors import (
 from potluck.membership.authority import TOKEN_METHOD, TokenRequest, revocation_key
 from potluck.membership.policy import Credential
 from potluck.net.address import Multiaddr
+from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
-from potluck.net.membership import MembershipGate, MembershipToken, RevocationList
+from potluck.net.membership import PRESENT_METHOD, MembershipGate, MembershipToken, RevocationList
 from potluck.net.transport import Transport
 
 __all__ = ["MembershipClient", "RENEW_BEFORE", "RETRY_INTERVAL", "parse_authority"]
@@ -41,6 +42,9 @@ RETRY_INTERVAL = 30.0
 REVOCATION_REFRESH = 120.0
 # How long one call to the authority may take (a password check is ~50 ms, queued behind others).
 REQUEST_TIMEOUT = 20.0
+# How long showing a renewed token to one connected peer may take; a peer that does not answer
+# in time keeps our old token until it expires and then drops the connection (we redial).
+PRESENT_TIMEOUT = 10.0
 
 
 def parse_authority(authority: str | PeerID | Multiaddr) -> tuple[PeerID, Multiaddr | None]:
@@ -78,6 +82,7 @@ class MembershipClient:
         self.gate = MembershipGate(self.authority, run_id, clock=clock, token=lambda: self.token)
         self._task: asyncio.Task | None = None
         self._next_revocation_read = 0.0
+        transport.add_handler(PRESENT_METHOD, self._on_present)
 
     @property
     def run_id(self) -> str | None:
@@ -99,11 +104,44 @@ class MembershipClient:
         return await self._request(TokenRequest(credential=self.credential))
 
     async def renew_if_due(self) -> bool:
-        """Renew if the token expires within `renew_before`; True if it did. Errors propagate."""
+        """Renew if the token expires within `renew_before`, and show the new token to every
+        connected peer; True if it did. Errors propagate."""
         if self.token is not None and self.clock() < self.token.expires - self.renew_before:
             return False
         await self.renew()
+        await self.present()
         return True
+
+    async def present(self) -> None:
+        """Show our current token to every connected peer, so open connections outlive the old one."""
+        token = self.token
+        peers = [p for p in self.transport.connected_peers() if p != self.authority]
+        if token is None or not peers:
+            return
+        wire = token.to_wire()
+        results = await asyncio.gather(*(self.transport.call(p, PRESENT_METHOD, wire, timeout=PRESENT_TIMEOUT)
+                                         for p in peers), return_exceptions=True)
+        for peer, result in zip(peers, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.info("could not show the renewed token to %s: %s", peer, result)
+
+    def sweep(self) -> int:
+        """Close connections of peers that are no longer members (expired without renewal, or
+        revoked); returns how many were closed."""
+        closed = 0
+        for conn in self.transport.open_connections():
+            if conn.peer_id == self.transport.peer_id:
+                continue
+            reason = self.gate.still_admitted(conn.peer_id, conn.remote.token)
+            if reason is not None:
+                logger.info("closing the connection with %s: %s", conn.peer_id, reason)
+                conn.close(f"membership ended: {reason}")
+                self.gate.forget(conn.peer_id)
+                closed += 1
+        return closed
+
+    async def _on_present(self, request: object, ctx: CallContext) -> None:
+        self.gate.present(ctx.peer_id, request)
 
     async def refresh_revocations(self) -> bool:
         """Read the authority's revocation list from the DHT; True if a newer one was adopted."""
@@ -125,6 +163,7 @@ class MembershipClient:
             self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
+        self.transport.remove_handler(PRESENT_METHOD)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -147,6 +186,7 @@ class MembershipClient:
                     self._next_revocation_read = self.clock() + self.revocation_refresh
                 except PotluckError as e:
                     logger.info("could not read the revocation list: %s", e)
+            self.sweep()
             await asyncio.sleep(min(wait, self.revocation_refresh))
 
     async def _request(self, request: TokenRequest) -> MembershipToken:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -27,10 +28,13 @@ from potluck.core.errors import IdentityError, MalformedMessage, MembershipError
 from potluck.net.identity import PEER_ID_BYTES, SIGNATURE_BYTES, Identity, PeerID
 
 __all__ = [
-    "MAX_NAME_CHARS", "MAX_REVOKED_PEERS", "MAX_RUN_ID_CHARS", "MAX_TOKEN_BYTES", "MembershipGate",
+    "MAX_NAME_CHARS", "MAX_REVOKED_PEERS", "MAX_RUN_ID_CHARS", "MAX_TOKEN_BYTES", "PRESENT_METHOD",
+    "GuestHandlers", "MembershipGate",
     "MembershipToken", "RevocationList", "TOKEN_LIFETIME",
 ]
 
+# The method a member calls on its connected peers to show a renewed token.
+PRESENT_METHOD = "membership.present"
 # Domain separation labels for the authority's two kinds of signature.
 TOKEN_LABEL = "potluck/membership-token/1"
 REVOCATION_LABEL = "potluck/revocation-list/1"
@@ -46,6 +50,9 @@ MAX_RUN_ID_CHARS = 128
 # more should rotate its authority key.
 MAX_REVOKED_PEERS = 1024
 MAX_REVOCATION_BYTES = 40 * 1024
+# Renewed tokens a gate remembers (oldest forgotten first): one per connected peer, and far more
+# peers than one peer is connected to; a forgotten one only means its handshake token is used.
+MAX_PRESENTED_TOKENS = 4096
 
 # How long a token is valid. Short enough that a revoked peer that somehow misses the revocation
 # list (or a leaked token) is locked out within the hour; long enough that peers ride out an
@@ -270,6 +277,7 @@ class MembershipGate:
         self._token = token
         self.guest_methods = frozenset(guest_methods)
         self.revocations: RevocationList | None = None
+        self._presented: dict[PeerID, MembershipToken] = {}  # renewed tokens shown on open connections
 
     def own_token(self) -> bytes | None:
         """The token bytes this peer shows in its HELLO (None while it has none)."""
@@ -308,3 +316,67 @@ class MembershipGate:
         except MembershipError as e:
             raise MembershipRefused(str(e)) from None
         return token
+
+    def current(self, remote: PeerID, handshake_token: object) -> MembershipToken | None:
+        """The newest token `remote` has shown us: one it presented after renewing, or the one
+        from its handshake."""
+        presented = self._presented.get(remote)
+        if presented is not None:
+            return presented
+        try:
+            return None if handshake_token is None else MembershipToken.from_wire(handshake_token)
+        except MalformedMessage:
+            return None
+
+    def present(self, remote: PeerID, token_bytes: object) -> None:
+        """Accept a renewed token `remote` shows on an open connection; MembershipError if it does
+        not admit `remote` (the old token stays until it expires)."""
+        try:
+            token = MembershipToken.from_wire(token_bytes)
+        except MalformedMessage as e:
+            raise MembershipError(f"unreadable membership token: {e}") from None
+        self.verify(remote, token)
+        self._presented.pop(remote, None)
+        self._presented[remote] = token
+        while len(self._presented) > MAX_PRESENTED_TOKENS:
+            del self._presented[next(iter(self._presented))]
+
+    def forget(self, remote: PeerID) -> None:
+        self._presented.pop(remote, None)
+
+    def still_admitted(self, remote: PeerID, handshake_token: object) -> str | None:
+        """None if `remote` is still a member by the newest token it showed; else why not."""
+        try:
+            self.verify(remote, self.current(remote, handshake_token))
+        except MembershipError as e:
+            return str(e)
+        return None
+
+
+class GuestHandlers:
+    """The handlers a connection without a valid token may use: only the gate's guest methods
+    (the authority's token request); other calls are refused with a MembershipError naming why."""
+
+    def __init__(self, handlers: Any, allowed: frozenset[str], reason: str):
+        self.unary = _Only(handlers.unary, allowed, _refuse_unary(reason))
+        self.stream = _Only(handlers.stream, allowed, _refuse_stream(reason))
+
+
+class _Only:
+    def __init__(self, handlers: dict, allowed: frozenset[str], refusal: Callable):
+        self._handlers, self._allowed, self._refusal = handlers, allowed, refusal
+
+    def get(self, method: str) -> Callable | None:
+        return self._handlers.get(method) if method in self._allowed else self._refusal
+
+
+def _refuse_unary(reason: str) -> Callable:
+    async def refuse(request: object, ctx: object) -> None:
+        raise MembershipError(f"this peer serves only membership requests to peers without a valid token: {reason}")
+    return refuse
+
+
+def _refuse_stream(reason: str) -> Callable:
+    async def refuse(stream: object, ctx: object) -> None:
+        raise MembershipError(f"this peer serves only membership requests to peers without a valid token: {reason}")
+    return refuse

@@ -1,12 +1,17 @@
 """The real transport: asyncio TCP, TLS 1.3 by default, authenticated peer ids.
 
 Handshake, after TLS (or directly on TCP with `insecure=True`):
-  1. both sides send HELLO {id, nonce, addrs, client, max_frame, bulk, token};
+  1. both sides send HELLO {id, nonce, addrs, client, max_frame, bulk, token} (token: the sender's
+     membership token in an authority-governed run, else None);
   2. the dialer checks that the TLS certificate's key is the id in HELLO and the id it dialed;
   3. the dialer sends AUTH: a signature over (label, the other's nonce, own nonce, own id, other
      id); the acceptor checks it and answers with its own AUTH, so a dialer's handshake succeeds
      only once the acceptor has accepted it. Nobody can answer for a peer id without its key, and
      a signature cannot be replayed on another connection or relayed to another peer.
+  4. in an authority-governed run (`membership` set), each side checks the other's token once the
+     other has proved its id, and refuses with a GOAWAY that says why (the dialer raises
+     MembershipRefused). The authority admits peers without a token as guests that may only ask
+     for one (`net.membership.GuestHandlers`).
 Without TLS the ids are still proven, but the channel is neither private nor tamper-proof.
 """
 
@@ -24,6 +29,7 @@ from typing import Any
 from potluck.core.errors import (
     ConnectionLost,
     HandshakeError,
+    MembershipRefused,
     MessageTooLarge,
     NetworkError,
     PeerUnreachable,
@@ -34,6 +40,7 @@ from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
+from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
@@ -53,6 +60,8 @@ WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 8 * 2**20
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
+# A refusal's reason as shown to the user: a few lines of explanation, not a place for data.
+MAX_REFUSAL_CHARS = 1000
 
 
 class TCPTransport(Transport):
@@ -64,7 +73,8 @@ class TCPTransport(Transport):
                  max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  dial_timeout: float = 10.0,
                  keepalive_interval: float | None = KEEPALIVE_INTERVAL,
-                 keepalive_timeout: float | None = KEEPALIVE_TIMEOUT):
+                 keepalive_timeout: float | None = KEEPALIVE_TIMEOUT,
+                 membership: MembershipGate | None = None):
         super().__init__(identity, client_mode=client_mode, max_frame_size=max_frame_size,
                          dial_timeout=dial_timeout, keepalive_interval=keepalive_interval,
                          keepalive_timeout=keepalive_timeout)
@@ -75,6 +85,8 @@ class TCPTransport(Transport):
         self._server: asyncio.AbstractServer | None = None
         self._listen: list[Multiaddr] = []
         self._links: set[TCPLink] = set()
+        # The run's membership check (None: anyone who proves a peer id is admitted, as before).
+        self.membership = membership
 
     @property
     def addresses(self) -> list[Multiaddr]:
@@ -175,7 +187,8 @@ class TCPLink(asyncio.BufferedProtocol):
             "v": PROTOCOL_VERSION, "id": self.owner.peer_id.to_bytes(), "nonce": self._nonce,
             "addrs": [str(a.without_peer_id()) for a in self.owner.addresses],
             "client": self.owner.client_mode, "max_frame": self.owner.max_frame_size,
-            "bulk": self.bulk, "token": None,
+            "bulk": self.bulk,
+            "token": self.owner.membership.own_token() if self.owner.membership is not None else None,
         }
         self._write_now(encode(Frame(Kind.HELLO, meta=hello)))
 
@@ -197,7 +210,9 @@ class TCPLink(asyncio.BufferedProtocol):
         except (ProtocolError, MessageTooLarge, HandshakeError) as e:
             logger.info("dropping connection from %s: %s", self._peer_name(), e)
             self._fail_handshake(e)
-            if not isinstance(e, HandshakeError):
+            if isinstance(e, MembershipRefused):
+                self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": str(e), "membership": True})))
+            elif not isinstance(e, HandshakeError):
                 self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": str(e)})))
             self.close(str(e))
 
@@ -236,7 +251,11 @@ class TCPLink(asyncio.BufferedProtocol):
         elif frame.kind is Kind.AUTH and self._hello is not None:
             self._on_auth(meta)
         elif frame.kind is Kind.GOAWAY:
-            raise HandshakeError(f"refused by the other side: {meta.get('reason')}")
+            reason = meta.get("reason")
+            reason = reason[:MAX_REFUSAL_CHARS] if isinstance(reason, str) else "no reason given"
+            if meta.get("membership") is True:
+                raise MembershipRefused(f"{self._peer_name()} refused this peer's membership: {reason}")
+            raise HandshakeError(f"refused by the other side: {reason}")
         else:
             raise ProtocolError(f"expected a handshake frame, got {frame.kind.name}")
 
@@ -252,6 +271,9 @@ class TCPLink(asyncio.BufferedProtocol):
             if not isinstance(max_frame, int) or max_frame < 1024:
                 raise ValueError("bad max_frame")
             addrs = [Multiaddr.parse(a) for a in list(meta.get("addrs") or [])[:MAX_ADDRESSES_PER_PEER]]
+            token = meta.get("token")
+            if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES):
+                raise ValueError(f"bad token: None or at most {MAX_TOKEN_BYTES} bytes")
         except (KeyError, TypeError, ValueError, NetworkError, Exception) as e:
             raise ProtocolError(f"malformed HELLO: {e}") from None
         if self.expected is not None and remote_id != self.expected:
@@ -265,7 +287,7 @@ class TCPLink(asyncio.BufferedProtocol):
                 raise HandshakeError(f"TLS certificate belongs to {cert_id}, not to {remote_id}")
         self._hello = {"id": remote_id, "nonce": nonce, "addrs": tuple(addrs),
                        "client": bool(meta.get("client")), "bulk": bool(meta.get("bulk")),
-                       "token": meta.get("token")}
+                       "token": token}
         self._remote_max = max_frame
         if self.initiator:  # the acceptor proves itself only after checking the dialer's proof
             self._send_auth()
@@ -284,6 +306,7 @@ class TCPLink(asyncio.BufferedProtocol):
         message = self._auth_message(self._nonce, hello["nonce"], hello["id"], self.owner.peer_id)
         if not isinstance(signature, bytes) or not hello["id"].verify(signature, message):
             raise HandshakeError(f"the peer could not prove it holds the key of {hello['id']}")
+        handlers = self._admit(hello["id"], hello["token"])
         if not self.initiator:
             self._send_auth()
         if self._handshake_timer is not None:
@@ -291,7 +314,7 @@ class TCPLink(asyncio.BufferedProtocol):
         remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
                             bulk=hello["bulk"] if not self.initiator else self.bulk,
                             token=hello["token"])
-        conn = Connection(self.owner.handlers, remote, self.initiator,
+        conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
                           on_close=self.owner._unregister)
         conn.attach(self)
@@ -299,6 +322,21 @@ class TCPLink(asyncio.BufferedProtocol):
         self.owner._register(conn)
         if not self.handshake.done():
             self.handshake.set_result(None)
+
+    def _admit(self, remote: PeerID, token: bytes | None) -> Any:
+        """The handlers a proven peer may use; MembershipRefused if its token does not admit it.
+        The authority (whose gate has guest methods) admits tokenless dialers as guests."""
+        gate = self.owner.membership
+        if gate is None:
+            return self.owner.handlers
+        try:
+            gate.check(remote, token)
+        except MembershipRefused as e:
+            if self.initiator or not gate.guest_methods:
+                raise
+            logger.debug("admitting %s as a guest: %s", remote, e)
+            return GuestHandlers(self.owner.handlers, gate.guest_methods, str(e))
+        return self.owner.handlers
 
     @staticmethod
     def _auth_message(verifier_nonce: bytes, signer_nonce: bytes, signer: PeerID, verifier: PeerID) -> bytes:

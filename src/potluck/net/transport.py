@@ -168,6 +168,10 @@ class Transport:
     def connected_peers(self) -> list[PeerID]:
         return [p for p, conns in self._shared.items() if any(not c.closed for c in conns)]
 
+    def open_connections(self) -> list[Connection]:
+        """Every open connection, shared and bulk, both directions (e.g. to re-check members)."""
+        return [c for c in self._all if not c.closed]
+
     # -- connections ----------------------------------------------------------------------------
     async def connect(self, address: Multiaddr | str, timeout: float | None = None) -> PeerID:
         """Dial an address, authenticate the peer there and return its id.
