@@ -16,6 +16,7 @@ from potluck.cli.tasks import accuracy, load_data
 from potluck.core.errors import MalformedMessage, MessageTooLarge, RemoteError
 from potluck.core.serialization import dumps, loads
 from potluck.core.virtual_time import run_virtual
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import Identity
 from potluck.ps import (
     PSWorker,
@@ -27,7 +28,6 @@ from potluck.ps import (
     start_parameter_servers,
 )
 from potluck.ps.messages import (
-    MAX_SERVER_ADDRESSES,
     MAX_SERVERS_PER_SHARD,
     ParamsReply,
     PullRequest,
@@ -158,7 +158,7 @@ PARSE = {
     ("layout", {"assignment": [0, 2]}, "'assignment'"),  # shard 2 does not exist
     ("layout", {"assignment": "012"}, "'assignment'"),
     ("addresses", {"peer": 5}, "'peer'"),
-    ("addresses", {"addrs": ["/ip4/10.0.0.1/tcp/1"] * (MAX_SERVER_ADDRESSES + 1)}, "'addrs'"),
+    ("addresses", {"addrs": ["/ip4/10.0.0.1/tcp/1"] * (MAX_ADDRESSES_PER_PEER + 1)}, "'addrs'"),
     ("addresses", {"addrs": ["/ip4/999.0.0.1/tcp/1"]}, "'addrs'"),
     ("addresses", {"addrs": [7]}, "'addrs'"),
 ])
@@ -369,7 +369,7 @@ def test_standby_accepts_state_only_from_its_primary_and_checks_it():
     errors, ack, step, n = run_virtual(scenario())
     assert "only shard 0's primary may update its standby" in errors[0] and errors[1] == errors[0]
     assert f"'params' must be a list of {n} tensors, got {2 * n}" in errors[2]
-    assert "'workers' must hold peer ids" in errors[3] and "malformed replica update: not a map" in errors[4]
+    assert "'workers' must be a peer id" in errors[3] and "malformed replica update: not a map" in errors[4]
     assert ack.accepted and step == 5
 
 

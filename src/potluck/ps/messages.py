@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
-from potluck.core.errors import AddressError, IdentityError, MalformedMessage
-from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
+from potluck.core.errors import MalformedMessage
+from potluck.core.wire import bool_field, int_field, int_value, list_field, wire_map
+from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
+from potluck.net.wire import addresses_value, peer_id_value
 
 __all__ = ["ParamsReply", "PullRequest", "PushRequest", "RegisterRequest", "ReplicaAck", "ReplicaUpdate",
            "ServerAddresses", "ShardLayout"]
@@ -32,38 +34,9 @@ MAX_SHARDS = 4096
 MAX_SERVERS_PER_SHARD = 8
 # Workers a replica update lists (the primary's whole membership, copied every step).
 MAX_WORKERS = 10_000
-# Addresses kept per server: a server gains nothing by listing more (a transport dials a handful).
-MAX_SERVER_ADDRESSES = 8
 
 
-# -- field checks --------------------------------------------------------------------------------
-def _map(msg: Any, what: str) -> dict:
-    if not isinstance(msg, dict):
-        raise MalformedMessage(what, "not a map")
-    return msg
-
-
-def _int(msg: dict, key: str, what: str, low: int, high: int) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
-        raise MalformedMessage(what, f"{key!r} must be an integer in [{low}, {high})")
-    return value
-
-
-def _list(msg: dict, key: str, what: str, max_items: int) -> list:
-    value = msg.get(key)
-    if not isinstance(value, list) or len(value) > max_items:
-        raise MalformedMessage(what, f"{key!r} must be a list of at most {max_items} items")
-    return value
-
-
-def _peer_id(value: Any, key: str, what: str) -> PeerID:
-    try:
-        return PeerID.from_string(value)
-    except IdentityError as e:
-        raise MalformedMessage(what, f"{key!r} must hold peer ids: {e}") from None
-
-
+# -- field checks (the generic ones are potluck.core.wire's) ---------------------------------------
 def _tensors(msg: dict, key: str, what: str, like: Sequence[torch.Tensor], *,
              finite: bool) -> tuple[torch.Tensor, ...]:
     """`msg[key]`: exactly one tensor per tensor of `like`, each of its shape and dtype (and
@@ -106,17 +79,17 @@ class ShardLayout:
     @classmethod
     def from_wire(cls, msg: Any) -> ShardLayout:
         what = "shard layout"
-        msg = _map(msg, what)
-        servers = _list(msg, "servers", what, MAX_SHARDS)
+        msg = wire_map(msg, what)
+        servers = list_field(msg, "servers", what, MAX_SHARDS)
         if not servers:
             raise MalformedMessage(what, "'servers' must name at least one shard")
         parsed = []
         for shard in servers:
             if not isinstance(shard, list) or not 1 <= len(shard) <= MAX_SERVERS_PER_SHARD:
                 raise MalformedMessage(what, f"'servers' entries must list 1 to {MAX_SERVERS_PER_SHARD} peer ids")
-            parsed.append(tuple(_peer_id(p, "servers", what) for p in shard))
-        assignment = _list(msg, "assignment", what, MAX_LAYOUT_TENSORS)
-        shards = [_int({"assignment": a}, "assignment", what, 0, len(parsed)) for a in assignment]
+            parsed.append(tuple(peer_id_value(p, "servers", what) for p in shard))
+        shards = list_field(msg, "assignment", what, MAX_LAYOUT_TENSORS,
+                            each=lambda a: int_value(a, "assignment", what, 0, len(parsed)))
         return cls(tuple(shards), tuple(parsed))
 
 
@@ -134,16 +107,9 @@ class ServerAddresses:
     @classmethod
     def from_wire(cls, msg: Any) -> ServerAddresses:
         what = "server addresses"
-        msg = _map(msg, what)
-        addresses = []
-        for text in _list(msg, "addrs", what, MAX_SERVER_ADDRESSES):
-            try:
-                if not isinstance(text, str) or len(text) > MAX_ADDRESS_CHARS:
-                    raise AddressError(f"not a string of at most {MAX_ADDRESS_CHARS} characters")
-                addresses.append(Multiaddr.parse(text))
-            except (AddressError, IdentityError) as e:
-                raise MalformedMessage(what, f"'addrs' must hold addresses: {e}") from None
-        return cls(_peer_id(msg.get("peer"), "peer", what), tuple(addresses))
+        msg = wire_map(msg, what)
+        addresses = tuple(Multiaddr.parse(a) for a in addresses_value(msg.get("addrs"), "addrs", what))
+        return cls(peer_id_value(msg.get("peer"), "peer", what), addresses)
 
 
 # -- worker -> server ------------------------------------------------------------------------------
@@ -156,7 +122,7 @@ class RegisterRequest:
 
     @classmethod
     def from_wire(cls, msg: Any) -> RegisterRequest:
-        _map(msg, "register request")
+        wire_map(msg, "register request")
         return cls()
 
 
@@ -169,7 +135,7 @@ class PullRequest:
 
     @classmethod
     def from_wire(cls, msg: Any) -> PullRequest:
-        _map(msg, "pull request")
+        wire_map(msg, "pull request")
         return cls()
 
 
@@ -188,8 +154,8 @@ class PushRequest:
         """Checked against the shard's parameters `like` and the server's current step (a worker
         cannot have computed on parameters the server has not made yet)."""
         what = "push"
-        msg = _map(msg, what)
-        step = _int(msg, "step", what, 0, latest_step + 1)
+        msg = wire_map(msg, what)
+        step = int_field(msg, "step", what, 0, latest_step + 1)
         return cls(step, _tensors(msg, "grads", what, like, finite=True))
 
 
@@ -212,11 +178,10 @@ class ParamsReply:
         not checked for finiteness: the server is the authority on them, and the worker has no
         better parameters to keep."""
         what = "parameters reply"
-        msg = _map(msg, what)
-        dropped = msg.get("dropped")
-        if not isinstance(dropped, bool):
-            raise MalformedMessage(what, "'dropped' must be a boolean")
-        return cls(_int(msg, "step", what, 0, MAX_STEP), _tensors(msg, "params", what, like, finite=False), dropped)
+        msg = wire_map(msg, what)
+        dropped = bool_field(msg, "dropped", what)
+        return cls(int_field(msg, "step", what, 0, MAX_STEP), _tensors(msg, "params", what, like, finite=False),
+                   dropped)
 
 
 # -- primary -> standby -------------------------------------------------------------------------------
@@ -235,10 +200,10 @@ class ReplicaUpdate:
     @classmethod
     def from_wire(cls, msg: Any, like: Sequence[torch.Tensor]) -> ReplicaUpdate:
         what = "replica update"
-        msg = _map(msg, what)
-        step = _int(msg, "step", what, 0, MAX_STEP)
+        msg = wire_map(msg, what)
+        step = int_field(msg, "step", what, 0, MAX_STEP)
         params = _tensors(msg, "params", what, like, finite=True)
-        workers = tuple(_peer_id(w, "workers", what) for w in _list(msg, "workers", what, MAX_WORKERS))
+        workers = tuple(list_field(msg, "workers", what, MAX_WORKERS, each=lambda w: peer_id_value(w, "workers", what)))
         return cls(step, params, workers)
 
 
@@ -253,7 +218,4 @@ class ReplicaAck:
 
     @classmethod
     def from_wire(cls, msg: Any) -> ReplicaAck:
-        accepted = _map(msg, "replica ack").get("accepted")
-        if not isinstance(accepted, bool):
-            raise MalformedMessage("replica ack", "'accepted' must be a boolean")
-        return cls(accepted)
+        return cls(bool_field(wire_map(msg, "replica ack"), "accepted", "replica ack"))

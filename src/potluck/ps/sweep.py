@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from potluck.core import compat
-from potluck.core.errors import IdentityError, MalformedMessage, NetworkError, PotluckError
+from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
+from potluck.core.wire import number_field, text_field, wire_map
 from potluck.dht import DHT
 from potluck.net.identity import PeerID
+from potluck.net.wire import peer_id_value
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +183,6 @@ def _draw(rng: random.Random, values: list | Range) -> Any:
     return rng.choice(values) if isinstance(values, list) else values.draw(rng)
 
 
-def _peer_id(value: Any, what: str, key: str) -> PeerID:
-    try:
-        return PeerID.from_string(value)
-    except IdentityError as e:
-        raise MalformedMessage(what, f"{key!r} must be a peer id: {e}") from None
-
-
 @dataclass(frozen=True)
 class TrialLease:
     """Who runs a trial, until when (the DHT entry's expiration): renewed while the trial runs."""
@@ -200,7 +195,7 @@ class TrialLease:
 
     @classmethod
     def from_wire(cls, value: Any, expires: float) -> TrialLease:
-        return cls(_peer_id(value, "trial lease", "holder"), expires)
+        return cls(peer_id_value(value, "holder", "trial lease"), expires)
 
 
 @dataclass(frozen=True)
@@ -222,21 +217,17 @@ class TrialResult:
     def from_wire(cls, msg: Any, trial: Trial) -> TrialResult:
         """A result stored under `trial`'s subkey; its parameters are the trial's own."""
         what = "trial result"
-        if not isinstance(msg, dict):
-            raise MalformedMessage(what, "not a map")
+        msg = wire_map(msg, what)
         metrics = msg.get("metrics")
         if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
                 isinstance(k, str) and len(k) <= MAX_METRIC_CHARS and isinstance(v, (int, float))
                 and not isinstance(v, bool) for k, v in metrics.items()):
             raise MalformedMessage(what, f"'metrics' must map at most {MAX_METRICS} names of at most "
                                          f"{MAX_METRIC_CHARS} characters to numbers")
-        seconds, error = msg.get("seconds"), msg.get("error")
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
-            raise MalformedMessage(what, "'seconds' must be a finite non-negative number")
-        if error is not None and not (isinstance(error, str) and len(error) <= MAX_ERROR_CHARS):
-            raise MalformedMessage(what, f"'error' must be a text of at most {MAX_ERROR_CHARS} characters")
+        seconds = number_field(msg, "seconds", what)
+        error = text_field(msg, "error", what, MAX_ERROR_CHARS, optional=True)
         return cls(trial.index, trial.params, {k: float(v) for k, v in metrics.items()},
-                   _peer_id(msg.get("peer"), what, "peer"), float(seconds), error)
+                   peer_id_value(msg.get("peer"), "peer", what), seconds, error)
 
     def to_record(self) -> dict[str, Any]:
         """The row written to results.json: index, params, metrics, peer, seconds (and error)."""
