@@ -131,3 +131,15 @@ def test_merge_keeps_the_best_record_per_subkey():
     assert sorted((r.subkey, r.value) for r in merged) == [("x", b"b"), ("y", b"c")]
     assert merge_records([rec(b"p", 20), rec(b"a", 10, "x")]) == [rec(b"p", 20)]
     assert merge_records([]) == []
+
+
+def test_holds_recognises_only_the_very_same_live_record():
+    """What lets a node skip re-validating a record every replica hands it again."""
+    storage = Storage()
+    record = Record("k", None, b"v", 10.0, bytes(64))
+    assert storage.store(1, record, 0.0)
+    assert storage.holds(1, Record("k", None, b"v", 10.0, bytes(64)), 0.0)
+    assert not storage.holds(1, Record("k", None, b"v", 10.0, b"\1" * 64), 0.0)  # another signature
+    assert not storage.holds(1, Record("k", None, b"w", 10.0, bytes(64)), 0.0)
+    assert not storage.holds(1, Record("k", "sub", b"v", 10.0, bytes(64)), 0.0)
+    assert not storage.holds(1, record, 10.0)  # expired

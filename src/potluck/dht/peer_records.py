@@ -20,7 +20,8 @@ from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import PeerID
 from potluck.net.peer_record import PeerRecord, PeerRecordError
 
-__all__ = ["MAX_PEER_RECORD_TTL", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator", "peer_record_key"]
+__all__ = ["MAX_PEER_RECORD_TTL", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator", "is_peer_record_key",
+           "peer_record_key"]
 
 # Keys starting with this are reserved for peer records.
 PEER_RECORD_PREFIX = "_peer."
@@ -37,6 +38,10 @@ def peer_record_key(peer_id: PeerID | str) -> str:
     return f"{PEER_RECORD_PREFIX}{owner_marker(peer_id)}"
 
 
+def is_peer_record_key(key: object) -> bool:
+    return isinstance(key, str) and key.startswith(PEER_RECORD_PREFIX)
+
+
 class PeerRecordValidator:
     """The rules of `_peer.` keys (see the module docstring); a `RecordValidator`."""
 
@@ -46,7 +51,7 @@ class PeerRecordValidator:
 
     def validate(self, record: Record, value: Any) -> None:
         key = record.key
-        if not (isinstance(key, str) and key.startswith(PEER_RECORD_PREFIX)):
+        if not is_peer_record_key(key):
             return
         owner = owners_of(key, record.subkey)
         if owner is None or key != peer_record_key(owner) or record.subkey is not None:

@@ -95,6 +95,13 @@ class Storage:
         self._drop_expired_in(key_id, slot, now)
         return list(slot.entries())
 
+    def holds(self, key_id: int, record: Record, now: float) -> bool:
+        """Whether this very record (every field equal) is held and live: a store of it again
+        changes nothing, so it needs no second validation."""
+        slot = self._slots.get(key_id)
+        held = slot.current(record.subkey) if slot is not None else None
+        return held is not None and held.expiration_time > now and held == record
+
     def items(self, now: float) -> Iterator[tuple[int, list[Record]]]:
         """(key id, live records) for every key held."""
         for key_id in list(self._slots):
