@@ -29,12 +29,19 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
                         help="plain TCP without TLS: only for trusted networks")
     parser.add_argument("--announce", nargs="*", default=None, metavar="ADDR",
                         help="addresses to advertise instead of the listening ones (port forwarding)")
+    parser.add_argument("--authority", metavar="ADDR",
+                        help="join an authority-governed run: the authority's address as `potluck authority` "
+                             "prints it (/ip4/.../tcp/.../p2p/<id>), or its peer id if it is an initial peer")
+    parser.add_argument("--credential", metavar="CRED", default=None,
+                        help="what to show the authority: 'peer' (an allowlisted identity; the default), "
+                             "'invite:CODE', or 'password:NAME' with the password in $POTLUCK_PASSWORD")
 
 
 def start_peer(args: argparse.Namespace) -> Peer:
     return Peer(initial_peers=args.initial_peers, host=args.host, port=args.port,
                 client_mode=args.client_mode, identity_path=args.identity,
-                insecure=args.insecure, announce=args.announce)
+                insecure=args.insecure, announce=args.announce,
+                authority=args.authority, credential=args.credential)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     stop = StopSignal()
     with start_peer(args) as peer:
         print(f"peer id: {peer.peer_id}")
+        if peer.membership is not None:
+            print(f"member {peer.membership.name!r} of run {peer.membership.run_id!r}")
         if peer.addresses:
             print("other peers can join with:")
             for addr in peer.addresses:
