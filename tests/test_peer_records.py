@@ -18,7 +18,7 @@ from potluck.net.address import Multiaddr
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.net.peer_record import MAX_RECORD_ADDRESSES, PeerRecord, PeerRecordError
-from potluck.net.transport import RESOLVE_TIMEOUT
+from potluck.net.transport import RESOLVE_RETRY_SECONDS, RESOLVE_TIMEOUT
 from tests.emulated_swarm import SimPeer, add_peer, make_swarm
 
 ADDR = "/ip4/10.0.0.1/tcp/4000"
@@ -124,9 +124,9 @@ def test_concurrent_dials_to_one_unknown_id_share_one_lookup_and_later_dials_use
         lookups = []
         resolve = newcomer.dht.node.resolve_peer
 
-        async def counting(peer_id, timeout):
+        async def counting(peer_id, timeout, thorough=False):
             lookups.append(peer_id)
-            return await resolve(peer_id, timeout)
+            return await resolve(peer_id, timeout, thorough)
         newcomer.dht.node.resolve_peer = counting
         pid = target.transport.peer_id
         assert await asyncio.gather(*(newcomer.transport.call(pid, "echo", i, timeout=5) for i in range(5))) == [
@@ -136,6 +136,43 @@ def test_concurrent_dials_to_one_unknown_id_share_one_lookup_and_later_dials_use
         stream.abort()
         assert lookups == [pid]
         for p in [*peers, newcomer, target]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_restarted_at_a_new_address_is_found_again_by_a_thorough_lookup():
+    async def scenario():
+        net, peers = await make_swarm(4)
+        newcomer = await newcomer_knowing_nobody(net, peers)
+        target = await add_peer(net, peers)
+        target.transport.add_handler("echo", echo)
+        pid = target.transport.peer_id
+        assert await newcomer.transport.call(pid, "echo", 1, timeout=5) == 1
+        net.crash(pid)
+        await target.dht.ashutdown()
+        reborn = net.transport(identity=target.transport.identity)  # same id, new address
+        await reborn.start()
+        reborn.add_handler("echo", echo)
+        reborn_dht = DHT(reborn, initial_peers=[peers[0].transport.addresses[0]], clock=event_loop_clock())
+        await reborn_dht.astart()
+        assert reborn.addresses != target.transport.addresses
+        thorough = []
+        resolve = newcomer.dht.node.resolve_peer
+
+        async def watching(peer_id, timeout, thorough_lookup=False):
+            thorough.append(thorough_lookup)
+            return await resolve(peer_id, timeout, thorough_lookup)
+        newcomer.dht.node.resolve_peer = watching
+        with pytest.raises(PeerUnreachable):  # the cached record still names the old address
+            await newcomer.transport.call(pid, "echo", 2, timeout=5)
+        await asyncio.sleep(RESOLVE_RETRY_SECONDS)
+        assert await newcomer.transport.call(pid, "echo", 3, timeout=5) == 3
+        assert thorough and thorough[-1] is True
+        await reborn_dht.ashutdown()
+        await reborn.close()
+        for p in [*peers, newcomer]:
             await p.dht.ashutdown()
             await p.transport.close()
     run_virtual(scenario())

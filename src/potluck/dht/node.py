@@ -588,12 +588,14 @@ class DHTNode:
             await asyncio.sleep(interval)
             await self.publish_peer_record()
 
-    async def resolve_peer(self, peer_id: PeerID, timeout: float) -> tuple[PeerRecord, float] | None:
-        """The transport's `PeerResolver`: `peer_id`'s newest valid signed record and its seconds
-        to live, or None. Asks all of the key's closest nodes (a restarted peer's newer record
-        must beat a stale copy cached on the way)."""
+    async def resolve_peer(self, peer_id: PeerID, timeout: float,
+                           thorough: bool = False) -> tuple[PeerRecord, float] | None:
+        """The transport's `PeerResolver`: `peer_id`'s valid signed record and its seconds to
+        live, or None. The first copy found (a dial waits on this), unless `thorough`: the last
+        one did not answer, so ask all of the key's closest nodes for the newest (a restarted
+        peer's new record must beat stale copies cached on the way)."""
         key = peer_record_key(peer_id)
-        outcome = (await self.get_many([key], latest=True, timeout=timeout))[key]
+        outcome = (await self.get_many([key], latest=thorough, timeout=timeout))[key]
         now = self.now()
         best: PeerRecord | None = None
         for record in outcome.records:

@@ -123,7 +123,9 @@ class PeerResolver(Protocol):
     """Finds the signed record of a peer the transport has no working address for (the DHT
     registers one with `Transport.set_resolver`; the transport does not import the DHT)."""
 
-    async def resolve_peer(self, peer_id: PeerID, timeout: float) -> tuple[PeerRecord, float] | None:
+    async def resolve_peer(self, peer_id: PeerID, timeout: float,
+                           thorough: bool = False) -> tuple[PeerRecord, float] | None:
         """The peer's verified record and how many seconds it stays valid, or None if none is
-        found within `timeout`."""
+        found within `timeout`. `thorough`: the last record found did not work; search harder
+        for a newer one (e.g. the peer restarted elsewhere) rather than take the first copy."""
         ...

@@ -81,8 +81,9 @@ class Transport:
         self._resolver: PeerResolver | None = None
         self._disconnect_watchers: list[Callable[[PeerID], None]] = []
         self._resolving: dict[PeerID, asyncio.Future] = {}  # one lookup per peer at a time
-        # peer -> (addresses from its record, loop time until which they are used without a lookup)
-        self._resolved: dict[PeerID, tuple[tuple[Multiaddr, ...], float]] = {}
+        # peer -> (addresses from its record, loop time until which they are used without a lookup,
+        # whether they failed to answer: the next lookup then searches thoroughly)
+        self._resolved: dict[PeerID, tuple[tuple[Multiaddr, ...], float, bool]] = {}
         self._shared: dict[PeerID, list[Connection]] = {}
         self._bulk_idle: dict[PeerID, list[Connection]] = {}
         self._all: dict[Connection, None] = {}  # ordered, so shutdown order is repeatable
@@ -284,7 +285,7 @@ class Transport:
             return cached[0]
         pending = self._resolving.get(peer_id)
         if pending is None:
-            pending = asyncio.ensure_future(self._lookup_record(peer_id))
+            pending = asyncio.ensure_future(self._lookup_record(peer_id, thorough=cached is not None and cached[2]))
             self._resolving[peer_id] = pending
             pending.add_done_callback(lambda f: (self._resolving.pop(peer_id, None),
                                                  f.cancelled() or f.exception()))
@@ -295,13 +296,13 @@ class Transport:
             raise detached(pending.exception())
         return pending.result()
 
-    async def _lookup_record(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
+    async def _lookup_record(self, peer_id: PeerID, thorough: bool) -> tuple[Multiaddr, ...]:
         resolver = self._resolver
         assert resolver is not None
         loop = asyncio.get_running_loop()
         try:
             async with compat.timeout(RESOLVE_TIMEOUT):
-                found = await resolver.resolve_peer(peer_id, RESOLVE_TIMEOUT)
+                found = await resolver.resolve_peer(peer_id, RESOLVE_TIMEOUT, thorough)
         except TimeoutError:
             found = None
         except Exception:  # noqa: BLE001 - a broken lookup is one more reason the dial failed
@@ -319,7 +320,7 @@ class Transport:
 
     def _cache_resolved(self, peer_id: PeerID, addresses: tuple[Multiaddr, ...], until: float) -> None:
         self._resolved.pop(peer_id, None)
-        self._resolved[peer_id] = (addresses, until)
+        self._resolved[peer_id] = (addresses, until, False)
         while len(self._resolved) > MAX_CACHED_RECORDS:
             del self._resolved[next(iter(self._resolved))]
 
@@ -327,7 +328,7 @@ class Transport:
         cached = self._resolved.get(peer_id)
         if cached is not None:
             until = min(cached[1], asyncio.get_running_loop().time() + RESOLVE_RETRY_SECONDS)
-            self._resolved[peer_id] = (cached[0], until)
+            self._resolved[peer_id] = (cached[0], until, True)
 
     def _loopback_connection(self) -> Connection:
         """The in-memory connection to ourselves (see `net.loopback`), made on first use."""
