@@ -29,8 +29,8 @@ from potluck.core import compat
 from potluck.core.errors import AveragingError, IdentityError, MalformedMessage
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
-from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
+from potluck.net.wire import addresses_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class Averager:
         """Tell the DHT that newcomers can download our state (done after every step)."""
         if self.state_server is None:
             return
-        record = DonorRecord(self.round, tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES_PER_PEER])
+        record = DonorRecord(self.round, addresses_to_wire(self.transport.addresses))
         try:
             await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
                                        self.peer.dht.get_time() + STATE_RECORD_TTL, subkey=str(self.transport.peer_id))

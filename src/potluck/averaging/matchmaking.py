@@ -49,10 +49,9 @@ from potluck.core.wire import (
     text_field,
     wire_map,
 )
-from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
-from potluck.net.wire import addresses_value, peer_id_value
+from potluck.net.wire import addresses_to_wire, addresses_value, peer_id_value
 
 __all__ = [
     "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
@@ -329,7 +328,7 @@ class Matchmaker:
                     target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
-        addresses = tuple(str(a) for a in self.transport.addresses)[:MAX_ADDRESSES_PER_PEER]
+        addresses = addresses_to_wire(self.transport.addresses)
         upload, download = bandwidth
         me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download,
                        metadata, addresses)
@@ -540,7 +539,7 @@ class Matchmaker:
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return JoinRefused("already a member")
         gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
-                                           tuple(str(a) for a in ctx.remote.addresses)[:MAX_ADDRESSES_PER_PEER]))
+                                           addresses_to_wire(ctx.remote.addresses)))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)

@@ -4,6 +4,7 @@ in `potluck.core.wire`: same arguments, same `MalformedMessage` naming the key.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from potluck.core.errors import AddressError, IdentityError, MalformedMessage
@@ -12,7 +13,7 @@ from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
 from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
 
-__all__ = ["addresses_value", "peer_id_value"]
+__all__ = ["addresses_to_wire", "addresses_value", "peer_id_value"]
 
 
 def peer_id_value(value: Any, key: str, what: str, *, raw: bool = False) -> PeerID:
@@ -21,6 +22,12 @@ def peer_id_value(value: Any, key: str, what: str, *, raw: bool = False) -> Peer
         return PeerID(value) if raw else PeerID.from_string(value)
     except IdentityError as e:
         raise MalformedMessage(what, f"{key!r} must be a peer id: {e}") from None
+
+
+def addresses_to_wire(addresses: Iterable[Multiaddr | str]) -> tuple[str, ...]:
+    """A peer's addresses as a message carries them: text, the first MAX_ADDRESSES_PER_PEER only
+    (`addresses_value` refuses more)."""
+    return tuple(str(a) for a in addresses)[:MAX_ADDRESSES_PER_PEER]
 
 
 def addresses_value(value: Any, key: str, what: str) -> tuple[str, ...]:

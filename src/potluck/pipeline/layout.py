@@ -14,14 +14,13 @@ from typing import Any, NamedTuple
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
+from potluck.core.wire import int_field, int_value, list_field, wire_map
 from potluck.pipeline.messages import (
     MAX_CLUSTERS,
     MAX_COUNTER,
     MAX_LAYER_INDEX,
     MAX_STAGES,
-    addresses_field,
-    int_field,
-    list_field,
+    address_map_field,
     peer_text,
 )
 
@@ -56,18 +55,17 @@ class Layout:
     @classmethod
     def from_wire(cls, msg: Any) -> Layout:
         what = "layout"
-        if not isinstance(msg, Mapping):
-            raise MalformedMessage(what, "not a map")
+        msg = wire_map(msg, what)
         stages = []
         for entry in list_field(msg, "stages", what, MAX_STAGES):
             if not isinstance(entry, (list, tuple)) or len(entry) != 3:
                 raise MalformedMessage(what, "'stages' entries must be [peer id, start, end]")
             peer, start, end = entry
-            start = int_field({"stages": start}, "stages", what, 0, MAX_LAYER_INDEX)
+            start = int_value(start, "stages", what, 0, MAX_LAYER_INDEX)
             stages.append(Span(peer_text(peer, "stages", what), start,
-                               int_field({"stages": end}, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
+                               int_value(end, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
         return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages),
-                   addresses_field(msg, "addresses", what, MAX_STAGES))
+                   address_map_field(msg, "addresses", what, MAX_STAGES))
 
 
 class LayoutDirectory:

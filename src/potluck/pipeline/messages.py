@@ -9,16 +9,24 @@ directories (`layout`, `profiling`) and use the same checks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from potluck.core.errors import IdentityError, MalformedMessage
-from potluck.net.address import MAX_ADDRESS_CHARS
-from potluck.net.identity import PEER_ID_MAX_CHARS, PeerID
+from potluck.core.errors import MalformedMessage
+from potluck.core.wire import (
+    bool_field,
+    int_field,
+    int_value,
+    list_field,
+    list_value,
+    number_field,
+    text_field,
+    wire_map,
+)
+from potluck.net.wire import addresses_value, peer_id_value
 
 __all__ = [
     "Ack", "Activation", "CONTROL_MESSAGES", "Configure", "ControlMessage", "FailureReport", "GetLayers", "GetStats",
@@ -39,8 +47,6 @@ MAX_CLUSTERS = 256
 # Peers a route names addresses for: its cluster's members, its controller and its layers' holders
 # in other clusters (at most one per cluster for each of its layers' ring segments).
 MAX_ROUTE_PEERS = 1024
-# Addresses kept per peer: a transport keeps no more than 8 per peer anyway.
-MAX_ADDRESSES = 8
 # Per-sample shapes at stage boundaries: batch aside, activations have at most a handful of dims.
 MAX_SHAPE_DIMS = 8
 MAX_DIM = 2**31
@@ -50,74 +56,26 @@ MAX_NAME_CHARS = 256
 MAX_TENSORS_PER_LAYER = 4096
 
 
-# -- field checks shared by every message ---------------------------------------------------------
-def _map(msg: Any, what: str) -> Mapping:
-    if not isinstance(msg, Mapping):
-        raise MalformedMessage(what, "not a map")
-    return msg
-
-
-def int_field(msg: Mapping, key: str, what: str, low: int, high: int) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
-        raise MalformedMessage(what, f"'{key}' must be an integer in [{low}, {high})")
+# -- field checks of the pipeline's own shapes (the generic ones are potluck.core.wire's) ----------
+def peer_text(value: Any, key: str, what: str, *, optional: bool = False) -> str | None:
+    """A peer id kept in its text form (routes and layouts name peers as text), parsed so a later
+    dial cannot fail on it; None if None and `optional`."""
+    if value is None and optional:
+        return None
+    peer_id_value(value, key, what)
     return value
 
 
-def number_field(msg: Mapping, key: str, what: str, default: float | None = None, low: float = 0.0) -> float:
-    value = msg.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < low:
-        raise MalformedMessage(what, f"'{key}' must be a finite number >= {low}")
-    return float(value)
-
-
-def str_field(msg: Mapping, key: str, what: str, limit: int = MAX_NAME_CHARS) -> str:
-    value = msg.get(key)
-    if not isinstance(value, str) or len(value) > limit:
-        raise MalformedMessage(what, f"'{key}' must be a string of at most {limit} characters")
-    return value
-
-
-def peer_text(value: Any, key: str, what: str) -> str:
-    """A peer id in text form, parsed (so a later dial cannot fail on it)."""
-    if not isinstance(value, str) or len(value) > PEER_ID_MAX_CHARS:
-        raise MalformedMessage(what, f"'{key}' must be a peer id")
-    try:
-        PeerID.from_string(value)
-    except IdentityError:
-        raise MalformedMessage(what, f"'{key}' must be a peer id") from None
-    return value
-
-
-def optional_peer(msg: Mapping, key: str, what: str) -> str | None:
-    value = msg.get(key)
-    return None if value is None else peer_text(value, key, what)
-
-
-def list_field(msg: Mapping, key: str, what: str, limit: int) -> list:
-    value = msg.get(key)
-    if not isinstance(value, (list, tuple)) or len(value) > limit:
-        raise MalformedMessage(what, f"'{key}' must be a list of at most {limit} entries")
-    return list(value)
-
-
-def addresses_field(msg: Mapping, key: str, what: str, limit: int = MAX_ROUTE_PEERS) -> dict[str, tuple[str, ...]]:
-    """{peer id: addresses}: at most `limit` peers and `MAX_ADDRESSES` addresses each."""
+def address_map_field(msg: Mapping, key: str, what: str, limit: int = MAX_ROUTE_PEERS) -> dict[str, tuple[str, ...]]:
+    """{peer id: addresses}: at most `limit` peers, each with addresses a transport accepts."""
     value = msg.get(key, {})
     if not isinstance(value, Mapping) or len(value) > limit:
         raise MalformedMessage(what, f"'{key}' must map at most {limit} peer ids to addresses")
-    out = {}
-    for peer, addrs in value.items():
-        if not isinstance(addrs, (list, tuple)) or len(addrs) > MAX_ADDRESSES or not all(
-                isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in addrs):
-            raise MalformedMessage(what, f"'{key}' entries must be lists of at most {MAX_ADDRESSES} addresses")
-        out[peer_text(peer, key, what)] = tuple(addrs)
-    return out
+    return {peer_text(peer, key, what): addresses_value(addrs, key, what) for peer, addrs in value.items()}
 
 
 def shape_field(msg: Mapping, key: str, what: str) -> tuple[int, ...]:
-    dims = list_field(msg, key, what, MAX_SHAPE_DIMS)
-    return tuple(int_field({key: d}, key, what, 1, MAX_DIM) for d in dims)
+    return tuple(list_field(msg, key, what, MAX_SHAPE_DIMS, each=lambda d: int_value(d, key, what, 1, MAX_DIM)))
 
 
 def _tensor(msg: Mapping, key: str, what: str) -> torch.Tensor:
@@ -147,10 +105,7 @@ class Ack:
 
     @classmethod
     def from_wire(cls, msg: Any) -> Ack:
-        ok = _map(msg, "ack").get("ok")
-        if not isinstance(ok, bool):
-            raise MalformedMessage("ack", "'ok' must be a boolean")
-        return cls(ok)
+        return cls(bool_field(wire_map(msg, "ack"), "ok", "ack"))
 
 
 @dataclass(frozen=True)
@@ -193,12 +148,9 @@ class Route:
     @classmethod
     def from_wire(cls, msg: Any) -> Route:
         what = "route"
-        msg = _map(msg, what)
+        msg = wire_map(msg, what)
         start = int_field(msg, "start", what, 0, MAX_LAYER_INDEX)
         end = int_field(msg, "end", what, start + 1, min(start + MAX_STAGE_LAYERS, MAX_LAYER_INDEX) + 1)
-        report_method = msg.get("report_method")
-        if report_method is not None:
-            report_method = str_field(msg, "report_method", what)
         raw_sources = msg.get("sources", {})
         if not isinstance(raw_sources, Mapping) or len(raw_sources) > end - start:
             raise MalformedMessage(what, "'sources' must map at most one entry per layer of the stage")
@@ -206,15 +158,18 @@ class Route:
         for layer, holders in raw_sources.items():
             if not isinstance(layer, str) or not layer.isdigit() or not start <= int(layer) < end:
                 raise MalformedMessage(what, f"'sources' keys must be layers in [{start}, {end})")
-            holders = list_field({"sources": holders}, "sources", what, MAX_CLUSTERS + 1)
-            sources[int(layer)] = tuple(peer_text(p, "sources", what) for p in holders)
-        return cls(epoch=int_field(msg, "epoch", what, 0, MAX_COUNTER), cluster=str_field(msg, "cluster", what),
+            sources[int(layer)] = tuple(list_value(holders, "sources", what, MAX_CLUSTERS + 1,
+                                                   each=lambda p: peer_text(p, "sources", what)))
+        return cls(epoch=int_field(msg, "epoch", what, 0, MAX_COUNTER),
+                   cluster=text_field(msg, "cluster", what, MAX_NAME_CHARS),
                    stage=int_field(msg, "stage", what, 0, MAX_STAGES), start=start, end=end,
-                   prev_peer=optional_peer(msg, "prev", what), next_peer=optional_peer(msg, "next", what),
+                   prev_peer=peer_text(msg.get("prev"), "prev", what, optional=True),
+                   next_peer=peer_text(msg.get("next"), "next", what, optional=True),
                    in_shape=shape_field(msg, "in_shape", what), out_shape=shape_field(msg, "out_shape", what),
-                   controller=optional_peer(msg, "controller", what), report_method=report_method,
-                   compute_seconds=number_field(msg, "compute_seconds", what, 0.0), sources=sources,
-                   addresses=addresses_field(msg, "addresses", what))
+                   controller=peer_text(msg.get("controller"), "controller", what, optional=True),
+                   report_method=text_field(msg, "report_method", what, MAX_NAME_CHARS, optional=True),
+                   compute_seconds=number_field(msg, "compute_seconds", what, default=0.0), sources=sources,
+                   addresses=address_map_field(msg, "addresses", what))
 
 
 @dataclass(frozen=True)
@@ -238,11 +193,11 @@ class StageReport:
     @classmethod
     def from_wire(cls, msg: Any) -> StageReport:
         what = "stage report"
-        msg = _map(msg, what)
+        msg = wire_map(msg, what)
         counts = {k: int_field(msg, k, what, 0, MAX_COUNTER) for k in
                   ("forwards", "backwards", "updates", "max_in_flight", "max_version_lag", "rounds",
                    "rounds_applied")}
-        loss = None if msg.get("loss") is None else number_field(msg, "loss", what, low=-math.inf)
+        loss = number_field(msg, "loss", what, optional=True, signed=True)
         stage = None if msg.get("stage") is None else int_field(msg, "stage", what, 0, MAX_STAGES)
         return cls(busy_seconds=number_field(msg, "busy_seconds", what), loss=loss, stage=stage, **counts)
 
@@ -259,7 +214,7 @@ class LayerStates:
     @classmethod
     def from_wire(cls, msg: Any, wanted: tuple[int, ...]) -> LayerStates:
         what = "layer states"
-        state = _map(msg, what).get("state")
+        state = wire_map(msg, what).get("state")
         if not isinstance(state, Mapping) or set(state) != {str(i) for i in wanted}:
             raise MalformedMessage(what, f"'state' must hold exactly layers {list(wanted)}")
         out = {}
@@ -330,8 +285,8 @@ class GetLayers:
     @classmethod
     def from_wire(cls, msg: Mapping) -> GetLayers:
         what = "get_layers"
-        layers = list_field(msg, "layers", what, MAX_STAGE_LAYERS)
-        return cls(tuple(int_field({"layers": i}, "layers", what, 0, MAX_LAYER_INDEX) for i in layers))
+        return cls(tuple(list_field(msg, "layers", what, MAX_STAGE_LAYERS,
+                                    each=lambda i: int_value(i, "layers", what, 0, MAX_LAYER_INDEX))))
 
 
 ControlMessage = Ping | GetStats | Configure | GetLayers
@@ -340,7 +295,7 @@ CONTROL_MESSAGES: dict[str, type[ControlMessage]] = {c.TAG: c for c in (Ping, Ge
 
 
 def parse_control(msg: Any) -> ControlMessage:
-    op = _map(msg, "control message").get("op")
+    op = wire_map(msg, "control message").get("op")
     kind = CONTROL_MESSAGES.get(op) if isinstance(op, str) else None
     if kind is None:
         raise MalformedMessage("control message", f"'op' must be one of {sorted(CONTROL_MESSAGES)}")
@@ -363,7 +318,7 @@ class Activation:
     @classmethod
     def from_wire(cls, msg: Any) -> Activation:
         what = "activation"
-        msg = _map(msg, what)
+        msg = wire_map(msg, what)
         return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
                    _payload(msg, "x", what), _tensor(msg, "y", what))
 
@@ -382,7 +337,7 @@ class Gradient:
     @classmethod
     def from_wire(cls, msg: Any) -> Gradient:
         what = "gradient"
-        msg = _map(msg, what)
+        msg = wire_map(msg, what)
         return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
                    _payload(msg, "g", what))
 
@@ -401,7 +356,7 @@ class FailureReport:
     @classmethod
     def from_wire(cls, msg: Any) -> FailureReport:
         what = "cluster report"
-        msg = _map(msg, what)
+        msg = wire_map(msg, what)
         if msg.get("op") != cls.TAG:
             raise MalformedMessage(what, f"'op' must be {cls.TAG!r}")
         return cls(peer_text(msg.get("peer"), "peer", what), int_field(msg, "epoch", what, 0, MAX_COUNTER))
@@ -419,5 +374,5 @@ class ProbeRequest:
 
     @classmethod
     def from_wire(cls, msg: Any, limit: int) -> ProbeRequest:
-        msg = _map(msg, "probe")
+        msg = wire_map(msg, "probe")
         return cls(int_field(msg, "reply_bytes", "probe", 0, limit + 1) if "reply_bytes" in msg else 0)

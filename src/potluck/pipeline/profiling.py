@@ -21,8 +21,9 @@ from torch import nn
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
+from potluck.core.wire import int_field, number_field, text_field, wire_map
 from potluck.net.identity import PeerID
-from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest, int_field, number_field, str_field
+from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest
 
 __all__ = ["LayerCost", "NodeProfile", "measure_flops", "free_memory_bytes", "profile_layers",
            "serve_probes", "probe_link", "publish_profile", "fetch_profiles"]
@@ -70,15 +71,12 @@ class NodeProfile:
         """A profile from the DHT or a plan file; node ids there may be any label (plans of
         imagined nodes), so they are bounded but not parsed as peer ids."""
         what = "node profile"
-        if not isinstance(data, dict):
-            raise MalformedMessage(what, "not a map")
+        data = wire_map(data, what)
         memory = int_field(data, "memory", what, 0, MAX_COUNTER)
-        flops = number_field(data, "flops", what)
-        if flops <= 0:
-            raise MalformedMessage(what, "'flops' must be positive")
-        return cls(peer_id=str_field(data, "peer_id", what, MAX_NAME_CHARS), flops=flops, memory=memory,
+        flops = number_field(data, "flops", what, positive=True)
+        return cls(peer_id=text_field(data, "peer_id", what, MAX_NAME_CHARS), flops=flops, memory=memory,
                    bandwidth=_links(data, "bandwidth", what), latency=_links(data, "latency", what),
-                   default_bandwidth=number_field(data, "default_bandwidth", what, 100e6))
+                   default_bandwidth=number_field(data, "default_bandwidth", what, default=100e6))
 
 
 def _links(data: dict, key: str, what: str) -> dict[str, float]:
@@ -134,8 +132,7 @@ class LayerCost:
     def from_wire(cls, data: Any) -> LayerCost:
         """A layer's cost from a plan's costs file (`potluck pipeline plan --layer-costs`)."""
         what = "layer cost"
-        if not isinstance(data, dict):
-            raise MalformedMessage(what, "not a map")
+        data = wire_map(data, what)
         return cls(number_field(data, "seconds", what), int_field(data, "param_bytes", what, 0, MAX_COUNTER),
                    int_field(data, "activation_bytes", what, 0, MAX_COUNTER))
 

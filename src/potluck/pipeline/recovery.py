@@ -27,9 +27,9 @@ from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
 from potluck.net.identity import PeerID
+from potluck.net.wire import addresses_to_wire
 from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
 from potluck.pipeline.messages import (
-    MAX_ADDRESSES,
     Ack,
     Configure,
     FailureReport,
@@ -164,9 +164,8 @@ class ClusterController:
     def _addresses(self, peers: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """Where each of `peers` can be dialed, as this node knows it (the newest few)."""
         me = str(self.transport.peer_id)
-        return {p: tuple(str(a) for a in (self.transport.addresses if p == me
-                                          else self.transport.addresses_of(PeerID.from_string(p)))[:MAX_ADDRESSES])
-                for p in peers}
+        return {p: addresses_to_wire(self.transport.addresses if p == me
+                                     else self.transport.addresses_of(PeerID.from_string(p))) for p in peers}
 
     async def _alive(self, peer: str) -> bool:
         try:

@@ -26,8 +26,9 @@ import torch
 from potluck.core import compat
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
+from potluck.core.wire import int_field, text_field, wire_map
 from potluck.net.identity import PEER_ID_MAX_CHARS, PeerID
-from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, MAX_LAYER_INDEX, Ack, Ping, int_field, str_field
+from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, MAX_LAYER_INDEX, Ack, Ping
 
 if TYPE_CHECKING:
     from potluck.pipeline.layout import Span
@@ -97,7 +98,7 @@ class RingPart:
         start = int_field(msg, "a", what, 0, MAX_LAYER_INDEX)
         key = PartKey(int_field(msg, "r", what, 0, MAX_COUNTER), start,
                       int_field(msg, "b", what, start + 1, MAX_LAYER_INDEX + 1),
-                      int_field(msg, "t", what, 0, MAX_ATTEMPTS), str_field(msg, "m", what, MAX_MEMBERS_CHARS),
+                      int_field(msg, "t", what, 0, MAX_ATTEMPTS), text_field(msg, "m", what, MAX_MEMBERS_CHARS),
                       int_field(msg, "s", what, 0, 2 * MAX_CLUSTERS), int_field(msg, "p", what, 0, MAX_PARTS))
         data = msg.get("d")
         if not isinstance(data, torch.Tensor) or data.dtype != torch.float32 or data.dim() != 1:
@@ -124,14 +125,11 @@ class RingStatus:
 
     @classmethod
     def from_wire(cls, msg: Any) -> RingStatus:
-        if not isinstance(msg, Mapping):
-            raise MalformedMessage("ring status", "not a map")
-        return cls(int_field(msg, "round", "ring status", 0, MAX_COUNTER))
+        return cls(int_field(wire_map(msg, "ring status"), "round", "ring status", 0, MAX_COUNTER))
 
 
 def parse_ring(msg: Any) -> RingPart | RingStatusQuery:
-    if not isinstance(msg, Mapping):
-        raise MalformedMessage("ring message", "not a map")
+    msg = wire_map(msg, "ring message")
     if msg.get("status") is True:
         return RingStatusQuery()
     return RingPart.from_wire(msg)
