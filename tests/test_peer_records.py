@@ -15,9 +15,10 @@ from potluck.dht.peer_records import MAX_PEER_RECORD_TTL, PeerRecordValidator, p
 from potluck.dht.records import Record
 from potluck.dht.validation import Limits, check_record, sign_record
 from potluck.net.address import Multiaddr
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
-from potluck.net.peer_record import MAX_RECORD_ADDRESSES, PeerRecord, PeerRecordError
+from potluck.net.peer_record import PeerRecord, PeerRecordError
 from potluck.net.transport import RESOLVE_RETRY_SECONDS, RESOLVE_TIMEOUT
 from tests.emulated_swarm import SimPeer, add_peer, make_swarm
 
@@ -54,8 +55,8 @@ def test_a_record_signed_by_another_key_is_refused_at_parse_time():
     ({"addrs": [ADDR], "exp": 1.0, "sig": bytes(64)}, "exactly"),
     ("text", "exactly"),
     ({"peer": bytes(32), "addrs": [ADDR] * 2, "exp": 1.0, "sig": bytes(64)}, "twice"),
-    ({"peer": bytes(32), "addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(MAX_RECORD_ADDRESSES + 1)],
-      "exp": 1.0, "sig": bytes(64)}, f"at most {MAX_RECORD_ADDRESSES}"),
+    ({"peer": bytes(32), "addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(MAX_ADDRESSES_PER_PEER + 1)],
+      "exp": 1.0, "sig": bytes(64)}, f"at most {MAX_ADDRESSES_PER_PEER}"),
     ({"peer": bytes(32), "addrs": ["/ip4/10.0.0.1/tcp/" + "1" * 2000], "exp": 1.0, "sig": bytes(64)}, "longer than"),
     ({"peer": bytes(32), "addrs": [], "exp": 1.0, "sig": bytes(64)}, "empty"),
     ({"peer": bytes(32), "addrs": [ADDR], "exp": float("inf"), "sig": bytes(64)}, "finite"),

@@ -19,7 +19,8 @@ from potluck.net.identity import PeerID
 __all__ = ["MAX_ADDRESSES_PER_PEER", "MAX_HINTS_PER_PEER", "AddressBook"]
 
 # Addresses remembered per peer; a peer that advertises more is trimmed (it gains nothing). A host
-# has a handful of interfaces; the peer record allows the same number (peer_record.MAX_RECORD_ADDRESSES).
+# has a handful of interfaces (v4, v6, a public mapping). Also the most a signed peer record or a
+# protocol message may list for one peer (peer_record, net.wire).
 MAX_ADDRESSES_PER_PEER = 8
 # Third-party hints kept per peer, newest first. Separate from the vouched ones, so flooding hints
 # (a stranger's fake addresses) can push out only other hints.

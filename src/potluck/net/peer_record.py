@@ -25,15 +25,13 @@ import msgpack
 
 from potluck.core.errors import AddressError, IdentityError, MalformedMessage
 from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID
 
-__all__ = ["MAX_RECORD_ADDRESSES", "PEER_RECORD_LABEL", "PeerRecord", "PeerRecordError", "PeerResolver"]
+__all__ = ["PEER_RECORD_LABEL", "PeerRecord", "PeerRecordError", "PeerResolver"]
 
 # Domain separation: a peer-record signature can never pass for a DHT-record or handshake one.
 PEER_RECORD_LABEL = "potluck/peer-record/1"
-# Addresses one record may list: a host has a handful of interfaces (v4, v6, a public mapping);
-# the same cap as the address book keeps per peer (transport.MAX_ADDRESSES_PER_PEER).
-MAX_RECORD_ADDRESSES = 8
 
 
 class PeerRecordError(MalformedMessage):
@@ -100,8 +98,8 @@ def _canonical(peer_id: PeerID, addrs: list[str]) -> tuple[Multiaddr, ...]:
     """Parse, check and strip the `/p2p/` suffix; the caps apply before any parsing work."""
     if not addrs:
         raise PeerRecordError("'addrs' is empty: a peer that cannot be dialed publishes no record")
-    if len(addrs) > MAX_RECORD_ADDRESSES:
-        raise PeerRecordError(f"'addrs' lists {len(addrs)} addresses; at most {MAX_RECORD_ADDRESSES}")
+    if len(addrs) > MAX_ADDRESSES_PER_PEER:  # a record lists no more than the address book keeps
+        raise PeerRecordError(f"'addrs' lists {len(addrs)} addresses; at most {MAX_ADDRESSES_PER_PEER}")
     out: list[Multiaddr] = []
     for text in addrs:
         if len(text) > MAX_ADDRESS_CHARS:
