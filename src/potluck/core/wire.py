@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 def wire_map(msg: Any, what: str) -> Mapping:
     """`msg` itself, if it is a map (msgpack maps decode to dicts; loopback may pass any mapping)."""
-    if isinstance(msg, (dict, Mapping)):  # dict first: the common case, without the ABC check
+    if msg.__class__ is dict or isinstance(msg, Mapping):
         return msg
     raise MalformedMessage(what, "not a map")
 
@@ -39,7 +39,10 @@ def int_value(value: Any, key: str, what: str, low: int, high: int) -> int:
 
 
 def int_field(msg: Mapping, key: str, what: str, low: int, high: int) -> int:
-    return int_value(msg.get(key), key, what, low, high)
+    value = msg.get(key)
+    if value.__class__ is int and low <= value < high:  # the common case, without a second call
+        return value
+    return int_value(value, key, what, low, high)
 
 
 def number_value(value: Any, key: str, what: str, *, optional: bool = False, positive: bool = False,
