@@ -208,3 +208,44 @@ def test_attempt_limiter_per_peer_and_total():
         limiter.attempt(Identity.generate().peer_id)
     with pytest.raises(MembershipError, match="too many credential attempts; retry"):
         limiter.attempt(Identity.generate().peer_id)
+
+
+def _record(owner: Identity, token: MembershipToken | None, key: str = "progress"):
+    from potluck.core.serialization import dumps
+    from potluck.dht.records import Record, owner_marker
+    from potluck.dht.validation import sign_record
+    return sign_record(Record(f"{key}{owner_marker(owner.peer_id)}", None, dumps(1), NOW + 60), owner,
+                       None if token is None else token.to_wire())
+
+
+def test_owned_dht_records_need_their_owners_token():
+    from potluck.dht.errors import NotOwner, RecordRejected
+    from potluck.dht.records import Record
+    from potluck.dht.validation import Limits, check_record
+    from potluck.membership.records import RECORD_TOKEN_GRACE, MembershipRecordValidator
+
+    now = [NOW]
+    gate = MembershipGate(AUTHORITY.peer_id, "run", clock=lambda: now[0])
+    rules = [MembershipRecordValidator(gate)]
+    check = lambda record: check_record(record, Limits(), now[0], rules)  # noqa: E731
+    check(_record(MEMBER, token()))
+    check(_record(AUTHORITY, None))  # the authority needs no token
+    stranger = Identity.generate()
+    with pytest.raises(RecordRejected, match="attached no membership token"):
+        check(_record(stranger, None))
+    with pytest.raises(RecordRejected, match="issued to peer"):
+        check(_record(stranger, token()))  # a member's token on a stranger's record
+    with pytest.raises(RecordRejected, match="not signed by this run's authority"):
+        check(_record(stranger, MembershipToken.issue(stranger, stranger.peer_id, "me", "run", NOW + 60)))
+    good = _record(MEMBER, token())
+    lifted = Record(good.key, good.subkey, good.value, good.expiration_time, good.signature,
+                    token(expires=NOW + 10_000).to_wire())
+    with pytest.raises(NotOwner, match="does not verify"):
+        check(lifted)  # the signature covers the token: it cannot be swapped
+    with pytest.raises(RecordRejected, match="carry a signature or a membership token"):
+        check(Record("plain", None, good.value, NOW + 60, None, token().to_wire()))
+    now[0] = NOW + 100 + RECORD_TOKEN_GRACE / 2  # token expired, record signed while it was valid
+    check_record(_record(MEMBER, token()), Limits(), now[0] - RECORD_TOKEN_GRACE / 2, rules)
+    gate.update_revocations(RevocationList.issue(AUTHORITY, "run", 1, now[0] + 60, [MEMBER.peer_id]))
+    with pytest.raises(RecordRejected, match="revoked"):
+        check_record(_record(MEMBER, token()), Limits(), now[0] - RECORD_TOKEN_GRACE / 2, rules)

@@ -23,6 +23,7 @@ from potluck.core.errors import MembershipError, MembershipRefused, PeerUnreacha
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.dht import DHT, DHTConfig
 from potluck.membership import Credential, MembershipClient, MembershipToken, parse_authority
+from potluck.membership.records import MembershipRecordValidator
 from potluck.net.address import Multiaddr
 from potluck.net.identity import Identity, PeerID
 from potluck.net.tcp import TCPTransport
@@ -112,6 +113,7 @@ class Peer:
         if authority is not None:
             self._membership = MembershipClient(transport, authority, credential, dht=self.dht, clock=clock)
             transport.membership = self._membership.gate  # type: ignore[attr-defined] - checked above
+            self.dht.add_validator(MembershipRecordValidator(self._membership.gate))
         self._alive = True
 
     async def _start(self, timeout: float) -> None:

@@ -76,3 +76,41 @@ async def _authority(peer: Peer, policy: Policy) -> Authority:
     authority = Authority(peer.transport, RUN, policy, dht=peer.dht)
     authority.start_publishing()
     return authority
+
+
+@pytest.mark.timeout(60)
+def test_members_refuse_owned_records_of_non_members_even_when_a_member_relays_them():
+    from potluck.core.serialization import dumps
+    from potluck.dht.records import Record, key_id_of, owner_marker
+    from potluck.dht.validation import sign_record
+
+    policy = Policy()
+    code = policy.add_invite("member", uses=2)
+    auth_peer = Peer(host="127.0.0.1")
+    peers = [auth_peer]
+    try:
+        auth_peer.run(_authority(auth_peer, policy), timeout=10)
+        honest = Peer(initial_peers=[auth_peer.addresses[0]], host="127.0.0.1",
+                      authority=auth_peer.addresses[0], credential=f"invite:{code}")
+        peers.append(honest)
+        relay = Peer(initial_peers=[honest.addresses[0]], host="127.0.0.1",
+                     authority=auth_peer.addresses[0], credential=f"invite:{code}")
+        peers.append(relay)
+        outsider = Identity.generate()
+        now = relay.dht.get_time()
+        squat = sign_record(Record(f"run.progress{owner_marker(outsider.peer_id)}", None, dumps(10**9), now + 3600),
+                            outsider)
+
+        async def relay_it() -> list:
+            return await relay.dht.node.store_many([squat], 10)
+
+        relay.run(relay_it(), timeout=20)  # the relay may keep it itself; nobody else does
+        assert not honest.dht.node.storage.get(key_id_of(squat.key), honest.dht.get_time())
+        assert honest.dht.get(squat.key, latest=True) is None  # and a copy read from the relay is refused
+        # members' own owned records carry their token and are accepted
+        mine = f"run.progress{owner_marker(honest.peer_id)}"
+        assert honest.dht.store(mine, 5, now + 60)
+        assert relay.dht.get(mine, latest=True).value == 5
+    finally:
+        for peer in reversed(peers):
+            peer.shutdown()

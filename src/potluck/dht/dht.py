@@ -146,7 +146,7 @@ class DHT:
         if isinstance(expiration_time, bool) or not isinstance(expiration_time, (int, float)):
             raise TypeError(f"expiration_time must be a number (DHT time), got {type(expiration_time).__name__}")
         record = Record(key, subkey, dumps(value), float(expiration_time))
-        record = sign_record(record, self.node.transport.identity)
+        record = sign_record(record, self.node.transport.identity, self.node.membership_token())
         check_record(record, self.node.limits, self.node.now(), self.node.validators, skew=0.0)
         return record
 

@@ -557,6 +557,12 @@ class DHTNode:
         return answers
 
     # -- peer records ----------------------------------------------------------------------------------
+    def membership_token(self) -> bytes | None:
+        """The token our owner-signed records carry in an authority-governed run (the transport's
+        `membership` gate shows it in handshakes too); None otherwise."""
+        gate = getattr(self.transport, "membership", None)
+        return None if gate is None else gate.own_token()
+
     def _publishes_peer_record(self) -> bool:
         return (self.config.peer_record_ttl is not None and not self.client_mode
                 and bool(self.transport.addresses))
@@ -571,7 +577,7 @@ class DHTNode:
         expiration = self.now() + self.config.peer_record_ttl
         signed = PeerRecord.sign(identity, self.transport.addresses, expiration)
         record = sign_record(Record(peer_record_key(self.peer_id), None, dumps(signed.to_value()), expiration),
-                             identity)
+                             identity, self.membership_token())
         try:
             check_record(record, self.limits, self.now(), self.validators, skew=0.0)
             stored = (await self.store_many([record], timeout))[0]

@@ -128,12 +128,13 @@ class Record:
     value: bytes
     expiration_time: float
     signature: bytes | None = None
-    token: bytes | None = None  # reserved for membership tokens (DESIGN.md section 6); unused
+    token: bytes | None = None  # the owner's membership token in an authority-governed run (`net.membership`)
 
     def signed_bytes(self) -> bytes:
-        """What an owner signs: key, subkey, value and expiration, under a domain label."""
+        """What an owner signs: key, subkey, value, expiration and its membership token (so a token
+        cannot be moved onto another record, nor stripped), under a domain label."""
         return msgpack.packb([SIGNATURE_LABEL, self.key, self.subkey, self.value,
-                              float(self.expiration_time)], use_bin_type=True)
+                              float(self.expiration_time), self.token], use_bin_type=True)
 
     def stored_bytes(self) -> int:
         """Bytes this record costs a node (without bookkeeping overhead)."""

@@ -119,8 +119,9 @@ def check_record(record: Record, limits: Limits, now: float,
         if not owner.verify(record.signature, record.signed_bytes()):
             raise NotOwner(f"{record.key!r:.120} is owned by {owner}; the signature does not verify "
                            "(forged, or signed by another peer)")
-    elif record.signature is not None:
-        raise RecordRejected("only records whose key or subkey names an [owner:...] carry a signature")
+    elif record.signature is not None or record.token is not None:
+        raise RecordRejected("only records whose key or subkey names an [owner:...] carry a signature or a "
+                             "membership token")
     try:
         value = loads(record.value)
     except SerializationError as e:
@@ -130,13 +131,15 @@ def check_record(record: Record, limits: Limits, now: float,
     return value
 
 
-def sign_record(record: Record, identity: Identity) -> Record:
-    """Attach our signature if the record names us as owner; refuse if it names someone else."""
+def sign_record(record: Record, identity: Identity, token: bytes | None = None) -> Record:
+    """Attach our signature (and our membership `token`, which it covers) if the record names us as
+    owner; refuse if it names someone else."""
     owner = owners_of(record.key, record.subkey)
     if owner is None:
         return record
     if owner != identity.peer_id:
         raise NotOwner(f"{record.key!r:.120} is owned by {owner}; only that peer can store it "
                        f"(this peer is {identity.peer_id})")
+    record = Record(record.key, record.subkey, record.value, record.expiration_time, None, token)
     signature = identity.sign(record.signed_bytes())
-    return Record(record.key, record.subkey, record.value, record.expiration_time, signature, record.token)
+    return Record(record.key, record.subkey, record.value, record.expiration_time, signature, token)

@@ -23,6 +23,7 @@ from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import MalformedMessage, MembershipError, PotluckError
 from potluck.dht.records import owner_marker
 from potluck.membership.policy import MAX_SECRET_CHARS, Credential, Policy
+from potluck.membership.records import MembershipRecordValidator
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.net.membership import (
@@ -149,6 +150,8 @@ class Authority:
         self.gate = MembershipGate(transport.peer_id, run_id, clock=clock, guest_methods={TOKEN_METHOD})
         transport.membership = self.gate
         transport.add_handler(TOKEN_METHOD, self._serve)
+        if dht is not None:
+            dht.add_validator(MembershipRecordValidator(self.gate))
 
     @property
     def peer_id(self) -> PeerID:
