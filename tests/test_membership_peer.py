@@ -51,6 +51,7 @@ def test_members_join_strangers_are_refused_and_revoked_members_are_cut_off():
             peers.append(Peer(initial_peers=[first.addresses[0]], host="127.0.0.1"))
 
         auth_peer.run(authority.revoke(second.peer_id), timeout=30)
+        assert not auth_peer.transport.is_connected(second.transport.peer_id)  # the authority cuts it off at once
         assert first.run(first._membership.refresh_revocations(), timeout=30)
         assert first.run(_sweep(first), timeout=10) >= 1
         assert not first.transport.is_connected(second.transport.peer_id)

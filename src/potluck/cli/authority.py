@@ -20,6 +20,8 @@ from pathlib import Path
 from potluck.cli.signals import StopSignal
 from potluck.core.errors import MembershipError
 from potluck.membership import Authority, Policy
+from potluck.membership.authority import authority_gate
+from potluck.net import Identity, TCPTransport
 from potluck.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if not policy_path.exists():
         logger.warning("policy file %s does not exist yet: nobody is admitted until you add members", policy_path)
     stop = StopSignal()
-    with Peer(initial_peers=args.initial_peers, host=args.host, port=args.port, identity_path=args.key) as peer:
+    identity = Identity.load_or_create(args.key)
+    # Guarded from the first connection: strangers may only ask for a token, never use the DHT.
+    transport = TCPTransport(identity, host=args.host, port=args.port,
+                             membership=authority_gate(identity.peer_id, args.run_id))
+    with Peer(initial_peers=args.initial_peers, transport=transport) as peer:
         async def start() -> Authority:
             authority = Authority(peer.transport, args.run_id, policy, policy_path=policy_path, dht=peer.dht)
             authority.start_publishing()

@@ -38,7 +38,7 @@ from potluck.net.membership import (
 )
 from potluck.net.transport import Transport
 
-__all__ = ["Authority", "TOKEN_METHOD", "TokenRequest", "revocation_key"]
+__all__ = ["Authority", "TOKEN_METHOD", "TokenRequest", "authority_gate", "revocation_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,12 @@ MAX_TRACKED_PEERS = 10_000
 # How often the authority re-signs and re-publishes its revocation list (well within its lifetime,
 # so a list stays in the DHT while the authority is up and a revocation spreads within minutes).
 REVOCATION_REPUBLISH = 300.0
+
+
+def authority_gate(authority: PeerID, run_id: str, clock: Clock = get_dht_time) -> MembershipGate:
+    """The authority's own handshake check: members as usual, and tokenless peers as guests that
+    may only call TOKEN_METHOD. Pass it to the transport before it starts (`potluck authority` does)."""
+    return MembershipGate(authority, run_id, clock=clock, guest_methods={TOKEN_METHOD})
 
 
 def revocation_key(run_id: str, authority: PeerID | str) -> str:
@@ -147,8 +153,12 @@ class Authority:
         self._kdf_lock = asyncio.Lock()  # one scrypt at a time: 16 MiB and ~50 ms each
         self._publisher: asyncio.Task | None = None
         # Peers without a token may connect, but may only ask for one (`net.membership.GuestHandlers`).
-        self.gate = MembershipGate(transport.peer_id, run_id, clock=clock, guest_methods={TOKEN_METHOD})
-        transport.membership = self.gate
+        # A transport built with `authority_gate` (so it was guarded from its first connection) keeps it.
+        gate = getattr(transport, "membership", None)
+        if not isinstance(gate, MembershipGate) or gate.authority != transport.peer_id or gate.run_id != run_id:
+            gate = authority_gate(transport.peer_id, run_id, clock)
+        self.gate = gate
+        transport.membership = gate
         transport.add_handler(TOKEN_METHOD, self._serve)
         if dht is not None:
             dht.add_validator(MembershipRecordValidator(self.gate))
@@ -168,6 +178,7 @@ class Authority:
         """Sign the current list and store it in the DHT (if any); returns it."""
         revocations = self.revocations()
         self.gate.update_revocations(revocations)
+        self.close_revoked()
         if self.dht is not None:
             await self.dht.astore(revocation_key(self.run_id, self.peer_id), revocations.to_wire(),
                                   revocations.expires)
@@ -178,6 +189,17 @@ class Authority:
         self.policy.revoke(str(peer_id))
         self._save()
         return await self.publish_revocations()
+
+    def close_revoked(self) -> int:
+        """Close our connections with revoked peers (they may reconnect only as guests, and get no
+        token); returns how many."""
+        revocations = self.gate.revocations
+        closed = 0
+        for conn in self.transport.open_connections():
+            if revocations is not None and revocations.is_revoked(conn.peer_id):
+                conn.close("membership revoked by the authority")
+                closed += 1
+        return closed
 
     def start_publishing(self) -> None:
         """Publish the revocation list now and every REVOCATION_REPUBLISH seconds until `stop`."""
