@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from potluck.core import compat
 from potluck.core.errors import MembershipError, MembershipRefused, RemoteError
 from potluck.membership import Authority, MembershipClient, Policy
 from potluck.membership.client import RENEW_BEFORE
@@ -249,6 +250,35 @@ def test_a_renewed_token_keeps_a_long_running_peer_connected(arun):
             assert await a.transport.call(b.transport.peer_id, "echo", 8, timeout=5) == 8
         finally:
             for c in (a, b, lapsed):
+                await c.transport.close()
+            await auth_t.close()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_background_loop_renews_before_expiry_and_shows_the_new_token(arun):
+    async def main():
+        clock = Clock()
+        policy = Policy()
+        auth_t, _ = await authority_with(policy, clock)
+        a, b = await client_of(auth_t, clock), await client_of(auth_t, clock)
+        for c in (a, b):
+            policy.allow_peer(str(c.transport.peer_id), "m")
+            await c.fetch()
+        await b.transport.connect(a.transport.addresses[0], timeout=5)
+        old = b.token
+        clock.now = old.expires - RENEW_BEFORE + 1  # due: the loop renews on its first pass
+        b.start()
+        try:
+            async with compat.timeout(20):
+                await b.renewed.wait()
+            assert b.token.expires > old.expires
+            clock.now = old.expires + 1
+            assert a.sweep() == 0  # a saw the renewed token on the open connection
+            assert await a.transport.call(b.transport.peer_id, "echo", 11, timeout=5) == 11
+        finally:
+            await b.stop()
+            for c in (a, b):
                 await c.transport.close()
             await auth_t.close()
     arun(main())

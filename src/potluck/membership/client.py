@@ -82,6 +82,8 @@ class MembershipClient:
         self.gate = MembershipGate(self.authority, run_id, clock=clock, token=lambda: self.token)
         self._task: asyncio.Task | None = None
         self._next_revocation_read = 0.0
+        # Set each time the background loop renewed the token and showed it to connected peers.
+        self.renewed = asyncio.Event()
         transport.add_handler(PRESENT_METHOD, self._on_present)
 
     @property
@@ -173,7 +175,8 @@ class MembershipClient:
         while True:
             wait = self.retry_interval
             try:
-                await self.renew_if_due()
+                if await self.renew_if_due():
+                    self.renewed.set()
                 if self.token is not None:
                     wait = max(1.0, min(self.token.expires - self.renew_before - self.clock(), self.revocation_refresh))
             except PotluckError as e:
