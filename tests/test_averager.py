@@ -394,3 +394,14 @@ def test_powersgd_averagers_agree_and_error_feedback_catches_up_with_the_true_me
             await odd.astep(timeout=3.0)
     run_virtual(main())
 
+
+
+def test_moshpit_grid_keeps_groups_small_with_few_rounds():
+    from potluck.averaging import moshpit_grid
+    assert moshpit_grid(1) == (1,) and moshpit_grid(3) == (3,)  # too few to split: one group
+    assert moshpit_grid(4) == (2, 2) and moshpit_grid(9) == (3, 3) and moshpit_grid(100) == (10, 10)
+    assert moshpit_grid(256) == (16, 16) and moshpit_grid(257) == (7, 7, 7)
+    for n in range(4, 5000, 37):
+        grid = moshpit_grid(n)
+        assert len(grid) >= 2 and max(grid) <= 16 and len(set(grid)) == 1
+        assert grid[0] ** len(grid) >= n > (grid[0] - 1) ** len(grid)  # every peer has a cell, few empty

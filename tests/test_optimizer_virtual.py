@@ -33,12 +33,12 @@ def digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
-async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
-    """Train len(COMPUTE_SECONDS) peers for `epochs` epochs; what each ended with, and when."""
+async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS) -> dict:
+    """Train len(compute) peers for `epochs` epochs; what each ended with, and when."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
-    for _ in COMPUTE_SECONDS:
+    for _ in compute:
         peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
                                                clock=event_loop_clock()))
     models = [make_model(seed) for _ in peers]
@@ -47,6 +47,15 @@ async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
                             target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
                             start=False, **options) for peer, model in zip(peers, models, strict=True)]
     per_epoch: list[list[int]] = [[] for _ in optimizers]  # the swarm's samples behind each epoch applied
+    groups: list[int] = []  # sizes of the state averager's groups (moshpit)
+    for opt in optimizers:
+        astep = opt.state_averager.astep
+
+        async def recording(*args, _astep=astep, **kwargs):
+            result = await _astep(*args, **kwargs)
+            groups.append(result.group_size)
+            return result
+        opt.state_averager.astep = recording
     for opt, record in zip(optimizers, per_epoch, strict=True):
         await opt.astart()
         advance = opt._advance_epoch
@@ -62,14 +71,15 @@ async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
             x = torch.randn(BATCH, 16, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            await asyncio.sleep(COMPUTE_SECONDS[index])
+            await asyncio.sleep(compute[index])
             await opt.astep()
         finished.append(loop.time() - start)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
         return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
-                "seconds": sorted(finished), "samples": per_epoch}
+                "seconds": sorted(finished), "samples": per_epoch, "groups": groups,
+                "grids": [o.state_averager.grid for o in optimizers]}
     finally:
         for opt in optimizers:
             opt.shutdown()
@@ -77,11 +87,12 @@ async def swarm(seed: int, epochs: int, mode: str, target: int) -> dict:
             await peer.ashutdown()
 
 
-def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET) -> dict:
+def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
+        compute: tuple[float, ...] = COMPUTE_SECONDS) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(swarm(seed, epochs, mode, target), timeout=300)
+        return runner.run(swarm(seed, epochs, mode, target, compute), timeout=300)
     finally:
         release_runner()
 
@@ -127,6 +138,20 @@ def test_moshpit_on_virtual_time_repeats_exactly():
     first = run(seed=5, epochs=3, mode="moshpit")
     assert first["epochs"] == [3, 3, 3]
     assert_repeats(run(seed=5, epochs=3, mode="moshpit"), first)
+
+
+@pytest.mark.timeout(300)
+def test_moshpit_without_a_grid_averages_in_groups_fitted_to_the_swarm():
+    """Four peers: a 2x2 grid, so rounds are pairs (whole-swarm rounds would be local SGD under
+    Moshpit's name); three: one group of everyone."""
+    four = run(seed=6, epochs=8, mode="moshpit", compute=(0.02,) * 4)
+    assert four["grids"] == [(2, 2)] * 4, four["grids"]
+    assert four["groups"] and max(four["groups"]) == 2, four["groups"]
+    # Each peer's cell comes from its rank among the peers all of them see: pairs form in most
+    # rounds (all but the first ones, before the peers have seen each other), not by chance.
+    assert len(four["groups"]) >= 0.6 * 4 * 8, four["groups"]
+    three = run(seed=6, epochs=3, mode="moshpit")
+    assert three["grids"] == [(3,)] * 3 and max(three["groups"]) == 3, three
 
 
 @pytest.mark.timeout(300)

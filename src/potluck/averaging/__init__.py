@@ -5,7 +5,7 @@ Imports from `potluck.core`, `potluck.net`, `potluck.dht` and `potluck.compressi
 """
 
 from potluck.averaging.allreduce import AllReduceService, Group
-from potluck.averaging.averager import Averager, StepResult
+from potluck.averaging.averager import Averager, StepResult, moshpit_grid
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.averaging.matchmaking import FormedGroup, Matchmaker
 from potluck.averaging.role import Role
@@ -13,5 +13,5 @@ from potluck.averaging.state_transfer import StateServer, download_state
 
 __all__ = [
     "AllReduceService", "Averager", "FormedGroup", "Group", "Matchmaker", "Role", "StateServer", "StepResult",
-    "download_state", "optimal_fractions", "part_sizes",
+    "download_state", "moshpit_grid", "optimal_fractions", "part_sizes",
 ]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import random
 import threading
 from collections.abc import Collection, Iterator, Sequence
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 # Until a peer has measured its bandwidth in a real step, it assumes this (bytes/s) for the
 # load split; every peer assuming the same gives an even split.
 DEFAULT_BANDWIDTH = 100e6
+# Largest group a chosen Moshpit grid aims for: a group's all-reduce costs each member about
+# twice its tensors whatever the size, but a member's death fails more peers in a larger group,
+# and the Moshpit paper's experiments used groups of this order.
+MOSHPIT_MAX_GROUP = 16
 # Weight of the newest measurement in the bandwidth estimate (exponential moving average).
 BANDWIDTH_SMOOTHING = 0.5
 # A step that sent less than this to other peers says little about the bandwidth (transport
@@ -122,13 +127,10 @@ class Averager:
         self.matchmaking_time = matchmaking_time
         self.allreduce_timeout = allreduce_timeout
         self.sender_timeout = sender_timeout
-        self.grid = tuple(grid) if grid else None
-        if self.grid is not None:
-            rng = random.Random(self.transport.peer_id.to_bytes())
-            self.coordinates = list(coordinates) if coordinates is not None else [rng.randrange(m) for m in self.grid]
-            if len(self.coordinates) != len(self.grid):
-                raise ValueError("coordinates must have one entry per grid dimension")
+        self.grid: tuple[int, ...] | None = None
         self.round = 0
+        if grid:
+            self.set_grid(grid, coordinates)
         # In matchmaking now, with no group yet: a step may be cancelled without harm to anyone's
         # round (the Optimizer does when its epoch's round ended without it).
         self.forming = False
@@ -271,13 +273,26 @@ class Averager:
             self.round, self.state_metadata = version, metadata
         return version, metadata
 
+    def set_grid(self, grid: Sequence[int], coordinates: Sequence[int] | None = None, round: int = 0) -> None:
+        """Average on a Moshpit grid from now on (see the class docstring), at `round` (its
+        dimension is round % len(grid)); random coordinates (from the peer id) unless given."""
+        self.grid = tuple(int(m) for m in grid)
+        if not self.grid or min(self.grid) < 1:
+            raise ValueError(f"a grid needs at least one dimension, each of size 1 or more, not {grid}")
+        rng = random.Random(self.transport.peer_id.to_bytes() + repr(self.grid).encode())
+        self.coordinates = list(coordinates) if coordinates is not None else [rng.randrange(m) for m in self.grid]
+        if len(self.coordinates) != len(self.grid):
+            raise ValueError("coordinates must have one entry per grid dimension")
+        self.round = round
+
     # -- helpers ------------------------------------------------------------------------------------
     def _group_key(self) -> str:
         if self.grid is None:
             return "all"
         dim = self.round % len(self.grid)
         fixed = ".".join(str(c) for i, c in enumerate(self.coordinates) if i != dim)
-        return f"d{dim}:{fixed}"
+        shape = "x".join(str(m) for m in self.grid)  # peers on another grid never meet ours
+        return f"{shape}.d{dim}:{fixed}"
 
     def _advance(self, my_index: int, group_id: bytes) -> None:
         """Moshpit: take a new coordinate along this round's dimension: my place in the group,
@@ -360,3 +375,14 @@ def _schema(tensors: list[torch.Tensor], codec: dict) -> str:
     """Peers average together only if shapes, dtypes and compression agree."""
     description = repr(([(str(t.dtype), tuple(t.shape)) for t in tensors], sorted(codec.items())))
     return hashlib.sha256(description.encode()).hexdigest()[:32]
+
+
+def moshpit_grid(peers: int, max_group: int = MOSHPIT_MAX_GROUP) -> tuple[int, ...]:
+    """A Moshpit grid for a swarm of `peers`: the fewest dimensions (two at least, from four
+    peers on) whose groups stay within `max_group`; d rounds of groups of about peers^(1/d) then
+    reach the exact mean. Below four peers, one dimension: the whole swarm is one group."""
+    if peers < 4:
+        return (max(1, peers),)
+    dims = max(2, math.ceil(math.log(peers) / math.log(max_group) - 1e-9))
+    side = math.ceil(peers ** (1 / dims) - 1e-9)
+    return (side,) * dims

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.averager import Averager
+from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
 from potluck.core import serialization
 from potluck.core.errors import AveragingError, SerializationError
@@ -120,7 +120,9 @@ class Optimizer(torch.optim.Optimizer):
         average_state_every: in sync mode, average parameters and statistics every k epochs.
         local_steps: moshpit/diloco: local steps between averaging rounds.
         outer_lr, outer_momentum: diloco's outer Nesterov step.
-        grid: moshpit grid sizes (see `Averager`).
+        grid: moshpit grid sizes (see `Averager`). Default: one fitted to the swarm's size at
+            each round (`potluck.averaging.moshpit_grid`: 2x2 for 4 peers, 10x10 for 100), each
+            peer in the cell of its rank among the live peers.
         compression: codec for everything averaged (`potluck.compression.known_codecs()`).
         powersgd_rank: sync mode: average rank-r PowerSGD approximations of the gradients, with
             error feedback (see `Averager`), instead of the full gradients.
@@ -194,6 +196,7 @@ class Optimizer(torch.optim.Optimizer):
         # The parameters and statistics themselves: averaged in place, served to newcomers.
         self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
                                        grid=grid if mode == "moshpit" else None, **common)
+        self._fitted_grid = mode == "moshpit" and grid is None
         self.state_averager.state_metadata = {"epoch": 0}
         client_mode = role == Role.CLIENT or peer.transport.client_mode
         self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, target_batch_size, client_mode)
@@ -678,7 +681,9 @@ class Optimizer(torch.optim.Optimizer):
         self.steps = 0
         try:
             if self._anyone_else():
-                await self.state_averager.astep(weight=float(self.samples))  # in place; untouched on failure
+                expected = self._place_on_grid() if self._fitted_grid else None
+                # in place; untouched on failure
+                await self.state_averager.astep(weight=float(self.samples), target_group_size=expected)
                 self._state_generation += 1
         except AveragingError as e:
             logger.warning("moshpit averaging failed (%s); continuing locally", e)
@@ -741,6 +746,27 @@ class Optimizer(torch.optim.Optimizer):
             torch._foreach_add_(deltas, self._outer_momentum, alpha=self.outer_momentum)
             torch._foreach_add_(self._outer_params, deltas, alpha=-self.outer_lr)
             torch._foreach_copy_(self._params, self._outer_params)
+
+    def _place_on_grid(self) -> int:
+        """Moshpit without a given grid: every peer derives the same layout from what all of
+        them see alike. The live peers (sorted ids) give the grid (`moshpit_grid`) and each one's
+        cell (the digits of its rank); the epoch gives the round's dimension. Peers that agree
+        meet as on the paper's torus: len(grid) rounds reach the exact mean. (Random cells and a
+        per-peer round count left most peers alone in their groups, round after round.)
+        Returns the size of this round's group."""
+        now = self.peer.dht.get_time()
+        me = self.peer.peer_id
+        ids = sorted({me, *(r.peer_id for r in self.progress().reports if r.live(now) and not r.idle)})
+        grid = moshpit_grid(len(ids))
+        if grid != self.state_averager.grid:
+            logger.info("moshpit: %d peers average on a %s grid (groups of about %d)", len(ids),
+                        "x".join(map(str, grid)), grid[0])
+        cells = [_cell(rank, grid) for rank in range(len(ids))]
+        mine = cells[ids.index(me)]
+        self.state_averager.set_grid(grid, mine, round=self.local_epoch)
+        dim = self.local_epoch % len(grid)
+        # The group closes as soon as every peer of its line is in, not at the window's end.
+        return sum(all(c[k] == mine[k] for k in range(len(grid)) if k != dim) for c in cells)
 
     def _anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""
@@ -886,6 +912,15 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def _cell(rank: int, grid: tuple[int, ...]) -> list[int]:
+    """The grid cell of the peer of `rank`: its digits in the grid's mixed radix."""
+    digits = []
+    for size in reversed(grid):
+        rank, digit = divmod(rank, size)
+        digits.append(digit)
+    return digits[::-1]
 
 
 def _zeros_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
