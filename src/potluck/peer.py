@@ -99,9 +99,9 @@ class Peer:
         if authority is not None:  # refuse bad arguments before anything is started
             parse_authority(authority)
             credential = credential if isinstance(credential, Credential) else Credential.parse(credential)
-            if transport is not None and not isinstance(transport, TCPTransport):
-                raise MembershipError("authority-governed runs are checked by the TCP transport only; "
-                                      f"{type(transport).__name__} does not check membership tokens")
+            if transport is not None and not hasattr(transport, "membership"):
+                raise MembershipError(f"{type(transport).__name__} does not check membership tokens; "
+                                      "authority-governed runs need TCPTransport or EmulatedTransport")
         identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
         if transport is None:
             transport = TCPTransport(identity, host=host, port=port, client_mode=client_mode,

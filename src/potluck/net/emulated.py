@@ -31,11 +31,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from potluck.core.errors import ConnectionLost, HandshakeError, PeerUnreachable
+from potluck.core.errors import ConnectionLost, HandshakeError, MembershipRefused, PeerUnreachable
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
 from potluck.net.frames import Frame, FrameDecoder, encode
 from potluck.net.identity import Identity, PeerID
+from potluck.net.membership import GuestHandlers, MembershipGate
 from potluck.net.transport import Transport
 
 __all__ = ["EmulatedNetwork", "EmulatedTransport"]
@@ -137,13 +138,15 @@ class EmulatedTransport(Transport):
 
     The handshake is trusted: the network is in-process and knows who is who, so no signatures
     are exchanged. It still carries everything the TCP handshake does into `RemoteInfo`
-    (addresses, client mode, max frame size, bulk), and costs one round trip.
+    (addresses, client mode, max frame size, bulk, membership token), checks membership tokens as
+    the TCP transport does when given a `membership` gate, and costs one round trip.
     """
 
     def __init__(self, network: EmulatedNetwork, identity: Identity, *,
                  upload: float | None = None, download: float | None = None,
-                 client_mode: bool = False, **transport_kwargs: Any):
+                 client_mode: bool = False, membership: MembershipGate | None = None, **transport_kwargs: Any):
         super().__init__(identity, client_mode=client_mode, **transport_kwargs)
+        self.membership = membership  # the run's membership check, as in `TCPTransport`
         self.network = network
         self.upload = _bandwidth("upload", upload)
         self.download = _bandwidth("download", download)
@@ -202,10 +205,13 @@ class EmulatedTransport(Transport):
 
     def _join(self, acceptor: EmulatedTransport, bulk: bool) -> Connection:
         """Create both connections of a new link and register them on each side."""
+        mine_hello, their_hello = self._hello(bulk), acceptor._hello(bulk)
+        their_handlers = acceptor._admit(self.peer_id, mine_hello.token, accepting=True)
+        my_handlers = self._admit(acceptor.peer_id, their_hello.token, accepting=False)
         mine, theirs = _LinkEnd(self, acceptor), _LinkEnd(acceptor, self)
         mine.peer, theirs.peer = theirs, mine
-        conn = self._connection(acceptor._hello(bulk), initiator=True)
-        accepted = acceptor._connection(self._hello(bulk), initiator=False)
+        conn = self._connection(their_hello, initiator=True, handlers=my_handlers)
+        accepted = acceptor._connection(mine_hello, initiator=False, handlers=their_handlers)
         mine.attach(conn)
         theirs.attach(accepted)
         acceptor._register(accepted)
@@ -215,15 +221,31 @@ class EmulatedTransport(Transport):
         self._register(conn)
         return conn
 
-    def _connection(self, remote: RemoteInfo, initiator: bool) -> Connection:
-        return Connection(self.handlers, remote, initiator,
+    def _admit(self, remote: PeerID, token: bytes | None, accepting: bool) -> Any:
+        """The handlers `remote` may use here; MembershipRefused (worded for the dialer) if its
+        token does not admit it. As in `net.tcp`, the authority takes tokenless dialers as guests."""
+        gate = self.membership
+        if gate is None:
+            return self.handlers
+        try:
+            gate.check(remote, token)
+        except MembershipRefused as e:
+            if not accepting:
+                raise
+            if gate.guest_methods:
+                return GuestHandlers(self.handlers, gate.guest_methods, str(e))
+            raise MembershipRefused(f"{self.peer_id} refused this peer's membership: {e}") from None
+        return self.handlers
+
+    def _connection(self, remote: RemoteInfo, initiator: bool, handlers: Any = None) -> Connection:
+        return Connection(self.handlers if handlers is None else handlers, remote, initiator,
                           keepalive_interval=self.keepalive_interval,
                           keepalive_timeout=self.keepalive_timeout, on_close=self._unregister)
 
     def _hello(self, bulk: bool) -> RemoteInfo:
         """What this peer's side of the handshake tells the other side."""
-        return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode,
-                          self.max_frame_size, bulk)
+        return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode, self.max_frame_size, bulk,
+                          token=self.membership.own_token() if self.membership is not None else None)
 
 
 class _LinkEnd:
