@@ -629,14 +629,15 @@ class DHTNode:
             newcomers, self._newcomers = self._newcomers, set()
             batches: dict[PeerID, list[Record]] = {}
             for key_id, records in self.storage.items(self.now()):
-                if is_peer_record_key(records[0].key):
-                    # Its owner re-stores it every third of its life, which reaches the newcomers;
-                    # handing off one record per peer as well made each join cost O(swarm size).
-                    continue
                 nearest = self.routing.nearest(key_id, self.replicas)
                 mine = self.node_id ^ key_id
                 if len(nearest) >= self.replicas and all(n ^ key_id < mine for _, n in nearest):
                     continue  # we are no longer one of this key's replicas
+                if is_peer_record_key(records[0].key) and any(
+                        n ^ key_id < mine for p, n in nearest if p not in newcomers):
+                    # One record per peer: only its closest holder hands it on (Kademlia 2.5's
+                    # rule), or every join would bring each newcomer ~k copies of each.
+                    continue
                 for peer, _ in nearest:
                     if peer in newcomers:
                         batches.setdefault(peer, []).extend(records)
