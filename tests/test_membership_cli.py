@@ -31,6 +31,7 @@ def wait_for_line(proc: subprocess.Popen, needle: str) -> str:
     reader = threading.Thread(target=lambda: [lines.put(line) for line in iter(proc.stdout.readline, "")] and None,
                               daemon=True)
     reader.start()
+    proc.reader = reader  # type: ignore[attr-defined] - joined by stop() before the pipe is closed
     deadline = time.monotonic() + LINE_DEADLINE
     while (left := deadline - time.monotonic()) > 0:
         try:
@@ -50,6 +51,9 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+    reader = getattr(proc, "reader", None)
+    if reader is not None:
+        reader.join(10)  # the child has exited: its end of the pipe is closed, so readline ends
     proc.stdout.close()
     proc.stderr.close()
 
