@@ -249,3 +249,18 @@ def test_owned_dht_records_need_their_owners_token():
     gate.update_revocations(RevocationList.issue(AUTHORITY, "run", 1, now[0] + 60, [MEMBER.peer_id]))
     with pytest.raises(RecordRejected, match="revoked"):
         check_record(_record(MEMBER, token()), Limits(), now[0] - RECORD_TOKEN_GRACE / 2, rules)
+
+
+def test_gate_uses_the_later_of_a_presented_and_a_handshake_token():
+    now = [NOW]
+    gate = MembershipGate(AUTHORITY.peer_id, "run", clock=lambda: now[0])
+    early, late = token(expires=NOW + 100), token(expires=NOW + 5000)
+    gate.present(MEMBER.peer_id, late.to_wire())
+    assert gate.current(MEMBER.peer_id, early.to_wire()) == late
+    gate.present(MEMBER.peer_id, early.to_wire())  # an older token shown later
+    assert gate.current(MEMBER.peer_id, late.to_wire()) == late  # a reconnect with a newer one wins
+    now[0] = NOW + 200
+    assert gate.still_admitted(MEMBER.peer_id, late.to_wire()) is None
+    assert "expired" in gate.still_admitted(MEMBER.peer_id, early.to_wire())
+    with pytest.raises(MembershipError, match="issued to peer"):
+        gate.present(Identity.generate().peer_id, late.to_wire())

@@ -318,15 +318,16 @@ class MembershipGate:
         return token
 
     def current(self, remote: PeerID, handshake_token: object) -> MembershipToken | None:
-        """The newest token `remote` has shown us: one it presented after renewing, or the one
-        from its handshake."""
+        """The newest token `remote` has shown us: the later-expiring of the one it presented
+        after renewing and the one from this connection's handshake."""
         presented = self._presented.get(remote)
-        if presented is not None:
-            return presented
         try:
-            return None if handshake_token is None else MembershipToken.from_wire(handshake_token)
+            shaken = None if handshake_token is None else MembershipToken.from_wire(handshake_token)
         except MalformedMessage:
-            return None
+            shaken = None
+        if presented is None or (shaken is not None and shaken.expires > presented.expires):
+            return shaken
+        return presented
 
     def present(self, remote: PeerID, token_bytes: object) -> None:
         """Accept a renewed token `remote` shows on an open connection; MembershipError if it does
