@@ -185,8 +185,8 @@ def test_credential_strings():
     ({}, "exactly one"),
     ({"cred": {}, "renew": b""}, "exactly one"),
     ({"cred": {"kind": "root", "name": "", "secret": ""}}, "cred.kind"),
-    ({"cred": {"kind": "password", "name": "x" * 65, "secret": ""}}, "cred.name"),
-    ({"cred": {"kind": "password", "name": "a", "secret": "s" * 257}}, "cred.secret"),
+    ({"cred": {"kind": "password", "name": "x" * 65, "secret": ""}}, "'cred': 'name'"),
+    ({"cred": {"kind": "password", "name": "a", "secret": "s" * 257}}, "'cred': 'secret'"),
     ({"renew": "text"}, "'renew'"),
 ])
 def test_malformed_token_requests_are_named(request_obj, field):

@@ -21,6 +21,7 @@ from typing import Any
 
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import MalformedMessage, MembershipError, PotluckError
+from potluck.core.wire import bytes_field, text_field, wire_map
 from potluck.dht.records import owner_marker
 from potluck.membership.policy import MAX_SECRET_CHARS, Credential, Policy
 from potluck.membership.records import MembershipRecordValidator
@@ -43,6 +44,7 @@ __all__ = ["Authority", "TOKEN_METHOD", "TokenRequest", "authority_gate", "revoc
 logger = logging.getLogger(__name__)
 
 TOKEN_METHOD = "membership.token"
+WHAT = "token request"
 # Credential checks one peer id may ask for per window: a person retyping a password needs a few;
 # a guesser gets 5 a minute from each id (and the total cap below across all ids).
 MAX_ATTEMPTS_PER_PEER = 5
@@ -84,23 +86,19 @@ class TokenRequest:
 
     @classmethod
     def from_wire(cls, obj: object) -> TokenRequest:
-        if not isinstance(obj, dict) or len(obj) != 1 or not ({"cred"} >= set(obj) or {"renew"} >= set(obj)):
-            raise MalformedMessage("token request", "a dict with exactly one of 'cred' or 'renew'")
-        if "renew" in obj:
-            token = obj["renew"]
-            if not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES:
-                raise MalformedMessage("token request", f"'renew' must be at most {MAX_TOKEN_BYTES} bytes of token")
-            return cls(renew=token)
-        cred = obj["cred"]
-        if not isinstance(cred, dict) or set(cred) != {"kind", "name", "secret"}:
-            raise MalformedMessage("token request", "'cred' must be a dict with 'kind', 'name' and 'secret'")
-        kind, name, secret = cred["kind"], cred["name"], cred["secret"]
+        msg = wire_map(obj, WHAT)
+        if len(msg) != 1 or not ({"cred"} >= set(msg) or {"renew"} >= set(msg)):
+            raise MalformedMessage(WHAT, "a dict with exactly one of 'cred' or 'renew'")
+        if "renew" in msg:
+            return cls(renew=bytes_field(msg, "renew", WHAT, MAX_TOKEN_BYTES))
+        cred = wire_map(msg["cred"], WHAT)
+        if set(cred) != {"kind", "name", "secret"}:
+            raise MalformedMessage(WHAT, "'cred' must be a dict with 'kind', 'name' and 'secret'")
+        kind = cred["kind"]
         if kind not in ("peer", "invite", "password"):
-            raise MalformedMessage("token request", "'cred.kind' must be 'peer', 'invite' or 'password'")
-        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
-            raise MalformedMessage("token request", f"'cred.name' must be a string of at most {MAX_NAME_CHARS}")
-        if not isinstance(secret, str) or len(secret) > MAX_SECRET_CHARS:
-            raise MalformedMessage("token request", f"'cred.secret' must be a string of at most {MAX_SECRET_CHARS}")
+            raise MalformedMessage(WHAT, "'cred.kind' must be 'peer', 'invite' or 'password'")
+        name = text_field(cred, "name", WHAT + " 'cred'", MAX_NAME_CHARS)
+        secret = text_field(cred, "secret", WHAT + " 'cred'", MAX_SECRET_CHARS)
         return cls(credential=Credential(kind, name, secret))
 
 
