@@ -164,3 +164,19 @@ def test_diloco_peers_that_started_apart_are_brought_together():
     assert first["epochs"] == [4, 4, 4]
     assert len(set(first["digests"])) == 1, first
     assert_repeats(run(seed=5, epochs=4, mode="diloco"), first)
+
+
+def test_round_notes_are_typed_and_a_malformed_one_says_nothing():
+    from potluck.core.errors import MalformedMessage
+    from potluck.optim.optimizer import RoundNote
+    note = RoundNote(96, 120.5, "ab" * 32, outer=None)
+    assert RoundNote.from_wire(note.to_wire()) == note
+    assert RoundNote.from_wire(RoundNote(aux=True).to_wire()).aux
+    for bad, field in (({"samples": -1}, "samples"), ({"samples": 2**41}, "samples"), ({"samples": True}, "samples"),
+                       ({"samples": 1, "sps": float("nan")}, "sps"), ({"samples": 1, "state": "x" * 1000}, "state"),
+                       ({"samples": 1, "outer": 5}, "outer")):
+        with pytest.raises(MalformedMessage) as info:
+            RoundNote.from_wire(bad)
+        assert info.value.field.startswith(f"'{field}'"), info.value.field
+        assert RoundNote.read(bad) == RoundNote()  # counted as saying nothing: no samples, no state
+    assert RoundNote.read("junk") == RoundNote()

@@ -51,8 +51,9 @@ import torch
 from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
 from potluck.core import serialization
-from potluck.core.errors import AveragingError, SerializationError
+from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
 from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.core.wire import int_field, number_field, text_field, wire_map
 from potluck.optim.progress import MAX_SAMPLES_PER_SECOND, GlobalProgress, PeerProgress, ProgressTracker
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ IDLE_STEP_INTERVALS = 4
 IDLE_FLOOR_SECONDS = 5.0
 # Bounds a round member's claim of samples (it comes from the network): more than any batch.
 MAX_CLAIMED_SAMPLES = 2**40
+# Longest state digest accepted in a round note (ours are 64 hex digits of SHA-256).
+MAX_DIGEST_CHARS = 128
 # A peer that downloaded a state still older than the swarm's waits this long before asking again
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
@@ -426,11 +429,10 @@ class Optimizer(torch.optim.Optimizer):
         members = self._members(progress.reports)
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
-        gather = {"samples": samples, "sps": self.samples_per_second}
-        if self.role == Role.AUX:
-            gather["aux"] = True  # holds no averaged state: its digest says nothing
-        elif self._averages_state_after(epoch):
-            gather["state"] = await self._digest_now()  # all alike: no state round needed
+        # An aux peer holds no averaged state: its digest would say nothing. Digests all alike
+        # after the round: no state round needed.
+        state = await self._digest_now() if self.role != Role.AUX and self._averages_state_after(epoch) else None
+        gather = RoundNote(samples, self.samples_per_second, state, aux=self.role == Role.AUX).to_wire()
         task = asyncio.ensure_future(self.grad_averager.astep(
             weight=1.0, gather=gather,
             group_key=f"epoch{epoch}.{self._part}", target_group_size=expected, members=members))
@@ -470,14 +472,15 @@ class Optimizer(torch.optim.Optimizer):
         if error is None:
             result = task.result()
             self.tracker.set_neighbors(result.peers)
-            total = sum(_samples(result.gathered.get(p)) for p in result.contributors)
+            notes = {p: RoundNote.read(m) for p, m in result.gathered.items()}
+            total = sum(notes[p].samples for p in result.contributors if p in notes)
             if total < self.target_batch_size:
                 # Short of the global batch (a peer computed slower than it reported): the sum
                 # stays with one member, the first contributor, and the epoch goes on; every
                 # member decides alike from the same group. The rest is due at the members'
                 # speeds, which they just told each other: no need to wait for progress views.
                 keeper = result.contributors[:1] == [self.peer.peer_id]
-                speed = sum(_speed(result.gathered.get(p)) for p in result.contributors)
+                speed = sum(notes[p].speed for p in result.contributors if p in notes)
                 if speed > 0:
                     self._part_due = self._now() + (self.target_batch_size - total) / speed
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total,
@@ -488,8 +491,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._publish()
                 return
             logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
-            digests = [m.get("state") if isinstance(m, dict) else None for m in result.gathered.values()
-                       if not (isinstance(m, dict) and m.get("aux") is True)]
+            digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
             await self._apply_gradients(len(result.contributors) / total, total, pending.expected,
                                         pending.members, same_state=same)
@@ -709,8 +711,8 @@ class Optimizer(torch.optim.Optimizer):
                 members = self._members(self.progress().reports)
                 digest = await run_in_thread(_digest, self._outer_params)
                 task = asyncio.ensure_future(self.delta_averager.astep(
-                    weight=float(self.samples), gather={"outer": digest}, group_key=f"outer{self.local_epoch}",
-                    members=members))
+                    weight=float(self.samples), gather=RoundNote(outer=digest).to_wire(),
+                    group_key=f"outer{self.local_epoch}", members=members))
                 await self._wait_for_round(task, self.delta_averager, self.local_epoch)
                 if task.cancelled():  # the others' round is over: take their state
                     self.samples = 0
@@ -723,7 +725,7 @@ class Optimizer(torch.optim.Optimizer):
         self.samples = 0
         self._advance_epoch()
         gathered = result.gathered.values() if result is not None else ()
-        digests = {m.get("outer") if isinstance(m, dict) else None for m in gathered}
+        digests = {RoundNote.read(m).outer for m in gathered}
         if len(digests) > 1:
             # The members started from different points (one stepped alone: it saw nobody yet,
             # or its round failed); the same change keeps them apart for good. Average them.
@@ -888,16 +890,47 @@ class Optimizer(torch.optim.Optimizer):
 
 
 
-def _samples(metadata: Any) -> int:
-    """The samples a round member says it contributed (0 if it says nothing sensible)."""
-    value = metadata.get("samples") if isinstance(metadata, dict) else None
-    return value if isinstance(value, int) and 0 <= value <= MAX_CLAIMED_SAMPLES else 0
+@dataclass(frozen=True)
+class RoundNote:
+    """What a member tells its group in a round: the samples and speed behind its gradients
+    (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco).
+    An aux peer says `aux`: it holds no state."""
 
+    samples: int = 0
+    speed: float = 0.0
+    state: str | None = None
+    aux: bool = False
+    outer: str | None = None
 
-def _speed(metadata: Any) -> float:
-    """The samples per second a round member says it computes (0 if nothing sensible)."""
-    value = metadata.get("sps") if isinstance(metadata, dict) else None
-    return float(value) if isinstance(value, (int, float)) and 0 <= value <= MAX_SAMPLES_PER_SECOND else 0.0
+    def to_wire(self) -> dict:
+        msg: dict[str, Any] = {"samples": self.samples, "sps": self.speed}
+        if self.state is not None:
+            msg["state"] = self.state
+        if self.outer is not None:
+            msg["outer"] = self.outer
+        if self.aux:
+            msg["aux"] = True
+        return msg
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> RoundNote:
+        what = "round note"
+        msg = wire_map(msg, what)
+        return cls(int_field(msg, "samples", what, 0, MAX_CLAIMED_SAMPLES + 1),
+                   min(number_field(msg, "sps", what, default=0.0), MAX_SAMPLES_PER_SECOND),
+                   text_field(msg, "state", what, MAX_DIGEST_CHARS, optional=True),
+                   msg.get("aux") is True,
+                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True))
+
+    @classmethod
+    def read(cls, msg: Any) -> RoundNote:
+        """A member's note, or an empty one if it is malformed: such a member is counted as
+        saying nothing (no samples, an unknown state), not allowed to fail the round for all."""
+        try:
+            return cls.from_wire(msg)
+        except MalformedMessage as e:
+            logger.debug("ignoring a malformed round note: %s", e)
+            return cls()
 
 
 def _drop(task: asyncio.Future) -> None:
