@@ -52,6 +52,7 @@ from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
 from potluck.core import serialization
 from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
+from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.wire import int_field, number_field, text_field, wire_map
 from potluck.optim.progress import MAX_SAMPLES_PER_SECOND, GlobalProgress, PeerProgress, ProgressTracker
@@ -107,7 +108,7 @@ class Optimizer(torch.optim.Optimizer):
     """A collaborative optimizer; see the module docstring.
 
     Args:
-        peer: a started `potluck.Peer`.
+        peer: a started `potluck.Peer`; the async API (`astart`, `astep`) takes any `PeerLike`.
         run_id: the name of the training run; peers with the same run_id train together.
         params: the model's parameters (as for any torch optimizer).
         optimizer: a torch optimizer over `params`, or a callable `params -> optimizer`.
@@ -137,7 +138,7 @@ class Optimizer(torch.optim.Optimizer):
     threads, so under `potluck.core.virtual_time` it costs no virtual time).
     """
 
-    def __init__(self, peer: Any, run_id: str, params: Iterable[Any], optimizer: Any,
+    def __init__(self, peer: PeerLike, run_id: str, params: Iterable[Any], optimizer: Any,
                  target_batch_size: int, batch_size_per_step: int, scheduler: Any = None, *,
                  mode: str = "sync", role: Role | str = Role.NODE, average_state_every: int = 1,
                  local_steps: int = 10, outer_lr: float = 0.7, outer_momentum: float = 0.9,
