@@ -346,7 +346,7 @@ def test_malformed_donor_records_are_ignored_and_the_newcomer_gets_the_state(cap
         avgs = [Averager(p, [torch.randn(100)], "records", matchmaking_time=0.5) for p in peers[:2]]
         await asyncio.gather(*(a.astep() for a in avgs))
         rogue = peers[2]
-        assert await rogue.dht.astore("records.state", {"version": "99", "addrs": []}, rogue.dht.get_time() + 60,
+        assert await rogue.dht.astore("records.state", {"version": "99"}, rogue.dht.get_time() + 60,
                                       subkey=str(rogue.transport.peer_id))
         newcomer = Averager(await add_peer(net, peers), [torch.zeros(100)], "records")
         with caplog.at_level(logging.DEBUG, logger="potluck.averaging.averager"):

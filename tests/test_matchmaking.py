@@ -27,11 +27,8 @@ from potluck.averaging.matchmaking import (
 )
 from potluck.core.errors import MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
-from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import PeerID
 from tests.emulated_swarm import make_swarm
-
-ADDRESS = "/ip4/127.0.0.1/tcp/31337"
 
 
 def peer_ids(n: int) -> list[PeerID]:
@@ -58,20 +55,18 @@ def test_join_request_refuses_malformed_fields_by_name():
 
 
 def test_declaration_refuses_malformed_fields_by_name():
-    good = Declaration("a" * 32, (ADDRESS, "/emu/peer7"))
+    good = Declaration("a" * 32)
     assert Declaration.from_wire(good.to_wire()) == good
+    assert "addrs" not in good.to_wire()  # peers are found by id, through their own signed records
     refuses(Declaration.from_wire, "declared", "not a map")
-    for key, value, field in (("schema", None, "'schema'"), ("schema", "a" * (MAX_SCHEMA_CHARS + 1), "'schema'"),
-                              ("addrs", ADDRESS, "'addrs'"), ("addrs", [ADDRESS] * (MAX_ADDRESSES_PER_PEER + 1), "'addrs'"),
-                              ("addrs", [7], "'addrs'"), ("addrs", ["/ip4/999.1.1.1/tcp/1"], "'addrs'"),
-                              ("addrs", ["/" * 2000], "'addrs'")):
+    for key, value, field in (("schema", None, "'schema'"), ("schema", "a" * (MAX_SCHEMA_CHARS + 1), "'schema'")):
         refuses(Declaration.from_wire, {**good.to_wire(), key: value}, field)
 
 
 def a_group(total: int = 100) -> tuple[FormedGroup, PeerID]:
     peers = peer_ids(3)
     group = Group(os.urandom(16), tuple(peers), ("node", "client", "aux"), (60, 0, 40))
-    return FormedGroup(group, ({"samples": 3}, None, 1.5), ((ADDRESS,), (), ("/emu/x",))), peers[1]
+    return FormedGroup(group, ({"samples": 3}, None, 1.5)), peers[1]
 
 
 def test_group_announcement_refuses_malformed_fields_by_name():
@@ -90,9 +85,7 @@ def test_group_announcement_refuses_malformed_fields_by_name():
             ("modes", ["node", "client"], "'modes'"), ("modes", ["node", "client", "boss"], "'modes'"),
             ("parts", [60, 0], "'parts'"), ("parts", [60, 0, 30], "'parts'"), ("parts", [110, 0, -10], "'parts'"),
             ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'"),  # a client cannot reduce
-            ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'"),
-            ("addrs", [[], []], "'addrs'"), ("addrs", [[], [], ["nowhere"]], "'addrs'"),
-            ("addrs", [[], [], [ADDRESS] * (MAX_ADDRESSES_PER_PEER + 1)], "'addrs'")):
+            ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'")):
         refuses(lambda w: FormedGroup.from_wire(w, me, 100), {**wire, key: value}, field)
 
 
@@ -145,7 +138,7 @@ def test_a_malformed_declaration_in_the_dht_is_ignored():
         rogue = peers[3]
         avgs = [Averager(p, [torch.full((8,), float(i))], "declared", matchmaking_time=1.0)
                 for i, p in enumerate(peers[:3])]
-        bogus = {"schema": avgs[0].schema, "addrs": ["not an address"] * 100}
+        bogus = {"schema": ["not a schema"] * 100}
         assert await rogue.dht.astore("declared.match.all", bogus, rogue.dht.get_time() + 0.5,
                                       subkey=str(rogue.transport.peer_id))
         results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
@@ -170,7 +163,7 @@ def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
             return {"group": {"id": "not bytes"}}
 
         rogue.transport.add_handler(f"{METHOD_JOIN}.hostile", broken_group)
-        declared = Declaration(avgs[0].schema, tuple(str(a) for a in rogue.transport.addresses))
+        declared = Declaration(avgs[0].schema)
         assert await rogue.dht.astore("hostile.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
                                       subkey=str(rogue.transport.peer_id))
         with caplog.at_level("WARNING", logger="potluck.averaging.matchmaking"):

@@ -28,10 +28,10 @@ from potluck.averaging.state_transfer import DonorRecord, StateServer, download_
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError, IdentityError, MalformedMessage
+from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.net.identity import PeerID
-from potluck.net.wire import addresses_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Averager:
     """Averages `tensors` with other peers under `run_id`; see DESIGN.md section 3.
 
     Args:
-        peer: a `potluck.Peer` (or any object with `.transport`, `.dht` and `.run`).
+        peer: a `potluck.Peer`; the async API (`astep`, ...) takes any `PeerLike`.
         tensors: float tensors; the averager keeps its own copies (`get_tensors()`), unless
             `copy=False`.
         run_id: the name of this averaging job; peers with the same run_id average together.
@@ -101,7 +101,7 @@ class Averager:
             or a newcomer's snapshot never sees them half-written.
     """
 
-    def __init__(self, peer: Any, tensors: Sequence[torch.Tensor], run_id: str,
+    def __init__(self, peer: PeerLike, tensors: Sequence[torch.Tensor], run_id: str,
                  target_group_size: int | None = None, min_group_size: int = 2,
                  compression: Any = "none", role: Role | str = Role.NODE, *, grid: Sequence[int] | None = None,
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
@@ -232,7 +232,7 @@ class Averager:
         """Tell the DHT that newcomers can download our state (done after every step)."""
         if self.state_server is None:
             return
-        record = DonorRecord(self.round, addresses_to_wire(self.transport.addresses))
+        record = DonorRecord(self.round)
         try:
             await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
                                        self.peer.dht.get_time() + STATE_RECORD_TTL, subkey=str(self.transport.peer_id))
@@ -257,7 +257,6 @@ class Averager:
             except (IdentityError, MalformedMessage) as e:
                 logger.debug("ignoring a state record of %r: %s", self.run_id, e)
                 continue
-            self.transport.add_addresses(peer_id, record.addresses)
             if peer_id != self.transport.peer_id:
                 donors[peer_id] = record.version
         if not donors:

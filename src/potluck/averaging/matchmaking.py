@@ -51,7 +51,7 @@ from potluck.core.wire import (
 )
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
-from potluck.net.wire import addresses_to_wire, addresses_value, peer_id_value
+from potluck.net.wire import peer_id_value
 
 __all__ = [
     "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
@@ -89,33 +89,32 @@ MAX_KEY_CHARS = 512
 @dataclass(frozen=True)
 class Candidate:
     """A peer in a gathering: who, in which role, its bandwidths (bytes/s, for the load split),
-    what it shares with the group, and how to reach it."""
+    and what it shares with the group."""
 
     peer_id: PeerID
     role: str
     upload: float
     download: float
     metadata: Any
-    addresses: tuple[str, ...]
 
 
 # -- messages ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Declaration:
     """A peer's record under a group key in the DHT (subkey: its peer id): it gathers peers whose
-    tensors have this `schema` until the record expires, and can be dialed at `addresses`."""
+    tensors have this `schema` until the record expires. Its addresses are not here: the transport
+    resolves the peer id through the peer's own signed record in the DHT."""
 
     schema: str
-    addresses: tuple[str, ...]
 
     def to_wire(self) -> dict:
-        return {"schema": self.schema, "addrs": list(self.addresses)}
+        return {"schema": self.schema}
 
     @classmethod
     def from_wire(cls, msg: Any) -> Declaration:
         what = "group declaration"
         msg = wire_map(msg, what)
-        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS), addresses_value(msg.get("addrs"), "addrs", what))
+        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS))
 
 
 @dataclass(frozen=True)
@@ -156,17 +155,15 @@ class JoinRequest:
 @dataclass(frozen=True)
 class FormedGroup:
     """A group as every member receives it (the leader's announcement): the all-reduce plan plus
-    everyone's metadata and addresses."""
+    everyone's metadata (members are named by peer id; the transport resolves their addresses)."""
 
     group: Group
     metadata: tuple[Any, ...]
-    addresses: tuple[tuple[str, ...], ...]  # how to reach each member (empty for client mode)
 
     def to_wire(self) -> dict:
         g = self.group
         return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
-                "parts": list(g.part_sizes), "meta": list(self.metadata),
-                "addrs": [list(a) for a in self.addresses]}
+                "parts": list(g.part_sizes), "meta": list(self.metadata)}
 
     @classmethod
     def from_wire(cls, msg: Any, me: PeerID, total: int) -> FormedGroup:
@@ -188,12 +185,11 @@ class FormedGroup:
             raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
         metadata = tuple(list_field(msg, "meta", what, n, length=n,
                                     each=lambda v: encoded_value(v, "meta", what, MAX_METADATA_BYTES)))
-        addresses = tuple(list_field(msg, "addrs", what, n, length=n, each=lambda v: addresses_value(v, "addrs", what)))
         try:
             group = Group(group_id, peers, tuple(modes), parts)
         except ValueError as e:
             raise MalformedMessage(what, f"'parts': {e}") from None
-        return cls(group, metadata, addresses)
+        return cls(group, metadata)
 
 
 @dataclass(frozen=True)
@@ -328,10 +324,8 @@ class Matchmaker:
                     target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
-        addresses = addresses_to_wire(self.transport.addresses)
         upload, download = bandwidth
-        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download,
-                       metadata, addresses)
+        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download, metadata)
         leader = self.leader if self.leader != self.transport.peer_id else None
         if leader is not None:
             await _settle(0.0, ready)  # our own check first: a failing peer must not join
@@ -348,7 +342,7 @@ class Matchmaker:
             opened.set()
             if keep:
                 return await self._keep(gathering, ready, give_up)
-            await self.dht.astore(self._dht_key(group_key), Declaration(self.schema, addresses).to_wire(),
+            await self.dht.astore(self._dht_key(group_key), Declaration(self.schema).to_wire(),
                                   closes_at, subkey=str(self.transport.peer_id))
         try:
             tried: set[PeerID] = set()
@@ -476,7 +470,6 @@ class Matchmaker:
             order = (entry.expiration_time, peer.to_bytes())
             if me is not None and order >= me:
                 continue  # later than us: it joins us, not the other way round
-            self.transport.add_addresses(peer, declared.addresses)
             candidates[order] = peer
         return [candidates[order] for order in sorted(candidates)]
 
@@ -499,11 +492,7 @@ class Matchmaker:
             logger.warning("leader %s sent a %s; not joining it", leader, e)
             return None
         if isinstance(answer, JoinAccepted):
-            formed = answer.group
-            for peer, addrs in zip(formed.group.peers, formed.addresses, strict=True):
-                if peer != self.transport.peer_id:
-                    self.transport.add_addresses(peer, addrs)
-            return formed
+            return answer.group
         if isinstance(answer, JoinFailed):
             raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
         tried.update(answer.taken)
@@ -538,8 +527,7 @@ class Matchmaker:
             return JoinRefused("group is full or already formed", taken)
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return JoinRefused("already a member")
-        gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata,
-                                           addresses_to_wire(ctx.remote.addresses)))
+        gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)
@@ -563,7 +551,7 @@ class Matchmaker:
         fractions = optimal_fractions(modes, [m.upload for m in members], [m.download for m in members])
         group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(modes),
                       tuple(part_sizes(self.total, fractions)))
-        formed = FormedGroup(group, tuple(m.metadata for m in members), tuple(m.addresses for m in members))
+        formed = FormedGroup(group, tuple(m.metadata for m in members))
         gathering.done.set_result(formed)
         return formed
 

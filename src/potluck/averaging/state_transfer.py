@@ -52,7 +52,6 @@ from potluck.core.wire import bytes_field, encoded_value, int_field, list_field,
 from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
-from potluck.net.wire import addresses_value
 
 __all__ = [
     "CHUNK_BYTES",
@@ -279,19 +278,19 @@ class ChunkReply:
 @dataclass(frozen=True)
 class DonorRecord:
     """A peer's record under `<prefix>.state` in the DHT (subkey: its peer id): it offers its state
-    of `version` to newcomers, and can be dialed at `addresses`."""
+    of `version` to newcomers. Its addresses are not here: the transport resolves the peer id
+    through the peer's own signed record in the DHT."""
 
     version: int
-    addresses: tuple[str, ...]
 
     def to_wire(self) -> dict:
-        return {"version": self.version, "addrs": list(self.addresses)}
+        return {"version": self.version}
 
     @classmethod
     def from_wire(cls, msg: Any) -> DonorRecord:
         what = "donor record"
         msg = wire_map(msg, what)
-        return cls(int_field(msg, "version", what, 0, MAX_VERSION), addresses_value(msg.get("addrs"), "addrs", what))
+        return cls(int_field(msg, "version", what, 0, MAX_VERSION))
 
 
 # -- the server --------------------------------------------------------------------------------------
