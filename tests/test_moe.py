@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import potluck
-from potluck.core.errors import RemoteError
+from potluck.core.errors import MalformedMessage, RemoteError
 from potluck.moe import (
     BadExpertRequest,
     ExpertNotFound,
@@ -84,7 +84,8 @@ def test_remote_expert_forward_backward_and_update_equal_a_local_copy(peers):
                 torch.testing.assert_close(x.grad, x_local.grad)
         for p, q in zip(module.parameters(), local.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach())
-        assert remote.info()["inputs"] == [["float32", [HIDDEN]]]
+        info = remote.info()
+        assert info.inputs == info.outputs == (TensorSchema((HIDDEN,)),) and info.updates == 4
 
 
 @pytest.mark.timeout(60)
@@ -150,23 +151,26 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(peers):
     server_peer, client = peers(2)
     with grid_server(server_peer, ["ffn.0.0"], max_batch_size=16) as server:
         remote = RemoteExpert(client, "ffn.0.0")
-        with pytest.raises(BadExpertRequest, match=r"shape \[4, 5\]; expected float32\[batch, 8\]"):
+        with pytest.raises(BadExpertRequest, match=r"shape \[4, 5\]; expected float32\[batch, 8\]") as info:
             remote(torch.randn(4, 5))
+        assert info.value.field.startswith("'inputs'[0]") and info.value.uid == "ffn.0.0"
+        assert isinstance(info.value, MalformedMessage)  # catchable by kind, with every protocol's refusals
         with pytest.raises(BadExpertRequest, match="dtype float64"):
             remote(torch.randn(4, HIDDEN, dtype=torch.float64))
         with pytest.raises(BadExpertRequest, match="17 rows; this server takes 1 to 16"):
             remote(torch.randn(17, HIDDEN))
-        with pytest.raises(BadExpertRequest, match="takes 1 input"):
+        with pytest.raises(BadExpertRequest, match=r"'inputs' must hold 1 tensor\(s\)"):
             remote(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN))
         location = remote.location
         with pytest.raises(ExpertNotFound, match="'ffn.9.9' is not served"):
             RemoteExpert(client, "ffn.9.9", location=ExpertLocation("ffn.9.9", location.peer_id))(torch.randn(1, HIDDEN))
         with pytest.raises(ExpertNotFound, match="no live server"):
             RemoteExpert(client, "ffn.7.7")(torch.randn(1, HIDDEN))
-        with pytest.raises(RemoteError, match="must be a dict"):
+        with pytest.raises(RemoteError, match="malformed forward request: not a map"):
             client.call(location.peer_id, METHOD_FORWARD, [1, 2, 3], timeout=10)
-        with pytest.raises(RemoteError, match="must be a tensor"):
+        with pytest.raises(RemoteError, match=r"'inputs'\[0\] must be a tensor") as info:
             client.call(location.peer_id, METHOD_FORWARD, {"uid": "ffn.0.0", "call": 1, "inputs": ["x"]}, timeout=10)
+        assert info.value.remote_type == "BadExpertRequest"
         assert server.stats["ffn.0.0"].rejected == 5
         x = torch.randn(16, HIDDEN)  # the server still answers correct calls
         torch.testing.assert_close(remote(x), server.experts["ffn.0.0"].module(x))

@@ -64,9 +64,9 @@ def _server(spec: dict) -> int:
             announce_ttl=ANNOUNCE_TTL) as server:
         _emit({"address": peer.addresses[0], "experts": uids})
         while not stop.wait(1.0):
-            stats = [s.as_dict() for s in server.stats.values()]
-            _emit({"calls": sum(s["forward_calls"] + s["backward_calls"] for s in stats),
-                   "updates": sum(s["updates"] for s in stats), "time": time.time()})
+            stats = server.stats.values()
+            _emit({"calls": sum(s.forward_calls + s.backward_calls for s in stats),
+                   "updates": sum(s.updates for s in stats), "time": time.time()})
     return 0
 
 
@@ -84,13 +84,12 @@ async def _alive_experts(peer: Any) -> list[str]:
     import asyncio
 
     from potluck.moe.expert import ainfo
-    from potluck.moe.grid import ExpertLocation, GridDirectory
+    from potluck.moe.grid import GridDirectory
     directory = GridDirectory(peer.dht, 0.0, CALL_TIMEOUT)
     rows = (await directory.children(["ffn."]))["ffn."]
     keys = [f"ffn.{r}." for r in sorted(rows)]
-    locations = [ExpertLocation.from_value(f"{key}{c}", v) for key, entries in (await directory.children(keys)).items()
-                 for c, v in entries.items()]
-    locations = [loc for loc in locations if loc is not None]
+    locations = [loc for entries in (await directory.children(keys)).values() for loc in entries.values()
+                 if loc is not None]
     answers = await asyncio.gather(*(ainfo(peer.transport, loc, CALL_TIMEOUT) for loc in locations),
                                    return_exceptions=True)
     return sorted(loc.uid for loc, a in zip(locations, answers, strict=True) if not isinstance(a, BaseException))

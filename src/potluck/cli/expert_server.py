@@ -100,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  --initial-peers {addr}")
         print("ready; press Ctrl-C to stop", flush=True)
         while not stop.wait(STATUS_INTERVAL):
-            stats = [s.as_dict() for s in server.stats.values()]
-            print(f"forward calls {sum(s['forward_calls'] for s in stats)}, backward calls "
-                  f"{sum(s['backward_calls'] for s in stats)}, rows {sum(s['rows'] for s in stats)}, "
-                  f"updates {sum(s['updates'] for s in stats)}, rejected {sum(s['rejected'] for s in stats)}",
+            stats = server.stats.values()
+            print(f"forward calls {sum(s.forward_calls for s in stats)}, backward calls "
+                  f"{sum(s.backward_calls for s in stats)}, rows {sum(s.rows for s in stats)}, "
+                  f"updates {sum(s.updates for s in stats)}, rejected {sum(s.rejected for s in stats)}",
                   flush=True)
     print("stopped", flush=True)
     return 0

@@ -1,7 +1,8 @@
 """`potluck.moe`: decentralized mixture-of-experts (DMoE), experts hosted on other peers.
 
-Owns the expert server and its batching runtime and checkpoints (`server`), the client side of an
-expert call as an autograd function (`expert`: `RemoteExpert`), uid grids, DHT announcements and
+Owns the expert server and its batching runtime and checkpoints (`server`), the typed wire messages
+and their checks (`messages`), the client side of an expert call as an autograd function
+(`expert`: `RemoteExpert`), uid grids, DHT announcements and
 the beam search that finds live experts (`grid`), the mixture layers (`layers`) and the built-in
 expert types (`experts`). Imports from `potluck.core`, `potluck.net` and `potluck.dht` only.
 """

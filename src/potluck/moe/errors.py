@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from potluck.core.errors import PotluckError
+from potluck.core.errors import MalformedMessage, PotluckError
 
 __all__ = ["BadExpertRequest", "ExpertError", "ExpertNotFound", "NotEnoughExperts", "StashMissing"]
 
@@ -11,8 +11,16 @@ class ExpertError(PotluckError):
     """Base of expert-server and remote-expert errors."""
 
 
-class BadExpertRequest(ExpertError, ValueError):
-    """A request does not match the expert's declared inputs (count, shape, dtype, size)."""
+class BadExpertRequest(MalformedMessage, ExpertError, ValueError):
+    """An expert server refused a request at parse time: not a map, a missing or ill-typed field,
+    tensors that do not match the expert's declared inputs or outputs (count, dtype, shape, rows),
+    or non-finite values. A `MalformedMessage` (catch every protocol's refusals by that kind) and
+    an `ExpertError`; `field` names the part that was wrong (`'inputs'[0] has shape ...`) and `uid`
+    the expert it addressed, if it named one this server hosts."""
+
+    def __init__(self, message: str, field: str = "", uid: str | None = None):
+        super().__init__(message, field)
+        self.uid = uid
 
 
 class ExpertNotFound(ExpertError, LookupError):

@@ -7,16 +7,27 @@ one `torch.autograd.Function`, so a remote expert composes with local layers lik
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from potluck.core.errors import NetworkError, RemoteError
+from potluck.core.errors import MalformedMessage, NetworkError, RemoteError
+from potluck.core.peer_like import PeerLike
 from potluck.moe.errors import BadExpertRequest, ExpertError, ExpertNotFound, NotEnoughExperts, StashMissing
 from potluck.moe.grid import ExpertLocation
+from potluck.moe.messages import (
+    MAX_CALL_ID,
+    BackwardReply,
+    BackwardRequest,
+    ExpertInfo,
+    ForwardReply,
+    ForwardRequest,
+    InfoRequest,
+)
 from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD, METHOD_INFO
 
 __all__ = ["DEFAULT_TIMEOUT", "ForwardReply", "RemoteExpert", "abackward", "aforward", "ainfo", "new_call_id"]
@@ -32,25 +43,25 @@ _ERRORS: dict[str, type[ExpertError]] = {
 
 
 def new_call_id() -> int:
-    return secrets.randbits(62)
+    return secrets.randbelow(MAX_CALL_ID)
 
 
-def _translate(error: RemoteError) -> Exception:
-    """The server's expert errors as local exceptions of the same kind; other errors unchanged."""
+def _translate(error: RemoteError, uid: str) -> Exception:
+    """The server's expert errors as local exceptions of the same kind; other errors unchanged.
+    A BadExpertRequest keeps its field (the text after "malformed <request>: ")."""
     cls = _ERRORS.get(error.remote_type)
+    if cls is BadExpertRequest:
+        text = str(error).removeprefix(f"remote {error.remote_type}: ").removeprefix("malformed ")
+        what, _, detail = text.partition(": ")
+        return BadExpertRequest(what, detail, uid)
     return cls(str(error)) if cls is not None else error
 
 
-async def _call(transport: Any, location: ExpertLocation, method: str, request: dict, timeout: float) -> Any:
+async def _call(transport: Any, location: ExpertLocation, method: str, request: Any, timeout: float) -> Any:
     try:
-        return await transport.call(location.peer_id, method, request, timeout=timeout)
+        return await transport.call(location.peer_id, method, request.to_wire(), timeout=timeout)
     except RemoteError as e:
-        raise _translate(e) from None
-
-
-class ForwardReply(NamedTuple):
-    outputs: list[torch.Tensor]
-    kept: bool  # the server kept the forward graph: the backward call need not resend the inputs
+        raise _translate(e, location.uid) from None
 
 
 async def aforward(transport: Any, location: ExpertLocation, call_id: int, inputs: Sequence[torch.Tensor],
@@ -58,15 +69,13 @@ async def aforward(transport: Any, location: ExpertLocation, call_id: int, input
     """Run the expert's forward pass on its server; the call id pairs it with the backward call.
 
     `needs_grad` says which inputs will want gradients (default: all), so the server keeps only that work.
+    A refused request raises BadExpertRequest; a malformed reply, MalformedMessage.
     """
-    request = {"uid": location.uid, "call": call_id, "inputs": [x.detach() for x in inputs]}
-    if needs_grad is not None:
-        request["grad"] = [bool(n) for n in needs_grad]
-    response = await _call(transport, location, METHOD_FORWARD, request, timeout)
-    outputs = response.get("outputs") if isinstance(response, dict) else None
-    if not isinstance(outputs, list) or not all(isinstance(o, torch.Tensor) for o in outputs):
-        raise ExpertError(f"expert {location.uid!r} sent a malformed forward response")
-    return ForwardReply(outputs, response.get("kept") is True)
+    inputs = tuple(x.detach() for x in inputs)
+    flags = tuple(bool(n) for n in needs_grad) if needs_grad is not None else (True,) * len(inputs)
+    reply = await _call(transport, location, METHOD_FORWARD, ForwardRequest(location.uid, call_id, inputs, flags),
+                        timeout)
+    return ForwardReply.from_wire(reply, inputs[0].shape[0] if inputs and inputs[0].dim() else 0, location.uid)
 
 
 async def abackward(transport: Any, location: ExpertLocation, call_id: int, inputs: Sequence[torch.Tensor],
@@ -77,39 +86,33 @@ async def abackward(transport: Any, location: ExpertLocation, call_id: int, inpu
     The inputs go along only if the server did not keep the forward graph (`kept`, from the forward
     reply) or has dropped it since (it then answers StashMissing and we resend).
     """
-    request: dict[str, Any] = {"uid": location.uid, "call": call_id, "grads": [g.detach() for g in grad_outputs]}
-    if needs_grad is not None:
-        request["grad"] = [bool(n) for n in needs_grad]
-    if not kept:
-        request["inputs"] = [x.detach() for x in inputs]
+    inputs = tuple(x.detach() for x in inputs)
+    flags = tuple(bool(n) for n in needs_grad) if needs_grad is not None else (True,) * len(inputs)
+    request = BackwardRequest(location.uid, call_id, tuple(g.detach() for g in grad_outputs),
+                              None if kept else inputs, flags)
     try:
-        response = await _call(transport, location, METHOD_BACKWARD, request, timeout)
+        reply = await _call(transport, location, METHOD_BACKWARD, request, timeout)
     except StashMissing:
-        request["inputs"] = [x.detach() for x in inputs]
-        response = await _call(transport, location, METHOD_BACKWARD, request, timeout)
-    grads = response.get("grads") if isinstance(response, dict) else None
-    if not isinstance(grads, list) or len(grads) != len(inputs):
-        raise ExpertError(f"expert {location.uid!r} sent a malformed backward response")
-    out: list[torch.Tensor | None] = []
-    for g, x in zip(grads, inputs, strict=True):
-        if not isinstance(g, torch.Tensor) or (g.numel() and g.shape != x.shape):
-            raise ExpertError(f"expert {location.uid!r} sent a gradient of the wrong shape")
-        out.append(g if g.numel() or not x.numel() else None)
-    return out
+        reply = await _call(transport, location, METHOD_BACKWARD, dataclasses.replace(request, inputs=inputs), timeout)
+    return list(BackwardReply.from_wire(reply, inputs, location.uid).grads)
 
 
-async def ainfo(transport: Any, location: ExpertLocation, timeout: float = DEFAULT_TIMEOUT) -> dict:
-    """The expert's declared inputs and outputs ([dtype, shape] without the batch dim) and limits."""
-    return await _call(transport, location, METHOD_INFO, {"uid": location.uid}, timeout)
+async def ainfo(transport: Any, location: ExpertLocation, timeout: float = DEFAULT_TIMEOUT) -> ExpertInfo:
+    """The expert's declared inputs and outputs (batch dim excluded), its server's rows per call and
+    its optimizer steps."""
+    return ExpertInfo.from_wire(await _call(transport, location, METHOD_INFO, InfoRequest(location.uid), timeout),
+                                location.uid)
 
 
 async def alocate(dht: Any, uid: str, timeout: float = LOOKUP_TIMEOUT) -> ExpertLocation:
     """Where `uid` is served, from the DHT; ExpertNotFound if no live server announced it."""
     found = await dht.aget(uid, latest=True, timeout=timeout)
-    location = ExpertLocation.from_value(uid, found.value) if found is not None else None
-    if location is None:
+    if found is None:
         raise ExpertNotFound(f"no live server announces expert {uid!r} in the DHT")
-    return location
+    try:
+        return ExpertLocation.from_wire(uid, found.value)
+    except MalformedMessage as e:
+        raise ExpertNotFound(f"the DHT record of expert {uid!r} is malformed ({e})") from None
 
 
 # A tensor that requires grad, passed to every remote call so autograd calls backward even when no
@@ -124,6 +127,8 @@ class _RemoteCall(torch.autograd.Function):
         try:
             reply = expert._run(aforward(expert._transport, expert.location, call_id, inputs,
                                          expert.forward_timeout, ctx.needs_input_grad[2:]), expert.forward_timeout)
+        except BadExpertRequest:
+            raise  # our request was wrong, not the location
         except (NetworkError, ExpertNotFound):
             expert._forget_location()  # the expert may have moved to another server: look it up again next time
             raise
@@ -144,13 +149,13 @@ class RemoteExpert(nn.Module):
     """An expert served by another peer, used like a local module (forward and backward).
 
     Args:
-        peer: this process's `potluck.Peer`.
+        peer: this process's started `potluck.Peer`.
         uid: the expert's uid (e.g. `ffn.3.14`); its server is looked up in the DHT.
         location: where it is served, if already known (skips the lookup).
         forward_timeout, backward_timeout: seconds per call (None: `DEFAULT_TIMEOUT`).
     """
 
-    def __init__(self, peer: Any, uid: str, *, location: ExpertLocation | None = None,
+    def __init__(self, peer: PeerLike, uid: str, *, location: ExpertLocation | None = None,
                  forward_timeout: float | None = None, backward_timeout: float | None = None):
         super().__init__()
         self.peer = peer
@@ -177,7 +182,7 @@ class RemoteExpert(nn.Module):
         if not self._pinned:
             self._location = None
 
-    def info(self) -> dict:
+    def info(self) -> ExpertInfo:
         """The expert's declared inputs/outputs and the server's limits."""
         return self._run(ainfo(self._transport, self.location, self.forward_timeout), self.forward_timeout)
 

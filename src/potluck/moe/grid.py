@@ -13,13 +13,18 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from potluck.core.errors import MalformedMessage
+from potluck.core.wire import wire_map
 from potluck.dht import DHT
 from potluck.net.identity import PeerID
+from potluck.net.wire import peer_id_value
 
-__all__ = ["ExpertLocation", "GridDirectory", "announce_experts", "beam_search", "grid_prefix", "parse_uid"]
+__all__ = ["ExpertLocation", "GridDirectory", "announce_experts", "beam_search", "grid_prefix", "parse_uid",
+           "read_location"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,28 +32,38 @@ logger = logging.getLogger(__name__)
 MAX_GRID_SIZE = 1 << 20
 # Prefix lookups in flight per beam-search round (per sample, the best frontier entries).
 DEFAULT_BEAM_SIZE = 4
+# Characters of a uid read from the DHT that a log line repeats.
+MAX_LOGGED_UID = 200
 
 
 @dataclass(frozen=True)
 class ExpertLocation:
     """Where one expert is served: the serving peer's id. Its addresses come from the peer's own
-    signed record, which the transport looks up when it dials (`potluck.net.peer_record`)."""
+    signed record, which the transport looks up when it dials (`potluck.net.peer_record`).
+
+    Its wire form is the DHT record a server stores under the uid and under the last grid prefix."""
 
     uid: str
     peer_id: PeerID
 
-    def to_value(self) -> dict:
+    def to_wire(self) -> dict:
         return {"peer": str(self.peer_id)}
 
     @classmethod
-    def from_value(cls, uid: str, value: object) -> ExpertLocation | None:
-        """Parse a DHT value; None (and a debug log) if it is malformed."""
-        try:
-            peer = PeerID.from_string(value["peer"])  # type: ignore[index]
-        except Exception:  # noqa: BLE001 - anyone can write to the DHT; skip garbage
-            logger.debug("malformed expert record for %s: %r", uid, value)
-            return None
-        return cls(uid, peer)
+    def from_wire(cls, uid: str, msg: Any) -> ExpertLocation:
+        """The record found under `uid` (or under its grid prefix); MalformedMessage if it is not one."""
+        what = "expert record"
+        return cls(uid, peer_id_value(wire_map(msg, what).get("peer"), "peer", what))
+
+
+def read_location(uid: str, value: object) -> ExpertLocation | None:
+    """A DHT value as an `ExpertLocation`; None (and a debug log) if it is malformed: anyone can
+    write to the DHT, so garbage is skipped, not raised."""
+    try:
+        return ExpertLocation.from_wire(uid, value)
+    except MalformedMessage as e:
+        logger.debug("skipping the expert record of %s: %s", uid[:MAX_LOGGED_UID], e)
+        return None
 
 
 def parse_uid(uid: str) -> tuple[str, tuple[int, ...]]:
@@ -74,7 +89,7 @@ def announcement_items(locations: Iterable[ExpertLocation], expiration: float) -
     items: list[tuple] = []
     for loc in locations:
         name, coords = parse_uid(loc.uid)
-        value = loc.to_value()
+        value = loc.to_wire()
         items.append((loc.uid, value, expiration, None))
         for depth, coord in enumerate(coords):
             last = depth == len(coords) - 1
@@ -92,7 +107,9 @@ async def announce_experts(dht: DHT, locations: Iterable[ExpertLocation], expira
     return sum(stored)
 
 
-Children = dict[int, object]
+# A grid prefix's live entries: coordinate -> the expert there (last dimension) or None (an
+# inner dimension: some expert lives below it).
+Children = dict[int, "ExpertLocation | None"]
 Fetch = Callable[[list[str]], Awaitable[dict[str, Children]]]
 
 
@@ -106,7 +123,10 @@ class GridDirectory:
         self._cache: dict[str, tuple[float, Children]] = {}
 
     async def children(self, keys: list[str]) -> dict[str, Children]:
-        """{prefix: {coordinate: value}} of unexpired entries for each prefix key."""
+        """{prefix: {coordinate: location or None}} of unexpired entries for each prefix key.
+
+        An entry whose value is a map is an expert's record (`ExpertLocation`), skipped if
+        malformed; any other value marks an inner coordinate (its value is not used)."""
         now = self.dht.get_time()
         found = {k: entry[1] for k in keys if (entry := self._cache.get(k)) and now - entry[0] < self.cache_seconds}
         missing = [k for k in keys if k not in found]
@@ -118,7 +138,10 @@ class GridDirectory:
                 if result is not None and isinstance(result.value, dict):
                     for sub, item in result.value.items():
                         if isinstance(sub, int) and 0 <= sub < MAX_GRID_SIZE and item.expiration_time > now:
-                            entries[sub] = item.value
+                            if not isinstance(item.value, Mapping):
+                                entries[sub] = None
+                            elif (location := read_location(f"{key}{sub}", item.value)) is not None:
+                                entries[sub] = location
                 found[key] = entries
                 self._cache[key] = (now, entries)
         return found
@@ -178,9 +201,9 @@ async def beam_search(fetch: Fetch, name: str, scores: Sequence[Sequence[Sequenc
                     new = (*coords, coord)
                     location = None
                     if depth + 1 == dims:
-                        location = ExpertLocation.from_value(prefix + str(coord), value)
-                        if location is None:
-                            continue
+                        if not isinstance(value, ExpertLocation):
+                            continue  # an inner entry where an expert should be
+                        location = value
                     priority = score + tails[b][depth + 1]
                     if not math.isfinite(priority):
                         continue

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from potluck.core.peer_like import PeerLike
 from potluck.moe.errors import NotEnoughExperts
 from potluck.moe.expert import _DUMMY, DEFAULT_TIMEOUT, LOOKUP_TIMEOUT, ForwardReply, abackward, aforward, new_call_id
-from potluck.moe.grid import ExpertLocation, GridDirectory, beam_search, parse_uid
+from potluck.moe.grid import Children, ExpertLocation, GridDirectory, beam_search, parse_uid
 
 __all__ = ["RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
 
@@ -94,7 +95,7 @@ class _MixtureCall(torch.autograd.Function):
 
 
 class _RemoteMixtureBase(nn.Module):
-    def __init__(self, peer: Any, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
+    def __init__(self, peer: PeerLike, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
                  k_min: int, forward_timeout: float | None, backward_timeout: float | None,
                  beam_size: int | None, cache_seconds: float):
         super().__init__()
@@ -125,10 +126,10 @@ class _RemoteMixtureBase(nn.Module):
         self._dead = {p: t for p, t in self._dead.items() if t > now}
         dead = set(self._dead)
 
-        async def fetch(keys: list[str]) -> dict:
+        async def fetch(keys: list[str]) -> dict[str, Children]:
             found = await self.directory.children(keys)
-            return {key: {c: v for c, v in entries.items()
-                          if not (isinstance(v, dict) and v.get("peer") in dead)} for key, entries in found.items()}
+            return {key: {c: loc for c, loc in entries.items() if loc is None or str(loc.peer_id) not in dead}
+                    for key, entries in found.items()}
         return await beam_search(fetch, self.name, scores, k, self.beam_size)
 
     async def _forward_all(self, x: torch.Tensor, dispatches: list[_Dispatch]) -> list[Any]:
@@ -194,17 +195,19 @@ class RemoteMixtureOfExperts(_RemoteMixtureBase):
     softmax weights of the gating scores, renormalized over the experts that answered in time.
 
     Args:
-        peer: this process's `potluck.Peer` (its DHT finds the experts).
+        peer: this process's started `potluck.Peer` (its DHT finds the experts).
         in_features: input width; inputs are [..., in_features].
         grid_size: the expert grid, e.g. (4, 4) for uids `ffn.0.0` ... `ffn.3.3`.
-        uid_prefix: the grid's name, e.g. "ffn" or "ffn.".
+        uid_prefix: the grid's name, e.g. "ffn" or "ffn.": the part of its experts' uids before the
+            coordinates. Not a run name: one run may hold several grids (one per layer), and a
+            server may host experts of several grids.
         k_best: experts asked per sample. k_min: fewest answers a sample may have (else NotEnoughExperts).
         forward_timeout, backward_timeout: seconds per expert call (None: 60); late experts are dropped.
         beam_size: prefixes each search round looks up per sample (default max(k_best, 2)).
         cache_seconds: how long DHT prefix lookups are reused.
     """
 
-    def __init__(self, peer: Any, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
+    def __init__(self, peer: PeerLike, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
                  k_min: int = 1, forward_timeout: float | None = None, backward_timeout: float | None = None, *,
                  beam_size: int | None = None, cache_seconds: float = DEFAULT_CACHE_SECONDS):
         super().__init__(peer, in_features, grid_size, uid_prefix, k_best, k_min, forward_timeout,
@@ -232,7 +235,7 @@ class RemoteSwitchMixtureOfExperts(_RemoteMixtureBase):
     connection around the layer then carries it); if no sample got an answer, NotEnoughExperts.
     """
 
-    def __init__(self, peer: Any, in_features: int, grid_size: Sequence[int], uid_prefix: str,
+    def __init__(self, peer: PeerLike, in_features: int, grid_size: Sequence[int], uid_prefix: str,
                  forward_timeout: float | None = None, backward_timeout: float | None = None, *,
                  beam_size: int | None = None, cache_seconds: float = DEFAULT_CACHE_SECONDS):
         super().__init__(peer, in_features, grid_size, uid_prefix, 1, 1, forward_timeout, backward_timeout,

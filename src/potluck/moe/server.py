@@ -26,10 +26,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from potluck.core.errors import MalformedMessage
+from potluck.core.peer_like import PeerLike
 from potluck.core.serialization import dumps, loads
-from potluck.moe.errors import BadExpertRequest, ExpertError, ExpertNotFound, StashMissing
+from potluck.core.tensors import all_finite
+from potluck.moe.errors import BadExpertRequest, ExpertError, StashMissing
 from potluck.moe.experts import TensorSchema, make_expert
 from potluck.moe.grid import ExpertLocation, announce_experts
+from potluck.moe.messages import (
+    MAX_UID_CHARS,
+    BackwardReply,
+    BackwardRequest,
+    ExpertCheckpoint,
+    ExpertInfo,
+    ForwardReply,
+    ForwardRequest,
+    InfoRequest,
+)
 from potluck.net.connection import CallContext
 
 __all__ = ["ExpertServer", "ExpertStats", "HostedExpert", "METHOD_BACKWARD", "METHOD_FORWARD", "METHOD_INFO"]
@@ -40,8 +53,9 @@ METHOD_FORWARD = "moe.forward"
 METHOD_BACKWARD = "moe.backward"
 METHOD_INFO = "moe.info"
 
-# Rows one call may send and one batch may hold. A call over it is refused with a clear error: it
-# bounds the memory a single request can make the server allocate (frames are also capped, 64 MiB).
+# Rows one call may send and one batch may hold. A call over it is refused with a clear error: with
+# the expert's declared per-sample shapes it bounds the tensor elements a single request may carry,
+# and so the memory it can make the server allocate (frames are also capped, 64 MiB).
 DEFAULT_MAX_BATCH_SIZE = 4096
 # How long an announcement stays valid; refreshed every third of it, so one lost refresh is harmless
 # and a dead server disappears from searches within this many seconds.
@@ -75,6 +89,7 @@ class ExpertStats:
     recomputes: int = 0
     updates: int = 0
     rejected: int = 0
+    skipped_updates: int = 0  # backward batches whose parameter gradients were not finite: not applied
     recent_batch_calls: deque = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
 
     @property
@@ -85,7 +100,7 @@ class ExpertStats:
         return {"forward_calls": self.forward_calls, "forward_batches": self.forward_batches,
                 "backward_calls": self.backward_calls, "backward_batches": self.backward_batches,
                 "rows": self.rows, "stash_hits": self.stash_hits, "recomputes": self.recomputes,
-                "updates": self.updates, "rejected": self.rejected,
+                "updates": self.updates, "rejected": self.rejected, "skipped_updates": self.skipped_updates,
                 "max_calls_per_batch": self.max_calls_per_batch}
 
 
@@ -94,11 +109,11 @@ class _Task:
     kind: str  # "forward" | "backward"
     caller: str
     call_id: int
-    inputs: list[torch.Tensor] | None
-    grads: list[torch.Tensor] | None
+    inputs: tuple[torch.Tensor, ...] | None
+    grads: tuple[torch.Tensor, ...] | None
     rows: int
     future: asyncio.Future
-    needs_grad: list[bool] = field(default_factory=list)  # per input: does the caller want its gradient
+    needs_grad: tuple[bool, ...] = ()  # per input: does the caller want its gradient
     seq: int = 0  # arrival order, for fairness between queues
 
 
@@ -122,17 +137,6 @@ def _split(tensors: Sequence[torch.Tensor], rows: list[int]) -> list[list[torch.
     """Per-call pieces of batched tensors, as contiguous tensors ready to send."""
     pieces = [t.split(rows) for t in tensors]
     return [[p[i].contiguous() for p in pieces] for i in range(len(rows))]
-
-
-def _needs_grad(request: dict, count: int) -> list[bool]:
-    """Which inputs the caller wants gradients for ("grad": [bool, ...]; default all), so the server
-    skips work that local autograd would skip too (e.g. the gradient of a batch of raw data)."""
-    flags = request.get("grad")
-    if flags is None:
-        return [True] * count
-    if not isinstance(flags, list) or len(flags) != count or not all(isinstance(f, bool) for f in flags):
-        raise BadExpertRequest(f"'grad' must be a list of {count} booleans, one per input")
-    return flags
 
 
 class HostedExpert:
@@ -160,32 +164,6 @@ class HostedExpert:
             self.output_schema = tuple(TensorSchema(tuple(o.shape[1:]), o.dtype) for o in _as_tuple(module(*sample)))
         module.train(training)
 
-    # -- checks (on the event loop; cheap) -----------------------------------------------------------
-    def check(self, what: str, tensors: object, schema: Sequence[TensorSchema], max_rows: int) -> int:
-        """Rows of a well-formed request; BadExpertRequest naming the problem otherwise."""
-        if not isinstance(tensors, list) or len(tensors) != len(schema):
-            got = f"{len(tensors)} tensors" if isinstance(tensors, list) else type(tensors).__name__
-            raise BadExpertRequest(f"expert {self.uid!r} takes {len(schema)} {what} tensor(s) "
-                                   f"({', '.join(s.describe() for s in schema)}); got {got}")
-        rows = None
-        for i, (t, s) in enumerate(zip(tensors, schema, strict=True)):
-            if not isinstance(t, torch.Tensor):
-                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} must be a tensor, got {type(t).__name__}")
-            if t.dtype != s.dtype:
-                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} has dtype "
-                                       f"{str(t.dtype).removeprefix('torch.')}; expected {s.describe()}")
-            if t.dim() != len(s.shape) + 1 or tuple(t.shape[1:]) != s.shape:
-                raise BadExpertRequest(f"{what} {i} of expert {self.uid!r} has shape {list(t.shape)}; "
-                                       f"expected {s.describe()}")
-            if rows is not None and t.shape[0] != rows:
-                raise BadExpertRequest(f"{what} tensors of expert {self.uid!r} disagree on the batch size")
-            rows = t.shape[0]
-        rows = rows or 0
-        if not 0 < rows <= max_rows:
-            raise BadExpertRequest(f"a call to expert {self.uid!r} has {rows} rows; this server takes "
-                                   f"1 to {max_rows} rows per call (split larger batches)")
-        return rows
-
     # -- batches (on the runtime thread) -------------------------------------------------------------
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad] if self.optimizer is not None else []
@@ -196,7 +174,7 @@ class HostedExpert:
                                or now - next(iter(self._stash.values())).created > STASH_SECONDS):
             self._stash.popitem(last=False)
 
-    def forward_batch(self, tasks: list[_Task]) -> list[Any]:
+    def forward_batch(self, tasks: list[_Task]) -> list[ForwardReply]:
         self.stats.forward_batches += 1
         self.stats.forward_calls += len(tasks)
         self.stats.recent_batch_calls.append(len(tasks))
@@ -209,14 +187,14 @@ class HostedExpert:
                 outputs = _as_tuple(self.module(*leaves))
             self._stash[(task.caller, task.call_id)] = _Stashed(self.version, time.monotonic(), leaves, outputs)
             self._evict()
-            return [{"outputs": [o.detach() for o in outputs], "kept": True}]
+            return [ForwardReply(tuple(o.detach() for o in outputs), kept=True)]
         inputs = [torch.cat(parts).to(self.device) for parts in zip(*(t.inputs for t in tasks), strict=True)]
         with torch.no_grad():
             outputs = _as_tuple(self.module(*inputs))
-        return [{"outputs": pieces, "kept": False} for pieces in _split(outputs, rows)]
+        return [ForwardReply(tuple(pieces), kept=False) for pieces in _split(outputs, rows)]
 
     def _grads(self, outputs: Sequence[torch.Tensor], leaves: list[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
-               params: list[nn.Parameter]) -> tuple[list[torch.Tensor], Sequence[torch.Tensor | None]]:
+               params: list[nn.Parameter]) -> tuple[list[torch.Tensor | None], Sequence[torch.Tensor | None]]:
         wanted = [x for x in leaves if x.requires_grad] + params
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
         if not wanted or not pairs:
@@ -224,11 +202,10 @@ class HostedExpert:
         else:
             got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
         it = iter(got)
-        input_grads = []
+        input_grads: list[torch.Tensor | None] = []
         for x in leaves:
             g = next(it) if x.requires_grad else None
-            input_grads.append(torch.zeros_like(x) if g is None and x.requires_grad
-                               else g if g is not None else torch.zeros(0))
+            input_grads.append(torch.zeros_like(x) if g is None and x.requires_grad else g)
         return input_grads, list(it)
 
     def backward_batch(self, tasks: list[_Task]) -> list[Any]:
@@ -248,11 +225,13 @@ class HostedExpert:
             entry = self._stash.pop((task.caller, task.call_id), None)
             if entry is not None and entry.version == self.version:
                 if entry.outputs[0].shape[0] != task.rows:
-                    results[i] = BadExpertRequest(f"call {task.call_id} of expert {self.uid!r} had "
-                                                  f"{entry.outputs[0].shape[0]} rows; got {task.rows} gradient rows")
+                    results[i] = BadExpertRequest(f"backward request to expert {self.uid!r}",
+                                                  f"'grads' has {task.rows} rows; call {task.call_id} had "
+                                                  f"{entry.outputs[0].shape[0]}", self.uid)
                     continue
                 grads = [g.to(self.device) for g in task.grads]
-                results[i], param_grads = self._grads(entry.outputs, entry.leaves, grads, params)
+                input_grads, param_grads = self._grads(entry.outputs, entry.leaves, grads, params)
+                results[i] = BackwardReply(tuple(input_grads))
                 accumulate(param_grads)
                 self.stats.stash_hits += 1
             elif task.inputs is not None:
@@ -270,12 +249,19 @@ class HostedExpert:
             input_grads, param_grads = self._grads(outputs, leaves, grad_outputs, params)
             accumulate(param_grads)
             rows = [t.rows for t in chosen]
-            pieces = [g.split(rows) if g.numel() else [g] * len(rows) for g in input_grads]
+            pieces = [g.split(rows) if g is not None else [None] * len(rows) for g in input_grads]
             for n, i in enumerate(recompute):
-                results[i] = [p[n].contiguous() if need else torch.zeros(0)
-                              for p, need in zip(pieces, tasks[i].needs_grad, strict=True)]
+                results[i] = BackwardReply(tuple(p[n].contiguous() if need and p[n] is not None else None
+                                                 for p, need in zip(pieces, tasks[i].needs_grad, strict=True)))
             self.stats.recomputes += len(recompute)
         if params and any(s is not None for s in sums):
+            if not all(all_finite(g) for g in sums if g is not None):
+                # Requests with non-finite values are refused at parse time, but finite inputs can
+                # still overflow: never let such a step into the weights.
+                logger.warning("expert %s: non-finite parameter gradients in a backward batch; update skipped",
+                               self.uid)
+                self.stats.skipped_updates += 1
+                return results
             for p, g in zip(params, sums, strict=True):
                 p.grad = g
             self.optimizer.step()
@@ -288,30 +274,31 @@ class HostedExpert:
     # -- checkpoints (on the runtime thread) ---------------------------------------------------------
     def save(self, path: Path) -> None:
         """Write the expert's weights and optimizer state atomically (safe format, no pickle)."""
-        state: dict[str, Any] = {"uid": self.uid, "version": self.version, "updates": self.stats.updates,
-                                 "model": dict(self.module.state_dict())}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        state = ExpertCheckpoint(self.uid, self.version, self.stats.updates, self.module.state_dict(),
+                                 self.optimizer.state_dict() if self.optimizer is not None else None)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(dumps(state))
+        tmp.write_bytes(dumps(state.to_wire()))
         os.replace(tmp, path)
 
     def load(self, path: Path) -> None:
-        state = loads(path.read_bytes())
-        if not isinstance(state, dict) or state.get("uid") != self.uid:
-            raise ExpertError(f"{path} is not a checkpoint of expert {self.uid!r}")
-        self.module.load_state_dict(state["model"])
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state.get("version", 0))
-        self.stats.updates = int(state.get("updates", 0))
+        try:
+            state = ExpertCheckpoint.from_wire(loads(path.read_bytes()))
+        except MalformedMessage as e:
+            raise ExpertError(f"{path} is not a checkpoint of expert {self.uid!r}: {e}") from None
+        if state.uid != self.uid:
+            raise ExpertError(f"{path} is not a checkpoint of expert {self.uid!r} (it holds {state.uid!r})")
+        self.module.load_state_dict(state.model)
+        if self.optimizer is not None and state.optimizer is not None:
+            self.optimizer.load_state_dict(state.optimizer)
+        self.version = state.version
+        self.stats.updates = state.updates
 
 
 class ExpertServer:
     """Serves `experts` ({uid: module}) on `peer` and announces them in its DHT.
 
     Args:
-        peer: a `potluck.Peer` that accepts connections (not in client mode).
+        peer: a started `potluck.Peer` that accepts connections (not in client mode).
         experts: uid -> module; uids look like `ffn.3.14` (a name and grid coordinates).
         optimizer: `params -> torch.optim.Optimizer`, one per expert; None serves frozen experts.
         input_schema: the inputs every expert takes (`TensorSchema`s, batch dim excluded), or a
@@ -324,7 +311,7 @@ class ExpertServer:
         device: where the experts run (e.g. "cuda"); default: where their weights already are.
     """
 
-    def __init__(self, peer: Any, experts: Mapping[str, nn.Module], optimizer: OptimizerFactory | None = None, *,
+    def __init__(self, peer: PeerLike, experts: Mapping[str, nn.Module], optimizer: OptimizerFactory | None = None, *,
                  input_schema: Sequence[TensorSchema] | Mapping[str, Sequence[TensorSchema]] | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
                  checkpoint_dir: str | os.PathLike | None = None,
@@ -346,8 +333,9 @@ class ExpertServer:
         self.checkpoint_interval = checkpoint_interval
         self.experts: dict[str, HostedExpert] = {}
         for uid, module in experts.items():
-            if not _UID.match(uid):
-                raise ValueError(f"malformed expert uid {uid!r}: use letters, digits, '_', '-' and dots")
+            if not _UID.match(uid) or len(uid) > MAX_UID_CHARS:
+                raise ValueError(f"malformed expert uid {uid!r}: use at most {MAX_UID_CHARS} letters, digits, "
+                                 "'_', '-' and dots")
             schema = input_schema[uid] if isinstance(input_schema, Mapping) else input_schema
             if device is not None:
                 module.to(device)
@@ -369,7 +357,7 @@ class ExpertServer:
         peer.run(self._astart(), timeout=ANNOUNCE_TIMEOUT + 30)
 
     @classmethod
-    def from_type(cls, peer: Any, uids: Sequence[str], expert_type: str, hidden: int,
+    def from_type(cls, peer: PeerLike, uids: Sequence[str], expert_type: str, hidden: int,
                   optimizer: OptimizerFactory | None = None, seed: int | None = 0, **kwargs: Any) -> ExpertServer:
         """A server for built-in (or registered) experts of one type; `seed` makes weights repeatable."""
         experts, schema = {}, None
@@ -470,51 +458,37 @@ class ExpertServer:
             except Exception:  # noqa: BLE001 - keep serving; the next period tries again
                 logger.warning("could not save expert checkpoints", exc_info=True)
 
-    # -- handlers -----------------------------------------------------------------------------------
-    def _expert(self, request: object) -> tuple[HostedExpert, int]:
-        if not isinstance(request, dict):
-            raise BadExpertRequest(f"a request must be a dict, got {type(request).__name__}")
-        uid, call_id = request.get("uid"), request.get("call", 0)
-        if not isinstance(uid, str):
-            raise BadExpertRequest("the request has no expert uid")
-        if isinstance(call_id, bool) or not isinstance(call_id, int):
-            raise BadExpertRequest("the call id must be an int")
-        hosted = self.experts.get(uid)
-        if hosted is None:
-            raise ExpertNotFound(f"expert {uid[:200]!r} is not served by this peer")
-        return hosted, call_id
-
-    async def _serve_info(self, request: object, ctx: CallContext) -> dict:
-        hosted, _ = self._expert(request)
-        describe = lambda schema: [[str(s.dtype).removeprefix("torch."), list(s.shape)] for s in schema]  # noqa: E731
-        return {"inputs": describe(hosted.input_schema), "outputs": describe(hosted.output_schema),
-                "max_batch_size": self.max_batch_size, "updates": hosted.stats.updates}
-
-    async def _serve_forward(self, request: object, ctx: CallContext) -> dict:
-        hosted, call_id = self._expert(request)
-        inputs = request.get("inputs")  # type: ignore[union-attr]
-        try:
-            rows = hosted.check("input", inputs, hosted.input_schema, self.max_batch_size)
-        except BadExpertRequest:
+    # -- handlers (each parses its request first: the rest sees typed messages only) ----------------
+    def _refused(self, error: BadExpertRequest) -> None:
+        if error.uid is not None and (hosted := self.experts.get(error.uid)) is not None:
             hosted.stats.rejected += 1
-            raise
-        task = _Task("forward", str(ctx.peer_id), call_id, inputs, None, rows,
-                     asyncio.get_running_loop().create_future(), _needs_grad(request, len(inputs)))
-        return await self._enqueue(hosted, task)  # {"outputs": [...], "kept": whether the graph is kept}
 
-    async def _serve_backward(self, request: object, ctx: CallContext) -> dict:
-        hosted, call_id = self._expert(request)
-        grads, inputs = request.get("grads"), request.get("inputs")  # type: ignore[union-attr]
+    async def _serve_info(self, msg: object, ctx: CallContext) -> dict:
+        hosted = self.experts[InfoRequest.from_wire(msg, self.experts).uid]
+        return ExpertInfo(hosted.input_schema, hosted.output_schema, self.max_batch_size,
+                          hosted.stats.updates).to_wire()
+
+    async def _serve_forward(self, msg: object, ctx: CallContext) -> dict:
         try:
-            rows = hosted.check("gradient", grads, hosted.output_schema, self.max_batch_size)
-            if inputs is not None and hosted.check("input", inputs, hosted.input_schema, self.max_batch_size) != rows:
-                raise BadExpertRequest(f"inputs and gradients of expert {hosted.uid!r} disagree on the batch size")
-        except BadExpertRequest:
-            hosted.stats.rejected += 1
+            request = ForwardRequest.from_wire(msg, self.experts, self.max_batch_size)
+        except BadExpertRequest as e:
+            self._refused(e)
             raise
-        task = _Task("backward", str(ctx.peer_id), call_id, inputs, grads, rows,
-                     asyncio.get_running_loop().create_future(), _needs_grad(request, len(hosted.input_schema)))
-        return {"grads": await self._enqueue(hosted, task)}
+        task = _Task("forward", str(ctx.peer_id), request.call_id, request.inputs, None, request.rows,
+                     asyncio.get_running_loop().create_future(), request.needs_grad)
+        reply: ForwardReply = await self._enqueue(self.experts[request.uid], task)
+        return reply.to_wire()
+
+    async def _serve_backward(self, msg: object, ctx: CallContext) -> dict:
+        try:
+            request = BackwardRequest.from_wire(msg, self.experts, self.max_batch_size)
+        except BadExpertRequest as e:
+            self._refused(e)
+            raise
+        task = _Task("backward", str(ctx.peer_id), request.call_id, request.inputs, request.grads, request.rows,
+                     asyncio.get_running_loop().create_future(), request.needs_grad)
+        reply: BackwardReply = await self._enqueue(self.experts[request.uid], task)
+        return reply.to_wire()
 
     async def _enqueue(self, hosted: HostedExpert, task: _Task) -> Any:
         self._arrivals += 1
