@@ -30,7 +30,9 @@ PREFIX = struct.Struct("<BBHIQ")
 # Bulk data travels as streams of 1-4 MiB chunks, so this is rarely the limit that matters.
 DEFAULT_MAX_FRAME_SIZE = 64 * 2**20
 
-# Receive scratch space. Frames that fit are parsed in place; bigger payloads bypass it.
+# Receive scratch space. Frames that fit are parsed in place; bigger payloads bypass it. The
+# scratch grows (doubling) only as bytes arrive: what a frame's prefix announces is never allocated
+# ahead of its bytes, so 16 bytes announcing a 64 MiB header cost nothing until 64 MiB are sent.
 SCRATCH_SIZE = 256 * 2**10
 
 
@@ -78,9 +80,14 @@ def encode(frame: Frame, max_frame_size: int | None = None) -> list[bytes | memo
 class FrameDecoder:
     """Turns received bytes into frames; raises ProtocolError / MessageTooLarge on bad input."""
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, scratch_size: int = SCRATCH_SIZE):
         self.max_frame_size = max_frame_size
-        self._scratch = bytearray(SCRATCH_SIZE)
+        # While True, parsing stops after each frame so the caller can change `max_frame_size`
+        # before the next one is looked at (the handshake's cap ends with the handshake); the
+        # caller then asks for the rest with `parse_more()`.
+        self.one_at_a_time = False
+        self._scratch = bytearray(scratch_size)
+        self._base_size = scratch_size
         self._start = 0  # first unparsed byte in scratch
         self._end = 0  # end of received bytes in scratch
         # While receiving a large payload directly: the frame being built and where bytes go.
@@ -94,8 +101,27 @@ class FrameDecoder:
         if self._targets:
             return self._targets[0][self._target_offset:]
         if self._end == len(self._scratch):
-            self._make_room(SCRATCH_SIZE)
+            unparsed = self._end - self._start
+            if unparsed <= len(self._scratch) // 2:
+                self._make_room(len(self._scratch) - unparsed)  # moving the tail frees enough
+            else:
+                # At least double what is unparsed, so a large header costs O(n) copying and
+                # never more than twice its received bytes.
+                self._make_room(max(self._base_size, unparsed))
         return memoryview(self._scratch)[self._end:]
+
+    def grow_scratch(self, size: int) -> None:
+        """Make the scratch at least `size` bytes (after the handshake: a small scratch until then)."""
+        self._base_size = max(self._base_size, size)
+        if len(self._scratch) < size:
+            self._make_room(size - (self._end - self._start))
+
+    def parse_more(self) -> list[Frame]:
+        """Frames already received but held back by `one_at_a_time`."""
+        frames: list[Frame] = []
+        if not self._targets:
+            self._parse_scratch(frames)
+        return frames
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for `nbytes` written into the last buffer; returns the frames now complete."""
@@ -155,9 +181,7 @@ class FrameDecoder:
                                       f"{self.max_frame_size} bytes (max_frame_size)")
             head_end = PREFIX.size + header_len
             if avail < head_end:
-                if len(self._scratch) - self._start < head_end:
-                    self._make_room(head_end)
-                break
+                break  # wait for the rest; get_buffer grows the scratch as the bytes come
             header = bytes(self._scratch[self._start + PREFIX.size:self._start + head_end])
             call_id, meta, body, tensors, sizes = _parse_header(header, payload_len)
             views = [serialization.tensor_memory(t) for t, n in zip(tensors, sizes, strict=False) if n]
@@ -182,6 +206,8 @@ class FrameDecoder:
                     self._start = self._end = 0
                 return
             frames.append(self._finish_pending())
+            if self.one_at_a_time:
+                break
         if self._start == self._end:
             self._start = self._end = 0
 

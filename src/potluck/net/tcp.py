@@ -38,7 +38,7 @@ from potluck.core.errors import (
 )
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo
-from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, Frame, FrameDecoder, Kind, encode
+from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
 from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
@@ -63,6 +63,34 @@ CLOSE_TIMEOUT = 3.0
 # A refusal's reason as shown to the user: a few lines of explanation, not a place for data.
 MAX_REFUSAL_CHARS = 1000
 
+# -- Limits on what a peer that has not proven anything can make us hold (issue 14) --------------
+# Largest frame accepted before the handshake completes. A HELLO is ~150 bytes plus at most
+# MAX_ADDRESSES_PER_PEER addresses (~60 bytes each) and a membership token (at most 1 KiB); AUTH is
+# a 64-byte signature; a GOAWAY's reason is at most MAX_REFUSAL_CHARS. 8 KiB holds all of that
+# with room to spare and bounds what a stranger can make us buffer per connection, as HTTP servers
+# bound a request head before they know anything about the client (Apache and nginx: 8 KiB,
+# h11: 16 KiB, node.js: 16 KiB). The decoder's scratch starts at this size too.
+HANDSHAKE_MAX_FRAME = 8 * 2**10
+# Connections we accept in all (authenticated or not; our own dials are not counted). A process
+# commonly has 1,024 file descriptors (the usual soft limit); this leaves room for our own dials,
+# files and the accelerator runtime, and far exceeds what a peer needs (a DHT node talks to a few
+# dozen peers, an averaging group to at most a few hundred).
+MAX_CONNECTIONS = 768
+# Accepted connections from one IP address. Above this a single host (one attacker, however many
+# peer ids it makes up) cannot take the whole of MAX_CONNECTIONS. Several honest peers may share
+# an address (a lab behind one NAT, a test swarm on 127.0.0.1), each with a shared connection and
+# up to MAX_IDLE_BULK_CONNECTIONS + a few active bulk ones: 256 serves ~40 such peers per address.
+# Raise it (TCPTransport(max_connections_per_ip=...)) for a larger swarm behind one address.
+MAX_CONNECTIONS_PER_IP = 256
+# Authenticated connections with one peer id (both directions): one shared connection (two for a
+# moment when both dial at once), up to MAX_IDLE_BULK_CONNECTIONS idle bulk ones and a bulk one
+# per concurrent stream. Past 32 a peer is opening connections rather than using them.
+MAX_CONNECTIONS_PER_PEER = 32
+# Accepted connections still in the handshake. An honest handshake takes milliseconds (a round
+# trip and two signatures), so even a swarm's start-up burst has few at once; a stranger's stalled
+# ones are held up to HANDSHAKE_TIMEOUT, and above this cap new ones are refused at once.
+MAX_PENDING_HANDSHAKES = 128
+
 
 class TCPTransport(Transport):
     """A peer on real TCP; see the module docstring for the handshake."""
@@ -74,7 +102,11 @@ class TCPTransport(Transport):
                  dial_timeout: float = 10.0,
                  keepalive_interval: float | None = KEEPALIVE_INTERVAL,
                  keepalive_timeout: float | None = KEEPALIVE_TIMEOUT,
-                 membership: MembershipGate | None = None):
+                 membership: MembershipGate | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_ip: int = MAX_CONNECTIONS_PER_IP,
+                 max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
         super().__init__(identity, client_mode=client_mode, max_frame_size=max_frame_size,
                          dial_timeout=dial_timeout, keepalive_interval=keepalive_interval,
                          keepalive_timeout=keepalive_timeout)
@@ -87,6 +119,37 @@ class TCPTransport(Transport):
         self._links: set[TCPLink] = set()
         # The run's membership check (None: anyone who proves a peer id is admitted, as before).
         self.membership = membership
+        self.max_connections = max_connections
+        self.max_connections_per_ip = max_connections_per_ip
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_pending_handshakes = max_pending_handshakes
+        self._accepted = 0  # accepted links, open
+        self._accepted_per_ip: dict[str, int] = {}
+        self._pending_handshakes = 0  # accepted links not yet authenticated
+
+    def _accept(self, link: TCPLink, ip: str) -> str | None:
+        """Count a newly accepted link, or say why it is refused (one of the caps above)."""
+        if self._accepted >= self.max_connections:
+            return f"this peer has too many connections (limit {self.max_connections})"
+        if self._accepted_per_ip.get(ip, 0) >= self.max_connections_per_ip:
+            return f"too many connections from {ip} (limit {self.max_connections_per_ip} per address)"
+        if self._pending_handshakes >= self.max_pending_handshakes:
+            return f"too many handshakes in progress (limit {self.max_pending_handshakes}); try again"
+        self._accepted += 1
+        self._accepted_per_ip[ip] = self._accepted_per_ip.get(ip, 0) + 1
+        self._pending_handshakes += 1
+        return None
+
+    def _release(self, ip: str) -> None:
+        self._accepted -= 1
+        left = self._accepted_per_ip.get(ip, 1) - 1
+        if left > 0:
+            self._accepted_per_ip[ip] = left
+        else:
+            self._accepted_per_ip.pop(ip, None)
+
+    def _connections_with(self, peer_id: PeerID) -> int:
+        return sum(1 for link in self._links if link.connection is not None and link.connection.peer_id == peer_id)
 
     @property
     def addresses(self) -> list[Multiaddr]:
@@ -165,7 +228,12 @@ class TCPLink(asyncio.BufferedProtocol):
         self.lost: asyncio.Future[None] = loop.create_future()
         self.connection: Connection | None = None
         self._transport: asyncio.Transport | None = None
-        self._decoder = FrameDecoder(owner.max_frame_size)
+        # Until the handshake is over: frames of at most HANDSHAKE_MAX_FRAME, one at a time (see
+        # buffer_updated), and a scratch that small.
+        self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME, scratch_size=HANDSHAKE_MAX_FRAME)
+        self._decoder.one_at_a_time = True
+        self._accepted_ip: str | None = None  # counted in the owner's caps while set
+        self._handshaking = False  # counted as a pending handshake while set
         self._nonce = os.urandom(32)
         self._hello: dict | None = None
         self._remote_max: int | None = None
@@ -179,13 +247,25 @@ class TCPLink(asyncio.BufferedProtocol):
     # -- asyncio protocol callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        if not self.initiator:
+            peer = transport.get_extra_info("peername")
+            ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            refusal = self.owner._accept(self, ip)
+            if refusal is not None:
+                # Refused before anything is parsed or allocated: a GOAWAY that says why, then close.
+                logger.info("refusing a connection from %s: %s", ip, refusal)
+                self._closing_reason = refusal
+                self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": refusal})))
+                transport.close()
+                return
+            self._accepted_ip, self._handshaking = ip, True
         self.owner._links.add(self)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self._handshake_timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT, self._handshake_expired)
         hello = {
             "v": PROTOCOL_VERSION, "id": self.owner.peer_id.to_bytes(), "nonce": self._nonce,
-            "addrs": [str(a.without_peer_id()) for a in self.owner.addresses],
+            "addrs": [str(a.without_peer_id()) for a in self.owner.addresses[:MAX_ADDRESSES_PER_PEER]],
             "client": self.owner.client_mode, "max_frame": self.owner.max_frame_size,
             "bulk": self.bulk,
             "token": self.owner.membership.own_token() if self.owner.membership is not None else None,
@@ -201,12 +281,20 @@ class TCPLink(asyncio.BufferedProtocol):
             # take longer than the keepalive timeout, and its sender cannot answer pings meanwhile.
             self.connection.last_received = self._loop.time()
         try:
+            held = self._decoder.one_at_a_time
             frames = self._decoder.buffer_updated(nbytes)
-            for frame in frames:
-                if self.connection is not None:
-                    self.connection.frame_received(frame)
-                else:
-                    self._handshake_frame(frame)
+            while True:
+                for frame in frames:
+                    if self.connection is not None:
+                        self.connection.frame_received(frame)
+                    else:
+                        self._handshake_frame(frame)
+                # During the handshake the decoder stops after each frame, so the frames after
+                # it are read under the limits that hold once it has been handled.
+                if not (held and frames) or self._closing_reason is not None:
+                    break
+                held = self._decoder.one_at_a_time
+                frames = self._decoder.parse_more()
         except (ProtocolError, MessageTooLarge, HandshakeError) as e:
             logger.info("dropping connection from %s: %s", self._peer_name(), e)
             self._fail_handshake(e)
@@ -221,6 +309,10 @@ class TCPLink(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner._links.discard(self)
+        self._end_pending_handshake()
+        if self._accepted_ip is not None:
+            self.owner._release(self._accepted_ip)
+            self._accepted_ip = None
         self._transport = None  # asyncio's (TLS) transport holds our methods: drop the cycle
         reason = self._closing_reason or (f"{exc}" if exc else "the other side closed the connection")
         if self._handshake_timer is not None:
@@ -307,10 +399,20 @@ class TCPLink(asyncio.BufferedProtocol):
         if not isinstance(signature, bytes) or not hello["id"].verify(signature, message):
             raise HandshakeError(f"the peer could not prove it holds the key of {hello['id']}")
         handlers = self._admit(hello["id"], hello["token"])
+        if self.owner._connections_with(hello["id"]) >= self.owner.max_connections_per_peer:
+            reason = (f"too many connections with {hello['id']} "
+                      f"(limit {self.owner.max_connections_per_peer} per peer)")
+            self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": reason})))
+            raise HandshakeError(reason)
         if not self.initiator:
             self._send_auth()
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
+        self._end_pending_handshake()
+        # Authenticated: the peer's own frame limit from now on, and the usual scratch.
+        self._decoder.max_frame_size = self.owner.max_frame_size
+        self._decoder.one_at_a_time = False
+        self._decoder.grow_scratch(SCRATCH_SIZE)
         remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
                             bulk=hello["bulk"] if not self.initiator else self.bulk,
                             token=hello["token"])
@@ -341,6 +443,11 @@ class TCPLink(asyncio.BufferedProtocol):
     @staticmethod
     def _auth_message(verifier_nonce: bytes, signer_nonce: bytes, signer: PeerID, verifier: PeerID) -> bytes:
         return AUTH_LABEL + verifier_nonce + signer_nonce + signer.to_bytes() + verifier.to_bytes()
+
+    def _end_pending_handshake(self) -> None:
+        if self._handshaking:
+            self._handshaking = False
+            self.owner._pending_handshakes -= 1
 
     def _handshake_expired(self) -> None:
         if self.connection is None:
