@@ -204,11 +204,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], started: float,
             killed: WorkerProcess | None, joined: WorkerProcess | None) -> int:
-    swarm = [w for w in workers if w.role != "alone" and w.final]
+    # A peer that never trained (a newcomer that started after the others stopped, as happens on
+    # a busy machine) says nothing about the swarm: it is listed with 0 samples, not averaged in.
+    swarm = [w for w in workers if w.role != "alone" and w.final and w.final.get("samples", 0) > 0]
     alone = next(w for w in workers if w.role == "alone")
     if not swarm or alone.final is None:
         print(f"the demo failed: no peer finished; see the logs in {out}/", file=sys.stderr)
         return 1
+    late = [w.name for w in workers if w.role != "alone" and w.final and w not in swarm]
+    if late:
+        print(f"{', '.join(late)} never trained (started after the others stopped: a busy machine?)")
     report = {
         "test_accuracy": round(sum(w.final["accuracy"] for w in swarm) / len(swarm), 4),
         "single_peer_test_accuracy": round(alone.final["accuracy"], 4),
