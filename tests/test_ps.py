@@ -16,11 +16,9 @@ from potluck.cli.tasks import accuracy, load_data
 from potluck.core.errors import MalformedMessage, MessageTooLarge, RemoteError
 from potluck.core.serialization import dumps, loads
 from potluck.core.virtual_time import run_virtual
-from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import Identity
 from potluck.ps import (
     PSWorker,
-    ServerAddresses,
     ServerConfig,
     ShardLayout,
     ShardServerLost,
@@ -121,14 +119,12 @@ GOOD = {
     "reply": ParamsReply(7, (torch.ones(4, 3), torch.ones(3)), dropped=True).to_wire(),
     "replica": ReplicaUpdate(7, (torch.ones(4, 3), torch.ones(3)), tuple(PEERS[:2])).to_wire(),
     "layout": ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))).to_wire(),
-    "addresses": ServerAddresses(PEERS[0], ()).to_wire() | {"addrs": ["/ip4/10.0.0.1/tcp/31337"]},
 }
 PARSE = {
     "push": lambda msg: PushRequest.from_wire(msg, SHARD, latest_step=3),
     "reply": lambda msg: ParamsReply.from_wire(msg, SHARD),
     "replica": lambda msg: ReplicaUpdate.from_wire(msg, SHARD),
     "layout": ShardLayout.from_wire,
-    "addresses": ServerAddresses.from_wire,
 }
 
 
@@ -157,10 +153,6 @@ PARSE = {
     ("layout", {"servers": [["nobody"]]}, "'servers'"),
     ("layout", {"assignment": [0, 2]}, "'assignment'"),  # shard 2 does not exist
     ("layout", {"assignment": "012"}, "'assignment'"),
-    ("addresses", {"peer": 5}, "'peer'"),
-    ("addresses", {"addrs": ["/ip4/10.0.0.1/tcp/1"] * (MAX_ADDRESSES_PER_PEER + 1)}, "'addrs'"),
-    ("addresses", {"addrs": ["/ip4/999.0.0.1/tcp/1"]}, "'addrs'"),
-    ("addresses", {"addrs": [7]}, "'addrs'"),
 ])
 def test_malformed_messages_are_refused_naming_the_field(kind, changes, field):
     parse, good = PARSE[kind], GOOD[kind]
@@ -181,7 +173,6 @@ def test_messages_round_trip_through_the_wire():
     reply = ParamsReply.from_wire(loads(dumps(GOOD["reply"])), SHARD)
     assert reply.step == 7 and reply.dropped
     assert ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), SHARD).workers == tuple(PEERS[:2])
-    assert str(ServerAddresses.from_wire(GOOD["addresses"]).addresses[0]) == "/ip4/10.0.0.1/tcp/31337"
     assert PullRequest.from_wire(loads(dumps(PullRequest().to_wire()))) == PullRequest()
     assert ReplicaAck.from_wire(ReplicaAck(False).to_wire()) == ReplicaAck(False)
     with pytest.raises(MalformedMessage, match="'accepted'"):
@@ -375,15 +366,18 @@ def test_standby_accepts_state_only_from_its_primary_and_checks_it():
 
 @pytest.mark.timeout(60)
 def test_sync_parameter_server_trains_over_tcp_with_real_peers():
-    server_peer = potluck.Peer(host="127.0.0.1")
-    peers = [potluck.Peer(host="127.0.0.1") for _ in range(2)]
+    """Server and workers share one swarm (both join through the first worker) and the workers are
+    handed only the layout, which names the server by peer id: they find its address through its
+    signed peer record in the DHT."""
+    first = potluck.Peer(host="127.0.0.1")
+    server_peer = potluck.Peer(initial_peers=first.addresses, host="127.0.0.1")
+    peers = [first, potluck.Peer(initial_peers=first.addresses, host="127.0.0.1")]
     try:
-        servers, layout, addresses = start_parameter_servers(
+        servers, layout = start_parameter_servers(
             [server_peer], "tcp", list(make_mlp().parameters()), adam, ServerConfig("sync", num_workers=2))
         layout = ShardLayout.from_wire(loads(dumps(layout.to_wire())))  # as a worker would receive it
-        addresses = [ServerAddresses.from_wire(loads(dumps(a.to_wire()))) for a in addresses]
         models = [make_mlp() for _ in peers]
-        workers = [PSWorker(p, "tcp", layout, m.parameters(), addresses) for p, m in zip(peers, models)]
+        workers = [PSWorker(p, "tcp", layout, m.parameters()) for p, m in zip(peers, models)]
         errors: list[BaseException] = []
 
         def train(worker: PSWorker, model: torch.nn.Module, index: int) -> None:

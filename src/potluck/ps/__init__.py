@@ -15,11 +15,11 @@ Imports from `core`, `net` and `dht` only (and torch); the CLI (`potluck sweep`,
 sits above.
 """
 
-from potluck.ps.messages import ServerAddresses, ShardLayout
+from potluck.ps.messages import ShardLayout
 from potluck.ps.server import MODES, ParameterServer, PSInputError, ServerConfig, split_by_size
 from potluck.ps.sweep import Range, SweepError, SweepSpec, Trial, TrialResult, run_sweep
 from potluck.ps.worker import PSClient, PSWorker, ShardServerLost, start_parameter_servers
 
-__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "Range", "ServerAddresses",
-           "ServerConfig", "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult",
+__all__ = ["MODES", "PSClient", "PSInputError", "PSWorker", "ParameterServer", "Range", "ServerConfig",
+           "ShardLayout", "ShardServerLost", "SweepError", "SweepSpec", "Trial", "TrialResult",
            "run_sweep", "split_by_size", "start_parameter_servers"]

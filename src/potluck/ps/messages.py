@@ -16,12 +16,11 @@ import torch
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.wire import bool_field, int_field, int_value, list_field, wire_map
-from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
-from potluck.net.wire import addresses_value, peer_id_value
+from potluck.net.wire import peer_id_value
 
 __all__ = ["ParamsReply", "PullRequest", "PushRequest", "RegisterRequest", "ReplicaAck", "ReplicaUpdate",
-           "ServerAddresses", "ShardLayout"]
+           "ShardLayout"]
 
 # Server steps never wrap in a run and must fit msgpack's int64.
 MAX_STEP = 2**62
@@ -91,25 +90,6 @@ class ShardLayout:
         shards = list_field(msg, "assignment", what, MAX_LAYOUT_TENSORS,
                             each=lambda a: int_value(a, "assignment", what, 0, len(parsed)))
         return cls(tuple(shards), tuple(parsed))
-
-
-@dataclass(frozen=True)
-class ServerAddresses:
-    """Where one server can be dialed, handed to workers with the layout (until peers publish
-    their own addresses, workers are told them)."""
-
-    peer_id: PeerID
-    addresses: tuple[Multiaddr, ...]
-
-    def to_wire(self) -> dict:
-        return {"peer": str(self.peer_id), "addrs": [str(a) for a in self.addresses]}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> ServerAddresses:
-        what = "server addresses"
-        msg = wire_map(msg, what)
-        addresses = tuple(Multiaddr.parse(a) for a in addresses_value(msg.get("addrs"), "addrs", what))
-        return cls(peer_id_value(msg.get("peer"), "peer", what), addresses)
 
 
 # -- worker -> server ------------------------------------------------------------------------------

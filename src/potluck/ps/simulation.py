@@ -82,11 +82,10 @@ class PSSimulation:
         workers = peers[:len(compute_times)]
         server_peers = workers if decentralized else peers[len(compute_times):]
         reference = make_model()
-        servers, layout, addresses = start_parameter_servers(server_peers, RUN_ID, list(reference.parameters()),
-                                                             optimizer, config, decentralized=decentralized,
-                                                             offload=offload)
+        servers, layout = start_parameter_servers(server_peers, RUN_ID, list(reference.parameters()),
+                                                  optimizer, config, decentralized=decentralized, offload=offload)
         models = [make_model() for _ in compute_times]
-        clients = [PSClient(p, RUN_ID, layout, m.parameters(), addresses) for p, m in zip(workers, models, strict=True)]
+        clients = [PSClient(p, RUN_ID, layout, m.parameters()) for p, m in zip(workers, models, strict=True)]
         await asyncio.gather(*(c.aregister() for c in clients))
         return cls(network, servers, layout, workers, server_peers, models, clients, list(compute_times),
                    offload=offload)

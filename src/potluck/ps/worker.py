@@ -3,12 +3,14 @@
 `PSClient` is the async core (it runs on the event loop, and drives emulated swarms);
 `PSWorker` is the synchronous facade for a `potluck.Peer` in a plain training loop:
 
-    worker = PSWorker(peer, "run", layout, model.parameters(), addresses=addresses)
+    worker = PSWorker(peer, "run", layout, model.parameters())
     worker.register()                  # waits for the other workers, loads the server's parameters
     for x, y in batches:
         model.zero_grad(); loss_fn(model(x), y).backward()
         worker.push()                  # sends p.grad, writes the new parameters into the model
 
+The layout names servers by peer id; the worker's transport finds their addresses through their
+signed peer records in the DHT, so workers and servers must share one swarm (`initial_peers`).
 A shard whose server cannot be reached is retried at its standby (decentralized form); with
 none left, `ShardServerLost` says which shard and why.
 """
@@ -24,7 +26,7 @@ import torch
 
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
 from potluck.core.peer_like import PeerLike
-from potluck.ps.messages import ParamsReply, PullRequest, PushRequest, RegisterRequest, ServerAddresses, ShardLayout
+from potluck.ps.messages import ParamsReply, PullRequest, PushRequest, RegisterRequest, ShardLayout
 from potluck.ps.server import ParameterServer, ServerConfig, method_name, split_by_size
 
 if TYPE_CHECKING:
@@ -47,16 +49,15 @@ class PSClient:
     """One worker's link to the parameter servers of run `run_id` (async; see the module docstring).
 
     Args:
-        peer: the worker's started peer (a `potluck.Peer`, or an emulated one).
+        peer: the worker's started peer (a `potluck.Peer`, or an emulated one), in the servers' swarm.
         run_id: the training run.
-        layout: which server holds which parameters (`ShardLayout`).
+        layout: which server holds which parameters (`ShardLayout`, by peer id).
         params: the model's parameters; replies are copied into them.
-        addresses: where to dial the servers (optional if the transport knows them).
         timeout: deadline of one push or registration, in seconds.
     """
 
     def __init__(self, peer: PeerLike, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
-                 addresses: Iterable[ServerAddresses] = (), timeout: float = PUSH_TIMEOUT):
+                 timeout: float = PUSH_TIMEOUT):
         self.peer = peer
         self.transport = peer.transport
         self.run_id = run_id
@@ -65,8 +66,6 @@ class PSClient:
         if len(self.params) != len(layout.assignment):
             raise ValueError(f"the layout places {len(layout.assignment)} tensors, the model has {len(self.params)}")
         self.timeout = timeout
-        for server in addresses:
-            self.transport.add_addresses(server.peer_id, server.addresses)
         self._indices = [layout.indices(k) for k in range(layout.num_shards)]  # each shard's parameters
         self._server = [0] * layout.num_shards  # which of each shard's servers is in use
         self.steps = [0] * layout.num_shards  # server step of the parameters held, per shard
@@ -134,9 +133,9 @@ class PSWorker:
     """Synchronous facade of `PSClient` for a `potluck.Peer` (see the module docstring)."""
 
     def __init__(self, peer: Peer, run_id: str, layout: ShardLayout, params: Iterable[torch.Tensor],
-                 addresses: Iterable[ServerAddresses] = (), timeout: float = PUSH_TIMEOUT):
+                 timeout: float = PUSH_TIMEOUT):
         self.peer = peer  # a `potluck.Peer`: its `run` drives the client on the peer's event loop
-        self.client = PSClient(peer, run_id, layout, params, addresses, timeout)
+        self.client = PSClient(peer, run_id, layout, params, timeout)
 
     def register(self) -> None:
         self.peer.run(self.client.aregister(), self.client.timeout + 5)
@@ -152,12 +151,13 @@ def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequ
                             optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                             config: ServerConfig | None = None, *, decentralized: bool = False,
                             offload: bool = True
-                            ) -> tuple[list[ParameterServer], ShardLayout, tuple[ServerAddresses, ...]]:
+                            ) -> tuple[list[ParameterServer], ShardLayout]:
     """Serve `params` split by size over one shard per peer.
 
     With `decentralized=True` (the peers are the workers' own) the server of shard k also
     copies its state to a standby on the next peer, which takes over if k's server dies.
-    Returns the servers (standbys included), the layout and the servers' addresses for clients.
+    Returns the servers (standbys included) and the layout for clients (servers named by peer id:
+    a client in the same swarm finds their addresses through the DHT).
     `offload`: see `ParameterServer`.
     """
     n = len(peers)
@@ -175,8 +175,7 @@ def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequ
             servers.append(ParameterServer(standby, run_id, mine, optimizer, config, shard=k, standby_of=primary_id,
                                            offload=offload))
         shard_servers.append((primary_id,) + ((standby_id,) if standby_id is not None else ()))
-    addresses = tuple(ServerAddresses(p.transport.peer_id, tuple(p.transport.addresses)) for p in peers)
-    return servers, ShardLayout(tuple(assignment), tuple(shard_servers)), addresses
+    return servers, ShardLayout(tuple(assignment), tuple(shard_servers))
 
 
 async def train_worker(client: PSClient, model: torch.nn.Module, next_batch: Callable[[], tuple[Any, Any]],
