@@ -26,6 +26,8 @@ import torch
 from potluck.core.errors import SerializationError
 
 __all__ = [
+    "BYTES_PER_CONTAINER",
+    "DECODE_FREE_CONTAINERS",
     "MAX_BODY_BYTES",
     "MAX_DEPTH",
     "WIRE_DTYPES",
@@ -37,6 +39,7 @@ __all__ = [
     "pack",
     "tensor_memory",
     "unpack",
+    "unpackb_bounded",
 ]
 
 # Ext type code of a reference to a buffer decoded as a torch.Tensor.
@@ -48,6 +51,18 @@ EXT_NDARRAY = 2
 MAX_DEPTH = 64
 # Default cap on a msgpack body (tensor payloads travel outside it, so bodies stay small).
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Decoding budget: the arrays and maps one msgpack document may make us build. A 1-byte empty
+# array becomes a ~60-byte Python list (a map ~60-230 bytes), so a document of nothing else was the
+# cheapest way to make a receiver spend memory and CPU (issue 14: a 16 MiB HELLO of empty arrays,
+# 5 s of CPU and +1.2 GB). A document may build DECODE_FREE_CONTAINERS, plus one per
+# BYTES_PER_CONTAINER bytes it has: containers then cost at most ~8x the document's size, and
+# decoding stops as soon as the budget is spent. Real messages stay well below: a DHT entry, an
+# address list or an optimizer's per-parameter state has a container per ~20-30 bytes or more. The
+# one dense structure, tensor specs (two containers in as little as 7 bytes), gets an allowance of
+# its own in a frame header (`extra_containers`). Scalars need no budget of their own: each takes
+# at least one byte, and msgpack already caps every container's length at the document's size.
+DECODE_FREE_CONTAINERS = 4096
+BYTES_PER_CONTAINER = 8
 # Torch tensors have at most this many dims in practice; more is a sign of a hostile spec.
 MAX_DIMS = 32
 # Per-message tensor count cap: each buffer costs a tensor allocation, so a flood of tiny
@@ -259,6 +274,12 @@ def _check_spec(spec: object) -> _Spec:
     return _Spec(dtype, list(shape), nbytes)
 
 
+def spec_containers(nbytes: int) -> int:
+    """The decoding allowance for the tensor specs a document of `nbytes` can hold: each tensor
+    takes two containers and at least 10 bytes (a 7-byte spec and a 3-byte reference)."""
+    return 2 * min(MAX_BUFFERS, nbytes // 10)
+
+
 def _check_specs(specs: object) -> list[_Spec]:
     if not isinstance(specs, (list, tuple)):
         raise SerializationError(f"specs must be a list, got {_type_name(specs)}")
@@ -286,13 +307,36 @@ def allocate(specs: list) -> list[torch.Tensor]:
     return tensors
 
 
+def unpackb_bounded(data: bytes | memoryview, extra_containers: int = 0, **kwargs: object) -> object:
+    """`msgpack.unpackb` within the decoding budget (see DECODE_FREE_CONTAINERS): raises
+    SerializationError as soon as `data` has built more containers than its size allows."""
+    left = DECODE_FREE_CONTAINERS + memoryview(data).nbytes // BYTES_PER_CONTAINER + extra_containers
+
+    def count(container: object) -> object:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise SerializationError(
+                f"a {memoryview(data).nbytes}-byte message builds more than "
+                f"{DECODE_FREE_CONTAINERS} + 1 per {BYTES_PER_CONTAINER} bytes arrays and maps "
+                "(send large numeric data as tensors)")
+        return container
+
+    return msgpack.unpackb(data, list_hook=count, object_hook=count, **kwargs)
+
+
+# Decoded values that need no further check (containers and ext results are checked below).
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _check_depth(obj: object, depth: int) -> None:
     """Refuse over-deep nesting and any decoded value that is not a supported type."""
     if isinstance(obj, list):
         if depth >= MAX_DEPTH:
             raise SerializationError(f"containers nested deeper than {MAX_DEPTH} levels")
         for item in obj:
-            _check_depth(item, depth + 1)
+            if type(item) not in _SCALARS:
+                _check_depth(item, depth + 1)
     elif isinstance(obj, dict):
         if depth >= MAX_DEPTH:
             raise SerializationError(f"containers nested deeper than {MAX_DEPTH} levels")
@@ -344,7 +388,7 @@ def unpack(
             raise SerializationError(f"a {tensor.dtype} buffer cannot decode as numpy") from exc
 
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=ext_hook)
+        obj = unpackb_bounded(body, raw=False, strict_map_key=False, ext_hook=ext_hook)
     except SerializationError:
         raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
@@ -377,7 +421,9 @@ def loads(data: bytes | memoryview, *, max_body_bytes: int = MAX_BODY_BYTES) -> 
     if offset > total:
         raise SerializationError(f"truncated header: need {header_len} bytes")
     try:
-        header = msgpack.unpackb(view[_PREFIX_BYTES:offset], raw=False)
+        header = unpackb_bounded(view[_PREFIX_BYTES:offset], spec_containers(total), raw=False)
+    except SerializationError:
+        raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         raise SerializationError(f"malformed header: {exc}") from exc
     if not isinstance(header, list) or len(header) != 2:
