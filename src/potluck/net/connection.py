@@ -32,7 +32,11 @@ from potluck.net.identity import PeerID
 logger = logging.getLogger(__name__)
 
 # Bytes a stream may have in flight before the receiver hands them to its consumer. 16 MiB keeps
-# several 1-4 MiB chunks moving on a fast link while bounding memory per stream.
+# several 1-4 MiB chunks moving on a fast link while bounding memory per stream. The window counts
+# bytes (wire size), not messages: a sender may start a message only while less than the window is
+# unacknowledged, so the receiver holds at most the window plus one frame per stream, and a DATA
+# frame that arrives when the window is already full is a protocol error that closes the
+# connection (issue 14: a window of messages let 40 x 32 MiB frames in, +1.3 GB).
 STREAM_WINDOW = 16 * 2**20
 
 # Handler tasks one connection may run at once; more get a "busy" error instead of memory growth.
@@ -125,7 +129,8 @@ class Stream:
         self._inbox_event = asyncio.Event()
         self._credit = STREAM_WINDOW
         self._credit_event = asyncio.Event()
-        self._unacked = 0
+        self._unacked = 0  # bytes handed to our consumer and not yet acknowledged to the sender
+        self._outstanding = 0  # bytes received and not yet acknowledged (what the sender counts)
         self._sent_end = False
         self._received_end = False
         self._error: BaseException | None = None
@@ -183,6 +188,7 @@ class Stream:
         self._unacked += frame.size
         if self._unacked >= STREAM_WINDOW // 4 and not self._received_end and self._error is None:
             self.connection.link.send_nowait(Frame(Kind.WINDOW, self.call_id, {"n": self._unacked}))
+            self._outstanding -= self._unacked
             self._unacked = 0
         return frame.body
 
@@ -225,6 +231,12 @@ class Stream:
             if len(self._inbox) >= MAX_STREAM_QUEUE:
                 self.connection._protocol_violation("stream queue overflow: peer ignored flow control")
                 return
+            if self._outstanding >= STREAM_WINDOW:
+                self.connection._protocol_violation(
+                    f"stream window overrun: {self._outstanding} unacknowledged bytes on stream "
+                    f"{self.method!r} (window {STREAM_WINDOW}); the peer ignored flow control")
+                return
+            self._outstanding += frame.size
             self._inbox.append(frame)
         elif frame.kind is Kind.END:
             self._received_end = True
