@@ -45,8 +45,14 @@ MAX_CONCURRENT_CALLS = 1024
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
 
-# A remote caller cannot make a handler run longer than this, whatever deadline it asks for.
-MAX_HANDLER_SECONDS = 24 * 3600.0
+# A remote caller cannot make a handler run longer than this, whatever deadline it asks for (or
+# none): the handler, and the sending of its answer, are cancelled then. Unary calls: 10 minutes,
+# ten times the longest deadline potluck's own calls use (60 s: a pipeline stage's configure, a
+# state manifest, a parameter server push). Streams: 1 hour, six times the default stream timeout,
+# for the longest legitimate stream (a state download of a large model over a slow link). Before,
+# a caller could hold a handler, and what it holds, for 24 h (issue 14).
+MAX_HANDLER_SECONDS = 600.0
+MAX_STREAM_HANDLER_SECONDS = 3600.0
 
 # Default deadlines (seconds). Every wait has one; callers pass their own where they know better.
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -391,14 +397,14 @@ class Connection:
             self.link.send_nowait(Frame(Kind.GOAWAY, meta={"reason": reason}))
             self.link.close(reason)
 
-    def _deadline(self, meta: dict) -> tuple[str, float | None] | None:
+    def _deadline(self, meta: dict, longest: float = MAX_HANDLER_SECONDS) -> tuple[str, float | None] | None:
         method, timeout = meta.get("m"), meta.get("t")
         if not isinstance(method, str) or not (timeout is None or isinstance(timeout, (int, float))):
             return None
         loop = asyncio.get_running_loop()
-        seconds = MAX_HANDLER_SECONDS if timeout is None else float(timeout)
-        if not 0.0 <= seconds <= MAX_HANDLER_SECONDS:  # also refuses NaN
-            seconds = MAX_HANDLER_SECONDS if seconds > 0 else 0.0
+        seconds = longest if timeout is None else float(timeout)
+        if not 0.0 <= seconds <= longest:  # also refuses NaN
+            seconds = longest if seconds > 0 else 0.0
         return method, loop.time() + seconds
 
     def _serve_request(self, frame: Frame) -> None:
@@ -422,9 +428,9 @@ class Connection:
     async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
         call_id = frame.call_id
         try:
-            async with compat.timeout_at(ctx.deadline):
+            async with compat.timeout_at(ctx.deadline):  # the answer is sent within it too
                 result = await handler(frame.body, ctx)
-            await self.link.send(Frame(Kind.RESPONSE, call_id, body=result))
+                await self.link.send(Frame(Kind.RESPONSE, call_id, body=result))
         except asyncio.CancelledError:
             pass  # cancelled by the caller or by shutdown: nobody waits for an answer
         except TimeoutError:
@@ -434,14 +440,15 @@ class Connection:
                 logger.debug("handler %r failed", ctx.method, exc_info=True)
             if not self.closed:
                 try:
-                    await self.link.send(_error_frame(call_id, type(e).__name__, str(e)))
+                    async with compat.timeout_at(ctx.deadline):
+                        await self.link.send(_error_frame(call_id, type(e).__name__, str(e)))
                 except Exception:  # noqa: BLE001 - e.g. the error text itself is unsendable
                     logger.debug("could not report handler error", exc_info=True)
         finally:
             self._serving.pop(call_id, None)
 
     def _serve_stream(self, frame: Frame) -> None:
-        parsed = self._deadline(frame.meta or {})
+        parsed = self._deadline(frame.meta or {}, MAX_STREAM_HANDLER_SECONDS)
         if parsed is None or frame.call_id in self._streams:
             self.link.send_nowait(_error_frame(frame.call_id, "ProtocolError", "malformed stream open"))
             return

@@ -463,12 +463,19 @@ class TCPLink(asyncio.BufferedProtocol):
         buffers = encode(frame, self._remote_max)
         async with self._write_lock:
             self._flush_control()
-            for buf in buffers:
-                view = memoryview(buf)
-                for start in range(0, view.nbytes, WRITE_PIECE):
-                    if self._paused:
-                        await self._drain()
-                    self._transport.write(view[start:start + WRITE_PIECE])
+            started = False
+            try:
+                for buf in buffers:
+                    view = memoryview(buf)
+                    for start in range(0, view.nbytes, WRITE_PIECE):
+                        if self._paused:
+                            await self._drain()
+                        self._transport.write(view[start:start + WRITE_PIECE])
+                        started = True
+            except BaseException:
+                if started:  # a deadline or a cancellation cut a frame in half: the stream is lost
+                    self.close("a frame was abandoned half-sent (its deadline passed)")
+                raise
             self._flush_control()
         return frame.size
 
