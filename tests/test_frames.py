@@ -90,3 +90,20 @@ def test_payload_length_must_match_tensor_specs():
 def test_sender_refuses_frames_over_the_peer_limit():
     with pytest.raises(MessageTooLarge, match="stream"):
         encode(Frame(Kind.DATA, 1, body=torch.zeros(1000)), max_frame_size=1000)
+
+
+def test_one_at_a_time_lets_the_caller_raise_the_limit_between_frames():
+    """The handshake's small cap ends with the handshake: frames after the last handshake frame,
+    received in the same read, are parsed under the limit set after it (net.tcp relies on this)."""
+    small = b"".join(bytes(b) for b in encode(Frame(Kind.AUTH, meta={"sig": b"x" * 64})))
+    big = b"".join(bytes(b) for b in encode(Frame(Kind.REQUEST, 1, {"m": "m"}, body=b"y" * 20_000)))
+    decoder = FrameDecoder(4096, scratch_size=4096)
+    decoder.one_at_a_time = True
+    (first,) = decoder.feed(small + big[:3000])  # stops after the AUTH frame
+    assert first.kind is Kind.AUTH
+    decoder.max_frame_size, decoder.one_at_a_time = 1 << 20, False
+    assert decoder.parse_more() == []  # the rest is incomplete, and no longer too large
+    (second,) = decoder.feed(big[3000:])
+    assert second.body == b"y" * 20_000
+    with pytest.raises(MessageTooLarge):
+        FrameDecoder(4096).feed(big)
