@@ -152,16 +152,14 @@ def test_staleness_never_exceeds_the_bound_and_compressed_links_still_learn(code
 
 
 async def ring_swarm(n: int):
-    """`n` peers that all know each other's addresses and answer the rings' "r.ping" probe."""
+    """`n` peers of one swarm (they find each other by id through the DHT) that answer the rings'
+    "r.ping" probe."""
     net, peers = await make_swarm(n, latency=0.001, bandwidth=50e6)
 
     async def ping(request, ctx):
         return {"ok": True}
     for a in peers:
         a.transport.add_handler("r.ping", ping)
-        for b in peers:
-            if a is not b:
-                a.transport.add_addresses(b.transport.peer_id, b.transport.addresses)
     return net, peers
 
 

@@ -216,7 +216,7 @@ def test_stage_process_killed_with_sigkill_is_replaced_over_real_tcp():
         line = proc.stdout.readline()
         assert line, proc.stderr.read()[-3000:]
         remote = json.loads(line)
-        nodes = [peers[0], peers[1], RemoteNode(remote["peer_id"], (remote["address"],)), *peers[2:]]
+        nodes = [peers[0], peers[1], RemoteNode(remote["peer_id"]), *peers[2:]]
         costs = [LayerCost(1e-3, 4096, 512)] * demo.LAYERS
         run = peers[0].run(launch_run(
             nodes, [[0, 1, 2], [3, 4, 5]], config, demo.make_layers, demo.LAYERS,

@@ -160,11 +160,7 @@ def run(args: argparse.Namespace) -> int:
         for p in peers:
             serve_probes(p)
         loop_peer = peers[0]
-        all_ids = [p.transport.peer_id for p in peers]
-        for a in peers:
-            for b in peers:
-                if a is not b:
-                    a.transport.add_addresses(b.transport.peer_id, b.addresses)
+        all_ids = [p.transport.peer_id for p in peers]  # one swarm: each finds the others through the DHT
 
         flops = measure_flops()  # one CPU shared by every peer of this process: measured once
 

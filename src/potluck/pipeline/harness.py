@@ -13,7 +13,6 @@ from torch import nn
 
 from potluck.core import compat
 from potluck.core.peer_like import PeerLike
-from potluck.net.identity import PeerID
 from potluck.pipeline.partition import boundary_shapes
 from potluck.pipeline.profiling import LayerCost, NodeProfile, profile_layers
 from potluck.pipeline.recovery import ClusterController
@@ -24,10 +23,10 @@ __all__ = ["PipelineRun", "RemoteNode", "launch_run"]
 
 @dataclass(frozen=True)
 class RemoteNode:
-    """A node whose `StageWorker` runs in another process (or machine): known by id and address."""
+    """A node whose `StageWorker` runs in another process (or machine), in the same swarm: known
+    by its peer id (the transport finds its address through its signed peer record in the DHT)."""
 
     peer_id: str
-    addresses: tuple[str, ...]
 
 
 def _peer_id(node: PeerLike | RemoteNode) -> str:
@@ -76,16 +75,10 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
                      heartbeat: float = 1.0, failure_timeout: float = 3.0,
                      prepare: Callable[[StageWorker], None] | None = None,
                      scheduler: Callable[[Any], Any] | None = None) -> PipelineRun:
-    """`nodes[i]` = the peer of node i, or a `RemoteNode` whose worker runs elsewhere;
+    """`nodes[i]` = the peer of node i, or a `RemoteNode` whose worker runs elsewhere; all in one
+    swarm (one DHT), through which every node finds the others' addresses by peer id;
     `clusters[c]` = node indices of cluster c;
     `prepare(worker)` runs on each worker before it is configured (hooks, tracing)."""
-    local = [n.transport for n in nodes if not isinstance(n, RemoteNode)]
-    for a in local:  # every node may have to talk to every other (stages, rings, recovery)
-        for b in nodes:
-            if isinstance(b, RemoteNode):
-                a.add_addresses(PeerID.from_string(b.peer_id), list(b.addresses))
-            elif a is not b.transport and b.transport.addresses:
-                a.add_addresses(b.transport.peer_id, b.transport.addresses)
     layers = make_layers(list(range(num_layers)))
     shapes = boundary_shapes(layers, list(sample.shape[1:]))
     if costs is None:

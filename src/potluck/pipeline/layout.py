@@ -1,15 +1,15 @@
 """Cluster layouts in the DHT: which peer holds which layers, read by rings and by recovery.
 
 Key `{run_id}.pipeline.layout`, one subkey per cluster, written by the cluster's controller.
-A `Layout` lists a `Span` (peer id, first layer, end layer) per stage and the stages' addresses,
-so ring members in other clusters, and nodes that must fetch lost layers, can dial each other.
+A `Layout` lists a `Span` (peer id, first layer, end layer) per stage; ring members in other
+clusters, and nodes that must fetch lost layers, dial the peers by id (the transport finds their
+addresses through their signed peer records in the DHT).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from potluck.core.errors import MalformedMessage
@@ -20,7 +20,6 @@ from potluck.pipeline.messages import (
     MAX_COUNTER,
     MAX_LAYER_INDEX,
     MAX_STAGES,
-    address_map_field,
     peer_text,
 )
 
@@ -42,15 +41,13 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """One cluster's stages in `epoch`, and where they can be dialed."""
+    """One cluster's stages in `epoch`."""
 
     epoch: int
     stages: tuple[Span, ...]
-    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages],
-                "addresses": {p: list(a) for p, a in self.addresses.items()}}
+        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages]}
 
     @classmethod
     def from_wire(cls, msg: Any) -> Layout:
@@ -64,8 +61,7 @@ class Layout:
             start = int_value(start, "stages", what, 0, MAX_LAYER_INDEX)
             stages.append(Span(peer_text(peer, "stages", what), start,
                                int_value(end, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
-        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages),
-                   address_map_field(msg, "addresses", what, MAX_STAGES))
+        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages))
 
 
 class LayoutDirectory:
@@ -74,16 +70,14 @@ class LayoutDirectory:
     def __init__(self, peer: PeerLike, run_id: str):
         self.dht = peer.dht
         self.key = f"{run_id}.pipeline.layout"
-        self.addresses: dict[str, tuple[str, ...]] = {}  # from the last fetch
 
     async def publish(self, cluster_id: str, layout: Layout) -> None:
         await self.dht.astore(self.key, layout.to_wire(), self.dht.get_time() + LAYOUT_TTL, subkey=cluster_id)
 
     async def fetch(self) -> dict[str, list[Span]]:
-        """{cluster id: its stages}, malformed layouts skipped; remembers their addresses."""
+        """{cluster id: its stages}, malformed layouts skipped."""
         found = await self.dht.aget(self.key, latest=True)
         layouts: dict[str, list[Span]] = {}
-        addresses: dict[str, tuple[str, ...]] = {}
         if found is None or not isinstance(found.value, dict):
             return layouts
         for cluster, entry in list(found.value.items())[:MAX_CLUSTERS]:
@@ -93,6 +87,4 @@ class LayoutDirectory:
                 logger.warning("layout for cluster %r ignored: %s", str(cluster)[:64], e)
                 continue
             layouts[str(cluster)] = list(layout.stages)
-            addresses.update(layout.addresses)
-        self.addresses = addresses
         return layouts

@@ -26,7 +26,7 @@ from potluck.core.wire import (
     text_field,
     wire_map,
 )
-from potluck.net.wire import addresses_value, peer_id_value
+from potluck.net.wire import peer_id_value
 
 __all__ = [
     "Ack", "Activation", "CONTROL_MESSAGES", "Configure", "ControlMessage", "FailureReport", "GetLayers", "GetStats",
@@ -44,9 +44,6 @@ MAX_STAGE_LAYERS = 4096
 MAX_STAGES = 256
 # Clusters whose layouts are read (and so members of one ring); each adds a copy of the model.
 MAX_CLUSTERS = 256
-# Peers a route names addresses for: its cluster's members, its controller and its layers' holders
-# in other clusters (at most one per cluster for each of its layers' ring segments).
-MAX_ROUTE_PEERS = 1024
 # Per-sample shapes at stage boundaries: batch aside, activations have at most a handful of dims.
 MAX_SHAPE_DIMS = 8
 MAX_DIM = 2**31
@@ -64,14 +61,6 @@ def peer_text(value: Any, key: str, what: str, *, optional: bool = False) -> str
         return None
     peer_id_value(value, key, what)
     return value
-
-
-def address_map_field(msg: Mapping, key: str, what: str, limit: int = MAX_ROUTE_PEERS) -> dict[str, tuple[str, ...]]:
-    """{peer id: addresses}: at most `limit` peers, each with addresses a transport accepts."""
-    value = msg.get(key, {})
-    if not isinstance(value, Mapping) or len(value) > limit:
-        raise MalformedMessage(what, f"'{key}' must map at most {limit} peer ids to addresses")
-    return {peer_text(peer, key, what): addresses_value(addrs, key, what) for peer, addrs in value.items()}
 
 
 def shape_field(msg: Mapping, key: str, what: str) -> tuple[int, ...]:
@@ -112,7 +101,8 @@ class Ack:
 class Route:
     """What a stage is told to be: layers [start, end) of cluster `cluster` in `epoch`, its
     neighbours (None at the ends), the per-sample shapes it receives and sends, who to report
-    failures to, where to fetch layers it lacks and where the peers it needs can be dialed."""
+    failures to and where to fetch layers it lacks. Peers are named by id only: the transport
+    finds their addresses through their signed peer records in the DHT."""
 
     epoch: int
     cluster: str
@@ -127,7 +117,6 @@ class Route:
     report_method: str | None = None
     compute_seconds: float = 0.0  # profiled seconds per sample, forward + backward (emulate_compute)
     sources: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # layer -> holders elsewhere
-    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def first(self) -> bool:
@@ -142,8 +131,7 @@ class Route:
                 "end": self.end, "prev": self.prev_peer, "next": self.next_peer, "in_shape": list(self.in_shape),
                 "out_shape": list(self.out_shape), "controller": self.controller,
                 "report_method": self.report_method, "compute_seconds": self.compute_seconds,
-                "sources": {str(i): list(p) for i, p in self.sources.items()},
-                "addresses": {p: list(a) for p, a in self.addresses.items()}}
+                "sources": {str(i): list(p) for i, p in self.sources.items()}}
 
     @classmethod
     def from_wire(cls, msg: Any) -> Route:
@@ -168,8 +156,7 @@ class Route:
                    in_shape=shape_field(msg, "in_shape", what), out_shape=shape_field(msg, "out_shape", what),
                    controller=peer_text(msg.get("controller"), "controller", what, optional=True),
                    report_method=text_field(msg, "report_method", what, MAX_NAME_CHARS, optional=True),
-                   compute_seconds=number_field(msg, "compute_seconds", what, default=0.0), sources=sources,
-                   addresses=address_map_field(msg, "addresses", what))
+                   compute_seconds=number_field(msg, "compute_seconds", what, default=0.0), sources=sources)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,6 @@ from typing import Any
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
-from potluck.net.identity import PeerID
-from potluck.net.wire import addresses_to_wire
 from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
 from potluck.pipeline.messages import (
     Ack,
@@ -111,8 +109,7 @@ class ClusterController:
         await self._publish()
 
     async def _publish(self) -> None:
-        await self.directory.publish(self.cluster_id, Layout(self.epoch, tuple(self.stages),
-                                                             self._addresses(self.members)))
+        await self.directory.publish(self.cluster_id, Layout(self.epoch, tuple(self.stages)))
 
     async def start(self) -> None:
         """Partition over the members, configure them, publish the layout, start watching."""
@@ -136,10 +133,6 @@ class ClusterController:
         self.members = [s.peer_id for s in self.partition.stages]
         stages = self.partition.stages
         me = str(self.transport.peer_id)
-        addresses = self._addresses([*self.members, me])
-        for peers in elsewhere.values():
-            for p in peers:
-                addresses.setdefault(p, self.directory.addresses.get(p, ()))
 
         def sources(s: Stage) -> dict[int, tuple[str, ...]]:
             return {i: tuple(([holders[i]] if i in holders else []) + elsewhere.get(i, []))
@@ -154,18 +147,12 @@ class ClusterController:
                           controller=me, report_method=self._report_method,
                           compute_seconds=sum(c.seconds for c in self.costs[s.start:s.end]) * self.reference_flops
                           / self._profile(s.peer_id).flops,
-                          sources=sources(s), addresses=addresses)
+                          sources=sources(s))
             Ack.from_wire(await call(self.transport, s.peer_id, self._ctl, Configure(route), CONFIGURE_TIMEOUT))
         async with compat.TaskGroup() as group:
             for i in range(len(stages)):
                 group.create_task(configure(i))
         await self._publish()
-
-    def _addresses(self, peers: Sequence[str]) -> dict[str, tuple[str, ...]]:
-        """Where each of `peers` can be dialed, as this node knows it (the newest few)."""
-        me = str(self.transport.peer_id)
-        return {p: addresses_to_wire(self.transport.addresses if p == me
-                                     else self.transport.addresses_of(PeerID.from_string(p))) for p in peers}
 
     async def _alive(self, peer: str) -> bool:
         try:

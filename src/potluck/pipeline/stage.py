@@ -208,7 +208,6 @@ class StageWorker:
         In-flight micro-batches of the previous epoch are dropped.
         """
         needed = list(range(route.start, route.end))
-        self._learn_addresses(route.addresses)
         async with self._compute_lock:
             self.route = None  # refuse traffic while reconfiguring
             if self.schedule is not None:
@@ -248,14 +247,6 @@ class StageWorker:
         self._wake.set()
         self._epoch_changed.set()
         self.progressed.set()
-
-    def _learn_addresses(self, addresses: Mapping[str, tuple[str, ...]]) -> None:
-        """Remember where peers named in a route or layout can be dialed (unparsable addresses skipped)."""
-        for peer, addrs in addresses.items():
-            try:
-                self.transport.add_addresses(PeerID.from_string(peer), addrs)
-            except (PotluckError, ValueError) as e:
-                logger.debug("ignoring addresses of %s: %s", peer[:8], e)
 
     async def _fetch_layers(self, layers: list[int], sources: Mapping[int, tuple[str, ...]]) -> dict[int, nn.Module]:
         """Layers built here and loaded with the weights of their holder in another cluster."""
@@ -537,7 +528,6 @@ class StageWorker:
         self.stats.rounds += 1
         try:
             layouts = await self.directory.fetch()
-            self._learn_addresses(self.directory.addresses)
             route = self.route
             if route is None:
                 return False
