@@ -201,6 +201,33 @@ def test_authority_issues_tokens_by_policy_and_refuses_with_reasons(arun):
     arun(main())
 
 
+@pytest.mark.timeout(30)
+def test_the_configured_authority_address_is_dialed_and_checked(arun):
+    """`fetch` connects to the authority address the user gave (so the transport vouches for it):
+    a dead address, or another peer listening there, is a MembershipError saying so."""
+    async def main():
+        clock = Clock()
+        auth_t, _ = await authority_with(Policy(), clock)
+        impostor = await transport()
+        gone = await transport()
+        address = gone.addresses[0]
+        await gone.close()
+        t = await transport()
+        try:
+            dead = MembershipClient(t, address, None, clock=clock)
+            with pytest.raises(MembershipError, match="cannot reach the authority"):
+                await dead.fetch()
+            # the authority's id at the impostor's address: the peer there cannot prove that id
+            wrong = MembershipClient(t, f"{impostor.addresses[0].without_peer_id()}/p2p/{auth_t.peer_id}", None,
+                                     clock=clock)
+            with pytest.raises(MembershipError, match="cannot reach the authority"):
+                await wrong.fetch()
+        finally:
+            for x in (t, impostor, auth_t):
+                await x.close()
+    arun(main())
+
+
 @pytest.mark.timeout(60)
 def test_password_guessing_is_rate_limited_per_peer(arun):
     async def main():

@@ -93,8 +93,19 @@ class MembershipClient:
     async def fetch(self) -> MembershipToken:
         """Get a first token with the credential; MembershipError says why the authority refused."""
         if self.authority_address is not None and not self.transport.is_connected(self.authority):
-            self.transport.add_addresses(self.authority, [self.authority_address])
+            await self._connect_authority(self.authority_address)
         return await self._request(TokenRequest(credential=self.credential))
+
+    async def _connect_authority(self, address: Multiaddr) -> None:
+        """Dial the authority at the address the user configured: it must prove the authority's id
+        there, and the transport then keeps that address as vouched (later renewals redial it)."""
+        try:
+            await self.transport.connect(address.with_peer_id(self.authority), REQUEST_TIMEOUT)
+        except MembershipError:
+            raise
+        except NetworkError as e:
+            raise MembershipError(f"cannot reach the authority {self.authority} at {address}: {e}; check --authority "
+                                  "(its full address, /ip4/.../tcp/.../p2p/<id>) and that it runs") from None
 
     async def renew(self) -> MembershipToken:
         """Exchange the current (still valid) token for a fresh one; falls back to the credential."""
