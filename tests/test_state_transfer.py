@@ -597,7 +597,6 @@ def test_averager_whose_download_failed_keeps_its_version_and_offers_no_torn_sta
         assert as_bytes(newcomer._tensors)[:CHUNK_BYTES].equal(flat[:CHUNK_BYTES])  # written in place
 
         other = peers[2]
-        other.transport.add_addresses(peers[1].transport.peer_id, peers[1].transport.addresses)
         ask = newcomer.state_server.manifest_method
         with pytest.raises(RemoteError, match="being replaced"):
             await other.transport.call(peers[1].transport.peer_id, ask, None, timeout=10)
