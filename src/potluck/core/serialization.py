@@ -311,6 +311,8 @@ def unpackb_bounded(data: bytes | memoryview, extra_containers: int = 0, **kwarg
     """`msgpack.unpackb` within the decoding budget (see DECODE_FREE_CONTAINERS): raises
     SerializationError as soon as `data` has built more containers than its size allows."""
     left = DECODE_FREE_CONTAINERS + memoryview(data).nbytes // BYTES_PER_CONTAINER + extra_containers
+    if memoryview(data).nbytes <= left:
+        return msgpack.unpackb(data, **kwargs)  # every container takes a byte: it cannot overspend
 
     def count(container: object) -> object:
         nonlocal left
