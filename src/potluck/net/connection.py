@@ -42,6 +42,12 @@ STREAM_WINDOW = 16 * 2**20
 # Handler tasks one connection may run at once; more get a "busy" error instead of memory growth.
 MAX_CONCURRENT_CALLS = 1024
 
+# Bytes of requests whose handlers are still running, per connection: past this a new request gets
+# a "busy" error and its bytes are dropped at once (issue 14: 60 waiting calls x 16 MiB held
+# +960 MB). 256 MiB lets a peer keep 32 expert calls with 8 MiB activation batches in flight; one
+# request is always served, however large (it is bounded by the max frame size).
+MAX_INFLIGHT_REQUEST_BYTES = 256 * 2**20
+
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
 
@@ -295,6 +301,7 @@ class Connection:
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, Stream] = {}
         self._serving: dict[int, asyncio.Task] = {}
+        self._inflight_bytes = 0  # sizes of the requests whose handlers are running
         self._on_close = on_close
         self._keepalive_interval = keepalive_interval
         self._keepalive_timeout = keepalive_timeout
@@ -421,8 +428,15 @@ class Connection:
         if len(self._serving) >= MAX_CONCURRENT_CALLS:
             self.link.send_nowait(_error_frame(frame.call_id, "Busy", "too many concurrent calls"))
             return
+        if self._inflight_bytes and self._inflight_bytes + frame.size > MAX_INFLIGHT_REQUEST_BYTES:
+            self.link.send_nowait(_error_frame(
+                frame.call_id, "Busy", f"over {MAX_INFLIGHT_REQUEST_BYTES} bytes of requests in progress"))
+            return
+        self._inflight_bytes += frame.size
         ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
         task = asyncio.get_running_loop().create_task(self._run_unary(handler, frame, ctx))
+        # A callback, not the task's own cleanup: a task cancelled before it starts never runs that.
+        task.add_done_callback(lambda _, size=frame.size: self._request_done(size))
         self._serving[frame.call_id] = task
 
     async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
@@ -446,6 +460,10 @@ class Connection:
                     logger.debug("could not report handler error", exc_info=True)
         finally:
             self._serving.pop(call_id, None)
+            frame.body = None  # the request's bytes go now, not when the task object does
+
+    def _request_done(self, size: int) -> None:
+        self._inflight_bytes -= size
 
     def _serve_stream(self, frame: Frame) -> None:
         parsed = self._deadline(frame.meta or {}, MAX_STREAM_HANDLER_SECONDS)

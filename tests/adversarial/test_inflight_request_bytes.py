@@ -1,0 +1,75 @@
+"""A peer cannot park an unbounded amount of request data on a slow handler (issue 14: 60 waiting
+calls x 16 MiB held +960 MB).
+
+The bytes of requests whose handlers are still running are capped per connection
+(`connection.MAX_INFLIGHT_REQUEST_BYTES`, 256 MiB; lowered to 32 MiB here so the test is light):
+past it a request gets a "busy" error and its bytes are dropped at once. Here an authenticated
+peer sends 16 requests of 8 MiB to a handler that waits (the old code held all 128 MiB).
+
+Memory is measured as the request bytes the server holds (each running handler holds its 8 MiB
+request): the process's resident size would mostly show the allocator keeping freed blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from potluck.net import Identity, TCPTransport, connection
+from potluck.net.frames import Frame, Kind
+
+MiB = 2**20
+REQUESTS = 16
+REQUEST_BYTES = 8 * MiB
+CAP = 32 * MiB
+# Request bytes the server may hold for one connection: the cap (the old code: all 128 MiB).
+HELD_BOUND = CAP
+ROUND_TRIP_BOUND = 5.0
+
+
+@pytest.mark.timeout(60)
+def test_requests_parked_on_a_slow_handler_are_capped_in_bytes(arun, monkeypatch):
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES", CAP, raising=False)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow(request, ctx):
+            await release.wait()
+            return None
+
+        async def echo(request, ctx):
+            return request
+
+        server = TCPTransport(Identity.generate(), host="127.0.0.1")
+        server.add_handler("slow", slow)
+        server.add_handler("echo", echo)
+        attacker = TCPTransport(Identity.generate(), host="127.0.0.1")
+        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
+        for t in (server, attacker, honest):
+            await t.start()
+        try:
+            sid = await honest.connect(server.addresses[0], timeout=10)
+            await attacker.connect(server.addresses[0], timeout=10)
+            (conn,) = attacker.open_connections()
+            payload = torch.ones(REQUEST_BYTES // 4)
+            await asyncio.sleep(0.2)
+            for i in range(REQUESTS):  # raw requests: the attacker never cancels them
+                await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, 2 * i + 1, {"m": "slow", "t": 30.0},
+                                                            body=payload)), 10)
+            await asyncio.sleep(1.0)  # the server has read them all by now
+            served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
+            start = time.monotonic()
+            assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
+            assert time.monotonic() - start < ROUND_TRIP_BOUND
+            assert served
+            held = len(served[0]._serving) * REQUEST_BYTES
+            assert held <= HELD_BOUND, f"the server holds {held / MiB:.0f} MiB of parked requests"
+        finally:
+            release.set()
+            for t in (attacker, honest, server):
+                await t.close()
+
+    arun(main(), timeout=50)
