@@ -49,6 +49,43 @@ def test_nearest_matches_brute_force_xor_order():
         assert excluded not in [p for p, _ in table.nearest(target, 10, exclude=[excluded])]
 
 
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("size", "k", "b"), [(0, 4, 1), (3, 4, 1), (50, 2, 1), (300, 4, 2), (600, 20, 5)])
+def test_nearest_walks_buckets_by_distance_and_still_matches_brute_force(size, k, b):
+    """`nearest` ranks only the first buckets in XOR order; the answer must be the true one
+    for any count, exclusions, and targets inside and outside the table."""
+    own = node_id_of(peer(0))
+    table = RoutingTable(own_id=own, bucket_size=k, depth_modulo=b)
+    for p, i in peers(size, seed=size):
+        table.add_or_update(p, i, now=0.0)
+    members = [table.node_id(p) for p in table]
+    rng = random.Random(size)
+    targets = [own, *rng.sample(members, min(5, len(members))), *(rng.getrandbits(ID_BITS) for _ in range(10))]
+    for target in targets:
+        truth = sorted(table, key=lambda p, t=target: table.node_id(p) ^ t)
+        for count in (1, 2, k, 3 * k, len(truth) + 1):
+            assert [p for p, _ in table.nearest(target, count)] == truth[:count]
+            dropped = set(rng.sample(truth, min(3, len(truth))))
+            kept = [p for p in truth if p not in dropped]
+            assert [p for p, _ in table.nearest(target, count, exclude=dropped)] == kept[:count]
+
+@pytest.mark.timeout(10)
+def test_surely_closer_counts_only_peers_that_are_closer_and_all_within_half_the_distance():
+    table = RoutingTable(own_id=node_id_of(peer(0)), bucket_size=8, depth_modulo=2)
+    for p, i in peers(500, seed=3):
+        table.add_or_update(p, i, now=0.0)
+    members = [table.node_id(p) for p in table]
+    rng = random.Random(4)
+    for _ in range(200):
+        target = rng.choice(members) if rng.random() < 0.3 else rng.getrandbits(ID_BITS)
+        distance = rng.choice(members) ^ target if rng.random() < 0.5 else rng.getrandbits(rng.randrange(ID_BITS + 1))
+        bound = table.surely_closer(target, distance)
+        assert bound <= sum(1 for i in members if i ^ target < distance)
+        assert bound >= sum(1 for i in members if 2 * (i ^ target) < distance)
+    assert table.surely_closer(members[0], 0) == 0
+
+
 @pytest.mark.timeout(10)
 def test_buckets_split_near_own_id_and_by_depth_modulo_and_never_exceed_k():
     own = node_id_of(peer(0))

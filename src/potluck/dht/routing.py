@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -78,6 +77,7 @@ class RoutingTable:
         self._lowers: list[int] = [0]
         self._ids: dict[PeerID, int] = {}  # every live entry: peer -> node id
         self._peers: dict[int, PeerID] = {}  # the same, node id -> peer (int keys hash fast)
+        self._sorted: list[int] = []  # the same node ids, ascending (for `nearest`)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -118,6 +118,7 @@ class RoutingTable:
                 bucket.replacements.pop(peer_id, None)
                 self._ids[peer_id] = node_id
                 self._peers[node_id] = peer_id
+                bisect.insort(self._sorted, node_id)
                 bucket.last_updated = now
                 return None
             if not self._may_split(bucket):
@@ -153,6 +154,7 @@ class RoutingTable:
                 bucket.replacements.pop(peer_id, None)
             return None
         del self._peers[node_id]
+        del self._sorted[bisect.bisect_left(self._sorted, node_id)]
         bucket = self.bucket_for(node_id)
         del bucket.nodes[peer_id]
         if not bucket.replacements:
@@ -161,6 +163,7 @@ class RoutingTable:
         bucket.nodes[promoted] = promoted_id
         self._ids[promoted] = promoted_id
         self._peers[promoted_id] = promoted
+        bisect.insort(self._sorted, promoted_id)
         return promoted
 
     def has_replacement(self, peer_id: PeerID) -> bool:
@@ -168,12 +171,41 @@ class RoutingTable:
         return node_id is not None and bool(self.bucket_for(node_id).replacements)
 
     def nearest(self, target: int, count: int, exclude: Iterable[PeerID] = ()) -> list[tuple[PeerID, int]]:
-        """The `count` known peers closest to `target` by XOR distance, closest first."""
+        """The `count` known peers closest to `target` by XOR distance, closest first.
+
+        The ids within XOR distance 2^s of `target` are exactly those of the aligned block of 2^s
+        ids that holds `target`, a contiguous slice of the sorted ids: a binary search over s finds
+        the smallest block with enough peers, and only that block is ranked (lookups, find
+        answers and hand-offs call this all the time)."""
         excluded = [self._ids[p] for p in exclude if p in self._ids]
-        closest = heapq.nsmallest(count + len(excluded), self._peers, key=target.__xor__)
+        want = count + len(excluded)
+        ids = self._sorted
+        block = ids
+        if len(ids) > want and target >> ID_BITS == 0:  # (an id out of range: rank everyone)
+            low, high = 0, ID_BITS  # the block of 2^ID_BITS ids (everyone) is big enough
+            while low < high:
+                s = (low + high) // 2
+                start = target >> s << s
+                if bisect.bisect_left(ids, start + (1 << s)) - bisect.bisect_left(ids, start) >= want:
+                    high = s
+                else:
+                    low = s + 1
+            start = target >> low << low
+            block = ids[bisect.bisect_left(ids, start):bisect.bisect_left(ids, start + (1 << low))]
+        closest = sorted(block, key=target.__xor__)[:want]
         if excluded:
             closest = [i for i in closest if i not in excluded][:count]
         return [(self._peers[i], i) for i in closest]
+
+    def surely_closer(self, target: int, distance: int) -> int:
+        """A lower bound on how many known peers are closer to `target` than `distance`, in two
+        bisections: those in the aligned block around `target` of the largest power of two not
+        above `distance` (every id there is closer)."""
+        bits = distance.bit_length() - 1
+        if bits < 0:
+            return 0
+        start = target >> bits << bits
+        return bisect.bisect_left(self._sorted, start + (1 << bits)) - bisect.bisect_left(self._sorted, start)
 
     def stale_buckets(self, now: float, interval: float) -> list[KBucket]:
         """Buckets nobody in them was seen for `interval` seconds: look up an id there to refresh."""
