@@ -35,7 +35,7 @@ from typing import Any
 from potluck.core import compat
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import NetworkError, PeerUnreachable
-from potluck.core.serialization import dumps, loads
+from potluck.core.serialization import dumps
 from potluck.dht import protocol
 from potluck.dht.errors import BadRequest, DHTError, RecordRejected
 from potluck.dht.lookup import Answer, Backoff, Lookup, TargetResult
@@ -43,7 +43,7 @@ from potluck.dht.peer_records import (
     PEER_RECORD_TTL,
     PeerRecordValidator,
     is_peer_record_key,
-    parse_peer_record,
+    peer_record_from_bytes,
     peer_record_key,
 )
 from potluck.dht.records import Key, Record, key_id_of
@@ -608,7 +608,7 @@ class DHTNode:
             if record.subkey is not None or record.expiration_time <= now:
                 continue
             try:
-                parsed = parse_peer_record(loads(record.value))
+                parsed = peer_record_from_bytes(record.value)
             except Exception:  # noqa: BLE001 - checked on arrival already; skip anything odd
                 continue
             if parsed.peer_id == peer_id and (best is None or parsed.expiration_time > best.expiration_time):
@@ -627,17 +627,36 @@ class DHTNode:
     async def _hand_off(self) -> None:
         while self._newcomers:
             newcomers, self._newcomers = self._newcomers, set()
+            fresh = [n for p in newcomers if (n := self.routing.node_id(p)) is not None]
             batches: dict[PeerID, list[Record]] = {}
-            for key_id, records in self.storage.items(self.now()):
-                nearest = self.routing.nearest(key_id, self.replicas)
+            now = self.now()
+            for key_id in self.storage.key_ids():
+                # Cheap tests first (a node runs this for every key it holds at every join), each
+                # two bisections: a peer with `replicas` known peers surely closer to the key than
+                # itself is not one of its replicas, be it a newcomer or us.
+                if all(self.routing.surely_closer(key_id, n ^ key_id) >= self.replicas for n in fresh):
+                    continue
                 mine = self.node_id ^ key_id
+                ahead = self.routing.surely_closer(key_id, mine)
+                if ahead >= self.replicas:
+                    continue
+                records = self.storage.get(key_id, now)
+                if not records:
+                    continue
+                if is_peer_record_key(records[0].key):
+                    # One record per peer: only its closest holder hands it on (Kademlia 2.5's
+                    # rule), or every join would bring each newcomer ~k copies of each. More peers
+                    # surely closer than us than there are newcomers: one of them is not new. If
+                    # one is, it is among the few closest (or past `replicas` of them, and the
+                    # test below skips the key anyway).
+                    if ahead > len(fresh):
+                        continue
+                    closest = self.routing.nearest(key_id, min(len(newcomers) + 1, self.replicas))
+                    if any(n ^ key_id < mine for p, n in closest if p not in newcomers):
+                        continue
+                nearest = self.routing.nearest(key_id, self.replicas)
                 if len(nearest) >= self.replicas and all(n ^ key_id < mine for _, n in nearest):
                     continue  # we are no longer one of this key's replicas
-                if is_peer_record_key(records[0].key) and any(
-                        n ^ key_id < mine for p, n in nearest if p not in newcomers):
-                    # One record per peer: only its closest holder hands it on (Kademlia 2.5's
-                    # rule), or every join would bring each newcomer ~k copies of each.
-                    continue
                 for peer, _ in nearest:
                     if peer in newcomers:
                         batches.setdefault(peer, []).extend(records)
