@@ -11,17 +11,20 @@ at parse time, by the writer and by every node that receives it.
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from typing import Any
 
 from potluck.core.dht_time import Clock
+from potluck.core.serialization import loads
 from potluck.dht.errors import ExpirationTooFar, RecordRejected
 from potluck.dht.records import Record, owner_marker, owners_of
 from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import PeerID
 from potluck.net.peer_record import PeerRecord, PeerRecordError
 
-__all__ = ["MAX_PEER_RECORD_TTL", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator", "is_peer_record_key",
-           "peer_record_key"]
+__all__ = ["MAX_PEER_RECORD_TTL", "PARSED_PEER_RECORDS", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator",
+           "is_peer_record_key", "peer_record_from_bytes", "peer_record_key"]
 
 # Keys starting with this are reserved for peer records.
 PEER_RECORD_PREFIX = "_peer."
@@ -31,6 +34,9 @@ PEER_RECORD_TTL = 30 * 60.0
 # Nodes refuse peer records expiring further ahead: later expiration wins in storage, so a record
 # signed for a day by a misconfigured run would hide a restarted peer's new addresses all day.
 MAX_PEER_RECORD_TTL = 2 * 3600.0
+# Peer records remembered as parsed and verified, per process, by a digest of their DHT value bytes;
+# a record is ~150 bytes (one address), so this is ~2 MiB at most.
+PARSED_PEER_RECORDS = 8192
 
 
 def peer_record_key(peer_id: PeerID | str) -> str:
@@ -57,7 +63,7 @@ class PeerRecordValidator:
         if owner is None or key != peer_record_key(owner) or record.subkey is not None:
             raise RecordRejected(f"{PEER_RECORD_PREFIX!r} keys hold peer records only: "
                                  f"'{PEER_RECORD_PREFIX}[owner:<peer id>]' with no subkey")
-        parsed = parse_peer_record(value)
+        parsed = peer_record_from_bytes(record.value, value)
         if parsed.peer_id != owner:
             raise RecordRejected(f"the peer record under {key!r:.80} is {parsed.peer_id}'s, not its owner's")
         if parsed.expiration_time != record.expiration_time:
@@ -72,3 +78,35 @@ def parse_peer_record(value: Any) -> PeerRecord:
         return PeerRecord.from_value(value)
     except PeerRecordError as e:
         raise RecordRejected(str(e)) from None
+
+
+class _ParsedPeerRecords:
+    """`parse_peer_record(loads(value))` by a BLAKE2b digest of `value`, for values that parsed: the
+    same bytes always parse to the same record, and a peer record is checked each time it is stored
+    on a node, returned by a lookup and resolved, always the same few hundred bytes. Oldest forgotten
+    first past `max_entries`; what fails to parse is never remembered."""
+
+    def __init__(self, max_entries: int = PARSED_PEER_RECORDS):
+        self.max_entries = max_entries
+        self._parsed: dict[bytes, PeerRecord] = {}
+        self._lock = threading.Lock()
+
+    def parse(self, value: bytes, decoded: Any = None) -> PeerRecord:
+        digest = hashlib.blake2b(value, digest_size=32).digest()
+        parsed = self._parsed.get(digest)
+        if parsed is None:
+            parsed = parse_peer_record(loads(value) if decoded is None else decoded)
+            with self._lock:
+                self._parsed[digest] = parsed
+                while len(self._parsed) > self.max_entries:
+                    del self._parsed[next(iter(self._parsed))]
+        return parsed
+
+
+_parsed_peer_records = _ParsedPeerRecords()
+
+
+def peer_record_from_bytes(value: bytes, decoded: Any = None) -> PeerRecord:
+    """The verified `PeerRecord` a DHT value holds (`decoded`: `loads(value)`, if the caller has it);
+    raises RecordRejected. Remembered per process (see `_ParsedPeerRecords`)."""
+    return _parsed_peer_records.parse(value, decoded)

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,12 +20,12 @@ from potluck.core.errors import SerializationError
 from potluck.core.serialization import loads
 from potluck.dht.errors import ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
 from potluck.dht.records import MAX_KEY_BYTES, Key, Record, name_size, owners_of
-from potluck.net.identity import Identity
+from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-__all__ = ["Limits", "RecordValidator", "SchemaValidator", "check_record", "sign_record"]
+__all__ = ["Limits", "RecordValidator", "SchemaValidator", "VerifiedSignatures", "check_record", "sign_record"]
 
 # 64 KiB: DHT values are directory entries (addresses, small dicts, progress counters). Bulk data
 # travels peer to peer; a cap keeps every replica cheap to store, send and validate.
@@ -34,6 +36,9 @@ DEFAULT_MAX_TTL = 24 * 3600.0
 # Nodes accept records this much further ahead than the caller's own check allows: peers'
 # wall clocks differ (NTP keeps them within a second; unsynchronised machines drift by minutes).
 CLOCK_SKEW_ALLOWANCE = 300.0
+# Owner signatures remembered as verified, per process: each is a 32-byte digest (~100 bytes with
+# its dict slot), so this is at most ~2 MiB, and it holds every record of a swarm of thousands.
+VERIFIED_SIGNATURES = 16384
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,41 @@ class SchemaValidator:
                         f"for prefix {prefix!r}: {where}: {first.get('msg', e)}") from None
 
 
+class VerifiedSignatures:
+    """Which (signer, signature, data) triples already verified, so a record seen again costs a hash
+    instead of an Ed25519 verification. A record arrives many times: from each replica that hands it
+    on, in the answer of every lookup that finds it, and, in an emulated swarm, at every node of the
+    process. Verification is deterministic, so a triple that verified once verifies again; only
+    successes are kept, under a BLAKE2b digest of the whole triple (signer and signature have fixed
+    lengths, so the concatenation is unambiguous), oldest forgotten first past `max_entries`."""
+
+    def __init__(self, max_entries: int = VERIFIED_SIGNATURES):
+        self.max_entries = max_entries
+        self._seen: dict[bytes, None] = {}
+        self._lock = threading.Lock()  # DHTs of one process may run on several threads' loops
+
+    def verify(self, signer: PeerID, signature: bytes, data: bytes) -> bool:
+        """`signer.verify(signature, data)`, remembered when it succeeds."""
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            return signer.verify(signature, data)  # unusual input: checked, never remembered
+        digest = hashlib.blake2b(signer.to_bytes() + signature + data, digest_size=32).digest()
+        if digest in self._seen:
+            return True
+        if not signer.verify(signature, data):
+            return False
+        with self._lock:
+            self._seen[digest] = None
+            while len(self._seen) > self.max_entries:
+                del self._seen[next(iter(self._seen))]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+verified_signatures = VerifiedSignatures()
+
+
 def check_names(key: Any, subkey: Any) -> None:
     """Types and sizes of a key and subkey given by a user (the wire parser checks its own)."""
     if not isinstance(key, (str, bytes)):
@@ -116,7 +156,7 @@ def check_record(record: Record, limits: Limits, now: float,
     if owner is not None:
         if record.signature is None:
             raise NotOwner(f"{record.key!r:.120} is owned by {owner}; the record carries no signature")
-        if not owner.verify(record.signature, record.signed_bytes()):
+        if not verified_signatures.verify(owner, record.signature, record.signed_bytes()):
             raise NotOwner(f"{record.key!r:.120} is owned by {owner}; the signature does not verify "
                            "(forged, or signed by another peer)")
     elif record.signature is not None or record.token is not None:
