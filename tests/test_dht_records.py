@@ -10,7 +10,14 @@ from potluck.core.serialization import dumps
 from potluck.dht import protocol
 from potluck.dht.errors import BadRequest, ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
 from potluck.dht.records import Record, key_id_of, owner_marker, owners_of
-from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE, Limits, SchemaValidator, check_record, sign_record
+from potluck.dht.validation import (
+    CLOCK_SKEW_ALLOWANCE,
+    Limits,
+    SchemaValidator,
+    VerifiedSignatures,
+    check_record,
+    sign_record,
+)
 from potluck.net.identity import Identity
 
 NOW = 1_000_000.0
@@ -40,6 +47,41 @@ def test_owner_signed_records_verify_and_every_tampering_is_refused():
     for record in tampered:
         with pytest.raises(NotOwner, match=str(alice.peer_id)):
             check_record(record, LIMITS, NOW)
+
+
+@pytest.mark.timeout(10)
+def test_a_remembered_signature_vouches_only_for_its_own_record():
+    """Records are checked once per process; a tampered copy of a checked record is still refused."""
+    alice, mallory = Identity.generate(), Identity.generate()
+    good = owned_record(alice, value="checked once")
+    for _ in range(2):  # the second time from the cache
+        assert check_record(good, LIMITS, NOW) == "checked once"
+    for tampered in (
+        Record(good.key, None, dumps("changed"), good.expiration_time, good.signature),
+        Record(good.key, None, good.value, good.expiration_time + 1, good.signature),
+        Record(good.key, None, good.value, good.expiration_time, good.signature, b"a token it never signed"),
+        Record(good.key, None, good.value, good.expiration_time, mallory.sign(good.signed_bytes())),
+        Record(good.key, "a subkey", good.value, good.expiration_time, good.signature),
+    ):
+        for _ in range(2):
+            with pytest.raises(NotOwner):
+                check_record(tampered, LIMITS, NOW)
+
+
+@pytest.mark.timeout(10)
+def test_verified_signatures_remember_successes_only_and_stay_bounded():
+    alice = Identity.generate()
+    cache = VerifiedSignatures(max_entries=3)
+    signed = [(b"data %d" % i, alice.sign(b"data %d" % i)) for i in range(5)]
+    assert not cache.verify(alice.peer_id, signed[0][1], b"other data")
+    assert not cache.verify(alice.peer_id, signed[0][1][:-1] + bytes([signed[0][1][-1] ^ 1]), signed[0][0])
+    assert not cache.verify(alice.peer_id, signed[0][1] + b"d", b"ata 0")  # not a shifted boundary either
+    assert len(cache) == 0
+    for data, signature in signed:
+        assert cache.verify(alice.peer_id, signature, data)
+        assert cache.verify(alice.peer_id, signature, data)
+    assert len(cache) == 3
+    assert not cache.verify(Identity.generate().peer_id, signed[-1][1], signed[-1][0])  # another signer
 
 
 @pytest.mark.timeout(10)

@@ -11,7 +11,13 @@ from potluck.core.errors import PeerUnreachable
 from potluck.core.serialization import dumps
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import DHT, DHTConfig, ExpirationTooFar, NotOwner, RecordRejected, event_loop_clock, protocol
-from potluck.dht.peer_records import MAX_PEER_RECORD_TTL, PeerRecordValidator, peer_record_key
+from potluck.dht.peer_records import (
+    MAX_PEER_RECORD_TTL,
+    PARSED_PEER_RECORDS,
+    PeerRecordValidator,
+    peer_record_from_bytes,
+    peer_record_key,
+)
 from potluck.dht.records import Record
 from potluck.dht.validation import Limits, check_record, sign_record
 from potluck.net.address import Multiaddr
@@ -90,6 +96,21 @@ def test_the_dht_refuses_forged_misplaced_or_long_lived_peer_records():
                      Limits(), now, rules)
     with pytest.raises(RecordRejected, match="hold peer records only"):
         check_record(Record("_peer.anything", None, dumps(1), now + 60), Limits(), now, rules)
+
+
+def test_parsed_peer_records_are_remembered_by_their_bytes_and_forgeries_never():
+    victim, stranger = Identity.generate(), Identity.generate()
+    good = PeerRecord.sign(victim, [ADDR], 1000.0)
+    assert peer_record_from_bytes(dumps(good.to_value())) == good
+    assert peer_record_from_bytes(dumps(good.to_value())) == good  # remembered
+    forged = dict(good.to_value(), peer=stranger.peer_id.to_bytes())
+    moved = dict(good.to_value(), addrs=["/ip4/203.0.113.9/tcp/1"])
+    for value in (forged, moved, forged):
+        with pytest.raises(RecordRejected, match="does not verify"):
+            peer_record_from_bytes(dumps(value))
+    for i in range(PARSED_PEER_RECORDS + 10):  # bounded: the oldest are forgotten, and parse again
+        peer_record_from_bytes(dumps(PeerRecord.sign(victim, [ADDR], 2000.0 + i).to_value()))
+    assert peer_record_from_bytes(dumps(good.to_value())) == good
 
 
 # -- resolution on the emulated network --------------------------------------------------------------
