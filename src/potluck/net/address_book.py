@@ -11,6 +11,7 @@ Plain logic, no I/O: the transport feeds it and asks it for a dial order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from potluck.net.address import Multiaddr
@@ -25,11 +26,19 @@ MAX_ADDRESSES_PER_PEER = 8
 # Third-party hints kept per peer, newest first. Separate from the vouched ones, so flooding hints
 # (a stranger's fake addresses) can push out only other hints.
 MAX_HINTS_PER_PEER = 8
+# Bare forms of /p2p/ addresses remembered: every authenticated connection states its peer's
+# addresses again, and rebuilding (and re-checking) a Multiaddr each time showed in profiles.
+BARE_ADDRESS_CACHE = 4096
 
 
 def _bare(addr: Multiaddr | str) -> Multiaddr:
     addr = Multiaddr.parse(addr) if isinstance(addr, str) else addr
-    return addr.without_peer_id() if addr.peer_id is not None else addr
+    return _without_peer_id(addr) if addr.peer_id is not None else addr
+
+
+@functools.lru_cache(maxsize=BARE_ADDRESS_CACHE)
+def _without_peer_id(addr: Multiaddr) -> Multiaddr:
+    return addr.without_peer_id()
 
 
 class AddressBook:
