@@ -17,6 +17,7 @@ import torch
 
 from potluck.net import Identity, TCPTransport, connection
 from potluck.net.frames import Frame, Kind
+from tests.adversarial.scene import attacked_server
 
 # The bounds this test holds the server to (the old code had one bound, 24 h, for both).
 MAX_HANDLER_SECONDS = 600.0
@@ -71,19 +72,7 @@ def test_an_answer_to_a_caller_that_stops_reading_is_dropped_at_the_deadline(aru
         async def big(request, ctx):
             return torch.zeros(40 * MiB // 4)  # a 40 MiB answer: far more than socket buffers hold
 
-        async def echo(request, ctx):
-            return request
-
-        server = TCPTransport(Identity.generate(), host="127.0.0.1")
-        server.add_handler("big", big)
-        server.add_handler("echo", echo)
-        attacker = TCPTransport(Identity.generate(), host="127.0.0.1")
-        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        for t in (server, attacker, honest):
-            await t.start()
-        try:
-            sid = await honest.connect(server.addresses[0], timeout=10)
-            await attacker.connect(server.addresses[0], timeout=10)
+        async with attacked_server({"big": big}) as (server, attacker, honest, sid):
             (conn,) = attacker.open_connections()
             conn.link._transport.pause_reading()  # the attacker never reads the answer
             # A raw request with a 1 s deadline, never cancelled (Connection.call would send CANCEL
@@ -97,8 +86,5 @@ def test_an_answer_to_a_caller_that_stops_reading_is_dropped_at_the_deadline(aru
                 await asyncio.sleep(0.1)
             assert not served[0]._serving, "the server still holds the answer to a caller that does not read"
             assert await honest.call(sid, "echo", "ok", timeout=5) == "ok"
-        finally:
-            for t in (attacker, honest, server):
-                await t.close()
 
     arun(main(), timeout=50)

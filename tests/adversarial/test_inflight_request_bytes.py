@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
-from potluck.net import Identity, TCPTransport, connection
+from potluck.net import connection
 from potluck.net.frames import Frame, Kind
+from tests.adversarial.scene import attacked_server
 
 MiB = 2**20
 REQUESTS = 16
@@ -40,36 +41,23 @@ def test_requests_parked_on_a_slow_handler_are_capped_in_bytes(arun, monkeypatch
             await release.wait()
             return None
 
-        async def echo(request, ctx):
-            return request
-
-        server = TCPTransport(Identity.generate(), host="127.0.0.1")
-        server.add_handler("slow", slow)
-        server.add_handler("echo", echo)
-        attacker = TCPTransport(Identity.generate(), host="127.0.0.1")
-        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        for t in (server, attacker, honest):
-            await t.start()
-        try:
-            sid = await honest.connect(server.addresses[0], timeout=10)
-            await attacker.connect(server.addresses[0], timeout=10)
-            (conn,) = attacker.open_connections()
-            payload = torch.ones(REQUEST_BYTES // 4)
-            await asyncio.sleep(0.2)
-            for i in range(REQUESTS):  # raw requests: the attacker never cancels them
-                await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, 2 * i + 1, {"m": "slow", "t": 30.0},
-                                                            body=payload)), 10)
-            await asyncio.sleep(1.0)  # the server has read them all by now
-            served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
-            start = time.monotonic()
-            assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
-            assert time.monotonic() - start < ROUND_TRIP_BOUND
-            assert served
-            held = len(served[0]._serving) * REQUEST_BYTES
-            assert held <= HELD_BOUND, f"the server holds {held / MiB:.0f} MiB of parked requests"
-        finally:
-            release.set()
-            for t in (attacker, honest, server):
-                await t.close()
+        async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
+            try:
+                (conn,) = attacker.open_connections()
+                payload = torch.ones(REQUEST_BYTES // 4)
+                await asyncio.sleep(0.2)
+                for i in range(REQUESTS):  # raw requests: the attacker never cancels them
+                    await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, 2 * i + 1, {"m": "slow", "t": 30.0},
+                                                                body=payload)), 10)
+                await asyncio.sleep(1.0)  # the server has read them all by now
+                served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
+                start = time.monotonic()
+                assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
+                assert time.monotonic() - start < ROUND_TRIP_BOUND
+                assert served
+                held = len(served[0]._serving) * REQUEST_BYTES
+                assert held <= HELD_BOUND, f"the server holds {held / MiB:.0f} MiB of parked requests"
+            finally:
+                release.set()
 
     arun(main(), timeout=50)

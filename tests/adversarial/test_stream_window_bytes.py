@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from potluck.core.errors import NetworkError
-from potluck.net import Identity, TCPTransport
 from potluck.net.frames import Frame, Kind
+from tests.adversarial.scene import attacked_server
 
 MiB = 2**20
 FRAMES = 12
@@ -34,10 +34,6 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def echo(request, ctx):
-    return request
-
-
 @pytest.mark.timeout(60)
 def test_frames_past_the_byte_window_close_the_connection_and_hold_no_memory(arun):
     async def main():
@@ -48,41 +44,31 @@ def test_frames_past_the_byte_window_close_the_connection_and_hold_no_memory(aru
             async for _ in stream:
                 pass
 
-        server = TCPTransport(Identity.generate(), host="127.0.0.1")
-        server.add_handler("echo", echo)
-        server.add_stream_handler("sink", slow_sink)
-        attacker = TCPTransport(Identity.generate(), host="127.0.0.1")
-        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        for t in (server, attacker, honest):
-            await t.start()
-        try:
-            sid = await honest.connect(server.addresses[0], timeout=10)
-            await attacker.connect(server.addresses[0], timeout=10)
-            (conn,) = attacker.open_connections()
-            stream = await conn.open_stream("sink", timeout=30)
-            chunk = torch.ones(FRAME_BYTES // 4)
-            await asyncio.sleep(0.2)
-            before = _rss()
-            sent = 0
+        async with attacked_server(stream_handlers={"sink": slow_sink}) as (server, attacker, honest, sid):
             try:
-                for _ in range(FRAMES):  # straight to the link: no waiting for window credit
-                    await asyncio.wait_for(conn.link.send(Frame(Kind.DATA, stream.call_id, body=chunk)), 10)
-                    sent += 1
-            except NetworkError:
-                pass
-            deadline = time.monotonic() + 10
-            while not conn.closed and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # whatever was still on the wire is read by now
-            grown = _rss() - before
-            start = time.monotonic()
-            assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
-            assert time.monotonic() - start < ROUND_TRIP_BOUND
-            assert grown < RSS_BOUND, f"the attack added {grown / MiB:.0f} MiB of resident memory"
-            assert conn.closed and "window overrun" in (conn.close_reason or ""), (sent, conn.close_reason)
-        finally:
-            release.set()
-            for t in (attacker, honest, server):
-                await t.close()
+                (conn,) = attacker.open_connections()
+                stream = await conn.open_stream("sink", timeout=30)
+                chunk = torch.ones(FRAME_BYTES // 4)
+                await asyncio.sleep(0.2)
+                before = _rss()
+                sent = 0
+                try:
+                    for _ in range(FRAMES):  # straight to the link: no waiting for window credit
+                        await asyncio.wait_for(conn.link.send(Frame(Kind.DATA, stream.call_id, body=chunk)), 10)
+                        sent += 1
+                except NetworkError:
+                    pass
+                deadline = time.monotonic() + 10
+                while not conn.closed and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # whatever was still on the wire is read by now
+                grown = _rss() - before
+                start = time.monotonic()
+                assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
+                assert time.monotonic() - start < ROUND_TRIP_BOUND
+                assert grown < RSS_BOUND, f"the attack added {grown / MiB:.0f} MiB of resident memory"
+                assert conn.closed and "window overrun" in (conn.close_reason or ""), (sent, conn.close_reason)
+            finally:
+                release.set()
 
     arun(main(), timeout=50)
