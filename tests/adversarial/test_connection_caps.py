@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 
 import pytest
 
@@ -24,7 +23,8 @@ from potluck.net import Identity, TCPTransport
 ATTACK_CONNECTIONS = 40
 PER_IP = 8
 PER_PEER = 3
-# An honest call while the attacker holds its connections: generous for a loaded machine.
+# The deadline of an honest call while the attacker holds its connections (the call fails past
+# it): generous for a loaded machine.
 ROUND_TRIP_BOUND = 5.0
 
 
@@ -71,10 +71,8 @@ def test_idle_connections_from_one_address_are_capped_and_others_still_connect(a
             closed = await asyncio.gather(*(_closed_within(r, 2.0) for r in readers))
             # Only PER_IP stay (idle, until the handshake deadline); the rest are refused at once.
             assert closed.count(False) == PER_IP, f"{closed.count(False)} idle connections kept"
-            start = time.monotonic()
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
-            assert time.monotonic() - start < ROUND_TRIP_BOUND
         finally:
             for writer in writers:
                 writer.close()

@@ -12,7 +12,6 @@ request): the process's resident size would mostly show the allocator keeping fr
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -51,9 +50,7 @@ def test_requests_parked_on_a_slow_handler_are_capped_in_bytes(arun, monkeypatch
                                                                 body=payload)), 10)
                 await asyncio.sleep(1.0)  # the server has read them all by now
                 served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
-                start = time.monotonic()
                 assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
-                assert time.monotonic() - start < ROUND_TRIP_BOUND
                 assert served
                 held = len(served[0]._serving) * REQUEST_BYTES
                 assert held <= HELD_BOUND, f"the server holds {held / MiB:.0f} MiB of parked requests"

@@ -63,9 +63,7 @@ def test_frames_past_the_byte_window_close_the_connection_and_hold_no_memory(aru
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)  # whatever was still on the wire is read by now
                 grown = _rss() - before
-                start = time.monotonic()
                 assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
-                assert time.monotonic() - start < ROUND_TRIP_BOUND
                 assert grown < RSS_BOUND, f"the attack added {grown / MiB:.0f} MiB of resident memory"
                 assert conn.closed and "window overrun" in (conn.close_reason or ""), (sent, conn.close_reason)
             finally:
