@@ -251,7 +251,7 @@ def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_contin
             await sim.close()
         return sim, steps_at_kill[0]
     sim, at_kill = run_virtual(scenario())
-    assert sim.primary.dropped_workers == [sim.workers[2].transport.peer_id]  # dropped once, and only it
+    assert list(sim.primary.dropped_workers) == [sim.workers[2].transport.peer_id]  # dropped once, and only it
     assert sim.primary.step >= 400 > at_kill
     assert sim.clients[2].pushes <= at_kill + 1 < sim.clients[0].pushes
 

@@ -15,6 +15,16 @@ dead worker stops a round for at most that long. In the decentralized form a sha
 copies its state to a standby on another peer after every step, before it answers the workers;
 the standby takes over when workers turn to it.
 
+Only the run's workers may call (issue 14: a stranger pushed 3e38 into an async server). The
+caller is the transport's authenticated peer id. With `workers=` the server knows the run's
+workers by peer id and refuses everyone else; without it, `register` hands out `num_workers`
+seats, first come, and a peer that holds no seat can neither push nor pull (a worker dropped for
+silence keeps its seat and may come back). A standby serves only the workers its primary copied
+to it. A refused caller gets a `PSInputError` that says why, and the server goes on serving.
+Pushes are also checked by size: non-finite values are refused at parse time, and a push whose
+norm is above `MAX_PUSH_NORM`, above the run's `max_push_norm`, or `push_norm_factor` times the
+median norm of recent accepted pushes is refused before it reaches the optimizer.
+
 Every call is parsed into its typed message (`potluck.ps.messages`) before a handler sees it; a
 malformed one is refused with `MalformedMessage` naming the field, and the server goes on serving.
 """
@@ -23,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import statistics
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +48,7 @@ from potluck.core.peer_like import PeerLike
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.ps.messages import (
+    MAX_WORKERS,
     ParamsReply,
     PullRequest,
     PushRequest,
@@ -60,6 +73,23 @@ REGISTRATION_TIMEOUT = 30.0
 REPLICATE_TIMEOUT = 10.0
 # Staleness and clock-gap records kept for inspection: bounded memory on long runs.
 MAX_RECORDS = 100_000
+# A push whose L2 norm is above this is refused, whatever the run's options: its square overflows
+# float32 (~3.4e38), so the optimizer's own arithmetic on it (Adam's squared gradients, momentum
+# sums, a round's mean) would turn its float32 state into infinities. No honest gradient comes
+# near it; a stranger's 3e38 (issue 14) does.
+MAX_PUSH_NORM = math.sqrt(torch.finfo(torch.float32).max)  # ~1.8e19
+# Default relative bound: a push more than this many times the median norm of the last
+# PUSH_NORM_WINDOW accepted pushes is refused. Honest gradient norms drift over a run and spike
+# by a few times (10x is a large spike); two orders of magnitude above the recent median is not a
+# gradient of the same model on the same parameters but a corrupted or hostile one, and one such
+# push applied with a normal learning rate undoes many steps. It bounds a single outlier, not a
+# member that inflates its pushes slowly (robust aggregation is for that).
+PUSH_NORM_FACTOR = 100.0
+# Accepted push norms the median is taken over: about a few steps of a large run (the norm of
+# one worker's gradient moves slowly), and a fixed, small amount of memory.
+PUSH_NORM_WINDOW = 64
+# Accepted (non-zero) pushes before the relative bound applies: the median of fewer is no scale.
+PUSH_NORM_WARMUP = 8
 
 
 class PSInputError(PotluckError, ValueError):
@@ -77,6 +107,11 @@ class ServerConfig:
     backup_workers: int = 1  # backup: a step uses the first (live workers - backup_workers) gradients
     worker_timeout: float = WORKER_TIMEOUT
     registration_timeout: float = REGISTRATION_TIMEOUT
+    # Pushes with an L2 norm above this are refused (None: only MAX_PUSH_NORM); e.g. the norm the
+    # workers clip their gradients to, when the run clips.
+    max_push_norm: float | None = None
+    # Pushes above this many times the median norm of recent accepted pushes are refused (None: off).
+    push_norm_factor: float | None = PUSH_NORM_FACTOR
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +120,11 @@ class ServerConfig:
             raise ValueError("num_workers must be >= 1; staleness_bound and backup_workers >= 0")
         if self.worker_timeout <= 0 or self.registration_timeout < 0:
             raise ValueError("worker_timeout must be positive and registration_timeout non-negative")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers must be at most {MAX_WORKERS} (a replica update lists every worker)")
+        if (self.max_push_norm is not None and not self.max_push_norm > 0) or (
+                self.push_norm_factor is not None and not self.push_norm_factor >= 1):
+            raise ValueError("max_push_norm must be positive and push_norm_factor at least 1 (or None: off)")
 
 
 def split_by_size(sizes: Sequence[int], num_shards: int) -> list[int]:
@@ -131,12 +171,17 @@ class ParameterServer:
             (and from nobody else), and serve once a worker turns here.
         offload: run optimizer steps in a worker thread (keeps the loop responsive); False runs
             them on the loop, which makes emulated runs under the virtual clock repeat exactly.
+        workers: the run's workers, by peer id: only they may call (no registration seats). None:
+            `register` hands out `config.num_workers` seats, first come (see the module docstring).
     """
 
     def __init__(self, peer: PeerLike, run_id: str, params: Sequence[torch.Tensor],
                  optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  config: ServerConfig | None = None, *, shard: int = 0, replica: PeerID | None = None,
-                 standby_of: PeerID | None = None, offload: bool = True):
+                 standby_of: PeerID | None = None, offload: bool = True,
+                 workers: Collection[PeerID] | None = None):
+        if workers is not None and len(set(workers)) > MAX_WORKERS:
+            raise ValueError(f"at most {MAX_WORKERS} workers (a replica update lists every worker)")
         self.peer = peer
         self.transport = peer.transport
         self.offload = offload
@@ -154,15 +199,21 @@ class ParameterServer:
         self.clock_gaps: deque[int] = deque(maxlen=MAX_RECORDS)  # per push: its clock minus the slowest's
         self.step_times: deque[float] = deque(maxlen=MAX_RECORDS)  # loop time of every step
         self.dropped_gradients = 0
-        self.dropped_workers: list[PeerID] = []
+        self.dropped_workers: deque[PeerID] = deque(maxlen=MAX_RECORDS)  # in the order they were dropped
+        self.refused_pushes = 0  # pushes over a norm bound (strangers are refused before they count)
+        # Who may call: the fixed list, or the seats taken by `register` (at most num_workers).
+        self.allowed: frozenset[PeerID] | None = frozenset(workers) if workers is not None else None
+        self.members: set[PeerID] = set()
+        self._push_norms: deque[float] = deque(maxlen=PUSH_NORM_WINDOW)
         self._round: dict[PeerID, tuple[torch.Tensor, ...]] = {}
         self._replica_workers: tuple[PeerID, ...] = ()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._registered = asyncio.Event()
-        self._serve("register", RegisterRequest.from_wire, self._on_register)
-        self._serve("pull", PullRequest.from_wire, self._on_pull)
-        self._serve("push", lambda msg: PushRequest.from_wire(msg, self.params, self.step), self._on_push)
+        self._serve("register", RegisterRequest.from_wire, self._on_register, caller=self._check_registering)
+        self._serve("pull", PullRequest.from_wire, self._on_pull, caller=self._check_worker)
+        self._serve("push", lambda msg: PushRequest.from_wire(msg, self.params, self.step), self._on_push,
+                    caller=self._check_worker)
         self._serve("replicate", lambda msg: ReplicaUpdate.from_wire(msg, self.params), self._on_replicate,
                     caller=self._check_primary)
 
@@ -208,6 +259,7 @@ class ParameterServer:
             self._leave(worker)
 
     async def _on_push(self, request: PushRequest, worker: PeerID) -> ParamsReply:
+        self._check_norm(request.grads, worker)
         self._activate()
         base_step, grads = request.step, request.grads
         self._drop_expired()  # modes that never wait (async, backup) still drop the dead
@@ -232,6 +284,67 @@ class ParameterServer:
             return reply
         finally:
             self._leave(worker)
+
+    # -- who may call --------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"run {self.run_id!r}, shard {self.shard}"
+
+    def _check_registering(self, caller: PeerID) -> None:
+        """`register`: a listed worker, a seat holder, or a free seat (first come)."""
+        if self._known(caller):
+            return
+        if self.allowed is None and not self.standby and len(self.members) < self.config.num_workers:
+            self.members.add(caller)  # takes a seat; it keeps it (a dropped worker may come back)
+            return
+        self._refuse(caller)
+
+    def _check_worker(self, caller: PeerID) -> None:
+        """`push`, `pull`: only the run's registered workers (a stranger's call changes nothing)."""
+        if not self._known(caller):
+            self._refuse(caller)
+
+    def _known(self, caller: PeerID) -> bool:
+        if caller in self.members:
+            return True
+        if (self.allowed is not None and caller in self.allowed) or (self.standby and caller in self._replica_workers):
+            self.members.add(caller)
+            return True
+        return False
+
+    def _refuse(self, caller: PeerID) -> None:
+        if self.allowed is not None:
+            why = f"this server serves a fixed list of {len(self.allowed)} workers"
+        elif self.standby:
+            why = "a standby serves only the workers its primary registered"
+        elif len(self.members) >= self.config.num_workers:
+            why = f"all {self.config.num_workers} worker seats are taken"
+        else:
+            why = "call register first"
+        raise PSInputError(f"peer {caller} is not a registered worker of {self._where()}: {why}")
+
+    def _check_norm(self, grads: Sequence[torch.Tensor], worker: PeerID) -> None:
+        """Refuse a push whose norm is above the bounds (see the module docstring); the norm is
+        summed in float64, so a huge push is measured rather than overflowing."""
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 if g.is_floating_point()
+                             else float(torch.linalg.vector_norm(g)) ** 2 for g in grads))
+        bound, why = MAX_PUSH_NORM, "its square overflows float32, so the optimizer's state would turn infinite"
+        if self.config.max_push_norm is not None and self.config.max_push_norm < bound:
+            bound, why = self.config.max_push_norm, "the run's max_push_norm"
+        factor = self.config.push_norm_factor
+        if factor is not None and len(self._push_norms) >= PUSH_NORM_WARMUP:
+            median = statistics.median(self._push_norms)
+            if factor * median < bound:
+                bound = factor * median
+                why = (f"{factor:g} times the median norm ({median:.3g}) of the last {len(self._push_norms)} "
+                       "accepted pushes")
+        if not norm <= bound:  # also refuses a NaN norm
+            self.refused_pushes += 1
+            logger.info("ps %s/%d: push from %s refused: norm %.3g above %.3g", self.run_id, self.shard, worker,
+                        norm, bound)
+            raise PSInputError(f"push refused by {self._where()}: its gradient norm {norm:.3g} is above "
+                               f"{bound:.3g} ({why})")
+        if norm > 0:  # zero pushes (nothing to send) say nothing about the scale
+            self._push_norms.append(norm)
 
     def _check_primary(self, caller: PeerID) -> None:
         if caller != self.primary:
@@ -299,7 +412,10 @@ class ParameterServer:
         self.optimizer.zero_grad(set_to_none=True)
 
     async def _replicate(self) -> None:
-        update = ReplicaUpdate(self.step, tuple(p.detach().clone() for p in self.params), tuple(self.workers))
+        # The registered workers (not only the live ones): a worker the primary dropped for silence
+        # may come back to the standby.
+        update = ReplicaUpdate(self.step, tuple(p.detach().clone() for p in self.params),
+                               tuple(self.members | set(self.workers)))
         try:
             reply = await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"),
                                               update.to_wire(), timeout=REPLICATE_TIMEOUT)
@@ -322,6 +438,7 @@ class ParameterServer:
         now = asyncio.get_running_loop().time()
         for w in self._replica_workers:
             self.workers.setdefault(w, _WorkerState(now))
+            self.members.add(w)
         self._registered.set()
         logger.warning("ps %s/%d: standby takes over at step %d with %d workers", self.run_id, self.shard,
                        self.step, len(self.workers))

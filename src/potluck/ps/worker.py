@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
 from potluck.core.peer_like import PeerLike
+from potluck.net.identity import PeerID
 from potluck.ps.messages import ParamsReply, PullRequest, PushRequest, RegisterRequest, ShardLayout
 from potluck.ps.server import ParameterServer, ServerConfig, method_name, split_by_size
 
@@ -150,7 +151,7 @@ class PSWorker:
 def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequence[torch.Tensor],
                             optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                             config: ServerConfig | None = None, *, decentralized: bool = False,
-                            offload: bool = True
+                            offload: bool = True, workers: Collection[PeerID] | None = None
                             ) -> tuple[list[ParameterServer], ShardLayout]:
     """Serve `params` split by size over one shard per peer.
 
@@ -158,7 +159,8 @@ def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequ
     copies its state to a standby on the next peer, which takes over if k's server dies.
     Returns the servers (standbys included) and the layout for clients (servers named by peer id:
     a client in the same swarm finds their addresses through the DHT).
-    `offload`: see `ParameterServer`.
+    `offload`, `workers` (the run's workers by peer id; None: `num_workers` seats, first come): see
+    `ParameterServer`.
     """
     n = len(peers)
     assignment = split_by_size([p.numel() for p in params], n)
@@ -170,10 +172,10 @@ def start_parameter_servers(peers: Sequence[PeerLike], run_id: str, params: Sequ
         primary_id = peer.transport.peer_id
         standby_id = standby.transport.peer_id if standby is not None else None
         servers.append(ParameterServer(peer, run_id, mine, optimizer, config, shard=k, replica=standby_id,
-                                       offload=offload))
+                                       offload=offload, workers=workers))
         if standby is not None:
             servers.append(ParameterServer(standby, run_id, mine, optimizer, config, shard=k, standby_of=primary_id,
-                                           offload=offload))
+                                           offload=offload, workers=workers))
         shard_servers.append((primary_id,) + ((standby_id,) if standby_id is not None else ()))
     return servers, ShardLayout(tuple(assignment), tuple(shard_servers))
 
