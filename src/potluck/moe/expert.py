@@ -28,7 +28,7 @@ from potluck.moe.messages import (
     ForwardRequest,
     InfoRequest,
 )
-from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD, METHOD_INFO
+from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD, METHOD_INFO, CallerRateLimited
 
 __all__ = ["DEFAULT_TIMEOUT", "ForwardReply", "RemoteExpert", "abackward", "aforward", "ainfo", "new_call_id"]
 
@@ -39,7 +39,8 @@ DEFAULT_TIMEOUT = 60.0
 LOOKUP_TIMEOUT = 10.0
 
 _ERRORS: dict[str, type[ExpertError]] = {
-    cls.__name__: cls for cls in (BadExpertRequest, ExpertError, ExpertNotFound, NotEnoughExperts, StashMissing)}
+    cls.__name__: cls for cls in (BadExpertRequest, CallerRateLimited, ExpertError, ExpertNotFound, NotEnoughExperts,
+                                  StashMissing)}
 
 
 def new_call_id() -> int:

@@ -7,6 +7,16 @@ next one). A forward call from one client keeps its autograd graph ("stash") key
 call id, so the backward call only runs autograd instead of recomputing the forward pass; if the
 graph was evicted (memory bound, age) or the weights changed since, the client resends the inputs
 and the server recomputes. After each backward batch the expert's optimizer steps.
+
+Callers share the server fairly (issue 14: eight forward calls of a stranger evicted an honest
+caller's stashed graph). The stash is shared between the callers that hold graphs in it: when it
+is full, the caller holding the most graphs loses its own oldest one, so a caller flooding it
+evicts its own graphs and every caller keeps at least its share (`stash_calls` / callers with
+graphs stashed). Each caller (by the transport's authenticated peer id) has a token bucket of
+calls, `caller_rate` per second with bursts of `caller_burst`: past it a call is refused at once
+with `CallerRateLimited` ("slow down") while other callers are served. The buckets are an LRU of
+at most `MAX_RATE_CALLERS` callers, so many identities cannot grow the table. Requests are also
+bounded by the expert's declared shapes and `max_batch_size` rows, and must be finite (`messages`).
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ from potluck.moe.messages import (
 )
 from potluck.net.connection import CallContext
 
-__all__ = ["ExpertServer", "ExpertStats", "HostedExpert", "METHOD_BACKWARD", "METHOD_FORWARD", "METHOD_INFO"]
+__all__ = ["CallerRateLimited", "ExpertServer", "ExpertStats", "HostedExpert", "METHOD_BACKWARD", "METHOD_FORWARD",
+           "METHOD_INFO"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +78,19 @@ ANNOUNCE_TIMEOUT = 10.0
 # most likely been abandoned by its client.
 DEFAULT_STASH_CALLS = 8
 STASH_SECONDS = 60.0
+# Calls (forward, backward, info) one caller may make per second, and in a burst, before it is told
+# to slow down. An honest client calls each expert it routes a step to once forward and once
+# backward: 500 calls/s is e.g. 16 experts of this server at 15 steps/s, and a burst of 1,000 a
+# whole step of a client that routes through 500 experts here. They bound how much of the server's
+# compute one caller takes from the others, not the server's total (the transport's per-connection
+# limits and max_batch_size do that).
+CALLER_CALLS_PER_SECOND = 500.0
+CALLER_BURST = 1000
+# Callers whose buckets are remembered (least recently calling forgotten first). A forgotten
+# caller starts again with a full bucket, which it could have refilled by waiting anyway; 4,096
+# is several times the connections a peer accepts (768), so active callers are not forgotten,
+# while peer ids cost nothing to make and would otherwise grow the table without bound.
+MAX_RATE_CALLERS = 4096
 # Seconds between checkpoints of every expert (plus one at shutdown).
 DEFAULT_CHECKPOINT_INTERVAL = 60.0
 # Batch sizes remembered per expert for the statistics.
@@ -117,12 +141,93 @@ class _Task:
     seq: int = 0  # arrival order, for fairness between queues
 
 
+class CallerRateLimited(ExpertError):
+    """A caller made more calls than its share of this expert server: slow down and retry later."""
+
+
 @dataclass
 class _Stashed:
     version: int
     created: float
     leaves: list[torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
+
+
+class _Stash:
+    """Forward graphs kept for backward calls, keyed (caller, call id), shared fairly between callers.
+
+    At most `capacity` graphs and none older than STASH_SECONDS. When a new graph makes it full,
+    the caller that holds the most graphs (the newcomer itself on a tie) loses its oldest: a flood
+    evicts the flooder's own graphs, and every caller keeps at least capacity / (callers holding
+    graphs). Only graphs are counted per caller, so the table of counts is as bounded as the stash.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, int], _Stashed] = OrderedDict()  # oldest first
+        self._held: dict[str, int] = {}  # graphs per caller (callers with none are not in it)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self, caller: str) -> int:
+        return self._held.get(caller, 0)
+
+    def put(self, key: tuple[str, int], entry: _Stashed) -> bool:
+        """Keep `entry`; False if it was evicted at once (every caller holds its share already,
+        and so does this one: it is the one that gives a graph up)."""
+        self.pop(key)  # a reused call id replaces its graph
+        self._entries[key] = entry
+        self._held[key[0]] = self._held.get(key[0], 0) + 1
+        now = time.monotonic()
+        while self._entries and now - next(iter(self._entries.values())).created > STASH_SECONDS:
+            self.pop(next(iter(self._entries)))  # abandoned by its client, most likely
+        while len(self._entries) > self.capacity:
+            most = max(self._held.values())
+            caller = key[0] if self._held[key[0]] == most else next(
+                k[0] for k in self._entries if self._held[k[0]] == most)
+            self.pop(next(k for k in self._entries if k[0] == caller))  # its oldest graph
+        return key in self._entries
+
+    def pop(self, key: tuple[str, int]) -> _Stashed | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            left = self._held[key[0]] - 1
+            if left:
+                self._held[key[0]] = left
+            else:
+                del self._held[key[0]]
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._held.clear()
+
+
+class _CallerBuckets:
+    """A token bucket of calls per caller (`rate` per second, at most `burst`), in an LRU of at
+    most `max_callers` callers; time is the event loop's (virtual under the emulator)."""
+
+    def __init__(self, rate: float, burst: int, max_callers: int = MAX_RATE_CALLERS):
+        self.rate, self.burst, self.max_callers = rate, burst, max_callers
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # caller -> (tokens, at)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, caller: str, now: float) -> float:
+        """Spend one of `caller`'s tokens; 0.0 if it had one, else the seconds until it has."""
+        tokens, at = self._buckets.pop(caller, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        wait = 0.0
+        if tokens >= 1:
+            tokens -= 1
+        else:
+            wait = (1 - tokens) / self.rate
+        self._buckets[caller] = (tokens, now)  # most recent last
+        while len(self._buckets) > self.max_callers:
+            self._buckets.popitem(last=False)
+        return wait
 
 
 def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
@@ -155,7 +260,7 @@ class HostedExpert:
         self.stash_calls = stash_calls
         self.version = 0  # bumped by every optimizer step: a stashed graph of an older version is stale
         self.stats = ExpertStats()
-        self._stash: OrderedDict[tuple[str, int], _Stashed] = OrderedDict()
+        self._stash = _Stash(stash_calls)
         self.device = next(module.parameters(), torch.empty(0)).device  # batches run where the weights are
         training = module.training
         module.eval()  # the probe must not move e.g. BatchNorm statistics
@@ -168,12 +273,6 @@ class HostedExpert:
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad] if self.optimizer is not None else []
 
-    def _evict(self) -> None:
-        now = time.monotonic()
-        while self._stash and (len(self._stash) > self.stash_calls
-                               or now - next(iter(self._stash.values())).created > STASH_SECONDS):
-            self._stash.popitem(last=False)
-
     def forward_batch(self, tasks: list[_Task]) -> list[ForwardReply]:
         self.stats.forward_batches += 1
         self.stats.forward_calls += len(tasks)
@@ -185,9 +284,9 @@ class HostedExpert:
             leaves = [_leaf(x.to(self.device), need) for x, need in zip(task.inputs, task.needs_grad, strict=True)]
             with torch.enable_grad():
                 outputs = _as_tuple(self.module(*leaves))
-            self._stash[(task.caller, task.call_id)] = _Stashed(self.version, time.monotonic(), leaves, outputs)
-            self._evict()
-            return [ForwardReply(tuple(o.detach() for o in outputs), kept=True)]
+            stashed = _Stashed(self.version, time.monotonic(), leaves, outputs)
+            kept = self._stash.put((task.caller, task.call_id), stashed)
+            return [ForwardReply(tuple(o.detach() for o in outputs), kept=kept)]
         inputs = [torch.cat(parts).to(self.device) for parts in zip(*(t.inputs for t in tasks), strict=True)]
         with torch.no_grad():
             outputs = _as_tuple(self.module(*inputs))
@@ -222,7 +321,7 @@ class HostedExpert:
 
         recompute = []
         for i, task in enumerate(tasks):
-            entry = self._stash.pop((task.caller, task.call_id), None)
+            entry = self._stash.pop((task.caller, task.call_id))
             if entry is not None and entry.version == self.version:
                 if entry.outputs[0].shape[0] != task.rows:
                     results[i] = BadExpertRequest(f"backward request to expert {self.uid!r}",
@@ -307,8 +406,11 @@ class ExpertServer:
         announce_ttl: seconds an announcement stays valid (refreshed every third of it).
         checkpoint_dir: where per-expert checkpoints live; existing ones are loaded at start.
         checkpoint_interval: seconds between checkpoints.
-        stash_calls: forward graphs kept for backward calls (0: always recompute).
+        stash_calls: forward graphs kept for backward calls (0: always recompute), shared fairly
+            between callers.
         device: where the experts run (e.g. "cuda"); default: where their weights already are.
+        caller_rate, caller_burst: calls per second, and in a burst, each caller may make
+            (None: `CALLER_CALLS_PER_SECOND`, `CALLER_BURST`); more get `CallerRateLimited`.
     """
 
     def __init__(self, peer: PeerLike, experts: Mapping[str, nn.Module], optimizer: OptimizerFactory | None = None, *,
@@ -316,7 +418,8 @@ class ExpertServer:
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, announce_ttl: float = DEFAULT_ANNOUNCE_TTL,
                  checkpoint_dir: str | os.PathLike | None = None,
                  checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL,
-                 stash_calls: int = DEFAULT_STASH_CALLS, device: str | torch.device | None = None):
+                 stash_calls: int = DEFAULT_STASH_CALLS, device: str | torch.device | None = None,
+                 caller_rate: float | None = None, caller_burst: int | None = None):
         if peer.transport.client_mode:
             raise ValueError("an expert server must accept connections; its peer is in client mode")
         if input_schema is None:
@@ -326,6 +429,11 @@ class ExpertServer:
             raise ValueError("no experts to serve")
         if max_batch_size < 1 or announce_ttl <= 0 or checkpoint_interval <= 0 or stash_calls < 0:
             raise ValueError("max_batch_size must be >= 1, announce_ttl and checkpoint_interval > 0, stash_calls >= 0")
+        caller_rate = CALLER_CALLS_PER_SECOND if caller_rate is None else caller_rate
+        caller_burst = CALLER_BURST if caller_burst is None else caller_burst
+        if not caller_rate > 0 or caller_burst < 1:
+            raise ValueError("caller_rate must be positive and caller_burst at least 1")
+        self._rates = _CallerBuckets(caller_rate, caller_burst)
         self.peer = peer
         self.max_batch_size = max_batch_size
         self.announce_ttl = announce_ttl
@@ -463,29 +571,43 @@ class ExpertServer:
         if error.uid is not None and (hosted := self.experts.get(error.uid)) is not None:
             hosted.stats.rejected += 1
 
+    def _check_rate(self, ctx: CallContext) -> str:
+        """The caller, if it has a call left in its bucket (before anything is parsed); else
+        CallerRateLimited says to slow down, and the call costs nothing more."""
+        caller = str(ctx.peer_id)
+        wait = self._rates.take(caller, asyncio.get_running_loop().time())
+        if wait > 0:
+            raise CallerRateLimited(
+                f"slow down: peer {caller} is over its share of this expert server ({self._rates.rate:g} calls/s, "
+                f"bursts of {self._rates.burst}); retry in {wait:.2g} s")
+        return caller
+
     async def _serve_info(self, msg: object, ctx: CallContext) -> dict:
+        self._check_rate(ctx)
         hosted = self.experts[InfoRequest.from_wire(msg, self.experts).uid]
         return ExpertInfo(hosted.input_schema, hosted.output_schema, self.max_batch_size,
                           hosted.stats.updates).to_wire()
 
     async def _serve_forward(self, msg: object, ctx: CallContext) -> dict:
+        caller = self._check_rate(ctx)
         try:
             request = ForwardRequest.from_wire(msg, self.experts, self.max_batch_size)
         except BadExpertRequest as e:
             self._refused(e)
             raise
-        task = _Task("forward", str(ctx.peer_id), request.call_id, request.inputs, None, request.rows,
+        task = _Task("forward", caller, request.call_id, request.inputs, None, request.rows,
                      asyncio.get_running_loop().create_future(), request.needs_grad)
         reply: ForwardReply = await self._enqueue(self.experts[request.uid], task)
         return reply.to_wire()
 
     async def _serve_backward(self, msg: object, ctx: CallContext) -> dict:
+        caller = self._check_rate(ctx)
         try:
             request = BackwardRequest.from_wire(msg, self.experts, self.max_batch_size)
         except BadExpertRequest as e:
             self._refused(e)
             raise
-        task = _Task("backward", str(ctx.peer_id), request.call_id, request.inputs, request.grads, request.rows,
+        task = _Task("backward", caller, request.call_id, request.inputs, request.grads, request.rows,
                      asyncio.get_running_loop().create_future(), request.needs_grad)
         reply: BackwardReply = await self._enqueue(self.experts[request.uid], task)
         return reply.to_wire()
