@@ -11,6 +11,7 @@ import torch
 from potluck.averaging import Averager, Role
 from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
+from potluck.dht import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from tests.emulated_swarm import add_peer, make_swarm
 
@@ -347,7 +348,7 @@ def test_malformed_donor_records_are_ignored_and_the_newcomer_gets_the_state(cap
         await asyncio.gather(*(a.astep() for a in avgs))
         rogue = peers[2]
         assert await rogue.dht.astore("records.state", {"version": "99"}, rogue.dht.get_time() + 60,
-                                      subkey=str(rogue.transport.peer_id))
+                                      subkey=own_subkey(rogue.transport.peer_id))
         newcomer = Averager(await add_peer(net, peers), [torch.zeros(100)], "records")
         with caplog.at_level(logging.DEBUG, logger="potluck.averaging.averager"):
             version, _ = await newcomer.aload_state_from_peers(timeout=20)

@@ -27,6 +27,7 @@ from potluck.averaging.matchmaking import (
 )
 from potluck.core.errors import MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
+from potluck.dht import own_subkey
 from potluck.net.identity import PeerID
 from tests.emulated_swarm import make_swarm
 
@@ -140,7 +141,7 @@ def test_a_malformed_declaration_in_the_dht_is_ignored():
                 for i, p in enumerate(peers[:3])]
         bogus = {"schema": ["not a schema"] * 100}
         assert await rogue.dht.astore("declared.match.all", bogus, rogue.dht.get_time() + 0.5,
-                                      subkey=str(rogue.transport.peer_id))
+                                      subkey=own_subkey(rogue.transport.peer_id))
         results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         assert [r.group_size for r in results] == [3, 3, 3]
         assert str(rogue.transport.peer_id) not in results[0].peers
@@ -165,7 +166,7 @@ def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
         rogue.transport.add_handler(f"{METHOD_JOIN}.hostile", broken_group)
         declared = Declaration(avgs[0].schema)
         assert await rogue.dht.astore("hostile.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
-                                      subkey=str(rogue.transport.peer_id))
+                                      subkey=own_subkey(rogue.transport.peer_id))
         with caplog.at_level("WARNING", logger="potluck.averaging.matchmaking"):
             results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         assert [r.group_size for r in results] == [3, 3, 3]

@@ -27,10 +27,11 @@ from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import DonorRecord, StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
-from potluck.core.errors import AveragingError, IdentityError, MalformedMessage
+from potluck.core.errors import AveragingError, MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
+from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,8 @@ class Averager:
         record = DonorRecord(self.round)
         try:
             await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
-                                       self.peer.dht.get_time() + STATE_RECORD_TTL, subkey=str(self.transport.peer_id))
+                                       self.peer.dht.get_time() + STATE_RECORD_TTL,
+                                       subkey=own_subkey(self.transport.peer_id))
         except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
             logger.debug("could not announce state: %s", e)
 
@@ -251,11 +253,16 @@ class Averager:
         found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
         donors: dict[PeerID, int] = {}  # peer -> the version it offers
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            # Only a donor's own signed entry names it: anyone else's (an unsigned subkey, or one
+            # signed by a stranger) is skipped, so nobody can offer a state in a donor's name.
+            peer_id = subkey_owner(subkey)
+            if peer_id is None:
+                logger.debug("ignoring a state record of %r under a subkey that no donor signed", self.run_id)
+                continue
             try:
-                peer_id = PeerID.from_string(subkey)
                 record = DonorRecord.from_wire(entry.value)
-            except (IdentityError, MalformedMessage) as e:
-                logger.debug("ignoring a state record of %r: %s", self.run_id, e)
+            except MalformedMessage as e:
+                logger.debug("ignoring a state record of %r by %s: %s", self.run_id, peer_id, e)
                 continue
             if peer_id != self.transport.peer_id:
                 donors[peer_id] = record.version

@@ -49,6 +49,7 @@ from potluck.core.wire import (
     text_field,
     wire_map,
 )
+from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 from potluck.net.wire import peer_id_value
@@ -101,8 +102,9 @@ class Candidate:
 # -- messages ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Declaration:
-    """A peer's record under a group key in the DHT (subkey: its peer id): it gathers peers whose
-    tensors have this `schema` until the record expires. Its addresses are not here: the transport
+    """A peer's record under a group key in the DHT (subkey: `own_subkey(its peer id)`, owner-signed,
+    so nobody can declare in another peer's name): it gathers peers whose tensors have this
+    `schema` until the record expires. Its addresses are not here: the transport
     resolves the peer id through the peer's own signed record in the DHT."""
 
     schema: str
@@ -343,7 +345,7 @@ class Matchmaker:
             if keep:
                 return await self._keep(gathering, ready, give_up)
             await self.dht.astore(self._dht_key(group_key), Declaration(self.schema).to_wire(),
-                                  closes_at, subkey=str(self.transport.peer_id))
+                                  closes_at, subkey=own_subkey(self.transport.peer_id))
         try:
             tried: set[PeerID] = set()
             poll = max(MIN_POLL_SECONDS, window * POLL_FRACTION)
@@ -454,9 +456,8 @@ class Matchmaker:
         me = None if mine is None else (mine.closes_at, self.transport.peer_id.to_bytes())
         candidates: dict[tuple[float, bytes], PeerID] = {}  # (expiration, id) -> peer: earliest leads
         for subkey, entry in found.value.items():
-            try:
-                peer = PeerID.from_string(subkey)
-            except (PotluckError, TypeError, ValueError):
+            peer = subkey_owner(subkey)  # the peer that signed it; anything else declares nobody
+            if peer is None:
                 continue
             if entry.expiration_time <= now or peer == self.transport.peer_id:
                 continue

@@ -277,8 +277,9 @@ class ChunkReply:
 
 @dataclass(frozen=True)
 class DonorRecord:
-    """A peer's record under `<prefix>.state` in the DHT (subkey: its peer id): it offers its state
-    of `version` to newcomers. Its addresses are not here: the transport resolves the peer id
+    """A peer's record under `<prefix>.state` in the DHT (subkey: `own_subkey(its peer id)`, so only
+    it can write it and readers take the donor from the signed subkey): it offers its state of
+    `version` to newcomers. Its addresses are not here: the transport resolves the peer id
     through the peer's own signed record in the DHT."""
 
     version: int
