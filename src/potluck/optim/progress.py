@@ -1,7 +1,8 @@
 """Progress tracking: who is training, how fast, and when the swarm's global batch will be full.
 
 Each peer publishes its progress (epoch, samples accumulated in that epoch, samples per second)
-under `<run_id>.progress` in a subkey that only it can write (owner-signed). Every peer reads all
+under `<run_id>.progress` in the subkey `own_subkey(its peer id)`, which only it can write
+(owner-signed); readers take the peer from `subkey_owner` and skip any other subkey. Every peer reads all
 records and extrapolates them to now, so it knows when the collaboration reaches
 `target_batch_size` without a central server.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from potluck.core.errors import NetworkError, PotluckError
-from potluck.dht.records import owner_marker
+from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class ProgressTracker:
         self.dht = dht
         self.transport = transport
         self.key = f"{run_id}.progress"
-        self.subkey = f"{peer_id}{owner_marker(peer_id)}"
+        self.subkey = own_subkey(peer_id)
         self.peer_id = peer_id
         self.target = target_batch_size
         self.client_mode = client_mode
@@ -143,7 +144,7 @@ class ProgressTracker:
         sender = str(ctx.peer_id)
         if sender not in self._neighbors:
             return
-        report = _parse(f"{sender}{owner_marker(sender)}", request, self.dht.get_time())
+        report = _parse(sender, request, self.dht.get_time())
         if report is not None:
             self.pushed = {**self.pushed, sender: report}
 
@@ -172,7 +173,8 @@ class ProgressTracker:
             return None
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                report = _parse(subkey, entry.value)
+                owner = subkey_owner(subkey)  # the signer: a record is only ever its signer's progress
+                report = None if owner is None else _parse(str(owner), entry.value)
                 if report is not None and entry.expiration_time > now:
                     reports[report.peer_id] = report
         return reports
@@ -198,10 +200,10 @@ class ProgressTracker:
         return GlobalProgress(epoch, reported, len(current), speed, eta, tuple(reports.values()), part)
 
 
-def _parse(subkey: Any, value: Any, received: float | None = None) -> PeerProgress | None:
-    """A progress record from the DHT (or sent to us at `received`, our clock), or None if it
-    is malformed."""
-    if not isinstance(subkey, str) or "[owner:" not in subkey or not isinstance(value, dict):
+def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress | None:
+    """`peer`'s progress record from the DHT (`peer`: the signer of its subkey) or sent to us by
+    `peer` at `received` (our clock), or None if it is malformed."""
+    if not isinstance(value, dict):
         return None
     try:
         epoch, samples = int(value["epoch"]), int(value["samples"])
@@ -213,5 +215,5 @@ def _parse(subkey: Any, value: Any, received: float | None = None) -> PeerProgre
         return None
     if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND or not 0 <= done <= epoch or part < 0:
         return None
-    return PeerProgress(subkey.split("[owner:")[0], epoch, samples, sps, time, bool(value.get("client")), done,
+    return PeerProgress(peer, epoch, samples, sps, time, bool(value.get("client")), done,
                         bool(value.get("averaging")), bool(value.get("idle")), part)
