@@ -2,8 +2,9 @@
 
 A `NodeProfile` carries achieved matmul FLOP/s, free memory, and bandwidth / latency to other
 nodes (probes over the transport). Profiles are published in the DHT under
-`{run_id}.pipeline.profiles` (one subkey per peer) so every node sees the same inputs to
-clustering and partitioning. Any field may be overridden (e.g. `--memory`), nothing has to be.
+`{run_id}.pipeline.profiles` (one subkey per peer: `own_subkey(its peer id)`, owner-signed, and a
+profile is read only if it is about its signer) so every node sees the same inputs to clustering
+and partitioning. Any field may be overridden (e.g. `--memory`), nothing has to be.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, number_field, text_field, wire_map
+from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest
 
@@ -201,19 +203,34 @@ def profiles_key(run_id: str) -> str:
 
 
 async def publish_profile(peer: PeerLike, run_id: str, profile: NodeProfile, ttl: float = PROFILE_TTL) -> bool:
-    """Store `profile` in the DHT (subkey = peer id)."""
+    """Store `profile` in the DHT under this peer's own signed subkey; it must be this peer's."""
+    me = peer.transport.peer_id
+    if str(profile.peer_id) != str(me):
+        raise ValueError(f"a peer publishes only its own profile (this is {me}, the profile is {profile.peer_id}'s): "
+                         "others would refuse it")
     dht = peer.dht
-    return await dht.astore(profiles_key(run_id), profile.to_wire(), dht.get_time() + ttl, subkey=profile.peer_id)
+    return await dht.astore(profiles_key(run_id), profile.to_wire(), dht.get_time() + ttl, subkey=own_subkey(me))
 
 
 async def fetch_profiles(peer: PeerLike, run_id: str) -> list[NodeProfile]:
-    """Every live profile of the run, sorted by peer id (malformed ones are skipped)."""
+    """Every live profile of the run, sorted by peer id. Skipped: malformed ones, and any not
+    stored by the peer it describes (a subkey that is not its signer's own, or a profile naming
+    another peer), so nobody can publish a profile in another node's name."""
     found = await peer.dht.aget(profiles_key(run_id), latest=True)
     profiles = []
     if found is not None and isinstance(found.value, dict):
-        for entry in list(found.value.values())[:MAX_PROFILES]:
+        owned = [(owner, entry) for subkey, entry in found.value.items()
+                 if (owner := subkey_owner(subkey)) is not None]
+        if len(owned) < len(found.value):
+            logger.warning("skipping %d profiles under subkeys that no peer signed", len(found.value) - len(owned))
+        for owner, entry in owned[:MAX_PROFILES]:  # unsigned entries cannot crowd out signed ones
             try:
-                profiles.append(NodeProfile.from_wire(entry.value))
+                profile = NodeProfile.from_wire(entry.value)
             except MalformedMessage as e:
                 logger.warning("skipping a profile: %s", e)
+                continue
+            if profile.peer_id != str(owner):
+                logger.warning("skipping a profile of %s stored by %s", profile.peer_id[:64], owner)
+                continue
+            profiles.append(profile)
     return sorted(profiles, key=lambda p: p.peer_id)
