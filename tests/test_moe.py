@@ -24,7 +24,7 @@ from potluck.moe import (
     TensorSchema,
     make_expert,
 )
-from potluck.moe.grid import ExpertLocation
+from potluck.moe.grid import ExpertLocation, parse_cell
 from potluck.moe.server import METHOD_FORWARD
 
 HIDDEN = 8
@@ -373,7 +373,11 @@ def test_announcements_are_refreshed_while_serving_and_expire_after_shutdown(pee
     def record(key):
         return client.dht.get(key, latest=True, timeout=5)
     first = record("ffn.1.0").expiration_time
-    assert set(record("ffn.").value) == {0, 1} and set(record("ffn.1.").value) == {0}
+    server_id = server_peer.transport.peer_id
+
+    def cells(key):  # the coordinates listed, each under the server's own signed subkey
+        return {parse_cell(subkey) for subkey in record(key).value}
+    assert cells("ffn.") == {(0, server_id), (1, server_id)} and cells("ffn.1.") == {(0, server_id)}
     wait_until(lambda: record("ffn.1.0").expiration_time > first + 0.4)  # refreshed every ttl / 3
     server.shutdown()
     wait_until(lambda: record("ffn.1.0") is None and record("ffn.") is None, timeout=10)

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from potluck.core.errors import MalformedMessage, NetworkError, RemoteError
+from potluck.core.errors import NetworkError, RemoteError
 from potluck.core.peer_like import PeerLike
 from potluck.moe.errors import BadExpertRequest, ExpertError, ExpertNotFound, NotEnoughExperts, StashMissing
-from potluck.moe.grid import ExpertLocation
+from potluck.moe.grid import ExpertLocation, locate
 from potluck.moe.messages import (
     MAX_CALL_ID,
     BackwardReply,
@@ -108,12 +108,11 @@ async def ainfo(transport: Any, location: ExpertLocation, timeout: float = DEFAU
 async def alocate(dht: Any, uid: str, timeout: float = LOOKUP_TIMEOUT) -> ExpertLocation:
     """Where `uid` is served, from the DHT; ExpertNotFound if no live server announced it."""
     found = await dht.aget(uid, latest=True, timeout=timeout)
-    if found is None:
-        raise ExpertNotFound(f"no live server announces expert {uid!r} in the DHT")
-    try:
-        return ExpertLocation.from_wire(uid, found.value)
-    except MalformedMessage as e:
-        raise ExpertNotFound(f"the DHT record of expert {uid!r} is malformed ({e})") from None
+    location = locate(uid, found, dht.get_time())
+    if location is None:
+        raise ExpertNotFound(f"no live server announces expert {uid!r} in the DHT (with a well-formed record "
+                             "it signed about itself)")
+    return location
 
 
 # A tensor that requires grad, passed to every remote call so autograd calls backward even when no

@@ -1,10 +1,16 @@
 """Expert uids on a grid, their announcements in the DHT, and the beam search that finds them.
 
 An uid is a name and grid coordinates: `ffn.3.14` is expert (3, 14) of grid `ffn`. A server
-announces each expert under three kinds of DHT keys, all with the same expiration:
-- the uid itself -> where the expert is served (`RemoteExpert` looks it up),
-- each grid prefix (`ffn.`, `ffn.3.`) with the next coordinate as the subkey, so a client can
-  list which coordinates below a prefix have a live expert in one lookup per prefix.
+announces each expert under these DHT keys, all with the same expiration, every entry owner-signed
+by the server (so nobody can overwrite or squat another server's announcement):
+- the uid itself, a dictionary with one entry per server under `own_subkey(server)` -> where the
+  expert is served (`RemoteExpert` looks it up, `locate`),
+- each grid prefix (`ffn.`, `ffn.3.`) with the subkey `f"{next coordinate}{owner_marker(server)}"`,
+  so a client can list which coordinates below a prefix have a live expert in one lookup per prefix.
+Readers take the server from the subkey's owner marker (the DHT checked its signature), skip
+entries of any other form, and skip an expert record that names a peer other than its signer.
+When several servers announce the same expert, the newest announcement (latest expiration, then
+the smallest peer id) is used.
 A server that dies stops refreshing and its records expire; nothing has to be deleted.
 """
 
@@ -19,12 +25,13 @@ from typing import Any
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.wire import wire_map
-from potluck.dht import DHT
+from potluck.dht import DHT, ValueWithExpiration
+from potluck.dht.records import own_subkey, owner_marker, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.wire import peer_id_value
 
-__all__ = ["ExpertLocation", "GridDirectory", "announce_experts", "beam_search", "grid_prefix", "parse_uid",
-           "read_location"]
+__all__ = ["ExpertLocation", "GridDirectory", "announce_experts", "beam_search", "cell_subkey", "grid_prefix",
+           "locate", "parse_cell", "parse_uid", "read_location"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +91,71 @@ def grid_prefix(name: str, coords: Sequence[int] = ()) -> str:
     return ".".join([name.rstrip("."), *map(str, coords)]) + "."
 
 
+def cell_subkey(coord: int, server: PeerID) -> str:
+    """The subkey under which `server`, and only it, lists coordinate `coord` below a grid prefix."""
+    return f"{int(coord)}{owner_marker(server)}"
+
+
+def parse_cell(subkey: object) -> tuple[int, PeerID] | None:
+    """(coordinate, server) of a grid prefix's subkey written by `cell_subkey`; None for any other
+    form (an unsigned coordinate, a marker naming nobody, a malformed coordinate)."""
+    if not isinstance(subkey, str):
+        return None
+    head, marker, _ = subkey.partition("[owner:")
+    if not marker or not head.isascii() or not head.isdigit() or len(head) > 7:
+        return None
+    coord = int(head)
+    server = subkey_owner(subkey[len(head):])
+    if server is None or not 0 <= coord < MAX_GRID_SIZE or subkey != cell_subkey(coord, server):
+        return None
+    return coord, server
+
+
 def announcement_items(locations: Iterable[ExpertLocation], expiration: float) -> list[tuple]:
-    """The DHT (key, value, expiration, subkey) items that announce these experts."""
+    """The DHT (key, value, expiration, subkey) items that announce these experts (each location's
+    peer must be the announcing peer: the DHT refuses entries signed for anyone else)."""
     items: list[tuple] = []
     for loc in locations:
         name, coords = parse_uid(loc.uid)
         value = loc.to_wire()
-        items.append((loc.uid, value, expiration, None))
+        items.append((loc.uid, value, expiration, own_subkey(loc.peer_id)))
         for depth, coord in enumerate(coords):
             last = depth == len(coords) - 1
-            items.append((grid_prefix(name, coords[:depth]), value if last else 1, expiration, coord))
+            items.append((grid_prefix(name, coords[:depth]), value if last else 1, expiration,
+                          cell_subkey(coord, loc.peer_id)))
     return items
+
+
+def _newest(candidates: Iterable[tuple[float, ExpertLocation]]) -> ExpertLocation | None:
+    """The location announced last (latest expiration; ties: the smallest peer id)."""
+    best = min(candidates, key=lambda c: (-c[0], str(c[1].peer_id)), default=None)
+    return None if best is None else best[1]
+
+
+def _signed_location(uid: str, server: PeerID, value: object) -> ExpertLocation | None:
+    """`value` as the location `server` signed, or None if malformed or naming another peer."""
+    location = read_location(uid, value)
+    if location is not None and location.peer_id != server:
+        logger.debug("skipping an expert record of %s signed by %s for %s", uid[:MAX_LOGGED_UID], server,
+                     location.peer_id)
+        return None
+    return location
+
+
+def locate(uid: str, found: ValueWithExpiration | None, now: float) -> ExpertLocation | None:
+    """Where `uid` is served, from what the DHT holds under the uid (`DHT.aget(uid)`): the newest
+    unexpired entry a server signed about itself; None if there is none."""
+    if found is None or not isinstance(found.value, dict):
+        return None
+    candidates = []
+    for subkey, entry in found.value.items():
+        server = subkey_owner(subkey)
+        if server is None or entry.expiration_time <= now:
+            continue
+        location = _signed_location(uid, server, entry.value)
+        if location is not None:
+            candidates.append((entry.expiration_time, location))
+    return _newest(candidates)
 
 
 async def announce_experts(dht: DHT, locations: Iterable[ExpertLocation], expiration: float,
@@ -126,7 +187,9 @@ class GridDirectory:
         """{prefix: {coordinate: location or None}} of unexpired entries for each prefix key.
 
         An entry whose value is a map is an expert's record (`ExpertLocation`), skipped if
-        malformed; any other value marks an inner coordinate (its value is not used)."""
+        malformed or if it names a peer other than the entry's signer; any other value marks an
+        inner coordinate (its value is not used). Only entries under `cell_subkey` subkeys count;
+        a coordinate with several servers' records gets the newest."""
         now = self.dht.get_time()
         found = {k: entry[1] for k in keys if (entry := self._cache.get(k)) and now - entry[0] < self.cache_seconds}
         missing = [k for k in keys if k not in found]
@@ -134,14 +197,20 @@ class GridDirectory:
             results = await self.dht.aget_many(missing, latest=True, timeout=self.timeout)
             for key in missing:
                 result = results.get(key)
-                entries: Children = {}
+                inner: set[int] = set()
+                experts: dict[int, list[tuple[float, ExpertLocation]]] = {}
                 if result is not None and isinstance(result.value, dict):
                     for sub, item in result.value.items():
-                        if isinstance(sub, int) and 0 <= sub < MAX_GRID_SIZE and item.expiration_time > now:
-                            if not isinstance(item.value, Mapping):
-                                entries[sub] = None
-                            elif (location := read_location(f"{key}{sub}", item.value)) is not None:
-                                entries[sub] = location
+                        cell = parse_cell(sub)
+                        if cell is None or item.expiration_time <= now:
+                            continue
+                        coord, server = cell
+                        if not isinstance(item.value, Mapping):
+                            inner.add(coord)
+                        elif (location := _signed_location(f"{key}{coord}", server, item.value)) is not None:
+                            experts.setdefault(coord, []).append((item.expiration_time, location))
+                entries: Children = {coord: None for coord in inner}
+                entries.update((coord, _newest(found_here)) for coord, found_here in experts.items())
                 found[key] = entries
                 self._cache[key] = (now, entries)
         return found
