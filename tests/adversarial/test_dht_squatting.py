@@ -1,0 +1,133 @@
+"""Issue 14, "A DHT strangers cannot squat": per-peer dictionary entries in the DHT (state donors,
+matchmaking declarations, progress, expert announcements) are owner-signed and read only as their
+signer's. A stranger's entry written under another peer's subkey, unsigned or signed by the
+stranger, with the longest expiry the DHT allows (so the later-expiration rule would keep it over
+the honest re-announcements), neither displaces that peer's entry nor is read as it.
+
+Everything runs on the emulated network in virtual time; the squats are stored before the honest
+peers announce, so any honest write to the same subkey would be refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.averaging import Averager
+from potluck.averaging.matchmaking import Declaration
+from potluck.core.errors import AveragingError
+from potluck.core.virtual_time import run_virtual
+from potluck.dht import owner_marker
+from potluck.moe.grid import ExpertLocation, GridDirectory, announce_experts
+from potluck.optim.progress import ProgressTracker
+from tests.emulated_swarm import add_peer, make_swarm
+
+# As far ahead as the DHT lets anyone store (its maximum TTL is 24 hours).
+SQUAT_TTL = 23 * 3600.0
+
+
+def squat_expiry(peer) -> float:
+    return peer.dht.get_time() + SQUAT_TTL
+
+
+@pytest.mark.timeout(60)
+def test_a_strangers_entry_under_a_donors_subkey_is_not_read_as_the_donor_and_newcomers_still_load():
+    async def main():
+        net, peers = await make_swarm(3)
+        donors, stranger = peers[:2], peers[2]
+        key = "squat.state"
+        for donor in donors:
+            donor_id = donor.transport.peer_id
+            # unsigned, under the donor's plain id (the old subkey), claiming a newer state in a broken shape
+            assert await stranger.dht.astore(key, {"version": "99"}, squat_expiry(stranger), subkey=str(donor_id))
+            # signed by the stranger, under a subkey that starts with the donor's id
+            assert await stranger.dht.astore(key, {"version": 99}, squat_expiry(stranger),
+                                             subkey=f"{donor_id}{owner_marker(stranger.transport.peer_id)}")
+        avgs = [Averager(p, [torch.randn(64)], "squat", matchmaking_time=0.5) for p in donors]
+        results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
+        assert [r.group_size for r in results] == [2, 2]  # each donor announces its state after the step
+
+        newcomer = Averager(await add_peer(net, peers), [torch.zeros(64)], "squat")
+        try:
+            version, _ = await newcomer.aload_state_from_peers(timeout=20)
+        except AveragingError as e:
+            pytest.fail(f"the newcomer found no donor: {e}")
+        assert version == 1 and torch.equal(newcomer._tensors[0], avgs[0]._tensors[0])
+        found = await stranger.dht.aget(key, latest=True)
+        for donor in donors:  # the donor's own entry is there, with its own version
+            mine = found.value.get(owner_marker(donor.transport.peer_id))
+            assert mine is not None and mine.value == {"version": 1}
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_declarations_squatted_under_other_peers_ids_do_not_stop_a_group_from_forming():
+    """The stranger declares, in every honest peer's name, a gathering that closes in 23 hours: read
+    as theirs, each honest peer would look later than every other, nobody would join anybody, and no
+    group would form."""
+    async def main():
+        net, peers = await make_swarm(4)
+        honest, stranger = peers[:3], peers[3]
+        avgs = [Averager(p, [torch.full((8,), float(i))], "match", matchmaking_time=1.0)
+                for i, p in enumerate(honest)]
+        declared = Declaration(avgs[0].schema).to_wire()
+        for p in honest:
+            victim = p.transport.peer_id
+            assert await stranger.dht.astore("match.match.all", declared, squat_expiry(stranger), subkey=str(victim))
+            assert await stranger.dht.astore("match.match.all", declared, squat_expiry(stranger),
+                                             subkey=f"{victim}{owner_marker(stranger.transport.peer_id)}")
+        results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs), return_exceptions=True)
+        assert [getattr(r, "group_size", r) for r in results] == [3, 3, 3]
+        assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_progress_subkey_naming_the_victim_but_signed_by_an_attacker_is_not_the_victims_progress():
+    async def main():
+        net, peers = await make_swarm(3)
+        victim, attacker, reader = peers
+        victim_id = str(victim.transport.peer_id)
+        trackers = [ProgressTracker(p.dht, p.transport, "run", str(p.transport.peer_id), 256)
+                    for p in (victim, reader)]
+        await trackers[0].report(epoch=1, samples=10, samples_per_second=5.0, done=1)
+        fake = {"epoch": 99, "samples": 10**6, "sps": 1e6, "time": attacker.dht.get_time(), "client": False,
+                "done": 99, "averaging": False, "idle": False, "part": 0}
+        # the DHT accepts it (the attacker signs it: the marker names the attacker)
+        assert await attacker.dht.astore("run.progress", fake, attacker.dht.get_time() + 3.0,
+                                         subkey=f"{victim_id}{owner_marker(attacker.transport.peer_id)}")
+        reports = await trackers[1].fetch()
+        assert reports is not None
+        assert all(r.epoch != 99 for r in reports.values()), "the attacker's record was read as someone's progress"
+        assert reports[victim_id].epoch == 1 and reports[victim_id].samples == 10
+        assert str(attacker.transport.peer_id) not in reports  # it reported nothing of its own either
+        for tracker in trackers:
+            tracker.close()
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_cannot_replace_an_experts_uid_or_grid_announcement():
+    async def main():
+        net, peers = await make_swarm(3)
+        server, stranger, client = peers
+        uid, fake = "ffn.1.2", {"peer": str(stranger.transport.peer_id)}
+        marker = owner_marker(stranger.transport.peer_id)
+        # unsigned entries where the announcements go (the uid's dictionary, the grid prefixes' old
+        # int subkeys, the server's plain id), and entries the stranger signed but which name the server
+        squats = [(uid, fake, str(server.transport.peer_id)), (uid, fake, 0), ("ffn.1.", fake, 2), ("ffn.", 1, 1),
+                  ("ffn.1.", {"peer": str(server.transport.peer_id)}, f"2{marker}"),
+                  (uid, {"peer": str(server.transport.peer_id)}, marker)]
+        for key, value, subkey in squats:
+            assert await stranger.dht.astore(key, value, squat_expiry(stranger), subkey=subkey)
+        location = ExpertLocation(uid, server.transport.peer_id)
+        await announce_experts(server.dht, [location], server.dht.get_time() + 600.0, timeout=10)
+
+        from potluck.moe.expert import alocate  # the lookup RemoteExpert makes
+        assert await alocate(client.dht, uid) == location
+        directory = GridDirectory(client.dht, cache_seconds=0.0, timeout=10)
+        children = await directory.children(["ffn.", "ffn.1."])
+        assert children["ffn.1."] == {2: location}
+        assert 1 in children["ffn."]
+    run_virtual(main())
