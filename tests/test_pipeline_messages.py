@@ -96,6 +96,24 @@ def test_malformed_route_fields_are_refused_by_name(change, field):
 
 
 @pytest.mark.timeout(10)
+def test_layers_past_the_models_size_are_refused_when_parsed():
+    """A stage knows its model's size: a route or a layer request past it is refused before
+    anything is built or read, even within MAX_STAGE_LAYERS."""
+    six = 6
+    ok = Configure(route(start=4, end=6, sources={5: (C,)}))
+    assert parse_control(ok.to_wire(), six) == ok
+    for start, end, field in [(4, 7, "'end'"), (0, 64, "'end'"), (0, 200_000, "'end'"),
+                              (196_000, 200_000, "'start'"), (6, 7, "'end'")]:
+        wire = Configure(route(start=start, end=end, sources={})).to_wire()
+        refused(lambda m: parse_control(m, six), wire, field)
+        refused(lambda m: Route.from_wire(m["route"], six), wire, field)
+    with pytest.raises(MalformedMessage, match="past the model's 6 layers"):
+        parse_control(Configure(route(start=0, end=64, sources={})).to_wire(), six)
+    refused(lambda m: parse_control(m, six), GetLayers((5, 6)).to_wire(), "'layers'")
+    assert parse_control(GetLayers((4, 5)).to_wire(), six) == GetLayers((4, 5))
+
+
+@pytest.mark.timeout(10)
 def test_malformed_control_data_and_report_fields_are_refused_by_name():
     refused(parse_control, ["op", "ping"], "not a map")
     refused(parse_control, {"op": "format_disk"}, "'op'")

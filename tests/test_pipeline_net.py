@@ -277,7 +277,10 @@ def test_bad_messages_get_clear_errors_and_the_stage_keeps_serving():
         net, peers, run = await start(1, config)
         c0 = run.controllers[0]
         target = run.worker_of(0, 1)
-        attacker = next(p.transport for p in peers if p.transport not in (target.transport, c0.transport))
+        # bad input from the peers allowed to send each method (strangers: tests/adversarial):
+        # activations from the previous stage, gradients from the next, control from the controller
+        attacker = run.worker_of(0, 2).transport
+        senders = {"pipe.fwd": run.worker_of(0, 0).transport, "pipe.bwd": attacker, "pipe.ctl": c0.transport}
         pid = target.transport.peer_id
         epoch = target.route.epoch
         route = target.route.to_wire()
@@ -298,14 +301,16 @@ def test_bad_messages_get_clear_errors_and_the_stage_keeps_serving():
              "'y'"),  # labels not a tensor
             ("pipe.bwd", {"epoch": epoch, "mb": 10**9, "g": {"data": torch.zeros(2, WIDTH)}}, "not waiting"),
             ("pipe.ctl", {"op": "format_disk"}, "'op'"),
-            ("pipe.ctl", {"op": "get_layers", "layers": [99]}, "does not hold"),
+            ("pipe.ctl", {"op": "get_layers", "layers": [0]}, "does not hold"),  # stage 0's
+            ("pipe.ctl", {"op": "get_layers", "layers": [99]}, "'layers'"),  # past the model's 6
+            ("pipe.ctl", {"op": "configure", "route": dict(route, start=4, end=7)}, "past the model's 6 layers"),
             ("pipe.ctl", {"op": "get_layers", "layers": list(range(5000))}, "'layers'"),
             ("pipe.ctl", {"op": "configure", "route": dict(route, end=200000)}, "'end'"),  # builds no 200k layers
             ("pipe.ctl", {"op": "configure", "route": dict(route, next="not a peer")}, "'next'"),
         ]
         for method, request, _ in bad:
             with pytest.raises(RemoteError) as info:
-                await attacker.call(pid, f"bad.{method}", request, timeout=5)
+                await senders[method].call(pid, f"bad.{method}", request, timeout=5)
             errors.append(str(info.value))
         with pytest.raises(RemoteError) as info:  # the controller's method too
             await attacker.call(c0.transport.peer_id, "bad.pipe.cluster.c0", {"op": "failure", "peer": 7}, timeout=5)

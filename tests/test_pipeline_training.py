@@ -207,7 +207,9 @@ def test_stage_process_killed_with_sigkill_is_replaced_over_real_tcp():
     config = PipelineConfig("sigkill", staleness_bound=demo.STALENESS_BOUND, average_every=demo.AVERAGE_EVERY)
     peers = [potluck.Peer(host="127.0.0.1")]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    spec = json.dumps({"initial_peer": peers[0].addresses[0], "cluster": 0, "run_id": config.run_id})
+    # cluster 0's controller runs on its first local node, peers[0]: the only peer the worker obeys
+    spec = json.dumps({"initial_peer": peers[0].addresses[0], "cluster": 0, "run_id": config.run_id,
+                       "controller": peers[0].peer_id})
     proc = subprocess.Popen([sys.executable, "-m", "potluck", "demo", "--mode", "pipeline", "--worker", spec],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     run = None

@@ -89,8 +89,9 @@ def assemble(workers: list[Any]) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    """One stage node in a process of its own (used by the tests that kill a node with SIGKILL):
-    prints {"address", "peer_id"} as a JSON line, serves until stdin closes."""
+    """One stage node in a process of its own (used by the tests that kill a node with SIGKILL),
+    configured only by the peer id `spec["controller"]`: prints {"address", "peer_id"} as a JSON
+    line, serves until stdin closes."""
     import sys
     import threading
 
@@ -110,6 +111,7 @@ def _worker(args: argparse.Namespace) -> int:
 
         async def start() -> StageWorker:
             worker = StageWorker(peer, config, make_layers, lambda p: torch.optim.Adam(p, LEARNING_RATE),
+                                 controller=spec["controller"], num_layers=LAYERS,
                                  source=digits_source(x, y, spec["cluster"]))
             worker.start()
             return worker

@@ -18,7 +18,7 @@ from potluck.pipeline.profiling import LayerCost, NodeProfile, profile_layers
 from potluck.pipeline.recovery import ClusterController
 from potluck.pipeline.stage import LossFn, MakeLayers, PipelineConfig, Source, StageWorker
 
-__all__ = ["PipelineRun", "RemoteNode", "launch_run"]
+__all__ = ["PipelineRun", "RemoteNode", "controller_host", "launch_run"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class RemoteNode:
 
 def _peer_id(node: PeerLike | RemoteNode) -> str:
     return node.peer_id if isinstance(node, RemoteNode) else str(node.transport.peer_id)
+
+
+def controller_host(nodes: Sequence[PeerLike | RemoteNode], members: Sequence[int]) -> str | None:
+    """The peer id of the node that runs the controller of a cluster of `members` (node indices):
+    its first local node; None if it has none."""
+    return next((_peer_id(nodes[i]) for i in members if not isinstance(nodes[i], RemoteNode)), None)
 
 
 @dataclass
@@ -78,7 +84,9 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
     """`nodes[i]` = the peer of node i, or a `RemoteNode` whose worker runs elsewhere; all in one
     swarm (one DHT), through which every node finds the others' addresses by peer id;
     `clusters[c]` = node indices of cluster c;
-    `prepare(worker)` runs on each worker before it is configured (hooks, tracing)."""
+    `prepare(worker)` runs on each worker before it is configured (hooks, tracing).
+    Cluster c's controller runs on its first local member (`controller_host`): a `RemoteNode`'s
+    worker must be created with that node's peer id as its `controller`."""
     layers = make_layers(list(range(num_layers)))
     shapes = boundary_shapes(layers, list(sample.shape[1:]))
     if costs is None:
@@ -88,18 +96,19 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
     controllers = []
     for c, members in enumerate(clusters):
         spare = list(standby[c]) if c < len(standby) else []
+        host = next((i for i in members if not isinstance(nodes[i], RemoteNode)), None)
+        if host is None:
+            raise ValueError(f"cluster {c} needs a local node to run its controller")
+        controller_id = controller_host(nodes, members)
         for i in [*members, *spare]:
             if isinstance(nodes[i], RemoteNode):
-                continue  # its process runs its own worker
-            worker = StageWorker(nodes[i], config, make_layers, optimizer, source=sources[c], loss_fn=loss_fn,
-                                 scheduler=scheduler)
+                continue  # its process runs its own worker (created with `controller_host`'s id)
+            worker = StageWorker(nodes[i], config, make_layers, optimizer, controller=controller_id,
+                                 num_layers=num_layers, source=sources[c], loss_fn=loss_fn, scheduler=scheduler)
             if prepare is not None:
                 prepare(worker)
             worker.start()
             workers[worker.peer_id] = worker
-        host = next((i for i in members if not isinstance(nodes[i], RemoteNode)), None)
-        if host is None:
-            raise ValueError(f"cluster {c} needs a local node to run its controller")
         controllers.append(ClusterController(
             nodes[host], config, f"c{c}", [_peer_id(nodes[i]) for i in members], costs, shapes,
             profiles=profiles, reference_flops=reference_flops,

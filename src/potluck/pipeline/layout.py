@@ -8,6 +8,7 @@ addresses through their signed peer records in the DHT).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, int_value, list_field, wire_map
+from potluck.net.identity import PeerID
 from potluck.pipeline.messages import (
     MAX_CLUSTERS,
     MAX_COUNTER,
@@ -65,26 +67,47 @@ class Layout:
 
 
 class LayoutDirectory:
-    """Every cluster's layout, in the DHT of `peer`."""
+    """Every cluster's layout, in the DHT of `peer`; also who they name (`lists`), which is how a
+    stage tells the run's nodes (ring members, nodes fetching layers) from strangers."""
 
     def __init__(self, peer: PeerLike, run_id: str):
         self.dht = peer.dht
         self.key = f"{run_id}.pipeline.layout"
+        self._listed: frozenset[PeerID] = frozenset()  # every peer of the newest layouts read
+        self._started = 0  # reads of the layouts started so far
+        self._newest = 0  # the number (in start order) of the newest-started read that completed
+        self._reading = asyncio.Lock()
 
     async def publish(self, cluster_id: str, layout: Layout) -> None:
         await self.dht.astore(self.key, layout.to_wire(), self.dht.get_time() + LAYOUT_TTL, subkey=cluster_id)
 
     async def fetch(self) -> dict[str, list[Span]]:
         """{cluster id: its stages}, malformed layouts skipped."""
+        self._started += 1
+        number = self._started
         found = await self.dht.aget(self.key, latest=True)
         layouts: dict[str, list[Span]] = {}
-        if found is None or not isinstance(found.value, dict):
-            return layouts
-        for cluster, entry in list(found.value.items())[:MAX_CLUSTERS]:
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for cluster, entry in list(entries.items())[:MAX_CLUSTERS]:
             try:
                 layout = Layout.from_wire(entry.value)
             except MalformedMessage as e:
                 logger.warning("layout for cluster %r ignored: %s", str(cluster)[:64], e)
                 continue
             layouts[str(cluster)] = list(layout.stages)
+        if number > self._newest:
+            self._newest = number
+            self._listed = frozenset(PeerID.from_string(s.peer) for stages in layouts.values() for s in stages)
         return layouts
+
+    async def lists(self, peer: PeerID) -> bool:
+        """Whether a cluster's layout names `peer`. A peer not in the layouts read last is looked up
+        again in the DHT (one read at a time, shared by the callers waiting for it), so a node a
+        controller has just published is found; a stranger costs at most one DHT read at a time."""
+        if peer in self._listed:
+            return True
+        asked_after = self._started
+        async with self._reading:
+            if self._newest <= asked_after:  # no read begun since we asked has completed: read now
+                await self.fetch()
+        return peer in self._listed

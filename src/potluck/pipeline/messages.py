@@ -38,7 +38,8 @@ MAX_COUNTER = 2**62
 # Layer indices: 2^20 layers is far past any model split into stages (GPT-3 has 96 blocks).
 MAX_LAYER_INDEX = 2**20
 # A stage builds one module per layer it is given, so a route or request naming more layers than
-# this (e.g. end=200000) is refused before anything is built.
+# this (e.g. end=200000) is refused before anything is built. A stage that knows its model's size
+# (`StageWorker` always does) also refuses any layer past it, at parse time (`parse_control`).
 MAX_STAGE_LAYERS = 4096
 # Stages per cluster: a pipeline deeper than this spends longer filling than computing.
 MAX_STAGES = 256
@@ -134,11 +135,17 @@ class Route:
                 "sources": {str(i): list(p) for i, p in self.sources.items()}}
 
     @classmethod
-    def from_wire(cls, msg: Any) -> Route:
+    def from_wire(cls, msg: Any, num_layers: int | None = None) -> Route:
+        """Parsed and checked; with `num_layers` (the model's size), layers past it are refused too."""
         what = "route"
         msg = wire_map(msg, what)
-        start = int_field(msg, "start", what, 0, MAX_LAYER_INDEX)
-        end = int_field(msg, "end", what, start + 1, min(start + MAX_STAGE_LAYERS, MAX_LAYER_INDEX) + 1)
+        model_end = MAX_LAYER_INDEX if num_layers is None else min(num_layers, MAX_LAYER_INDEX)
+        for key in ("start", "end"):
+            value = msg.get(key)
+            if num_layers is not None and isinstance(value, int) and value > num_layers:
+                raise MalformedMessage(what, f"{key!r} is {value}, past the model's {num_layers} layers")
+        start = int_field(msg, "start", what, 0, model_end)
+        end = int_field(msg, "end", what, start + 1, min(start + MAX_STAGE_LAYERS, model_end) + 1)
         raw_sources = msg.get("sources", {})
         if not isinstance(raw_sources, Mapping) or len(raw_sources) > end - start:
             raise MalformedMessage(what, "'sources' must map at most one entry per layer of the stage")
@@ -255,8 +262,8 @@ class Configure:
         return {"op": self.TAG, "route": self.route.to_wire()}
 
     @classmethod
-    def from_wire(cls, msg: Mapping) -> Configure:
-        return cls(Route.from_wire(msg.get("route")))
+    def from_wire(cls, msg: Mapping, num_layers: int | None = None) -> Configure:
+        return cls(Route.from_wire(msg.get("route"), num_layers))
 
 
 @dataclass(frozen=True)
@@ -270,10 +277,11 @@ class GetLayers:
         return {"op": self.TAG, "layers": list(self.layers)}
 
     @classmethod
-    def from_wire(cls, msg: Mapping) -> GetLayers:
+    def from_wire(cls, msg: Mapping, num_layers: int | None = None) -> GetLayers:
         what = "get_layers"
+        end = MAX_LAYER_INDEX if num_layers is None else min(num_layers, MAX_LAYER_INDEX)
         return cls(tuple(list_field(msg, "layers", what, MAX_STAGE_LAYERS,
-                                    each=lambda i: int_value(i, "layers", what, 0, MAX_LAYER_INDEX))))
+                                    each=lambda i: int_value(i, "layers", what, 0, end))))
 
 
 ControlMessage = Ping | GetStats | Configure | GetLayers
@@ -281,11 +289,15 @@ ControlMessage = Ping | GetStats | Configure | GetLayers
 CONTROL_MESSAGES: dict[str, type[ControlMessage]] = {c.TAG: c for c in (Ping, GetStats, Configure, GetLayers)}
 
 
-def parse_control(msg: Any) -> ControlMessage:
+def parse_control(msg: Any, num_layers: int | None = None) -> ControlMessage:
+    """The control message `msg` is; with `num_layers` (the model's size), a `Configure` or
+    `GetLayers` naming a layer past the model is refused here, before anything is built or read."""
     op = wire_map(msg, "control message").get("op")
     kind = CONTROL_MESSAGES.get(op) if isinstance(op, str) else None
     if kind is None:
         raise MalformedMessage("control message", f"'op' must be one of {sorted(CONTROL_MESSAGES)}")
+    if kind is Configure or kind is GetLayers:
+        return kind.from_wire(msg, num_layers)
     return kind.from_wire(msg)
 
 

@@ -13,6 +13,12 @@ are loaded from the node holding them in another cluster (the matching ring memb
 if no cluster has them. Micro-batches in flight at the failure are dropped; training resumes.
 Limit: the controller itself is not replicated; if its node dies, its cluster stops and the
 other clusters go on (their rings re-form without it).
+
+Callers are checked: a failure report is taken only from a member of this cluster (anyone else's
+is refused with an error), and the stages take `Configure` only from their controller, whose peer
+id they are created with (`StageWorker(controller=...)`). A new layout is published before its
+stages are configured, so the nodes they fetch layers from already find them in the layouts
+(holders give weights only to nodes the layouts name).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from potluck.pipeline.messages import (
 )
 from potluck.pipeline.partition import Partition, PartitionError, Stage, partition_layers
 from potluck.pipeline.profiling import LayerCost, NodeProfile
-from potluck.pipeline.stage import PipelineConfig, call
+from potluck.pipeline.stage import PipelineConfig, PipelineError, call
 
 __all__ = ["ClusterController", "RecoveryEvent"]
 
@@ -149,10 +155,10 @@ class ClusterController:
                           / self._profile(s.peer_id).flops,
                           sources=sources(s))
             Ack.from_wire(await call(self.transport, s.peer_id, self._ctl, Configure(route), CONFIGURE_TIMEOUT))
+        await self._publish()  # first: a stage fetching layers is given them only once the layouts name it
         async with compat.TaskGroup() as group:
             for i in range(len(stages)):
                 group.create_task(configure(i))
-        await self._publish()
 
     async def _alive(self, peer: str) -> bool:
         try:
@@ -177,6 +183,9 @@ class ClusterController:
 
     async def _on_report(self, request: Any, ctx: Any) -> Any:
         report = FailureReport.from_wire(request)
+        if str(ctx.peer_id) not in self.members:
+            raise PipelineError(f"failure report refused: cluster {self.cluster_id} takes reports only from its "
+                                f"members, not from {ctx.peer_id}")
         if report.epoch == self.epoch and report.peer in self.members and not await self._alive(report.peer):
             # recovery outlives this call (it re-configures the reporter too): the controller owns it
             task = asyncio.ensure_future(self._recover_logged([report.peer], asyncio.get_running_loop().time()))

@@ -11,13 +11,17 @@ member sends and receives 2 (N-1)/N of the vector), chunked into parts of at mos
 member and then copied around, so every member ends with bit-identical values. A member that
 dies (send fails, or it stops answering pings while we wait for it) is dropped: the survivors
 re-form the ring and redo the round (`attempt` + 1) without it.
+
+Ring data is buffered until its round reads it, so a `RingAllReduce` given `allowed` (a stage's
+`LayoutDirectory.lists`: nodes named in the run's layouts) refuses parts from anyone else: a
+stranger can neither fill the mailbox nor crowd out the members' parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,8 +201,12 @@ class RingAllReduce:
     """One node's side of every ring it is in (one handler, a mailbox keyed by round and ring)."""
 
     def __init__(self, peer: PeerLike, run_id: str, ping_method: str, *,
-                 part_bytes: int = RING_PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT):
+                 part_bytes: int = RING_PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT,
+                 allowed: Callable[[PeerID], Awaitable[bool]] | None = None):
+        """`allowed(peer id)`: whether a peer may send ring data here (None: any peer; `StageWorker`
+        passes its layout directory's `lists`)."""
         self.transport = peer.transport
+        self.allowed = allowed
         self.part_bytes = part_bytes
         self.parts_in_flight = parts_in_flight
         self.method = f"{run_id}.pipe.ring"
@@ -212,6 +220,9 @@ class RingAllReduce:
         message = parse_ring(request)
         if isinstance(message, RingStatusQuery):
             return RingStatus(self.round).to_wire()
+        if self.allowed is not None and not await self.allowed(ctx.peer_id):
+            raise RingError(f"ring part refused: this node takes ring data only from nodes named in the run's "
+                            f"layouts, not from {ctx.peer_id}")
         if not self.round <= message.key.round <= self.round + ROUNDS_AHEAD:
             return Ack(False).to_wire()  # a stale or far-future round: nobody will read it
         if len(self._mailbox) >= MAX_BUFFERED:

@@ -10,6 +10,13 @@ nodes holding them in other clusters (`ring.RingAllReduce`) in the background, w
 Methods served (prefix `{run_id}.pipe.`): `fwd` (`Activation`), `bwd` (`Gradient`), `ctl`
 (`Ping`, `Configure`, `GetLayers`, `GetStats`; see `messages`). Malformed or mis-shaped input is
 refused with a clear error and the worker goes on serving.
+
+Who may call what (the caller is the peer id the transport's handshake proved): `Configure` and
+`GetStats` only the controller the worker was created with; `fwd` only the previous stage and
+`bwd` only the next stage of the route the message's epoch belongs to; `GetLayers` (weights) the
+controller and nodes named in the run's layouts (`LayoutDirectory.lists`); `Ping` anyone. Ring data
+is taken from nodes named in the layouts only (`RingAllReduce(allowed=...)`). Anyone else's call is
+refused with an error that says so, and the stage goes on serving its neighbours.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 from potluck.pipeline.layout import LayoutDirectory
 from potluck.pipeline.messages import (
+    MAX_LAYER_INDEX,
     Ack,
     Activation,
     Configure,
@@ -137,11 +145,19 @@ class StageWorker:
 
     def __init__(self, peer: PeerLike, config: PipelineConfig, make_layers: MakeLayers,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                 controller: PeerID | str, num_layers: int,
                  source: Source | None = None, loss_fn: LossFn | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None):
+        """`controller`: the peer id of the `ClusterController` that will configure this stage (the
+        only peer whose `Configure` is taken, so no stranger can be the first to configure it);
+        `num_layers`: the model's size (a route past it is refused when parsed)."""
         self.peer = peer
         self.transport = transport = peer.transport
         self.config = config
+        self.controller = PeerID.from_string(controller) if isinstance(controller, str) else controller
+        if not 0 < num_layers <= MAX_LAYER_INDEX:
+            raise ValueError(f"num_layers must be in [1, {MAX_LAYER_INDEX}], got {num_layers}")
+        self.num_layers = num_layers
         self.make_layers = make_layers
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler  # e.g. a LambdaLR, stepped after every update
@@ -178,7 +194,7 @@ class StageWorker:
         transport.add_handler(self.bwd_method, self._on_backward)
         transport.add_handler(self.ctl_method, self._on_control)
         self.ring = RingAllReduce(peer, config.run_id, self.ctl_method, part_bytes=BACKGROUND_PART_BYTES,
-                                  parts_in_flight=BACKGROUND_PARTS_IN_FLIGHT)
+                                  parts_in_flight=BACKGROUND_PARTS_IN_FLIGHT, allowed=self.directory.lists)
 
     @property
     def peer_id(self) -> str:
@@ -266,6 +282,15 @@ class StageWorker:
         return got
 
     # -- handlers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _require(ctx: Any, allowed: PeerID | str | None, what: str, whom: str) -> None:
+        """Refuse `what` unless its caller is `allowed` (None: nobody), saying who may send it."""
+        caller = ctx.peer_id
+        if allowed is not None and caller == (PeerID.from_string(allowed) if isinstance(allowed, str) else allowed):
+            return
+        expected = f"{whom} ({str(allowed)[:12]}...)" if allowed is not None else f"{whom}, and it has none"
+        raise PipelineError(f"{what} refused: this stage takes it only from {expected}, not from {caller}")
+
     async def _check_epoch(self, epoch: int) -> Route | None:
         """The route a message of `epoch` belongs to, or None if that epoch is over (dropped). A
         message from a newer epoch waits, within its call's deadline, until this stage is configured
@@ -300,6 +325,7 @@ class StageWorker:
             return Ack(False).to_wire()
         if route.first:
             raise PipelineError("the first stage takes no activations")
+        self._require(ctx, route.prev_peer, "activation", "its previous stage")
         x = self._decode(message.payload, route.in_shape, "activation")
         y = message.labels
         if y.shape[:1] != x.shape[:1]:
@@ -319,6 +345,7 @@ class StageWorker:
         route = await self._check_epoch(message.epoch)
         if route is None:
             return Ack(False).to_wire()
+        self._require(ctx, route.next_peer, "gradient", "its next stage")
         mb = message.micro_batch
         saved = self._saved.get(mb)
         if saved is None or not saved.forwarded or saved.grad is not None or mb in self.schedule.backward_ready:
@@ -333,15 +360,20 @@ class StageWorker:
         return Ack().to_wire()
 
     async def _on_control(self, request: Any, ctx: Any) -> Any:
-        match parse_control(request):
+        match parse_control(request, self.num_layers):
             case Ping():
                 return Ack().to_wire()
             case GetStats():
+                self._require(ctx, self.controller, "stats", "its controller")
                 return self.report().to_wire()
             case Configure(route=route):
+                self._require(ctx, self.controller, "configure", "its controller")
                 await self.configure(route)
                 return Ack().to_wire()
             case GetLayers(layers=wanted):
+                if ctx.peer_id != self.controller and not await self.directory.lists(ctx.peer_id):
+                    raise PipelineError(f"get_layers refused: this stage sends weights only to its controller and "
+                                        f"nodes named in the run's layouts, not to {ctx.peer_id}")
                 held = {**self._retired, **self.layers}
                 missing = [i for i in wanted if i not in held]
                 if missing:
