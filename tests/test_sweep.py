@@ -12,7 +12,7 @@ from potluck.core.errors import MalformedMessage
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
 from potluck.ps import SweepError, SweepSpec, Trial, TrialResult, run_sweep
-from potluck.ps.sweep import MAX_ERROR_CHARS, MAX_METRICS, TrialLease
+from potluck.ps.sweep import MAX_ERROR_CHARS, MAX_METRICS, TrialLease, trial_subkey
 from tests.emulated_swarm import make_swarm
 
 LEASE = 6.0  # virtual seconds
@@ -103,8 +103,11 @@ def test_malformed_trial_results_are_refused_naming_the_field(changes, field):
     with pytest.raises(MalformedMessage, match="not a map"):
         TrialResult.from_wire([good], trial)
     with pytest.raises(MalformedMessage) as caught:
-        TrialLease.from_wire(12345, 10.0)
+        TrialLease.from_wire({"holder": 12345, "since": 0.0}, 10.0)
     assert caught.value.field.startswith("'holder'")
+    with pytest.raises(MalformedMessage) as caught:
+        TrialLease.from_wire({"holder": str(Identity.generate().peer_id), "since": "now"}, 10.0)
+    assert caught.value.field.startswith("'since'")
 
 
 @pytest.mark.timeout(60)
@@ -145,11 +148,13 @@ def test_malformed_records_from_another_peer_are_ignored_and_the_trial_is_run():
         sweep = spec(space={"lr": [0.1, 0.2], "width": [1]})
         key = f"sweep.{sweep.sweep_id}.results"
         now = peers[1].dht.get_time()
-        await peers[1].dht.astore(key, "garbage", now + 1.0, subkey=0)  # not a result
-        await peers[1].dht.astore(key, {"metrics": {}}, now + 1.0, subkey=99)  # no such trial
+        other = peers[1].transport.peer_id
+        await peers[1].dht.astore(key, "garbage", now + 1.0, subkey=trial_subkey(0, other))  # not a result
+        await peers[1].dht.astore(key, {"metrics": {}}, now + 1.0, subkey=trial_subkey(99, other))  # no such trial
         await peers[1].dht.astore(key, {"metrics": {"a": 1.0}, "peer": "nobody", "seconds": 0.0, "error": None},
-                                  now + 1.0, subkey=1)  # not a peer id
-        await peers[1].dht.astore(f"sweep.{sweep.sweep_id}.leases", 12345, now + 1.0, subkey=1)  # not a holder
+                                  now + 1.0, subkey=trial_subkey(1, other))  # not a peer id
+        await peers[1].dht.astore(f"sweep.{sweep.sweep_id}.leases", 12345, now + 1.0,
+                                  subkey=trial_subkey(1, other))  # not a lease
         results = await run_sweep(peers[0], sweep, score, lease_seconds=LEASE)
         for p in peers:
             await p.dht.ashutdown()

@@ -1,16 +1,24 @@
 """Hyperparameter sweeps: independent trials shared out among peers through the DHT, with leases.
 
 Every peer derives the same trial list from the sweep's spec (grid, or random with a seed), so only
-two records cross the DHT, each a dictionary keyed by trial index (DHT subkeys):
-- leases (`TrialLease`): `{index: holder}` that expire `lease_seconds` after they were last
+two records cross the DHT, each a dictionary whose subkeys are `trial_subkey(index, peer)`, i.e.
+`f"{index}[owner:<peer id>]"`: owner-signed, so each peer writes only its own entries and nobody
+can overwrite or squat another peer's lease or result (the DHT keeps the entry that expires
+latest, so an unsigned shared subkey could be held for a day by one store).
+- leases (`TrialLease`): `{holder, since}` that expire `lease_seconds` after they were last
   renewed. A peer runs a trial only while it holds an unexpired lease and renews it as it goes; a
   peer that dies stops renewing, so its trial is free again at most one lease later and another
-  peer re-runs it.
-- results (`TrialResult`): `{index: {metrics, peer, seconds, error}}`; the parameters are the
-  trial's own, so they are not sent. A trial has one subkey, so it appears once in the results
-  however many peers ran it (two peers can both claim a trial in the same instant; the later
-  result replaces the earlier, and the table still has one row per trial).
-Both are parsed by `from_wire`; a malformed record is logged and ignored (its trial is re-run).
+  peer re-runs it. When several peers hold leases on one trial, the earliest claim (`since`, then
+  the smaller peer id) has it. A lease expiring more than `LEASE_HORIZON` lease periods ahead is
+  ignored (no honest peer writes one), so one store cannot block a trial for long: whoever holds a
+  trial has to keep renewing it, as a peer running it does.
+- results (`TrialResult`): `{metrics, peer, seconds, error}`; the parameters are the trial's own,
+  so they are not sent. Two peers can both claim a trial in the same instant and both store a
+  result; the table still has one row per trial: the result that expires first (stored first),
+  then the smaller peer id.
+Readers take the peer from the subkey's owner marker (the DHT checked the signature) and skip any
+entry of another form, or whose holder/peer is not its signer. Both are parsed by `from_wire`; a
+malformed record is logged and ignored (its trial is re-run).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from potluck.core import compat
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import number_field, text_field, wire_map
-from potluck.dht import DHT
+from potluck.dht import DHT, owner_marker, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.wire import peer_id_value
 
@@ -48,6 +56,10 @@ RESULT_TTL = 20 * 3600.0
 POLL_SECONDS = 2.0
 # Trials in one sweep: the results dictionary is read whole at every claim.
 MAX_TRIALS = 1000
+# A lease counts for at most this many lease periods ahead (peers of one sweep may be configured
+# with somewhat different leases); one expiring later is ignored, so that a stranger cannot hold a
+# trial for a day (the DHT's longest expiry) with a single store.
+LEASE_HORIZON = 4.0
 # Metrics one trial reports: an objective reports a handful of figures, and every peer reads
 # every result at every claim.
 MAX_METRICS = 64
@@ -183,19 +195,44 @@ def _draw(rng: random.Random, values: list | Range) -> Any:
     return rng.choice(values) if isinstance(values, list) else values.draw(rng)
 
 
+def trial_subkey(index: int, peer: PeerID) -> str:
+    """The subkey of `peer`'s own lease or result for trial `index` (only `peer` can write it)."""
+    return f"{int(index)}{owner_marker(peer)}"
+
+
+def parse_trial_subkey(subkey: Any, trials: int) -> tuple[int, PeerID] | None:
+    """(trial index, writer) of a subkey written by `trial_subkey`; None for any other form
+    (an unsigned index, a marker naming nobody, an index outside the sweep)."""
+    if not isinstance(subkey, str):
+        return None
+    head, marker, _ = subkey.partition("[owner:")
+    if not marker or not head.isascii() or not head.isdigit() or len(head) > 6:
+        return None
+    index = int(head)
+    peer = subkey_owner(subkey[len(head):])
+    if peer is None or not 0 <= index < trials or subkey != trial_subkey(index, peer):
+        return None
+    return index, peer
+
+
 @dataclass(frozen=True)
 class TrialLease:
-    """Who runs a trial, until when (the DHT entry's expiration): renewed while the trial runs."""
+    """Who runs a trial, until when (the DHT entry's expiration), claimed at `since` (DHT time):
+    renewed while the trial runs."""
 
     holder: PeerID
     expires: float
+    since: float = 0.0
 
-    def to_wire(self) -> str:
-        return str(self.holder)
+    def to_wire(self) -> dict:
+        return {"holder": str(self.holder), "since": self.since}
 
     @classmethod
     def from_wire(cls, value: Any, expires: float) -> TrialLease:
-        return cls(peer_id_value(value, "holder", "trial lease"), expires)
+        what = "trial lease"
+        msg = wire_map(value, what)
+        return cls(peer_id_value(msg.get("holder"), "holder", what), expires,
+                   number_field(msg, "since", what, signed=True))
 
 
 @dataclass(frozen=True)
@@ -264,7 +301,7 @@ async def run_sweep(peer: PeerLike, spec: SweepSpec, objective: Objective, *, le
     # rarely claim the same trial.
     offset = int.from_bytes(hashlib.sha256(str(me).encode()).digest()[:4], "big")
     while True:
-        board = await _read(dht, keys, trials)
+        board = await _read(dht, keys, trials, lease_seconds)
         if len(board.results) == len(trials):
             return [board.results[t.index] for t in trials]
         now = dht.get_time()
@@ -276,52 +313,84 @@ async def run_sweep(peer: PeerLike, spec: SweepSpec, objective: Objective, *, le
             await asyncio.sleep(max(wait, 0.01))  # periodic re-check of other peers' leases
             continue
         trial = free[offset % len(free)]
-        if not await _claim(dht, keys[1], trial.index, me, lease_seconds):
+        since = await _claim(dht, keys[1], trial.index, me, lease_seconds, len(trials))
+        if since is None:
             continue
-        result = await _run_trial(dht, keys[1], trial, objective, me, lease_seconds)
-        await dht.astore(keys[0], result.to_wire(), dht.get_time() + RESULT_TTL, subkey=trial.index)
+        result = await _run_trial(dht, keys[1], trial, objective, me, lease_seconds, since)
+        await dht.astore(keys[0], result.to_wire(), dht.get_time() + RESULT_TTL, subkey=trial_subkey(trial.index, me))
         if on_result is not None:
             on_result(result)
 
 
-async def _read(dht: DHT, keys: tuple[str, str], trials: list[Trial]) -> _Board:
-    found = await dht.aget_many(keys, latest=True)
+def _results(found: Any, trials: list[Trial]) -> dict[int, TrialResult]:
+    """One result per trial from the results dictionary: among the entries each peer signed about
+    its own run, the one that expires first (stored first), then the smaller peer id."""
     results: dict[int, TrialResult] = {}
+    order: dict[int, tuple[float, str]] = {}
+    entries = found.value if found is not None else {}
+    for subkey, item in (entries.items() if isinstance(entries, dict) else ()):
+        cell = parse_trial_subkey(subkey, len(trials))
+        if cell is None:
+            logger.warning("sweep: ignoring a result under %r: not a trial subkey that its writer signed",
+                           str(subkey)[:120])
+            continue
+        index, writer = cell
+        try:
+            result = TrialResult.from_wire(item.value, trials[index])
+        except MalformedMessage as e:
+            logger.warning("sweep: ignoring %s's result of trial %d (it will be re-run): %s", writer, index, e)
+            continue
+        if result.peer != writer:
+            logger.warning("sweep: ignoring a result of trial %d signed by %s in the name of %s", index, writer,
+                           result.peer)
+            continue
+        rank = (item.expiration_time, str(writer))
+        if index not in order or rank < order[index]:
+            results[index], order[index] = result, rank
+    return results
+
+
+def _leases(found: Any, trials: int, now: float, lease_seconds: float) -> dict[int, TrialLease]:
+    """The lease that holds each trial now: among unexpired leases that their holders signed and
+    that expire within LEASE_HORIZON lease periods, the earliest claim (then the smaller peer id)."""
     leases: dict[int, TrialLease] = {}
-    entries = found[keys[0]].value if found[keys[0]] is not None else {}
-    for index, item in (entries.items() if isinstance(entries, dict) else ()):
+    horizon = now + LEASE_HORIZON * lease_seconds
+    entries = found.value if found is not None else {}
+    for subkey, item in (entries.items() if isinstance(entries, dict) else ()):
+        cell = parse_trial_subkey(subkey, trials)
+        if cell is None or not now < item.expiration_time <= horizon:
+            continue
+        index, writer = cell
         try:
-            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(trials):
-                raise MalformedMessage("trial result", f"subkey {index!r} is not a trial of this sweep")
-            results[index] = TrialResult.from_wire(item.value, trials[index])
+            lease = TrialLease.from_wire(item.value, item.expiration_time)
         except MalformedMessage as e:
-            logger.warning("sweep: ignoring a result under %r (it will be re-run): %s", index, e)
-    entries = found[keys[1]].value if found[keys[1]] is not None else {}
-    for index, item in (entries.items() if isinstance(entries, dict) else ()):
-        try:
-            if isinstance(index, int) and not isinstance(index, bool):
-                leases[index] = TrialLease.from_wire(item.value, item.expiration_time)
-        except MalformedMessage as e:
-            logger.debug("sweep: ignoring a lease under %r: %s", index, e)
-    return _Board(results, leases)
+            logger.debug("sweep: ignoring %s's lease of trial %d: %s", writer, index, e)
+            continue
+        if lease.holder != writer:
+            continue
+        held = leases.get(index)
+        if held is None or (lease.since, str(lease.holder)) < (held.since, str(held.holder)):
+            leases[index] = lease
+    return leases
 
 
-async def _claim(dht: DHT, key: str, index: int, me: PeerID, lease_seconds: float) -> bool:
-    """Take the lease of trial `index`; True if it is ours once read back."""
-    expires = dht.get_time() + lease_seconds
-    await dht.astore(key, TrialLease(me, expires).to_wire(), expires, subkey=index)
+async def _read(dht: DHT, keys: tuple[str, str], trials: list[Trial], lease_seconds: float) -> _Board:
+    found = await dht.aget_many(keys, latest=True)
+    return _Board(_results(found[keys[0]], trials), _leases(found[keys[1]], len(trials), dht.get_time(), lease_seconds))
+
+
+async def _claim(dht: DHT, key: str, index: int, me: PeerID, lease_seconds: float, trials: int) -> float | None:
+    """Take the lease of trial `index`; the claim's time if it is ours once read back, else None."""
+    since = dht.get_time()
+    expires = since + lease_seconds
+    await dht.astore(key, TrialLease(me, expires, since).to_wire(), expires, subkey=trial_subkey(index, me))
     found = await dht.aget(key, latest=True)
-    entry = found.value.get(index) if found is not None and isinstance(found.value, dict) else None
-    if entry is None:
-        return False
-    try:
-        return TrialLease.from_wire(entry.value, entry.expiration_time).holder == me
-    except MalformedMessage:
-        return False
+    lease = _leases(found, trials, dht.get_time(), lease_seconds).get(index)
+    return since if lease is not None and lease.holder == me else None
 
 
 async def _run_trial(dht: DHT, key: str, trial: Trial, objective: Objective, me: PeerID,
-                     lease_seconds: float) -> TrialResult:
+                     lease_seconds: float, since: float) -> TrialResult:
     loop = asyncio.get_running_loop()
 
     async def renew() -> None:
@@ -329,7 +398,8 @@ async def _run_trial(dht: DHT, key: str, trial: Trial, objective: Objective, me:
             await asyncio.sleep(lease_seconds / 3)
             try:
                 expires = dht.get_time() + lease_seconds
-                await dht.astore(key, TrialLease(me, expires).to_wire(), expires, subkey=trial.index)
+                await dht.astore(key, TrialLease(me, expires, since).to_wire(), expires,
+                                 subkey=trial_subkey(trial.index, me))
             except NetworkError as e:
                 logger.warning("sweep: could not renew the lease of trial %d: %s", trial.index, e)
 
