@@ -131,3 +131,51 @@ def test_a_stranger_cannot_replace_an_experts_uid_or_grid_announcement():
         assert children["ffn.1."] == {2: location}
         assert 1 in children["ffn."]
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_can_neither_block_a_sweep_trial_with_a_day_long_lease_nor_plant_its_result():
+    from potluck.ps import SweepSpec, run_sweep
+
+    async def score(params: dict) -> dict:
+        await asyncio.sleep(1.0)  # a trial's training time (virtual)
+        return {"test_accuracy": params["lr"]}
+
+    async def main():
+        net, peers = await make_swarm(2)
+        honest, stranger = peers
+        sweep = SweepSpec(run_id="squat", space={"lr": [0.1, 0.2]})
+        leases, results = f"sweep.{sweep.sweep_id}.leases", f"sweep.{sweep.sweep_id}.results"
+        mine = owner_marker(stranger.transport.peer_id)
+        fake = {"metrics": {"test_accuracy": 99.0}, "peer": str(honest.transport.peer_id), "seconds": 0.0,
+                "error": None}
+        squats = [(leases, str(stranger.transport.peer_id), 0),  # an unsigned lease on trial 0
+                  (leases, {"holder": str(stranger.transport.peer_id), "since": -1e9}, f"0{mine}"),  # its own, a day long
+                  (results, fake, 1),  # an unsigned result of trial 1 in the honest peer's name
+                  (results, fake, f"1{mine}")]  # a signed one, still in the honest peer's name
+        for key, value, subkey in squats:
+            assert await stranger.dht.astore(key, value, squat_expiry(stranger), subkey=subkey)
+        try:  # virtual seconds: the squatted lease would hold trial 0 for 23 hours
+            return await asyncio.wait_for(run_sweep(honest, sweep, score, lease_seconds=6.0), 600.0)
+        except TimeoutError:
+            pytest.fail("the sweep never finished: a squatted lease blocked a trial")
+    done = run_virtual(main())
+    assert [(r.index, r.metrics) for r in done] == [(0, {"test_accuracy": 0.1}), (1, {"test_accuracy": 0.2})]
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_profile_is_read_only_from_the_node_it_describes():
+    from potluck.pipeline.profiling import NodeProfile, fetch_profiles, profiles_key, publish_profile
+
+    async def main():
+        net, peers = await make_swarm(3)
+        victim, stranger, reader = peers
+        victim_id = str(victim.transport.peer_id)
+        fake = NodeProfile(victim_id, flops=1e18, memory=1).to_wire()  # "fast, but holds nothing"
+        key = profiles_key("run")
+        for subkey in (victim_id, owner_marker(stranger.transport.peer_id)):  # unsigned; signed by the stranger
+            assert await stranger.dht.astore(key, fake, squat_expiry(stranger), subkey=subkey)
+        await publish_profile(victim, "run", NodeProfile(victim_id, flops=1e9, memory=2**30))
+        return await fetch_profiles(reader, "run")
+    profiles = run_virtual(main())
+    assert [(p.flops, p.memory) for p in profiles] == [(1e9, 2**30)]
