@@ -170,6 +170,10 @@ def test_a_strangers_activations_and_gradients_are_refused_while_the_pipeline_tr
         for stage in (middle, last):
             with pytest.raises(RemoteError, match="activation refused: .*previous stage"):
                 await s.stranger.call(stage.transport.peer_id, s.prefix + "fwd", activation, timeout=10)
+        # nor does it wait for an epoch the stage has not reached: that would hold the call open
+        ahead = Activation(epoch + 1, EVIL_MB, {"data": torch.zeros(8, WIDTH)}, y).to_wire()
+        with pytest.raises(RemoteError, match=f"epoch {epoch + 1} refused: .*newer epoch"):
+            await s.stranger.call(middle.transport.peer_id, s.prefix + "fwd", ahead, timeout=10)
         first.schedule.injection_paused = False
         first._wake.set()
         # a gradient for a micro-batch the first stage has sent on and awaits: only the next stage's counts

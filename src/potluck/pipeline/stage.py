@@ -291,12 +291,17 @@ class StageWorker:
         expected = f"{whom} ({str(allowed)[:12]}...)" if allowed is not None else f"{whom}, and it has none"
         raise PipelineError(f"{what} refused: this stage takes it only from {expected}, not from {caller}")
 
-    async def _check_epoch(self, epoch: int) -> Route | None:
+    async def _check_epoch(self, epoch: int, ctx: Any) -> Route | None:
         """The route a message of `epoch` belongs to, or None if that epoch is over (dropped). A
         message from a newer epoch waits, within its call's deadline, until this stage is configured
-        for it: the controller configures the stages concurrently, so a neighbour may start first."""
+        for it: the controller configures the stages concurrently, so a neighbour may start first.
+        Only a node named in the run's layouts is waited for (the controller publishes a layout
+        before configuring it): a stranger cannot hold calls open here."""
         if self.route is not None and epoch > self.route.epoch + MAX_EPOCHS_AHEAD:
             raise PipelineError(f"epoch {epoch} is far ahead of this stage's {self.route.epoch}")
+        if (self.route is None or self.route.epoch < epoch) and not await self.directory.lists(ctx.peer_id):
+            raise PipelineError(f"epoch {epoch} refused: this stage waits for a newer epoch only for nodes named "
+                                f"in the run's layouts, not for {ctx.peer_id}")
         try:
             async with compat.timeout(self.config.message_timeout):
                 while self.route is None or self.route.epoch < epoch:
@@ -320,7 +325,7 @@ class StageWorker:
 
     async def _on_forward(self, request: Any, ctx: Any) -> Any:
         message = Activation.from_wire(request)
-        route = await self._check_epoch(message.epoch)
+        route = await self._check_epoch(message.epoch, ctx)
         if route is None:
             return Ack(False).to_wire()
         if route.first:
@@ -342,7 +347,7 @@ class StageWorker:
 
     async def _on_backward(self, request: Any, ctx: Any) -> Any:
         message = Gradient.from_wire(request)
-        route = await self._check_epoch(message.epoch)
+        route = await self._check_epoch(message.epoch, ctx)
         if route is None:
             return Ack(False).to_wire()
         self._require(ctx, route.next_peer, "gradient", "its next stage")
