@@ -331,8 +331,8 @@ def _results(found: Any, trials: list[Trial]) -> dict[int, TrialResult]:
     for subkey, item in (entries.items() if isinstance(entries, dict) else ()):
         cell = parse_trial_subkey(subkey, len(trials))
         if cell is None:
-            logger.warning("sweep: ignoring a result under %r: not a trial subkey that its writer signed",
-                           str(subkey)[:120])
+            logger.debug("sweep: ignoring a result under %r: not a trial subkey that its writer signed",
+                         str(subkey)[:120])
             continue
         index, writer = cell
         try:
