@@ -338,7 +338,7 @@ def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
         bystander = dhts[0]
         answer = await bystander.node.transport.call(
             target.peer_id, protocol.FIND, protocol.find_request([key_id_of(owned)], values=True), timeout=5)
-        [(nearest, records)] = protocol.parse_find_response(answer, 1)
+        [(nearest, records)], _ = protocol.parse_find_response(answer, 1)
         assert records == [signed] and {p for p, _, _ in nearest} >= {alice.peer_id, mallory.peer_id}
         await bystander.node.ping(target.peer_id)
         await shutdown(dhts)

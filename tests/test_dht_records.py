@@ -146,11 +146,14 @@ def test_malformed_messages_are_refused_with_bad_request():
     garbage = [None, 5, "text", b"\xc1", b"\x92\x01", protocol.encode([1, 2]), protocol.encode({"ids": "x"}),
                protocol.encode({"ids": [b"short"], "values": True}),
                protocol.encode({"ids": [bytes(20)] * 33, "values": True}),
-               protocol.encode({"ids": [bytes(20)], "values": 1})]
+               protocol.encode({"ids": [bytes(20)], "values": 1}),
+               protocol.encode({"ids": [bytes(20)], "values": True, "stop": False, "rec": ["k"]})]
     for message in garbage:
         with pytest.raises(BadRequest):
             protocol.parse_find_request(message)
-    assert protocol.parse_find_request(protocol.find_request([1, 2], True, True)) == ([1, 2], True, True)
+    assert protocol.parse_find_request(protocol.find_request([1, 2], True, True)) == ([1, 2], True, True, None)
+    own = Record("k", None, b"v", 1.0)
+    assert protocol.parse_find_request(protocol.find_request([1], False, own_record=own)) == ([1], False, False, own)
     bad_records = [[], ["k"], [1, None, b"v", 1.0, None, None], ["k", True, b"v", 1.0, None, None],
                    ["k", None, "not bytes", 1.0, None, None], ["k", None, b"v", "soon", None, None],
                    ["k", None, b"v", float("inf"), None, None], ["k", None, b"v", 1.0, b"short sig", None],
@@ -175,9 +178,10 @@ def test_malformed_answers_are_refused_so_the_caller_can_drop_that_peer():
         {"peers": [[pid, ["/nonsense"]]], "results": [[[0], []]]},  # bad address
         {"peers": [[pid, [7]]], "results": [[[0], []]]},  # address of the wrong type
         {"peers": [], "results": [[[], [["k"]]]]},  # bad record
+        {"peers": [], "results": [[[], []]], "rec": 5},  # "did you hold my record" answered with a number
     ]
     for answer in answers:
         with pytest.raises(BadRequest):
             protocol.parse_find_response(msgpack.packb(answer), 1)
     ok = protocol.parse_find_response(msgpack.packb({"peers": [[pid, ["/emu/1"]]], "results": [[[0], []]]}), 1)
-    assert ok[0][0][0][0].to_bytes() == pid
+    assert ok[0][0][0][0][0].to_bytes() == pid and ok[1] is None

@@ -272,6 +272,57 @@ def test_a_strangers_record_for_another_peer_is_refused_by_every_node():
     run_virtual(scenario())
 
 
+def test_a_joining_peer_leaves_its_record_on_the_nodes_its_lookup_visits_with_no_store_calls():
+    async def scenario():
+        net, peers = await make_swarm(12)
+        stores = []
+        original = peers[0].transport.__class__.call
+
+        async def counting(self, peer, method, *args, **kwargs):
+            if method == protocol.STORE:
+                stores.append(peer)
+            return await original(self, peer, method, *args, **kwargs)
+
+        peers[0].transport.__class__.call = counting
+        try:
+            newcomer = await add_peer(net, peers)
+        finally:
+            peers[0].transport.__class__.call = original
+        assert stores == []  # the record rode along the joining lookup's find calls
+        key = peer_record_key(newcomer.transport.peer_id)
+        holders = [p for p in peers if p.dht.node.storage.get(newcomer.dht.node.node_id, p.dht.get_time())]
+        assert len(holders) >= 8, "the lookup of its own id visits the record's replicas"
+        found = await peers[-1].dht.node.get_many([key])
+        assert found[key].records and peer_record_from_bytes(found[key].records[0].value).peer_id == \
+            newcomer.transport.peer_id
+        for p in [*peers, newcomer]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+def test_a_find_carries_only_its_callers_own_peer_record():
+    async def scenario():
+        net, peers = await make_swarm(3)
+        victim, node, stranger = peers
+        fake = PeerRecord.sign(stranger.transport.identity, ["/emu/nowhere"], node.dht.get_time() + 60)
+        wrong = sign_record(Record(peer_record_key(stranger.transport.peer_id), None, dumps(fake.to_value()),
+                                   fake.expiration_time), stranger.transport.identity)
+        wrong = Record(peer_record_key(victim.transport.peer_id), None, wrong.value, wrong.expiration_time,
+                       wrong.signature)  # the stranger's record, filed under the victim's key
+        answer = await stranger.transport.call(node.transport.peer_id, protocol.FIND, protocol.find_request(
+            [node.dht.node.node_id], False, own_record=wrong), timeout=5)
+        _, held = protocol.parse_find_response(answer, 1)
+        assert isinstance(held, str) and "only the caller's own peer record" in held
+        found = await stranger.dht.node.resolve_peer(victim.transport.peer_id, 5, thorough=True)
+        assert found is not None and list(found[0].addresses) == [
+            a.without_peer_id() for a in victim.transport.addresses]
+        for p in peers:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
 # -- resolution over TCP -------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_a_newcomer_that_knows_only_a_peer_id_can_call_it_over_tcp():

@@ -132,6 +132,22 @@ class GetOutcome:
 
 
 @functools.lru_cache(maxsize=65536)
+class _OwnRecord:
+    """Our peer record as sent along our joining lookup, and how many nodes took it."""
+
+    __slots__ = ("holders", "record")
+
+    def __init__(self, record: Record):
+        self.record = record
+        self.holders = 0
+
+    def answered(self, peer: PeerID, held: bool | str | None) -> None:
+        if held is True:
+            self.holders += 1
+        elif isinstance(held, str):
+            logger.warning("%s refused this peer's record: %s", peer, held)
+
+
 def _node_id(peer_id: PeerID) -> int:
     return node_id_of(peer_id)
 
@@ -180,15 +196,26 @@ class DHTNode:
         if self.config.refresh_interval:
             self._upkeep_task = self._spawn(self._upkeep(self.config.refresh_interval))
         initial = list(initial_peers)
+        publishes = self._publishes_peer_record()
+        own = _OwnRecord(record) if publishes and (record := self._own_peer_record()) is not None else None
         if initial:
-            await self.bootstrap(initial, timeout)
-        if self._publishes_peer_record():
-            await self.publish_peer_record(min(timeout, PUBLISH_TIMEOUT))
+            await self._join(initial, timeout, own)
+        if own is not None:
+            self.storage.store(self.node_id, own.record, self.now())  # its closest holder: us
+            if initial and not own.holders:  # nobody took it along the lookup: store it as usual
+                await self.publish_peer_record(min(timeout, PUBLISH_TIMEOUT))
+        if publishes:
             self._republish_task = self._spawn(self._republish_forever(self.config.peer_record_ttl / 3))
 
     async def bootstrap(self, initial_peers: Iterable[Multiaddr | str | PeerID],
                         timeout: float = BOOTSTRAP_TIMEOUT) -> None:
         """Ping the given peers, then look up our own id so the peers near us learn of us."""
+        await self._join(initial_peers, timeout, None)
+
+    async def _join(self, initial_peers: Iterable[Multiaddr | str | PeerID], timeout: float,
+                    own: _OwnRecord | None) -> None:
+        """`bootstrap`, sending `own` (our peer record) along the lookup: the lookup of our id
+        visits the record's replicas (`key_id_of`), so it is stored with no extra calls."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         initial = list(initial_peers)
@@ -201,7 +228,7 @@ class DHTNode:
             raise PeerUnreachable("could not join the DHT: no initial peer answered:\n  " + "\n  ".join(errors))
         for line in errors:
             logger.warning("initial DHT peer unreachable: %s", line)
-        await self._lookup([self.node_id], values=False, stop_on_value=False, deadline=deadline)
+        await self._lookup([self.node_id], values=False, stop_on_value=False, deadline=deadline, own=own)
 
     async def _reach(self, peer: Multiaddr | str | PeerID, deadline: float) -> None:
         timeout = max(0.0, deadline - asyncio.get_running_loop().time())
@@ -323,9 +350,10 @@ class DHTNode:
         return protocol.PING_RESPONSE
 
     async def _on_find(self, request: Any, ctx: CallContext) -> bytes:
-        ids, values, stop = protocol.parse_find_request(request)
+        ids, values, stop, own = protocol.parse_find_request(request)
         self._caller(ctx)
         now = self.now()
+        held = None if own is None else self._accept_own_record(own, ctx.peer_id, now)
         peers: list[tuple[PeerID, list[Multiaddr]]] = []
         index: dict[PeerID, int] = {}
         results = []
@@ -342,35 +370,43 @@ class DHTNode:
                         peers.append((peer, addrs))
                     indices.append(index[peer])
             results.append((indices, records))
-        return protocol.find_response(peers, results)
+        return protocol.find_response(peers, results, held)
 
     async def _on_store(self, request: Any, ctx: CallContext) -> bytes:
         records = protocol.parse_store_request(request)
         self._caller(ctx)
         now = self.now()
-        results: list[bool | str] = []
-        for record in records:
-            key_id = key_id_of(record.key)
-            if self.storage.holds(key_id, record, now):
-                # Hand-offs and re-stores bring the same record from every replica: it passed
-                # every rule when it was stored, so skip the signature checks (the costly part).
-                results.append(True)
-                continue
-            try:
-                check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
-                results.append(self.storage.store(key_id, record, now))
-            except RecordRejected as e:
-                results.append(f"{type(e).__name__}: {e}")
-        return protocol.store_response(results)
+        return protocol.store_response([self._accept(record, now) for record in records])
+
+    def _accept(self, record: Record, now: float) -> bool | str:
+        """Store a record another peer sent: True if held, False if a later one is, else why not."""
+        key_id = key_id_of(record.key)
+        if self.storage.holds(key_id, record, now):
+            # Hand-offs and re-stores bring the same record from every replica: it passed
+            # every rule when it was stored, so skip the signature checks (the costly part).
+            return True
+        try:
+            check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
+            return self.storage.store(key_id, record, now)
+        except RecordRejected as e:
+            return f"{type(e).__name__}: {e}"
+
+    def _accept_own_record(self, record: Record, caller: PeerID, now: float) -> bool | str:
+        """The caller's own peer record, sent along its joining lookup (see `protocol`)."""
+        if record.key != peer_record_key(caller) or record.subkey is not None:
+            return "RecordRejected: a find request carries only the caller's own peer record"
+        return self._accept(record, now)
 
     # -- lookups -------------------------------------------------------------------------------------
     async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool,
-                    deadline: float) -> dict[int, Answer]:
+                    deadline: float, own: _OwnRecord | None = None) -> dict[int, Answer]:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
-        response = await self.transport.call(peer, protocol.FIND, protocol.find_request(ids, values, stop),
-                                             timeout=timeout, resolve=False)
-        parsed = protocol.parse_find_response(response, len(ids))
+        request = protocol.find_request(ids, values, stop, None if own is None else own.record)
+        response = await self.transport.call(peer, protocol.FIND, request, timeout=timeout, resolve=False)
+        parsed, held = protocol.parse_find_response(response, len(ids))
+        if own is not None:
+            own.answered(peer, held)
         now = self.now()
         answers = {}
         for target, (nearest, records) in zip(ids, parsed, strict=True):
@@ -400,8 +436,9 @@ class DHTNode:
         return True
 
     async def _lookup(self, targets: list[int], *, values: bool, stop_on_value: bool,
-                      deadline: float) -> dict[int, TargetResult]:
-        """Run one iterative lookup for all `targets` (see lookup.py) until done or `deadline`."""
+                      deadline: float, own: _OwnRecord | None = None) -> dict[int, TargetResult]:
+        """Run one iterative lookup for all `targets` (see lookup.py) until done or `deadline`;
+        `own`: our peer record, sent along to every node asked (our joining lookup)."""
         k = self.config.bucket_size
         lookup = Lookup({t: self.routing.nearest(t, k) for t in targets}, k=k, alpha=self.config.alpha,
                         stop_on_value=stop_on_value, self_id=self.node_id, usable=self._usable)
@@ -413,7 +450,7 @@ class DHTNode:
                 for peer, ids in lookup.next_requests().items():
                     for start in range(0, len(ids), protocol.MAX_FIND_IDS):
                         chunk = ids[start:start + protocol.MAX_FIND_IDS]
-                        task = loop.create_task(self._find(peer, chunk, values, stop_on_value, deadline))
+                        task = loop.create_task(self._find(peer, chunk, values, stop_on_value, deadline, own))
                         pending[task] = (peer, chunk, loop.time() + SLOW_AFTER)
                 for task, (peer, chunk, _) in list(pending.items()):
                     if not lookup.still_needed(chunk):
@@ -567,11 +604,9 @@ class DHTNode:
         return (self.config.peer_record_ttl is not None and not self.client_mode
                 and bool(self.transport.addresses))
 
-    async def publish_peer_record(self, timeout: float = PUBLISH_TIMEOUT) -> bool:
-        """Sign and store our peer record (where we listen, for `peer_record_ttl` seconds); True if
-        a replica holds it. Failures are logged, not raised: the refresh tries again."""
-        if not self._publishes_peer_record():
-            return False
+    def _own_peer_record(self) -> Record | None:
+        """Our peer record, signed and checked (where we listen, for `peer_record_ttl` seconds);
+        None (and a warning) if our own rules refuse it."""
         assert self.config.peer_record_ttl is not None
         identity = self.transport.identity
         expiration = self.now() + self.config.peer_record_ttl
@@ -580,8 +615,19 @@ class DHTNode:
                              identity, self.membership_token())
         try:
             check_record(record, self.limits, self.now(), self.validators, skew=0.0)
+        except RecordRejected as e:
+            logger.warning("could not publish this peer's record: %s", e)
+            return None
+        return record
+
+    async def publish_peer_record(self, timeout: float = PUBLISH_TIMEOUT) -> bool:
+        """Sign and store our peer record; True if a replica holds it. Failures are logged, not
+        raised: the refresh tries again."""
+        if not self._publishes_peer_record() or (record := self._own_peer_record()) is None:
+            return False
+        try:
             stored = (await self.store_many([record], timeout))[0]
-        except (RecordRejected, NetworkError, DHTError) as e:
+        except (NetworkError, DHTError) as e:
             logger.warning("could not publish this peer's record: %s", e)
             return False
         if not stored:
@@ -644,16 +690,11 @@ class DHTNode:
                 if not records:
                     continue
                 if is_peer_record_key(records[0].key):
-                    # One record per peer: only its closest holder hands it on (Kademlia 2.5's
-                    # rule), or every join would bring each newcomer ~k copies of each. More peers
-                    # surely closer than us than there are newcomers: one of them is not new. If
-                    # one is, it is among the few closest (or past `replicas` of them, and the
-                    # test below skips the key anyway).
-                    if ahead > len(fresh):
-                        continue
-                    closest = self.routing.nearest(key_id, min(len(newcomers) + 1, self.replicas))
-                    if any(n ^ key_id < mine for p, n in closest if p not in newcomers):
-                        continue
+                    # Not handed off: a peer record sits at its owner's own id (`key_id_of`), so
+                    # the owner, alive and holding it, is where every lookup of it ends; the
+                    # owner's next re-store reaches newcomers. Handing it on made each join cost
+                    # about k more stores.
+                    continue
                 nearest = self.routing.nearest(key_id, self.replicas)
                 if len(nearest) >= self.replicas and all(n ^ key_id < mine for _, n in nearest):
                     continue  # we are no longer one of this key's replicas

@@ -1,7 +1,8 @@
 """Peer records in the DHT: the one place where a peer's addresses are published and looked up.
 
 Every (dialable) peer stores its signed `PeerRecord` (`potluck.net.peer_record`) under
-`peer_record_key(peer_id)` = `"_peer.[owner:<peer id>]"`. The key is owner-marked, so the DHT's
+`peer_record_key(peer_id)` = `"_peer.[owner:<peer id>]"`, whose id in the DHT is the peer's own
+node id (`records.key_id_of`). The key is owner-marked, so the DHT's
 own owner signature already stops anyone else from writing or squatting it; the value carries the
 record's own signature too, so the transport can check what it dials without trusting the DHT.
 `PeerRecordValidator` is installed on every DHT node: a record under a `_peer.` key that does not
@@ -18,16 +19,14 @@ from typing import Any
 from potluck.core.dht_time import Clock
 from potluck.core.serialization import loads
 from potluck.dht.errors import ExpirationTooFar, RecordRejected
-from potluck.dht.records import Record, owner_marker, owners_of
+from potluck.dht.records import PEER_RECORD_PREFIX, Record, owner_marker, owners_of
 from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import PeerID
 from potluck.net.peer_record import PeerRecord, PeerRecordError
 
-__all__ = ["MAX_PEER_RECORD_TTL", "PARSED_PEER_RECORDS", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL", "PeerRecordValidator",
-           "is_peer_record_key", "peer_record_from_bytes", "peer_record_key"]
+__all__ = ["MAX_PEER_RECORD_TTL", "PARSED_PEER_RECORDS", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL",
+           "PeerRecordValidator", "is_peer_record_key", "peer_record_from_bytes", "peer_record_key"]
 
-# Keys starting with this are reserved for peer records.
-PEER_RECORD_PREFIX = "_peer."
 # A record lives 30 minutes and is re-signed every third of that: a dead peer's addresses linger
 # at most this long (dials to them fail fast anyway), and one missed refresh is harmless.
 PEER_RECORD_TTL = 30 * 60.0

@@ -3,11 +3,15 @@
 Each request and response travels as one msgpack blob (`bytes`): a find answer names hundreds of
 small items, and msgpack's C codec handles them in one call. Messages (ids are 20-byte big-endian):
 - `dht.ping`  {}                                   -> {"ok": True}
-- `dht.find`  {"ids": [id...], "values": bool, "stop": bool}
-                -> {"peers": [[peer id bytes, [addr...]]...], "results": [[[peer index...], [record...]]...]}
+- `dht.find`  {"ids": [id...], "values": bool, "stop": bool[, "rec": record]}
+                -> {"peers": [[peer id bytes, [addr...]]...], "results": [[[peer index...], [record...]]...]
+                    [, "rec": True | False | "error"]}
   one result per id: the peers closest to it that the node knows (indices into "peers"), and
   the records it holds for that key (only when "values" is true). With "stop" (the asker stops
-  at the first value, Kademlia's FIND_VALUE), a node that holds records sends them instead of peers;
+  at the first value, Kademlia's FIND_VALUE), a node that holds records sends them instead of peers.
+  "rec" is the asker's own peer record, sent along the lookup of its own id when it joins: that
+  lookup visits the record's replicas (it sits at the asker's id), so storing it costs no extra
+  calls; the answer says, as for a store, whether the node holds it;
 - `dht.store` {"records": [record...]}             -> {"results": [True | False | "error"...]}
   one result per record: held, refused by the later-expiration rule, or why it was refused.
 A record is `Record.to_wire()`. A malformed request is answered with a `BadRequest` error.
@@ -88,34 +92,47 @@ def _field(message: object, name: str, kind: type | tuple[type, ...], what: str)
 
 
 # -- find ---------------------------------------------------------------------------------------
-def find_request(ids: list[int], values: bool, stop: bool = False) -> bytes:
-    return encode({"ids": [i.to_bytes(ID_BYTES, "big") for i in ids], "values": values, "stop": stop})
+def find_request(ids: list[int], values: bool, stop: bool = False, own_record: Record | None = None) -> bytes:
+    message: dict[str, Any] = {"ids": [i.to_bytes(ID_BYTES, "big") for i in ids], "values": values, "stop": stop}
+    if own_record is not None:
+        message["rec"] = own_record.to_wire()
+    return encode(message)
 
 
-def parse_find_request(blob: object) -> tuple[list[int], bool, bool]:
-    """(ids, values, stop) of a find request."""
+def parse_find_request(blob: object) -> tuple[list[int], bool, bool, Record | None]:
+    """(ids, values, stop, the asker's own record or None) of a find request."""
     message = decode(blob, "find request")
     ids = _field(message, "ids", list, "find request")
     if len(ids) > MAX_FIND_IDS:
         raise BadRequest(f"a find request names at most {MAX_FIND_IDS} ids, got {len(ids)}")
     values = _field(message, "values", bool, "find request")
     stop = _field(message, "stop", bool, "find request")
-    return [_id_bytes(i, "each id") for i in ids], values, stop
+    own = Record.from_wire(message["rec"]) if "rec" in message else None
+    return [_id_bytes(i, "each id") for i in ids], values, stop, own
 
 
-def find_response(peers: list[tuple[PeerID, list[Multiaddr]]],
-                  results: list[tuple[list[int], list[Record]]]) -> bytes:
-    return encode({"peers": [[p.to_bytes(), [str(a) for a in addrs]] for p, addrs in peers],
-                   "results": [[indices, [r.to_wire() for r in records]] for indices, records in results]})
+def find_response(peers: list[tuple[PeerID, list[Multiaddr]]], results: list[tuple[list[int], list[Record]]],
+                  held: bool | str | None = None) -> bytes:
+    message: dict[str, Any] = {
+        "peers": [[p.to_bytes(), [str(a) for a in addrs]] for p, addrs in peers],
+        "results": [[indices, [r.to_wire() for r in records]] for indices, records in results]}
+    if held is not None:
+        message["rec"] = held
+    return encode(message)
 
 
 NearPeer = tuple[PeerID, int, list[Multiaddr]]  # peer id, node id, addresses
+FindResult = tuple[list[NearPeer], list[Record]]  # per asked id: nearest peers, records
 
 
-def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[NearPeer], list[Record]]]:
-    """Per asked id: (nearest peers as (peer id, node id, addresses), records). Raises BadRequest
-    on any flaw; the caller treats that as a failed peer."""
+def parse_find_response(blob: object, n_ids: int) -> tuple[list[FindResult], bool | str | None]:
+    """Per asked id: (nearest peers as (peer id, node id, addresses), records); and whether the
+    node holds the asker's own record, if one was sent (None if not). Raises BadRequest on any
+    flaw; the caller treats that as a failed peer."""
     message = decode(blob, "find response")
+    held = message.get("rec") if isinstance(message, dict) else None
+    if held is not None and not isinstance(held, (bool, str)):
+        raise BadRequest("find response: 'rec' is a bool or an error message")
     raw_peers = _field(message, "peers", list, "find response")
     results = _field(message, "results", list, "find response")
     if len(raw_peers) > MAX_PEERS_PER_ANSWER:
@@ -149,7 +166,7 @@ def parse_find_response(blob: object, n_ids: int) -> list[tuple[list[NearPeer], 
                 raise BadRequest("peer index out of range")
             nearest.append(peers[index])
         parsed.append((nearest, [Record.from_wire(r) for r in records]))
-    return parsed
+    return parsed, held
 
 
 # -- store --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ bytes b"a" are different keys. Subkeys are `str`, `bytes` or `int`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -23,7 +24,8 @@ from potluck.core.errors import IdentityError
 from potluck.dht.errors import BadRequest, NotOwner
 from potluck.net.identity import PeerID
 
-__all__ = ["Key", "Record", "Subkey", "ValueWithExpiration", "key_id_of", "owner_marker", "owners_of"]
+__all__ = ["Key", "Record", "Subkey", "ValueWithExpiration", "key_id_of", "own_subkey", "owner_marker", "owners_of",
+           "subkey_owner"]
 
 Key = str | bytes
 Subkey = str | bytes | int
@@ -44,6 +46,12 @@ _OWNER_STR = re.compile(rf"\[owner:([{_BASE58}]*)\]")
 _OWNER_BYTES = re.compile(rf"\[owner:([{_BASE58}]*)\]".encode())
 _OWNER_ANY_STR = re.compile(r"\[owner:")
 _OWNER_ANY_BYTES = re.compile(rb"\[owner:")
+# Keys starting with this are reserved for peer records (`dht.peer_records`).
+PEER_RECORD_PREFIX = "_peer."
+# Peer record keys whose owner is remembered parsed (every store, find and hand-off of a record
+# computes its key id): a key is ~60 bytes, so this is well under 1 MiB.
+PEER_RECORD_KEYS_CACHED = 4096
+_PEER_RECORD_KEY = re.compile(rf"{re.escape(PEER_RECORD_PREFIX)}\[owner:([{_BASE58}]+)\]")
 
 
 class ValueWithExpiration(NamedTuple):
@@ -60,10 +68,30 @@ def encode_key(key: Key) -> bytes:
 
 
 def key_id_of(key: Key) -> int:
-    """A key's 160-bit position in the id space."""
+    """A key's 160-bit position in the id space. A peer record's key (`PEER_RECORD_PREFIX` + the
+    owner's marker) sits at its owner's own node id, as in libp2p's peer routing: the nodes a
+    peer finds when it joins (the lookup of its own id) are exactly its record's replicas, so it
+    stores the record there with no second lookup and no new connections."""
     if not isinstance(key, (str, bytes)):
         raise TypeError(f"DHT keys are str or bytes, got {type(key).__name__}")
+    if isinstance(key, str) and key.startswith(PEER_RECORD_PREFIX):
+        owner = _peer_record_owner(key)
+        if owner is not None:
+            return int.from_bytes(hashlib.sha1(owner.to_bytes()).digest(), "big")
     return int.from_bytes(hashlib.sha1(encode_key(key)).digest(), "big")
+
+
+@functools.lru_cache(maxsize=PEER_RECORD_KEYS_CACHED)
+def _peer_record_owner(key: str) -> PeerID | None:
+    """The owner of a well-formed peer record key; None for any other key under the prefix
+    (which `dht.peer_records.PeerRecordValidator` refuses anyway)."""
+    match = _PEER_RECORD_KEY.fullmatch(key)
+    if match is None:
+        return None
+    try:
+        return PeerID.from_string(match.group(1))
+    except IdentityError:
+        return None
 
 
 def name_size(name: Key | Subkey | None) -> int:
@@ -81,6 +109,26 @@ def owner_marker(peer_id: PeerID | str) -> str:
     """The marker that makes a key or subkey writable only by `peer_id`, e.g.
     `f"progress.{run}{owner_marker(peer.peer_id)}"`."""
     return f"[owner:{peer_id}]"
+
+
+def own_subkey(peer_id: PeerID) -> str:
+    """The subkey under which `peer_id`, and only it, writes its entry of a per-peer dictionary
+    (state donors, matchmaking declarations, progress, profiles, expert grid cells): the bare
+    owner marker, so the DHT refuses it unless `peer_id` signed it."""
+    return owner_marker(peer_id)
+
+
+def subkey_owner(subkey: Subkey) -> PeerID | None:
+    """Whose entry `subkey` is: the peer it names, when it is exactly `own_subkey(that peer)`;
+    None otherwise. Readers of per-peer dictionaries take the writer from here and skip entries it
+    returns None for, so a signed entry can never be read as another peer's."""
+    if not isinstance(subkey, str):
+        return None
+    try:
+        owner = owners_of("", subkey)
+    except NotOwner:
+        return None
+    return owner if owner is not None and subkey == own_subkey(owner) else None
 
 
 def _owners_in(name: Key | Subkey | None) -> list[str]:
