@@ -24,7 +24,8 @@ from typing import Any
 
 import msgpack
 
-from potluck.core.errors import AddressError, IdentityError
+from potluck.core.errors import AddressError, IdentityError, SerializationError
+from potluck.core.serialization import unpackb_bounded
 from potluck.dht.errors import BadRequest
 from potluck.dht.records import Record
 from potluck.dht.routing import ID_BYTES, node_id_of
@@ -58,7 +59,11 @@ def decode(blob: object, what: str) -> Any:
     if not isinstance(blob, bytes):
         raise BadRequest(f"a DHT {what} is one msgpack blob (bytes), got {type(blob).__name__}")
     try:
-        return msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        # Within the decoding budget: a 16 MiB store of nested empty arrays built 16 M lists
+        # (5 s of CPU, ~1 GB) inside the handler before any field was checked.
+        return unpackb_bounded(blob, raw=False, strict_map_key=False)
+    except SerializationError as e:
+        raise BadRequest(f"a DHT {what} is refused: {e}") from None
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise BadRequest(f"a DHT {what} is not valid msgpack: {e}") from None
 
