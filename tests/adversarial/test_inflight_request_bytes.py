@@ -58,3 +58,35 @@ def test_requests_parked_on_a_slow_handler_are_capped_in_bytes(arun, monkeypatch
                 release.set()
 
     arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_stream_open_requests_count_in_the_request_bytes(arun, monkeypatch):
+    """A stream's OPEN request is held for the stream's life (its handler reads it): 16 streams
+    opened with 8 MiB requests on a handler that waits are capped like 16 calls."""
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES", CAP, raising=False)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def stuck(stream, ctx):
+            await release.wait()
+
+        async with attacked_server(stream_handlers={"stuck": stuck}) as (server, attacker, honest, sid):
+            try:
+                (conn,) = attacker.open_connections()
+                payload = torch.ones(REQUEST_BYTES // 4)
+                await asyncio.sleep(0.2)
+                for i in range(REQUESTS):
+                    await asyncio.wait_for(conn.link.send(Frame(Kind.OPEN, 2 * i + 1, {"m": "stuck", "t": 30.0},
+                                                                body=payload)), 10)
+                await asyncio.sleep(1.0)
+                served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
+                assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
+                assert served
+                held = sum(REQUEST_BYTES for s in served[0]._streams.values() if s.request is not None)
+                assert held <= HELD_BOUND, f"the server holds {held / MiB:.0f} MiB of stream requests"
+            finally:
+                release.set()
+
+    arun(main(), timeout=50)

@@ -45,8 +45,19 @@ MAX_CONCURRENT_CALLS = 1024
 # Bytes of requests whose handlers are still running, per connection: past this a new request gets
 # a "busy" error and its bytes are dropped at once (issue 14: 60 waiting calls x 16 MiB held
 # +960 MB). 256 MiB lets a peer keep 32 expert calls with 8 MiB activation batches in flight; one
-# request is always served, however large (it is bounded by the max frame size).
+# request is always served, however large (it is bounded by the max frame size). A stream's OPEN
+# request counts too, for as long as its handler runs (the handler holds it as `stream.request`).
 MAX_INFLIGHT_REQUEST_BYTES = 256 * 2**20
+
+# The same two limits for one peer across all its connections with us (it may hold up to
+# net.tcp.MAX_CONNECTIONS_PER_PEER = 32, which would otherwise multiply them by 32: 8 GiB of parked
+# requests). Past either, a request gets the same "busy" error. An honest peer sends its calls over
+# one shared connection and opens the others for one bulk stream each, so the totals are the
+# per-connection limits plus what those others need: one call per other connection, and one more
+# request of the largest frame (DEFAULT_MAX_FRAME_SIZE, 64 MiB) beside a full shared connection.
+# One request is always served while the peer has nothing else in progress.
+MAX_CALLS_PER_PEER = MAX_CONCURRENT_CALLS + 32
+MAX_INFLIGHT_REQUEST_BYTES_PER_PEER = MAX_INFLIGHT_REQUEST_BYTES + 64 * 2**20
 
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
@@ -88,6 +99,30 @@ class FrameLink(Protocol):
 
     def close(self, reason: str | None = None) -> None:
         """Close the link; the connection's `link_lost` will be called."""
+
+
+class PeerLoad:
+    """What one peer's requests hold across all its connections with us: handler calls running
+    and their request bytes (checked against MAX_CALLS_PER_PEER and
+    MAX_INFLIGHT_REQUEST_BYTES_PER_PEER). Shared by the peer's connections; `forget` is called
+    once nothing holds it any more (no open connection, no running handler), so whoever keeps one
+    per peer drops it then."""
+
+    __slots__ = ("calls", "request_bytes", "_holders", "_forget")
+
+    def __init__(self, forget: Callable[[], None] | None = None):
+        self.calls = 0
+        self.request_bytes = 0
+        self._holders = 0
+        self._forget = forget
+
+    def hold(self) -> None:
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._forget is not None:
+            self._forget()
 
 
 @dataclass(frozen=True)
@@ -289,7 +324,7 @@ class Connection:
 
     def __init__(self, handlers: Handlers, remote: RemoteInfo, initiator: bool,
                  keepalive_interval: float | None = None, keepalive_timeout: float | None = None,
-                 on_close: Callable[[Connection], None] | None = None):
+                 on_close: Callable[[Connection], None] | None = None, load: PeerLoad | None = None):
         self.handlers = handlers
         self.remote = remote
         self.initiator = initiator
@@ -302,6 +337,10 @@ class Connection:
         self._streams: dict[int, Stream] = {}
         self._serving: dict[int, asyncio.Task] = {}
         self._inflight_bytes = 0  # sizes of the requests whose handlers are running
+        # The peer's totals across its connections (shared with them), held until link_lost; a
+        # connection of its own where nobody shares one (the per-connection limits then bound it).
+        self._load = load if load is not None else PeerLoad()
+        self._load.hold()
         self._on_close = on_close
         self._keepalive_interval = keepalive_interval
         self._keepalive_timeout = keepalive_timeout
@@ -364,6 +403,8 @@ class Connection:
 
     # -- incoming -------------------------------------------------------------------------------
     def frame_received(self, frame: Frame) -> None:
+        if self.closed:  # the rest of a batch read before the link closed: nothing is served now
+            return
         self.last_received = asyncio.get_running_loop().time()
         kind = frame.kind
         if kind is Kind.RESPONSE or (kind is Kind.ERROR and frame.call_id in self._pending):
@@ -425,19 +466,37 @@ class Connection:
             self.link.send_nowait(_error_frame(frame.call_id, "MethodNotFound",
                                                f"{method!r} is not served by this peer"))
             return
-        if len(self._serving) >= MAX_CONCURRENT_CALLS:
-            self.link.send_nowait(_error_frame(frame.call_id, "Busy", "too many concurrent calls"))
+        busy = self._busy(frame.size)
+        if busy is not None:
+            self.link.send_nowait(_error_frame(frame.call_id, "Busy", busy))
             return
-        if self._inflight_bytes and self._inflight_bytes + frame.size > MAX_INFLIGHT_REQUEST_BYTES:
-            self.link.send_nowait(_error_frame(
-                frame.call_id, "Busy", f"over {MAX_INFLIGHT_REQUEST_BYTES} bytes of requests in progress"))
-            return
-        self._inflight_bytes += frame.size
         ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
         task = asyncio.get_running_loop().create_task(self._run_unary(handler, frame, ctx))
-        # A callback, not the task's own cleanup: a task cancelled before it starts never runs that.
-        task.add_done_callback(lambda _, size=frame.size: self._request_done(size))
+        self._request_started(task, frame.size)
         self._serving[frame.call_id] = task
+
+    def _busy(self, size: int) -> str | None:
+        """Why a request of `size` bytes cannot be served now, if it cannot (the limits above)."""
+        load = self._load
+        if len(self._serving) >= MAX_CONCURRENT_CALLS:
+            return "too many concurrent calls"
+        if load.calls >= MAX_CALLS_PER_PEER:
+            return f"too many concurrent calls from this peer (limit {MAX_CALLS_PER_PEER} over all its connections)"
+        if self._inflight_bytes and self._inflight_bytes + size > MAX_INFLIGHT_REQUEST_BYTES:
+            return f"over {MAX_INFLIGHT_REQUEST_BYTES} bytes of requests in progress"
+        if load.request_bytes and load.request_bytes + size > MAX_INFLIGHT_REQUEST_BYTES_PER_PEER:
+            return (f"over {MAX_INFLIGHT_REQUEST_BYTES_PER_PEER} bytes of requests in progress from this peer "
+                    "(over all its connections)")
+        return None
+
+    def _request_started(self, task: asyncio.Task, size: int) -> None:
+        self._inflight_bytes += size
+        load = self._load
+        load.calls += 1
+        load.request_bytes += size
+        load.hold()
+        # A callback, not the task's own cleanup: a task cancelled before it starts never runs that.
+        task.add_done_callback(lambda _: self._request_done(size))
 
     async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
         call_id = frame.call_id
@@ -464,6 +523,10 @@ class Connection:
 
     def _request_done(self, size: int) -> None:
         self._inflight_bytes -= size
+        load = self._load
+        load.calls -= 1
+        load.request_bytes -= size
+        load.release()
 
     def _serve_stream(self, frame: Frame) -> None:
         parsed = self._deadline(frame.meta or {}, MAX_STREAM_HANDLER_SECONDS)
@@ -476,14 +539,16 @@ class Connection:
             self.link.send_nowait(_error_frame(frame.call_id, "MethodNotFound",
                                                f"stream {method!r} is not served by this peer"))
             return
-        if len(self._serving) >= MAX_CONCURRENT_CALLS:
-            self.link.send_nowait(_error_frame(frame.call_id, "Busy", "too many concurrent calls"))
+        busy = self._busy(frame.size)  # the OPEN request is held while the handler runs
+        if busy is not None:
+            self.link.send_nowait(_error_frame(frame.call_id, "Busy", busy))
             return
         stream = Stream(self, frame.call_id, method, deadline)
         stream.request = frame.body
         self._streams[frame.call_id] = stream
         ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
         task = asyncio.get_running_loop().create_task(self._run_stream(handler, stream, ctx))
+        self._request_started(task, frame.size)
         stream.handler_task = task
         self._serving[frame.call_id] = task
 
@@ -504,6 +569,7 @@ class Connection:
             stream._fail(CallCancelled("stream handler finished"))
             self._streams.pop(stream.call_id, None)
             stream.handler_task = None  # the finished task's error would hold this frame: a cycle
+            stream.request = None  # its bytes go now (they are no longer counted)
 
     def _maybe_forget(self, stream: Stream) -> None:
         stream._check_done()
@@ -544,6 +610,7 @@ class Connection:
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
             self._keepalive_task = None  # once cancelled, its traceback would hold this connection
+        self._load.release()  # the running handlers (cancelled now) hold it until they end
         if self._on_close is not None:
             self._on_close(self)
 

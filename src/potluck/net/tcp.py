@@ -1,6 +1,9 @@
 """The real transport: asyncio TCP, TLS 1.3 by default, authenticated peer ids.
 
-Handshake, after TLS (or directly on TCP with `insecure=True`):
+potluck accepts plain TCP connections itself: the connection caps below are applied to each as
+soon as it is accepted, and only then does TLS start on it (so a connection over a cap costs no
+TLS handshake, and one stalled in the TLS handshake counts as a pending handshake). Handshake,
+after TLS (or directly on TCP with `insecure=True`):
   1. both sides send HELLO {id, nonce, addrs, client, max_frame, bulk, token} (token: the sender's
      membership token in an authority-governed run, else None);
   2. the dialer checks that the TLS certificate's key is the id in HELLO and the id it dialed;
@@ -18,6 +21,8 @@ Without TLS the ids are still proven, but the channel is neither private nor tam
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -37,7 +42,7 @@ from potluck.core.errors import (
     detached,
 )
 from potluck.net.address import Multiaddr
-from potluck.net.connection import Connection, RemoteInfo
+from potluck.net.connection import Connection, PeerLoad, RemoteInfo
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
 from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
@@ -48,7 +53,8 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 AUTH_LABEL = b"potluck-auth-v1"
 
-# A peer that has not finished the handshake by then is dropped (slowloris guard).
+# A peer that has not finished the handshake by then is dropped (slowloris guard). For an accepted
+# connection it counts from the TCP accept and covers the TLS handshake too.
 HANDSHAKE_TIMEOUT = 10.0
 # TLS close_notify exchange; a dead peer must not hold our shutdown for asyncio's default 30 s.
 TLS_SHUTDOWN_TIMEOUT = 2.0
@@ -60,6 +66,11 @@ WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 8 * 2**20
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
+# Pending connections the OS queues for us to accept (asyncio's create_server uses 100).
+LISTEN_BACKLOG = 1024
+# After accept() fails for want of file descriptors or memory, wait this long before the next try
+# (asyncio's own servers wait 1 s); the queued connections wait in the backlog meanwhile.
+ACCEPT_RETRY_SECONDS = 1.0
 # A refusal's reason as shown to the user: a few lines of explanation, not a place for data.
 MAX_REFUSAL_CHARS = 1000
 
@@ -86,10 +97,15 @@ MAX_CONNECTIONS_PER_IP = 256
 # moment when both dial at once), up to MAX_IDLE_BULK_CONNECTIONS idle bulk ones and a bulk one
 # per concurrent stream. Past 32 a peer is opening connections rather than using them.
 MAX_CONNECTIONS_PER_PEER = 32
-# Accepted connections still in the handshake. An honest handshake takes milliseconds (a round
-# trip and two signatures), so even a swarm's start-up burst has few at once; a stranger's stalled
-# ones are held up to HANDSHAKE_TIMEOUT, and above this cap new ones are refused at once.
+# Accepted connections still in the handshake, from the TCP accept (before TLS) until the peer
+# has proven its id. An honest handshake takes milliseconds (two round trips and two signatures),
+# so even a swarm's start-up burst has few at once; a stranger's stalled ones are held up to
+# HANDSHAKE_TIMEOUT, and above this cap new ones are closed at once.
 MAX_PENDING_HANDSHAKES = 128
+# Of those, from one IP address: half, so that one host stalling handshakes (however many it opens)
+# leaves the other half to everyone else, who can still connect while it is held. A test swarm on
+# 127.0.0.1 dialing one peer at once stays far below 64 handshakes in flight.
+MAX_PENDING_HANDSHAKES_PER_IP = 64
 
 
 class TCPTransport(Transport):
@@ -106,7 +122,8 @@ class TCPTransport(Transport):
                  max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_ip: int = MAX_CONNECTIONS_PER_IP,
                  max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
-                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+                 max_pending_handshakes_per_ip: int = MAX_PENDING_HANDSHAKES_PER_IP):
         super().__init__(identity, client_mode=client_mode, max_frame_size=max_frame_size,
                          dial_timeout=dial_timeout, keepalive_interval=keepalive_interval,
                          keepalive_timeout=keepalive_timeout)
@@ -114,7 +131,8 @@ class TCPTransport(Transport):
         self.insecure = insecure
         self._announce = [Multiaddr.parse(a) for a in announce or []]
         self._server_ctx, self._client_ctx = (None, None) if insecure else make_ssl_contexts(identity)
-        self._server: asyncio.AbstractServer | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task] = []  # one accept loop per listening socket
         self._listen: list[Multiaddr] = []
         self._links: set[TCPLink] = set()
         # The run's membership check (None: anyone who proves a peer id is admitted, as before).
@@ -123,30 +141,48 @@ class TCPTransport(Transport):
         self.max_connections_per_ip = max_connections_per_ip
         self.max_connections_per_peer = max_connections_per_peer
         self.max_pending_handshakes = max_pending_handshakes
+        self.max_pending_handshakes_per_ip = max_pending_handshakes_per_ip
         self._accepted = 0  # accepted links, open
-        self._accepted_per_ip: dict[str, int] = {}
+        self._accepted_per_ip: dict[str, int] = {}  # an entry per address with an open accepted link
         self._pending_handshakes = 0  # accepted links not yet authenticated
+        self._pending_per_ip: dict[str, int] = {}  # an entry per address with a pending one
+        # What each authenticated peer's requests hold over all its connections (connection.PeerLoad):
+        # an entry only while the peer has an open connection or a running handler.
+        self._peer_loads: dict[PeerID, PeerLoad] = {}
 
-    def _accept(self, link: TCPLink, ip: str) -> str | None:
-        """Count a newly accepted link, or say why it is refused (one of the caps above)."""
+    def _accept(self, ip: str) -> str | None:
+        """Count a newly accepted connection, or say why it is refused (one of the caps above)."""
         if self._accepted >= self.max_connections:
             return f"this peer has too many connections (limit {self.max_connections})"
         if self._accepted_per_ip.get(ip, 0) >= self.max_connections_per_ip:
             return f"too many connections from {ip} (limit {self.max_connections_per_ip} per address)"
         if self._pending_handshakes >= self.max_pending_handshakes:
             return f"too many handshakes in progress (limit {self.max_pending_handshakes}); try again"
+        if self._pending_per_ip.get(ip, 0) >= self.max_pending_handshakes_per_ip:
+            return (f"too many handshakes in progress from {ip} "
+                    f"(limit {self.max_pending_handshakes_per_ip} per address); try again")
         self._accepted += 1
         self._accepted_per_ip[ip] = self._accepted_per_ip.get(ip, 0) + 1
         self._pending_handshakes += 1
+        self._pending_per_ip[ip] = self._pending_per_ip.get(ip, 0) + 1
         return None
+
+    def _handshake_over(self, ip: str) -> None:
+        self._pending_handshakes -= 1
+        _decrement(self._pending_per_ip, ip)
 
     def _release(self, ip: str) -> None:
         self._accepted -= 1
-        left = self._accepted_per_ip.get(ip, 1) - 1
-        if left > 0:
-            self._accepted_per_ip[ip] = left
-        else:
-            self._accepted_per_ip.pop(ip, None)
+        _decrement(self._accepted_per_ip, ip)
+
+    def _load_of(self, peer_id: PeerID) -> PeerLoad:
+        load = self._peer_loads.get(peer_id)
+        if load is None:
+            def forget() -> None:
+                if self._peer_loads.get(peer_id) is load:
+                    del self._peer_loads[peer_id]
+            load = self._peer_loads[peer_id] = PeerLoad(forget)
+        return load
 
     def _connections_with(self, peer_id: PeerID) -> int:
         return sum(1 for link in self._links if link.connection is not None and link.connection.peer_id == peer_id)
@@ -159,17 +195,49 @@ class TCPTransport(Transport):
         if self.client_mode:
             return
         loop = asyncio.get_running_loop()
-        kwargs: dict[str, Any] = {}
-        if self._server_ctx is not None:
-            kwargs.update(ssl=self._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
-        self._server = await loop.create_server(
-            lambda: TCPLink(self, initiator=False), self.host, self.port, reuse_address=True,
-            backlog=1024, **kwargs)
-        for sock in self._server.sockets:
+        # Our own accept loop rather than loop.create_server: asyncio would run the TLS handshake
+        # of every connection before we see it, over any cap.
+        self._listeners = await _listening_sockets(self.host, self.port)
+        for sock in self._listeners:
             host, port = sock.getsockname()[:2]
             for h in _announceable_hosts(host):
                 self._listen.append(Multiaddr.tcp(h, port))
+            self._accepting.append(loop.create_task(self._accept_loop(sock)))
         del self._listen[MAX_ADDRESSES_PER_PEER:]
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listener)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as e:  # out of file descriptors or memory: the backlog waits meanwhile
+                logger.warning("accepting a connection failed: %s; trying again in %g s", e, ACCEPT_RETRY_SECONDS)
+                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            try:
+                self._accepted_socket(sock, peer)
+            except Exception:  # noqa: BLE001 - one bad connection must not stop the server
+                logger.exception("could not serve a connection from %s", peer)
+                sock.close()
+
+    def _accepted_socket(self, sock: socket.socket, peer: Any) -> None:
+        """Apply the caps to a new TCP connection, before TLS; hand it to a link if they allow."""
+        ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        refusal = self._accept(ip)
+        if refusal is not None:
+            # Refused before a byte of it is read. Without TLS, a GOAWAY says why; with TLS only a
+            # close can (the dialer expects a TLS handshake, and answering it is what this saves).
+            logger.info("refusing a connection from %s: %s", ip, refusal)
+            if self._server_ctx is None:
+                goaway = b"".join(bytes(b) for b in encode(Frame(Kind.GOAWAY, meta={"reason": refusal})))
+                with contextlib.suppress(OSError):
+                    sock.send(goaway)  # a few hundred bytes into an empty socket buffer
+            sock.close()
+            return
+        sock.setblocking(False)
+        TCPLink(self, initiator=False).adopt(sock, peer, ip)
 
     async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
         if address.kind == "emu" or address.port is None:
@@ -197,9 +265,14 @@ class TCPTransport(Transport):
         return link.connection
 
     async def _stop_listening(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        for task in self._accepting:
+            task.cancel()
+        if self._accepting:
+            await asyncio.wait(self._accepting)
+        self._accepting = []
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
 
     async def close(self) -> None:
         await super().close()
@@ -243,26 +316,51 @@ class TCPLink(asyncio.BufferedProtocol):
         self._drain_waiter: asyncio.Future[str | None] | None = None  # why the link was lost, if it was
         self._closing_reason: str | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self._peername: Any = None
+        # An accepted connection until asyncio hands it back to us (after its TLS handshake): the
+        # task that hands it over (cancelling it closes the connection).
+        self._opening: asyncio.Task | None = None
+        self._gone = False  # connection_lost has run
+
+    def adopt(self, sock: socket.socket, peer: Any, ip: str) -> None:
+        """Serve a connection we accepted (and counted, under `ip`): it is a pending handshake from
+        now until the peer proves its id, and the handshake deadline covers TLS too."""
+        self._accepted_ip, self._handshaking, self._peername = ip, True, peer
+        self.owner._links.add(self)
+        self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
+        self._opening = self._loop.create_task(self._open(sock))
+
+    async def _open(self, sock: socket.socket) -> None:
+        kwargs: dict[str, Any] = {}
+        if self.owner._server_ctx is not None:
+            kwargs.update(ssl=self.owner._server_ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
+        try:
+            # Calls connection_made with the (TLS) transport once its handshake is done.
+            await self._loop.connect_accepted_socket(lambda: self, sock, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - a failed or cancelled TLS handshake ends the link
+            # asyncio has closed the connection and does not tell the protocol of a connection
+            # lost in the TLS handshake: end the link here (connection_lost runs once).
+            self._opening = None
+            cancelled = isinstance(e, asyncio.CancelledError)
+            if not cancelled:
+                logger.debug("TLS handshake with %s failed: %r", self._peer_name(), e)
+            self.connection_lost(None if cancelled or not isinstance(e, Exception) else e)
+            if not isinstance(e, Exception) and not cancelled:
+                raise
+            return
+        self._opening = None
 
     # -- asyncio protocol callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        if not self.initiator:
-            peer = transport.get_extra_info("peername")
-            ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-            refusal = self.owner._accept(self, ip)
-            if refusal is not None:
-                # Refused before anything is parsed or allocated: a GOAWAY that says why, then close.
-                logger.info("refusing a connection from %s: %s", ip, refusal)
-                self._closing_reason = refusal
-                self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": refusal})))
-                transport.close()
-                return
-            self._accepted_ip, self._handshaking = ip, True
-        self.owner._links.add(self)
+        if self._closing_reason is not None or self._gone:  # closed (or expired) during TLS
+            transport.close()
+            return
+        if self.initiator:
+            self._peername = transport.get_extra_info("peername")
+            self.owner._links.add(self)
+            self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
-        self._handshake_timer = asyncio.get_running_loop().call_later(
-            HANDSHAKE_TIMEOUT, self._handshake_expired)
         hello = {
             "v": PROTOCOL_VERSION, "id": self.owner.peer_id.to_bytes(), "nonce": self._nonce,
             "addrs": [str(a.without_peer_id()) for a in self.owner.addresses[:MAX_ADDRESSES_PER_PEER]],
@@ -308,6 +406,9 @@ class TCPLink(asyncio.BufferedProtocol):
         return False  # half-open connections are of no use to us: close
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._gone:  # the end of an accepted one may be reported twice (see _open)
+            return
+        self._gone = True
         self.owner._links.discard(self)
         self._end_pending_handshake()
         if self._accepted_ip is not None:
@@ -418,7 +519,7 @@ class TCPLink(asyncio.BufferedProtocol):
                             token=hello["token"])
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
-                          on_close=self.owner._unregister)
+                          on_close=self.owner._unregister, load=self.owner._load_of(hello["id"]))
         conn.attach(self)
         self.connection = conn
         self.owner._register(conn)
@@ -447,7 +548,7 @@ class TCPLink(asyncio.BufferedProtocol):
     def _end_pending_handshake(self) -> None:
         if self._handshaking:
             self._handshaking = False
-            self.owner._pending_handshakes -= 1
+            self.owner._handshake_over(self._accepted_ip or "?")
 
     def _handshake_expired(self) -> None:
         if self.connection is None:
@@ -512,18 +613,63 @@ class TCPLink(asyncio.BufferedProtocol):
             self._closing_reason = reason or "closed"
         if self.connection is not None:
             self.connection.link_lost(self._closing_reason)
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+        if self._transport is not None:
+            if not self._transport.is_closing():
+                self._transport.close()
+        elif self._opening is not None:
+            self._opening.cancel()  # asyncio closes the connection; _open ends the link
 
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
+        elif self._opening is not None:
+            self._opening.cancel()
 
     def _peer_name(self) -> str:
         if self._hello is not None:
             return str(self._hello["id"])
-        peer = self._transport.get_extra_info("peername") if self._transport else None
-        return str(peer)
+        return str(self._peername)
+
+
+async def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for `host` (each of its addresses), as
+    loop.create_server(host, port, reuse_address=True) makes them."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # e.g. no IPv6 on this host
+                continue
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, True)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, True)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise OSError(e.errno, f"error while attempting to bind on address {address!r}: "
+                                       f"{e.strerror.lower() if e.strerror else e}") from None
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address to listen on for {host!r}")
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    """One less under `key`; the entry goes at zero (nothing is kept per address once it is idle)."""
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _announceable_hosts(bound: str) -> list[str]:

@@ -1,0 +1,149 @@
+"""A peer cannot multiply the per-connection limits by opening more connections (issue 14).
+
+Concurrent handler calls (`MAX_CONCURRENT_CALLS`) and request bytes in progress
+(`MAX_INFLIGHT_REQUEST_BYTES`) are capped per connection, and one peer id may hold up to
+`MAX_CONNECTIONS_PER_PEER` (32) connections: before, one peer could park 32 x 256 MiB of requests
+on a slow handler. Now the same "busy" error also answers a request past a per-peer total across
+all of that peer's connections (`MAX_CALLS_PER_PEER`, `MAX_INFLIGHT_REQUEST_BYTES_PER_PEER`).
+Here the caps are lowered so the test is light, and one peer id opens several bulk connections and
+fills each one's own budget; an honest peer's calls are served meanwhile.
+
+What the server holds is measured as the request bytes (and handler tasks) it keeps for the
+attacker's connections: the process's resident size would mostly show the allocator keeping freed
+blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.net import connection
+from potluck.net.frames import Frame, Kind
+from tests.adversarial.scene import attacked_server
+
+MiB = 2**20
+CONNECTIONS = 4
+REQUEST_BYTES = 8 * MiB
+PER_CONNECTION_BYTES = 32 * MiB
+PER_PEER_BYTES = 32 * MiB
+PER_CONNECTION_CALLS = 8
+PER_PEER_CALLS = 8
+ROUND_TRIP_BOUND = 5.0
+SETTLE = 1.0  # the server has read every request sent by then
+RAW_IDS = 10001  # call ids of the raw requests (odd: the dialer's), clear of the connection's own
+
+
+def _held_by(server, peer_id) -> tuple[int, int, int]:
+    """(request bytes, handler tasks, connections) the server keeps for `peer_id`."""
+    served = [c for c in server.open_connections() if c.peer_id == peer_id]
+    return sum(c._inflight_bytes for c in served), sum(len(c._serving) for c in served), len(served)
+
+
+async def _bulk_connections(attacker, server, n: int):
+    return [await asyncio.wait_for(attacker._dial(server.addresses[0], server.peer_id, bulk=True), 10)
+            for _ in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_request_bytes_are_capped_across_a_peers_connections(arun, monkeypatch):
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES", PER_CONNECTION_BYTES)
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES_PER_PEER", PER_PEER_BYTES, raising=False)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow(request, ctx):
+            await release.wait()
+            return None
+
+        async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
+            try:
+                conns = await _bulk_connections(attacker, server, CONNECTIONS)
+                payload = torch.ones(REQUEST_BYTES // 4)
+                per_connection = PER_CONNECTION_BYTES // REQUEST_BYTES
+                for conn in conns:  # each connection's own budget, filled (raw: never cancelled)
+                    for i in range(per_connection):
+                        await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, RAW_IDS + 2 * i, {"m": "slow", "t": 30.0},
+                                                                    body=payload)), 10)
+                await asyncio.sleep(SETTLE)
+                held, tasks, n = _held_by(server, attacker.peer_id)
+                assert n >= CONNECTIONS
+                assert held <= PER_PEER_BYTES, (
+                    f"one peer holds {held / MiB:.0f} MiB of requests over {n} connections "
+                    f"(per-peer cap {PER_PEER_BYTES / MiB:.0f} MiB)")
+                assert tasks >= 1
+                # An honest peer is served meanwhile, a large request too.
+                big = torch.arange(REQUEST_BYTES // 4, dtype=torch.float32)
+                assert torch.equal(await honest.call(sid, "echo", big, timeout=ROUND_TRIP_BOUND), big)
+                # The attacker's own (non-raw) call is refused with the usual "busy" error.
+                with pytest.raises(Exception, match="Busy"):
+                    await conns[0].call("slow", payload, timeout=ROUND_TRIP_BOUND)
+            finally:
+                release.set()
+            # Once the handlers finish, the budget is free again.
+            await asyncio.sleep(0.5)
+            assert _held_by(server, attacker.peer_id)[0] == 0
+            assert await conns[-1].call("slow", payload, timeout=ROUND_TRIP_BOUND) is None
+
+    arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_calls_are_capped_across_a_peers_connections(arun, monkeypatch):
+    monkeypatch.setattr(connection, "MAX_CONCURRENT_CALLS", PER_CONNECTION_CALLS)
+    monkeypatch.setattr(connection, "MAX_CALLS_PER_PEER", PER_PEER_CALLS, raising=False)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow(request, ctx):
+            await release.wait()
+            return None
+
+        async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
+            try:
+                conns = await _bulk_connections(attacker, server, CONNECTIONS)
+                for conn in conns:
+                    for i in range(PER_CONNECTION_CALLS):
+                        await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, RAW_IDS + 2 * i, {"m": "slow", "t": 30.0},
+                                                                    body=b"x")), 10)
+                await asyncio.sleep(SETTLE)
+                _, tasks, n = _held_by(server, attacker.peer_id)
+                assert n >= CONNECTIONS
+                assert tasks <= PER_PEER_CALLS, (
+                    f"one peer runs {tasks} handler calls over {n} connections (per-peer cap {PER_PEER_CALLS})")
+                assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
+            finally:
+                release.set()
+
+    arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_peers_accounting_goes_with_its_last_connection(arun):
+    """Nothing is kept per peer once all its connections are closed."""
+    async def main():
+        release = asyncio.Event()
+
+        async def slow(request, ctx):
+            await release.wait()
+            return None
+
+        async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
+            conns = await _bulk_connections(attacker, server, 2)
+            for conn in conns:
+                await conn.link.send(Frame(Kind.REQUEST, 1, {"m": "slow", "t": 30.0}, body=b"x"))
+            await asyncio.sleep(0.3)
+            assert attacker.peer_id in server._peer_loads
+            await attacker.close()
+            for _ in range(50):
+                if attacker.peer_id not in server._peer_loads:
+                    break
+                await asyncio.sleep(0.1)
+            assert attacker.peer_id not in server._peer_loads
+            assert honest.peer_id in server._peer_loads  # still connected
+            release.set()
+
+    arun(main(), timeout=50)

@@ -1,0 +1,188 @@
+"""Connections stalled in the TLS handshake are capped like any other (issue 14).
+
+The connection caps used to be applied only once asyncio handed a connection to potluck, which for
+TLS is after the TLS handshake: connections that never finish it (no ClientHello, or half of one)
+were bounded only by the 10 s handshake deadline and the listen backlog, and every connection over
+a cap still cost a full TLS handshake before it was refused. Now potluck accepts plain TCP, applies
+the caps at once and only then starts TLS, so a pending handshake counts from the TCP accept:
+past `max_pending_handshakes` (or `max_pending_handshakes_per_ip` from one address) a connection
+is closed at once, before any TLS byte is sent (before TLS there is no channel to say why).
+
+The stalled connections here come from 127.0.0.2 and up (other addresses on the loopback
+interface), the honest peer from 127.0.0.1. Caps the code before them did not know are set on the
+instance, so the same test runs (and fails) against that code."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import pytest
+
+from potluck.core import compat
+from potluck.net import Identity, TCPTransport, tcp
+
+STALLED = 20
+PENDING_CAP = 4
+# The handshake deadline for these tests (10 s in production): the stalled connections are dropped
+# this long after they were accepted.
+DEADLINE = 3.0
+# How long a connection over a cap may stay open (it is closed at once; this allows a loaded
+# machine), and a held one must stay (well under DEADLINE).
+CLOSED_BOUND = 1.0
+ROUND_TRIP_BOUND = 5.0
+# Half a TLS record header and the start of a ClientHello: the server waits for the rest.
+HALF_CLIENT_HELLO = bytes.fromhex("16030102000100") + b"\x01" * 9
+
+
+async def echo(request, ctx):
+    return request
+
+
+async def _stalled(host: str, port: int, source: str, half_hello: bool):
+    reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+    if half_hello:
+        writer.write(HALF_CLIENT_HELLO)
+        await writer.drain()
+    return reader, writer
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[bool, int]:
+    """(whether the server closed the connection within `seconds`, bytes it sent before)."""
+    received = 0
+    try:
+        async with compat.timeout(seconds):
+            while chunk := await reader.read(65536):
+                received += len(chunk)
+        return True, received
+    except ConnectionError:
+        return True, received
+    except TimeoutError:
+        return False, received
+
+
+def _client_hello() -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, bytes]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_side=False)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return obj, incoming, outgoing, outgoing.read()
+
+
+async def _open_stalled(addr, sources: list[str]) -> list:
+    opened = []
+    for i, source in enumerate(sources):
+        opened.append(await _stalled(addr.host, addr.port, source, half_hello=i % 2 == 1))
+    return opened
+
+
+@pytest.mark.timeout(60)
+def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handshake(arun, monkeypatch):
+    """20 connections from 20 addresses never finish (or start) their ClientHello: only 4 are held,
+    the rest are closed at once; one more that sends a whole ClientHello gets no TLS answer, just a
+    close. Once the held ones reach the deadline, an honest peer connects and calls."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", DEADLINE)
+
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=PENDING_CAP)
+        server.add_handler("echo", echo)
+        await server.start()
+        addr = server.addresses[0]
+        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
+        await honest.start()
+        writers = []
+        try:
+            opened = await _open_stalled(addr, [f"127.0.0.{10 + i}" for i in range(STALLED)])
+            writers += [w for _, w in opened]
+            results = await asyncio.gather(*(_closed_within(r, CLOSED_BOUND) for r, _ in opened))
+            held = [closed for closed, _ in results].count(False)
+            assert held == PENDING_CAP, f"{held} connections stalled before TLS are held (cap {PENDING_CAP})"
+            assert all(n == 0 for _, n in results), "a stalled connection was sent TLS bytes"
+            assert server._pending_handshakes == PENDING_CAP
+
+            # A whole ClientHello over the cap: closed without a ServerHello (no TLS handshake's CPU).
+            reader, writer = await asyncio.open_connection(addr.host, addr.port, local_addr=("127.0.0.200", 0))
+            writers.append(writer)
+            _, _, _, hello = _client_hello()
+            writer.write(hello)
+            await writer.drain()
+            closed, received = await _closed_within(reader, CLOSED_BOUND)
+            assert closed and received == 0, f"over the cap, the server answered {received} TLS bytes"
+
+            # The held ones are dropped at the deadline; then an honest peer gets in.
+            still = [(r, w) for (r, w), (closed, _) in zip(opened, results) if not closed]
+            dropped = await asyncio.gather(*(_closed_within(r, DEADLINE + 3.0) for r, _ in still))
+            assert all(closed for closed, _ in dropped)
+            sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
+            assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
+            assert server._pending_handshakes == 0
+        finally:
+            for writer in writers:
+                writer.close()
+            await honest.close()
+            await server.close()
+
+    arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_one_address_cannot_take_every_pending_handshake(arun, monkeypatch):
+    """One address's stalled connections are held up to its own share of the pending handshakes:
+    an honest peer elsewhere connects and calls at once while they are held."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", DEADLINE)
+
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=2 * PENDING_CAP)
+        server.max_pending_handshakes_per_ip = PENDING_CAP
+        server.add_handler("echo", echo)
+        await server.start()
+        addr = server.addresses[0]
+        honest = TCPTransport(Identity.generate(), host="127.0.0.1")
+        await honest.start()
+        writers = []
+        try:
+            opened = await _open_stalled(addr, ["127.0.0.2"] * STALLED)
+            writers += [w for _, w in opened]
+            results = await asyncio.gather(*(_closed_within(r, CLOSED_BOUND) for r, _ in opened))
+            held = [closed for closed, _ in results].count(False)
+            assert held == PENDING_CAP, f"{held} stalled connections from one address are held"
+            sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
+            assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
+            assert server._pending_handshakes == PENDING_CAP  # the stalled ones, still held
+        finally:
+            for writer in writers:
+                writer.close()
+            await honest.close()
+            await server.close()
+
+    arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_insecure_mode_still_refuses_with_a_reason(arun):
+    """Without TLS a refusal is still a GOAWAY that says which cap."""
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=True, max_pending_handshakes=1)
+        await server.start()
+        addr = server.addresses[0]
+        writers = []
+        try:
+            r1, w1 = await asyncio.open_connection(addr.host, addr.port)
+            writers.append(w1)
+            await asyncio.sleep(0.2)
+            r2, w2 = await asyncio.open_connection(addr.host, addr.port)
+            writers.append(w2)
+            async with compat.timeout(CLOSED_BOUND + 2):
+                refusal = await r2.read()
+            assert b"too many handshakes in progress" in refusal
+        finally:
+            for writer in writers:
+                writer.close()
+            await server.close()
+
+    arun(main(), timeout=50)
