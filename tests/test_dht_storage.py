@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from potluck.dht.records import Record
-from potluck.dht.storage import ENTRY_OVERHEAD_BYTES, Storage, merge_records
+from potluck.dht.records import Record, owner_marker
+from potluck.dht.storage import ENTRY_OVERHEAD_BYTES, SOURCE_QUOTA_DIVISOR, Storage, merge_records
+from potluck.net.identity import PeerID
 
 KEY = 1
 
@@ -109,20 +110,152 @@ def test_one_keys_dictionary_is_capped_and_drops_its_soonest_entries():
     assert {r.subkey for r in s.get(KEY, now=0)} == {"b", "c", "d"}
 
 
-@pytest.mark.timeout(20)
-def test_byte_accounting_stays_exact_under_random_operations():
+def _check_books(s: Storage) -> None:
+    """Every byte counter equals what is held: node-wide, per key and per source; no source is kept
+    without a record; every held record has a live entry in its source's heap; quotas hold."""
+    live = [(k, r) for k in list(s._slots) for r in s._slots[k].entries()]
+    cost = {id(r): r.stored_bytes() + ENTRY_OVERHEAD_BYTES for _, r in live}
+    assert s.total_bytes == sum(cost.values()) <= s.max_bytes
+    for slot in s._slots.values():
+        assert slot.bytes == sum(cost[id(r)] for r in slot.entries()) <= s.max_key_bytes
+        assert set(slot.meta) == {r.subkey for r in slot.entries()}
+    by_source: dict = {}
+    for k, r in live:
+        seq, source = s._slots[k].meta[r.subkey]
+        by_source[source] = by_source.get(source, 0) + cost[id(r)]
+        assert any(item[1] == seq for item in s._sources[source].heap)
+    assert s.bytes_by_source() == by_source  # a source that holds nothing has no entry at all
+    assert all(state.count > 0 for state in s._sources.values())
+    assert all(b <= s.max_source_bytes for source, b in by_source.items() if source is not None)
+    assert s._heap_entries == sum(len(state.heap) for state in s._sources.values())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_bytes, max_source_bytes", [(40_000, 12_000), (15_000, 5_000), (20_000, 4_000)],
+                         ids=["roomy", "often-full", "often-over-quota"])
+def test_byte_accounting_stays_exact_under_random_operations(max_bytes, max_source_bytes):
     rng = random.Random(0)
-    s = Storage(max_bytes=40_000, max_key_bytes=5_000)
+    peers = [PeerID(bytes([i + 1]) * 32) for i in range(4)]
+    s = Storage(max_bytes=max_bytes, max_key_bytes=5_000, max_source_bytes=max_source_bytes)
     now = 0.0
     for step in range(5000):
         now += rng.random() * 0.1
         key = rng.randrange(30)
         sub = rng.choice([None, "a", "b", "c", 1])
-        s.store(key, rec(rng.randbytes(rng.randrange(200)), now + rng.random() * 50, subkey=sub), now=now)
+        sender = rng.choice([None, *peers])
+        name = "k"
+        if key % 3 == 0:  # owned keys: charged to their owner whoever sends them
+            name = f"k{owner_marker(peers[key % 4])}"
+        s.store(key, Record(name, sub, rng.randbytes(rng.randrange(200)), now + rng.random() * 50), now=now,
+                source=sender)
         if step % 100 == 0:
             s.remove_expired(now)
-        live = [r for k in list(s._slots) for r in s._slots[k].entries()]
-        assert s.total_bytes == sum(r.stored_bytes() + ENTRY_OVERHEAD_BYTES for r in live) <= s.max_bytes
+        _check_books(s)
+    s.remove_expired(now + 100)
+    assert s.total_bytes == 0 and s.bytes_by_source() == {} and not s._slots and s._heap_entries == 0
+
+
+A, B, C = (PeerID(bytes([i]) * 32) for i in (7, 8, 9))
+SIZE = 100 + 1 + ENTRY_OVERHEAD_BYTES  # a 100-byte value under key "k"
+
+
+def v(exp: float, subkey=None, key="k") -> Record:
+    return Record(key, subkey, b"v" * 100, exp)
+
+
+@pytest.mark.timeout(10)
+def test_a_source_over_its_quota_evicts_its_own_soonest_records_or_is_refused():
+    s = Storage(max_source_bytes=3 * SIZE)
+    assert s.max_bytes // SOURCE_QUOTA_DIVISOR == Storage().max_source_bytes
+    for i, exp in enumerate([10, 20, 30]):
+        assert s.store(i, v(exp), now=0, source=A)
+    assert s.store(10, v(5), now=0, source=B)  # another source is not affected
+    assert not s.store(3, v(9), now=0, source=A)  # A's records all expire later: refused
+    assert s.store(3, v(25), now=0, source=A)  # evicts A's record expiring at 10, not B's at 5
+    assert s.get(0, now=0) == [] and s.get(10, now=0) and s.get(1, now=0)
+    assert s.bytes_by_source() == {A: 3 * SIZE, B: SIZE}
+    assert not s.store(4, Record("k", None, b"v" * (3 * SIZE), 99), now=0, source=A)  # over the quota alone
+    assert s.bytes_by_source() == {A: 3 * SIZE, B: SIZE}
+    # replacing one's own record in place needs no room
+    assert s.store(3, Record("k", None, b"w" * 100, 26), now=0, source=A)
+
+
+@pytest.mark.timeout(10)
+def test_owned_records_are_charged_to_their_owner_whoever_forwards_them():
+    owned = [Record(f"p{i}{owner_marker(A)}", None, b"v" * 100, 10 + i) for i in range(3)]
+    s = Storage(max_source_bytes=2 * (owned[0].stored_bytes() + ENTRY_OVERHEAD_BYTES))
+    assert s.store(0, owned[0], now=0, source=B)
+    assert s.store(1, owned[1], now=0, source=C)
+    assert s.store(5, v(50), now=0, source=B)
+    assert set(s.bytes_by_source()) == {A, B} and s.bytes_by_source()[B] == SIZE
+    assert s.store(2, owned[2], now=0, source=B)  # A's quota: A's soonest record goes
+    assert s.get(0, now=0) == [] and s.get(1, now=0) and s.get(2, now=0) and s.get(5, now=0)
+    assert s.store(6, Record("k", f"{owner_marker(A)}", b"x", 60), now=0)  # an owned subkey, stored locally
+    assert s.get(1, now=0) == []
+
+
+@pytest.mark.timeout(10)
+def test_this_nodes_own_unowned_records_have_no_quota():
+    s = Storage(max_bytes=10 * SIZE, max_source_bytes=SIZE)
+    for i in range(5):
+        assert s.store(i, v(10 + i), now=0)
+    assert s.bytes_by_source() == {None: 5 * SIZE}
+
+
+@pytest.mark.timeout(10)
+def test_a_full_node_evicts_from_the_largest_source():
+    s = Storage(max_bytes=10 * SIZE, max_source_bytes=10 * SIZE)
+    for i in range(6):
+        assert s.store(i, v(100 + i), now=0, source=A)  # the flooder: long-lived records
+    for i in range(3):
+        assert s.store(10 + i, v(10 + i), now=0, source=B)  # honest ones, expiring sooner
+    assert s.store(20, v(5), now=0)  # this node's own
+    assert s.total_bytes == s.max_bytes
+    assert s.store(30, v(50), now=0, source=C)  # A is the largest: its soonest record goes, whatever its expiration
+    assert s.get(0, now=0) == [] and all(s.get(10 + i, now=0) for i in range(3)) and s.get(20, now=0)
+    assert s.bytes_by_source() == {A: 5 * SIZE, B: 3 * SIZE, None: SIZE, C: SIZE}
+    # the largest source's own newcomer displaces only its own records that expire before it
+    assert not s.store(40, v(99), now=0, source=A)
+    assert s.store(40, v(200), now=0, source=A) and s.get(1, now=0) == []
+    assert all(s.get(10 + i, now=0) for i in range(3))
+    # C grows: A, the largest, pays; then C itself, with its own records expiring before its newcomer
+    for i in range(41, 44):
+        assert s.store(i, v(300 + i), now=0, source=C)
+    assert s.bytes_by_source() == {A: 3 * SIZE, B: 3 * SIZE, None: SIZE, C: 3 * SIZE} and s.get(30, now=0) == []
+    assert not s.store(50, v(5), now=0, source=C)  # C would be the largest and holds nothing sooner
+    assert s.store(51, v(1000), now=0, source=B) and s.get(10, now=0) == []  # B would be: its own soonest goes
+    assert s.bytes_by_source() == {A: 3 * SIZE, B: 3 * SIZE, None: SIZE, C: 3 * SIZE}
+    _check_books(s)
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_store_changes_nothing():
+    size = 10 + 1 + 1 + ENTRY_OVERHEAD_BYTES
+    s = Storage(max_key_bytes=2 * size, max_source_bytes=2 * size)
+    assert s.store(KEY, rec(b"x" * 10, 10, subkey="a"), now=0, source=B)
+    assert s.store(KEY, rec(b"x" * 10, 40, subkey="b"), now=0, source=B)
+    assert s.store(2, rec(b"x" * 10, 30, subkey="z"), now=0, source=A)
+    assert s.store(3, rec(b"x" * 10, 35, subkey="z"), now=0, source=A)
+    # room in the key would mean dropping "a", but A's quota cannot make room: nothing happens
+    assert not s.store(KEY, rec(b"x" * 10, 20, subkey="c"), now=0, source=A)
+    assert {r.subkey for r in s.get(KEY, now=0)} == {"a", "b"}
+    _check_books(s)
+    assert s.store(KEY, rec(b"x" * 10, 50, subkey="c"), now=0, source=A)  # A's record at 30 and key entry "a" go
+    assert {r.subkey for r in s.get(KEY, now=0)} == {"b", "c"} and s.get(2, now=0) == [] and s.get(3, now=0)
+    _check_books(s)
+
+
+@pytest.mark.timeout(10)
+def test_a_source_leaves_no_trace_once_its_records_are_gone():
+    s = Storage(max_bytes=4 * SIZE, max_source_bytes=4 * SIZE)
+    for round_ in range(50):
+        peer = PeerID(bytes([round_ + 1]) * 32)
+        assert s.store(round_ % 3, v(round_ + 1.5), now=round_, source=peer)
+        assert s.store(100 + round_, Record(f"k{owner_marker(peer)}", "s", b"v", round_ + 1.2), now=round_, source=C)
+        s.remove_expired(round_ + 0.5)
+        assert len(s.bytes_by_source()) <= 4 and len(s._sources) <= 4
+    s.remove_expired(1000)
+    assert s.bytes_by_source() == {} and s._sources == {} and s._heap_entries == 0
 
 
 @pytest.mark.timeout(10)

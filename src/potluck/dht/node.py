@@ -376,10 +376,11 @@ class DHTNode:
         records = protocol.parse_store_request(request)
         self._caller(ctx)
         now = self.now()
-        return protocol.store_response([self._accept(record, now) for record in records])
+        return protocol.store_response([self._accept(record, now, ctx.peer_id) for record in records])
 
-    def _accept(self, record: Record, now: float) -> bool | str:
-        """Store a record another peer sent: True if held, False if a later one is, else why not."""
+    def _accept(self, record: Record, now: float, sender: PeerID) -> bool | str:
+        """Store a record another peer sent: True if held, False if a later one is, else why not.
+        The storage charges it to `sender` unless it has an owner (see `Storage`'s per-source quota)."""
         key_id = key_id_of(record.key)
         if self.storage.holds(key_id, record, now):
             # Hand-offs and re-stores bring the same record from every replica: it passed
@@ -387,7 +388,7 @@ class DHTNode:
             return True
         try:
             check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
-            return self.storage.store(key_id, record, now)
+            return self.storage.store(key_id, record, now, sender)
         except RecordRejected as e:
             return f"{type(e).__name__}: {e}"
 
@@ -395,7 +396,7 @@ class DHTNode:
         """The caller's own peer record, sent along its joining lookup (see `protocol`)."""
         if record.key != peer_record_key(caller) or record.subkey is not None:
             return "RecordRejected: a find request carries only the caller's own peer record"
-        return self._accept(record, now)
+        return self._accept(record, now, caller)
 
     # -- lookups -------------------------------------------------------------------------------------
     async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool,

@@ -1,5 +1,5 @@
 """A node's local records: expiration, subkey dictionaries, the "later expiration wins" rule,
-and a byte budget that evicts the records expiring soonest. Plain logic: callers pass `now`.
+and a byte budget shared fairly among the peers records come from. Plain logic: callers pass `now`.
 
 Rules for a store at one key:
 - a record replaces the one it competes with (same key and subkey) only if it expires later;
@@ -9,6 +9,25 @@ Rules for a store at one key:
   dictionary wins, and dictionary entries expiring before the best plain value seen are dropped
   (so the result is `merge_records` of everything received, whatever the arrival order);
 - expired records are gone: never returned, and dropped lazily.
+
+Budgets (issue 14: one peer sent 2,304 records of 65 KB in 0.8 s and the old node-wide "evict the
+soonest-expiring" rule threw out every honest record a node held):
+- one key's dictionary holds at most `max_key_bytes`; a new entry may push out the key's entries
+  expiring soonest, only ones expiring before it;
+- each *source* holds at most `max_source_bytes`; a store that would put its source over it first
+  evicts that source's own records, soonest-expiring first and only ones expiring before the
+  newcomer, or is refused. A record's source is its owner when its key or subkey names one
+  (`owners_of`: the owner signed it), else the peer that sent it (`source`; None for this node's
+  own stores, which are not held to the quota: the node's user is trusted with its own memory).
+  Owned records are charged to their owner, not to whoever brought them, because hand-offs,
+  replication and caching on get forward other peers' owned records: charging the forwarder
+  would make an honest replica that hands a newcomer thousands of others' records hit its quota;
+- when the node as a whole is full, bytes are freed from the source holding the most (counting
+  the newcomer's), soonest-expiring first. Records of the newcomer's own source go only if they
+  expire before it (as a refusal otherwise, exactly the quota rule); a larger source pays
+  whatever its records' expiration. So a flooder's records displace only the flooder's, and an
+  honest source's records survive while any bigger source exists.
+Every store is all or nothing: either every eviction it needs is possible, or nothing changes.
 """
 
 from __future__ import annotations
@@ -18,9 +37,14 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 
-from potluck.dht.records import Key, Record, Subkey
+from potluck.dht.errors import NotOwner
+from potluck.dht.records import Key, Record, Subkey, owners_of
+from potluck.net.identity import PeerID
 
-__all__ = ["Storage", "merge_records"]
+__all__ = ["Source", "Storage", "merge_records"]
+
+# Who a record is charged to: its owner or the peer that sent it; None: this node itself.
+Source = PeerID | None
 
 # What Python spends per stored record beyond its bytes (objects, dict slots, heap entry); counted
 # against the budget so that a flood of tiny records cannot use unbounded memory.
@@ -30,8 +54,18 @@ DEFAULT_MAX_STORAGE_BYTES = 128 * 2**20
 # One key's dictionary (all subkeys together): 1 MiB bounds what one find answer may carry per
 # key (so a 32-key answer stays far below the 64 MiB frame limit) and holds thousands of entries.
 DEFAULT_MAX_KEY_BYTES = 2**20
-# The expiration heap is rebuilt when stale entries outnumber live ones by this factor.
+# One source's share of the node: an eighth, so it takes at least eight peer identities to fill a
+# node at all (and even then the largest source is evicted first, not the honest ones). An honest
+# peer's own records on one node are a few records of at most 64 KiB each, far below it; 16 MiB
+# of the default budget still holds hundreds of unowned records a single peer hands off.
+SOURCE_QUOTA_DIVISOR = 8
+DEFAULT_MAX_SOURCE_BYTES = DEFAULT_MAX_STORAGE_BYTES // SOURCE_QUOTA_DIVISOR
+# The expiration heaps are rebuilt when stale entries outnumber live ones by this factor.
 HEAP_COMPACT_FACTOR = 2
+
+# A heap entry: (expiration, sequence number of the store, key id, subkey). It is live while the
+# slot of `key id` holds, at `subkey`, the record stored with that sequence number.
+_Item = tuple[float, int, int, Subkey | None]
 
 
 def _beats(new: Record, held: Record) -> bool:
@@ -47,15 +81,26 @@ def _cost(record: Record) -> int:
     return record.stored_bytes() + ENTRY_OVERHEAD_BYTES
 
 
+def source_of(record: Record, sender: Source) -> Source:
+    """Who a record is charged to: its owner if its key or subkey names one, else its sender."""
+    try:
+        owner = owners_of(record.key, record.subkey)
+    except NotOwner:  # never validly signed, so never from a remote peer: charge who stored it
+        return sender
+    return owner if owner is not None else sender
+
+
 class _Slot:
     """What one key holds: a plain record or a dictionary of subkey records."""
 
-    __slots__ = ("bytes", "floor", "key", "plain", "subkeys")
+    __slots__ = ("bytes", "floor", "key", "meta", "plain", "subkeys")
 
     def __init__(self, key: Key):
         self.key = key
         self.plain: Record | None = None
         self.subkeys: dict[Subkey, Record] = {}
+        # For each held record (subkey None: the plain one): its store's sequence number, its source.
+        self.meta: dict[Subkey | None, tuple[int, Source]] = {}
         self.bytes = 0
         # The expiration of the best plain record the dictionary displaced or outlived: entries
         # expiring before it are refused, exactly as if that plain record were still competing.
@@ -70,17 +115,32 @@ class _Slot:
         return self.plain if subkey is None else self.subkeys.get(subkey)
 
 
+class _Source:
+    """What one source holds: its bytes, its record count and its records by expiration (a heap
+    with lazy deletion). Dropped as soon as its last record goes."""
+
+    __slots__ = ("bytes", "count", "heap")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.count = 0
+        self.heap: list[_Item] = []
+
+
 class Storage:
     """Records held by one node, keyed by key id."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_STORAGE_BYTES, max_key_bytes: int = DEFAULT_MAX_KEY_BYTES):
+    def __init__(self, max_bytes: int = DEFAULT_MAX_STORAGE_BYTES, max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
+                 max_source_bytes: int | None = None):
         self.max_bytes = max_bytes
         self.max_key_bytes = max_key_bytes
+        self.max_source_bytes = max_bytes // SOURCE_QUOTA_DIVISOR if max_source_bytes is None else max_source_bytes
         self.total_bytes = 0
         self._slots: dict[int, _Slot] = {}
-        self._heap: list[tuple[float, int, int, Subkey | None, Record]] = []  # soonest expiry first
+        self._sources: dict[Source, _Source] = {}
         self._seq = itertools.count()
         self._entries = 0
+        self._heap_entries = 0  # in every source's heap together, stale ones included
 
     def __len__(self) -> int:
         """Number of keys held (some may have expired but not been dropped yet)."""
@@ -113,11 +173,18 @@ class Storage:
             if records:
                 yield key_id, records
 
+    def bytes_by_source(self) -> dict[Source, int]:
+        """Bytes charged to each source holding anything (expired records not yet dropped included)."""
+        return {source: state.bytes for source, state in self._sources.items()}
+
     # -- writing ------------------------------------------------------------------------------------
-    def store(self, key_id: int, record: Record, now: float) -> bool:
-        """Apply one record under the module's rules; True if it is now held."""
+    def store(self, key_id: int, record: Record, now: float, source: Source = None) -> bool:
+        """Apply one record under the module's rules; True if it is now held. `source`: the peer
+        that sent it (None: this node's own store); it is charged to its owner if it has one."""
         if record.expiration_time <= now:
             return False
+        if self.total_bytes + _cost(record) > self.max_bytes:
+            self.remove_expired(now)  # before anyone live is evicted (cheap: one look per source)
         slot = self._slots.get(key_id)
         if slot is not None:
             self._drop_expired_in(key_id, slot, now)
@@ -155,17 +222,13 @@ class Storage:
                     if not _beats(record, held):
                         return False
                     removed = [held]
-        delta = _cost(record) - sum(_cost(r) for r in removed)
-        slot_bytes = slot.bytes if slot is not None else 0
-        if slot_bytes + delta > self.max_key_bytes:
-            if slot is None or record.subkey is None:
-                return False
-            if not self._evict_from_key(key_id, slot, slot_bytes + delta - self.max_key_bytes, record,
-                                        exclude=removed):
-                return False
-        if self.total_bytes + delta > self.max_bytes:
-            if not self._evict_soonest(self.total_bytes + delta - self.max_bytes, record, removed):
-                return False
+        charged = source_of(record, source)
+        victims = self._plan_evictions(key_id, slot, record, charged, removed)
+        if victims is None:
+            return False
+        for victim_key, victim in victims:
+            victim_slot = self._slots[victim_key]
+            self._forget(victim_key, victim_slot, victim)
         for old in removed:
             current = self._slots.get(key_id)
             if current is not None and current.current(old.subkey) is old:
@@ -179,33 +242,63 @@ class Storage:
         else:
             slot.subkeys[record.subkey] = record
             slot.floor = max(slot.floor, floor)
-        slot.bytes += _cost(record)
-        self.total_bytes += _cost(record)
+        seq = next(self._seq)
+        slot.meta[record.subkey] = (seq, charged)
+        cost = _cost(record)
+        slot.bytes += cost
+        self.total_bytes += cost
         self._entries += 1
-        heapq.heappush(self._heap, (record.expiration_time, next(self._seq), key_id, record.subkey, record))
+        state = self._sources.get(charged)
+        if state is None:
+            state = self._sources[charged] = _Source()
+        state.bytes += cost
+        state.count += 1
+        heapq.heappush(state.heap, (record.expiration_time, seq, key_id, record.subkey))
+        self._heap_entries += 1
         self._maybe_compact()
         return True
 
     def remove_expired(self, now: float) -> int:
         """Drop every expired record; returns how many."""
         dropped = 0
-        while self._heap and self._heap[0][0] <= now:
-            _, _, key_id, subkey, record = heapq.heappop(self._heap)
-            slot = self._slots.get(key_id)
-            if slot is not None and slot.current(subkey) is record:
-                self._forget(key_id, slot, record)
-                dropped += 1
+        for source in list(self._sources):
+            state = self._sources.get(source)
+            while state is not None and state.heap and state.heap[0][0] <= now:
+                item = heapq.heappop(state.heap)
+                self._heap_entries -= 1
+                record = self._live(item)
+                if record is not None:
+                    self._forget(item[2], self._slots[item[2]], record)
+                    dropped += 1
+                    state = self._sources.get(source)  # gone with its last record
         return dropped
 
     # -- internals ----------------------------------------------------------------------------------
+    def _live(self, item: _Item) -> Record | None:
+        """The record a heap entry stands for, if it is still held."""
+        _, seq, key_id, subkey = item
+        slot = self._slots.get(key_id)
+        if slot is None:
+            return None
+        meta = slot.meta.get(subkey)
+        return slot.current(subkey) if meta is not None and meta[0] == seq else None
+
     def _forget(self, key_id: int, slot: _Slot, record: Record) -> None:
         if record.subkey is None:
             slot.plain = None
         else:
             del slot.subkeys[record.subkey]
-        slot.bytes -= _cost(record)
-        self.total_bytes -= _cost(record)
+        _, source = slot.meta.pop(record.subkey)
+        cost = _cost(record)
+        slot.bytes -= cost
+        self.total_bytes -= cost
         self._entries -= 1
+        state = self._sources[source]
+        state.bytes -= cost
+        state.count -= 1
+        if state.count == 0:  # nothing is kept per source once it holds nothing
+            self._heap_entries -= len(state.heap)
+            del self._sources[source]
         if slot.plain is None and not slot.subkeys:
             del self._slots[key_id]
 
@@ -213,61 +306,109 @@ class Storage:
         for record in [r for r in slot.entries() if r.expiration_time <= now]:
             self._forget(key_id, slot, record)
 
-    def _evict_from_key(self, key_id: int, slot: _Slot, needed: int, newcomer: Record,
-                        exclude: Iterable[Record]) -> bool:
-        """Free `needed` bytes within one key's dictionary, soonest expiry first, only among
-        entries expiring before the newcomer. All or nothing."""
-        skip = {id(r) for r in exclude}
-        victims, freed = [], 0
-        for record in sorted(slot.subkeys.values(), key=lambda r: r.expiration_time):
-            if freed >= needed or record.expiration_time >= newcomer.expiration_time:
-                break
-            if id(record) not in skip:
-                victims.append(record)
-                freed += _cost(record)
-        if freed < needed:
-            return False
-        for record in victims:
-            self._forget(key_id, slot, record)
-        return True
+    def _plan_evictions(self, key_id: int, slot: _Slot | None, record: Record, charged: Source,
+                        removed: list[Record]) -> list[tuple[int, Record]] | None:
+        """What must go for `record` to fit every budget (the key's, its source's, the node's);
+        None if it cannot. Changes nothing: heap entries looked at are put back."""
+        cost = _cost(record)
+        delta = cost - sum(_cost(r) for r in removed)
+        skip = {id(r) for r in removed}  # already counted as going
+        victims: list[tuple[int, Record]] = []
+        after: dict[Source, int] = {}  # each touched source's bytes once the store is done
+        popped: list[tuple[_Source, _Item]] = []
 
-    def _evict_soonest(self, needed: int, newcomer: Record, replaced: list[Record]) -> bool:
-        """Free `needed` bytes node-wide, soonest expiry first, only among records expiring before
-        the newcomer (and not those it replaces, already counted). All or nothing."""
-        skip = {id(r) for r in replaced}
-        popped, victims, freed = [], [], 0
-        while self._heap and freed < needed:
-            item = heapq.heappop(self._heap)
-            expiration, _, key_id, subkey, record = item
-            slot = self._slots.get(key_id)
-            if slot is None or slot.current(subkey) is not record:
-                continue  # stale heap entry
-            popped.append(item)
-            if expiration >= newcomer.expiration_time:
-                break
-            if id(record) in skip:
-                continue
-            victims.append((key_id, slot, record))
-            freed += _cost(record)
-        if freed < needed:
-            for item in popped:
-                heapq.heappush(self._heap, item)
-            return False
-        for key_id, slot, record in victims:
-            if slot.current(record.subkey) is record:
-                self._forget(key_id, slot, record)
-        for item in popped:  # survivors (e.g. the replaced record) keep their heap entries
-            _, _, key_id, subkey, record = item
-            slot = self._slots.get(key_id)
-            if slot is not None and slot.current(subkey) is record:
-                heapq.heappush(self._heap, item)
-        return True
+        def held(source: Source) -> int:
+            if source not in after:
+                state = self._sources.get(source)
+                after[source] = state.bytes if state is not None else 0
+            return after[source]
+
+        def evict(victim_key: int, victim: Record, source: Source) -> int:
+            skip.add(id(victim))
+            victims.append((victim_key, victim))
+            after[source] = held(source) - _cost(victim)
+            return _cost(victim)
+
+        def next_of(source: Source) -> tuple[_Item, Record] | None:
+            """The source's soonest-expiring live record not already going, popped (to be put back)."""
+            state = self._sources.get(source)
+            while state is not None and state.heap:
+                item = heapq.heappop(state.heap)
+                self._heap_entries -= 1
+                victim = self._live(item)
+                if victim is None:
+                    continue  # stale: dropped for good
+                popped.append((state, item))
+                if id(victim) not in skip:
+                    return item, victim
+            return None
+
+        def finish(ok: bool) -> list[tuple[int, Record]] | None:
+            going = {id(v) for _, v in victims} if ok else set()
+            for state, item in popped:  # survivors keep their heap entries
+                victim = self._live(item)
+                if victim is not None and id(victim) not in going:
+                    heapq.heappush(state.heap, item)
+                    self._heap_entries += 1
+            return victims if ok else None
+
+        held(charged)
+        after[charged] += cost
+        for old in removed:
+            old_source = slot.meta[old.subkey][1]
+            after[old_source] = held(old_source) - _cost(old)
+        # One key's dictionary.
+        slot_bytes = slot.bytes if slot is not None else 0
+        if slot_bytes + delta > self.max_key_bytes:
+            if slot is None or record.subkey is None:
+                return None
+            needed, freed = slot_bytes + delta - self.max_key_bytes, 0
+            for entry in sorted(slot.subkeys.values(), key=lambda r: r.expiration_time):
+                if freed >= needed or entry.expiration_time >= record.expiration_time:
+                    break
+                if id(entry) not in skip:
+                    freed += evict(key_id, entry, slot.meta[entry.subkey][1])
+            if freed < needed:
+                return None
+            delta -= freed
+        # The source's quota (not for this node's own unowned records).
+        if charged is not None and after[charged] > self.max_source_bytes:
+            while after[charged] > self.max_source_bytes:
+                found = next_of(charged)
+                if found is None or found[0][0] >= record.expiration_time:
+                    return finish(False)
+                delta -= evict(found[0][2], found[1], charged)
+        # The node: the largest source pays (its own records only if they expire before the newcomer).
+        needed = self.total_bytes + delta - self.max_bytes
+        if needed > 0:
+            order = itertools.count()
+            largest = [(-held(source), 0 if source == charged else 1, next(order), source) for source in self._sources]
+            if charged not in self._sources:
+                largest.append((-after[charged], 0, next(order), charged))
+            heapq.heapify(largest)
+            while needed > 0:
+                if not largest:
+                    return finish(False)
+                _, mine, _, source = heapq.heappop(largest)
+                found = next_of(source)
+                if found is None:
+                    if mine == 0:
+                        return finish(False)
+                    continue  # nothing left to take (what remains is already going)
+                item, victim = found
+                if mine == 0 and item[0] >= record.expiration_time:
+                    return finish(False)
+                needed -= evict(item[2], victim, source)
+                if after[source] > 0:
+                    heapq.heappush(largest, (-after[source], mine, next(order), source))
+        return finish(True)
 
     def _maybe_compact(self) -> None:
-        if len(self._heap) > HEAP_COMPACT_FACTOR * self._entries + 1024:
-            self._heap = [item for item in self._heap
-                          if (slot := self._slots.get(item[2])) is not None and slot.current(item[3]) is item[4]]
-            heapq.heapify(self._heap)
+        if self._heap_entries > HEAP_COMPACT_FACTOR * self._entries + 1024:
+            for state in self._sources.values():
+                state.heap = [item for item in state.heap if self._live(item) is not None]
+                heapq.heapify(state.heap)
+            self._heap_entries = sum(len(state.heap) for state in self._sources.values())
 
 
 def merge_records(records: Iterable[Record]) -> list[Record]:
