@@ -147,3 +147,15 @@ def test_a_peers_accounting_goes_with_its_last_connection(arun):
             release.set()
 
     arun(main(), timeout=50)
+
+
+def test_the_per_peer_totals_leave_room_for_an_honest_peers_connections():
+    """An honest peer's full shared connection still leaves each of its other connections (one
+    bulk stream each) a call, and one more request of the largest frame."""
+    from potluck.net import tcp
+    from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
+
+    assert connection.MAX_CALLS_PER_PEER >= connection.MAX_CONCURRENT_CALLS + tcp.MAX_CONNECTIONS_PER_PEER
+    assert connection.MAX_INFLIGHT_REQUEST_BYTES_PER_PEER >= connection.MAX_INFLIGHT_REQUEST_BYTES + DEFAULT_MAX_FRAME_SIZE
+    # ... and still bound what one peer makes us hold far below what its 32 connections would.
+    assert connection.MAX_INFLIGHT_REQUEST_BYTES_PER_PEER < 2 * connection.MAX_INFLIGHT_REQUEST_BYTES

@@ -20,6 +20,7 @@ import ssl
 import pytest
 
 from potluck.core import compat
+from potluck.core.errors import PeerUnreachable
 from potluck.net import Identity, TCPTransport, tcp
 
 STALLED = 20
@@ -85,7 +86,10 @@ async def _open_stalled(addr, sources: list[str]) -> list:
 def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handshake(arun, monkeypatch):
     """20 connections from 20 addresses never finish (or start) their ClientHello: only 4 are held,
     the rest are closed at once; one more that sends a whole ClientHello gets no TLS answer, just a
-    close. Once the held ones reach the deadline, an honest peer connects and calls."""
+    close. Meanwhile an honest peer's dial fails at once (PeerUnreachable, not a hang); once the
+    held ones reach the deadline, it connects and calls. (No peer can be told apart before TLS, so
+    none is exempt: stalled handshakes from many addresses delay new connections by at most the
+    deadline; from a single address they are bounded by its own share, see the next test.)"""
     monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", DEADLINE)
 
     async def main():
@@ -99,9 +103,13 @@ def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handsha
         try:
             opened = await _open_stalled(addr, [f"127.0.0.{10 + i}" for i in range(STALLED)])
             writers += [w for _, w in opened]
+            # While they are held, a potluck dialer is refused at once, with a clear error.
+            dial = asyncio.ensure_future(honest.connect(addr, timeout=ROUND_TRIP_BOUND))
             results = await asyncio.gather(*(_closed_within(r, CLOSED_BOUND) for r, _ in opened))
             held = [closed for closed, _ in results].count(False)
             assert held == PENDING_CAP, f"{held} connections stalled before TLS are held (cap {PENDING_CAP})"
+            with pytest.raises(PeerUnreachable, match="could not connect"):
+                await dial
             assert all(n == 0 for _, n in results), "a stalled connection was sent TLS bytes"
             assert server._pending_handshakes == PENDING_CAP
 
