@@ -194,3 +194,40 @@ def test_insecure_mode_still_refuses_with_a_reason(arun):
             await server.close()
 
     arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_connections_refused_failed_or_expired_before_tls_leave_no_cyclic_garbage(arun, monkeypatch, kind):
+    """Every way a connection ends before or during TLS (refused over a cap, a TLS handshake that
+    fails on garbage, one the dialer drops, one that reaches the deadline) frees its link without
+    the cyclic GC, and leaves nothing counted or kept per address."""
+    from tests.test_lifetimes import cyclic_garbage, gc_saving_garbage
+
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=3)
+        await server.start()
+        addr = server.addresses[0]
+        writers = []
+        try:
+            with gc_saving_garbage():
+                opened = await _open_stalled(addr, [f"127.0.0.{30 + i}" for i in range(6)])
+                writers += [w for _, w in opened]
+                opened[0][1].write(b"GET / HTTP/1.0\r\n\r\n" * 20)  # not TLS: its handshake fails
+                opened[1][1].close()  # dropped by the dialer mid-handshake
+                for _ in range(100):  # the rest are refused at once or reach the deadline
+                    if not server._links:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not server._links
+                assert (server._accepted, server._pending_handshakes) == (0, 0)
+                assert not server._accepted_per_ip and not server._pending_per_ip
+                assert cyclic_garbage() == []
+        finally:
+            for writer in writers:
+                writer.close()
+            await server.close()
+
+    arun(main(), timeout=50, kind=kind)

@@ -104,25 +104,35 @@ class FrameLink(Protocol):
 class PeerLoad:
     """What one peer's requests hold across all its connections with us: handler calls running
     and their request bytes (checked against MAX_CALLS_PER_PEER and
-    MAX_INFLIGHT_REQUEST_BYTES_PER_PEER). Shared by the peer's connections; `forget` is called
-    once nothing holds it any more (no open connection, no running handler), so whoever keeps one
-    per peer drops it then."""
+    MAX_INFLIGHT_REQUEST_BYTES_PER_PEER). Shared by the peer's connections through `registry`
+    (peer id -> its PeerLoad), from which it removes itself once nothing holds it any more (no open
+    connection, no running handler): nothing is kept for a peer that is gone. It refers to nothing
+    that refers back to it once removed, so it is freed without the cyclic GC."""
 
-    __slots__ = ("calls", "request_bytes", "_holders", "_forget")
+    __slots__ = ("calls", "request_bytes", "_holders", "_registry", "_key")
 
-    def __init__(self, forget: Callable[[], None] | None = None):
+    def __init__(self, registry: dict[Any, PeerLoad] | None = None, key: Any = None):
         self.calls = 0
         self.request_bytes = 0
         self._holders = 0
-        self._forget = forget
+        self._registry = registry
+        self._key = key
+
+    @classmethod
+    def of(cls, registry: dict[Any, PeerLoad], key: Any) -> PeerLoad:
+        """The load registered under `key`, registered now if there is none."""
+        load = registry.get(key)
+        if load is None:
+            load = registry[key] = cls(registry, key)
+        return load
 
     def hold(self) -> None:
         self._holders += 1
 
     def release(self) -> None:
         self._holders -= 1
-        if self._holders == 0 and self._forget is not None:
-            self._forget()
+        if self._holders == 0 and self._registry is not None and self._registry.get(self._key) is self:
+            del self._registry[self._key]
 
 
 @dataclass(frozen=True)

@@ -175,15 +175,6 @@ class TCPTransport(Transport):
         self._accepted -= 1
         _decrement(self._accepted_per_ip, ip)
 
-    def _load_of(self, peer_id: PeerID) -> PeerLoad:
-        load = self._peer_loads.get(peer_id)
-        if load is None:
-            def forget() -> None:
-                if self._peer_loads.get(peer_id) is load:
-                    del self._peer_loads[peer_id]
-            load = self._peer_loads[peer_id] = PeerLoad(forget)
-        return load
-
     def _connections_with(self, peer_id: PeerID) -> int:
         return sum(1 for link in self._links if link.connection is not None and link.connection.peer_id == peer_id)
 
@@ -342,8 +333,11 @@ class TCPLink(asyncio.BufferedProtocol):
             # lost in the TLS handshake: end the link here (connection_lost runs once).
             self._opening = None
             cancelled = isinstance(e, asyncio.CancelledError)
-            if not cancelled:
+            if isinstance(e, Exception) and not cancelled:
                 logger.debug("TLS handshake with %s failed: %r", self._peer_name(), e)
+                # Its traceback holds asyncio's frames, which hold the future that holds the error
+                # (and this link, their protocol): a cycle only the GC would free. Not needed now.
+                _drop_tracebacks(e)
             self.connection_lost(None if cancelled or not isinstance(e, Exception) else e)
             if not isinstance(e, Exception) and not cancelled:
                 raise
@@ -519,7 +513,7 @@ class TCPLink(asyncio.BufferedProtocol):
                             token=hello["token"])
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
-                          on_close=self.owner._unregister, load=self.owner._load_of(hello["id"]))
+                          on_close=self.owner._unregister, load=PeerLoad.of(self.owner._peer_loads, hello["id"]))
         conn.attach(self)
         self.connection = conn
         self.owner._register(conn)
@@ -661,6 +655,19 @@ async def _listening_sockets(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """Forget the tracebacks of `error` and of the errors it was raised from or during."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:
