@@ -128,6 +128,13 @@ def _check_books(s: Storage) -> None:
     assert all(state.count > 0 for state in s._sources.values())
     assert all(b <= s.max_source_bytes for source, b in by_source.items() if source is not None)
     assert s._heap_entries == sum(len(state.heap) for state in s._sources.values())
+    expiring = {item[1] for item in s._expiry}
+    assert all(s._slots[k].meta[r.subkey][0] in expiring for k, r in live)
+    biggest: dict = {}
+    for b, _, p in s._largest:
+        biggest[p] = max(biggest.get(p, 0), -b)
+    for source, state in s._sources.items():  # the largest-source heap never understates a source
+        assert biggest[source] >= state.bytes
 
 
 @pytest.mark.timeout(60)

@@ -141,6 +141,12 @@ class Storage:
         self._seq = itertools.count()
         self._entries = 0
         self._heap_entries = 0  # in every source's heap together, stale ones included
+        self._expiry: list[_Item] = []  # every record, soonest expiry first (lazy deletion, as above)
+        # Sources by bytes, largest first: (-bytes, order, source). Lazy: a source's bytes may have
+        # shrunk since its entry was pushed (an entry is exact only while -bytes equals its bytes),
+        # but every source always has an entry at least its bytes, so an exact top is the largest.
+        self._largest: list[tuple[int, int, Source]] = []
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         """Number of keys held (some may have expired but not been dropped yet)."""
@@ -184,7 +190,7 @@ class Storage:
         if record.expiration_time <= now:
             return False
         if self.total_bytes + _cost(record) > self.max_bytes:
-            self.remove_expired(now)  # before anyone live is evicted (cheap: one look per source)
+            self.remove_expired(now)  # before anyone live is evicted
         slot = self._slots.get(key_id)
         if slot is not None:
             self._drop_expired_in(key_id, slot, now)
@@ -253,24 +259,23 @@ class Storage:
             state = self._sources[charged] = _Source()
         state.bytes += cost
         state.count += 1
-        heapq.heappush(state.heap, (record.expiration_time, seq, key_id, record.subkey))
+        item = (record.expiration_time, seq, key_id, record.subkey)
+        heapq.heappush(state.heap, item)
         self._heap_entries += 1
+        heapq.heappush(self._expiry, item)
+        heapq.heappush(self._largest, (-state.bytes, next(self._order), charged))
         self._maybe_compact()
         return True
 
     def remove_expired(self, now: float) -> int:
         """Drop every expired record; returns how many."""
         dropped = 0
-        for source in list(self._sources):
-            state = self._sources.get(source)
-            while state is not None and state.heap and state.heap[0][0] <= now:
-                item = heapq.heappop(state.heap)
-                self._heap_entries -= 1
-                record = self._live(item)
-                if record is not None:
-                    self._forget(item[2], self._slots[item[2]], record)
-                    dropped += 1
-                    state = self._sources.get(source)  # gone with its last record
+        while self._expiry and self._expiry[0][0] <= now:
+            item = heapq.heappop(self._expiry)
+            record = self._live(item)
+            if record is not None:
+                self._forget(item[2], self._slots[item[2]], record)
+                dropped += 1
         return dropped
 
     # -- internals ----------------------------------------------------------------------------------
@@ -316,6 +321,7 @@ class Storage:
         victims: list[tuple[int, Record]] = []
         after: dict[Source, int] = {}  # each touched source's bytes once the store is done
         popped: list[tuple[_Source, _Item]] = []
+        taken: list[tuple[int, int, Source]] = []  # entries of `_largest` looked at
 
         def held(source: Source) -> int:
             if source not in after:
@@ -345,6 +351,8 @@ class Storage:
 
         def finish(ok: bool) -> list[tuple[int, Record]] | None:
             going = {id(v) for _, v in victims} if ok else set()
+            for entry in taken:  # still at least their sources' bytes (evictions only shrink them)
+                heapq.heappush(self._largest, entry)
             for state, item in popped:  # survivors keep their heap entries
                 victim = self._live(item)
                 if victim is not None and id(victim) not in going:
@@ -381,15 +389,22 @@ class Storage:
         # The node: the largest source pays (its own records only if they expire before the newcomer).
         needed = self.total_bytes + delta - self.max_bytes
         if needed > 0:
-            order = itertools.count()
-            largest = [(-held(source), 0 if source == charged else 1, next(order), source) for source in self._sources]
-            if charged not in self._sources:
-                largest.append((-after[charged], 0, next(order), charged))
-            heapq.heapify(largest)
+            # Sources this store already changed compete with their bytes after it; any other comes
+            # from `_largest`, whose entries looked at are put back.
+            order = self._order
+            touched = [(-b, 0 if source == charged else 1, next(order), source) for source, b in after.items()]
+            heapq.heapify(touched)
             while needed > 0:
-                if not largest:
+                other = self._largest_untouched(after, taken)
+                if touched and (other is None or (touched[0][0], touched[0][1]) <= (other[0], 1)):
+                    _, mine, _, source = heapq.heappop(touched)
+                elif other is not None:
+                    heapq.heappop(self._largest)
+                    taken.append(other)
+                    source, mine = other[2], 1
+                    held(source)
+                else:
                     return finish(False)
-                _, mine, _, source = heapq.heappop(largest)
                 found = next_of(source)
                 if found is None:
                     if mine == 0:
@@ -400,8 +415,25 @@ class Storage:
                     return finish(False)
                 needed -= evict(item[2], victim, source)
                 if after[source] > 0:
-                    heapq.heappush(largest, (-after[source], mine, next(order), source))
+                    heapq.heappush(touched, (-after[source], mine, next(order), source))
         return finish(True)
+
+    def _largest_untouched(self, after: dict[Source, int], taken: list) -> tuple[int, int, Source] | None:
+        """The top of `_largest` once exact and of a source not in `after` (None if there is none).
+        Stale entries are replaced by exact ones; entries of sources in `after` go to `taken`."""
+        heap = self._largest
+        while heap:
+            entry = heap[0]
+            state = self._sources.get(entry[2])
+            if state is None:
+                heapq.heappop(heap)  # the source holds nothing any more
+            elif -entry[0] != state.bytes:
+                heapq.heapreplace(heap, (-state.bytes, next(self._order), entry[2]))
+            elif entry[2] in after:
+                taken.append(heapq.heappop(heap))
+            else:
+                return entry
+        return None
 
     def _maybe_compact(self) -> None:
         if self._heap_entries > HEAP_COMPACT_FACTOR * self._entries + 1024:
@@ -409,6 +441,12 @@ class Storage:
                 state.heap = [item for item in state.heap if self._live(item) is not None]
                 heapq.heapify(state.heap)
             self._heap_entries = sum(len(state.heap) for state in self._sources.values())
+        if len(self._expiry) > HEAP_COMPACT_FACTOR * self._entries + 1024:
+            self._expiry = [item for item in self._expiry if self._live(item) is not None]
+            heapq.heapify(self._expiry)
+        if len(self._largest) > HEAP_COMPACT_FACTOR * len(self._sources) + 1024:
+            self._largest = [(-state.bytes, next(self._order), source) for source, state in self._sources.items()]
+            heapq.heapify(self._largest)
 
 
 def merge_records(records: Iterable[Record]) -> list[Record]:
