@@ -22,12 +22,16 @@ soonest-expiring" rule threw out every honest record a node held):
   Owned records are charged to their owner, not to whoever brought them, because hand-offs,
   replication and caching on get forward other peers' owned records: charging the forwarder
   would make an honest replica that hands a newcomer thousands of others' records hit its quota;
-- when the node as a whole is full, bytes are freed from the source holding the most (counting
-  the newcomer's), soonest-expiring first. Records of the newcomer's own source go only if they
-  expire before it (as a refusal otherwise, exactly the quota rule); a larger source pays
-  whatever its records' expiration. So a flooder's records displace only the flooder's, and an
-  honest source's records survive while any bigger source exists.
+- when the node as a whole is full, expired records are dropped, then bytes are freed from the
+  source holding the most (counting the newcomer's; at a tie, the newcomer's own source),
+  soonest-expiring first. Records of the newcomer's own source go only if they expire before it
+  (a refusal otherwise, exactly the quota rule); a larger source pays whatever its records'
+  expiration. So a flooder's records displace only the flooder's, and an honest source's records
+  survive while any bigger source exists.
 Every store is all or nothing: either every eviction it needs is possible, or nothing changes.
+Costs: O(log n) per record stored or evicted (a heap per source, one of all records by expiry,
+one of sources by bytes, all with lazy deletion and compaction); nothing is kept per source once
+it holds nothing.
 """
 
 from __future__ import annotations
