@@ -406,3 +406,10 @@ def test_moshpit_grid_keeps_groups_small_with_few_rounds():
         grid = moshpit_grid(n)
         assert len(grid) >= 2 and max(grid) <= 16 and len(set(grid)) == 1
         assert grid[0] ** len(grid) >= n > (grid[0] - 1) ** len(grid)  # every peer has a cell, few empty
+
+
+def test_a_matchmaking_time_longer_than_the_dht_keeps_declarations_is_refused_at_once():
+    from potluck.dht.key_kinds import DECLARATION_MAX_TTL
+
+    with pytest.raises(ValueError, match="matchmaking_time must be in"):
+        Averager(None, [torch.zeros(2)], "long", matchmaking_time=DECLARATION_MAX_TTL + 1)

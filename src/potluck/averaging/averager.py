@@ -31,6 +31,7 @@ from potluck.core.errors import AveragingError, MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
+from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 
@@ -114,6 +115,9 @@ class Averager:
             raise ValueError("Averager needs a non-empty list of floating-point tensors")
         if min_group_size < 1 or (target_group_size is not None and target_group_size < min_group_size):
             raise ValueError("need 1 <= min_group_size <= target_group_size")
+        if not 0 < matchmaking_time <= DECLARATION_MAX_TTL:
+            raise ValueError(f"matchmaking_time must be in (0, {DECLARATION_MAX_TTL:.0f}] seconds (DHT nodes refuse "
+                             f"declarations that live longer), got {matchmaking_time}")
         self.peer = peer
         self.transport = peer.transport
         self.run_id = run_id

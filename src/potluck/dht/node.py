@@ -38,6 +38,7 @@ from potluck.core.errors import NetworkError, PeerUnreachable
 from potluck.core.serialization import dumps
 from potluck.dht import protocol
 from potluck.dht.errors import BadRequest, DHTError, RecordRejected
+from potluck.dht.key_kinds import KeyKinds
 from potluck.dht.lookup import Answer, Backoff, Lookup, TargetResult
 from potluck.dht.peer_records import (
     PEER_RECORD_TTL,
@@ -162,7 +163,7 @@ class DHTNode:
         self.node_id = _node_id(self.peer_id)
         self.config = config or DHTConfig()
         self.limits = Limits(self.config.max_value_bytes, self.config.max_ttl)
-        self.validators: list[RecordValidator] = [PeerRecordValidator(clock), *validators]
+        self.validators: list[RecordValidator] = [PeerRecordValidator(clock), KeyKinds(clock), *validators]
         self.now = clock
         self.client_mode = transport.client_mode
         self.routing = RoutingTable(self.node_id, self.config.bucket_size, self.config.depth_modulo)

@@ -10,7 +10,8 @@ by the server (so nobody can overwrite or squat another server's announcement):
 Readers take the server from the subkey's owner marker (the DHT checked its signature), skip
 entries of any other form, and skip an expert record that names a peer other than its signer.
 When several servers announce the same expert, the newest announcement (latest expiration, then
-the smallest peer id) is used.
+the smallest peer id) is used; an announcement expiring more than `ANNOUNCE_HORIZON` ahead is
+skipped, so nobody wins every choice for a day by announcing itself with a day's lifetime.
 A server that dies stops refreshing and its records expire; nothing has to be deleted.
 """
 
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 MAX_GRID_SIZE = 1 << 20
 # Prefix lookups in flight per beam-search round (per sample, the best frontier entries).
 DEFAULT_BEAM_SIZE = 4
+# Announcements expiring further ahead than this are skipped by readers: servers re-announce every
+# few seconds with a lifetime of 30 s by default (`moe.server.DEFAULT_ANNOUNCE_TTL`), so an hour is
+# far past any honest one, and "newest wins" cannot be won for longer by announcing further ahead.
+ANNOUNCE_HORIZON = 3600.0
 # Characters of a uid read from the DHT that a log line repeats.
 MAX_LOGGED_UID = 200
 
@@ -144,13 +149,13 @@ def _signed_location(uid: str, server: PeerID, value: object) -> ExpertLocation 
 
 def locate(uid: str, found: ValueWithExpiration | None, now: float) -> ExpertLocation | None:
     """Where `uid` is served, from what the DHT holds under the uid (`DHT.aget(uid)`): the newest
-    unexpired entry a server signed about itself; None if there is none."""
+    unexpired entry a server signed about itself (within `ANNOUNCE_HORIZON`); None if there is none."""
     if found is None or not isinstance(found.value, dict):
         return None
     candidates = []
     for subkey, entry in found.value.items():
         server = subkey_owner(subkey)
-        if server is None or entry.expiration_time <= now:
+        if server is None or not now < entry.expiration_time <= now + ANNOUNCE_HORIZON:
             continue
         location = _signed_location(uid, server, entry.value)
         if location is not None:
@@ -202,7 +207,7 @@ class GridDirectory:
                 if result is not None and isinstance(result.value, dict):
                     for sub, item in result.value.items():
                         cell = parse_cell(sub)
-                        if cell is None or item.expiration_time <= now:
+                        if cell is None or not now < item.expiration_time <= now + ANNOUNCE_HORIZON:
                             continue
                         coord, server = cell
                         if not isinstance(item.value, Mapping):

@@ -42,7 +42,7 @@ from potluck.core.serialization import dumps, loads
 from potluck.core.tensors import all_finite
 from potluck.moe.errors import BadExpertRequest, ExpertError, StashMissing
 from potluck.moe.experts import TensorSchema, make_expert
-from potluck.moe.grid import ExpertLocation, announce_experts
+from potluck.moe.grid import ANNOUNCE_HORIZON, ExpertLocation, announce_experts
 from potluck.moe.messages import (
     MAX_UID_CHARS,
     BackwardReply,
@@ -429,6 +429,9 @@ class ExpertServer:
             raise ValueError("no experts to serve")
         if max_batch_size < 1 or announce_ttl <= 0 or checkpoint_interval <= 0 or stash_calls < 0:
             raise ValueError("max_batch_size must be >= 1, announce_ttl and checkpoint_interval > 0, stash_calls >= 0")
+        if announce_ttl > ANNOUNCE_HORIZON:
+            raise ValueError(f"announce_ttl is at most {ANNOUNCE_HORIZON:.0f} s (readers skip announcements further "
+                             f"ahead); announcements are refreshed every third of it, so a short one costs little")
         caller_rate = CALLER_CALLS_PER_SECOND if caller_rate is None else caller_rate
         caller_burst = CALLER_BURST if caller_burst is None else caller_burst
         if not caller_rate > 0 or caller_burst < 1:

@@ -1,0 +1,92 @@
+"""The rules of potluck's own kinds of key, enforced by every node: how long a record may live,
+and whether the key holds only owner-signed per-peer entries.
+
+- **Lifetime.** The DHT keeps the later-expiring of two competing records, so a record that asks
+  for the DHT's 24-hour maximum outlives every honest re-store written after it: three long-lived
+  matchmaking declarations kept every averaging group from forming for a day. Each kind below is
+  capped at a few times the lifetime its honest writer uses, so what a squatter (or a
+  misconfigured peer) writes is gone soon after.
+- **Owned entries only.** Keys that hold one entry per peer (donors, declarations, progress,
+  profiles, sweep leases and results) take only subkeys carrying an `[owner:<peer id>]` marker,
+  which the DHT accepts only with that peer's signature. A plain record or an unsigned subkey is
+  refused: a plain record expiring later than the dictionary would displace every entry and
+  block the owners' re-stores for its whole lifetime.
+
+A kind matches the key's text (`re.search`): potluck's protocols name their keys
+`<run>.<kind>...`, so these are reserved suffixes and infixes of str keys; other keys keep the
+DHT-wide `Limits.max_ttl` and any shape. Peer records have their own rules (`dht.peer_records`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from potluck.core.dht_time import Clock
+from potluck.dht.errors import ExpirationTooFar, RecordRejected
+from potluck.dht.records import Record, owners_of
+from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
+
+__all__ = ["KEY_KINDS", "KeyKind", "KeyKinds"]
+
+
+@dataclass(frozen=True)
+class KeyKind:
+    """Keys whose text matches `pattern` may expire at most `max_ttl` seconds ahead; with
+    `owned_entries`, they hold only owner-marked subkeys."""
+
+    name: str
+    pattern: re.Pattern[str]
+    max_ttl: float
+    owned_entries: bool = True
+
+
+# Matchmaking declarations (`averaging.matchmaking`) live one gathering window, seconds to a
+# minute; 10 min is ten of the longest windows potluck uses.
+DECLARATION_MAX_TTL = 600.0
+# Progress records (`optim.progress`) are re-stored every step and live 3 s (PROGRESS_TTL).
+PROGRESS_MAX_TTL = 60.0
+# State donor records (`averaging.averager`) live 10 min and are re-announced after every step; an
+# hour is six of their lifetimes.
+DONOR_MAX_TTL = 3600.0
+# Pipeline node profiles live 5 min and cluster layouts 2 min (`pipeline.profiling`, `.layout`).
+PIPELINE_MAX_TTL = 1800.0
+# Sweep leases live one lease period (30 s by default, `ps.sweep`); readers also ignore leases
+# further ahead than a few periods. Results live 20 h: the DHT's own 24 h cap applies.
+LEASE_MAX_TTL = 3600.0
+RESULT_MAX_TTL = 24 * 3600.0
+
+KEY_KINDS: tuple[KeyKind, ...] = (
+    KeyKind("matchmaking declarations", re.compile(r"\.match\."), DECLARATION_MAX_TTL),
+    KeyKind("progress records", re.compile(r"\.progress\Z"), PROGRESS_MAX_TTL),
+    KeyKind("state donor records", re.compile(r"\.state\Z"), DONOR_MAX_TTL),
+    KeyKind("pipeline profiles", re.compile(r"\.pipeline\.profiles\Z"), PIPELINE_MAX_TTL),
+    KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL, owned_entries=False),
+    KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
+    KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
+)
+
+
+class KeyKinds:
+    """A `RecordValidator` applying `KEY_KINDS` (expirations with `CLOCK_SKEW_ALLOWANCE`, as for
+    every expiration a node checks)."""
+
+    def __init__(self, clock: Clock, kinds: tuple[KeyKind, ...] = KEY_KINDS):
+        self.clock = clock
+        self.kinds = kinds
+
+    def validate(self, record: Record, value: Any) -> None:
+        if not isinstance(record.key, str):
+            return
+        for kind in self.kinds:
+            if kind.pattern.search(record.key) is None:
+                continue
+            if kind.owned_entries and (record.subkey is None or owners_of("", record.subkey) is None):
+                raise RecordRejected(f"{kind.name} ({record.key!r:.80}) hold only owner-signed entries: "
+                                     "store under own_subkey(your peer id)")
+            ahead = record.expiration_time - self.clock()
+            if ahead > kind.max_ttl + CLOCK_SKEW_ALLOWANCE:
+                raise ExpirationTooFar(
+                    f"{kind.name} may live at most {kind.max_ttl:.0f} s; this one asks for {ahead:.0f} s "
+                    f"({record.key!r:.80}): re-store it before it expires instead")
