@@ -137,12 +137,14 @@ def test_a_peers_accounting_goes_with_its_last_connection(arun):
                 await conn.link.send(Frame(Kind.REQUEST, 1, {"m": "slow", "t": 30.0}, body=b"x"))
             await asyncio.sleep(0.3)
             assert attacker.peer_id in server._peer_loads
+            assert server._links_per_peer[attacker.peer_id] == 3  # its shared connection and two bulk ones
             await attacker.close()
             for _ in range(50):
                 if attacker.peer_id not in server._peer_loads:
                     break
                 await asyncio.sleep(0.1)
             assert attacker.peer_id not in server._peer_loads
+            assert attacker.peer_id not in server._links_per_peer
             assert honest.peer_id in server._peer_loads  # still connected
             release.set()
 

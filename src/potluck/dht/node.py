@@ -678,24 +678,23 @@ class DHTNode:
             fresh = [n for p in newcomers if (n := self.routing.node_id(p)) is not None]
             batches: dict[PeerID, list[Record]] = {}
             now = self.now()
-            for key_id in self.storage.key_ids():
+            for key_id, key in self.storage.keys():
+                if is_peer_record_key(key):
+                    # Not handed off: a peer record sits at its owner's own id (`key_id_of`), so
+                    # the owner, alive and holding it, is where every lookup of it ends; the
+                    # owner's next re-store reaches newcomers. Handing it on made each join cost
+                    # about k more stores.
+                    continue
                 # Cheap tests first (a node runs this for every key it holds at every join), each
                 # two bisections: a peer with `replicas` known peers surely closer to the key than
                 # itself is not one of its replicas, be it a newcomer or us.
                 if all(self.routing.surely_closer(key_id, n ^ key_id) >= self.replicas for n in fresh):
                     continue
                 mine = self.node_id ^ key_id
-                ahead = self.routing.surely_closer(key_id, mine)
-                if ahead >= self.replicas:
+                if self.routing.surely_closer(key_id, mine) >= self.replicas:
                     continue
                 records = self.storage.get(key_id, now)
                 if not records:
-                    continue
-                if is_peer_record_key(records[0].key):
-                    # Not handed off: a peer record sits at its owner's own id (`key_id_of`), so
-                    # the owner, alive and holding it, is where every lookup of it ends; the
-                    # owner's next re-store reaches newcomers. Handing it on made each join cost
-                    # about k more stores.
                     continue
                 nearest = self.routing.nearest(key_id, self.replicas)
                 if len(nearest) >= self.replicas and all(n ^ key_id < mine for _, n in nearest):

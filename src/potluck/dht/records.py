@@ -48,6 +48,9 @@ _OWNER_ANY_STR = re.compile(r"\[owner:")
 _OWNER_ANY_BYTES = re.compile(rb"\[owner:")
 # Keys starting with this are reserved for peer records (`dht.peer_records`).
 PEER_RECORD_PREFIX = "_peer."
+# Owner markers remembered parsed: one per peer that owns records a node sees (~200 bytes each with
+# the PeerID), so under 2 MiB.
+OWNER_MARKERS_CACHED = 8192
 # Peer record keys whose owner is remembered parsed (every store, find and hand-off of a record
 # computes its key id): a key is ~60 bytes, so this is well under 1 MiB.
 PEER_RECORD_KEYS_CACHED = 4096
@@ -160,7 +163,13 @@ def owners_of(key: Key, subkey: Subkey | None) -> PeerID | None:
         return None
     if len(names) > 1:
         raise NotOwner("a key and its subkey name different owners; a record has one owner")
-    text = names.pop()
+    return _marked_peer(names.pop())
+
+
+@functools.lru_cache(maxsize=OWNER_MARKERS_CACHED)
+def _marked_peer(text: str) -> PeerID:
+    """The peer id an owner marker holds (parsed once per text: every store, read and hand-off of
+    an owned record asks, and base58 decoding is most of the cost). Errors are not cached."""
     try:
         return PeerID.from_string(text)
     except IdentityError as e:

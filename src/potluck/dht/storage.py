@@ -172,9 +172,9 @@ class Storage:
         held = slot.current(record.subkey) if slot is not None else None
         return held is not None and held.expiration_time > now and held == record
 
-    def key_ids(self) -> list[int]:
-        """The ids of every key held (some may have expired but not been dropped yet)."""
-        return list(self._slots)
+    def keys(self) -> list[tuple[int, Key]]:
+        """(id, key) of every key held (some may have expired but not been dropped yet)."""
+        return [(key_id, slot.key) for key_id, slot in self._slots.items()]
 
     def items(self, now: float) -> Iterator[tuple[int, list[Record]]]:
         """(key id, live records) for every key held."""

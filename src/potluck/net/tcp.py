@@ -71,6 +71,9 @@ LISTEN_BACKLOG = 1024
 # After accept() fails for want of file descriptors or memory, wait this long before the next try
 # (asyncio's own servers wait 1 s); the queued connections wait in the backlog meanwhile.
 ACCEPT_RETRY_SECONDS = 1.0
+# Connections accepted per readiness of a listener before other work gets the loop (asyncio's
+# servers accept up to their backlog at once; a burst of dials is still served within a few turns).
+ACCEPTS_PER_WAKEUP = 64
 # A refusal's reason as shown to the user: a few lines of explanation, not a place for data.
 MAX_REFUSAL_CHARS = 1000
 
@@ -132,7 +135,7 @@ class TCPTransport(Transport):
         self._announce = [Multiaddr.parse(a) for a in announce or []]
         self._server_ctx, self._client_ctx = (None, None) if insecure else make_ssl_contexts(identity)
         self._listeners: list[socket.socket] = []
-        self._accepting: list[asyncio.Task] = []  # one accept loop per listening socket
+        self._retrying: dict[socket.socket, asyncio.TimerHandle] = {}  # listeners resting after a failed accept
         self._listen: list[Multiaddr] = []
         self._links: set[TCPLink] = set()
         # The run's membership check (None: anyone who proves a peer id is admitted, as before).
@@ -149,6 +152,8 @@ class TCPTransport(Transport):
         # What each authenticated peer's requests hold over all its connections (connection.PeerLoad):
         # an entry only while the peer has an open connection or a running handler.
         self._peer_loads: dict[PeerID, PeerLoad] = {}
+        # Authenticated links per peer id (for MAX_CONNECTIONS_PER_PEER), an entry while it has one.
+        self._links_per_peer: dict[PeerID, int] = {}
 
     def _accept(self, ip: str) -> str | None:
         """Count a newly accepted connection, or say why it is refused (one of the caps above)."""
@@ -176,7 +181,7 @@ class TCPTransport(Transport):
         _decrement(self._accepted_per_ip, ip)
 
     def _connections_with(self, peer_id: PeerID) -> int:
-        return sum(1 for link in self._links if link.connection is not None and link.connection.peer_id == peer_id)
+        return self._links_per_peer.get(peer_id, 0)
 
     @property
     def addresses(self) -> list[Multiaddr]:
@@ -193,25 +198,36 @@ class TCPTransport(Transport):
             host, port = sock.getsockname()[:2]
             for h in _announceable_hosts(host):
                 self._listen.append(Multiaddr.tcp(h, port))
-            self._accepting.append(loop.create_task(self._accept_loop(sock)))
+            loop.add_reader(sock.fileno(), self._accept_ready, sock)
         del self._listen[MAX_ADDRESSES_PER_PEER:]
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _accept_ready(self, listener: socket.socket) -> None:
+        """The listener is readable: accept what is queued, up to ACCEPTS_PER_WAKEUP (the reader
+        stays registered, as in asyncio's own servers: one registration per listener, not per
+        connection)."""
+        for _ in range(ACCEPTS_PER_WAKEUP):
             try:
-                sock, peer = await loop.sock_accept(listener)
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
                 continue
             except OSError as e:  # out of file descriptors or memory: the backlog waits meanwhile
                 logger.warning("accepting a connection failed: %s; trying again in %g s", e, ACCEPT_RETRY_SECONDS)
-                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
-                continue
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(listener.fileno())
+                self._retrying[listener] = loop.call_later(ACCEPT_RETRY_SECONDS, self._resume_accepting, listener)
+                return
             try:
                 self._accepted_socket(sock, peer)
             except Exception:  # noqa: BLE001 - one bad connection must not stop the server
                 logger.exception("could not serve a connection from %s", peer)
                 sock.close()
+
+    def _resume_accepting(self, listener: socket.socket) -> None:
+        self._retrying.pop(listener, None)
+        if listener in self._listeners:
+            asyncio.get_running_loop().add_reader(listener.fileno(), self._accept_ready, listener)
 
     def _accepted_socket(self, sock: socket.socket, peer: Any) -> None:
         """Apply the caps to a new TCP connection, before TLS; hand it to a link if they allow."""
@@ -256,12 +272,12 @@ class TCPTransport(Transport):
         return link.connection
 
     async def _stop_listening(self) -> None:
-        for task in self._accepting:
-            task.cancel()
-        if self._accepting:
-            await asyncio.wait(self._accepting)
-        self._accepting = []
+        loop = asyncio.get_running_loop()
+        for handle in self._retrying.values():
+            handle.cancel()
+        self._retrying = {}
         for sock in self._listeners:
+            loop.remove_reader(sock.fileno())
             sock.close()
         self._listeners = []
 
@@ -417,6 +433,7 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(reason)
         if self.connection is not None:
+            _decrement(self.owner._links_per_peer, self.connection.peer_id)
             self.connection.link_lost(reason)
             self.connection = None  # the connection keeps its link; drop the way back (a cycle)
         if not self.lost.done():
@@ -516,6 +533,7 @@ class TCPLink(asyncio.BufferedProtocol):
                           on_close=self.owner._unregister, load=PeerLoad.of(self.owner._peer_loads, hello["id"]))
         conn.attach(self)
         self.connection = conn
+        self.owner._links_per_peer[conn.peer_id] = self.owner._links_per_peer.get(conn.peer_id, 0) + 1
         self.owner._register(conn)
         if not self.handshake.done():
             self.handshake.set_result(None)
@@ -670,8 +688,8 @@ def _drop_tracebacks(error: BaseException) -> None:
         todo += [e.__cause__, e.__context__]
 
 
-def _decrement(counts: dict[str, int], key: str) -> None:
-    """One less under `key`; the entry goes at zero (nothing is kept per address once it is idle)."""
+def _decrement(counts: dict[Any, int], key: Any) -> None:
+    """One less under `key`; the entry goes at zero (nothing is kept per address or peer once idle)."""
     left = counts.get(key, 1) - 1
     if left > 0:
         counts[key] = left
