@@ -88,3 +88,27 @@ def test_an_answer_to_a_caller_that_stops_reading_is_dropped_at_the_deadline(aru
             assert await honest.call(sid, "echo", "ok", timeout=5) == "ok"
 
     arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_method_can_have_its_own_shorter_longest_deadline(arun):
+    """The 10-minute bound is for every method; one whose work is short says so (the DHT's calls
+    run at most `dht.node.HANDLER_SECONDS`), and no caller can ask for more."""
+    from potluck.dht.node import HANDLER_SECONDS
+
+    async def main():
+        seen: dict[str, float | None] = {}
+
+        async def how_long(request, ctx):
+            seen["unary"] = ctx.time_left()
+            return None
+
+        async with attacked_server() as (server, attacker, honest, sid):
+            server.add_handler("short", how_long, max_seconds=HANDLER_SECONDS)
+            (conn,) = attacker.open_connections()
+            await asyncio.wait_for(conn.call("short", None, timeout=24 * 3600.0), 10)
+            assert seen["unary"] is not None and seen["unary"] <= HANDLER_SECONDS, seen
+            with pytest.raises(ValueError, match="max_seconds"):
+                server.add_handler("long", how_long, max_seconds=MAX_HANDLER_SECONDS + 1)
+
+    arun(main(), timeout=50)

@@ -81,6 +81,9 @@ SLOW_AFTER = 1.0
 # A whole store/get/lookup, when the caller gives no timeout: a lookup is a few RPC rounds, so
 # this only bites when most of the network is unreachable.
 OPERATION_TIMEOUT = 30.0
+# The longest a node serves one DHT call, whatever its caller asks: every handler is local work on
+# at most a few MiB (a store of 256 records), done in milliseconds; ten callers' RPC_TIMEOUT.
+HANDLER_SECONDS = 30.0
 # Joining: reaching the initial peers and the first self-lookup.
 BOOTSTRAP_TIMEOUT = 15.0
 # Buckets with no news for this long get a lookup of a random id in their range (Kademlia uses an
@@ -190,9 +193,9 @@ class DHTNode:
         if self._started:
             return
         self._started = True
-        self.transport.add_handler(protocol.PING, self._on_ping)
-        self.transport.add_handler(protocol.FIND, self._on_find)
-        self.transport.add_handler(protocol.STORE, self._on_store)
+        for method, handler in ((protocol.PING, self._on_ping), (protocol.FIND, self._on_find),
+                                (protocol.STORE, self._on_store)):
+            self.transport.add_handler(method, handler, max_seconds=HANDLER_SECONDS)
         self.transport.set_resolver(self)
         if self.config.refresh_interval:
             self._upkeep_task = self._spawn(self._upkeep(self.config.refresh_interval))

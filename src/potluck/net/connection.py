@@ -172,6 +172,10 @@ class Handlers:
     def __init__(self) -> None:
         self.unary: dict[str, UnaryHandler] = {}
         self.stream: dict[str, StreamHandler] = {}
+        # A method's own longest deadline, below MAX_HANDLER_SECONDS / MAX_STREAM_HANDLER_SECONDS
+        # (e.g. a DHT lookup step has no business running for minutes).
+        self.unary_seconds: dict[str, float] = {}
+        self.stream_seconds: dict[str, float] = {}
 
 
 class Stream:
@@ -455,10 +459,14 @@ class Connection:
             self.link.send_nowait(Frame(Kind.GOAWAY, meta={"reason": reason}))
             self.link.close(reason)
 
-    def _deadline(self, meta: dict, longest: float = MAX_HANDLER_SECONDS) -> tuple[str, float | None] | None:
+    def _deadline(self, meta: dict, stream: bool = False) -> tuple[str, float | None] | None:
         method, timeout = meta.get("m"), meta.get("t")
         if not isinstance(method, str) or not (timeout is None or isinstance(timeout, (int, float))):
             return None
+        if stream:
+            longest = self.handlers.stream_seconds.get(method, MAX_STREAM_HANDLER_SECONDS)
+        else:
+            longest = self.handlers.unary_seconds.get(method, MAX_HANDLER_SECONDS)
         loop = asyncio.get_running_loop()
         seconds = longest if timeout is None else float(timeout)
         if not 0.0 <= seconds <= longest:  # also refuses NaN
@@ -539,7 +547,7 @@ class Connection:
         load.release()
 
     def _serve_stream(self, frame: Frame) -> None:
-        parsed = self._deadline(frame.meta or {}, MAX_STREAM_HANDLER_SECONDS)
+        parsed = self._deadline(frame.meta or {}, stream=True)
         if parsed is None or frame.call_id in self._streams:
             self.link.send_nowait(_error_frame(frame.call_id, "ProtocolError", "malformed stream open"))
             return

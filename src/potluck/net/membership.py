@@ -361,6 +361,8 @@ class GuestHandlers:
     def __init__(self, handlers: Any, allowed: frozenset[str], reason: str):
         self.unary = _Only(handlers.unary, allowed, _refuse_unary(reason))
         self.stream = _Only(handlers.stream, allowed, _refuse_stream(reason))
+        self.unary_seconds = handlers.unary_seconds
+        self.stream_seconds = handlers.stream_seconds
 
 
 class _Only:

@@ -24,6 +24,8 @@ from potluck.net.address_book import MAX_ADDRESSES_PER_PEER, AddressBook
 from potluck.net.connection import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_STREAM_TIMEOUT,
+    MAX_HANDLER_SECONDS,
+    MAX_STREAM_HANDLER_SECONDS,
     Connection,
     Handlers,
     RemoteInfo,
@@ -112,17 +114,22 @@ class Transport:
         raise NotImplementedError
 
     # -- handlers -------------------------------------------------------------------------------
-    def add_handler(self, method: str, handler: UnaryHandler) -> None:
-        """Serve `method`: `async def handler(request, ctx) -> response`."""
+    def add_handler(self, method: str, handler: UnaryHandler, max_seconds: float | None = None) -> None:
+        """Serve `method`: `async def handler(request, ctx) -> response`. `max_seconds`: the longest
+        a call may run whatever its caller asks (default and upper bound `MAX_HANDLER_SECONDS`)."""
         self.handlers.unary[method] = handler
+        _set_limit(self.handlers.unary_seconds, method, max_seconds, MAX_HANDLER_SECONDS)
 
-    def add_stream_handler(self, method: str, handler: StreamHandler) -> None:
-        """Serve streams of `method`: `async def handler(stream, ctx) -> None`."""
+    def add_stream_handler(self, method: str, handler: StreamHandler, max_seconds: float | None = None) -> None:
+        """Serve streams of `method`: `async def handler(stream, ctx) -> None` (`max_seconds`: as
+        for `add_handler`, up to `MAX_STREAM_HANDLER_SECONDS`)."""
         self.handlers.stream[method] = handler
+        _set_limit(self.handlers.stream_seconds, method, max_seconds, MAX_STREAM_HANDLER_SECONDS)
 
     def remove_handler(self, method: str) -> None:
-        self.handlers.unary.pop(method, None)
-        self.handlers.stream.pop(method, None)
+        for table in (self.handlers.unary, self.handlers.stream, self.handlers.unary_seconds,
+                      self.handlers.stream_seconds):
+            table.pop(method, None)
 
     # -- address book ---------------------------------------------------------------------------
     def add_addresses(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
@@ -444,3 +451,12 @@ class Transport:
         for fut in [*self._dialing.values(), *self._resolving.values()]:
             fut.cancel()
         await asyncio.sleep(0)
+
+
+def _set_limit(limits: dict[str, float], method: str, seconds: float | None, longest: float) -> None:
+    if seconds is None:
+        limits.pop(method, None)
+        return
+    if not 0 < seconds <= longest:
+        raise ValueError(f"max_seconds for {method!r} must be in (0, {longest:.0f}], got {seconds}")
+    limits[method] = float(seconds)
