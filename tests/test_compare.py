@@ -20,6 +20,10 @@ def test_smooth_averages_losses_in_time_bins():
     assert smooth([]) == []
 
 
+# Server steps or rounds after which a mode's test accuracy must be clearly above chance.
+MIN_UPDATES_TO_LEARN = 20
+
+
 @pytest.mark.timeout(240)
 def test_short_comparison_of_every_mode_writes_a_sane_report(tmp_path, capsys):
     assert main(["compare", "--duration", "4", "--out", str(tmp_path)]) == 0
@@ -28,9 +32,13 @@ def test_short_comparison_of_every_mode_writes_a_sane_report(tmp_path, capsys):
     for mode in MODES:
         r = report[mode]
         assert set(REPORT_KEYS) <= set(r), mode
-        assert math.isfinite(r["final_loss"]) and 0 < r["final_loss"] < 2.5, (mode, r["final_loss"])  # ln 10 = 2.3
+        # Learned something: the loss is below chance level's (ln 10 = 2.303), and a mode that made
+        # enough updates beats chance accuracy (0.1) clearly. ps_sync waits for the 4x slow worker
+        # every step: 9 updates in 4 s on a quiet machine, 5 on a busy one (accuracy 0.09 then).
+        assert math.isfinite(r["final_loss"]) and 0 < r["final_loss"] < math.log(10), (mode, r["final_loss"])
         assert 0.0 <= r["test_accuracy"] <= 1.0
-        assert r["test_accuracy"] > 0.15, (mode, r["test_accuracy"])  # learned something (chance: 0.1)
+        if r["updates"] >= MIN_UPDATES_TO_LEARN:
+            assert r["test_accuracy"] > 0.15, (mode, r["test_accuracy"])
         assert r["samples"] > 0 and r["updates"] > 0
         assert all(len(point) == 2 for point in r["loss_curve"]) and r["loss_curve"]
     assert report["settings"]["slow"] == 4.0 and report["settings"]["failure"] is True
