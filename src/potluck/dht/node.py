@@ -135,7 +135,6 @@ class GetOutcome:
     hops: int | None
 
 
-@functools.lru_cache(maxsize=65536)
 class _OwnRecord:
     """Our peer record as sent along our joining lookup, and how many nodes took it."""
 
@@ -152,6 +151,7 @@ class _OwnRecord:
             logger.warning("%s refused this peer's record: %s", peer, held)
 
 
+@functools.lru_cache(maxsize=65536)
 def _node_id(peer_id: PeerID) -> int:
     return node_id_of(peer_id)
 

@@ -321,6 +321,8 @@ class Storage:
         None if it cannot. Changes nothing: heap entries looked at are put back."""
         cost = _cost(record)
         delta = cost - sum(_cost(r) for r in removed)
+        if self._fits(slot, record, charged, cost, delta):
+            return []  # the common case: nothing to evict, no plan to make
         skip = {id(r) for r in removed}  # already counted as going
         victims: list[tuple[int, Record]] = []
         after: dict[Source, int] = {}  # each touched source's bytes once the store is done
@@ -421,6 +423,18 @@ class Storage:
                 if after[source] > 0:
                     heapq.heappush(touched, (-after[source], mine, next(order), source))
         return finish(True)
+
+    def _fits(self, slot: _Slot | None, record: Record, charged: Source, cost: int, delta: int) -> bool:
+        """Whether `record` fits every budget as things are (the source's without counting what it
+        replaces: a conservative test; the full plan decides when it says no)."""
+        if (slot.bytes if slot is not None else 0) + delta > self.max_key_bytes:
+            return False
+        if self.total_bytes + delta > self.max_bytes:
+            return False
+        if charged is None:
+            return True
+        state = self._sources.get(charged)
+        return (state.bytes if state is not None else 0) + cost <= self.max_source_bytes
 
     def _largest_untouched(self, after: dict[Source, int], taken: list) -> tuple[int, int, Source] | None:
         """The top of `_largest` once exact and of a source not in `after` (None if there is none).
