@@ -131,6 +131,11 @@ def announcement_items(locations: Iterable[ExpertLocation], expiration: float) -
     return items
 
 
+def _current(expiration: float, now: float) -> bool:
+    """An announcement readers use: not expired, and not further ahead than ANNOUNCE_HORIZON."""
+    return now < expiration <= now + ANNOUNCE_HORIZON
+
+
 def _newest(candidates: Iterable[tuple[float, ExpertLocation]]) -> ExpertLocation | None:
     """The location announced last (latest expiration; ties: the smallest peer id)."""
     best = min(candidates, key=lambda c: (-c[0], str(c[1].peer_id)), default=None)
@@ -155,7 +160,7 @@ def locate(uid: str, found: ValueWithExpiration | None, now: float) -> ExpertLoc
     candidates = []
     for subkey, entry in found.value.items():
         server = subkey_owner(subkey)
-        if server is None or not now < entry.expiration_time <= now + ANNOUNCE_HORIZON:
+        if server is None or not _current(entry.expiration_time, now):
             continue
         location = _signed_location(uid, server, entry.value)
         if location is not None:
@@ -207,7 +212,7 @@ class GridDirectory:
                 if result is not None and isinstance(result.value, dict):
                     for sub, item in result.value.items():
                         cell = parse_cell(sub)
-                        if cell is None or not now < item.expiration_time <= now + ANNOUNCE_HORIZON:
+                        if cell is None or not _current(item.expiration_time, now):
                             continue
                         coord, server = cell
                         if not isinstance(item.value, Mapping):
