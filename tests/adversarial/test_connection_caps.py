@@ -13,13 +13,12 @@ against the code from before the caps (where they are ignored, and every connect
 from __future__ import annotations
 
 import asyncio
-import ssl
 
 import pytest
 
-from potluck.core import compat
 from potluck.core.errors import HandshakeError
 from potluck.net import Identity, TCPTransport
+from tests.adversarial.scene import closed_within, echo, running, tls_connection
 
 ATTACK_CONNECTIONS = 40
 PER_IP = 8
@@ -29,64 +28,26 @@ PER_PEER = 3
 ROUND_TRIP_BOUND = 5.0
 
 
-async def echo(request, ctx):
-    return request
-
-
-async def _idle_tls_connection(host: str, port: int, source: str):
-    """(reader, writer), or (None, None) if the server closed it during the TLS handshake (a
-    connection over a cap is closed before TLS)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    try:
-        return await asyncio.open_connection(host, port, ssl=ctx, server_hostname="", local_addr=(source, 0))
-    except (ConnectionError, ssl.SSLError):
-        return None, None
-
-
-async def _closed_within(reader: asyncio.StreamReader | None, seconds: float) -> bool:
-    if reader is None:
-        return True
-    try:
-        async with compat.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except (ConnectionError, ssl.SSLError):
-        return True
-    except TimeoutError:
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_idle_connections_from_one_address_are_capped_and_others_still_connect(arun):
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1")
         server.max_connections_per_ip = PER_IP
         server.add_handler("echo", echo)
-        await server.start()
-        addr = server.addresses[0]
         honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        await honest.start()
-        writers = []
-        try:
+        async with running(server, honest) as writers:
+            addr = server.addresses[0]
             readers = []
             for _ in range(ATTACK_CONNECTIONS):
-                reader, writer = await _idle_tls_connection(addr.host, addr.port, "127.0.0.2")
+                reader, writer = await tls_connection(addr.host, addr.port, "127.0.0.2")
                 readers.append(reader)
                 if writer is not None:
                     writers.append(writer)
-            closed = await asyncio.gather(*(_closed_within(r, 2.0) for r in readers))
+            closed = [c for c, _ in await asyncio.gather(*(closed_within(r, 2.0) for r in readers))]
             # Only PER_IP stay (idle, until the handshake deadline); the rest are refused at once.
             assert closed.count(False) == PER_IP, f"{closed.count(False)} idle connections kept"
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
-        finally:
-            for writer in writers:
-                writer.close()
-            await honest.close()
-            await server.close()
 
     arun(main(), timeout=50)
 
@@ -97,13 +58,10 @@ def test_one_peer_id_cannot_open_unbounded_connections(arun):
         server = TCPTransport(Identity.generate(), host="127.0.0.1")
         server.max_connections_per_peer = PER_PEER
         server.add_handler("echo", echo)
-        await server.start()
         attacker = TCPTransport(Identity.generate(), host="127.0.0.1")
         honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        await attacker.start()
-        await honest.start()
-        addr = server.addresses[0]
-        try:
+        async with running(server, honest, attacker):
+            addr = server.addresses[0]
             opened, refusals = [], []
             for _ in range(PER_PEER + 5):
                 try:
@@ -115,9 +73,6 @@ def test_one_peer_id_cannot_open_unbounded_connections(arun):
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", 1, timeout=ROUND_TRIP_BOUND) == 1
             assert await opened[0].call("echo", 2, timeout=ROUND_TRIP_BOUND) == 2  # the accepted ones work
-        finally:
-            for t in (attacker, honest, server):
-                await t.close()
 
     arun(main(), timeout=50)
 
@@ -127,21 +82,15 @@ def test_stalled_handshakes_are_capped(arun):
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1")
         server.max_pending_handshakes = 4
-        await server.start()
-        addr = server.addresses[0]
-        writers = []
-        try:
+        async with running(server) as writers:
+            addr = server.addresses[0]
             readers = []
             for i in range(10):
-                reader, writer = await _idle_tls_connection(addr.host, addr.port, f"127.0.0.{10 + i}")
+                reader, writer = await tls_connection(addr.host, addr.port, f"127.0.0.{10 + i}")
                 readers.append(reader)
                 if writer is not None:
                     writers.append(writer)
-            closed = await asyncio.gather(*(_closed_within(r, 2.0) for r in readers))
+            closed = [c for c, _ in await asyncio.gather(*(closed_within(r, 2.0) for r in readers))]
             assert closed.count(False) == 4, f"{closed.count(False)} stalled handshakes kept"
-        finally:
-            for writer in writers:
-                writer.close()
-            await server.close()
 
     arun(main(), timeout=50)

@@ -9,15 +9,14 @@ in, whatever a prefix announces."""
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 import tracemalloc
 
 import pytest
 
-from potluck.core import compat
 from potluck.net import Identity, TCPTransport
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, PREFIX, VERSION, FrameDecoder, Kind
+from tests.adversarial.scene import closed_within, echo, running, tls_connection
 
 MiB = 2**20
 ATTACKERS = 4  # 4 x 64 MiB is enough to show the old behaviour without exhausting a test machine
@@ -28,39 +27,13 @@ MEMORY_BOUND = 8 * MiB
 ROUND_TRIP_BOUND = 5.0
 
 
-async def echo(request, ctx):
-    return request
-
-
-async def _tls_connect(host: str, port: int):
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return await asyncio.open_connection(host, port, ssl=ctx, server_hostname="")
-
-
-async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        async with compat.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except (ConnectionError, ssl.SSLError):
-        return True
-    except TimeoutError:
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_announced_64_mib_headers_before_the_handshake_allocate_nothing(arun):
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1")
         server.add_handler("echo", echo)
-        await server.start()
         client = TCPTransport(Identity.generate(), host="127.0.0.1")
-        await client.start()
-        writers = []
-        try:
+        async with running(server, client) as writers:
             server_id = await client.connect(server.addresses[0], timeout=10)
             addr = server.addresses[0]
             assert await client.call(server_id, "echo", "warm", timeout=10) == "warm"
@@ -70,7 +43,8 @@ def test_announced_64_mib_headers_before_the_handshake_allocate_nothing(arun):
                 tracemalloc.reset_peak()
                 readers = []
                 for _ in range(ATTACKERS):
-                    reader, writer = await _tls_connect(addr.host, addr.port)
+                    reader, writer = await tls_connection(addr.host, addr.port)
+                    assert writer is not None, "the server refused a TLS connection"
                     # 16 bytes: a HELLO whose header is announced as (almost) 64 MiB.
                     writer.write(PREFIX.pack(VERSION, Kind.HELLO, 0, DEFAULT_MAX_FRAME_SIZE - PREFIX.size, 0))
                     await writer.drain()
@@ -87,12 +61,7 @@ def test_announced_64_mib_headers_before_the_handshake_allocate_nothing(arun):
             assert round_trip < ROUND_TRIP_BOUND
             # Refused at once, not held until the handshake deadline (10 s).
             for reader in readers:
-                assert await _closed_within(reader, 5.0)
-        finally:
-            for writer in writers:
-                writer.close()
-            await client.close()
-            await server.close()
+                assert (await closed_within(reader, 5.0))[0]
 
     arun(main(), timeout=50)
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from potluck.net import connection
-from potluck.net.frames import Frame, Kind
-from tests.adversarial.scene import attacked_server
+from potluck.net.frames import Kind
+from tests.adversarial.scene import attacked_server, parking_handler, send_raw_requests
 
 MiB = 2**20
 REQUESTS = 16
@@ -34,20 +34,13 @@ def test_requests_parked_on_a_slow_handler_are_capped_in_bytes(arun, monkeypatch
     monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES", CAP, raising=False)
 
     async def main():
-        release = asyncio.Event()
-
-        async def slow(request, ctx):
-            await release.wait()
-            return None
-
+        slow, release = parking_handler()
         async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
             try:
                 (conn,) = attacker.open_connections()
                 payload = torch.ones(REQUEST_BYTES // 4)
                 await asyncio.sleep(0.2)
-                for i in range(REQUESTS):  # raw requests: the attacker never cancels them
-                    await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, 2 * i + 1, {"m": "slow", "t": 30.0},
-                                                                body=payload)), 10)
+                await send_raw_requests(conn, "slow", REQUESTS, payload)
                 await asyncio.sleep(1.0)  # the server has read them all by now
                 served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
                 assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"
@@ -67,19 +60,13 @@ def test_stream_open_requests_count_in_the_request_bytes(arun, monkeypatch):
     monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES", CAP, raising=False)
 
     async def main():
-        release = asyncio.Event()
-
-        async def stuck(stream, ctx):
-            await release.wait()
-
+        stuck, release = parking_handler()
         async with attacked_server(stream_handlers={"stuck": stuck}) as (server, attacker, honest, sid):
             try:
                 (conn,) = attacker.open_connections()
                 payload = torch.ones(REQUEST_BYTES // 4)
                 await asyncio.sleep(0.2)
-                for i in range(REQUESTS):
-                    await asyncio.wait_for(conn.link.send(Frame(Kind.OPEN, 2 * i + 1, {"m": "stuck", "t": 30.0},
-                                                                body=payload)), 10)
+                await send_raw_requests(conn, "stuck", REQUESTS, payload, kind=Kind.OPEN)
                 await asyncio.sleep(1.0)
                 served = [c for c in server.open_connections() if c.peer_id == attacker.peer_id]
                 assert await honest.call(sid, "echo", "ok", timeout=ROUND_TRIP_BOUND) == "ok"

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from potluck.net import connection
-from potluck.net.frames import Frame, Kind
-from tests.adversarial.scene import attacked_server
+from tests.adversarial.scene import attacked_server, parking_handler, send_raw_requests
 
 MiB = 2**20
 CONNECTIONS = 4
@@ -52,21 +51,14 @@ def test_request_bytes_are_capped_across_a_peers_connections(arun, monkeypatch):
     monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUEST_BYTES_PER_PEER", PER_PEER_BYTES, raising=False)
 
     async def main():
-        release = asyncio.Event()
-
-        async def slow(request, ctx):
-            await release.wait()
-            return None
-
+        slow, release = parking_handler()
         async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
             try:
                 conns = await _bulk_connections(attacker, server, CONNECTIONS)
                 payload = torch.ones(REQUEST_BYTES // 4)
                 per_connection = PER_CONNECTION_BYTES // REQUEST_BYTES
-                for conn in conns:  # each connection's own budget, filled (raw: never cancelled)
-                    for i in range(per_connection):
-                        await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, RAW_IDS + 2 * i, {"m": "slow", "t": 30.0},
-                                                                    body=payload)), 10)
+                for conn in conns:  # each connection's own budget, filled
+                    await send_raw_requests(conn, "slow", per_connection, payload, RAW_IDS)
                 await asyncio.sleep(SETTLE)
                 held, tasks, n = _held_by(server, attacker.peer_id)
                 assert n >= CONNECTIONS
@@ -96,19 +88,12 @@ def test_concurrent_calls_are_capped_across_a_peers_connections(arun, monkeypatc
     monkeypatch.setattr(connection, "MAX_CALLS_PER_PEER", PER_PEER_CALLS, raising=False)
 
     async def main():
-        release = asyncio.Event()
-
-        async def slow(request, ctx):
-            await release.wait()
-            return None
-
+        slow, release = parking_handler()
         async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
             try:
                 conns = await _bulk_connections(attacker, server, CONNECTIONS)
                 for conn in conns:
-                    for i in range(PER_CONNECTION_CALLS):
-                        await asyncio.wait_for(conn.link.send(Frame(Kind.REQUEST, RAW_IDS + 2 * i, {"m": "slow", "t": 30.0},
-                                                                    body=b"x")), 10)
+                    await send_raw_requests(conn, "slow", PER_CONNECTION_CALLS, b"x", RAW_IDS)
                 await asyncio.sleep(SETTLE)
                 _, tasks, n = _held_by(server, attacker.peer_id)
                 assert n >= CONNECTIONS
@@ -125,16 +110,11 @@ def test_concurrent_calls_are_capped_across_a_peers_connections(arun, monkeypatc
 def test_a_peers_accounting_goes_with_its_last_connection(arun):
     """Nothing is kept per peer once all its connections are closed."""
     async def main():
-        release = asyncio.Event()
-
-        async def slow(request, ctx):
-            await release.wait()
-            return None
-
+        slow, release = parking_handler()
         async with attacked_server({"slow": slow}) as (server, attacker, honest, sid):
             conns = await _bulk_connections(attacker, server, 2)
             for conn in conns:
-                await conn.link.send(Frame(Kind.REQUEST, 1, {"m": "slow", "t": 30.0}, body=b"x"))
+                await send_raw_requests(conn, "slow", 1, b"x")
             await asyncio.sleep(0.3)
             assert attacker.peer_id in server._peer_loads
             assert server._links_per_peer[attacker.peer_id] == 3  # its shared connection and two bulk ones

@@ -22,6 +22,7 @@ import pytest
 from potluck.core import compat
 from potluck.core.errors import PeerUnreachable
 from potluck.net import Identity, TCPTransport, tcp
+from tests.adversarial.scene import closed_within, echo, running
 
 STALLED = 20
 PENDING_CAP = 4
@@ -36,30 +37,12 @@ ROUND_TRIP_BOUND = 5.0
 HALF_CLIENT_HELLO = bytes.fromhex("16030102000100") + b"\x01" * 9
 
 
-async def echo(request, ctx):
-    return request
-
-
 async def _stalled(host: str, port: int, source: str, half_hello: bool):
     reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
     if half_hello:
         writer.write(HALF_CLIENT_HELLO)
         await writer.drain()
     return reader, writer
-
-
-async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[bool, int]:
-    """(whether the server closed the connection within `seconds`, bytes it sent before)."""
-    received = 0
-    try:
-        async with compat.timeout(seconds):
-            while chunk := await reader.read(65536):
-                received += len(chunk)
-        return True, received
-    except ConnectionError:
-        return True, received
-    except TimeoutError:
-        return False, received
 
 
 def _client_hello() -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, bytes]:
@@ -95,17 +78,14 @@ def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handsha
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=PENDING_CAP)
         server.add_handler("echo", echo)
-        await server.start()
-        addr = server.addresses[0]
         honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        await honest.start()
-        writers = []
-        try:
+        async with running(server, honest) as writers:
+            addr = server.addresses[0]
             opened = await _open_stalled(addr, [f"127.0.0.{10 + i}" for i in range(STALLED)])
             writers += [w for _, w in opened]
             # While they are held, a potluck dialer is refused at once, with a clear error.
             dial = asyncio.ensure_future(honest.connect(addr, timeout=ROUND_TRIP_BOUND))
-            results = await asyncio.gather(*(_closed_within(r, CLOSED_BOUND) for r, _ in opened))
+            results = await asyncio.gather(*(closed_within(r, CLOSED_BOUND) for r, _ in opened))
             held = [closed for closed, _ in results].count(False)
             assert held == PENDING_CAP, f"{held} connections stalled before TLS are held (cap {PENDING_CAP})"
             with pytest.raises(PeerUnreachable, match="could not connect"):
@@ -119,21 +99,16 @@ def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handsha
             _, _, _, hello = _client_hello()
             writer.write(hello)
             await writer.drain()
-            closed, received = await _closed_within(reader, CLOSED_BOUND)
+            closed, received = await closed_within(reader, CLOSED_BOUND)
             assert closed and received == 0, f"over the cap, the server answered {received} TLS bytes"
 
             # The held ones are dropped at the deadline; then an honest peer gets in.
             still = [(r, w) for (r, w), (closed, _) in zip(opened, results) if not closed]
-            dropped = await asyncio.gather(*(_closed_within(r, DEADLINE + 3.0) for r, _ in still))
+            dropped = await asyncio.gather(*(closed_within(r, DEADLINE + 3.0) for r, _ in still))
             assert all(closed for closed, _ in dropped)
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
             assert server._pending_handshakes == 0
-        finally:
-            for writer in writers:
-                writer.close()
-            await honest.close()
-            await server.close()
 
     arun(main(), timeout=50)
 
@@ -148,25 +123,17 @@ def test_one_address_cannot_take_every_pending_handshake(arun, monkeypatch):
         server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=2 * PENDING_CAP)
         server.max_pending_handshakes_per_ip = PENDING_CAP
         server.add_handler("echo", echo)
-        await server.start()
-        addr = server.addresses[0]
         honest = TCPTransport(Identity.generate(), host="127.0.0.1")
-        await honest.start()
-        writers = []
-        try:
+        async with running(server, honest) as writers:
+            addr = server.addresses[0]
             opened = await _open_stalled(addr, ["127.0.0.2"] * STALLED)
             writers += [w for _, w in opened]
-            results = await asyncio.gather(*(_closed_within(r, CLOSED_BOUND) for r, _ in opened))
+            results = await asyncio.gather(*(closed_within(r, CLOSED_BOUND) for r, _ in opened))
             held = [closed for closed, _ in results].count(False)
             assert held == PENDING_CAP, f"{held} stalled connections from one address are held"
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
             assert server._pending_handshakes == PENDING_CAP  # the stalled ones, still held
-        finally:
-            for writer in writers:
-                writer.close()
-            await honest.close()
-            await server.close()
 
     arun(main(), timeout=50)
 
@@ -176,10 +143,8 @@ def test_insecure_mode_still_refuses_with_a_reason(arun):
     """Without TLS a refusal is still a GOAWAY that says which cap."""
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=True, max_pending_handshakes=1)
-        await server.start()
-        addr = server.addresses[0]
-        writers = []
-        try:
+        async with running(server) as writers:
+            addr = server.addresses[0]
             r1, w1 = await asyncio.open_connection(addr.host, addr.port)
             writers.append(w1)
             await asyncio.sleep(0.2)
@@ -188,10 +153,6 @@ def test_insecure_mode_still_refuses_with_a_reason(arun):
             async with compat.timeout(CLOSED_BOUND + 2):
                 refusal = await r2.read()
             assert b"too many handshakes in progress" in refusal
-        finally:
-            for writer in writers:
-                writer.close()
-            await server.close()
 
     arun(main(), timeout=50)
 
@@ -208,10 +169,8 @@ def test_connections_refused_failed_or_expired_before_tls_leave_no_cyclic_garbag
 
     async def main():
         server = TCPTransport(Identity.generate(), host="127.0.0.1", max_pending_handshakes=3)
-        await server.start()
-        addr = server.addresses[0]
-        writers = []
-        try:
+        async with running(server) as writers:
+            addr = server.addresses[0]
             with gc_saving_garbage():
                 opened = await _open_stalled(addr, [f"127.0.0.{30 + i}" for i in range(6)])
                 writers += [w for _, w in opened]
@@ -225,9 +184,5 @@ def test_connections_refused_failed_or_expired_before_tls_leave_no_cyclic_garbag
                 assert (server._accepted, server._pending_handshakes) == (0, 0)
                 assert not server._accepted_per_ip and not server._pending_per_ip
                 assert cyclic_garbage() == []
-        finally:
-            for writer in writers:
-                writer.close()
-            await server.close()
 
     arun(main(), timeout=50, kind=kind)
