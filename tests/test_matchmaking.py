@@ -67,7 +67,7 @@ def test_declaration_refuses_malformed_fields_by_name():
 def a_group(total: int = 100) -> tuple[FormedGroup, PeerID]:
     peers = peer_ids(3)
     group = Group(os.urandom(16), tuple(peers), ("node", "client", "aux"), (60, 0, 40))
-    return FormedGroup(group, ({"samples": 3}, None, 1.5)), peers[1]
+    return FormedGroup(group, ({"samples": 3}, None, 1.5), ((1e6, 2e6), (1e6, 1e6), (3e6, 3e6))), peers[1]
 
 
 def test_group_announcement_refuses_malformed_fields_by_name():
@@ -86,7 +86,9 @@ def test_group_announcement_refuses_malformed_fields_by_name():
             ("modes", ["node", "client"], "'modes'"), ("modes", ["node", "client", "boss"], "'modes'"),
             ("parts", [60, 0], "'parts'"), ("parts", [60, 0, 30], "'parts'"), ("parts", [110, 0, -10], "'parts'"),
             ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'"),  # a client cannot reduce
-            ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'")):
+            ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'"),
+            ("bw", [[1e6, 1e6]] * 2, "'bw'"), ("bw", [[1e6, 1e6], [1e6], [1e6, 1e6]], "'bw'"),
+            ("bw", [[1e6, 1e6], [1e6, -1.0], [1e6, 1e6]], "'bw'")):
         refuses(lambda w: FormedGroup.from_wire(w, me, 100), {**wire, key: value}, field)
 
 

@@ -21,6 +21,19 @@ CAP_TOLERANCE = 1e-6
 MIN_SHARE = 1e-4
 # A small price on every member's time, so the solver reports each t_i tight, not just below T.
 TIGHT = 1e-4
+# No member reduces more than this many even shares (1 / reducing members): what a member
+# reduces is what it could corrupt until verification catches it, and what the group waits
+# for from it. Twice an even share still lets fast members carry most of a skewed group's load.
+MAX_SHARE_FACTOR = 2.0
+# Declared bandwidths are believed up to this multiple of the group's median: bandwidths are
+# self-reported, so a member claiming a huge one would otherwise be given (nearly) the whole
+# vector to reduce. Real spreads beyond 8x (a datacenter node among home peers) lose a little
+# balance; a liar can take at most what a member 8x faster than the median would get.
+BANDWIDTH_SPREAD = 8.0
+# A group's split is accepted if its slowest member is at most this much slower than in the
+# split a member computes itself: solvers (versions, platforms) may pick different optima, and
+# part sizes are rounded to whole elements.
+SPLIT_SLACK = 0.05
 
 
 def optimal_fractions(modes: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
@@ -68,7 +81,7 @@ def optimal_fractions(modes: list[str], upload: list[float], download: list[floa
                 row[n + i], row[2 * n] = 1.0, -1.0
                 a_ub.append(row)
                 b_ub.append(0.0)
-        bounds = ([(0.0, 1.0 if can_reduce[i] else 0.0) for i in range(n)]
+        bounds = ([(0.0, max_share(modes) if can_reduce[i] else 0.0) for i in range(n)]
                   + [(0.0, caps.get(i)) for i in range(n)] + [(0.0, None)])
         result = linprog(cost, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=np.array(a_eq), b_eq=[1.0],
                          bounds=bounds, method="highs")
@@ -85,6 +98,11 @@ def optimal_fractions(modes: list[str], upload: list[float], download: list[floa
         return [share if c else 0.0 for c in can_reduce]
     x = np.where(x < MIN_SHARE, 0.0, x)
     return [float(v) for v in x / x.sum()]
+
+
+def max_share(modes: list[str]) -> float:
+    """The largest fraction of the vector one member may reduce (see MAX_SHARE_FACTOR)."""
+    return min(1.0, MAX_SHARE_FACTOR / sum(m != "client" for m in modes))
 
 
 def part_sizes(total: int, fractions: list[float], min_part: int = 1) -> list[int]:
@@ -105,3 +123,39 @@ def part_sizes(total: int, fractions: list[float], min_part: int = 1) -> list[in
         remainder -= 1
         k += 1
     return sizes
+
+
+def clamp_bandwidths(values: list[float]) -> list[float]:
+    """Self-reported bandwidths as the load split believes them: at least MIN_BANDWIDTH, at most
+    BANDWIDTH_SPREAD times the group's median."""
+    ceiling = BANDWIDTH_SPREAD * max(MIN_BANDWIDTH, float(np.median(values)))
+    return [min(max(v, MIN_BANDWIDTH), ceiling) for v in values]
+
+
+def balanced_parts(total: int, modes: list[str], upload: list[float], download: list[float]) -> list[int]:
+    """The split a leader decides from its members' declared bandwidths (clamped)."""
+    return part_sizes(total, optimal_fractions(modes, clamp_bandwidths(upload), clamp_bandwidths(download)))
+
+
+def slowest_time(modes: list[str], upload: list[float], download: list[float], fractions: list[float]) -> float:
+    """The time of the slowest member under a split (the program's objective), in vector units
+    per byte/s, from clamped bandwidths."""
+    up, down = clamp_bandwidths(upload), clamp_bandwidths(download)
+    sends = [m != "aux" for m in modes]
+    senders = receivers = sum(sends)
+    times = [max((s * (1 - x) + x * (receivers - s)) / u, (x * (senders - s) + s * (1 - x)) / d)
+             for s, x, u, d in zip(sends, fractions, up, down, strict=True)]
+    return max(times)
+
+
+def fair_split(parts: list[int], modes: list[str], upload: list[float], download: list[float]) -> bool:
+    """Whether `parts` is a split the rule allows: no member above its maximal share, and the
+    slowest member no slower (up to SPLIT_SLACK) than in the split computed here."""
+    total = sum(parts)
+    if total == 0:
+        return True
+    if max(parts) > max_share(modes) * total * (1 + SPLIT_SLACK) + 1:
+        return False
+    mine = balanced_parts(total, modes, upload, download)
+    best = slowest_time(modes, upload, download, [p / total for p in mine])
+    return slowest_time(modes, upload, download, [p / total for p in parts]) <= best * (1 + SPLIT_SLACK)

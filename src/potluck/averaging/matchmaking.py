@@ -29,8 +29,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from potluck.averaging.accountability import ban_list
 from potluck.averaging.allreduce import MAX_GROUP_ID_BYTES, MAX_REASON_CHARS, MODES, Group
-from potluck.averaging.load_balancing import optimal_fractions, part_sizes
+from potluck.averaging.load_balancing import balanced_parts, fair_split
 from potluck.core import compat
 from potluck.core.errors import (
     AveragingError,
@@ -157,15 +158,17 @@ class JoinRequest:
 @dataclass(frozen=True)
 class FormedGroup:
     """A group as every member receives it (the leader's announcement): the all-reduce plan plus
-    everyone's metadata (members are named by peer id; the transport resolves their addresses)."""
+    everyone's metadata and declared (upload, download) bandwidths, from which every member
+    checks the load split (members are named by peer id; the transport resolves their addresses)."""
 
     group: Group
     metadata: tuple[Any, ...]
+    bandwidths: tuple[tuple[float, float], ...]
 
     def to_wire(self) -> dict:
         g = self.group
         return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
-                "parts": list(g.part_sizes), "meta": list(self.metadata)}
+                "parts": list(g.part_sizes), "meta": list(self.metadata), "bw": [list(b) for b in self.bandwidths]}
 
     @classmethod
     def from_wire(cls, msg: Any, me: PeerID, total: int) -> FormedGroup:
@@ -187,11 +190,32 @@ class FormedGroup:
             raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
         metadata = tuple(list_field(msg, "meta", what, n, length=n,
                                     each=lambda v: encoded_value(v, "meta", what, MAX_METADATA_BYTES)))
+        bandwidths = tuple(tuple(list_field({"bw": b}, "bw", what, 2, length=2,
+                                            each=lambda v: number_value(v, "bw", what, positive=True)))
+                           for b in list_field(msg, "bw", what, n, length=n))
         try:
             group = Group(group_id, peers, tuple(modes), parts)
         except ValueError as e:
             raise MalformedMessage(what, f"'parts': {e}") from None
-        return cls(group, metadata)
+        return cls(group, metadata, bandwidths)
+
+    def unfair(self, leader: PeerID, me: Candidate) -> str | None:
+        """Why this group breaks the rules a leader must follow, or None: it is led by `leader`,
+        states our own role and bandwidths as we declared them (each member checks its own, so
+        a leader can only misstate its own, which are clamped), and its split is the one the load
+        balancing rule gives (no member, the leader included, above its bounded share)."""
+        g = self.group
+        i = g.peers.index(me.peer_id)
+        if g.peers[0] != leader:
+            return f"it is led by {g.peers[0]}, not by the peer that formed it"
+        if g.modes[i] != me.role or self.bandwidths[i] != (me.upload, me.download):
+            return (f"it states our role and bandwidths as {g.modes[i]}, {self.bandwidths[i]}, "
+                    f"not {me.role}, {(me.upload, me.download)}")
+        modes = list(g.modes)
+        if not fair_split(list(g.part_sizes), modes, [b[0] for b in self.bandwidths],
+                          [b[1] for b in self.bandwidths]):
+            return f"its split {list(g.part_sizes)} breaks the load balancing rule for bandwidths {self.bandwidths}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -288,6 +312,7 @@ class Matchmaker:
         self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
         self.leader: PeerID | None = None  # of the last group we were in (ourselves if we led it)
         self._last_members: frozenset[PeerID] = frozenset()  # of the last group we led
+        self.banned = ban_list(transport)
         transport.add_handler(f"{METHOD_JOIN}.{prefix}", self._on_join)
 
     def close(self) -> None:
@@ -459,7 +484,7 @@ class Matchmaker:
             peer = subkey_owner(subkey)  # the peer that signed it; anything else declares nobody
             if peer is None:
                 continue
-            if entry.expiration_time <= now or peer == self.transport.peer_id:
+            if entry.expiration_time <= now or peer == self.transport.peer_id or peer in self.banned:
                 continue
             try:
                 declared = Declaration.from_wire(entry.value)
@@ -493,6 +518,14 @@ class Matchmaker:
             logger.warning("leader %s sent a %s; not joining it", leader, e)
             return None
         if isinstance(answer, JoinAccepted):
+            unfair = answer.group.unfair(leader, me)
+            if unfair is not None:
+                self.banned.ban(leader, f"as leader, it sent us a group that {unfair}")
+                return None
+            caught = _banned_member(answer.group, self.banned)
+            if caught is not None:
+                logger.info("not averaging with the group of %s: it %s", leader, caught)
+                return None
             return answer.group
         if isinstance(answer, JoinFailed):
             raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
@@ -503,6 +536,8 @@ class Matchmaker:
         return (await self._answer_join(JoinRequest.from_wire(request), ctx)).to_wire()
 
     async def _answer_join(self, join: JoinRequest, ctx: Any) -> JoinReply:
+        if ctx.peer_id in self.banned:
+            return JoinRefused("this peer caught you lying earlier")
         if join.again is not None and ctx.peer_id not in self._last_members:
             return JoinRefused("not a member of our last group")
         gathering = self._gatherings.get(join.key) if join.again is None else \
@@ -549,12 +584,17 @@ class Matchmaker:
         # add parts in member order, so a group of the same peers averages to the same bits.
         members = [members[0], *sorted(members[1:], key=lambda m: m.peer_id.to_bytes())]
         modes = [m.role for m in members]
-        fractions = optimal_fractions(modes, [m.upload for m in members], [m.download for m in members])
-        group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(modes),
-                      tuple(part_sizes(self.total, fractions)))
-        formed = FormedGroup(group, tuple(m.metadata for m in members))
+        parts = balanced_parts(self.total, modes, [m.upload for m in members], [m.download for m in members])
+        group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(modes), tuple(parts))
+        formed = FormedGroup(group, tuple(m.metadata for m in members), tuple((m.upload, m.download) for m in members))
         gathering.done.set_result(formed)
         return formed
+
+
+def _banned_member(formed: FormedGroup, banned: Any) -> str | None:
+    """Why we will not average with this group: it holds a member we caught lying (or None)."""
+    caught = [p for p in formed.group.peers if p in banned]
+    return f"includes {caught[0]}, whom we caught lying: {banned.evidence(caught[0])}" if caught else None
 
 
 def _formed(gathering: _Gathering) -> FormedGroup:

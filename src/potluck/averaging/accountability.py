@@ -1,0 +1,92 @@
+"""Holding the members of an averaging group to account: who was caught lying, and the digests
+that let a member check a reducer's work.
+
+A peer's ban list holds the members it caught lying itself (never on another peer's word, which
+could be a lie too); matchmaking neither joins nor admits them, for the rest of the run.
+
+Digests bind what was sent: a sender's piece of a shard is hashed chunk by chunk, the chunk
+hashes and its weight into one root; the coordinator's decision carries, per shard, one digest
+over the roots of the senders it averages (see allreduce.py). A member that later asks the
+reducer for the pieces of one chunk can then tell whether they are the pieces the senders sent,
+and whether the reducer's result is what they average to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from potluck.net.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+# Peers a ban list remembers; the longest-banned is forgotten first. Each entry is a few hundred
+# bytes, and every ban cost its liar a caught step, so a flood of throwaway identities cannot
+# grow the list faster than it fails steps.
+MAX_BANNED = 1024
+# Longest piece of evidence kept with a ban (it is logged in full when the ban is made).
+MAX_EVIDENCE_CHARS = 500
+# Bytes of every digest (SHA-256).
+DIGEST_BYTES = 32
+
+
+class BanList:
+    """Peers this peer caught lying, with what it saw; shared by its averagers (see `ban_list`)."""
+
+    def __init__(self, cap: int = MAX_BANNED):
+        self.cap = cap
+        self._banned: dict[PeerID, str] = {}
+
+    def ban(self, peer: PeerID, evidence: str) -> None:
+        if peer not in self._banned:
+            logger.warning("excluding %s from averaging for the rest of the run: %s", peer, evidence)
+        self._banned.pop(peer, None)
+        self._banned[peer] = evidence[:MAX_EVIDENCE_CHARS]
+        while len(self._banned) > self.cap:
+            del self._banned[next(iter(self._banned))]
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._banned
+
+    def evidence(self, peer: PeerID) -> str | None:
+        return self._banned.get(peer)
+
+    def __len__(self) -> int:
+        return len(self._banned)
+
+
+def ban_list(transport: Any) -> BanList:
+    """The ban list of the peer behind `transport` (one per transport, like its services)."""
+    banned = transport.services.get("banned")
+    if banned is None:
+        banned = transport.services["banned"] = BanList()
+    return banned
+
+
+def chunk_digest(chunk: torch.Tensor) -> bytes:
+    """Digest of a float32 chunk's bits, as the reducer decoded them."""
+    data = chunk.detach().reshape(-1).to(torch.float32).contiguous().numpy()
+    return hashlib.sha256(memoryview(data).cast("B")).digest()
+
+
+def piece_root(weight: float, chunk_digests: Sequence[bytes]) -> bytes:
+    """One sender's piece of one shard: its weight and the digests of its chunks, in order."""
+    h = hashlib.sha256(b"potluck.piece")
+    h.update(struct.pack("<d", weight))
+    for d in chunk_digests:
+        h.update(d)
+    return h.digest()
+
+
+def shard_digest(roots: dict[int, bytes]) -> bytes:
+    """What a shard averages: the roots of its senders, in member order."""
+    h = hashlib.sha256(b"potluck.shard")
+    for sender in sorted(roots):
+        h.update(struct.pack("<I", sender))
+        h.update(roots[sender])
+    return h.digest()
