@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from potluck.averaging.accountability import ban_list
 from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
 from potluck.core import compat
@@ -1050,9 +1051,18 @@ class Coordinator:
         if adopted.version > self.outcome.version:
             self.outcome = adopted
         if state.failure:
-            self._publish(Outcome(self.outcome.version + 1, aborted=state.failure))
-            return
+            if self._holds_repair(state.member):
+                self._publish(Outcome(self.outcome.version + 1, aborted=state.failure))
+                return
+            self.run.service.banned.ban(self.run.group.peers[state.member],
+                                        f"reported a failed repair of a part it does not hold: {state.failure!r}")
         self._decide()
+
+    def _holds_repair(self, member: int) -> bool:
+        """Whether `member` reduces a shard given to it by a repair: only such a reducer can find
+        a sender missing after the decision, so only its failure report may end the step."""
+        out = self.outcome
+        return out.version > 0 and any(r == member and r != j for j, r in out.assignment.items())
 
     def _report_deadline(self) -> None:
         self._timer = None  # a fired handle still holds this bound method: drop the cycle
@@ -1147,6 +1157,7 @@ class AllReduceService:
         self.runs: dict[bytes, AllReduceRun] = {}
         self.finished: dict[bytes, _Tombstone] = {}
         self.pool = BufferPool()
+        self.banned = ban_list(transport)
         self._arrived: dict[bytes, asyncio.Event] = {}
         self._linger: dict[bytes, asyncio.TimerHandle] = {}
         self._lost: dict[PeerID, float] = {}  # peer -> loop time its last connection was lost
