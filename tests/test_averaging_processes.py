@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from potluck.averaging.allreduce import bounded_weights
 from tests.averaging_process import vector_of
 from tests.conftest import ROOT
 
@@ -126,7 +127,7 @@ def test_members_killed_by_signal_leave_survivors_identical_and_correct(processe
 
     vectors = [p.vector() for p in survivors]
     assert all(torch.equal(v, vectors[0]) for v in vectors), "survivors' vectors differ"
-    weights = {i: i + 1.0 for i in contributors}
+    weights = bounded_weights({i: i + 1.0 for i in contributors}, tuple(contributors))  # as reducers weigh
     total = sum(weights.values())
     expected = sum(vector_of(i, SIZE) * (weights[i] / total) for i in contributors)
     offset = 0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from potluck.averaging.accountability import ban_list
+from potluck.averaging.robust import aggregate
 from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
 from potluck.core import compat
@@ -85,6 +86,11 @@ POOL_GRANULE = 2**16
 DOWNLOAD_BINS = 8
 # Rounds of reassigning the shards of reducers that died after the first decision.
 MAX_REPAIRS = 2
+# A sender's weight (its own claim, e.g. its samples) counts for at most this many times the
+# median weight of the senders of the chunk: a member claiming 1e30 weighs as much as two typical
+# members, not all of them. Honest peers twice as fast as the median lose a little weight (in
+# averaging, a slightly different mix of members that are all honest), nothing else.
+MAX_WEIGHT_OVER_MEDIAN = 2.0
 
 METHOD_PART = "potluck.allreduce.part"
 METHOD_UPDATE = "potluck.allreduce.update"
@@ -461,6 +467,20 @@ def _weighted_chunk(pieces: dict[int, list[torch.Tensor]], weights: dict[int, fl
         out.copy_(mean)
 
 
+def bounded_weights(weights: Mapping[int, float], senders: tuple[int, ...]) -> dict[int, float]:
+    """The weights `senders` count with: each at most MAX_WEIGHT_OVER_MEDIAN times the lower
+    median of their positive weights (zero weights, meaning "leave me out", are no evidence of a
+    typical weight). A function of the weights this reducer was told and of `senders` only, so
+    every peer that reduces the same chunk over the same senders gets the same bits. A sender
+    that tells different reducers different weights is bounded in each shard all the same.
+    (Weights are finite and >= 0: PartRequest refuses others.)"""
+    positive = sorted(weights[s] for s in senders if weights[s] > 0)
+    if not positive:
+        return {s: weights[s] for s in senders}
+    cap = MAX_WEIGHT_OVER_MEDIAN * positive[(len(positive) - 1) // 2]
+    return {s: min(weights[s], cap) for s in senders}
+
+
 def _encode(codec: Any, t: torch.Tensor) -> Any:
     return codec.encode(t)
 
@@ -490,6 +510,7 @@ class ShardReducer:
         self._run = weakref.ref(run)
         self.shard = shard
         self.codec = run.codec
+        self.aggregation = run.aggregation
         self.chunk = run.chunk
         self.sender_timeout = run.sender_timeout
         self.stats = run.stats
@@ -649,12 +670,21 @@ class ShardReducer:
             return
         lo, hi = self._chunk_range(c)
         result = self.reduced[lo:hi]
-        _weighted_chunk(self.pieces, self.weights, live, c, result, self.scratch)
+        self._reduce(live, c, result)
         self.reduced_with[c] = live
         self.results[c] = result
         payload = ResultChunk(c, _encode(self.codec, result))
         for box in self.outboxes.values():
             box.put_nowait(payload)
+
+    def _reduce(self, senders: tuple[int, ...], c: int, out: torch.Tensor) -> None:
+        """Write chunk `c` reduced over `senders` into `out`, with their bounded weights, by the
+        group's aggregation (see `potluck.averaging.robust`)."""
+        weights = bounded_weights(self.weights, senders)
+        if self.aggregation == "mean":
+            _weighted_chunk(self.pieces, weights, senders, c, out, self.scratch)
+        else:
+            aggregate(self.aggregation, [self.pieces[s][c] for s in senders], [weights[s] for s in senders], out)
 
     def _progress(self) -> None:
         """Report to the coordinator once every expected sender is settled."""
@@ -679,7 +709,7 @@ class ShardReducer:
             if self.reduced_with.get(c) != senders:
                 lo, hi = self._chunk_range(c)
                 self.results[c] = self.reduced[lo:hi]
-                _weighted_chunk(self.pieces, self.weights, senders, c, self.results[c], self.scratch)
+                self._reduce(senders, c, self.results[c])
                 self.reduced_with[c] = senders
                 payload = ResultChunk(c, _encode(self.codec, self.results[c]))
                 for box in self.outboxes.values():
@@ -703,7 +733,8 @@ class AllReduceRun:
 
     def __init__(self, service: AllReduceService, group: Group, me: int, vector: torch.Tensor | None,
                  weight: float, codec: Any, timeout: float, sender_timeout: float = SENDER_TIMEOUT,
-                 chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None, pool: BufferPool | None = None):
+                 chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None, pool: BufferPool | None = None,
+                 aggregation: str = "mean"):
         self.service = service
         self.group = group
         self.me = me
@@ -714,6 +745,7 @@ class AllReduceRun:
         self.vector = vector
         self.weight = 0.0 if self.abstain else float(weight)
         self.codec = codec
+        self.aggregation = aggregation  # how my reducers combine pieces; the group agreed on it
         self.chunk = chunk
         self.sender_timeout = sender_timeout
         self.stats = stats if stats is not None else TransferStats()

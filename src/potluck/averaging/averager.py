@@ -23,6 +23,7 @@ import torch
 from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import Matchmaker
+from potluck.averaging.robust import AGGREGATIONS
 from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import DonorRecord, StateServer, download_state
 from potluck.compression import PowerSGD, get_codec
@@ -98,6 +99,10 @@ class Averager:
         powersgd_rank: average rank-r PowerSGD approximations (with error feedback) instead of
             the tensors themselves: two all-reduces of r * (rows + cols) numbers per matrix
             instead of rows * cols. Meant for gradients; `compression` then applies to P and Q.
+        aggregation: how reducers combine the members' tensors: "mean" (the weighted mean),
+            "centered_clip" or "trimmed_mean" (robust to a minority of malicious members, at some
+            cost in CPU; see `potluck.averaging.robust` and docs/security.md). Part of the
+            schema: peers average only with peers that chose the same. Not with powersgd_rank.
         copy: False: average `tensors` themselves, in place (no private copy: saves one model
             of memory). The caller then changes them only inside `get_tensors()`, so that a step
             or a newcomer's snapshot never sees them half-written.
@@ -109,8 +114,12 @@ class Averager:
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
-                 powersgd_rank: int | None = None, copy: bool = True):
+                 powersgd_rank: int | None = None, copy: bool = True, aggregation: str = "mean"):
         role = Role(role)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
+        if aggregation != "mean" and powersgd_rank is not None:
+            raise ValueError("robust aggregation of PowerSGD's factors is not supported: use aggregation='mean'")
         if not tensors or any(not t.is_floating_point() for t in tensors):
             raise ValueError("Averager needs a non-empty list of floating-point tensors")
         if min_group_size < 1 or (target_group_size is not None and target_group_size < min_group_size):
@@ -128,7 +137,8 @@ class Averager:
         self.total = sum(t.numel() for t in self._tensors)
         self.powersgd = None if powersgd_rank is None else \
             [PowerSGD(t.shape, powersgd_rank, seed=k) for k, t in enumerate(self._tensors)]
-        self.schema = _schema(self._tensors, {**self.codec.spec, "powersgd": powersgd_rank})
+        self.aggregation = aggregation
+        self.schema = _schema(self._tensors, {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation})
         self.matchmaking_time = matchmaking_time
         self.allreduce_timeout = allreduce_timeout
         self.sender_timeout = sender_timeout
@@ -209,7 +219,8 @@ class Averager:
         if self.powersgd is None:
             stats = TransferStats()
             result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
-                                                          sender_timeout=self.sender_timeout, stats=stats)
+                                                          sender_timeout=self.sender_timeout, stats=stats,
+                                                          aggregation=self.aggregation)
             self._measure(stats)
             if result is not None:
                 await run_in_thread(self._assign, result)
@@ -381,9 +392,9 @@ def _discard(task: asyncio.Future | None) -> None:
         task.add_done_callback(retrieve_exception)
 
 
-def _schema(tensors: list[torch.Tensor], codec: dict) -> str:
-    """Peers average together only if shapes, dtypes and compression agree."""
-    description = repr(([(str(t.dtype), tuple(t.shape)) for t in tensors], sorted(codec.items())))
+def _schema(tensors: list[torch.Tensor], settings: dict) -> str:
+    """Peers average together only if shapes, dtypes, compression and aggregation agree."""
+    description = repr(([(str(t.dtype), tuple(t.shape)) for t in tensors], sorted(settings.items())))
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 

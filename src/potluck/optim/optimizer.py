@@ -130,6 +130,9 @@ class Optimizer(torch.optim.Optimizer):
         compression: codec for everything averaged (`potluck.compression.known_codecs()`).
         powersgd_rank: sync mode: average rank-r PowerSGD approximations of the gradients, with
             error feedback (see `Averager`), instead of the full gradients.
+        aggregation: "mean", "centered_clip" or "trimmed_mean": how every averaging round of the
+            run combines members' tensors (see `Averager`; robust ones bound what a minority of
+            malicious members can do: docs/security.md). Not with powersgd_rank.
         load_state: download the swarm's state at start (newcomers).
         start: join the run now (see `astart`).
 
@@ -144,7 +147,8 @@ class Optimizer(torch.optim.Optimizer):
                  local_steps: int = 10, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  grid: tuple[int, ...] | None = None, compression: Any = "none", matchmaking_time: float = 1.0,
                  averaging_timeout: float = 30.0, delay_updates: bool = False, load_state: bool = True,
-                 load_state_timeout: float = 30.0, powersgd_rank: int | None = None, start: bool = True):
+                 load_state_timeout: float = 30.0, powersgd_rank: int | None = None, aggregation: str = "mean",
+                 start: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         role = Role(role)
@@ -196,7 +200,7 @@ class Optimizer(torch.optim.Optimizer):
         # members whose momentum differs would take different outer steps from one change.
         self._outer_momentum: list[torch.Tensor] = _zeros_like(self._params) if mode == "diloco" else []
         common = dict(compression=compression, role=role, matchmaking_time=matchmaking_time,
-                      allreduce_timeout=averaging_timeout, copy=False)
+                      allreduce_timeout=averaging_timeout, copy=False, aggregation=aggregation)
         # The parameters and statistics themselves: averaged in place, served to newcomers.
         self.state_averager = Averager(peer, self._state_tensors(), f"{run_id}.state",
                                        grid=grid if mode == "moshpit" else None, **common)

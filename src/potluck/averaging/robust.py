@@ -1,0 +1,129 @@
+"""Robust aggregation of one chunk's pieces at its reducer: CenteredClip and a trimmed mean.
+
+A plain (weighted) mean follows any one sender anywhere: a member that sends 1e30 moves the
+average by 1e30 / n. These aggregators bound what a minority of senders can do:
+
+  * `trimmed_mean`: per coordinate, drop the `trimmed_count(n)` largest and as many smallest
+    values and average the rest (each sender counts once). With at most that many malicious
+    senders every result lies between the smallest and the largest honest value.
+  * `centered_clip` (Karimireddy, He, Jaggi 2021; the aggregator of BTARD, Gorbunov et al.):
+    from the coordinate-wise median v, repeat v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i,
+    where clip scales a difference down to norm tau. A sender moves v by at most
+    tau * w_i / sum w per iteration, whatever it sends.
+
+Every peer that reduces the same pieces gets the same bits: the computation is elementwise
+(correctly rounded IEEE operations), in a fixed sender order, with separate multiplies and adds
+(no fused multiply-add, whose rounding differs between CPUs), sums of squares are taken by a fixed
+pairwise tree of elementwise adds (torch's own reductions split work by thread count and SIMD
+width), the median and the sort pick existing values, and the iteration count depends only on
+those bits. When every piece equals x, both return x.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
+# CenteredClip's radius tau: this many times the median distance of the pieces from their
+# coordinate-wise median. The median distance is an honest sender's typical distance while
+# fewer than half the senders lie, so the radius follows the honest spread (gradients of
+# different batches, parameters after local steps) without a per-model setting. Measured in
+# benchmarks/byzantine.py (digits, 8 peers; docs/benchmarks.md): 1.0 kept honest-run accuracy
+# and held 1-2 of 8 attackers to within 2 points; a larger radius gives an attacker more room
+# per iteration, a smaller one slows the honest centre's pull.
+CLIP_RADIUS = 1.0
+# CenteredClip's iterations at most: each moves v by at most tau towards the honest centre; from
+# the median start a few suffice (the BTARD paper's experiments converge within about 10).
+CLIP_ITERATIONS = 10
+# CenteredClip stops early once an iteration moves v by at most this fraction of tau.
+CLIP_TOLERANCE = 1e-3
+# Trimmed mean: the fraction of senders dropped at each end of every coordinate (rounded up,
+# see `trimmed_count`): a quarter tolerates 1 malicious of 4 and 2 of 8.
+TRIM_FRACTION = 0.25
+
+
+def trimmed_count(n: int) -> int:
+    """Values dropped at each end of a coordinate among `n`: at least TRIM_FRACTION of them
+    (rounded up), leaving at least one value (three senders: the median; two: none dropped)."""
+    return min(math.ceil(n * TRIM_FRACTION - 1e-9), (n - 1) // 2)
+
+
+def aggregate(kind: str, pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
+    """Write into `out` the robust aggregate `kind` of `pieces` (flat float32 tensors of `out`'s
+    size) with `weights` (finite, >= 0; bounded by the caller). Zero-weight pieces take no part,
+    unless every weight is zero (then all count equally), as in the weighted mean."""
+    if any(w > 0 for w in weights):
+        kept = [(p, w) for p, w in zip(pieces, weights, strict=True) if w > 0]
+    else:
+        kept = [(p, 1.0) for p in pieces]
+    if not kept:
+        out.zero_()
+    elif kind == "centered_clip":
+        centered_clip([p for p, _ in kept], [w for _, w in kept], out)
+    elif kind == "trimmed_mean":
+        trimmed_mean([p for p, _ in kept], out)
+    else:
+        raise ValueError(f"unknown robust aggregation {kind!r}; choose from {AGGREGATIONS[1:]}")
+
+
+def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Coordinate-wise trimmed mean of `pieces` into `out` (see the module docstring)."""
+    k = trimmed_count(len(pieces))
+    rows = torch.stack(list(pieces)).sort(dim=0, stable=True).values if k else list(pieces)
+    _running_mean([rows[r] for r in range(k, len(pieces) - k)], out)
+
+
+def centered_clip(pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
+    """CenteredClip of `pieces` with positive `weights` into `out` (see the module docstring)."""
+    x = torch.stack(list(pieces))
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
+    diff, term, step = torch.empty_like(x), torch.empty_like(v), torch.empty_like(v)
+    tau = None
+    for _ in range(CLIP_ITERATIONS):
+        torch.sub(x, v, out=diff)
+        norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
+        if tau is None:
+            tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
+        coefficients = [share * (1.0 if d <= tau else tau / d) for share, d in zip(shares, norms, strict=True)]
+        if not any(c * d > 0 for c, d in zip(coefficients, norms, strict=True)):
+            break  # nothing would move (e.g. every piece equals v): v is exact
+        step.zero_()
+        for i, c in enumerate(coefficients):
+            torch.mul(diff[i], c, out=term)  # separate ops: identical bits on every CPU
+            step.add_(term)
+        v.add_(step)
+        if math.sqrt(_row_sums_of_squares(step.unsqueeze(0))[0]) <= CLIP_TOLERANCE * tau:
+            break
+    out.copy_(v)
+
+
+def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """The mean of `rows` in their order, as `_weighted_chunk` computes it with equal weights:
+    identical rows give exactly that row back."""
+    out.copy_(rows[0])
+    if len(rows) > 1:
+        term = torch.empty_like(out)
+        for seen, row in enumerate(rows[1:], start=1):
+            torch.sub(row, out, out=term)
+            term.div_(seen + 1)
+            out.add_(term)
+
+
+def _row_sums_of_squares(t: torch.Tensor) -> list[float]:
+    """Sum of squares of each row of a 2-D tensor, in float64 (float32 squares of 1e20 already
+    overflow), by a fixed pairwise tree of elementwise adds: the same bits whatever the thread
+    count or SIMD width (torch's own reductions depend on both)."""
+    rows, width = t.shape
+    size = 1 << max(0, (width - 1).bit_length())
+    squares = torch.zeros(rows, size, dtype=torch.float64)
+    squares[:, :width] = t
+    squares.mul_(squares)
+    while size > 1:
+        size //= 2
+        squares[:, :size].add_(squares[:, size:2 * size])
+    return squares[:, 0].tolist()

@@ -1,0 +1,80 @@
+"""A malicious member of an averaging group, as a sender: three honest peers and one that lies
+(issue 15), over the emulated network in virtual time.
+
+Observed before the fix: a member stepping with weight=1e30 and tensors of 42 left every honest
+peer with exactly 42.0; a member sending 1e30 left them with 2.5e29. Now a sender's weight
+counts for at most MAX_WEIGHT_OVER_MEDIAN times the median weight, and robust aggregation keeps
+the honest peers near the honest mean whatever the member sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.averaging import Averager
+from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN
+from potluck.core.virtual_time import run_virtual
+from tests.emulated_swarm import make_swarm
+
+SIZE = 1000
+HONEST = 3
+
+
+async def one_round(attack: torch.Tensor, attack_weight: float, aggregation: str) -> tuple[list, list]:
+    """(honest peers' tensors before, after) one step of a group of HONEST honest peers (weight
+    1) and a member sending `attack` with `attack_weight`."""
+    net, peers = await make_swarm(HONEST + 1)
+    g = torch.Generator().manual_seed(0)
+    honest = [torch.randn(SIZE, generator=g) + i for i in range(HONEST)]
+    averagers = [Averager(p, [t], "job", target_group_size=HONEST + 1, matchmaking_time=1.0, aggregation=aggregation)
+                 for p, t in zip(peers, [*honest, attack], strict=True)]
+    results = await asyncio.gather(*(a.astep(weight=1.0) for a in averagers[:HONEST]),
+                                   averagers[HONEST].astep(weight=attack_weight))
+    assert all(r.group_size == HONEST + 1 and len(r.contributors) == HONEST + 1 for r in results)  # all averaged
+    return honest, [a._tensors[0] for a in averagers[:HONEST]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip", "trimmed_mean"])
+def test_a_huge_weight_counts_as_a_bounded_number_of_members(aggregation):
+    """Bound: the member counts for at most MAX_WEIGHT_OVER_MEDIAN honest members, so with the
+    mean each honest result is at most c / (3 + c) of the way (0.4 for c = 2; was all the way)
+    from the honest mean to 42. Robust aggregation: trimmed_mean stays between the smallest and
+    largest honest value of every coordinate (weights play no part in it); centered_clip, where
+    the member holds 2/5 of the weight, within twice the largest honest distance from the honest
+    mean, whatever value the member sends."""
+    async def main():
+        honest, after = await one_round(torch.full((SIZE,), 42.0), 1e30, aggregation)
+        stacked = torch.stack(honest)
+        mean = stacked.mean(0)
+        share = MAX_WEIGHT_OVER_MEDIAN / (HONEST + MAX_WEIGHT_OVER_MEDIAN)
+        for result in after:
+            assert torch.equal(result, after[0])
+            moved = (result - mean).abs()
+            assert (moved <= share * (42.0 - mean).abs() + 1e-4).all()
+            if aggregation == "centered_clip":
+                assert (result - mean).norm() <= 2 * max((h - mean).norm() for h in honest)
+            if aggregation == "trimmed_mean":
+                assert (result >= stacked.min(0).values).all() and (result <= stacked.max(0).values).all()
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("aggregation", ["centered_clip", "trimmed_mean"])
+def test_huge_finite_values_do_not_carry_robust_aggregation_away(aggregation):
+    """Bound: centered_clip stays within the largest honest distance from the honest mean (in
+    norm); trimmed_mean between the smallest and the largest honest value of every coordinate.
+    (With the mean, the member sending 1e30 moves everyone by 1e30 / 4.)"""
+    async def main():
+        honest, after = await one_round(torch.full((SIZE,), 1e30), 1.0, aggregation)
+        stacked = torch.stack(honest)
+        mean = stacked.mean(0)
+        for result in after:
+            assert torch.equal(result, after[0])
+            assert (result - mean).norm() <= max((h - mean).norm() for h in honest)
+            if aggregation == "trimmed_mean":
+                assert (result >= stacked.min(0).values).all() and (result <= stacked.max(0).values).all()
+    run_virtual(main())

@@ -1,0 +1,110 @@
+"""Robust aggregators (`potluck.averaging.robust`) and the bounded weights of the all-reduce."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.averaging import Averager
+from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN, bounded_weights
+from potluck.averaging.robust import aggregate, trimmed_count
+from potluck.core.virtual_time import run_virtual
+from tests.emulated_swarm import make_swarm
+
+ROBUST = ("centered_clip", "trimmed_mean")
+
+
+def run(kind, pieces, weights=None):
+    out = torch.empty_like(pieces[0])
+    aggregate(kind, pieces, weights or [1.0] * len(pieces), out)
+    return out
+
+
+def honest_and_attackers(n, f, size=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    honest = [1.0 + 0.1 * torch.randn(size, generator=g) for _ in range(n - f)]
+    attacks = [torch.full((size,), 1e30), torch.full((size,), -1e30), 1e3 * torch.randn(size, generator=g)]
+    return honest, [attacks[i % len(attacks)] for i in range(f)]
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_identical_pieces_come_back_exactly(kind):
+    x = torch.randn(5000)
+    for n in (1, 2, 3, 4, 8):
+        assert torch.equal(run(kind, [x.clone() for _ in range(n)], [float(i + 1) for i in range(n)]), x)
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_identical_honest_majority_is_returned_exactly_whatever_the_outlier(kind):
+    x = torch.randn(3000)
+    for outlier in (torch.full_like(x, 1e30), -x * 1e6, torch.randn(3000) * 1e3):
+        assert torch.equal(run(kind, [x, x.clone(), outlier, x.clone()]), x)
+
+
+@pytest.mark.parametrize("n,f", [(4, 1), (8, 1), (8, 2)])
+def test_trimmed_mean_stays_within_the_honest_range_with_up_to_its_trim_count_of_outliers(n, f):
+    assert f <= trimmed_count(n)
+    honest, attackers = honest_and_attackers(n, f)
+    result = run("trimmed_mean", honest[:2] + attackers + honest[2:])
+    stacked = torch.stack(honest)
+    assert (result >= stacked.min(0).values).all() and (result <= stacked.max(0).values).all()
+
+
+@pytest.mark.parametrize("n,f", [(4, 1), (8, 1), (8, 2), (8, 3)])
+def test_centered_clip_stays_within_the_honest_spread_of_the_honest_mean(n, f):
+    """Bound: the distance to the honest mean is at most the largest honest distance to it (the
+    plain mean is moved by about 1e30 / n)."""
+    honest, attackers = honest_and_attackers(n, f, seed=n + f)
+    result = run("centered_clip", attackers + honest)
+    mean = torch.stack(honest).mean(0)
+    spread = max((h - mean).norm().item() for h in honest)
+    assert (result - mean).norm().item() <= spread
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_bits_do_not_depend_on_the_thread_count(kind):
+    honest, attackers = honest_and_attackers(8, 2, size=300_001)
+    pieces = honest + attackers
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 3, 4):
+            torch.set_num_threads(count)
+            results.append(run(kind, pieces, [1.0, 2.0, 3.0, 1.0, 1.0, 2.0, 1.0, 1.0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_zero_weights_take_no_part_unless_every_weight_is_zero():
+    a, b, c = torch.zeros(10), torch.ones(10), torch.full((10,), 2.0)
+    assert torch.equal(run("trimmed_mean", [a, b, c], [0.0, 1.0, 1.0]), torch.full((10,), 1.5))
+    assert torch.equal(run("trimmed_mean", [a, b, c], [0.0, 0.0, 0.0]), b)  # all count: the median
+
+
+def test_weights_are_bounded_by_a_multiple_of_the_median():
+    weights = {0: 1.0, 1: 3.0, 2: 1e30, 3: 0.0, 4: 2.0}
+    bounded = bounded_weights(weights, (0, 1, 2, 3, 4))
+    assert bounded == {0: 1.0, 1: 3.0, 2: MAX_WEIGHT_OVER_MEDIAN * 2.0, 3: 0.0, 4: 2.0}
+    # Half the senders claiming huge weights cannot raise the median: it is the lower one.
+    assert bounded_weights({0: 1.0, 1: 1.0, 2: 1e30, 3: 1e30}, (0, 1, 2, 3))[2] == MAX_WEIGHT_OVER_MEDIAN
+    assert bounded_weights({0: 0.0, 1: 0.0}, (0, 1)) == {0: 0.0, 1: 0.0}
+    assert bounded_weights(weights, (0, 2)) == {0: 1.0, 2: MAX_WEIGHT_OVER_MEDIAN}  # over the chunk's senders
+
+
+@pytest.mark.timeout(60)
+def test_averagers_with_different_aggregations_do_not_average_together():
+    async def main():
+        net, peers = await make_swarm(2)
+        mean = Averager(peers[0], [torch.zeros(4)], "job", matchmaking_time=0.5)
+        clip = Averager(peers[1], [torch.ones(4)], "job", matchmaking_time=0.5, aggregation="centered_clip")
+        assert mean.schema != clip.schema
+        results = await asyncio.gather(mean.astep(timeout=5), clip.astep(timeout=5), return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results)  # each alone: below min_group_size
+        with pytest.raises(ValueError, match="aggregation"):
+            Averager(peers[0], [torch.zeros(4)], "job", aggregation="median")
+        with pytest.raises(ValueError, match="PowerSGD"):
+            Averager(peers[0], [torch.zeros(4, 4)], "job", aggregation="trimmed_mean", powersgd_rank=1)
+    run_virtual(main())
