@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import msgpack
@@ -307,24 +307,32 @@ def allocate(specs: list) -> list[torch.Tensor]:
     return tensors
 
 
-def unpackb_bounded(data: bytes | memoryview, extra_containers: int = 0, **kwargs: object) -> object:
+def unpackb_bounded(data: bytes | memoryview, extra_containers: int = 0, *, raw: bool = False,
+                    strict_map_key: bool = True, ext_hook: Callable[[int, bytes], object] = msgpack.ExtType,
+                    max_ext_len: int = -1) -> object:
     """`msgpack.unpackb` within the decoding budget (see DECODE_FREE_CONTAINERS): raises
-    SerializationError as soon as `data` has built more containers than its size allows."""
-    left = DECODE_FREE_CONTAINERS + memoryview(data).nbytes // BYTES_PER_CONTAINER + extra_containers
-    if memoryview(data).nbytes <= left:
-        return msgpack.unpackb(data, **kwargs)  # every container takes a byte: it cannot overspend
+    SerializationError as soon as `data` has built more containers than its size allows.
+    msgpack's other length limits are its defaults: each at most the document's size.
+    Every message goes through here (frame headers, bodies, DHT messages), so the common case, a
+    document too small to overspend, is one call with named options (forwarding **kwargs to
+    msgpack costs more than decoding a small message)."""
+    size = len(data) if type(data) is bytes else memoryview(data).nbytes
+    left = DECODE_FREE_CONTAINERS + size // BYTES_PER_CONTAINER + extra_containers
+    if size <= left:  # every container takes a byte: it cannot overspend
+        return msgpack.unpackb(data, raw=raw, strict_map_key=strict_map_key, ext_hook=ext_hook,
+                               max_ext_len=max_ext_len)
 
     def count(container: object) -> object:
         nonlocal left
         left -= 1
         if left < 0:
             raise SerializationError(
-                f"a {memoryview(data).nbytes}-byte message builds more than "
-                f"{DECODE_FREE_CONTAINERS} + 1 per {BYTES_PER_CONTAINER} bytes arrays and maps "
-                "(send large numeric data as tensors)")
+                f"a {size}-byte message builds more than {DECODE_FREE_CONTAINERS} + 1 per "
+                f"{BYTES_PER_CONTAINER} bytes arrays and maps (send large numeric data as tensors)")
         return container
 
-    return msgpack.unpackb(data, list_hook=count, object_hook=count, **kwargs)
+    return msgpack.unpackb(data, list_hook=count, object_hook=count, raw=raw, strict_map_key=strict_map_key,
+                           ext_hook=ext_hook, max_ext_len=max_ext_len)
 
 
 # Decoded values that need no further check (containers and ext results are checked below).

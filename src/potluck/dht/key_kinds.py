@@ -56,6 +56,9 @@ PIPELINE_MAX_TTL = 1800.0
 # further ahead than a few periods. Results live 20 h: the DHT's own 24 h cap applies.
 LEASE_MAX_TTL = 3600.0
 RESULT_MAX_TTL = 24 * 3600.0
+# Keys whose matching kinds a node remembers (every record stored or read is checked, and a
+# run's few keys recur): at most MAX_KEY_BYTES (1 KiB) each, so a few MiB at most.
+KINDS_OF_KEYS_CACHED = 4096
 
 KEY_KINDS: tuple[KeyKind, ...] = (
     KeyKind("matchmaking declarations", re.compile(r"\.match\."), DECLARATION_MAX_TTL),
@@ -75,13 +78,12 @@ class KeyKinds:
     def __init__(self, clock: Clock, kinds: tuple[KeyKind, ...] = KEY_KINDS):
         self.clock = clock
         self.kinds = kinds
+        self._kinds_of: dict[str, tuple[KeyKind, ...]] = {}  # key -> the kinds it matches
 
     def validate(self, record: Record, value: Any) -> None:
         if not isinstance(record.key, str):
             return
-        for kind in self.kinds:
-            if kind.pattern.search(record.key) is None:
-                continue
+        for kind in self._matching(record.key):
             if kind.owned_entries and (record.subkey is None or owners_of("", record.subkey) is None):
                 raise RecordRejected(f"{kind.name} ({record.key!r:.80}) hold only owner-signed entries: "
                                      "store under own_subkey(your peer id)")
@@ -90,3 +92,14 @@ class KeyKinds:
                 raise ExpirationTooFar(
                     f"{kind.name} may live at most {kind.max_ttl:.0f} s; this one asks for {ahead:.0f} s "
                     f"({record.key!r:.80}): re-store it before it expires instead")
+
+    def _matching(self, key: str) -> tuple[KeyKind, ...]:
+        """The kinds `key` matches, searched once per key (oldest forgotten first past
+        KINDS_OF_KEYS_CACHED)."""
+        kinds = self._kinds_of.get(key)
+        if kinds is None:
+            kinds = tuple(kind for kind in self.kinds if kind.pattern.search(key) is not None)
+            if len(self._kinds_of) >= KINDS_OF_KEYS_CACHED:
+                del self._kinds_of[next(iter(self._kinds_of))]
+            self._kinds_of[key] = kinds
+        return kinds

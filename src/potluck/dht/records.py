@@ -102,7 +102,7 @@ def name_size(name: Key | Subkey | None) -> int:
     if name is None:
         return 0
     if isinstance(name, str):
-        return len(name.encode("utf-8", "surrogatepass"))
+        return len(name) if name.isascii() else len(name.encode("utf-8", "surrogatepass"))
     if isinstance(name, bytes):
         return len(name)
     return 8
@@ -158,9 +158,10 @@ def owners_of(key: Key, subkey: Subkey | None) -> PeerID | None:
     Raises NotOwner when the markers are malformed or name more than one peer: such a record
     could never be validly signed, so it is refused outright.
     """
-    names = set(_owners_in(key)) | set(_owners_in(subkey))
-    if not names:
-        return None
+    in_key, in_subkey = _owners_in(key), _owners_in(subkey)
+    if not (in_key or in_subkey):
+        return None  # the common case, asked of every record stored or read: no sets built
+    names = set(in_key) | set(in_subkey)
     if len(names) > 1:
         raise NotOwner("a key and its subkey name different owners; a record has one owner")
     return _marked_peer(names.pop())

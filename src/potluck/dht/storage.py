@@ -193,7 +193,8 @@ class Storage:
         that sent it (None: this node's own store); it is charged to its owner if it has one."""
         if record.expiration_time <= now:
             return False
-        if self.total_bytes + _cost(record) > self.max_bytes:
+        cost = _cost(record)
+        if self.total_bytes + cost > self.max_bytes:
             self.remove_expired(now)  # before anyone live is evicted
         slot = self._slots.get(key_id)
         if slot is not None:
@@ -233,7 +234,7 @@ class Storage:
                         return False
                     removed = [held]
         charged = source_of(record, source)
-        victims = self._plan_evictions(key_id, slot, record, charged, removed)
+        victims = self._plan_evictions(key_id, slot, record, charged, removed, cost)
         if victims is None:
             return False
         for victim_key, victim in victims:
@@ -254,7 +255,6 @@ class Storage:
             slot.floor = max(slot.floor, floor)
         seq = next(self._seq)
         slot.meta[record.subkey] = (seq, charged)
-        cost = _cost(record)
         slot.bytes += cost
         self.total_bytes += cost
         self._entries += 1
@@ -316,11 +316,10 @@ class Storage:
             self._forget(key_id, slot, record)
 
     def _plan_evictions(self, key_id: int, slot: _Slot | None, record: Record, charged: Source,
-                        removed: list[Record]) -> list[tuple[int, Record]] | None:
-        """What must go for `record` to fit every budget (the key's, its source's, the node's);
-        None if it cannot. Changes nothing: heap entries looked at are put back."""
-        cost = _cost(record)
-        delta = cost - sum(_cost(r) for r in removed)
+                        removed: list[Record], cost: int) -> list[tuple[int, Record]] | None:
+        """What must go for `record` (costing `cost`) to fit every budget (the key's, its source's,
+        the node's); None if it cannot. Changes nothing: heap entries looked at are put back."""
+        delta = cost - sum(_cost(r) for r in removed) if removed else cost
         if self._fits(slot, record, charged, cost, delta):
             return []  # the common case: nothing to evict, no plan to make
         skip = {id(r) for r in removed}  # already counted as going

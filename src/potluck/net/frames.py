@@ -224,10 +224,8 @@ class FrameDecoder:
 
 def _parse_header(header: bytes, payload_len: int) -> tuple[int, dict | None, bytes, list, list[int]]:
     try:
-        parsed = serialization.unpackb_bounded(
-            header, serialization.spec_containers(len(header)), raw=False, strict_map_key=True,
-            max_bin_len=len(header), max_str_len=len(header), max_array_len=len(header),
-            max_map_len=len(header), max_ext_len=0)
+        # msgpack caps every length at the header's size by default; no ext types in a header.
+        parsed = serialization.unpackb_bounded(header, serialization.spec_containers(len(header)), max_ext_len=0)
     except Exception as e:  # noqa: BLE001 - any failure here is the peer's malformed header
         raise ProtocolError(f"malformed frame header: {e}") from None
     if not (isinstance(parsed, list) and len(parsed) == 4):
