@@ -5,13 +5,20 @@ copy made off the event loop, so training goes on) and describes it: version, me
 specs, chunk size and the SHA-256 of every chunk. Newcomers share snapshots: one per version, at
 most `max_snapshots` in all, each freed once no stream serves it and it has been idle
 `SNAPSHOT_IDLE_SECONDS`. A newcomer (`download_state`) asks every donor for a manifest, picks
-the newest version (and the largest group of donors whose hashes agree on it), then fetches
-chunks from that whole group at once, each written into place (`into`: the caller's own tensors)
+the state that the most donors agree on (version, metadata and every chunk's hash; the newest of
+equally large groups), never merely the highest version claimed, then fetches chunks from that
+whole group at once, each written into place (`into`: the caller's own tensors)
 as soon as its hash matches. Each donor's worker takes the next chunk from one shared queue, so
 faster donors serve more. A donor that fails, stalls or sends bytes that do not match the hash
 is dropped and its chunks go back to the queue. Once the queue is empty, idle workers also fetch
 chunks still in flight elsewhere (the "endgame"), so a slow or silently dead donor cannot hold
 up the last chunks.
+
+Donors are other peers, and one may lie. The caller can say which donors it trusts (`vouched`:
+e.g. live peers in its progress view; identities it never heard of do not count) and check each
+manifest (`check`: e.g. that its version is no further ahead than the swarm supports); donors
+left out or refused are logged, as are donors outvoted by a larger group, and any donor whose
+chunk does not match its hash. See docs/security.md for what this does and does not stop.
 
 Wire (method names derive from a prefix, so several averagers coexist on one peer), one typed
 message each, checked by its `from_wire`:
@@ -32,7 +39,7 @@ import itertools
 import logging
 import secrets
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +56,7 @@ from potluck.core.errors import (
     SerializationError,
 )
 from potluck.core.wire import bytes_field, encoded_value, int_field, list_field, wire_map
+from potluck.dht.records import subkey_owner
 from potluck.net.connection import STREAM_WINDOW, CallContext, Stream
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -67,12 +75,14 @@ __all__ = [
     "chunks_method",
     "download_state",
     "manifest_method",
+    "read_donors",
 ]
 
 logger = logging.getLogger(__name__)
 
 StateGetter = Callable[[], tuple[int, Any, Sequence[torch.Tensor]]]
 ProgressCallback = Callable[[int, int], None]
+ManifestCheck = Callable[["Manifest"], None]  # raises ValueError (saying why) to refuse a donor's manifest
 
 # -- limits and timeouts ---------------------------------------------------------------------------
 # Chunk requests a downloader keeps outstanding per donor: one on the wire while the next is asked
@@ -187,8 +197,9 @@ class Manifest:
 
     @property
     def content(self) -> tuple:
-        """What donors must agree on to serve the same bytes."""
-        return self.version, self.specs, self.chunk_bytes, self.hashes
+        """What donors must agree on to offer the same state: its bytes and what they say of it
+        (the metadata, encoded: it is checked to encode within MAX_STATE_METADATA_BYTES)."""
+        return self.version, serialization.dumps(self.metadata), self.specs, self.chunk_bytes, self.hashes
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_bytes
@@ -292,6 +303,23 @@ class DonorRecord:
         what = "donor record"
         msg = wire_map(msg, what)
         return cls(int_field(msg, "version", what, 0, MAX_VERSION))
+
+
+def read_donors(found: Any, me: PeerID) -> dict[PeerID, int]:
+    """The donors in a DHT read of `<prefix>.state` (None, or a dict of subkeys): each donor
+    other than `me` -> the version it offers. Only a donor's own signed entry names it: any other
+    subkey, and any malformed record, is skipped, so nobody can offer a state in a donor's name."""
+    donors: dict[PeerID, int] = {}
+    for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+        peer_id = subkey_owner(subkey)
+        try:
+            record = None if peer_id is None else DonorRecord.from_wire(entry.value)
+        except MalformedMessage as e:
+            logger.debug("ignoring a state record by %s: %s", peer_id, e)
+            continue
+        if record is not None and peer_id != me:
+            donors[peer_id] = record.version
+    return donors
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -725,7 +753,8 @@ class _Download:
 
 
 async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str, max_bytes: int,
-                         like: list | None, failures: dict[PeerID, str]) -> dict[PeerID, Manifest]:
+                         like: list | None, check: ManifestCheck | None,
+                         failures: dict[PeerID, str]) -> dict[PeerID, Manifest]:
     """Ask every donor for a manifest at once; wait a short grace after the first one arrives."""
     loop = asyncio.get_running_loop()
 
@@ -735,11 +764,18 @@ async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str
             manifest = Manifest.from_wire(reply, max_bytes)
             if like is not None and [[n, list(s)] for n, s in manifest.specs] != like:
                 raise ValueError("its tensors' dtypes or shapes differ from ours")
-            return manifest
         except (NetworkError, ValueError) as e:
             failures[donor] = f"manifest: {e}"
             logger.info("state download: no manifest from %s: %s", donor, e)
             return None
+        try:
+            if check is not None:
+                check(manifest)
+        except ValueError as e:
+            failures[donor] = f"refused: {e}"
+            logger.warning("state download: refusing donor %s: %s", donor, e)
+            return None
+        return manifest
 
     tasks = {asyncio.ensure_future(ask(donor)): donor for donor in donors}
     pending = set(tasks)
@@ -766,30 +802,38 @@ async def _ask_manifests(transport: Transport, donors: list[PeerID], method: str
 
 
 def _choose(answers: dict[PeerID, Manifest], donors: list[PeerID]) -> tuple[Manifest, dict[PeerID, bytes]]:
-    """The newest version, held by the largest group of donors with identical hashes; returns
-    one of their manifests and each holder's snapshot id."""
-    newest = max(m.version for m in answers.values())
+    """The state the most donors agree on (the newest of equally large groups, then the caller's
+    first donors'), not the highest version claimed: a lone donor's version or bytes cannot
+    outvote two that agree. Returns one of its manifests and each holder's snapshot id."""
     groups: dict[tuple, list[PeerID]] = {}
     for donor in donors:  # the caller's order: its first donors are preferred
         manifest = answers.get(donor)
-        if manifest is not None and manifest.version == newest:
+        if manifest is not None:
             groups.setdefault(manifest.content, []).append(donor)
-    holders = max(groups.values(), key=len)  # the first of equally large groups wins
+    holders = max(groups.values(), key=lambda group: (len(group), answers[group[0]].version))
+    outvoted = [d for group in groups.values() if group is not holders for d in group]
+    if outvoted:
+        logger.warning("state download: %d donor(s) agree on version %d; not using the states that %s offer",
+                       len(holders), answers[holders[0]].version,
+                       ", ".join(f"{d} (version {answers[d].version})" for d in outvoted))
     return answers[holders[0]], {donor: answers[donor].snapshot for donor in holders}
 
 
 async def download_state(transport: Transport, donors: Sequence[PeerID], prefix: str, timeout: float,
                          *, parallel: int = PARALLEL_DONORS, like: Sequence[torch.Tensor] | None = None,
                          into: Sequence[torch.Tensor] | None = None, lock: AbstractContextManager | None = None,
-                         max_bytes: int = MAX_STATE_BYTES,
-                         progress: ProgressCallback | None = None) -> tuple[int, Any, list[torch.Tensor]]:
-    """Download the newest state `donors` serve under `prefix`: `(version, metadata, tensors)`.
+                         max_bytes: int = MAX_STATE_BYTES, progress: ProgressCallback | None = None,
+                         vouched: Collection[PeerID] | None = None,
+                         check: ManifestCheck | None = None) -> tuple[int, Any, list[torch.Tensor]]:
+    """Download the state most of `donors` agree on under `prefix`: `(version, metadata, tensors)`.
 
-    Chunks come from every donor of the chosen version at once (`parallel` at a time) and are
-    checked against the manifest's hashes; a donor that dies or lies is dropped and the others
-    carry on. `like`, if given, refuses donors whose tensors differ in dtype or shape. `progress`
-    is called on the event loop with (bytes done, bytes total) after each chunk. Raises
-    `AveragingError` if no donor answers, all donors fail, or `timeout` seconds pass.
+    Chunks come from every donor of the chosen state at once (`parallel` at a time) and are
+    checked against the manifest's hashes as they arrive; a donor that dies or lies is dropped
+    and the others carry on. `like`, if given, refuses donors whose tensors differ in dtype or
+    shape. `vouched`, if given: only these donors count (others are logged and skipped). `check`,
+    if given, is called with each donor's manifest and refuses that donor by raising ValueError.
+    `progress` is called on the event loop with (bytes done, bytes total) after each chunk.
+    Raises `AveragingError` if no donor answers, all donors fail, or `timeout` seconds pass.
 
     `into` (tensors that also act as `like`): write each chunk straight into them once its hash
     matches, and return them; the download then needs no memory beyond the chunks in flight.
@@ -809,6 +853,11 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
         into = list(into)
         like = into
     donors = [d for d in dict.fromkeys(donors) if d != transport.peer_id]
+    if vouched is not None:
+        unknown = [d for d in donors if d not in vouched]
+        if unknown:
+            logger.warning("state download: skipping donor(s) nobody vouches for: %s", ", ".join(map(str, unknown)))
+        donors = [d for d in donors if d in vouched]
     if not donors:
         raise AveragingError("cannot download the state: no donors given")
     like_specs = None if like is None else [[_dtype_name(t.dtype), list(t.shape)] for t in like]
@@ -818,7 +867,7 @@ async def download_state(transport: Transport, donors: Sequence[PeerID], prefix:
     try:
         async with compat.timeout_at(deadline):
             answers = await _ask_manifests(transport, donors, manifest_method(prefix), max_bytes,
-                                           like_specs, failures)
+                                           like_specs, check, failures)
             if not answers:
                 raise AveragingError(f"cannot download the state: no donor offered one ({_why(failures)})")
             manifest, holders = _choose(answers, donors)

@@ -38,9 +38,11 @@ download it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +52,20 @@ import torch
 
 from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
-from potluck.core import serialization
+from potluck.averaging.state_transfer import Manifest, download_state, read_donors
+from potluck.core import compat, serialization
 from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.wire import int_field, number_field, text_field, wire_map
-from potluck.optim.progress import MAX_SAMPLES_PER_SECOND, GlobalProgress, PeerProgress, ProgressTracker
+from potluck.net.identity import PeerID
+from potluck.optim.progress import (
+    MAX_EPOCH_LEAD,
+    MAX_SAMPLES_PER_SECOND,
+    GlobalProgress,
+    PeerProgress,
+    ProgressTracker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,10 @@ IDLE_FLOOR_SECONDS = 5.0
 MAX_CLAIMED_SAMPLES = 2**40
 # Longest state digest accepted in a round note (ours are 64 hex digits of SHA-256).
 MAX_DIGEST_CHARS = 128
+# Epochs a downloaded state's scheduler may be moved on by replaying its steps one by one, when it
+# is not a torch scheduler whose learning rate at any epoch has a closed form (those move in one
+# call): about 3 us a step, so at most a tenth of a second.
+MAX_REPLAYED_SCHEDULER_STEPS = 30_000
 # A peer that downloaded a state still older than the swarm's waits this long before asking again
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
@@ -466,8 +480,7 @@ class Optimizer(torch.optim.Optimizer):
         """Another peer has applied `epoch`'s update: its round ended (without us, if we are
         still looking for a group). Waiting out the matchmaking window for a group that will not
         come would also hold back the others, who count us into their next round."""
-        return any(r.done > epoch for r in self.tracker.merged(self._reports).values()
-                   if r.peer_id != self.peer.peer_id)
+        return any(r.done > epoch for r in self.progress().reports if r.peer_id != self.peer.peer_id)
 
     async def _finish_update(self, pending: _Round) -> None:
         """Apply an averaging round's result: the wrapped optimizer's step, and the new epoch."""
@@ -847,20 +860,55 @@ class Optimizer(torch.optim.Optimizer):
     async def _try_load_state(self, timeout: float) -> bool:
         try:
             self._state_generation += 1  # written even if the download fails part-way
-            version, metadata = await self.state_averager.aload_state_from_peers(timeout)  # into our tensors
+            epoch = await self._download_state(timeout)  # into our tensors
         except AveragingError as e:
             logger.info("no state downloaded (%s); starting from local parameters", e)
             return False
-        epoch = int(metadata.get("epoch", 0)) if isinstance(metadata, dict) else 0
-        while self.local_epoch < epoch:
-            self.local_epoch += 1
+        if epoch > self.local_epoch:
             if self.scheduler is not None:
-                self.scheduler.step()
+                _advance_scheduler(self.scheduler, epoch - self.local_epoch)
+            self.local_epoch = epoch
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         if self._outer_params is not None:
             await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
         logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
         return True
+
+    async def _download_state(self, timeout: float) -> int:
+        """Download the state that most donors vouched for by our progress view agree on, into
+        the state averager's tensors; returns its epoch. Donors count only if they are live peers
+        in the view (identities we never heard from do not), and a state whose epoch or version
+        is ahead of what the view supports (`MAX_EPOCH_LEAD`) is refused: one donor cannot set
+        our parameters or our epoch. (The averager's own `aload_state_from_peers` takes the
+        newest state any donor offers.)"""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with compat.timeout_at(deadline):
+                reports = await self.tracker.fetch()
+                found = await self.peer.dht.aget(f"{self.state_averager.run_id}.state", latest=True)
+        except TimeoutError:
+            raise AveragingError(f"could not read the swarm's progress and donors within {timeout} s") from None
+        if reports is not None:
+            self._reports = reports
+        progress, now = self.progress(), self.peer.dht.get_time()
+        vouched = {PeerID.from_string(r.peer_id) for r in progress.reports
+                   if r.peer_id != self.peer.peer_id and r.live(now)}
+        limit = progress.epoch + MAX_EPOCH_LEAD
+        donors = read_donors(found, self.peer.transport.peer_id)
+        averager, left = self.state_averager, deadline - loop.time()
+        if left <= 0:
+            raise AveragingError(f"no time left to download the state within {timeout} s")
+        with averager.get_tensors() as tensors:
+            targets = list(tensors)
+        # A failed download leaves our tensors partly overwritten: meanwhile we offer them to nobody.
+        with averager.state_server.replacing() if averager.state_server is not None else contextlib.nullcontext():
+            version, metadata, _ = await download_state(
+                self.peer.transport, sorted(donors, key=lambda p: (-donors[p], str(p))), averager.run_id, left,
+                into=targets, lock=averager._lock,  # the lock the averager's own downloads hold
+                vouched=vouched, check=lambda manifest: _check_epoch(manifest, limit))
+            averager.round, averager.state_metadata = version, metadata
+        return metadata["epoch"]
 
     # -- progress -----------------------------------------------------------------------------------
     def _measure_speed(self) -> None:
@@ -936,6 +984,37 @@ class RoundNote:
         except MalformedMessage as e:
             logger.debug("ignoring a malformed round note: %s", e)
             return cls()
+
+
+def _check_epoch(manifest: Manifest, limit: int) -> None:
+    """Refuse (ValueError) a donor's state unless it says which epoch it is, and neither that
+    epoch nor its version is beyond `limit`."""
+    metadata = manifest.metadata
+    epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"its metadata names no epoch: {metadata!r:.100}")
+    if max(epoch, manifest.version) > limit:
+        raise ValueError(f"it claims epoch {epoch} (version {manifest.version}), beyond the {limit} "
+                         f"that the swarm's progress supports")
+
+
+def _advance_scheduler(scheduler: Any, epochs: int) -> None:
+    """Move a learning-rate scheduler `epochs` epochs on, as many `step()` calls would: in one call
+    for a torch scheduler with a closed form, else by replaying at most MAX_REPLAYED_SCHEDULER_STEPS
+    steps (a scheduler further behind is left there, and logged)."""
+    schedulers = torch.optim.lr_scheduler
+    if isinstance(scheduler, schedulers.LRScheduler) and (
+            hasattr(scheduler, "_get_closed_form_lr")
+            or isinstance(scheduler, (schedulers.LambdaLR, schedulers.OneCycleLR, schedulers.CyclicLR))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # step(epoch) is deprecated, yet torch's only way to jump
+            scheduler.step(scheduler.last_epoch + epochs)
+        return
+    for _ in range(min(epochs, MAX_REPLAYED_SCHEDULER_STEPS)):
+        scheduler.step()
+    if epochs > MAX_REPLAYED_SCHEDULER_STEPS:
+        logger.warning("the learning-rate scheduler was moved on %d of the %d epochs downloaded (it has no closed "
+                       "form); its rate is that of an earlier epoch", MAX_REPLAYED_SCHEDULER_STEPS, epochs)
 
 
 def _drop(task: asyncio.Future) -> None:

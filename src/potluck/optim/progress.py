@@ -11,11 +11,18 @@ fraction of a second late, while a fast swarm fills its batch in tens of millise
 therefore also send each report straight to the members of their last averaging group (their
 `neighbors`), and take such a report only from the peer it is about. Newcomers and peers outside
 the group are still seen through the DHT.
+
+Records come from other peers, so a reader bounds what one record can do (see docs/security.md):
+a record is only its signer's; a report time in the future counts as the moment it was first
+read, and ages from there; an epoch more than `MAX_EPOCH_LEAD` ahead of the second-highest
+epoch reported is ignored (one record cannot move the collaboration's epoch); a peer's samples
+and speed count at most `MAX_SPEED_RATIO` times the median peer's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +42,14 @@ PROGRESS_TTL = 3.0
 MAX_EXTRAPOLATION = 0.25
 # Records that claim absurd values are ignored (they come from other peers).
 MAX_SAMPLES_PER_SECOND = 1e9
+# Epochs an honest peer can be ahead of the others: one (its round ended and it applied the
+# update, or its delayed round started, a moment before theirs). A report further ahead than this
+# of the second-highest epoch reported is ignored: it takes two peers to move the epoch.
+MAX_EPOCH_LEAD = 1
+# A peer's reported speed and samples count at most this many times the median peer's. Volunteers'
+# hardware differs by about an order of magnitude (a laptop CPU next to a datacenter GPU), so
+# honest peers stay within it; one record claiming more would fill the global batch on its own.
+MAX_SPEED_RATIO = 16
 # A live peer republishes every fraction of a second (even while blocked in a round, from its
 # event loop); one silent for this long has left or hangs, so nobody waits for it any more. A
 # departed peer thus stops holding others back within one matchmaking window, long before its
@@ -101,6 +116,9 @@ class ProgressTracker:
         # Reports sent to us by neighbors, stamped with our clock on arrival; replaced, never
         # changed in place (the training thread reads it while the loop writes it).
         self.pushed: dict[str, PeerProgress] = {}
+        # Peers whose report time was in the future: peer -> (that time, our time when first read).
+        self._future: dict[str, tuple[float, float]] = {}
+        self._ignored: set[str] = set()  # peers whose reports are ignored now (logged once each)
         transport.add_handler(self.method, self._on_push)
 
     def close(self) -> None:
@@ -176,8 +194,22 @@ class ProgressTracker:
                 owner = subkey_owner(subkey)  # the signer: a record is only ever its signer's progress
                 report = None if owner is None else _parse(str(owner), entry.value)
                 if report is not None and entry.expiration_time > now:
-                    reports[report.peer_id] = report
+                    reports[report.peer_id] = dataclasses.replace(report, time=self._clamp(report, now))
+        self._future = {peer: seen for peer, seen in self._future.items() if peer in reports}
         return reports
+
+    def _clamp(self, report: PeerProgress, now: float) -> float:
+        """The report's time, or if it is in the future, our time when we first read that report
+        (the sender sets it: a time always ahead of ours would never look stale)."""
+        if report.time <= now:
+            return report.time
+        first = self._future.get(report.peer_id)
+        if first is None or first[0] != report.time:
+            if first is None:
+                logger.warning("progress: %s reports a time %.1f s in the future; counting it from now",
+                               report.peer_id, report.time - now)
+            first = self._future[report.peer_id] = (report.time, now)
+        return first[1]
 
     def estimate(self, reports: dict[str, PeerProgress], local: PeerProgress) -> GlobalProgress:
         """The swarm's progress now: others' latest reports plus our own exact numbers. The ETA
@@ -186,7 +218,8 @@ class ProgressTracker:
         it. Only the newest part of the newest epoch counts: a report from before a short round
         still holds samples that the round moved."""
         now = local.time
-        reports = {peer: r for peer, r in reports.items() if now - r.time <= PROGRESS_TTL}
+        others = [r for peer, r in reports.items() if peer != local.peer_id and now - r.time <= PROGRESS_TTL]
+        reports = {r.peer_id: r for r in self._bounded(others, local)}
         reports[local.peer_id] = local
         epoch = max(r.epoch for r in reports.values())
         part = max(r.part for r in reports.values() if r.epoch == epoch)
@@ -198,6 +231,35 @@ class ProgressTracker:
         left = max(0.0, self.target - expected)
         eta = 0.0 if left == 0 else (left / speed if speed > 0 else float("inf"))
         return GlobalProgress(epoch, reported, len(current), speed, eta, tuple(reports.values()), part)
+
+    def _bounded(self, others: list[PeerProgress], local: PeerProgress) -> list[PeerProgress]:
+        """Others' reports as far as the swarm supports them: none more than MAX_EPOCH_LEAD
+        epochs ahead of the second-highest epoch (ours included; a lone other peer is the swarm),
+        speeds and samples at most MAX_SPEED_RATIO times the median peer's (ours included)."""
+        epochs = sorted([local.epoch, *(r.epoch for r in others)], reverse=True)
+        supported = epochs[1] if len(others) >= 2 else epochs[0]
+        kept = [r for r in others if r.epoch <= supported + MAX_EPOCH_LEAD]
+        ignored = {r.peer_id: r.epoch for r in others if r.epoch > supported + MAX_EPOCH_LEAD}
+        for peer in ignored.keys() - self._ignored:
+            logger.warning("progress: ignoring %s, which claims epoch %d while the swarm supports %d",
+                           peer, ignored[peer], supported)
+        self._ignored = set(ignored)
+        everyone = [local, *kept]
+        median_speed = _lower_median([r.samples_per_second for r in everyone])
+        if median_speed <= 0:
+            return kept  # nobody has measured a speed yet: nothing to compare a claim with
+        max_speed = MAX_SPEED_RATIO * median_speed
+        typical = max(_lower_median([r.samples for r in everyone]), median_speed * LIVE_SECONDS)
+        max_samples = min(self.target, int(MAX_SPEED_RATIO * typical))
+        return [r if r.samples_per_second <= max_speed and r.samples <= max_samples else
+                dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
+                                    samples=min(r.samples, max_samples))
+                for r in kept]
+
+
+def _lower_median(values: list[float]) -> float:
+    """The median, or the lower of the two middle values: a minority's high claims cannot raise it."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress | None:
