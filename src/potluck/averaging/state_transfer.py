@@ -682,8 +682,10 @@ class _Download:
                 data = self._check_reply(reply, index)
                 asked.popleft()
                 self._answered(index)
-                if index in self._claimed:
-                    continue  # another donor delivered it first (endgame)
+                if index in self._claimed:  # another donor delivered it first (endgame): still checked,
+                    if not await loop.run_in_executor(None, self._matches, index, data):  # so a liar is caught
+                        raise _DonorMisbehaved(f"chunk {index} does not match its hash in the manifest")
+                    continue
                 self._claimed.add(index)
                 if not await loop.run_in_executor(None, self._store, index, data):
                     self._claimed.discard(index)
@@ -733,10 +735,13 @@ class _Download:
         except MalformedMessage as e:
             raise _DonorMisbehaved(str(e)) from None
 
+    def _matches(self, index: int, data: torch.Tensor) -> bool:
+        return hashlib.sha256(data.numpy()).digest() == self.manifest.hashes[index]
+
     def _store(self, index: int, data: torch.Tensor) -> bool:
         """Verify a chunk against its hash, then copy it into place (in a worker thread); the
         hash reads the received bytes where they are."""
-        if hashlib.sha256(data.numpy()).digest() != self.manifest.hashes[index]:
+        if not self._matches(index, data):
             return False
         start, end = self.manifest.chunk_range(index)
         k = bisect.bisect_right(self._starts, start) - 1
