@@ -119,6 +119,7 @@ class ProgressTracker:
         # Peers whose report time was in the future: peer -> (that time, our time when first read).
         self._future: dict[str, tuple[float, float]] = {}
         self._ignored: set[str] = set()  # peers whose reports are ignored now (logged once each)
+        self._capped: set[str] = set()  # peers whose claims are cut down now (logged once each)
         transport.add_handler(self.method, self._on_push)
 
     def close(self) -> None:
@@ -249,11 +250,18 @@ class ProgressTracker:
         if median_speed <= 0:
             return kept  # nobody has measured a speed yet: nothing to compare a claim with
         max_speed = MAX_SPEED_RATIO * median_speed
-        typical = max(_lower_median([r.samples for r in everyone]), median_speed * LIVE_SECONDS)
+        # the median peer's samples, or what it adds between two reports early in an epoch
+        typical = max(_lower_median([r.samples for r in everyone]), median_speed * MAX_EXTRAPOLATION)
         max_samples = min(self.target, int(MAX_SPEED_RATIO * typical))
-        return [r if r.samples_per_second <= max_speed and r.samples <= max_samples else
-                dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
-                                    samples=min(r.samples, max_samples))
+        capped = {r.peer_id for r in kept if r.samples_per_second > max_speed or r.samples > max_samples}
+        for r in kept:
+            if r.peer_id in capped - self._capped:
+                logger.warning("progress: %s claims %d samples at %.0f/s, over %dx the median peer's; counting "
+                               "at most %d at %.0f/s", r.peer_id, r.samples, r.samples_per_second, MAX_SPEED_RATIO,
+                               max_samples, max_speed)
+        self._capped = capped
+        return [dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
+                                    samples=min(r.samples, max_samples)) if r.peer_id in capped else r
                 for r in kept]
 
 

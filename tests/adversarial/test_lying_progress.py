@@ -1,0 +1,151 @@
+"""Issue 15, "Honest progress": a member's progress record (signed, under its own subkey, so it is
+only ever its own) can still claim anything. Readers bound what it does: a report time in the
+future counts from when it was first read, and ages; an epoch far ahead of the others is ignored;
+samples and speed count at most MAX_SPEED_RATIO times the median peer's.
+
+Three honest peers publish and read progress as the Optimizer does (every PROGRESS_INTERVAL), on
+the emulated network in virtual time; a fourth stores one crafted record under its own subkey.
+For each claim: what an honest reader's view of the collaboration ends with (a stated bound), and
+that the liar is named in a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from potluck.core.virtual_time import run_virtual
+from potluck.dht.records import own_subkey
+from potluck.optim.optimizer import PROGRESS_INTERVAL
+from potluck.optim.progress import (
+    LIVE_SECONDS,
+    MAX_EXTRAPOLATION,
+    MAX_SPEED_RATIO,
+    PROGRESS_TTL,
+    GlobalProgress,
+    PeerProgress,
+    ProgressTracker,
+)
+from tests.emulated_swarm import SimPeer, make_swarm
+
+RUN = "lies"
+TARGET = 1000
+EPOCH, SAMPLES, SPEED = 5, 20, 100.0  # every honest peer's report
+
+
+class Scene:
+    """Honest peers publishing and reading progress, and a liar that stores one record."""
+
+    def __init__(self, peers: list[SimPeer]):
+        *honest, self.liar = peers
+        self.trackers = [ProgressTracker(p.dht, p.transport, RUN, str(p.transport.peer_id), TARGET) for p in honest]
+        self.reader = self.trackers[0]
+        self.view: dict[str, PeerProgress] = {}
+        self.tasks = [asyncio.ensure_future(self._loop(t)) for t in self.trackers]
+
+    @property
+    def liar_id(self) -> str:
+        return str(self.liar.transport.peer_id)
+
+    async def _loop(self, tracker: ProgressTracker) -> None:
+        while True:
+            await tracker.report(EPOCH, SAMPLES, SPEED, EPOCH)
+            reports = await tracker.fetch()
+            if tracker is self.reader and reports is not None:
+                self.view = reports
+            await asyncio.sleep(PROGRESS_INTERVAL)
+
+    async def lie(self, **claims: Any) -> None:
+        now = self.liar.dht.get_time()
+        record = {"epoch": EPOCH, "samples": SAMPLES, "sps": SPEED, "time": now, "client": False, "done": EPOCH,
+                  "averaging": False, "idle": False, "part": 0, **claims}
+        assert await self.liar.dht.astore(f"{RUN}.progress", record, now + 50, subkey=own_subkey(self.liar.transport.peer_id))
+
+    def estimate(self) -> GlobalProgress:
+        local = PeerProgress(self.reader.peer_id, EPOCH, SAMPLES, SPEED, self.reader.dht.get_time(), done=EPOCH)
+        return self.reader.estimate(self.reader.merged(self.view), local)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+@contextlib.asynccontextmanager
+async def scene() -> AsyncIterator[Scene]:
+    _, peers = await make_swarm(4)
+    stage = Scene(peers)
+    try:
+        await asyncio.sleep(1.0)  # every honest peer has published and read the others
+        yield stage
+    finally:
+        stage.close()
+
+
+def warned_about(caplog: pytest.LogCaptureFixture, peer: str, words: str) -> bool:
+    return any(peer in r.getMessage() and words in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+@pytest.mark.timeout(60)
+def test_a_report_from_the_future_ages_like_any_other(caplog: pytest.LogCaptureFixture) -> None:
+    """The liar reports once, dated a million seconds ahead, and falls silent: read as dated, it
+    would look live for eleven days and hold every round back. Bound: it stops counting as live
+    LIVE_SECONDS after the reader first saw it, and leaves the estimate after PROGRESS_TTL."""
+    async def main() -> None:
+        async with scene() as stage:
+            with caplog.at_level(logging.WARNING):
+                await stage.lie(time=stage.liar.dht.get_time() + 1e6)
+                await asyncio.sleep(2 * PROGRESS_INTERVAL)
+                assert stage.liar_id in {r.peer_id for r in stage.estimate().reports}  # it is seen...
+                await asyncio.sleep(LIVE_SECONDS + PROGRESS_INTERVAL)
+                now = stage.reader.dht.get_time()
+                assert not stage.view[stage.liar_id].live(now)  # ...no longer live...
+                await asyncio.sleep(PROGRESS_TTL - LIVE_SECONDS)
+                assert stage.liar_id not in {r.peer_id for r in stage.estimate().reports}  # ...and gone
+            assert warned_about(caplog, stage.liar_id, "in the future")
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_report_of_a_huge_epoch_does_not_move_the_collaborations_epoch(caplog: pytest.LogCaptureFixture) -> None:
+    """Bound: the epoch stays within MAX_EPOCH_LEAD (1) of the second-highest reported, here the
+    honest one; the liar's report is left out of the view altogether (it also claimed that epoch
+    applied, which would tell every peer in matchmaking that its round is over)."""
+    async def main() -> None:
+        async with scene() as stage:
+            with caplog.at_level(logging.WARNING):
+                await stage.lie(epoch=10**7, done=10**7)
+                await asyncio.sleep(2 * PROGRESS_INTERVAL)
+                assert stage.liar_id in stage.view  # read, then bounded
+                progress = stage.estimate()
+            assert progress.epoch == EPOCH and progress.peers == 3
+            assert stage.liar_id not in {r.peer_id for r in progress.reports}
+            assert warned_about(caplog, stage.liar_id, "claims epoch 10000000")
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    """The liar claims 10^9 samples at 10^8 samples/s (under the absolute cap of 10^9/s): read as
+    claimed, the batch of 1000 is full and every peer enters a round at once. Bound: it counts at
+    most MAX_SPEED_RATIO x the median peer's samples (or its samples in MAX_EXTRAPOLATION) and
+    speed, so the batch is not declared full and the ETA stays positive."""
+    async def main() -> None:
+        async with scene() as stage:
+            with caplog.at_level(logging.WARNING):
+                await stage.lie(samples=10**9, sps=1e8)
+                await asyncio.sleep(2 * PROGRESS_INTERVAL)
+                assert stage.view[stage.liar_id].samples == 10**9  # read, then bounded
+                progress = stage.estimate()
+            liar = next(r for r in progress.reports if r.peer_id == stage.liar_id)
+            assert liar.samples <= MAX_SPEED_RATIO * max(SAMPLES, SPEED * MAX_EXTRAPOLATION)
+            assert liar.samples_per_second <= MAX_SPEED_RATIO * SPEED
+            assert progress.samples <= 3 * SAMPLES + liar.samples < TARGET and progress.eta_seconds > 0
+            assert warned_about(caplog, stage.liar_id, "claims 1000000000 samples")
+    run_virtual(main())
