@@ -7,9 +7,13 @@ average by 1e30 / n. These aggregators bound what a minority of senders can do:
     values and average the rest (each sender counts once). With at most that many malicious
     senders every result lies between the smallest and the largest honest value.
   * `centered_clip` (Karimireddy, He, Jaggi 2021; the aggregator of BTARD, Gorbunov et al.):
-    from the coordinate-wise median v, repeat v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i,
-    where clip scales a difference down to norm tau. A sender moves v by at most
-    tau * w_i / sum w per iteration, whatever it sends.
+    from the coordinate-wise median v, repeat v <- v + mean_i clip(x_i - v, tau), where clip
+    scales a difference down to norm tau. A sender moves v by at most tau / n per iteration,
+    whatever it sends.
+
+Both count senders, not their claims: each sender with a positive weight counts once (weights
+are the senders' own word; even bounded, a malicious sender claiming the most it may would hold
+2/5 of the weight with 2 of 8 senders instead of 1/4, near CenteredClip's breakdown).
 
 Every peer that reduces the same pieces gets the same bits: the computation is elementwise
 (correctly rounded IEEE operations), in a fixed sender order, with separate multiplies and adds
@@ -34,7 +38,7 @@ AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
 # benchmarks/byzantine.py (digits, 8 peers; docs/benchmarks.md): 1.0 kept honest-run accuracy
 # and held 1-2 of 8 attackers to within 2 points; a larger radius gives an attacker more room
 # per iteration, a smaller one slows the honest centre's pull.
-CLIP_RADIUS = 1.0
+CLIP_RADIUS = 0.5
 # CenteredClip's iterations at most: each moves v by at most tau towards the honest centre; from
 # the median start a few suffice (the BTARD paper's experiments converge within about 10).
 CLIP_ITERATIONS = 10
@@ -53,18 +57,15 @@ def trimmed_count(n: int) -> int:
 
 def aggregate(kind: str, pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
     """Write into `out` the robust aggregate `kind` of `pieces` (flat float32 tensors of `out`'s
-    size) with `weights` (finite, >= 0; bounded by the caller). Zero-weight pieces take no part,
-    unless every weight is zero (then all count equally), as in the weighted mean."""
-    if any(w > 0 for w in weights):
-        kept = [(p, w) for p, w in zip(pieces, weights, strict=True) if w > 0]
-    else:
-        kept = [(p, 1.0) for p in pieces]
+    size), each counted once. Zero-weight pieces take no part, unless every weight is zero
+    (then all do), as in the weighted mean."""
+    kept = [p for p, w in zip(pieces, weights, strict=True) if w > 0] or list(pieces)
     if not kept:
         out.zero_()
     elif kind == "centered_clip":
-        centered_clip([p for p, _ in kept], [w for _, w in kept], out)
+        centered_clip(kept, out)
     elif kind == "trimmed_mean":
-        trimmed_mean([p for p, _ in kept], out)
+        trimmed_mean(kept, out)
     else:
         raise ValueError(f"unknown robust aggregation {kind!r}; choose from {AGGREGATIONS[1:]}")
 
@@ -76,11 +77,10 @@ def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     _running_mean([rows[r] for r in range(k, len(pieces) - k)], out)
 
 
-def centered_clip(pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
-    """CenteredClip of `pieces` with positive `weights` into `out` (see the module docstring)."""
+def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """CenteredClip of `pieces` into `out` (see the module docstring)."""
     x = torch.stack(list(pieces))
-    total = sum(weights)
-    shares = [w / total for w in weights]
+    share = 1.0 / len(pieces)
     v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
     diff, term, step = torch.empty_like(x), torch.empty_like(v), torch.empty_like(v)
     tau = None
@@ -89,7 +89,7 @@ def centered_clip(pieces: Sequence[torch.Tensor], weights: Sequence[float], out:
         norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
         if tau is None:
             tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
-        coefficients = [share * (1.0 if d <= tau else tau / d) for share, d in zip(shares, norms, strict=True)]
+        coefficients = [share * (1.0 if d <= tau else tau / d) for d in norms]
         if not any(c * d > 0 for c, d in zip(coefficients, norms, strict=True)):
             break  # nothing would move (e.g. every piece equals v): v is exact
         step.zero_()

@@ -1,0 +1,249 @@
+"""Training with malicious members: how far do attackers push training, under each aggregation?
+
+8 peers on the emulated network (virtual clock, one process, one torch thread) train the demo's
+CNN on scikit-learn's digits (`potluck.cli.tasks`: same model, initial weights and split as
+`potluck demo` and `potluck compare`) data-parallel, as potluck's sync mode does: at every step
+(an epoch of sync mode) each peer computes the gradient of 128 of its own samples (a global batch
+of 1024, benchmarks/training.py's target_batch_size), the 8 average their gradients with a
+`potluck.Averager` (one group of 8; the group meets through the DHT once, then again with
+`members=`), and every honest peer applies the averaged gradient with Adam (lr 6e-3, as
+benchmarks/training.py). Honest peers start from the same weights and receive bit-identical
+averages, so they hold one model; its test accuracy after the last step is the run's result.
+
+Attackers are 1 or 2 of the 8 peers. Each computes its honest gradient g, sends instead
+  sign_flip  -g                       (the BTARD paper's sign flipping),
+  scaled     -100 g                   (sign-flipped and scaled x100),
+  random     100 * rms(g) * N(0, 1)   (noise, each coordinate, 100 times g's scale),
+and claims weight ATTACKER_WEIGHT (1e30: reducers bound it to MAX_WEIGHT_OVER_MEDIAN x the
+median) while honest peers claim 1.
+
+For each aggregation ("mean", "centered_clip", "trimmed_mean") the script runs all-honest (8
+honest peers) and every attack with 1 and 2 attackers, and prints one JSON object per run:
+  {"metric": "byzantine_accuracy", "aggregation": ..., "attack": ..., "attackers": f,
+   "value": final test accuracy, "reduce_ms_per_step": ..., "wall_seconds_per_step": ...,
+   "failed_steps": ...}
+then, per aggregation, a summary row: accuracy with everyone honest, the worst under attack and
+how many points that is below the all-honest run with the mean, and the cost with everyone
+honest: reduce_ms_per_step (CPU the 8 reducers spent aggregating in one step, all shards of the
+38,570-float gradient) and chunk_aggregation_ms (one chunk of 2^18 floats from 8 senders), each
+beside the mean's. wall_seconds_per_step is the whole simulation's CPU per step (8 peers'
+gradients, the emulated protocol, the reducers): the virtual clock counts no CPU, and on a
+shared machine this figure follows the machine's load more than the aggregation.
+
+Usage: python benchmarks/byzantine.py [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
+           [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--quick]
+(--jobs: runs in that many processes at once; each run is one process's work, so the figures do
+not change, only the wall time of the whole benchmark.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from potluck.averaging import Averager, allreduce, robust  # noqa: E402
+from potluck.averaging.allreduce import CHUNK_ELEMENTS, _weighted_chunk  # noqa: E402
+from potluck.cli.tasks import accuracy, load_data, make_model  # noqa: E402
+from potluck.core.virtual_time import run_virtual  # noqa: E402
+from potluck.dht import DHT, event_loop_clock  # noqa: E402
+from potluck.net.emulated import EmulatedNetwork  # noqa: E402
+
+PEERS = 8
+BATCH = 128
+LR = 6e-3
+ATTACK_SCALE = 100.0
+ATTACKER_WEIGHT = 1e30
+BANDWIDTH = 100e6  # bytes/s each way, per emulated peer
+LATENCY = 0.005
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+class SimPeer:
+    """What an Averager needs of a peer: a transport and a DHT (async use only)."""
+
+    def __init__(self, transport: Any, dht: Any):
+        self.transport, self.dht = transport, dht
+
+
+def attack(kind: str, grad: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    if kind == "sign_flip":
+        return -grad
+    if kind == "scaled":
+        return -ATTACK_SCALE * grad
+    if kind == "random":
+        return ATTACK_SCALE * grad.pow(2).mean().sqrt() * torch.randn(grad.shape, generator=g)
+    raise ValueError(kind)
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+class ReduceTimer:
+    """CPU time the reducers spend aggregating (ShardReducer._reduce, on the event loop's thread),
+    summed over a run."""
+
+    seconds = 0.0
+    _original = allreduce.ShardReducer._reduce
+
+    @classmethod
+    def install(cls) -> None:
+        def timed(reducer: Any, *args: Any) -> None:
+            t0 = time.thread_time()
+            try:
+                cls._original(reducer, *args)
+            finally:
+                cls.seconds += time.thread_time() - t0
+        allreduce.ShardReducer._reduce = timed
+
+
+def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int, clip_radius: float) -> dict:
+    """One training run (in its own process with --jobs); see the module docstring."""
+    torch.set_num_threads(1)
+    robust.CLIP_RADIUS = clip_radius
+    ReduceTimer.install()
+    ReduceTimer.seconds = 0.0
+    x_train, y_train, x_test, y_test = load_data()
+    model = make_model()  # the honest peers' one model (they stay bit-identical)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    size = sum(p.numel() for p in model.parameters())
+    rngs = [torch.Generator().manual_seed(100 + i) for i in range(PEERS)]
+
+    async def main() -> dict:
+        net = EmulatedNetwork(latency=LATENCY)
+        peers: list[SimPeer] = []
+        for _ in range(PEERS):
+            transport = net.transport(upload=BANDWIDTH, download=BANDWIDTH)
+            await transport.start()
+            dht = DHT(transport, initial_peers=[peers[0].transport.addresses[0]] if peers else [],
+                      clock=event_loop_clock())
+            await dht.astart()
+            peers.append(SimPeer(transport, dht))
+        averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=PEERS, min_group_size=PEERS,
+                              matchmaking_time=1.0, allreduce_timeout=30.0, bandwidth=BANDWIDTH,
+                              allow_state_sharing=False, aggregation=aggregation) for p in peers]
+        members = None
+        failed, averaging_wall = 0, 0.0
+        for step in range(steps):
+            for i, avg in enumerate(averagers):
+                picks = torch.randint(len(y_train), (BATCH,), generator=rngs[i])
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x_train[picks]), y_train[picks]).backward()
+                grad = flat_grad(model)
+                if i < attackers:
+                    grad = attack(attack_kind, grad, rngs[i])
+                with avg.get_tensors() as tensors:
+                    tensors[0].copy_(grad)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(a.astep(weight=ATTACKER_WEIGHT if i < attackers else 1.0, group_key=f"step{step}", members=members)
+                  for i, a in enumerate(averagers)), return_exceptions=True)
+            averaging_wall += time.perf_counter() - t0
+            honest = results[attackers]
+            if isinstance(honest, BaseException):
+                failed += 1
+                continue
+            members = honest.peers
+            with averagers[attackers].get_tensors() as tensors:
+                averaged = tensors[0]
+                offset = 0
+                for p in model.parameters():
+                    p.grad.copy_(averaged[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            optimizer.step()
+        for a in averagers:
+            a.shutdown()
+        identical = all(torch.equal(averagers[i]._tensors[0], averagers[attackers]._tensors[0])
+                        for i in range(attackers, PEERS))
+        return {"failed_steps": failed, "averaging_wall": averaging_wall, "honest_identical": identical}
+
+    t0 = time.perf_counter()
+    out = run_virtual(main())
+    wall = time.perf_counter() - t0
+    acc = accuracy(model, x_test, y_test)
+    return {"value": round(acc, 4), "reduce_ms_per_step": round(1000 * ReduceTimer.seconds / steps, 2),
+            "wall_seconds_per_step": round(wall / steps, 4),
+            "averaging_wall_seconds_per_step": round(out["averaging_wall"] / steps, 4),
+            "failed_steps": out["failed_steps"], "honest_identical": out["honest_identical"]}
+
+
+def aggregation_cost(aggregation: str, repeats: int = 5) -> float:
+    """Milliseconds to reduce one chunk of CHUNK_ELEMENTS floats from PEERS honest senders."""
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(CHUNK_ELEMENTS, generator=g) for _ in range(PEERS)]
+    out, scratch = torch.empty(CHUNK_ELEMENTS), torch.empty(CHUNK_ELEMENTS)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if aggregation == "mean":
+            _weighted_chunk({i: [p] for i, p in enumerate(pieces)}, dict.fromkeys(range(PEERS), 1.0),
+                            tuple(range(PEERS)), 0, out, scratch)
+        else:
+            robust.aggregate(aggregation, pieces, [1.0] * PEERS, out)
+    return (time.perf_counter() - t0) / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--aggregations", default="mean,centered_clip,trimmed_mean")
+    parser.add_argument("--attacks", default="sign_flip,scaled,random")
+    parser.add_argument("--attackers", default="1,2")
+    parser.add_argument("--clip-radius", type=float, default=robust.CLIP_RADIUS,
+                        help="CenteredClip's radius in median distances (for tuning; the default is the library's)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--quick", action="store_true", help="20 steps, the scaled attack only, 2 attackers")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.attacks, args.attackers = 20, "scaled", "2"
+    torch.set_num_threads(1)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    common = {"peers": PEERS, "steps": args.steps, "batch_per_peer": BATCH, "clip_radius": args.clip_radius,
+              "host": platform.node(), "date": now}
+    aggregations = args.aggregations.split(",")
+    scenarios = [(None, 0)] + [(a, int(f)) for f in args.attackers.split(",") for a in args.attacks.split(",")]
+    runs = [(agg, kind, f) for agg in aggregations for kind, f in scenarios]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(train, agg, kind, f, args.steps, args.clip_radius) for agg, kind, f in runs]
+        rows = []
+        for (agg, kind, f), future in zip(runs, futures, strict=True):
+            row = {"metric": "byzantine_accuracy", "aggregation": agg, "attack": kind or "none", "attackers": f,
+                   **future.result(), **common}
+            emit(row)
+            rows.append(row)
+    honest = {r["aggregation"]: r for r in rows if r["attackers"] == 0}
+    reference = honest.get("mean")
+    chunk_ms = {agg: aggregation_cost(agg) for agg in {"mean", *aggregations}}
+    for agg in aggregations:
+        worst = min((r["value"] for r in rows if r["aggregation"] == agg and r["attackers"]), default=None)
+        summary = {"metric": "byzantine_summary", "aggregation": agg, "all_honest_accuracy": honest[agg]["value"],
+                   "worst_attacked_accuracy": worst,
+                   "honest_reduce_ms_per_step": honest[agg]["reduce_ms_per_step"],
+                   "honest_wall_seconds_per_step": honest[agg]["wall_seconds_per_step"],
+                   "chunk_aggregation_ms": round(chunk_ms[agg], 2),
+                   "mean_chunk_aggregation_ms": round(chunk_ms["mean"], 2),
+                   "chunk_elements": CHUNK_ELEMENTS}
+        if reference is not None and worst is not None:
+            summary["worst_points_below_all_honest_mean"] = round(100 * (reference["value"] - worst), 2)
+            summary["mean_reduce_ms_per_step"] = reference["reduce_ms_per_step"]
+            summary["mean_wall_seconds_per_step"] = reference["wall_seconds_per_step"]
+        emit({**summary, **common})
+
+
+if __name__ == "__main__":
+    main()
