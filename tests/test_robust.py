@@ -108,3 +108,10 @@ def test_averagers_with_different_aggregations_do_not_average_together():
         with pytest.raises(ValueError, match="PowerSGD"):
             Averager(peers[0], [torch.zeros(4, 4)], "job", aggregation="trimmed_mean", powersgd_rank=1)
     run_virtual(main())
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_values_whose_differences_overflow_float32_are_outvoted_not_spread(kind):
+    honest = [torch.full((100,), -3e38), torch.full((100,), -3e38 + 1e32), torch.full((100,), -2.9e38)]
+    result = run(kind, [*honest, torch.full((100,), 3.4e38)])
+    assert torch.isfinite(result).all() and (result <= -2.9e38).all()

@@ -89,13 +89,16 @@ def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
         if tau is None:
             tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
+            if not math.isfinite(tau):
+                break  # most pieces are beyond float32 of the median: keep the median
         coefficients = [share * (1.0 if d <= tau else tau / d) for d in norms]
         if not any(c * d > 0 for c, d in zip(coefficients, norms, strict=True)):
             break  # nothing would move (e.g. every piece equals v): v is exact
         step.zero_()
         for i, c in enumerate(coefficients):
-            torch.mul(diff[i], c, out=term)  # separate ops: identical bits on every CPU
-            step.add_(term)
+            if c > 0:  # a difference that overflowed float32 (norm inf) has c = 0: inf x 0 is NaN
+                torch.mul(diff[i], c, out=term)  # separate ops: identical bits on every CPU
+                step.add_(term)
         v.add_(step)
         if math.sqrt(_row_sums_of_squares(step.unsqueeze(0))[0]) <= CLIP_TOLERANCE * tau:
             break
