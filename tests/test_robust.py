@@ -7,10 +7,15 @@ import asyncio
 import pytest
 import torch
 
+import potluck
 from potluck.averaging import Averager
 from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN, bounded_weights
 from potluck.averaging.robust import aggregate, trimmed_count
-from potluck.core.virtual_time import run_virtual
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import run_virtual, virtual_time_loop
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
 from tests.emulated_swarm import make_swarm
 
 ROBUST = ("centered_clip", "trimmed_mean")
@@ -115,3 +120,24 @@ def test_values_whose_differences_overflow_float32_are_outvoted_not_spread(kind)
     honest = [torch.full((100,), -3e38), torch.full((100,), -3e38 + 1e32), torch.full((100,), -2.9e38)]
     result = run(kind, [*honest, torch.full((100,), 3.4e38)])
     assert torch.isfinite(result).all() and (result <= -2.9e38).all()
+
+
+@pytest.mark.timeout(60)
+def test_the_optimizer_hands_its_aggregation_to_every_averager():
+    async def main():
+        peer = await potluck.Peer.create([], transport=EmulatedNetwork().transport(), clock=event_loop_clock())
+        model = torch.nn.Linear(4, 2)
+        opt = Optimizer(peer, "robust-run", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                        target_batch_size=8, batch_size_per_step=2, load_state=False, start=False,
+                        aggregation="trimmed_mean")
+        try:
+            await opt.astart()
+            assert opt.state_averager.aggregation == opt.grad_averager.aggregation == "trimmed_mean"
+        finally:
+            opt.shutdown()
+            await peer.ashutdown()
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        runner.run(main(), timeout=60)
+    finally:
+        release_runner()
