@@ -358,9 +358,11 @@ def test_part_request_and_member_state_refuse_malformed_fields_by_name():
 
 def test_result_messages_refuse_chunks_outside_the_shard_and_bad_finals():
     assert parse_result(ResultChunk(2, {"x": 1}).to_wire(), 3, 4) == ResultChunk(2, {"x": 1})
-    assert parse_result(ResultFinal((0, 2), 5).to_wire(), 3, 4) == ResultFinal((0, 2), 5)
+    assert parse_result(ResultFinal((0, 2), 5, b"s" * 64).to_wire(), 3, 4) == ResultFinal((0, 2), 5, b"s" * 64)
     for bad, field in (({"c": 3, "d": {}}, "'c'"), ({"c": -1, "d": {}}, "'c'"), ({"c": 0}, "'d'"),
-                       ({"final": [4], "v": 1}, "'final'"), ({"final": [], "v": "1"}, "'v'"), ([0], "not a map")):
+                       ({"final": [4], "v": 1, "sig": b"s" * 64}, "'final'"),
+                       ({"final": [], "v": "1", "sig": b"s" * 64}, "'v'"), ({"final": [], "v": 1}, "'sig'"),
+                       ({"final": [], "v": 1, "sig": b"s" * 63}, "'sig'"), ([0], "not a map")):
         with pytest.raises(MalformedMessage, match=field):
             parse_result(bad, 3, 4)
 

@@ -6,14 +6,17 @@ must stay within a stated bound, and the attacker must be identified (banned and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import sys
 
 import pytest
 import torch
 
-from potluck.averaging import Averager
+from potluck.averaging import Averager, allreduce
 from potluck.averaging.accountability import ban_list
-from potluck.averaging.allreduce import AllReduceRun
+from potluck.averaging.allreduce import AllReduceRun, ShardReducer
+from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
 from tests.emulated_swarm import make_swarm
 
@@ -34,6 +37,18 @@ async def steps(avgs: list[Averager]) -> list:
         await asyncio.sleep(0.2 * (i == 3))
         return await avgs[i].astep(timeout=30)
     return await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+
+
+def reducing_on(transport) -> bool:
+    """Whether the caller is reducing a shard for the peer of `transport` (the attacker's reducer,
+    not a member that checks its work)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, ShardReducer):
+            return owner._run().service.transport is transport
+        frame = frame.f_back
+    return False
 
 
 def attacker_runs(monkeypatch: pytest.MonkeyPatch, attacker: Averager, method: str, replacement) -> None:
@@ -65,4 +80,71 @@ def test_a_failure_report_for_a_part_the_reporter_does_not_hold_fails_nobody(mon
         coordinator = next(a for a in avgs if str(a.transport.peer_id) == results[0].peers[0])
         assert attacker in ban_list(coordinator.transport)
         assert any(str(attacker) in r.getMessage() and "does not hold" in r.getMessage() for r in caplog.records)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer(monkeypatch, caplog):
+    """The attacker reduces its shard to 1e6 for everyone (the same wrong result to all, so no
+    comparison of results shows it). Bound: every honest peer keeps its own tensors (the step
+    fails there), and every honest peer has the attacker on its ban list."""
+    honest_chunk = allreduce._weighted_chunk
+
+    async def main():
+        avgs, vectors = await four_peers("wrong-aggregate")
+        attacker = avgs[3].transport
+
+        def lying_chunk(pieces, weights, senders, c, out, scratch):
+            honest_chunk(pieces, weights, senders, c, out, scratch)
+            if reducing_on(attacker):
+                out.fill_(1e6)
+        monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+        with caplog.at_level(logging.WARNING):
+            results = await steps(avgs)
+        assert all(isinstance(r, AveragingError) for r in results[:3]), results
+        for a, v in zip(avgs[:3], vectors, strict=False):
+            assert torch.equal(a._tensors[0], v)
+            assert attacker.peer_id in ban_list(a.transport)
+        assert sum(str(attacker.peer_id) in r.getMessage() and "not what its pieces reduce to" in r.getMessage()
+                   for r in caplog.records) == 3
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_that_sends_one_member_another_result_is_caught_by_its_own_signatures(monkeypatch, caplog):
+    """The attacker sends one honest member (the victim) its shard plus one, signed as properly
+    as the others' (it signs what each receives). Bound: no honest peer uses the result (each
+    keeps its tensors), and every honest peer bans the attacker: the coordinator holds two of its
+    signatures on different results and aborts the step with them as proof."""
+    honest_write = ShardReducer._write
+
+    async def main():
+        avgs, vectors = await four_peers("equivocation")
+        attacker, victim = avgs[3].transport, avgs[1].transport
+
+        async def equivocating_write(self, outbox, channel):
+            run = self._run()
+            if run is None or run.service.transport is not attacker or channel.peer_id != victim.peer_id:
+                return await honest_write(self, outbox, channel)
+            sent = {}
+            while True:
+                msg = await outbox.get()
+                if isinstance(msg, allreduce.ResultChunk):
+                    wrong = allreduce._decode(self.codec, msg.payload, self.size) + 1.0
+                    sent[msg.chunk] = wrong
+                    msg = allreduce.ResultChunk(msg.chunk, allreduce._encode(self.codec, wrong))
+                elif hasattr(msg, "signature"):  # sign what the victim receives
+                    msg = dataclasses.replace(msg, signature=run.sign_final(self.shard, msg.senders, msg.version, sent))
+                await self.stats.send(channel, msg.to_wire())
+                if isinstance(msg, allreduce.ResultFinal):
+                    await channel.close()
+                    return True
+        monkeypatch.setattr(ShardReducer, "_write", equivocating_write)
+        with caplog.at_level(logging.WARNING):
+            results = await steps(avgs)
+        assert all(isinstance(r, AveragingError) for r in results[:3]), results
+        for a, v in zip(avgs[:3], vectors, strict=False):
+            assert torch.equal(a._tensors[0], v)
+            assert attacker.peer_id in ban_list(a.transport)
+        assert all("different results" in str(r) for r in results[:3] if r is not results[1])
     run_virtual(main())

@@ -33,6 +33,10 @@ MAX_BANNED = 1024
 MAX_EVIDENCE_CHARS = 500
 # Bytes of every digest (SHA-256).
 DIGEST_BYTES = 32
+# Elements per digested block of a chunk (16 KiB of float32). A member that checks a reducer's
+# work under an elementwise aggregation fetches one block from every sender, not a whole chunk:
+# the check then costs (reducers - 1) x senders x 16 KiB per member and step, not 1 MiB.
+VERIFY_BLOCK = 2**12
 
 
 class BanList:
@@ -68,10 +72,24 @@ def ban_list(transport: Any) -> BanList:
     return banned
 
 
+def block_digests(values: torch.Tensor) -> list[bytes]:
+    """Digests of the float32 bits of `values`, one per VERIFY_BLOCK elements."""
+    data = memoryview(values.detach().reshape(-1).to(torch.float32).contiguous().numpy()).cast("B")
+    step = 4 * VERIFY_BLOCK
+    return [hashlib.sha256(data[i:i + step]).digest() for i in range(0, max(len(data), 1), step)]
+
+
+def blocks_digest(digests: Sequence[bytes]) -> bytes:
+    h = hashlib.sha256(b"potluck.chunk")
+    for d in digests:
+        h.update(d)
+    return h.digest()
+
+
 def chunk_digest(chunk: torch.Tensor) -> bytes:
-    """Digest of a float32 chunk's bits, as the reducer decoded them."""
-    data = chunk.detach().reshape(-1).to(torch.float32).contiguous().numpy()
-    return hashlib.sha256(memoryview(data).cast("B")).digest()
+    """Digest of a chunk's float32 bits (as the reducer decoded them), over its blocks' digests,
+    so that one block can be checked against it with the other blocks' digests alone."""
+    return blocks_digest(block_digests(chunk))
 
 
 def piece_root(weight: float, chunk_digests: Sequence[bytes]) -> bytes:
@@ -89,4 +107,24 @@ def shard_digest(roots: dict[int, bytes]) -> bytes:
     for sender in sorted(roots):
         h.update(struct.pack("<I", sender))
         h.update(roots[sender])
+    return h.digest()
+
+
+def result_root(chunk_digests: Sequence[bytes]) -> bytes:
+    """A reducer's result of one shard: the digests of its chunks as receivers decode them."""
+    h = hashlib.sha256(b"potluck.result")
+    for d in chunk_digests:
+        h.update(d)
+    return h.digest()
+
+
+def final_message(group_id: bytes, shard: int, version: int, senders: Sequence[int], root: bytes) -> bytes:
+    """What a reducer signs with its FINAL: this result of `shard`, over `senders`, under the
+    decision `version` of the step `group_id`. Two valid signatures on different roots for the
+    same step, shard and version prove that the reducer told members different things."""
+    h = hashlib.sha256(b"potluck.final")
+    h.update(struct.pack("<I", len(group_id)) + group_id)
+    h.update(struct.pack("<QQ", shard, version))
+    h.update(struct.pack(f"<{len(senders)}I", *senders))
+    h.update(root)
     return h.digest()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import weakref
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,18 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.accountability import ban_list
+from potluck.averaging.accountability import (
+    DIGEST_BYTES,
+    VERIFY_BLOCK,
+    ban_list,
+    block_digests,
+    blocks_digest,
+    chunk_digest,
+    final_message,
+    piece_root,
+    result_root,
+    shard_digest,
+)
 from potluck.averaging.robust import aggregate
 from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
@@ -44,11 +56,12 @@ from potluck.core.wire import (
     int_value,
     list_field,
     number_field,
+    number_value,
     text_field,
     wire_map,
 )
 from potluck.net.connection import Stream
-from potluck.net.identity import PeerID
+from potluck.net.identity import SIGNATURE_BYTES, PeerID
 from potluck.net.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -96,6 +109,14 @@ METHOD_PART = "potluck.allreduce.part"
 METHOD_UPDATE = "potluck.allreduce.update"
 METHOD_WAIT = "potluck.allreduce.wait"
 METHOD_QUERY = "potluck.allreduce.query"
+METHOD_VERIFY = "potluck.allreduce.verify"
+# A member that checks a reducer's work waits this long for the reducer's pieces of one chunk
+# (one chunk from every sender: a few MiB); a reducer that does not answer leaves the result
+# unverified there, and that member does not use it.
+VERIFY_TIMEOUT = 30.0
+# Aggregations computed coordinate by coordinate (see robust.py): a block of a chunk can be
+# recomputed alone. Others (CenteredClip takes norms over the chunk) are checked a chunk at a time.
+ELEMENTWISE = ("mean", "trimmed_mean")
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,40 @@ class Group:
         return [i for i, m in enumerate(self.modes) if m != "client"]
 
 
+@dataclass(frozen=True)
+class Equivocation:
+    """Proof that `reducer` sent two members different results of `shard` under one decision:
+    its two signed FINALs. Anyone can check it with nothing but the group."""
+
+    reducer: int
+    shard: int
+    version: int
+    senders: tuple[int, ...]
+    roots: tuple[bytes, bytes]
+    signatures: tuple[bytes, bytes]
+
+    def holds(self, group: Group) -> bool:
+        key = group.peers[self.reducer]
+        return self.roots[0] != self.roots[1] and all(
+            key.verify(sig, final_message(group.group_id, self.shard, self.version, self.senders, root))
+            for root, sig in zip(self.roots, self.signatures, strict=True))
+
+    def to_wire(self) -> list:
+        return [self.reducer, self.shard, self.version, list(self.senders), *self.roots, *self.signatures]
+
+    @classmethod
+    def from_wire(cls, msg: Any, what: str, n: int) -> Equivocation:
+        if not isinstance(msg, (list, tuple)) or len(msg) != 8:
+            raise MalformedMessage(what, "'eq' must be [reducer, shard, version, senders, 2 roots, 2 signatures]")
+        fields = {"r": msg[4], "q": msg[5], "s": msg[6], "t": msg[7]}
+        return cls(int_value(msg[0], "eq", what, 0, n), int_value(msg[1], "eq", what, 0, n),
+                   int_value(msg[2], "eq", what, 0, 2**62), _members({"eq": msg[3]}, "eq", what, n),
+                   (bytes_field(fields, "r", what, DIGEST_BYTES, exact=True),
+                    bytes_field(fields, "q", what, DIGEST_BYTES, exact=True)),
+                   (bytes_field(fields, "s", what, SIGNATURE_BYTES, exact=True),
+                    bytes_field(fields, "t", what, SIGNATURE_BYTES, exact=True)))
+
+
 @dataclass
 class Outcome:
     """What the coordinator has decided so far; `version` grows with each change."""
@@ -147,11 +202,16 @@ class Outcome:
     assignment: dict[int, int] = field(default_factory=dict)  # shard -> reducer member
     committed: bool = False
     aborted: str | None = None
+    # shard -> digest of the pieces it averages (the senders' roots, see accountability.py),
+    # for the shards whose reducer reported at the first decision
+    digests: dict[int, bytes] = field(default_factory=dict)
+    equivocation: Equivocation | None = None  # why the step was aborted, if a reducer equivocated
 
     def to_wire(self) -> dict:
         return {"v": self.version, "s": list(self.senders),
                 "a": [[j, r] for j, r in sorted(self.assignment.items())],
-                "c": self.committed, "x": self.aborted}
+                "c": self.committed, "x": self.aborted, "d": _digests_wire(self.digests),
+                "eq": None if self.equivocation is None else self.equivocation.to_wire()}
 
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> Outcome:
@@ -163,7 +223,9 @@ class Outcome:
                 raise MalformedMessage(what, "'a' entries must be [shard, reducer] pairs")
             assignment[int_value(pair[0], "a", what, 0, n)] = int_value(pair[1], "a", what, 0, n)
         return cls(int_field(msg, "v", what, 0, 2**62), _members(msg, "s", what, n), assignment,
-                   bool_field(msg, "c", what), text_field(msg, "x", what, MAX_REASON_CHARS, optional=True))
+                   bool_field(msg, "c", what), text_field(msg, "x", what, MAX_REASON_CHARS, optional=True),
+                   _digests(msg.get("d", []), "d", what, n),
+                   None if msg.get("eq") is None else Equivocation.from_wire(msg["eq"], what, n))
 
 
 # Longest group id accepted from a peer (ours are 32-byte digests).
@@ -175,6 +237,21 @@ MAX_REASON_CHARS = 1000
 def _members(msg: Mapping, key: str, what: str, n: int) -> tuple[int, ...]:
     """At most `n` indices of members of an `n`-member group."""
     return tuple(list_field(msg, key, what, n, each=lambda v: int_value(v, key, what, 0, n)))
+
+
+def _digests_wire(digests: Mapping[int, bytes]) -> list:
+    return [[i, d] for i, d in sorted(digests.items())]
+
+
+def _digests(value: Any, key: str, what: str, n: int) -> dict[int, bytes]:
+    """At most `n` [member or shard index, digest] pairs."""
+    digests: dict[int, bytes] = {}
+    for pair in list_field({key: value}, key, what, n):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[1], bytes) \
+                or len(pair[1]) != DIGEST_BYTES:
+            raise MalformedMessage(what, f"'{key}' entries must be [index, digest] pairs")
+        digests[int_value(pair[0], key, what, 0, n)] = pair[1]
+    return digests
 
 
 @dataclass(frozen=True)
@@ -212,13 +289,15 @@ class ResultChunk:
 
 @dataclass(frozen=True)
 class ResultFinal:
-    """The reducer's last message: the senders the shard averages, under outcome `version`."""
+    """The reducer's last message: the senders the shard averages, under outcome `version`, and
+    its signature of the result it sent (see accountability.final_message)."""
 
     senders: tuple[int, ...]
     version: int
+    signature: bytes
 
     def to_wire(self) -> dict:
-        return {"final": list(self.senders), "v": self.version}
+        return {"final": list(self.senders), "v": self.version, "sig": self.signature}
 
 
 def parse_result(msg: Any, chunks: int, members: int) -> ResultChunk | ResultFinal:
@@ -227,17 +306,31 @@ def parse_result(msg: Any, chunks: int, members: int) -> ResultChunk | ResultFin
     what = "result"
     msg = wire_map(msg, what)
     if "final" in msg:
-        return ResultFinal(_members(msg, "final", what, members), int_field(msg, "v", what, 0, 2**62))
+        return ResultFinal(_members(msg, "final", what, members), int_field(msg, "v", what, 0, 2**62),
+                           bytes_field(msg, "sig", what, SIGNATURE_BYTES, exact=True))
     if "d" not in msg:
         raise MalformedMessage(what, "'d' is missing")
     return ResultChunk(int_field(msg, "c", what, 0, chunks), msg["d"])
 
 
 @dataclass(frozen=True)
+class SignedFinal:
+    """A reducer's FINAL as one receiver got it: the decision, the senders, the root of the
+    result it received, and the reducer's signature of them."""
+
+    version: int
+    senders: tuple[int, ...]
+    root: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class MemberState:
     """Where one member stands in a step, for the coordinator: its index, the members it found
     dead, its reducers' reports (shard -> senders complete), the shards it has final results of,
-    the outcome version it last saw and that outcome, and why a repair failed (if it did)."""
+    the outcome version it last saw and that outcome, and why a repair failed (if it did); for
+    accountability, the roots of the pieces it sent (shard -> root) and of those its reducers
+    received (shard -> sender -> root), and the outcome version whose results it has checked."""
 
     member: int
     dead: tuple[int, ...]
@@ -246,11 +339,18 @@ class MemberState:
     version: int
     outcome: Outcome
     failure: str | None = None
+    sent: dict[int, bytes] = field(default_factory=dict)
+    received: dict[int, dict[int, bytes]] = field(default_factory=dict)
+    checked: int = 0
+    finals: dict[int, SignedFinal] = field(default_factory=dict)  # shard -> what its reducer signed to me
 
     def to_wire(self) -> dict:
         return {"m": self.member, "dead": list(self.dead),
                 "rep": [[j, list(c)] for j, c in sorted(self.reports.items())],
-                "final": list(self.final), "v": self.version, "o": self.outcome.to_wire(), "fail": self.failure}
+                "final": list(self.final), "v": self.version, "o": self.outcome.to_wire(), "fail": self.failure,
+                "sent": _digests_wire(self.sent),
+                "recv": [[j, _digests_wire(r)] for j, r in sorted(self.received.items())], "chk": self.checked,
+                "fin": [[j, f.version, list(f.senders), f.root, f.signature] for j, f in sorted(self.finals.items())]}
 
     @classmethod
     def from_wire(cls, msg: Any, group: Group) -> MemberState:
@@ -267,8 +367,24 @@ class MemberState:
             outcome = Outcome.from_wire(msg.get("o"), group)
         except MalformedMessage as e:
             raise MalformedMessage(what, f"'o': {e.field}") from None
+        received: dict[int, dict[int, bytes]] = {}
+        for pair in list_field(msg, "recv", what, n):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise MalformedMessage(what, "'recv' entries must be [shard, roots] pairs")
+            received[int_value(pair[0], "recv", what, 0, n)] = _digests(pair[1], "recv", what, n)
+        finals: dict[int, SignedFinal] = {}
+        for entry in list_field(msg, "fin", what, n):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 5:
+                raise MalformedMessage(what, "'fin' entries must be [shard, version, senders, root, signature]")
+            signed = {"r": entry[3], "s": entry[4]}
+            finals[int_value(entry[0], "fin", what, 0, n)] = SignedFinal(
+                int_value(entry[1], "fin", what, 0, 2**62), _members({"fin": entry[2]}, "fin", what, n),
+                bytes_field(signed, "r", what, DIGEST_BYTES, exact=True),
+                bytes_field(signed, "s", what, SIGNATURE_BYTES, exact=True))
         return cls(int_field(msg, "m", what, 0, n), _members(msg, "dead", what, n), parsed,
-                   _members(msg, "final", what, n), int_field(msg, "v", what, 0, 2**62), outcome, failure)
+                   _members(msg, "final", what, n), int_field(msg, "v", what, 0, 2**62), outcome, failure,
+                   _digests(msg.get("sent"), "sent", what, n), received, int_field(msg, "chk", what, 0, 2**62),
+                   finals)
 
 
 @dataclass(frozen=True)
@@ -481,6 +597,18 @@ def bounded_weights(weights: Mapping[int, float], senders: tuple[int, ...]) -> d
     return {s: min(weights[s], cap) for s in senders}
 
 
+def reduce_chunk(aggregation: str, pieces: Mapping[int, Any], weights: Mapping[int, float], senders: tuple[int, ...],
+                 c: int, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Chunk `c` reduced over `senders` into `out`, with their bounded weights, by the group's
+    aggregation (see `potluck.averaging.robust`): as every reducer computes it, and every member
+    that checks a reducer's work."""
+    bounded = bounded_weights(weights, senders)
+    if aggregation == "mean":
+        _weighted_chunk(pieces, bounded, senders, c, out, scratch)
+    else:
+        aggregate(aggregation, [pieces[s][c] for s in senders], [bounded[s] for s in senders], out)
+
+
 def _encode(codec: Any, t: torch.Tensor) -> Any:
     return codec.encode(t)
 
@@ -531,6 +659,7 @@ class ShardReducer:
         self.reported = False
         self.final_senders: tuple[int, ...] | None = None
         self.final_version = 0
+        self.final_signature = b""
         self.closed = False
         self.changed = asyncio.Event()
         self._serving: dict[int, tuple[Any, asyncio.Task]] = {}  # sender -> (channel, writer)
@@ -587,7 +716,7 @@ class ShardReducer:
         for c in sorted(self.results):  # a late receiver gets what was already reduced
             outbox.put_nowait(ResultChunk(c, _encode(self.codec, self.results[c])))
         if self.final_senders is not None:
-            outbox.put_nowait(ResultFinal(self.final_senders, self.final_version))
+            outbox.put_nowait(ResultFinal(self.final_senders, self.final_version, self.final_signature))
         writer = asyncio.ensure_future(self._write(outbox, channel))
         self._serving[sender] = (channel, writer)
         try:
@@ -678,13 +807,8 @@ class ShardReducer:
             box.put_nowait(payload)
 
     def _reduce(self, senders: tuple[int, ...], c: int, out: torch.Tensor) -> None:
-        """Write chunk `c` reduced over `senders` into `out`, with their bounded weights, by the
-        group's aggregation (see `potluck.averaging.robust`)."""
-        weights = bounded_weights(self.weights, senders)
-        if self.aggregation == "mean":
-            _weighted_chunk(self.pieces, weights, senders, c, out, self.scratch)
-        else:
-            aggregate(self.aggregation, [self.pieces[s][c] for s in senders], [weights[s] for s in senders], out)
+        """Write chunk `c` reduced over `senders` into `out` (see `reduce_chunk`)."""
+        reduce_chunk(self.aggregation, self.pieces, self.weights, senders, c, out, self.scratch)
 
     def _progress(self) -> None:
         """Report to the coordinator once every expected sender is settled."""
@@ -714,10 +838,21 @@ class ShardReducer:
                 payload = ResultChunk(c, _encode(self.codec, self.results[c]))
                 for box in self.outboxes.values():
                     box.put_nowait(payload)
+        run = self._run()
+        if run is not None:
+            self.final_signature = run.sign_final(self.shard, senders, version, self.results)
         self.final_senders, self.final_version = senders, version
         for box in self.outboxes.values():
-            box.put_nowait(ResultFinal(senders, version))
+            box.put_nowait(ResultFinal(senders, version, self.final_signature))
         self._stop_timer()
+
+
+def _as_received(codec: Any, t: torch.Tensor, payload: Any = None) -> torch.Tensor:
+    """What a peer decodes from `t` encoded by `codec` (`payload`, if already encoded): `t`
+    itself for float32 under "none", which sends the values as they are (no second pass)."""
+    if getattr(codec, "name", None) == "none" and t.dtype == torch.float32:
+        return t
+    return _decode(codec, _encode(codec, t) if payload is None else payload, t.numel())
 
 
 async def _drain_quietly(channel: Any) -> None:
@@ -757,6 +892,19 @@ class AllReduceRun:
         self.final: set[int] = set()
         self.dead: set[int] = set()
         self.reports: dict[int, list[int]] = {}  # my shards' reports (sent with every update)
+        # Accountability (see accountability.py): roots of the pieces I sent (shard -> root) and
+        # of those my reducers received (shard -> sender -> root); chunk digests of the pieces my
+        # reducers hold, for members that check my work; the outcome version whose results I
+        # checked, and what I found: a reducer caught, or results I could not check.
+        self.sent: dict[int, bytes] = {}
+        self.received: dict[int, dict[int, bytes]] = {}
+        self._chunk_digests: dict[tuple[int, int], list[bytes]] = {}
+        self.checked = 0
+        self._checking = 0
+        self.finals: dict[int, SignedFinal] = {}
+        self.checked_by: set[tuple[int, int, int]] = set()  # (member, shard, version) I answered a check of
+        self.caught: str | None = None
+        self.unverified: str | None = None
         self.reducers: dict[int, ShardReducer] = {}
         self.exchanges: dict[int, tuple[int, asyncio.Task]] = {}  # shard -> (reducer, task)
         self.outcome = Outcome(assignment={j: j for j in group.shards})
@@ -822,6 +970,8 @@ class AllReduceRun:
         if self.refused is not None:
             raise AveragingError(f"this peer's tensors could not be sent ({self.refused}); "
                                  "the others averaged without them")
+        if self.caught is not None or self.unverified is not None:
+            raise AveragingError(f"not using this step's result: {self.caught or self.unverified}")
         return self.result, self.outcome.senders
 
     def _close(self) -> None:
@@ -854,15 +1004,17 @@ class AllReduceRun:
         request = PartRequest(self.group.group_id, shard, self.me, self.weight, abstain)
         try:
             channel = await self.service.open(self, reducer, request)
-            sender = self.spawn(self._send_piece(channel, start, end, abstain))
+            sender = self.spawn(self._send_piece(channel, shard, start, end, abstain))
             last = None  # when the previous result chunk arrived (for our download estimate)
             try:
                 chunks = max(1, math.ceil((end - start) / self.chunk))
                 async for raw in channel:
                     msg = parse_result(raw, chunks, len(self.group.peers))
                     if isinstance(msg, ResultFinal):
+                        self._check_signature(shard, reducer, msg)
                         self.final.add(shard)
                         self._changed()
+                        self._maybe_check()
                         break
                     lo = start + msg.chunk * self.chunk
                     hi = min(end, lo + self.chunk)
@@ -875,19 +1027,31 @@ class AllReduceRun:
             logger.debug("exchange of shard %d with member %d failed: %s", shard, reducer, e)
             self.mark_dead(reducer)
 
-    async def _send_piece(self, channel: Any, start: int, end: int, abstain: bool) -> None:
-        """Stream my piece of one shard. If the codec refuses a chunk (NaN/inf, out of its range),
-        I abstain: the stream ends early, so the reducer excludes me at once instead of waiting
-        for the sender timeout, and nothing of the refused data is sent."""
+    async def _send_piece(self, channel: Any, shard: int, start: int, end: int, abstain: bool) -> None:
+        """Stream my piece of one shard, and note its root (what the reducer will have received).
+        If the codec refuses a chunk (NaN/inf, out of its range), I abstain: the stream ends
+        early, so the reducer excludes me at once instead of waiting for the sender timeout,
+        and nothing of the refused data is sent."""
         try:
             if not abstain:
+                digests: list[bytes] | None = []
                 for lo in range(start, end, self.chunk):
+                    hi = min(end, lo + self.chunk)
                     try:
-                        payload = _encode(self.codec, self.vector[lo:min(end, lo + self.chunk)])
+                        payload = _encode(self.codec, self.vector[lo:hi])
                     except Exception as e:  # noqa: BLE001 - any codec failure: abstain, never hang
                         self._refuse(f"{type(e).__name__}: {e}")
                         break
                     await self.stats.send(channel, payload)
+                    if digests is not None:
+                        try:
+                            digests.append(chunk_digest(_as_received(self.codec, self.vector[lo:hi], payload)))
+                        except PotluckError:
+                            digests = None  # the reducer refuses this chunk as well: I send no root
+                else:
+                    if digests is not None and shard not in self.sent:
+                        self.sent[shard] = piece_root(self.weight, digests)
+                        self._changed()
             await channel.close()
         except (NetworkError, PotluckError):
             pass  # the receiving side settles what it got
@@ -915,7 +1079,93 @@ class AllReduceRun:
     def on_report(self, shard: int, complete: list[int]) -> None:
         logger.debug("member %d: shard %d complete senders %s", self.me, shard, complete)
         self.reports[shard] = complete
+        red = self.reducers[shard]
+        self.received[shard] = {s: piece_root(red.weights[s], self.chunk_digests(red, s)) for s in complete}
         self._changed()
+
+    def chunk_digests(self, red: ShardReducer, sender: int) -> list[bytes]:
+        """Digests of the chunks of `sender`'s piece that my reducer `red` holds."""
+        key = (red.shard, sender)
+        if key not in self._chunk_digests:
+            self._chunk_digests[key] = [chunk_digest(p) for p in red.pieces[sender]]
+        return self._chunk_digests[key]
+
+    def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
+                   results: Mapping[int, torch.Tensor]) -> bytes:
+        """My signature, as reducer of `shard`, of the result I send (as receivers decode it)."""
+        digests = [chunk_digest(_as_received(self.codec, results[c])) for c in sorted(results)]
+        message = final_message(self.group.group_id, shard, version, senders, result_root(digests))
+        return self.service.transport.identity.sign(message)
+
+    def _check_signature(self, shard: int, reducer: int, final: ResultFinal) -> None:
+        """Keep the reducer's signature of the result I received, to show the coordinator; a
+        signature that does not match what I received means the reducer sent me something else
+        than it signed: I ban it, and the shard moves to another reducer."""
+        start, end = self.group.bounds(shard)
+        root = result_root([chunk_digest(self.result[lo:min(end, lo + self.chunk)])
+                            for lo in range(start, end, self.chunk)])
+        message = final_message(self.group.group_id, shard, final.version, final.senders, root)
+        if not self.group.peers[reducer].verify(final.signature, message):
+            self.service.banned.ban(self.group.peers[reducer],
+                                    f"as reducer of shard {shard}, it signed a result other than the one it sent me")
+            raise AveragingError(f"member {reducer}'s signature does not match its result of shard {shard}")
+        self.finals[shard] = SignedFinal(final.version, final.senders, root, final.signature)
+
+    def _maybe_check(self) -> None:
+        """Once I hold every shard's final result under a decision, check the reducers' work."""
+        version = self.outcome.version
+        if self.mode != "aux" and version > self._checking and not (self.outcome.committed or self.outcome.aborted) \
+                and set(self.outcome.assignment) <= self.final:
+            self._checking = version
+            self.spawn(self._check(self.outcome))
+
+    async def _check(self, outcome: Outcome) -> None:
+        """Recompute one random chunk of every other reducer's shard from the pieces it used,
+        BTARD-style. The chunk is drawn here after the results came, so a reducer cannot know
+        which of its chunks anyone checks; a reducer caught is banned, and I do not use the result."""
+        async def one(shard: int, reducer: int) -> None:
+            try:
+                problem = await self._check_shard(outcome, shard, reducer)
+            except (NetworkError, PotluckError, TimeoutError) as e:
+                self.unverified = f"member {reducer}'s result for shard {shard} could not be checked: {e}"
+                return
+            if problem is not None:
+                self.caught = f"member {reducer} ({self.group.peers[reducer]}) {problem}"
+                self.service.banned.ban(self.group.peers[reducer], f"as reducer of shard {shard}, it {problem}")
+        await asyncio.gather(*(one(j, r) for j, r in sorted(outcome.assignment.items()) if r != self.me))
+        self.checked = max(self.checked, outcome.version)
+        self._changed()
+
+    async def _check_shard(self, outcome: Outcome, shard: int, reducer: int) -> str | None:
+        """What is wrong with `reducer`'s result of a random block of `shard` (None: nothing)."""
+        start, end = self.group.bounds(shard)
+        chunks = max(1, math.ceil((end - start) / self.chunk))
+        c = secrets.randbelow(chunks)
+        lo, hi = start + c * self.chunk, min(end, start + (c + 1) * self.chunk)
+        blocks = math.ceil((hi - lo) / VERIFY_BLOCK)
+        first, count = (secrets.randbelow(blocks), 1) if self.aggregation in ELEMENTWISE else (0, blocks)
+        lo, hi = lo + first * VERIFY_BLOCK, min(hi, lo + (first + count) * VERIFY_BLOCK)
+        pieces = await self.service.pieces(self, reducer, shard, (c, first, count), (chunks, blocks), hi - lo)
+        where = f"chunk {c}, block {first}"
+        if tuple(sorted(pieces)) != outcome.senders:
+            return f"answered with the pieces of members {sorted(pieces)}, not of {list(outcome.senders)}"
+        for _, digests, blocks_of_c, piece in pieces.values():
+            if blocks_digest(blocks_of_c) != digests[c] or block_digests(piece) != blocks_of_c[first:first + count]:
+                return f"answered with pieces that do not match their digests ({where})"
+        roots = {s: piece_root(w, digests) for s, (w, digests, _, _) in pieces.items()}
+        if shard in outcome.digests and shard_digest(roots) != outcome.digests[shard]:
+            return f"answered with pieces other than those the senders sent ({where})"
+        if self.me in roots and shard in self.sent and roots[self.me] != self.sent[shard]:
+            return f"answered with a piece of mine other than the one I sent ({where})"
+        out = torch.empty(hi - lo)
+        weights = {s: w for s, (w, _, _, _) in pieces.items()}
+        reduce_chunk(self.aggregation, {s: {c: p} for s, (_, _, _, p) in pieces.items()}, weights, outcome.senders, c,
+                     out, torch.empty(hi - lo))
+        expected = _as_received(self.codec, out)
+        if not torch.equal(expected, self.result[lo:hi]):
+            error = (expected - self.result[lo:hi]).abs().max().item()
+            return f"sent a result that is not what its pieces reduce to ({where}: off by up to {error:.3g})"
+        return None
 
     def on_repair_failed(self, shard: int, missing: list[int]) -> None:
         self.repair_failed = f"shard {shard} lost senders {missing} during repair"
@@ -928,7 +1178,8 @@ class AllReduceRun:
     def state(self) -> MemberState:
         """What I know, for the coordinator."""
         return MemberState(self.me, tuple(sorted(self.dead)), {j: tuple(c) for j, c in self.reports.items()},
-                           tuple(sorted(self.final)), self.outcome.version, self.outcome, self.repair_failed)
+                           tuple(sorted(self.final)), self.outcome.version, self.outcome, self.repair_failed,
+                           dict(self.sent), dict(self.received), self.checked, dict(self.finals))
 
     async def _follow_outcomes(self) -> None:
         """Send my state to the coordinator and apply its decisions until commit or abort."""
@@ -980,8 +1231,13 @@ class AllReduceRun:
             return
         previous = self.outcome
         self.outcome = outcome
+        proof = outcome.equivocation
+        if proof is not None and proof.holds(self.group):
+            self.service.banned.ban(self.group.peers[proof.reducer],
+                                    f"as reducer of shard {proof.shard}, it signed two different results of it")
         if terminal or outcome.version == previous.version:
             return
+        self._maybe_check()
         for shard, reducer in outcome.assignment.items():
             if reducer == self.me:
                 red = self.reducers.get(shard)
@@ -991,6 +1247,7 @@ class AllReduceRun:
                     red.finalize(outcome.senders, outcome.version)
             if self.mode != "aux" and previous.assignment.get(shard) != reducer:
                 self.final.discard(shard)
+                self.finals.pop(shard, None)
                 self._start_exchange(shard, reducer)
 
     async def _finalize_exact(self, red: ShardReducer) -> None:
@@ -1019,6 +1276,7 @@ class Coordinator:
         self.states: dict[int, MemberState] = {}
         self.outcome = Outcome(assignment=dict(run.outcome.assignment))
         self.repairs = 0
+        self.late = False  # the report deadline passed: decide with what came in
         self.newer = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
 
@@ -1098,6 +1356,7 @@ class Coordinator:
 
     def _report_deadline(self) -> None:
         self._timer = None  # a fired handle still holds this bound method: drop the cycle
+        self.late = True
         if self.outcome.version == 0 and not (self.outcome.committed or self.outcome.aborted):
             for j, reducer in self.outcome.assignment.items():
                 if not self._reported(j) and reducer != self.run.me:
@@ -1124,18 +1383,28 @@ class Coordinator:
                 for j, c in s.reports.items():
                     if out.assignment.get(j) not in dead:
                         complete = set(c) if complete is None else complete & set(c)
-            senders = tuple(sorted((complete or set()) - dead))
+            agreed = self._agreed(tuple(sorted((complete or set()) - dead)))
+            if agreed is None:
+                return  # senders' roots are still on their way
+            senders, digests = agreed
             if not senders:
                 self._publish(Outcome(1, aborted="no sender delivered to every reducer"))
                 return
-            self._publish(Outcome(1, senders, self._reassign(dict(out.assignment), live_reducers)))
+            self._publish(Outcome(1, senders, self._reassign(dict(out.assignment), live_reducers), digests=digests))
             return
         # After a decision: commit once every live receiver holds every shard.
         receivers = [i for i in self.run.group.receivers if i not in dead]
         shards = set(out.assignment)
-        holding = [i for i in receivers if i in self.states and set(self.states[i].final) >= shards]
+        holding = [i for i in receivers if i in self.states and set(self.states[i].final) >= shards
+                   and self.states[i].checked >= out.version]
         if len(holding) == len(receivers):
-            self._publish(Outcome(out.version, out.senders, out.assignment, committed=True))
+            proof = self._equivocation(receivers)
+            if proof is not None:
+                self._publish(Outcome(out.version + 1, equivocation=proof,
+                                      aborted=f"member {proof.reducer} sent members different results of shard "
+                                              f"{proof.shard}"))
+                return
+            self._publish(Outcome(out.version, out.senders, out.assignment, committed=True, digests=out.digests))
             return
         lost = {j for j, r in out.assignment.items() if r in dead}
         if lost:
@@ -1146,7 +1415,61 @@ class Coordinator:
                 self._publish(Outcome(out.version + 1, aborted="a reducer and a sender it needed both died"))
                 return
             self.repairs += 1
-            self._publish(Outcome(out.version + 1, out.senders, self._reassign(dict(out.assignment), live_reducers)))
+            self._publish(Outcome(out.version + 1, out.senders, self._reassign(dict(out.assignment), live_reducers),
+                                  digests=out.digests))
+
+    def _equivocation(self, receivers: list[int]) -> Equivocation | None:
+        """Proof that a reducer signed different results of one shard for different receivers, from
+        the FINALs they show me (a receiver showing a signature that does not hold is lying: it is
+        banned, and what it showed is ignored)."""
+        group, out = self.run.group, self.outcome
+        for j, r in sorted(out.assignment.items()):
+            seen: dict[tuple[int, tuple[int, ...]], dict[bytes, bytes]] = {}  # (version, senders) -> root -> sig
+            for i in receivers:
+                final = self.states[i].finals.get(j)
+                if final is None or self.states[i].version < out.version:
+                    continue  # it may not know yet that the shard moved to `r`
+                message = final_message(group.group_id, j, final.version, final.senders, final.root)
+                if not group.peers[r].verify(final.signature, message):
+                    self.run.service.banned.ban(group.peers[i], f"it showed a FINAL of shard {j} that its reducer "
+                                                                f"{group.peers[r]} did not sign")
+                    continue
+                seen.setdefault((final.version, final.senders), {}).setdefault(final.root, final.signature)
+            for (version, senders), roots in seen.items():
+                if len(roots) < 2:
+                    continue
+                (a, sig_a), (b, sig_b) = list(roots.items())[:2]
+                proof = Equivocation(r, j, version, senders, (a, b), (sig_a, sig_b))
+                self.run.service.banned.ban(group.peers[r], f"as reducer of shard {j}, it signed two different "
+                                                            "results of it")
+                return proof
+        return None
+
+    def _agreed(self, senders: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, bytes]] | None:
+        """The senders whose own roots match what every reporting reducer received from them, and
+        per reported shard the digest of those roots; None while a sender's roots may still come.
+        A mismatch means the sender or the reducer lies; either way the sender is left out (as a
+        reducer could already leave it out by calling it incomplete), and it is logged."""
+        received: dict[int, dict[int, bytes]] = {}
+        for state in self.states.values():
+            for j in state.reports:
+                if self.outcome.assignment.get(j) == state.member and state.member not in self.run.dead:
+                    received[j] = state.received.get(j, {})
+        agreed = []
+        for s in senders:
+            sent = self.states[s].sent if s in self.states else {}
+            if not set(received) <= set(sent):
+                if not self.late:
+                    return None
+                continue
+            disputed = [j for j in received if received[j].get(s) != sent[j]]
+            if disputed:
+                logger.warning("member %d (%s) and the reducers of shards %s disagree on what it sent; "
+                               "it is left out of this step", s, self.run.group.peers[s], disputed)
+                continue
+            agreed.append(s)
+        digests = {j: shard_digest({s: self.states[s].sent[j] for s in agreed}) for j in received}
+        return tuple(agreed), digests
 
     def _reassign(self, assignment: dict[int, int], live: list[int]) -> dict[int, int]:
         """Give each dead reducer's shard to the next live reducer after it (deterministic)."""
@@ -1169,6 +1492,11 @@ class Coordinator:
         if outcome.version > self.run.outcome.version or outcome.committed or outcome.aborted:
             self.run.apply(outcome)
             self.run.state_changed.set()
+
+
+# A reducer's answer to a check: sender -> (weight, its chunk digests, the block digests of the
+# chunk checked, the values of the blocks checked).
+Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -1196,10 +1524,11 @@ class AllReduceService:
         transport.add_stream_handler(METHOD_PART, self._on_part)
         transport.add_handler(METHOD_WAIT, self._on_wait)
         transport.add_handler(METHOD_QUERY, self._on_query)
+        transport.add_handler(METHOD_VERIFY, self._on_verify)
         transport.watch_disconnects(self._on_disconnect)
 
     def close(self) -> None:
-        for method in (METHOD_PART, METHOD_WAIT, METHOD_QUERY):
+        for method in (METHOD_PART, METHOD_WAIT, METHOD_QUERY, METHOD_VERIFY):
             self.transport.remove_handler(method)
         self.transport.unwatch_disconnects(self._on_disconnect)
         for timer in self._linger.values():
@@ -1334,3 +1663,53 @@ class AllReduceService:
         tombstone = self.finished.get(request)
         return None if tombstone is None else tombstone.state.to_wire()
 
+    async def pieces(self, run: AllReduceRun, reducer: int, shard: int, where: tuple[int, int, int],
+                     sizes: tuple[int, int], numel: int) -> Pieces:
+        """`reducer`'s pieces of `where` = (chunk, first block, blocks) of `shard`, whose (chunks,
+        blocks in that chunk) are `sizes`: sender -> (weight, its chunk digests, the block
+        digests of that chunk, the values of those blocks)."""
+        left = max(0.1, min(VERIFY_TIMEOUT, run.deadline - asyncio.get_running_loop().time()))
+        c, first, count = where
+        chunks, blocks = sizes
+        request = {"g": run.group.group_id, "m": run.me, "j": shard, "c": c, "b": first, "k": count}
+        reply = await self.transport.call(run.group.peers[reducer], METHOD_VERIFY, request, timeout=left)
+        what, n = "pieces", len(run.group.peers)
+        pieces: Pieces = {}
+        for entry in list_field({"p": reply.get("p") if isinstance(reply, dict) else None}, "p", what, n):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 5:
+                raise AveragingError("malformed pieces: entries must be [sender, weight, digests, blocks, values]")
+            digests = list_field({"d": entry[2]}, "d", what, chunks, length=chunks)
+            of_c = list_field({"d": entry[3]}, "d", what, blocks, length=blocks)
+            if any(not isinstance(d, bytes) or len(d) != DIGEST_BYTES for d in [*digests, *of_c]):
+                raise AveragingError("malformed pieces: digests must be 32-byte strings")
+            piece = entry[4]
+            if not isinstance(piece, torch.Tensor) or piece.dtype != torch.float32 or piece.numel() != numel \
+                    or not all_finite(piece):
+                raise AveragingError(f"malformed pieces: each piece must be {numel} finite float32s")
+            pieces[int_value(entry[0], "p", what, 0, n)] = (number_value(entry[1], "p", what), digests, of_c,
+                                                            piece.reshape(-1))
+        return pieces
+
+    async def _on_verify(self, request: Any, ctx: Any) -> dict:
+        """A member checks my work as a reducer: my pieces of some blocks of a chunk of a shard I
+        finalized, with the digests that bind them to what their senders sent."""
+        what = "verify request"
+        msg = wire_map(request, what)
+        run = self.runs.get(bytes_field(msg, "g", what, MAX_GROUP_ID_BYTES))
+        if run is None:
+            raise AveragingError("no such step under way here")
+        n = len(run.group.peers)
+        member = self._member(run, ctx.peer_id, int_field(msg, "m", what, 0, n))
+        red = run.reducers.get(int_field(msg, "j", what, 0, n))
+        c = int_field(msg, "c", what, 0, 2**31)
+        if red is None or red.final_senders is None or c >= red.chunks:
+            raise AveragingError("no final result of that chunk here")
+        blocks = math.ceil((min(red.size, (c + 1) * red.chunk) - c * red.chunk) / VERIFY_BLOCK)
+        first = int_field(msg, "b", what, 0, blocks)
+        count = int_field(msg, "k", what, 1, blocks - first + 1)
+        if (member, red.shard, red.final_version) in run.checked_by:
+            raise AveragingError("this member checked that result already")  # one check each: no amplification
+        run.checked_by.add((member, red.shard, red.final_version))
+        values = slice(first * VERIFY_BLOCK, (first + count) * VERIFY_BLOCK)
+        return {"p": [[s, red.weights[s], run.chunk_digests(red, s), block_digests(red.pieces[s][c]),
+                       red.pieces[s][c][values]] for s in red.final_senders]}
