@@ -344,6 +344,7 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
         self.state_averager.round = self.local_epoch  # the version newcomers compare
         self.peer.run(self.state_averager.announce_state(), 30)
+        self.peer.run(self._report(), 30)  # newcomers refuse a state whose epoch no progress record supports
 
     # -- sync mode (DeDLOC) -------------------------------------------------------------------------
     async def _sync_step(self) -> None:
@@ -687,8 +688,7 @@ class Optimizer(torch.optim.Optimizer):
         self._attempt, self._waited, self._part, self._part_due = 0, True, 0, None
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
         if not await self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
-            self.local_epoch = epoch  # nobody could share the newest state; keep ours and rejoin
-            self.state_averager.state_metadata = {"epoch": self.local_epoch}
+            self._move_to(epoch)  # nobody could share the newest state; keep ours and rejoin
         elif self.local_epoch < epoch:
             self._next_catch_up = self._now() + CATCH_UP_RETRY_SECONDS
         if behind > MAX_STALE_EPOCHS:
@@ -864,15 +864,19 @@ class Optimizer(torch.optim.Optimizer):
         except AveragingError as e:
             logger.info("no state downloaded (%s); starting from local parameters", e)
             return False
+        self._move_to(epoch)
+        if self._outer_params is not None:
+            await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
+        logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
+        return True
+
+    def _move_to(self, epoch: int) -> None:
+        """Take the swarm's `epoch` as ours (never an older one), the scheduler with it in one call."""
         if epoch > self.local_epoch:
             if self.scheduler is not None:
                 _advance_scheduler(self.scheduler, epoch - self.local_epoch)
             self.local_epoch = epoch
         self.state_averager.state_metadata = {"epoch": self.local_epoch}
-        if self._outer_params is not None:
-            await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
-        logger.info("downloaded the swarm's state at epoch %d", self.local_epoch)
-        return True
 
     async def _download_state(self, timeout: float) -> int:
         """Download the state that most donors vouched for by our progress view agree on, into
