@@ -19,7 +19,8 @@ Modes:
   momentum on the averaged change of the parameters.
 
 A newcomer downloads the current state before its first step; a peer that falls behind catches
-up the same way.
+up the same way. It takes the state that most donors agree on among the live peers of its
+progress view, at an epoch that view supports (docs/security.md: donors may lie).
 
 Memory: potluck averages into and out of tensors that exist anyway (parameters, optimizer
 statistics), and serves newcomers from a snapshot taken only when one asks. Model-sized buffers
@@ -883,8 +884,8 @@ class Optimizer(torch.optim.Optimizer):
         the state averager's tensors; returns its epoch. Donors count only if they are live peers
         in the view (identities we never heard from do not), and a state whose epoch or version
         is ahead of what the view supports (`MAX_EPOCH_LEAD`) is refused: one donor cannot set
-        our parameters or our epoch. (The averager's own `aload_state_from_peers` takes the
-        newest state any donor offers.)"""
+        our parameters or our epoch. (The averager's own `aload_state_from_peers` has no
+        progress view: it counts every donor.)"""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
