@@ -18,13 +18,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import torch
 
-from potluck.core.virtual_time import run_virtual
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import VirtualTimeLoop, run_virtual, virtual_time_loop
 from potluck.dht.records import own_subkey
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
 from potluck.optim.optimizer import PROGRESS_INTERVAL
 from potluck.optim.progress import (
     LIVE_SECONDS,
-    MAX_EXTRAPOLATION,
     MAX_SPEED_RATIO,
     PROGRESS_TTL,
     GlobalProgress,
@@ -133,9 +138,10 @@ def test_a_report_of_a_huge_epoch_does_not_move_the_collaborations_epoch(caplog:
 @pytest.mark.timeout(60)
 def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCaptureFixture) -> None:
     """The liar claims 10^9 samples at 10^8 samples/s (under the absolute cap of 10^9/s): read as
-    claimed, the batch of 1000 is full and every peer enters a round at once. Bound: it counts at
-    most MAX_SPEED_RATIO x the median peer's samples (or its samples in MAX_EXTRAPOLATION) and
-    speed, so the batch is not declared full and the ETA stays positive."""
+    claimed, the batch of 1000 is full and every peer enters a round at once (a short round: the
+    epoch goes on, but every step costs a round). Bound: it counts at most MAX_SPEED_RATIO x the
+    median peer's samples and speed, so the batch is not declared full and the ETA stays positive;
+    with n honest peers, a round starts once they hold at least n / (n + 16) of the batch."""
     async def main() -> None:
         async with scene() as stage:
             with caplog.at_level(logging.WARNING):
@@ -144,8 +150,78 @@ def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCapt
                 assert stage.view[stage.liar_id].samples == 10**9  # read, then bounded
                 progress = stage.estimate()
             liar = next(r for r in progress.reports if r.peer_id == stage.liar_id)
-            assert liar.samples <= MAX_SPEED_RATIO * max(SAMPLES, SPEED * MAX_EXTRAPOLATION)
+            assert liar.samples <= MAX_SPEED_RATIO * SAMPLES
             assert liar.samples_per_second <= MAX_SPEED_RATIO * SPEED
             assert progress.samples <= 3 * SAMPLES + liar.samples < TARGET and progress.eta_seconds > 0
             assert warned_about(caplog, stage.liar_id, "claims 1000000000 samples")
     run_virtual(main())
+
+
+# -- the same lies against training peers -------------------------------------------------------------
+BATCH, TRAIN_TARGET, COMPUTE = 8, 256, 0.02
+
+
+async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
+    """Two honest Optimizers train `epochs` epochs (sync mode) while a third peer keeps publishing
+    a progress record with `claims`; returns the honest ones."""
+    network = EmulatedNetwork(latency=0.01, seed=7)
+    peers: list[potluck.Peer] = []
+    for _ in range(3):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    *honest, liar = peers
+    models = [torch.nn.Linear(16, 4) for _ in honest]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
+                      batch_size_per_step=BATCH, load_state=False, start=False)
+            for peer, model in zip(honest, models, strict=True)]
+    lying = ProgressTracker(liar.dht, liar.transport, RUN, liar.peer_id, TRAIN_TARGET)
+
+    async def lie() -> None:
+        while True:
+            now = liar.dht.get_time()
+            record = {"epoch": 0, "samples": 0, "sps": 0.0, "time": now, "done": 0, **claims}
+            await liar.dht.astore(f"{RUN}.progress", record, now + PROGRESS_TTL, subkey=lying.subkey)
+            await asyncio.sleep(PROGRESS_INTERVAL)
+
+    async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        while opt.local_epoch < epochs:
+            x = torch.randn(BATCH, 16, generator=generator)
+            model(x).square().mean().backward()
+            await asyncio.sleep(COMPUTE)
+            await opt.astep()
+
+    liar_task = asyncio.ensure_future(lie())
+    try:
+        for opt in opts:
+            await opt.astart()
+        await asyncio.wait_for(asyncio.gather(*(train(o, m, i) for i, (o, m) in enumerate(zip(opts, models)))), 120)
+        return opts
+    finally:
+        liar_task.cancel()
+        lying.close()
+        for opt in opts:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+def run_training(epochs: int, **claims: Any) -> list[Optimizer]:
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        assert isinstance(runner.loop, VirtualTimeLoop)
+        return runner.run(train_beside_a_liar(epochs, **claims), timeout=120)
+    finally:
+        release_runner()
+
+
+@pytest.mark.timeout(120)
+def test_training_peers_keep_their_epochs_beside_a_peer_claiming_epoch_ten_million() -> None:
+    """Read as claimed, the liar's epoch sends both honest peers to catch up with it: they take epoch
+    10^7 at once. Bound: they train epoch by epoch, together, as without it."""
+    opts = run_training(3, epoch=10**7, done=10**7, sps=50.0)
+    assert [o.local_epoch for o in opts] == [3, 3]
+    assert all(TRAIN_TARGET <= o.epoch_samples for o in opts)  # the last epoch was a whole batch
+    assert all(torch.equal(a, b) for a, b in zip(opts[0]._params, opts[1]._params, strict=True))

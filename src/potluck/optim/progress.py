@@ -235,10 +235,12 @@ class ProgressTracker:
 
     def _bounded(self, others: list[PeerProgress], local: PeerProgress) -> list[PeerProgress]:
         """Others' reports as far as the swarm supports them: none more than MAX_EPOCH_LEAD
-        epochs ahead of the second-highest epoch (ours included; a lone other peer is the swarm),
+        epochs ahead of the second-highest epoch (ours included once we have trained or loaded a
+        state: a newcomer's epoch 0 is no evidence, and to it a lone other peer is the swarm),
         speeds and samples at most MAX_SPEED_RATIO times the median peer's (ours included)."""
-        epochs = sorted([local.epoch, *(r.epoch for r in others)], reverse=True)
-        supported = epochs[1] if len(others) >= 2 else epochs[0]
+        ours = [local.epoch] if local.samples or local.done else []
+        epochs = sorted([*ours, *(r.epoch for r in others)], reverse=True)
+        supported = epochs[min(1, len(epochs) - 1)] if epochs else 0
         kept = [r for r in others if r.epoch <= supported + MAX_EPOCH_LEAD]
         ignored = {r.peer_id: r.epoch for r in others if r.epoch > supported + MAX_EPOCH_LEAD}
         for peer in ignored.keys() - self._ignored:
@@ -250,9 +252,9 @@ class ProgressTracker:
         if median_speed <= 0:
             return kept  # nobody has measured a speed yet: nothing to compare a claim with
         max_speed = MAX_SPEED_RATIO * median_speed
-        # the median peer's samples, or what it adds between two reports early in an epoch
-        typical = max(_lower_median([r.samples for r in everyone]), median_speed * MAX_EXTRAPOLATION)
-        max_samples = min(self.target, int(MAX_SPEED_RATIO * typical))
+        # (early in an epoch this counts others' first samples late: that delays a round, never
+        # starts one short)
+        max_samples = min(self.target, int(MAX_SPEED_RATIO * _lower_median([r.samples for r in everyone])))
         capped = {r.peer_id for r in kept if r.samples_per_second > max_speed or r.samples > max_samples}
         for r in kept:
             if r.peer_id in capped - self._capped:
