@@ -26,6 +26,7 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import VirtualTimeLoop, run_virtual, virtual_time_loop
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
+from potluck.net.identity import Identity
 from potluck.optim import Optimizer
 from potluck.optim.optimizer import PROGRESS_INTERVAL
 from potluck.optim.progress import (
@@ -225,3 +226,19 @@ def test_training_peers_keep_their_epochs_beside_a_peer_claiming_epoch_ten_milli
     assert [o.local_epoch for o in opts] == [3, 3]
     assert all(TRAIN_TARGET <= o.epoch_samples for o in opts)  # the last epoch was a whole batch
     assert all(torch.equal(a, b) for a, b in zip(opts[0]._params, opts[1]._params, strict=True))
+
+
+def test_a_lone_peer_far_ahead_is_followed_only_if_it_averaged_with_us() -> None:
+    """In a swarm of two, the other peer far ahead is either a liar or a peer we fell behind (we
+    stalled while it trained alone): it is believed only if it was in our last group."""
+    me, other = (str(Identity.generate().peer_id) for _ in range(2))
+
+    class Transport:
+        def add_handler(self, *args: Any) -> None: ...
+
+    tracker = ProgressTracker(None, Transport(), RUN, me, TARGET)
+    local = PeerProgress(me, EPOCH, SAMPLES, SPEED, 10.0, done=EPOCH)
+    ahead = {other: PeerProgress(other, EPOCH + 5, SAMPLES, SPEED, 10.0, done=EPOCH + 5)}
+    assert tracker.estimate(ahead, local).epoch == EPOCH
+    tracker.set_neighbors([other])
+    assert tracker.estimate(ahead, local).epoch == EPOCH + 5

@@ -235,10 +235,12 @@ class ProgressTracker:
 
     def _bounded(self, others: list[PeerProgress], local: PeerProgress) -> list[PeerProgress]:
         """Others' reports as far as the swarm supports them: none more than MAX_EPOCH_LEAD
-        epochs ahead of the second-highest epoch (ours included once we have trained or loaded a
-        state: a newcomer's epoch 0 is no evidence, and to it a lone other peer is the swarm),
-        speeds and samples at most MAX_SPEED_RATIO times the median peer's (ours included)."""
-        ours = [local.epoch] if local.samples or local.done else []
+        epochs ahead of the second-highest epoch, speeds and samples at most MAX_SPEED_RATIO
+        times the median peer's (ours included). Our own epoch counts once we have trained or
+        loaded a state (a newcomer's 0 is no evidence: to it a lone other peer is the swarm),
+        except against a lone other peer that was in our last group (we fell behind it)."""
+        lone_neighbor = len(others) == 1 and others[0].peer_id in self._neighbors
+        ours = [local.epoch] if (local.samples or local.done) and not lone_neighbor else []
         epochs = sorted([*ours, *(r.epoch for r in others)], reverse=True)
         supported = epochs[min(1, len(epochs) - 1)] if epochs else 0
         kept = [r for r in others if r.epoch <= supported + MAX_EPOCH_LEAD]
