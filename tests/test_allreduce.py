@@ -10,12 +10,14 @@ import torch
 
 from potluck.averaging.allreduce import (
     AllReduceService,
+    Equivocation,
     Group,
     MemberState,
     Outcome,
     PartRequest,
     ResultChunk,
     ResultFinal,
+    SignedFinal,
     parse_result,
 )
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
@@ -345,11 +347,19 @@ def test_part_request_and_member_state_refuse_malformed_fields_by_name():
         with pytest.raises(MalformedMessage, match=field) as caught:
             PartRequest.from_wire({**good.to_wire(), key: value})
         assert caught.value.field
-    state = MemberState(1, (2,), {0: (0, 1)}, (0,), 3, Outcome(3, (0, 1), {0: 0, 1: 1, 2: 2}))
+    proof = Equivocation(2, 2, 1, (0, 1), (b"a" * 32, b"b" * 32), (b"s" * 64, b"t" * 64))
+    outcome = Outcome(3, (0, 1), {0: 0, 1: 1, 2: 2}, digests={0: b"d" * 32}, equivocation=proof)
+    state = MemberState(1, (2,), {0: (0, 1)}, (0,), 3, outcome, sent={0: b"r" * 32, 1: b"q" * 32},
+                        received={1: {0: b"r" * 32}}, checked=3, finals={0: SignedFinal(1, (0, 1), b"r" * 32, b"s" * 64)})
     assert MemberState.from_wire(state.to_wire(), group) == state
     for key, value, field in (("m", 3, "'m'"), ("dead", [0] * 4, "'dead'"), ("dead", [7], "'dead'"),
                               ("rep", [[0, [9]]], "'rep'"), ("rep", [[0]], "'rep'"), ("final", "0", "'final'"),
-                              ("v", -1, "'v'"), ("fail", "x" * 1001, "'fail'"), ("o", {"v": 1}, "'o'")):
+                              ("v", -1, "'v'"), ("fail", "x" * 1001, "'fail'"), ("o", {"v": 1}, "'o'"),
+                              ("sent", [[0, b"r" * 31]], "'sent'"), ("sent", [[3, b"r" * 32]], "'sent'"),
+                              ("recv", [[0]], "'recv'"), ("recv", [[0, [[1, "r"]]]], "'recv'"), ("chk", -1, "'chk'"),
+                              ("fin", [[0, 1, [0], b"r" * 32]], "'fin'"), ("fin", [[0, 1, [0], b"r" * 32, b"s"]], "'fin'"),
+                              ("o", {**outcome.to_wire(), "d": [[0, b"d"]]}, "'o'"),
+                              ("o", {**outcome.to_wire(), "eq": [2, 2, 1, [0], b"a" * 32]}, "'o'")):
         with pytest.raises(MalformedMessage, match=field):
             MemberState.from_wire({**state.to_wire(), key: value}, group)
     with pytest.raises(MalformedMessage, match="not a map"):

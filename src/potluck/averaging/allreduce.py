@@ -184,13 +184,12 @@ class Equivocation:
     def from_wire(cls, msg: Any, what: str, n: int) -> Equivocation:
         if not isinstance(msg, (list, tuple)) or len(msg) != 8:
             raise MalformedMessage(what, "'eq' must be [reducer, shard, version, senders, 2 roots, 2 signatures]")
-        fields = {"r": msg[4], "q": msg[5], "s": msg[6], "t": msg[7]}
+        def of(value: Any, size: int) -> bytes:
+            return bytes_field({"eq": value}, "eq", what, size, exact=True)
         return cls(int_value(msg[0], "eq", what, 0, n), int_value(msg[1], "eq", what, 0, n),
                    int_value(msg[2], "eq", what, 0, 2**62), _members({"eq": msg[3]}, "eq", what, n),
-                   (bytes_field(fields, "r", what, DIGEST_BYTES, exact=True),
-                    bytes_field(fields, "q", what, DIGEST_BYTES, exact=True)),
-                   (bytes_field(fields, "s", what, SIGNATURE_BYTES, exact=True),
-                    bytes_field(fields, "t", what, SIGNATURE_BYTES, exact=True)))
+                   (of(msg[4], DIGEST_BYTES), of(msg[5], DIGEST_BYTES)),
+                   (of(msg[6], SIGNATURE_BYTES), of(msg[7], SIGNATURE_BYTES)))
 
 
 @dataclass
@@ -376,11 +375,10 @@ class MemberState:
         for entry in list_field(msg, "fin", what, n):
             if not isinstance(entry, (list, tuple)) or len(entry) != 5:
                 raise MalformedMessage(what, "'fin' entries must be [shard, version, senders, root, signature]")
-            signed = {"r": entry[3], "s": entry[4]}
             finals[int_value(entry[0], "fin", what, 0, n)] = SignedFinal(
                 int_value(entry[1], "fin", what, 0, 2**62), _members({"fin": entry[2]}, "fin", what, n),
-                bytes_field(signed, "r", what, DIGEST_BYTES, exact=True),
-                bytes_field(signed, "s", what, SIGNATURE_BYTES, exact=True))
+                bytes_field({"fin": entry[3]}, "fin", what, DIGEST_BYTES, exact=True),
+                bytes_field({"fin": entry[4]}, "fin", what, SIGNATURE_BYTES, exact=True))
         return cls(int_field(msg, "m", what, 0, n), _members(msg, "dead", what, n), parsed,
                    _members(msg, "final", what, n), int_field(msg, "v", what, 0, 2**62), outcome, failure,
                    _digests(msg.get("sent"), "sent", what, n), received, int_field(msg, "chk", what, 0, 2**62),
