@@ -9,9 +9,10 @@ import torch
 
 import potluck
 from potluck.averaging import Averager
-from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN, bounded_weights
+from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN, PartRequest, bounded_weights
 from potluck.averaging.robust import aggregate, trimmed_count
 from potluck.core.dht_time import event_loop_clock
+from potluck.core.errors import MalformedMessage
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import run_virtual, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
@@ -141,3 +142,9 @@ def test_the_optimizer_hands_its_aggregation_to_every_averager():
         runner.run(main(), timeout=60)
     finally:
         release_runner()
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0])
+def test_a_part_request_with_a_non_finite_or_negative_weight_is_refused(weight):
+    with pytest.raises(MalformedMessage, match="'w'"):
+        PartRequest.from_wire({"g": b"group", "j": 0, "s": 1, "w": weight, "x": False})
