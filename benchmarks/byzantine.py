@@ -31,7 +31,8 @@ gradients, the emulated protocol, the reducers): the virtual clock counts no CPU
 shared machine this figure follows the machine's load more than the aggregation.
 
 Usage: python benchmarks/byzantine.py [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
-           [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--quick]
+           [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
+           [--quick]
 (--jobs: runs in that many processes at once; each run is one process's work, so the figures do
 not change, only the wall time of the whole benchmark.)
 """
@@ -113,7 +114,8 @@ class ReduceTimer:
         allreduce.ShardReducer._reduce = timed
 
 
-def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int, clip_radius: float) -> dict:
+def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int, clip_radius: float,
+          seed: int) -> dict:
     """One training run (in its own process with --jobs); see the module docstring."""
     torch.set_num_threads(1)
     robust.CLIP_RADIUS = clip_radius
@@ -123,7 +125,7 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
     model = make_model()  # the honest peers' one model (they stay bit-identical)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     size = sum(p.numel() for p in model.parameters())
-    rngs = [torch.Generator().manual_seed(100 + i) for i in range(PEERS)]
+    rngs = [torch.Generator().manual_seed(100 * seed + 100 + i) for i in range(PEERS)]  # batches, noise
 
     async def main() -> dict:
         net = EmulatedNetwork(latency=LATENCY)
@@ -207,6 +209,7 @@ def main() -> None:
     parser.add_argument("--clip-radius", type=float, default=robust.CLIP_RADIUS,
                         help="CenteredClip's radius in median distances (for tuning; the default is the library's)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--seed", type=int, default=0, help="picks the peers' batches (the model starts the same)")
     parser.add_argument("--quick", action="store_true", help="20 steps, the scaled attack only, 2 attackers")
     args = parser.parse_args()
     if args.quick:
@@ -214,12 +217,12 @@ def main() -> None:
     torch.set_num_threads(1)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     common = {"peers": PEERS, "steps": args.steps, "batch_per_peer": BATCH, "clip_radius": args.clip_radius,
-              "host": platform.node(), "date": now}
+              "seed": args.seed, "host": platform.node(), "date": now}
     aggregations = args.aggregations.split(",")
     scenarios = [(None, 0)] + [(a, int(f)) for f in args.attackers.split(",") for a in args.attacks.split(",")]
     runs = [(agg, kind, f) for agg in aggregations for kind, f in scenarios]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(train, agg, kind, f, args.steps, args.clip_radius) for agg, kind, f in runs]
+        futures = [pool.submit(train, agg, kind, f, args.steps, args.clip_radius, args.seed) for agg, kind, f in runs]
         rows = []
         for (agg, kind, f), future in zip(runs, futures, strict=True):
             row = {"metric": "byzantine_accuracy", "aggregation": agg, "attack": kind or "none", "attackers": f,
