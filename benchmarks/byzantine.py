@@ -14,8 +14,9 @@ Attackers are 1 or 2 of the 8 peers. Each computes its honest gradient g, sends 
   sign_flip  -g                       (the BTARD paper's sign flipping),
   scaled     -100 g                   (sign-flipped and scaled x100),
   random     100 * rms(g) * N(0, 1)   (noise, each coordinate, 100 times g's scale),
-and claims weight ATTACKER_WEIGHT (1e30: reducers bound it to MAX_WEIGHT_OVER_MEDIAN x the
-median) while honest peers claim 1.
+and claims weight ATTACKER_WEIGHT (1e30: with the mean, reducers bound it to
+MAX_WEIGHT_OVER_MEDIAN x the median; robust aggregations count each sender once) while honest
+peers claim 1.
 
 For each aggregation ("mean", "centered_clip", "trimmed_mean") the script runs all-honest (8
 honest peers) and every attack with 1 and 2 attackers, and prints one JSON object per run:
@@ -33,8 +34,8 @@ shared machine this figure follows the machine's load more than the aggregation.
 Usage: python benchmarks/byzantine.py [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
            [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
            [--quick]
-(--jobs: runs in that many processes at once; each run is one process's work, so the figures do
-not change, only the wall time of the whole benchmark.)
+(--jobs: runs in that many processes at once; each run is one process's work, so accuracies do
+not change; CPU timings do when the processes compete for cores.)
 """
 
 from __future__ import annotations
