@@ -79,6 +79,8 @@ class KeyKinds:
         self.clock = clock
         self.kinds = kinds
         self._kinds_of: dict[str, tuple[KeyKind, ...]] = {}  # key -> the kinds it matches
+        # Whether a key matches any kind, in one search (most keys match none).
+        self._any = re.compile("|".join(f"(?:{kind.pattern.pattern})" for kind in kinds))
 
     def validate(self, record: Record, value: Any) -> None:
         if not isinstance(record.key, str):
@@ -98,7 +100,8 @@ class KeyKinds:
         KINDS_OF_KEYS_CACHED)."""
         kinds = self._kinds_of.get(key)
         if kinds is None:
-            kinds = tuple(kind for kind in self.kinds if kind.pattern.search(key) is not None)
+            kinds = () if self._any.search(key) is None else tuple(
+                kind for kind in self.kinds if kind.pattern.search(key) is not None)
             if len(self._kinds_of) >= KINDS_OF_KEYS_CACHED:
                 del self._kinds_of[next(iter(self._kinds_of))]
             self._kinds_of[key] = kinds
