@@ -350,7 +350,7 @@ def test_malformed_donor_records_are_ignored_and_the_newcomer_gets_the_state(cap
         assert await rogue.dht.astore("records.state", {"version": "99"}, rogue.dht.get_time() + 60,
                                       subkey=own_subkey(rogue.transport.peer_id))
         newcomer = Averager(await add_peer(net, peers), [torch.zeros(100)], "records")
-        with caplog.at_level(logging.DEBUG, logger="potluck.averaging.averager"):
+        with caplog.at_level(logging.DEBUG, logger="potluck.averaging.state_transfer"):
             version, _ = await newcomer.aload_state_from_peers(timeout=20)
         assert version == 1 and torch.equal(newcomer._tensors[0], avgs[0]._tensors[0])
         assert any("ignoring a state record" in r.getMessage() and "'version'" in r.getMessage()

@@ -25,15 +25,15 @@ from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import Matchmaker
 from potluck.averaging.robust import AGGREGATIONS
 from potluck.averaging.role import Role
-from potluck.averaging.state_transfer import DonorRecord, StateServer, download_state
+from potluck.averaging.state_transfer import DonorRecord, ManifestCheck, StateServer, download_state, read_donors
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
-from potluck.core.errors import AveragingError, MalformedMessage
+from potluck.core.errors import AveragingError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.dht.key_kinds import DECLARATION_MAX_TTL
-from potluck.dht.records import own_subkey, subkey_owner
+from potluck.dht.records import own_subkey
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -256,39 +256,41 @@ class Averager:
         except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
             logger.debug("could not announce state: %s", e)
 
-    def load_state_from_peers(self, timeout: float | None = None) -> tuple[int, Any]:
-        """Download the newest averaged state from peers (in parallel, verified by hash) into
-        this averager's tensors; returns (version, metadata). Raises AveragingError if none can."""
+    def load_state_from_peers(self, timeout: float | None = None, *, vouched: Collection[PeerID] | None = None,
+                              check: ManifestCheck | None = None) -> tuple[int, Any]:
+        """Download the state most donors agree on (in parallel, verified by hash) into this
+        averager's tensors; returns (version, metadata). Raises AveragingError if none can."""
         timeout = timeout or self.allreduce_timeout
-        return self.peer.run(self.aload_state_from_peers(timeout), timeout + 5)
+        return self.peer.run(self.aload_state_from_peers(timeout, vouched=vouched, check=check), timeout + 5)
 
-    async def aload_state_from_peers(self, timeout: float | None = None) -> tuple[int, Any]:
-        """The async twin of `load_state_from_peers`."""
+    async def aload_state_from_peers(self, timeout: float | None = None, *,
+                                     vouched: Collection[PeerID] | None = None,
+                                     check: ManifestCheck | None = None) -> tuple[int, Any]:
+        """The async twin of `load_state_from_peers`. `timeout` covers reading the donors from the
+        DHT and the download. Donors may lie (docs/security.md): `vouched`, if given, are the only
+        donors counted (e.g. the live peers of a progress view), and `check` refuses a donor's
+        manifest by raising ValueError (e.g. an epoch beyond what that view supports)."""
         timeout = timeout or self.allreduce_timeout
-        found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
-        donors: dict[PeerID, int] = {}  # peer -> the version it offers
-        for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-            # Only a donor's own signed entry names it: anyone else's (an unsigned subkey, or one
-            # signed by a stranger) is skipped, so nobody can offer a state in a donor's name.
-            peer_id = subkey_owner(subkey)
-            if peer_id is None:
-                logger.debug("ignoring a state record of %r under a subkey that no donor signed", self.run_id)
-                continue
-            try:
-                record = DonorRecord.from_wire(entry.value)
-            except MalformedMessage as e:
-                logger.debug("ignoring a state record of %r by %s: %s", self.run_id, peer_id, e)
-                continue
-            if peer_id != self.transport.peer_id:
-                donors[peer_id] = record.version
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with compat.timeout_at(deadline):
+                found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
+        except TimeoutError:
+            raise AveragingError(f"could not read the donors of {self.run_id!r} within {timeout} s") from None
+        donors = read_donors(found, self.transport.peer_id)
         if not donors:
             raise AveragingError(f"no peer offers the state of {self.run_id!r} yet")
+        left = deadline - loop.time()
+        if left <= 0:
+            raise AveragingError(f"no time left to download the state within {timeout} s")
         # Straight into our tensors, chunk by chunk once verified: no second copy of the state.
         # A failed download leaves them partly overwritten, so meanwhile we offer them to nobody.
         with self.state_server.replacing() if self.state_server is not None else contextlib.nullcontext():
             newest_first = sorted(donors, key=lambda p: (-donors[p], str(p)))
-            version, metadata, _ = await download_state(self.transport, newest_first, self.run_id, timeout,
-                                                        into=self._tensors, lock=self._lock)
+            version, metadata, _ = await download_state(self.transport, newest_first, self.run_id, left,
+                                                        into=self._tensors, lock=self._lock,
+                                                        vouched=vouched, check=check)
             for state in self.powersgd or ():
                 state.reset()  # its residual belonged to the tensors just replaced
             self.round, self.state_metadata = version, metadata

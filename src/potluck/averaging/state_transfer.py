@@ -70,6 +70,7 @@ __all__ = [
     "ChunkStreamOpen",
     "DonorRecord",
     "Manifest",
+    "ManifestCheck",
     "ManifestRequest",
     "StateServer",
     "chunks_method",
@@ -312,12 +313,15 @@ def read_donors(found: Any, me: PeerID) -> dict[PeerID, int]:
     donors: dict[PeerID, int] = {}
     for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
         peer_id = subkey_owner(subkey)
+        if peer_id is None:
+            logger.debug("ignoring a state record under a subkey that no donor signed")
+            continue
         try:
-            record = None if peer_id is None else DonorRecord.from_wire(entry.value)
+            record = DonorRecord.from_wire(entry.value)
         except MalformedMessage as e:
             logger.debug("ignoring a state record by %s: %s", peer_id, e)
             continue
-        if record is not None and peer_id != me:
+        if peer_id != me:
             donors[peer_id] = record.version
     return donors
 

@@ -39,7 +39,6 @@ download it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -53,7 +52,7 @@ import torch
 
 from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
-from potluck.averaging.state_transfer import Manifest, download_state, read_donors
+from potluck.averaging.state_transfer import Manifest
 from potluck.core import compat, serialization
 from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
 from potluck.core.peer_like import PeerLike
@@ -884,35 +883,25 @@ class Optimizer(torch.optim.Optimizer):
         the state averager's tensors; returns its epoch. Donors count only if they are live peers
         in the view (identities we never heard from do not), and a state whose epoch or version
         is ahead of what the view supports (`MAX_EPOCH_LEAD`) is refused: one donor cannot set
-        our parameters or our epoch. (The averager's own `aload_state_from_peers` has no
-        progress view: it counts every donor.)"""
+        our parameters or our epoch."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
             async with compat.timeout_at(deadline):
                 reports = await self.tracker.fetch()
-                found = await self.peer.dht.aget(f"{self.state_averager.run_id}.state", latest=True)
         except TimeoutError:
-            raise AveragingError(f"could not read the swarm's progress and donors within {timeout} s") from None
+            raise AveragingError(f"could not read the swarm's progress within {timeout} s") from None
         if reports is not None:
             self._reports = reports
         progress, now = self.progress(), self.peer.dht.get_time()
         vouched = {PeerID.from_string(r.peer_id) for r in progress.reports
                    if r.peer_id != self.peer.peer_id and r.live(now)}
         limit = progress.epoch + MAX_EPOCH_LEAD
-        donors = read_donors(found, self.peer.transport.peer_id)
-        averager, left = self.state_averager, deadline - loop.time()
+        left = deadline - loop.time()
         if left <= 0:
             raise AveragingError(f"no time left to download the state within {timeout} s")
-        with averager.get_tensors() as tensors:
-            targets = list(tensors)
-        # A failed download leaves our tensors partly overwritten: meanwhile we offer them to nobody.
-        with averager.state_server.replacing() if averager.state_server is not None else contextlib.nullcontext():
-            version, metadata, _ = await download_state(
-                self.peer.transport, sorted(donors, key=lambda p: (-donors[p], str(p))), averager.run_id, left,
-                into=targets, lock=averager._lock,  # the lock the averager's own downloads hold
-                vouched=vouched, check=lambda manifest: _check_epoch(manifest, limit))
-            averager.round, averager.state_metadata = version, metadata
+        _, metadata = await self.state_averager.aload_state_from_peers(
+            left, vouched=vouched, check=lambda manifest: _check_epoch(manifest, limit))
         return metadata["epoch"]
 
     # -- progress -----------------------------------------------------------------------------------
