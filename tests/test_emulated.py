@@ -621,3 +621,28 @@ def test_calls_to_self_take_no_virtual_time_and_end_with_a_crash() -> None:
         await a.close()
 
     vrun(main())
+
+
+def test_a_stream_read_to_its_end_after_both_sides_closed_is_forgotten_by_its_connection() -> None:
+    """The other side sends its last message and END before we read it (an all-reduce part's final
+    result): once we read that message, the connection must drop the stream, or every part stream
+    of a long run stays on the connection."""
+    async def main() -> None:
+        net = EmulatedNetwork(latency=0.01)
+        a, b = await started(net, 2)
+
+        async def reply(stream: Any, ctx: Any) -> None:
+            await stream.send("final")  # and END when the handler returns
+
+        b.add_stream_handler("reply", reply)
+        introduce(a, b)
+        for _ in range(5):
+            stream = await a.open_stream(b.peer_id, "reply", timeout=60)
+            await stream.close()
+            await asyncio.sleep(1.0)  # "final" and END have both arrived, unread
+            assert await stream.recv() == "final"
+        (conn,) = [c for c in a.open_connections() if c.peer_id == b.peer_id]
+        assert conn._streams == {}
+        await close_all(a, b)
+
+    vrun(main())

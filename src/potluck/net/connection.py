@@ -251,6 +251,11 @@ class Stream:
             self.connection.link.send_nowait(Frame(Kind.WINDOW, self.call_id, {"n": self._unacked}))
             self._outstanding -= self._unacked
             self._unacked = 0
+        if not self._inbox:
+            # The last message of a stream already ended both ways: the connection lets go of it
+            # now (END came while this message waited, so nothing else would: a stream per
+            # all-reduce part stayed on the connection for its whole life).
+            self.connection._maybe_forget(self)
         return frame.body
 
     def __aiter__(self) -> AsyncIterator[Any]:
