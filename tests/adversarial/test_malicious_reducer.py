@@ -5,7 +5,6 @@ must stay within a stated bound, and the attacker must be identified (banned and
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import sys
@@ -16,27 +15,10 @@ import torch
 from potluck.averaging import Averager, allreduce
 from potluck.averaging.accountability import ban_list
 from potluck.averaging.allreduce import AllReduceRun, ShardReducer
-from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
-from tests.emulated_swarm import make_swarm
+from tests.adversarial.members import N, assert_refused, group_of_four, step_together, warnings_naming
 
-N = 400  # elements averaged: 4 shards of 100
-
-
-async def four_peers(tag: str) -> tuple[list[Averager], list[torch.Tensor]]:
-    """Peers 0-2 are honest, peer 3 is the attacker; peer 3 starts last, so it does not lead."""
-    net, peers = await make_swarm(4)
-    vectors = [torch.full((N,), float(i)) for i in range(4)]
-    avgs = [Averager(p, [v], tag, target_group_size=4, matchmaking_time=1.0, sender_timeout=1.0)
-            for p, v in zip(peers, vectors, strict=True)]
-    return avgs, vectors
-
-
-async def steps(avgs: list[Averager]) -> list:
-    async def one(i: int):
-        await asyncio.sleep(0.2 * (i == 3))
-        return await avgs[i].astep(timeout=30)
-    return await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+HONEST_FIRST = (0.0, 0.0, 0.0, 0.2)  # peer 3, the attacker, starts last, so it does not lead
 
 
 def reducing_on(transport) -> bool:
@@ -69,17 +51,17 @@ def test_a_failure_report_for_a_part_the_reporter_does_not_hold_fails_nobody(mon
         return original(self).__class__(**{**vars(original(self)), "failure": "shard 0 lost senders [1]"})
 
     async def main():
-        avgs, vectors = await four_peers("false-failure")
+        avgs, _ = await group_of_four("false-failure", matchmaking_time=1.0)
         attacker_runs(monkeypatch, avgs[3], "state", lying_state)
         with caplog.at_level(logging.WARNING):
-            results = await steps(avgs)
+            results = await step_together(avgs, HONEST_FIRST)
         assert not any(isinstance(r, BaseException) for r in results[:3]), results
         for a in avgs[:3]:
             assert torch.equal(a._tensors[0], torch.full((N,), 1.5))
         attacker = avgs[3].transport.peer_id
         coordinator = next(a for a in avgs if str(a.transport.peer_id) == results[0].peers[0])
         assert attacker in ban_list(coordinator.transport)
-        assert any(str(attacker) in r.getMessage() and "does not hold" in r.getMessage() for r in caplog.records)
+        assert warnings_naming(caplog, attacker, "does not hold")
     run_virtual(main())
 
 
@@ -91,7 +73,7 @@ def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer
     honest_chunk = allreduce._weighted_chunk
 
     async def main():
-        avgs, vectors = await four_peers("wrong-aggregate")
+        avgs, vectors = await group_of_four("wrong-aggregate", matchmaking_time=1.0)
         attacker = avgs[3].transport
 
         def lying_chunk(pieces, weights, senders, c, out, scratch):
@@ -100,13 +82,9 @@ def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer
                 out.fill_(1e6)
         monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
         with caplog.at_level(logging.WARNING):
-            results = await steps(avgs)
-        assert all(isinstance(r, AveragingError) for r in results[:3]), results
-        for a, v in zip(avgs[:3], vectors, strict=False):
-            assert torch.equal(a._tensors[0], v)
-            assert attacker.peer_id in ban_list(a.transport)
-        assert sum(str(attacker.peer_id) in r.getMessage() and "not what its pieces reduce to" in r.getMessage()
-                   for r in caplog.records) == 3
+            results = await step_together(avgs, HONEST_FIRST)
+        assert_refused(results, avgs[:3], vectors, avgs[3])
+        assert warnings_naming(caplog, attacker.peer_id, "not what its pieces reduce to") == 3
     run_virtual(main())
 
 
@@ -119,7 +97,7 @@ def test_a_reducer_that_sends_one_member_another_result_is_caught_by_its_own_sig
     honest_write = ShardReducer._write
 
     async def main():
-        avgs, vectors = await four_peers("equivocation")
+        avgs, vectors = await group_of_four("equivocation", matchmaking_time=1.0)
         attacker, victim = avgs[3].transport, avgs[1].transport
 
         async def equivocating_write(self, outbox, channel):
@@ -141,10 +119,7 @@ def test_a_reducer_that_sends_one_member_another_result_is_caught_by_its_own_sig
                     return True
         monkeypatch.setattr(ShardReducer, "_write", equivocating_write)
         with caplog.at_level(logging.WARNING):
-            results = await steps(avgs)
-        assert all(isinstance(r, AveragingError) for r in results[:3]), results
-        for a, v in zip(avgs[:3], vectors, strict=False):
-            assert torch.equal(a._tensors[0], v)
-            assert attacker.peer_id in ban_list(a.transport)
+            results = await step_together(avgs, HONEST_FIRST)
+        assert_refused(results, avgs[:3], vectors, avgs[3])
         assert all("different results" in str(r) for r in results[:3] if r is not results[1])
     run_virtual(main())
