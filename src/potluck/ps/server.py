@@ -23,7 +23,11 @@ silence keeps its seat and may come back). A standby serves only the workers its
 to it. A refused caller gets a `PSInputError` that says why, and the server goes on serving.
 Pushes are also checked by size: non-finite values are refused at parse time, and a push whose
 norm is above `MAX_PUSH_NORM`, above the run's `max_push_norm`, or `push_norm_factor` times the
-median norm of recent accepted pushes is refused before it reaches the optimizer.
+median norm of recent accepted pushes is refused before it reaches the optimizer. That bounds one
+push's size, not its direction: a registered worker may push a sign-flipped or scaled gradient
+within the caps. Against that, sync and backup rounds can combine their gradients with a robust
+`aggregation` (`potluck.averaging.robust`, as averaging does); async and ssp apply each push alone,
+so there is no set of gradients to aggregate, and they refuse one.
 
 Every call is parsed into its typed message (`potluck.ps.messages`) before a handler sees it; a
 malformed one is refused with `MalformedMessage` naming the field, and the server goes on serving.
@@ -42,6 +46,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from potluck.averaging.allreduce import CHUNK_ELEMENTS
+from potluck.averaging.robust import AGGREGATIONS, aggregate
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
@@ -112,10 +118,18 @@ class ServerConfig:
     max_push_norm: float | None = None
     # Pushes above this many times the median norm of recent accepted pushes are refused (None: off).
     push_norm_factor: float | None = PUSH_NORM_FACTOR
+    # How a sync or backup round combines its gradients: "mean", or "centered_clip" or
+    # "trimmed_mean" (bounded pull of a minority of lying workers; see `potluck.averaging.robust`).
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
+        if self.aggregation != "mean" and self.mode not in ("sync", "backup"):
+            raise ValueError(f"aggregation={self.aggregation!r} needs mode 'sync' or 'backup': mode {self.mode!r} "
+                             "applies every push alone, so there are no gradients to aggregate")
         if self.num_workers < 1 or self.staleness_bound < 0 or self.backup_workers < 0:
             raise ValueError("num_workers must be >= 1; staleness_bound and backup_workers >= 0")
         if self.worker_timeout <= 0 or self.registration_timeout < 0:
@@ -392,7 +406,7 @@ class ParameterServer:
 
     # -- applying gradients -----------------------------------------------------------------------
     async def _apply(self, grads: list[tuple[torch.Tensor, ...]], staleness: list[int]) -> None:
-        """One optimizer step with the mean of `grads`; the caller holds the lock."""
+        """One optimizer step with the `aggregation` of `grads` (their mean by default); the caller holds the lock."""
         if self.offload:
             await asyncio.get_running_loop().run_in_executor(None, self._step_now, grads)
         else:
@@ -406,10 +420,28 @@ class ParameterServer:
 
     def _step_now(self, grads: list[tuple[torch.Tensor, ...]]) -> None:
         """Average and step (in a worker thread when offloaded: tensor math stays off the loop)."""
-        for i, p in enumerate(self.params):
-            p.grad = torch.stack([g[i] for g in grads]).mean(0) if len(grads) > 1 else grads[0][i].clone()
+        if self.config.aggregation != "mean" and len(grads) > 1:
+            self._aggregate_robustly(grads)
+        else:
+            for i, p in enumerate(self.params):
+                p.grad = torch.stack([g[i] for g in grads]).mean(0) if len(grads) > 1 else grads[0][i].clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _aggregate_robustly(self, grads: list[tuple[torch.Tensor, ...]]) -> None:
+        """Set each parameter's gradient to the round's robust aggregate: each worker's push is
+        flattened into one vector and aggregated a chunk of CHUNK_ELEMENTS at a time, as an
+        all-reduce reducer does (so CenteredClip clips each chunk by its norm, and its float64
+        temporaries stay a chunk's size whatever the model's)."""
+        flat = [torch.cat([t.reshape(-1).float() for t in push]) for push in grads]
+        out = torch.empty_like(flat[0])
+        for start in range(0, out.numel(), CHUNK_ELEMENTS):
+            end = start + CHUNK_ELEMENTS
+            aggregate(self.config.aggregation, [f[start:end] for f in flat], [1.0] * len(flat), out[start:end])
+        offset = 0
+        for p in self.params:
+            p.grad = out[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
 
     async def _replicate(self) -> None:
         # The registered workers (not only the live ones): a worker the primary dropped for silence
