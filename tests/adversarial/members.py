@@ -93,7 +93,8 @@ async def claim_progress(peer: Any, run_id: str, lifetime: float = PROGRESS_TTL,
     now = peer.dht.get_time()
     record = {"epoch": 0, "samples": 0, "sps": 0.0, "time": now, "client": False, "done": 0,
               "averaging": False, "idle": False, "part": 0, **claims}
-    return await peer.dht.astore(f"{run_id}.progress", record, now + lifetime, subkey=own_subkey(peer.transport.peer_id))
+    return await peer.dht.astore(f"{run_id}.progress", record, now + lifetime,
+                                 subkey=own_subkey(peer.transport.peer_id))
 
 
 async def keep_claiming(peer: Any, run_id: str, **claims: Any) -> None:

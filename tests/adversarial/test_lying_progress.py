@@ -21,10 +21,7 @@ import pytest
 import torch
 
 import potluck
-from potluck.core.dht_time import event_loop_clock
-from potluck.core.runner import acquire_runner, release_runner
-from potluck.core.virtual_time import VirtualTimeLoop, run_virtual, virtual_time_loop
-from potluck.dht.records import own_subkey
+from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.optim import Optimizer
@@ -37,6 +34,7 @@ from potluck.optim.progress import (
     PeerProgress,
     ProgressTracker,
 )
+from tests.adversarial.members import claim_progress, join, keep_claiming, run_on_shared_runner, warnings_naming
 from tests.emulated_swarm import SimPeer, make_swarm
 
 RUN = "lies"
@@ -67,10 +65,10 @@ class Scene:
             await asyncio.sleep(PROGRESS_INTERVAL)
 
     async def lie(self, **claims: Any) -> None:
-        now = self.liar.dht.get_time()
-        record = {"epoch": EPOCH, "samples": SAMPLES, "sps": SPEED, "time": now, "client": False, "done": EPOCH,
-                  "averaging": False, "idle": False, "part": 0, **claims}
-        assert await self.liar.dht.astore(f"{RUN}.progress", record, now + 50, subkey=own_subkey(self.liar.transport.peer_id))
+        """One record, an honest peer's but for `claims`; it outlives every test here in the DHT, so
+        only the reader's bounds make it age."""
+        claims = {"epoch": EPOCH, "samples": SAMPLES, "sps": SPEED, "done": EPOCH, **claims}
+        assert await claim_progress(self.liar, RUN, lifetime=50, **claims)
 
     def estimate(self) -> GlobalProgress:
         local = PeerProgress(self.reader.peer_id, EPOCH, SAMPLES, SPEED, self.reader.dht.get_time(), done=EPOCH)
@@ -94,10 +92,6 @@ async def scene() -> AsyncIterator[Scene]:
         stage.close()
 
 
-def warned_about(caplog: pytest.LogCaptureFixture, peer: str, words: str) -> bool:
-    return any(peer in r.getMessage() and words in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
-
-
 @pytest.mark.timeout(60)
 def test_a_report_from_the_future_ages_like_any_other(caplog: pytest.LogCaptureFixture) -> None:
     """The liar reports once, dated a million seconds ahead, and falls silent: read as dated, it
@@ -114,7 +108,7 @@ def test_a_report_from_the_future_ages_like_any_other(caplog: pytest.LogCaptureF
                 assert not stage.view[stage.liar_id].live(now)  # ...no longer live...
                 await asyncio.sleep(PROGRESS_TTL - LIVE_SECONDS)
                 assert stage.liar_id not in {r.peer_id for r in stage.estimate().reports}  # ...and gone
-            assert warned_about(caplog, stage.liar_id, "in the future")
+            assert warnings_naming(caplog, stage.liar_id, "in the future")
     run_virtual(main())
 
 
@@ -132,7 +126,7 @@ def test_a_report_of_a_huge_epoch_does_not_move_the_collaborations_epoch(caplog:
                 progress = stage.estimate()
             assert progress.epoch == EPOCH and progress.peers == 3
             assert stage.liar_id not in {r.peer_id for r in progress.reports}
-            assert warned_about(caplog, stage.liar_id, "claims epoch 10000000")
+            assert warnings_naming(caplog, stage.liar_id, "claims epoch 10000000")
     run_virtual(main())
 
 
@@ -154,7 +148,7 @@ def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCapt
             assert liar.samples <= MAX_SPEED_RATIO * SAMPLES
             assert liar.samples_per_second <= MAX_SPEED_RATIO * SPEED
             assert progress.samples <= 3 * SAMPLES + liar.samples < TARGET and progress.eta_seconds > 0
-            assert warned_about(caplog, stage.liar_id, "claims 1000000000 samples")
+            assert warnings_naming(caplog, stage.liar_id, "claims 1000000000 samples")
     run_virtual(main())
 
 
@@ -168,8 +162,7 @@ async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
     network = EmulatedNetwork(latency=0.01, seed=7)
     peers: list[potluck.Peer] = []
     for _ in range(3):
-        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
-                                               clock=event_loop_clock()))
+        await join(network, peers)
     *honest, liar = peers
     models = [torch.nn.Linear(16, 4) for _ in honest]
     for model in models[1:]:
@@ -177,15 +170,6 @@ async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
     opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
                       batch_size_per_step=BATCH, load_state=False, start=False)
             for peer, model in zip(honest, models, strict=True)]
-    lying = ProgressTracker(liar.dht, liar.transport, RUN, liar.peer_id, TRAIN_TARGET)
-
-    async def lie() -> None:
-        while True:
-            now = liar.dht.get_time()
-            record = {"epoch": 0, "samples": 0, "sps": 0.0, "time": now, "done": 0, **claims}
-            await liar.dht.astore(f"{RUN}.progress", record, now + PROGRESS_TTL, subkey=lying.subkey)
-            await asyncio.sleep(PROGRESS_INTERVAL)
-
     async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         while opt.local_epoch < epochs:
@@ -194,7 +178,7 @@ async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
             await asyncio.sleep(COMPUTE)
             await opt.astep()
 
-    liar_task = asyncio.ensure_future(lie())
+    liar_task = asyncio.ensure_future(keep_claiming(liar, RUN, **claims))
     try:
         for opt in opts:
             await opt.astart()
@@ -202,27 +186,17 @@ async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
         return opts
     finally:
         liar_task.cancel()
-        lying.close()
         for opt in opts:
             opt.shutdown()
         for peer in peers:
             await peer.ashutdown()
 
 
-def run_training(epochs: int, **claims: Any) -> list[Optimizer]:
-    runner = acquire_runner(virtual_time_loop)
-    try:
-        assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(train_beside_a_liar(epochs, **claims), timeout=120)
-    finally:
-        release_runner()
-
-
 @pytest.mark.timeout(120)
 def test_training_peers_keep_their_epochs_beside_a_peer_claiming_epoch_ten_million() -> None:
     """Read as claimed, the liar's epoch sends both honest peers to catch up with it: they take epoch
     10^7 at once. Bound: they train epoch by epoch, together, as without it."""
-    opts = run_training(3, epoch=10**7, done=10**7, sps=50.0)
+    opts = run_on_shared_runner(train_beside_a_liar(3, epoch=10**7, done=10**7, sps=50.0), timeout=120)
     assert [o.local_epoch for o in opts] == [3, 3]
     assert all(TRAIN_TARGET <= o.epoch_samples for o in opts)  # the last epoch was a whole batch
     assert all(torch.equal(a, b) for a, b in zip(opts[0]._params, opts[1]._params, strict=True))

@@ -22,18 +22,14 @@ import torch
 
 import potluck
 from potluck.averaging.state_transfer import CHUNK_BYTES, DonorRecord, StateServer
-from potluck.core.dht_time import event_loop_clock
-from potluck.core.runner import acquire_runner, release_runner
-from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
-from potluck.optim.progress import ProgressTracker
+from tests.adversarial.members import join, keep_claiming, run_on_shared_runner, warnings_naming
 
 RUN = "donors"
 EPOCH = 40
 TARGET, BATCH = 64, 8
-REPORT_EVERY = 0.1  # an attacker refreshes its progress record as often as honest peers do
 
 
 def make_model(seed: int, width: int) -> torch.nn.Module:
@@ -68,16 +64,15 @@ class Swarm:
         self.tasks: list[asyncio.Future] = []
         self.servers: list[StateServer] = []
 
-    async def peer(self) -> potluck.Peer:
-        peer = await potluck.Peer.create(self.peers[0].addresses if self.peers else [],
-                                         transport=self.network.transport(), clock=event_loop_clock())
-        self.peers.append(peer)
-        return peer
+    async def optimizer(self, seed: int, **options: Any) -> Optimizer:
+        """An Optimizer (not started) on a new peer, of a model drawn from `seed`."""
+        return Optimizer(await join(self.network, self.peers), RUN, make_model(seed, self.width).parameters(),
+                         lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TARGET, batch_size_per_step=BATCH,
+                         start=False, **options)
 
     async def add_honest(self, count: int, epoch: int = EPOCH) -> None:
         for _ in range(count):
-            opt = Optimizer(await self.peer(), RUN, make_model(1, self.width).parameters(), lambda p: torch.optim.SGD(p, 0.1),
-                            target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False)
+            opt = await self.optimizer(1, load_state=False)
             opt.local_epoch = epoch
             opt._label_state(epoch)
             await opt.astart()  # announces its state and starts publishing progress
@@ -87,27 +82,20 @@ class Swarm:
                            progress_epoch: int | None) -> potluck.Peer:
         """A donor serving `state()` under the run's state prefix, with its own signed donor record;
         with `progress_epoch`, it also publishes progress at that epoch (so it is a live peer)."""
-        peer = await self.peer()
+        peer = await join(self.network, self.peers)
         server = StateServer(peer.transport, state, f"{RUN}.state")
         self.servers.append(server)
         version = state()[0]
         await peer.dht.astore(f"{RUN}.state.state", DonorRecord(version).to_wire(), peer.dht.get_time() + 600,
                               subkey=own_subkey(peer.transport.peer_id))
         if progress_epoch is not None:
-            tracker = ProgressTracker(peer.dht, peer.transport, RUN, peer.peer_id, TARGET)
-
-            async def publish() -> None:
-                while True:
-                    await tracker.report(progress_epoch, 0, 0.0, progress_epoch)
-                    await asyncio.sleep(REPORT_EVERY)
-            self.tasks.append(asyncio.ensure_future(publish()))
+            claims = keep_claiming(peer, RUN, epoch=progress_epoch, done=progress_epoch)
+            self.tasks.append(asyncio.ensure_future(claims))
         return peer
 
     async def newcomer(self, **options: Any) -> Optimizer:
         await asyncio.sleep(0.5)  # every record stored and every peer's progress published
-        opt = Optimizer(await self.peer(), RUN, make_model(2, self.width).parameters(), lambda p: torch.optim.SGD(p, 0.1),
-                        target_batch_size=TARGET, batch_size_per_step=BATCH, load_state_timeout=20,
-                        start=False, **options)
+        opt = await self.optimizer(2, load_state_timeout=20, **options)
         await opt.astart()
         return opt
 
@@ -139,25 +127,11 @@ async def swarm(honest: int = 2, epoch: int = EPOCH, width: int = 16) -> AsyncIt
         await scene.close()
 
 
-def run(scenario: Callable[[], Any]) -> None:
-    runner = acquire_runner(virtual_time_loop)
-    try:
-        assert isinstance(runner.loop, VirtualTimeLoop)
-        runner.run(scenario(), timeout=60)
-    finally:
-        release_runner()
-
-
 def assert_honest(newcomer: Optimizer, honest: list[torch.Tensor], epoch: int = EPOCH) -> None:
     assert newcomer.local_epoch == epoch
     for got, expected in zip(newcomer._state_tensors(), honest, strict=True):
         assert torch.equal(got, expected)
     newcomer.shutdown()
-
-
-def warned_about(caplog: pytest.LogCaptureFixture, peer: potluck.Peer, words: str) -> bool:
-    return any(str(peer.peer_id) in r.getMessage() and words in r.getMessage()
-               for r in caplog.records if r.levelno >= logging.WARNING)
 
 
 @pytest.mark.timeout(60)
@@ -170,8 +144,8 @@ def test_a_donor_claiming_version_a_billion_is_refused(caplog: pytest.LogCapture
             with caplog.at_level(logging.WARNING):
                 newcomer = await scene.newcomer()
             assert_honest(newcomer, scene.honest_state())
-            assert warned_about(caplog, liar, "version 1000000000")
-    run(main)
+            assert warnings_naming(caplog, liar.peer_id, "version 1000000000")
+    run_on_shared_runner(main(), timeout=60)
 
 
 @pytest.mark.timeout(60)
@@ -185,8 +159,8 @@ def test_three_fake_identities_do_not_outvote_two_honest_donors(caplog: pytest.L
             with caplog.at_level(logging.WARNING):
                 newcomer = await scene.newcomer()
             assert_honest(newcomer, scene.honest_state())
-            assert all(warned_about(caplog, sybil, "nobody vouches for") for sybil in sybils)
-    run(main)
+            assert all(warnings_naming(caplog, sybil.peer_id, "nobody vouches for") for sybil in sybils)
+    run_on_shared_runner(main(), timeout=60)
 
 
 @pytest.mark.timeout(60)
@@ -203,8 +177,8 @@ def test_metadata_claiming_epoch_ten_million_is_refused_and_the_scheduler_is_not
                 newcomer = await scene.newcomer(scheduler=lambda opt: CountingSchedule(opt))
             assert newcomer.scheduler.steps <= 2  # torch's initial step, and one to catch up
             assert_honest(newcomer, honest)
-            assert warned_about(caplog, liar, "claims epoch 10000000")
-    run(main)
+            assert warnings_naming(caplog, liar.peer_id, "claims epoch 10000000")
+    run_on_shared_runner(main(), timeout=60)
 
 
 @pytest.mark.timeout(60)
@@ -231,8 +205,8 @@ def test_a_donor_sending_a_corrupted_chunk_is_dropped_and_the_download_goes_on(
             with caplog.at_level(logging.WARNING):
                 newcomer = await scene.newcomer()
             assert_honest(newcomer, honest)
-            assert lies and warned_about(caplog, liar, "does not match its hash")
-    run(main)
+            assert lies and warnings_naming(caplog, liar.peer_id, "does not match its hash")
+    run_on_shared_runner(main(), timeout=60)
 
 
 @pytest.mark.timeout(60)
@@ -246,4 +220,4 @@ def test_a_scheduler_catches_up_a_trillion_epochs_in_one_call() -> None:
             assert newcomer.scheduler.steps == 2 and newcomer.scheduler.last_epoch == 10**12
             assert newcomer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**1000)
             assert_honest(newcomer, scene.honest_state(), epoch=10**12)
-    run(main)
+    run_on_shared_runner(main(), timeout=60)
