@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
 
 import potluck
 from potluck.averaging import Averager
-from potluck.averaging.allreduce import MAX_WEIGHT_OVER_MEDIAN, PartRequest, bounded_weights
-from potluck.averaging.robust import aggregate, trimmed_count
+from potluck.averaging.allreduce import (
+    MAX_WEIGHT_OVER_MEDIAN,
+    NAMED_WEIGHT_OVER_MEDIAN,
+    PartRequest,
+    blatant_senders,
+    bounded_weights,
+)
+from potluck.averaging.robust import MIN_PIECES_TO_NAME, aggregate, far_pieces, trimmed_count
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import MalformedMessage
 from potluck.core.runner import acquire_runner, release_runner
@@ -98,6 +105,56 @@ def test_weights_are_bounded_by_a_multiple_of_the_median():
     assert bounded_weights({0: 1.0, 1: 1.0, 2: 1e30, 3: 1e30}, (0, 1, 2, 3))[2] == MAX_WEIGHT_OVER_MEDIAN
     assert bounded_weights({0: 0.0, 1: 0.0}, (0, 1)) == {0: 0.0, 1: 0.0}
     assert bounded_weights(weights, (0, 2)) == {0: 1.0, 2: MAX_WEIGHT_OVER_MEDIAN}  # over the chunk's senders
+
+
+def named(kind, pieces, weights=None):
+    """The indices of the pieces a reducer names (`blatant_senders`) when it aggregates them."""
+    weights = weights or [1.0] * len(pieces)
+    senders = tuple(range(len(pieces)))
+    distances = aggregate(kind, pieces, weights, torch.empty_like(pieces[0]), measure=True)
+    return sorted(blatant_senders(dict(enumerate(weights)), distances, senders))
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+@pytest.mark.parametrize("n,f", [(4, 0), (8, 0), (16, 0), (4, 1), (8, 1), (8, 2)])
+def test_blatant_outliers_are_named_and_honest_pieces_are_not(kind, n, f):
+    honest, attackers = honest_and_attackers(n, f, seed=n + f)
+    assert named(kind, honest[:2] + attackers + honest[2:]) == list(range(2, 2 + f))
+
+
+def test_a_weight_far_above_the_median_is_named_and_honest_spreads_are_not():
+    pieces = [torch.randn(100) for _ in range(4)]
+    assert named("trimmed_mean", pieces, [1.0, 2.0, 50.0, 1.0]) == []  # a fast peer: bounded, not named
+    assert named("trimmed_mean", pieces, [1.0, 2.0, 1.0, 1e30]) == [3]
+    weights = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.01 * NAMED_WEIGHT_OVER_MEDIAN}
+    assert list(blatant_senders(weights, {}, (0, 1, 2, 3))) == [3]  # the mean measures no distances
+    # Two senders: a liar claiming almost nothing would be the median and name the honest one.
+    assert blatant_senders({0: 1e-30, 1: 1.0}, {}, (0, 1)) == {}
+
+
+def test_no_piece_is_named_without_enough_pieces_or_any_honest_spread():
+    x = torch.randn(100)
+    # Three pieces: a liar copying one honest piece would make the other look far.
+    assert MIN_PIECES_TO_NAME > 3 and far_pieces({0: 0.0, 1: 1e-9, 2: 1.0}) == (0.0, [])
+    # Most pieces on the centre: no spread to measure a piece one honest step away against.
+    assert named("centered_clip", [x, x.clone(), x.clone(), x + 1e-3]) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ROBUST)
+def test_an_all_honest_step_names_nobody(kind, caplog):
+    """Honest peers with different data and weights (one 20 times the others' samples)."""
+    caplog.set_level(logging.WARNING, logger="potluck.averaging.allreduce")
+
+    async def main():
+        net, peers = await make_swarm(5)
+        g = torch.Generator().manual_seed(1)
+        averagers = [Averager(p, [torch.randn(3000, generator=g) * (1 + i)], "job", target_group_size=5,
+                              matchmaking_time=1.0, aggregation=kind) for i, p in enumerate(peers)]
+        results = await asyncio.gather(*(a.astep(weight=w) for a, w in zip(averagers, [1, 2, 1, 20, 3], strict=True)))
+        assert all(len(r.contributors) == 5 for r in results)
+    run_virtual(main())
+    assert not [r for r in caplog.records if "is not an honest member" in r.getMessage()]
 
 
 @pytest.mark.timeout(60)

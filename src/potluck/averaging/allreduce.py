@@ -42,7 +42,7 @@ from potluck.averaging.accountability import (
     result_root,
     shard_digest,
 )
-from potluck.averaging.robust import aggregate
+from potluck.averaging.robust import aggregate, far_pieces
 from potluck.averaging.role import Role
 from potluck.compression.codec import Codec
 from potluck.core import compat
@@ -104,6 +104,11 @@ MAX_REPAIRS = 2
 # members, not all of them. Honest peers twice as fast as the median lose a little weight (in
 # averaging, a slightly different mix of members that are all honest), nothing else.
 MAX_WEIGHT_OVER_MEDIAN = 2.0
+# A reducer names a sender (logs a warning: `ShardReducer`) whose claimed weight is above this many
+# times that median. Honest weights are counts of the same kind (samples) over the same stretch
+# of time: a thousand-fold is not a faster peer. Among fewer than 3 positive weights none is named
+# (with two, a liar claiming almost nothing would be the median and make the honest one look huge).
+NAMED_WEIGHT_OVER_MEDIAN = 1000.0
 
 METHOD_PART = "potluck.allreduce.part"
 METHOD_UPDATE = "potluck.allreduce.update"
@@ -596,15 +601,38 @@ def bounded_weights(weights: Mapping[int, float], senders: tuple[int, ...]) -> d
 
 
 def reduce_chunk(aggregation: str, pieces: Mapping[int, Any], weights: Mapping[int, float], senders: tuple[int, ...],
-                 c: int, out: torch.Tensor, scratch: torch.Tensor) -> None:
+                 c: int, out: torch.Tensor, scratch: torch.Tensor, measure: bool = False) -> dict[int, float]:
     """Chunk `c` reduced over `senders` into `out`, with their bounded weights, by the group's
     aggregation (see `potluck.averaging.robust`): as every reducer computes it, and every member
-    that checks a reducer's work."""
+    that checks a reducer's work. With `measure` and a robust aggregation: each sender's distance
+    from the robust centre (the mean has none, and measuring against it would cost a pass)."""
     bounded = bounded_weights(weights, senders)
     if aggregation == "mean":
         _weighted_chunk(pieces, bounded, senders, c, out, scratch)
-    else:
-        aggregate(aggregation, [pieces[s][c] for s in senders], [bounded[s] for s in senders], out)
+        return {}
+    distances = aggregate(aggregation, [pieces[s][c] for s in senders], [bounded[s] for s in senders], out, measure)
+    return {senders[i]: d for i, d in distances.items()}
+
+
+def blatant_senders(weights: Mapping[int, float], distances: Mapping[int, float],
+                    senders: tuple[int, ...]) -> dict[int, str]:
+    """Senders of a chunk whose contribution is blatantly not an honest one, with the evidence: a
+    claimed weight above NAMED_WEIGHT_OVER_MEDIAN times the lower median of the positive weights,
+    or a piece farther from the robust centre than OUTLIER_FACTOR times the median distance
+    (`robust.far_pieces`; `distances` as `reduce_chunk` measures them)."""
+    named: dict[int, str] = {}
+    positive = sorted(weights[s] for s in senders if weights[s] > 0)
+    if len(positive) >= 3:
+        median = positive[(len(positive) - 1) // 2]
+        for s in senders:
+            if weights[s] > NAMED_WEIGHT_OVER_MEDIAN * median:
+                named[s] = f"it claimed weight {weights[s]:.3g}, {weights[s] / median:.3g} x the median {median:.3g}"
+    median, far = far_pieces(distances)
+    for s in far:
+        evidence = (f"its piece is {distances[s]:.3g} from the robust centre, {distances[s] / median:.3g} x the "
+                    f"median distance {median:.3g}")
+        named[s] = f"{named[s]}; {evidence}" if s in named else evidence
+    return named
 
 
 def _encode(codec: Any, t: torch.Tensor) -> Any:
@@ -652,6 +680,7 @@ class ShardReducer:
         self.complete: set[int] = set()
         self.failed: set[int] = set()
         self.reduced_with: dict[int, tuple[int, ...]] = {}
+        self.named: dict[int, str] = {}  # sender -> why it is blatantly not honest (warned once per step)
         self.results: dict[int, torch.Tensor] = {}
         self.outboxes: dict[int, asyncio.Queue] = {}
         self.reported = False
@@ -805,8 +834,21 @@ class ShardReducer:
             box.put_nowait(payload)
 
     def _reduce(self, senders: tuple[int, ...], c: int, out: torch.Tensor) -> None:
-        """Write chunk `c` reduced over `senders` into `out` (see `reduce_chunk`)."""
-        reduce_chunk(self.aggregation, self.pieces, self.weights, senders, c, out, self.scratch)
+        """Write chunk `c` reduced over `senders` into `out` (see `reduce_chunk`), and name the
+        senders whose contribution is blatantly not honest (`blatant_senders`). Named, not banned:
+        a ban is for a lie proven by a member's own signatures; this is a statistic, and an honest
+        peer that is broken or far behind (stale parameters) could meet it. The result already
+        bounds what the sender does (bounded weights, robust aggregation)."""
+        distances = reduce_chunk(self.aggregation, self.pieces, self.weights, senders, c, out, self.scratch,
+                                 measure=True)
+        named = blatant_senders(self.weights, distances, senders)
+        run = self._run()
+        for s in sorted(named.keys() - self.named.keys()):
+            self.named[s] = named[s]
+            if run is not None:
+                logger.warning("reducer of shard %d: sender %d (%s) is not an honest member: %s (chunk %d; "
+                               "its contribution is bounded, it is not banned)",
+                               self.shard, s, run.group.peers[s], named[s], c)
 
     def _progress(self) -> None:
         """Report to the coordinator once every expected sender is settled."""

@@ -21,12 +21,16 @@ Every peer that reduces the same pieces gets the same bits: the computation is e
 pairwise tree of elementwise adds (torch's own reductions split work by thread count and SIMD
 width), the median and the sort pick existing values, and the iteration count depends only on
 those bits. When every piece equals x, both return x.
+
+Bounding a liar does not name it: `far_pieces` does, for a piece blatantly far from the rest
+(OUTLIER_FACTOR times the median distance from the robust centre; see allreduce.ShardReducer).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -48,6 +52,16 @@ CLIP_TOLERANCE = 1e-3
 # Trimmed mean: the fraction of senders dropped at each end of every coordinate (rounded up,
 # see `trimmed_count`): a quarter tolerates 1 malicious of 4 and 2 of 8.
 TRIM_FRACTION = 0.25
+# A piece is named as blatantly not honest (`far_pieces`) when its distance from the robust centre
+# is above this many times the median distance of the pieces. Honest pieces of one model at one
+# step differ by batch noise and local steps: their distances from the centre stay within a small
+# factor of each other (the farthest of 4 to 16 i.i.d. pieces is at most 1.07 x the median; data
+# that differs between peers spreads them more). A piece 100 times as far is not a gradient or a
+# state of the same model; a liar that stays nearer is bounded, not named.
+OUTLIER_FACTOR = 100.0
+# Pieces named only among at least this many: with three, one liar that copies an honest piece
+# holds the median distance near zero and makes the third, honest piece look far.
+MIN_PIECES_TO_NAME = 4
 
 
 def trimmed_count(n: int) -> int:
@@ -56,39 +70,63 @@ def trimmed_count(n: int) -> int:
     return min(math.ceil(n * TRIM_FRACTION - 1e-9), (n - 1) // 2)
 
 
-def aggregate(kind: str, pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
+def aggregate(kind: str, pieces: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor,
+              measure: bool = False) -> dict[int, float]:
     """Write into `out` the robust aggregate `kind` of `pieces` (flat float32 tensors of `out`'s
     size), each counted once. Zero-weight pieces take no part, unless every weight is zero
-    (then all do), as in the weighted mean."""
-    kept = [p for p, w in zip(pieces, weights, strict=True) if w > 0] or list(pieces)
+    (then all do), as in the weighted mean. With `measure`: the distance of each piece that took
+    part (by its index) from the robust centre (CenteredClip's start, the coordinate-wise median,
+    whose distances it computes anyway; the trimmed mean's result, one more pass)."""
+    indices = [i for i, w in enumerate(weights) if w > 0] or list(range(len(pieces)))
+    kept = [pieces[i] for i in indices]
     if not kept:
         out.zero_()
-    elif kind == "centered_clip":
-        centered_clip(kept, out)
+        return {}
+    if kind == "centered_clip":
+        distances = centered_clip(kept, out)
     elif kind == "trimmed_mean":
-        trimmed_mean(kept, out)
+        distances = trimmed_mean(kept, out, measure)
     else:
         raise ValueError(f"unknown robust aggregation {kind!r}; choose from {AGGREGATIONS[1:]}")
+    return dict(zip(indices, distances, strict=True)) if measure else {}
 
 
-def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Coordinate-wise trimmed mean of `pieces` into `out` (see the module docstring)."""
+def far_pieces(distances: Mapping[Any, float]) -> tuple[float, list[Any]]:
+    """The lower median of `distances` and the keys of those above OUTLIER_FACTOR times it. None
+    among fewer than MIN_PIECES_TO_NAME, nor when the median is 0 (most pieces sit on the centre:
+    no honest spread to compare with, and a piece one honest step away would look infinitely far)."""
+    if len(distances) < MIN_PIECES_TO_NAME:
+        return 0.0, []
+    median = sorted(distances.values())[(len(distances) - 1) // 2]
+    if not median > 0:
+        return median, []
+    return median, [k for k, d in distances.items() if d > OUTLIER_FACTOR * median]
+
+
+def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor, measure: bool = False) -> list[float]:
+    """Coordinate-wise trimmed mean of `pieces` into `out` (see the module docstring); with
+    `measure`, the distance of each piece from it (else [])."""
     k = trimmed_count(len(pieces))
     rows = torch.stack(list(pieces)).sort(dim=0, stable=True).values if k else list(pieces)
     _running_mean([rows[r] for r in range(k, len(pieces) - k)], out)
+    if not measure:
+        return []
+    return [math.sqrt(s) for s in _row_sums_of_squares(torch.stack(list(pieces)).sub_(out))]
 
 
-def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """CenteredClip of `pieces` into `out` (see the module docstring)."""
+def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> list[float]:
+    """CenteredClip of `pieces` into `out` (see the module docstring); returns the distance of
+    each piece from the coordinate-wise median it starts from."""
     x = torch.stack(list(pieces))
     share = 1.0 / len(pieces)
     v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
     diff, term, step = torch.empty_like(x), torch.empty_like(v), torch.empty_like(v)
-    tau = None
+    tau, distances = None, []
     for _ in range(CLIP_ITERATIONS):
         torch.sub(x, v, out=diff)
         norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
         if tau is None:
+            distances = norms
             tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
             if not math.isfinite(tau):
                 break  # most pieces are beyond float32 of the median: keep the median
@@ -104,6 +142,7 @@ def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         if math.sqrt(_row_sums_of_squares(step.unsqueeze(0))[0]) <= CLIP_TOLERANCE * tau:
             break
     out.copy_(v)
+    return distances
 
 
 def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
