@@ -119,6 +119,13 @@ METHOD_VERIFY = "potluck.allreduce.verify"
 # (one chunk from every sender: a few MiB); a reducer that does not answer leaves the result
 # unverified there, and that member does not use it.
 VERIFY_TIMEOUT = 30.0
+# A member that another member reports dead is asked where it stands, and counts as dead only if
+# it does not answer within this long: the report is the reporter's word, and a false one would
+# leave a live member out (and move its shard, maybe onto the reporter). Long enough for a loaded
+# peer to answer one small request, short next to SENDER_TIMEOUT: a real death is acted on soon.
+DEATH_PROBE_TIMEOUT = 2.0
+# A coordinator that took over asks each member where it stands within this long.
+QUERY_TIMEOUT = 5.0
 # Aggregations computed coordinate by coordinate (see robust.py): a block of a chunk can be
 # recomputed alone. Others (CenteredClip takes norms over the chunk) are checked a chunk at a time.
 ELEMENTWISE = ("mean", "trimmed_mean")
@@ -1318,6 +1325,8 @@ class Coordinator:
         self.repairs = 0
         self.late = False  # the report deadline passed: decide with what came in
         self.newer = asyncio.Event()
+        self._probes: dict[int, asyncio.Task] = {}  # member reported dead -> the check that it is
+        self._refuted: set[tuple[int, int]] = set()  # (reporter, member) reports found false here
         self._timer: asyncio.TimerHandle | None = None
 
     def maybe_take_over(self) -> None:
@@ -1367,11 +1376,15 @@ class Coordinator:
         """Merge a member's state and decide what can be decided."""
         self.newer.set()  # waiters check again: a death may be news to them
         self.states[state.member] = state
-        news = [d for d in state.dead if d != self.run.me and d not in self.run.dead]
-        self.run.dead.update(news)  # trust reported deaths: everyone must converge on one coordinator
-        if news:  # my reducers stop waiting for them, after this update (their reports update again)
-            asyncio.get_running_loop().call_soon(self.run.note_dead_senders, tuple(news))
         self.maybe_take_over()
+        order = self.run.group.coordinators()
+        ahead = order[:order.index(self.run.me)] if self.run.me in order else []
+        for member in state.dead:
+            # Until I coordinate, only deaths that would make me the coordinator concern me: my
+            # coordinator tells me the others (and a client-mode member cannot be asked from here).
+            if member != self.run.me and member not in self.run.dead and (self.active or member in ahead) \
+                    and (state.member, member) not in self._refuted and member not in self._probes:
+                self._probes[member] = self.run.spawn(self._probe(member, state.member))
         if not self.active:
             return
         adopted = state.outcome
@@ -1387,6 +1400,26 @@ class Coordinator:
             self.run.service.banned.ban(self.run.group.peers[state.member],
                                         f"reported a failed repair of a part it does not hold: {state.failure!r}")
         self._decide()
+
+    async def _probe(self, member: int, reporter: int) -> None:
+        """Act on `reporter`'s word that `member` is dead only once `member` fails to say where it
+        stands: every member must converge on one coordinator, so a real death counts everywhere,
+        but a false report must not leave a live member out or move its shard. A report found
+        false is dropped (an honest reporter may have lost only its own link to the member, or
+        been sent garbage by it: no ban), and that reporter's word on that member is not asked
+        for again in this step."""
+        try:
+            alive = await self.run.service.query(self.run, member, DEATH_PROBE_TIMEOUT) is not None
+        except (NetworkError, PotluckError, TimeoutError):
+            alive = False
+        finally:
+            self._probes.pop(member, None)
+        if alive:
+            self._refuted.add((reporter, member))
+            logger.warning("member %d (%s) reported member %d (%s) dead, but it answered: it stays in the step",
+                           reporter, self.run.group.peers[reporter], member, self.run.group.peers[member])
+        else:
+            self.run.mark_dead(member)
 
     def _holds_repair(self, member: int) -> bool:
         """Whether `member` reduces a shard given to it by a repair: only such a reducer can find
@@ -1690,8 +1723,8 @@ class AllReduceService:
         reply = await coordinator.wait_newer(state.version, {*state.dead, state.member})
         return reply.to_wire()
 
-    async def query(self, run: AllReduceRun, member: int) -> MemberState | None:
-        reply = await self.transport.call(run.group.peers[member], METHOD_QUERY, run.group.group_id, timeout=5.0)
+    async def query(self, run: AllReduceRun, member: int, timeout: float = QUERY_TIMEOUT) -> MemberState | None:
+        reply = await self.transport.call(run.group.peers[member], METHOD_QUERY, run.group.group_id, timeout=timeout)
         return MemberState.from_wire(reply, run.group) if reply is not None else None
 
     async def _on_query(self, request: Any, ctx: Any) -> dict | None:
