@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from potluck.averaging.allreduce import DEATH_PROBE_TIMEOUT, AllReduceRun, AllReduceService, Group
+from potluck.core.errors import AveragingError, PeerUnreachable
 from potluck.core.virtual_time import run_virtual
 from tests.adversarial.members import N, group_of_four, step_together, warnings_naming
 from tests.test_allreduce import CODEC, swarm
@@ -48,6 +49,44 @@ def test_a_member_reported_dead_that_answers_stays_in_the_step(monkeypatch, capl
             assert torch.equal(a._tensors[0], torch.full((N,), 1.5))
         assert all(len(r.contributors) == 4 for r in results)
         assert warnings_naming(caplog, attacker.peer_id, "but it answered") >= 1
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_cannot_reach_a_live_reducer_fails_alone_and_soon(monkeypatch):
+    """An honest member (the reporter) cannot open its stream to one live reducer (the victim),
+    and reports it dead; the victim's reducer never hears from the reporter, and reports it dead
+    too. Both answer the coordinator, so both stay in; the reporter never gets the victim's shard,
+    so the coordinator stops waiting for it. Bound: the others commit long before the step's
+    deadline (30 s), each with the exact mean of the contributors, the reporter not among them
+    (nor the victim, whose piece of its shard the reporter, believing it dead, did not take);
+    only the reporter's step fails."""
+    async def main():
+        avgs, _ = await group_of_four("lost-link", matchmaking_time=1.0)
+        reporter = avgs[3].transport
+        honest_open = AllReduceService.open
+        cut = []
+
+        async def open_but_one(self, run, reducer, request):
+            me = run.group.peers.index(reporter.peer_id)
+            victim = next(i for i in run.group.shards if i not in (me, run.group.coordinators()[0]))
+            if self.transport is reporter and reducer == victim:
+                cut.append(victim)
+                raise PeerUnreachable("the link to this reducer is down")
+            return await honest_open(self, run, reducer, request)
+        monkeypatch.setattr(AllReduceService, "open", open_but_one)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await step_together(avgs, (0.0, 0.0, 0.0, 0.2))
+        assert cut
+        assert loop.time() - start < 15.0
+        assert isinstance(results[3], AveragingError), results
+        index = {str(a.transport.peer_id): i for i, a in enumerate(avgs)}
+        contributors = sorted(index[c] for c in results[0].contributors)
+        assert 3 not in contributors and len(contributors) >= 2
+        for a, r in zip(avgs[:3], results[:3], strict=True):
+            assert sorted(index[c] for c in r.contributors) == contributors
+            assert torch.equal(a._tensors[0], torch.full((N,), sum(contributors) / len(contributors)))
     run_virtual(main())
 
 

@@ -1407,7 +1407,7 @@ class Coordinator:
         but a false report must not leave a live member out or move its shard. A report found
         false is dropped (an honest reporter may have lost only its own link to the member, or
         been sent garbage by it: no ban), and that reporter's word on that member is not asked
-        for again in this step."""
+        for again in this step (see `_cut_off` for what it costs the reporter)."""
         try:
             alive = await self.run.service.query(self.run, member, DEATH_PROBE_TIMEOUT) is not None
         except (NetworkError, PotluckError, TimeoutError):
@@ -1418,6 +1418,7 @@ class Coordinator:
             self._refuted.add((reporter, member))
             logger.warning("member %d (%s) reported member %d (%s) dead, but it answered: it stays in the step",
                            reporter, self.run.group.peers[reporter], member, self.run.group.peers[member])
+            self.poke()  # the reporter may no longer be waited for
         else:
             self.run.mark_dead(member)
 
@@ -1466,7 +1467,8 @@ class Coordinator:
             self._publish(Outcome(1, senders, self._reassign(dict(out.assignment), live_reducers), digests=digests))
             return
         # After a decision: commit once every live receiver holds every shard.
-        receivers = [i for i in self.run.group.receivers if i not in dead]
+        cut = self._cut_off()
+        receivers = [i for i in self.run.group.receivers if i not in dead and i not in cut]
         shards = set(out.assignment)
         holding = [i for i in receivers if i in self.states and set(self.states[i].final) >= shards
                    and self.states[i].checked >= out.version]
@@ -1490,6 +1492,14 @@ class Coordinator:
             self.repairs += 1
             self._publish(Outcome(out.version + 1, out.senders, self._reassign(dict(out.assignment), live_reducers),
                                   digests=out.digests))
+
+    def _cut_off(self) -> set[int]:
+        """Receivers not waited for: each reported a reducer dead that answered me, and lacks its
+        shard (a liar, or a member that lost its link to that reducer: it fails alone, at once,
+        rather than holding everyone up until the deadline)."""
+        out = self.outcome
+        return {reporter for reporter, member in self._refuted if reporter in self.states and any(
+            r == member and j not in self.states[reporter].final for j, r in out.assignment.items())}
 
     def _equivocation(self, receivers: list[int]) -> Equivocation | None:
         """Proof that a reducer signed different results of one shard for different receivers, from
