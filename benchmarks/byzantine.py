@@ -54,14 +54,15 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
+
+from emulated_swarm import make_swarm  # noqa: E402
 
 from potluck.averaging import Averager, allreduce, robust  # noqa: E402
 from potluck.averaging.allreduce import CHUNK_ELEMENTS, _weighted_chunk  # noqa: E402
 from potluck.cli.tasks import accuracy, load_data, make_model  # noqa: E402
 from potluck.core.virtual_time import run_virtual  # noqa: E402
-from potluck.dht import DHT, event_loop_clock  # noqa: E402
-from potluck.net.emulated import EmulatedNetwork  # noqa: E402
 
 PEERS = 8
 BATCH = 128
@@ -74,13 +75,6 @@ LATENCY = 0.005
 
 def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
-
-
-class SimPeer:
-    """What an Averager needs of a peer: a transport and a DHT (async use only)."""
-
-    def __init__(self, transport: Any, dht: Any):
-        self.transport, self.dht = transport, dht
 
 
 def attack(kind: str, grad: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -129,15 +123,7 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
     rngs = [torch.Generator().manual_seed(100 * seed + 100 + i) for i in range(PEERS)]  # batches, noise
 
     async def main() -> dict:
-        net = EmulatedNetwork(latency=LATENCY)
-        peers: list[SimPeer] = []
-        for _ in range(PEERS):
-            transport = net.transport(upload=BANDWIDTH, download=BANDWIDTH)
-            await transport.start()
-            dht = DHT(transport, initial_peers=[peers[0].transport.addresses[0]] if peers else [],
-                      clock=event_loop_clock())
-            await dht.astart()
-            peers.append(SimPeer(transport, dht))
+        net, peers = await make_swarm(PEERS, latency=LATENCY, bandwidth=BANDWIDTH)
         averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=PEERS, min_group_size=PEERS,
                               matchmaking_time=1.0, allreduce_timeout=30.0, bandwidth=BANDWIDTH,
                               allow_state_sharing=False, aggregation=aggregation) for p in peers]

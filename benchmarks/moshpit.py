@@ -48,17 +48,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
+
+from emulated_swarm import make_swarm  # noqa: E402
 
 from potluck.averaging import Averager  # noqa: E402
 from potluck.core.virtual_time import run_virtual  # noqa: E402
-from potluck.dht import DHT, event_loop_clock  # noqa: E402
-from potluck.net.emulated import EmulatedNetwork  # noqa: E402
 
 # Emulated links: a data-centre-like latency and bandwidth; the vectors are small, so neither
 # matters much for the error (it is a function of who met whom), only for the virtual time.
@@ -69,27 +69,6 @@ BANDWIDTH = 100e6
 MATCHMAKING_TIME = 1.0
 SENDER_TIMEOUT = 1.0
 ALLREDUCE_TIMEOUT = 20.0
-
-
-class SimPeer:
-    """What `Averager` needs from a peer: a transport and a DHT (async use only)."""
-
-    def __init__(self, transport: Any, dht: DHT):
-        self.transport, self.dht = transport, dht
-
-
-async def make_swarm(n: int) -> tuple[EmulatedNetwork, list[SimPeer]]:
-    """As tests/emulated_swarm.py: n peers, each bootstrapping from the first."""
-    net = EmulatedNetwork(latency=LATENCY)
-    peers: list[SimPeer] = []
-    for _ in range(n):
-        transport = net.transport(upload=BANDWIDTH, download=BANDWIDTH)
-        await transport.start()
-        dht = DHT(transport, initial_peers=[peers[0].transport.addresses[0]] if peers else [],
-                  clock=event_loop_clock())
-        await dht.astart()
-        peers.append(SimPeer(transport, dht))
-    return net, peers
 
 
 def cells(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -105,7 +84,7 @@ async def scenario(args: argparse.Namespace, common: dict) -> list[dict]:
     target = max(grid)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
-    net, peers = await make_swarm(n)
+    net, peers = await make_swarm(n, latency=LATENCY, bandwidth=BANDWIDTH)
     loop = asyncio.get_running_loop()
     generator = torch.Generator().manual_seed(args.seed)
     initial = torch.randn(n, args.dim, generator=generator)
