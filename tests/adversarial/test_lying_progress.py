@@ -27,6 +27,7 @@ from potluck.net.identity import Identity
 from potluck.optim import Optimizer
 from potluck.optim.optimizer import PROGRESS_INTERVAL
 from potluck.optim.progress import (
+    AVERAGED_SLACK,
     LIVE_SECONDS,
     MAX_SPEED_RATIO,
     PROGRESS_TTL,
@@ -214,3 +215,104 @@ def test_a_lone_peer_far_ahead_is_followed_only_if_it_averaged_with_us() -> None
     assert tracker.estimate(ahead, local).epoch == EPOCH
     tracker.set_neighbors([other])
     assert tracker.estimate(ahead, local).epoch == EPOCH + 5
+
+
+# -- a claim beyond what the member averaged with -----------------------------------------------------
+SLOW_COMPUTE = 10 * COMPUTE  # the member that will lie computes a tenth as fast as the honest ones
+SLOW_RATE = BATCH / SLOW_COMPUTE  # its samples per second (40)
+
+
+async def averaged_then_claimed(caplog: pytest.LogCaptureFixture, **claims: Any) -> tuple[GlobalProgress, str]:
+    """Three Optimizers train two epochs (sync mode), the third at SLOW_RATE; no honest peer's claim
+    is cut meanwhile. Then the third stops its Optimizer and publishes `claims` (at the epoch
+    reached) instead, until the reader (the first) has read them; returns the reader's view then
+    and the third's id."""
+    network = EmulatedNetwork(latency=0.01, seed=7)
+    peers: list[potluck.Peer] = []
+    for _ in range(3):
+        await join(network, peers)
+    models = [torch.nn.Linear(16, 4) for _ in peers]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
+                      batch_size_per_step=BATCH, load_state=False, start=False)
+            for peer, model in zip(peers, models, strict=True)]
+    async def train(opt: Optimizer, model: torch.nn.Module, compute: float) -> None:
+        generator = torch.Generator().manual_seed(int(compute * 1000))
+        while opt.local_epoch < 2:
+            model(torch.randn(BATCH, 16, generator=generator)).square().mean().backward()
+            await asyncio.sleep(compute)
+            await opt.astep()
+
+    reader, liar = opts[0], opts[2]
+    liar_id = str(peers[2].transport.peer_id)
+    claiming = None
+    try:
+        for opt in opts:
+            await opt.astart()
+        with caplog.at_level(logging.WARNING):
+            computes = (COMPUTE, COMPUTE, SLOW_COMPUTE)
+            await asyncio.wait_for(asyncio.gather(*(train(o, m, c) for o, m, c in zip(opts, models, computes))), 60)
+            assert not [r for r in caplog.records if "averaged" in r.getMessage()]  # honest: nobody cut
+            liar.shutdown()
+            claiming = asyncio.ensure_future(keep_claiming(peers[2], RUN, epoch=liar.local_epoch,
+                                                           done=liar.local_epoch, **claims))
+            for _ in range(100):
+                await asyncio.sleep(PROGRESS_INTERVAL)
+                if reader._reports.get(liar_id, None) is not None and reader._reports[liar_id].samples_per_second \
+                        == claims["sps"]:
+                    break
+            else:
+                raise AssertionError("the reader never read the claim")
+            return reader.progress(), liar_id
+    finally:
+        if claiming is not None:
+            claiming.cancel()
+        for opt in opts:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_counts_at_most_what_it_averaged_with(caplog: pytest.LogCaptureFixture) -> None:
+    """The slow member averaged about SLOW_RATE samples/s, then claims 100x that: 10x an honest
+    peer's speed, within the relative cap of MAX_SPEED_RATIO x the median, which alone lets it count
+    and shortens the ETA. Bound: the reader counts it at most AVERAGED_SLACK x 2 x SLOW_RATE (2: its
+    averaged samples come in whole batches), so the swarm's speed (and the ETA) moves by no more; it
+    is named."""
+    claimed = 100 * SLOW_RATE
+    progress, liar_id = run_on_shared_runner(averaged_then_claimed(caplog, sps=claimed), timeout=120)
+    liar = next(r for r in progress.reports if r.peer_id == liar_id)
+    max_speed = AVERAGED_SLACK * 2 * SLOW_RATE
+    assert liar.samples_per_second <= max_speed < claimed / 10
+    honest = sum(r.samples_per_second for r in progress.reports if r.peer_id != liar_id and r.computing)
+    assert progress.samples_per_second <= honest + max_speed
+    assert warnings_naming(caplog, liar_id, "but averaged")
+
+
+def test_claimed_samples_count_at_most_what_was_averaged_with(caplog: pytest.LogCaptureFixture) -> None:
+    """A member that averaged 20 samples over a 1 s epoch with us claims, in a report as of that
+    round's end, 10^4 samples at 2000/s, within the relative caps (the median peer holds 500
+    samples at 400/s). Bound: it counts at most AVERAGED_SLACK x 20 samples at AVERAGED_SLACK x
+    20/s, and is named; a peer we never
+    averaged with is counted as it claims (the relative caps only)."""
+    me, liar, stranger, other = (str(Identity.generate().peer_id) for _ in range(4))
+
+    class Transport:
+        def add_handler(self, *args: Any) -> None: ...
+
+    tracker = ProgressTracker(None, Transport(), RUN, me, 10**5)
+    tracker.averaged({liar: 20, me: 20}, duration=1.0, now=10.0)
+    local = PeerProgress(me, EPOCH, 500, 400.0, 10.0, done=EPOCH)
+    reports = {liar: PeerProgress(liar, EPOCH, 10**4, 2000.0, 10.0, done=EPOCH),
+               stranger: PeerProgress(stranger, EPOCH, 2000, 1000.0, 10.0, done=EPOCH),
+               other: PeerProgress(other, EPOCH, 500, 400.0, 10.0, done=EPOCH)}
+    with caplog.at_level(logging.WARNING):
+        progress = tracker.estimate(reports, local)
+    counted = {r.peer_id: r for r in progress.reports}
+    assert counted[liar].samples <= AVERAGED_SLACK * 20 and counted[liar].samples_per_second <= AVERAGED_SLACK * 20
+    assert counted[stranger] == reports[stranger]
+    assert progress.samples <= 2000 + 2 * 500 + AVERAGED_SLACK * 20
+    assert warnings_naming(caplog, liar, "but averaged 20 samples")
+    assert not warnings_naming(caplog, stranger, "")

@@ -116,6 +116,7 @@ class _Round:
     expected: int  # group size we asked for; reused for the state averaging after it
     samples: int  # our samples behind the averaged gradients (in the accumulator)
     members: frozenset[str] = frozenset()  # every live peer we knew of (see _members)
+    duration: float = 0.0  # seconds the samples behind it accumulated (0: unknown)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -208,6 +209,9 @@ class Optimizer(torch.optim.Optimizer):
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
         self.samples_per_second = 0.0
         self._last_step_time: float | None = None
+        # loop time our current epoch (or part of it) began: the members' samples in its round
+        # accumulated since about then (see ProgressTracker.averaged)
+        self._epoch_began: float | None = None
         self._params = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
         self._init_optimizer_state()
         # DiLoCo's outer momentum is part of the state newcomers download and groups average:
@@ -259,6 +263,7 @@ class Optimizer(torch.optim.Optimizer):
             self.delta_averager = Averager(self.peer, zeros, f"{self.run_id}.delta", allow_state_sharing=False,
                                            **options)
         await asyncio.wait_for(self.state_averager.announce_state(), 30)
+        self._epoch_began = self._now()
         self._progress_task = asyncio.ensure_future(self._progress_loop())
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------------
@@ -456,7 +461,8 @@ class Optimizer(torch.optim.Optimizer):
         task = asyncio.ensure_future(self.grad_averager.astep(
             weight=1.0, gather=gather,
             group_key=f"epoch{epoch}.{self._part}", target_group_size=expected, members=members))
-        pending = _Round(task, epoch, expected, samples, members)
+        duration = 0.0 if self._epoch_began is None else self._now() - self._epoch_began
+        pending = _Round(task, epoch, expected, samples, members, duration)
         if self.delay_updates:
             self._pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -507,9 +513,12 @@ class Optimizer(torch.optim.Optimizer):
                 await run_in_thread(self._carry_over, len(result.contributors) if keeper else 0.0)
                 self.samples += total if keeper else 0
                 self._part += 1
+                self._epoch_began = self._now()
                 self._publish()
                 return
             logger.info("epoch %d: averaged gradients of %d samples with %d peers", epoch, total, result.group_size)
+            self.tracker.averaged({p: notes[p].samples for p in result.contributors if p in notes and not notes[p].aux},
+                                  pending.duration, self.peer.dht.get_time())
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
             await self._apply_gradients(len(result.contributors) / total, total, pending.expected,
@@ -550,6 +559,7 @@ class Optimizer(torch.optim.Optimizer):
         self._advance_epoch()
         if average_state:
             await self._average_state(f"state{self.local_epoch}", expected, members)
+            self._epoch_began = self._now()  # the new epoch's samples come after it
         self._prepare_digest()
 
     def _step_on_average(self, per_sample: float) -> None:
@@ -665,6 +675,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _after_epoch(self) -> None:
         self._waited, self._part, self._part_due = True, 0, None
+        self._epoch_began = self._now()
         if self.scheduler is not None:
             self.scheduler.step()
         self._label_state(self.local_epoch)
@@ -686,6 +697,7 @@ class Optimizer(torch.optim.Optimizer):
         """We fell behind the swarm: take its state; recent gradients count towards the next epoch."""
         behind = epoch - self.local_epoch
         self._attempt, self._waited, self._part, self._part_due = 0, True, 0, None
+        self._epoch_began = self._now()
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
         if not await self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self._move_to(epoch)  # nobody could share the newest state; keep ours and rejoin

@@ -16,7 +16,10 @@ Records come from other peers, so a reader bounds what one record can do (see do
 a record is only its signer's; a report time in the future counts as the moment it was first
 read, and ages from there; an epoch more than `MAX_EPOCH_LEAD` ahead of the second-highest
 epoch reported is ignored (one record cannot move the collaboration's epoch); a peer's samples
-and speed count at most `MAX_SPEED_RATIO` times the median peer's.
+and speed count at most `MAX_SPEED_RATIO` times the median peer's, and a peer we averaged with
+recently at most `AVERAGED_SLACK` times what it averaged with (`averaged`): the samples its round
+note gave the group, which the group's update is scaled by, over that epoch's duration, and the
+samples that rate adds up to since.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ MAX_EPOCH_LEAD = 1
 # hardware differs by about an order of magnitude (a laptop CPU next to a datacenter GPU), so
 # honest peers stay within it; one record claiming more would fill the global batch on its own.
 MAX_SPEED_RATIO = 16
+# A peer we averaged with counts at most this many times the speed (samples over the epoch's
+# duration) it averaged with, and as samples this many times those it averaged with plus what
+# that speed adds since (a delayed update's next samples accumulate during the round). Speeds
+# vary between epochs (other work on the machine, a peer that joined mid-epoch averaged only part
+# of one), and a claim cut too low only delays a round; a claim over it would start rounds before
+# the samples exist.
+AVERAGED_SLACK = 4.0
 # A live peer republishes every fraction of a second (even while blocked in a round, from its
 # event loop); one silent for this long has left or hangs, so nobody waits for it any more. A
 # departed peer thus stops holding others back within one matchmaking window, long before its
@@ -59,6 +69,9 @@ METHOD_PROGRESS = "potluck.optim.progress"
 # Reports are sent straight to at most this many members of the last group (each report costs
 # one call per neighbor); in bigger groups the rest are seen through the DHT.
 MAX_NEIGHBORS = 32
+# What peers averaged with is remembered for at most this many peers (the most recently averaged):
+# the members of the last few groups (MAX_NEIGHBORS each); older ones get the relative cap again.
+MAX_AVERAGED_PEERS = 4 * MAX_NEIGHBORS
 # A report that does not arrive within this is dropped: the next one follows a moment later.
 PUSH_TIMEOUT = 1.0
 
@@ -120,6 +133,10 @@ class ProgressTracker:
         self._future: dict[str, tuple[float, float]] = {}
         self._ignored: set[str] = set()  # peers whose reports are ignored now (logged once each)
         self._capped: set[str] = set()  # peers whose claims are cut down now (logged once each)
+        # peer -> (samples it averaged with, their samples per second, DHT time of the round) in our
+        # last round with it, oldest first; at most MAX_AVERAGED_PEERS
+        self._averaged: dict[str, tuple[int, float, float]] = {}
+        self._over_averaged: set[str] = set()  # peers now cut to what they averaged with (logged once each)
         transport.add_handler(self.method, self._on_push)
 
     def close(self) -> None:
@@ -147,6 +164,19 @@ class ProgressTracker:
             await asyncio.gather(*sends)
         except PotluckError as e:
             logger.debug("could not publish progress: %s", e)
+
+    def averaged(self, samples: dict[str, int], duration: float, now: float) -> None:
+        """A round we took part in (ending at DHT time `now`): the samples each other member
+        averaged with (its note, which scaled the group's update), accumulated over the epoch's
+        `duration` seconds. Their later claims count at most AVERAGED_SLACK times that."""
+        if duration <= 0:
+            return
+        for peer, n in samples.items():
+            if peer != self.peer_id:
+                self._averaged.pop(peer, None)  # re-inserted as the newest
+                self._averaged[peer] = (n, n / duration, now)
+        for peer in list(self._averaged)[:max(0, len(self._averaged) - MAX_AVERAGED_PEERS)]:
+            del self._averaged[peer]
 
     @property
     def has_neighbors(self) -> bool:
@@ -238,7 +268,8 @@ class ProgressTracker:
         epochs ahead of the second-highest epoch, speeds and samples at most MAX_SPEED_RATIO
         times the median peer's (ours included). Our own epoch counts once we have trained or
         loaded a state (a newcomer's 0 is no evidence: to it a lone other peer is the swarm),
-        except against a lone other peer that was in our last group (we fell behind it)."""
+        except against a lone other peer that was in our last group (we fell behind it). Then
+        each peer we averaged with recently at most what it averaged with (`_within_averaged`)."""
         lone_neighbor = len(others) == 1 and others[0].peer_id in self._neighbors
         ours = [local.epoch] if (local.samples or local.done) and not lone_neighbor else []
         epochs = sorted([*ours, *(r.epoch for r in others)], reverse=True)
@@ -252,7 +283,7 @@ class ProgressTracker:
         everyone = [local, *kept]
         median_speed = _lower_median([r.samples_per_second for r in everyone])
         if median_speed <= 0:
-            return kept  # nobody has measured a speed yet: nothing to compare a claim with
+            return self._within_averaged(kept)  # nobody has measured a speed yet: no median to compare with
         max_speed = MAX_SPEED_RATIO * median_speed
         # (early in an epoch this counts others' first samples late: that delays a round, never
         # starts one short)
@@ -264,9 +295,30 @@ class ProgressTracker:
                                "at most %d at %.0f/s", r.peer_id, r.samples, r.samples_per_second, MAX_SPEED_RATIO,
                                max_samples, max_speed)
         self._capped = capped
-        return [dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
-                                    samples=min(r.samples, max_samples)) if r.peer_id in capped else r
-                for r in kept]
+        return self._within_averaged([dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
+                                                          samples=min(r.samples, max_samples))
+                                      if r.peer_id in capped else r for r in kept])
+
+    def _within_averaged(self, reports: list[PeerProgress]) -> list[PeerProgress]:
+        """`reports`, each of a peer we averaged with recently cut to AVERAGED_SLACK times the
+        speed it averaged with, and the samples it averaged with plus those at that speed since
+        (the others as they are)."""
+        bounded, over = [], set()
+        for r in reports:
+            samples, speed, then = self._averaged.get(r.peer_id, (r.samples, r.samples_per_second, r.time))
+            max_speed = AVERAGED_SLACK * speed
+            max_samples = int(AVERAGED_SLACK * (samples + speed * max(0.0, r.time - then)))
+            if r.samples > max_samples or r.samples_per_second > max_speed:
+                over.add(r.peer_id)
+                if r.peer_id not in self._over_averaged:
+                    logger.warning("progress: %s claims %d samples at %.0f/s, but averaged %d samples (%.0f/s) "
+                                   "with us; counting at most %d at %.0f/s", r.peer_id, r.samples,
+                                   r.samples_per_second, samples, speed, max_samples, max_speed)
+                r = dataclasses.replace(r, samples=min(r.samples, max_samples),
+                                        samples_per_second=min(r.samples_per_second, max_speed))
+            bounded.append(r)
+        self._over_averaged = over
+        return bounded
 
 
 def _lower_median(values: list[float]) -> float:
