@@ -1,7 +1,8 @@
 """Issue 15, "Honest progress": a member's progress record (signed, under its own subkey, so it is
 only ever its own) can still claim anything. Readers bound what it does: a report time in the
 future counts from when it was first read, and ages; an epoch far ahead of the others is ignored;
-samples and speed count at most MAX_SPEED_RATIO times the median peer's.
+samples and speed count at most MAX_SPEED_RATIO times the median peer's, and a member's at most
+AVERAGED_SLACK times what it averaged with in a round with the reader.
 
 Three honest peers publish and read progress as the Optimizer does (every PROGRESS_INTERVAL), on
 the emulated network in virtual time; a fourth stores one crafted record under its own subkey.
