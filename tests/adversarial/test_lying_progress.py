@@ -280,16 +280,17 @@ def test_a_member_counts_at_most_what_it_averaged_with(caplog: pytest.LogCapture
     """The slow member averaged about SLOW_RATE samples/s, then claims 100x that: 10x an honest
     peer's speed, within the relative cap of MAX_SPEED_RATIO x the median, which alone lets it count
     and shortens the ETA. Bound: the reader counts it at most AVERAGED_SLACK x 2 x SLOW_RATE (2: its
-    averaged samples come in whole batches), so the swarm's speed (and the ETA) moves by no more; it
-    is named."""
+    averaged samples come in whole batches), so the swarm's speed (and the ETA) moves by no more. It
+    also claims 100 batches' samples, and for those it is named (a speed alone is only cut)."""
     claimed = 100 * SLOW_RATE
-    progress, liar_id = run_on_shared_runner(averaged_then_claimed(caplog, sps=claimed), timeout=120)
+    progress, liar_id = run_on_shared_runner(averaged_then_claimed(caplog, sps=claimed, samples=100 * TRAIN_TARGET),
+                                             timeout=120)
     liar = next(r for r in progress.reports if r.peer_id == liar_id)
     max_speed = AVERAGED_SLACK * 2 * SLOW_RATE
     assert liar.samples_per_second <= max_speed < claimed / 10
     honest = sum(r.samples_per_second for r in progress.reports if r.peer_id != liar_id and r.computing)
     assert progress.samples_per_second <= honest + max_speed
-    assert warnings_naming(caplog, liar_id, "but averaged")
+    assert warnings_naming(caplog, liar_id, f"claims {100 * TRAIN_TARGET} samples at {claimed:.0f}/s, but averaged")
 
 
 def test_claimed_samples_count_at_most_what_was_averaged_with(caplog: pytest.LogCaptureFixture) -> None:
