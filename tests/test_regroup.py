@@ -130,6 +130,30 @@ def test_only_members_of_the_last_group_may_ask_to_be_held_by_its_leader():
 
 
 @pytest.mark.timeout(60)
+def test_a_leader_gathering_another_key_turns_its_last_members_away_at_once():
+    """A Moshpit member's next key is another row's or column's: its last leader, gathering its
+    own next key, sends it to the DHT at once instead of holding it for its wait (half a window
+    lost on every round after the first)."""
+    async def main():
+        net, peers = await make_swarm(2)
+        avgs = averagers(peers)
+        first = await asyncio.gather(*(a.astep(group_key="e0") for a in avgs))
+        lead = next(i for i, p in enumerate(peers) if str(p.transport.peer_id) == first[0].peers[0])
+        member = peers[1 - lead]
+        gathering = asyncio.ensure_future(avgs[lead].astep(group_key="column3"))
+        await asyncio.sleep(0.1 * WINDOW)  # it gathers under its own next key now
+        request = {"key": "row5/all", "schema": avgs[0].schema, "mode": "node", "bw": [1e6, 1e6], "meta": None,
+                   "again": 60.0}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await member.transport.call(peers[lead].transport.peer_id, "potluck.averaging.join.regroup", request)
+        assert "refused" in reply and "not gathering" in reply["refused"]
+        assert loop.time() - started < 0.1 * WINDOW  # answered at once, not held
+        await asyncio.gather(gathering, return_exceptions=True)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_progress_is_taken_only_from_neighbors_and_only_about_themselves():
     async def main():
         net, peers = await make_swarm(3)

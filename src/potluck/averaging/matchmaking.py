@@ -437,16 +437,15 @@ class Matchmaker:
                 gathering.done.set_result("the leader gave up")
 
     async def _gathering_for(self, key: str, wait: float) -> _Gathering | None:
-        """Our gathering under `key`, waiting up to `wait` seconds for it to start."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while (gathering := self._gatherings.get(key)) is None:
-            left = deadline - loop.time()
-            if left <= 0:
-                return None
+        """Our gathering under `key`, waiting up to `wait` seconds for it to start; None at once
+        if we gather another key now or start to meanwhile (this round's: a Moshpit member's next
+        key is another row's or column's), so the member turns to the DHT without losing its wait."""
+        gathering = self._gatherings.get(key)
+        if gathering is None and not self._gatherings:
             with contextlib.suppress(TimeoutError):
-                async with compat.timeout(left):
+                async with compat.timeout(wait):
                     await self._opened.wait()
+            gathering = self._gatherings.get(key)
         return gathering
 
     async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: Candidate,
