@@ -60,7 +60,6 @@ from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.wire import int_field, number_field, text_field, wire_map
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
-    MAX_EPOCH_LEAD,
     MAX_SAMPLES_PER_SECOND,
     GlobalProgress,
     PeerProgress,
@@ -102,6 +101,13 @@ MAX_DIGEST_CHARS = 128
 # is not a torch scheduler whose learning rate at any epoch has a closed form (those move in one
 # call): about 3 us a step, so at most a tenth of a second.
 MAX_REPLAYED_SCHEDULER_STEPS = 30_000
+# A donor's state may be this many epochs ahead of the epoch our progress view supports. The view
+# lags the donors by up to a report's life (LIVE_SECONDS), and a swarm with sub-second epochs (small
+# models, the tests) moves several epochs meanwhile: honest donors at epoch view + 2 were refused,
+# and the peer that needed them never caught up. The cap is against jumps of orders of magnitude
+# (epoch 10^7 spins a scheduler; 10^9 moves every later epoch); a smaller one still needs most of
+# the vouched donors to agree on the state.
+MAX_STATE_EPOCH_LEAD = 8
 # A peer that downloaded a state still older than the swarm's waits this long before asking again
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
@@ -894,8 +900,8 @@ class Optimizer(torch.optim.Optimizer):
         """Download the state that most donors vouched for by our progress view agree on, into
         the state averager's tensors; returns its epoch. Donors count only if they are live peers
         in the view (identities we never heard from do not), and a state whose epoch or version
-        is ahead of what the view supports (`MAX_EPOCH_LEAD`) is refused: one donor cannot set
-        our parameters or our epoch."""
+        is ahead of what the view supports (`MAX_STATE_EPOCH_LEAD`) is refused: one donor cannot
+        set our parameters or our epoch."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
@@ -908,7 +914,7 @@ class Optimizer(torch.optim.Optimizer):
         progress, now = self.progress(), self.peer.dht.get_time()
         vouched = {PeerID.from_string(r.peer_id) for r in progress.reports
                    if r.peer_id != self.peer.peer_id and r.live(now)}
-        limit = progress.epoch + MAX_EPOCH_LEAD
+        limit = progress.epoch + MAX_STATE_EPOCH_LEAD
         left = deadline - loop.time()
         if left <= 0:
             raise AveragingError(f"no time left to download the state within {timeout} s")
