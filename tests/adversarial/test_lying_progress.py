@@ -156,20 +156,32 @@ def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCapt
 BATCH, TRAIN_TARGET, COMPUTE = 8, 256, 0.02
 
 
-async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
-    """Two honest Optimizers train `epochs` epochs (sync mode) while a third peer keeps publishing
-    a progress record with `claims`; returns the honest ones."""
+async def three_peers() -> list[potluck.Peer]:
+    """Three potluck.Peers on one emulated network, each joining through the first."""
     network = EmulatedNetwork(latency=0.01, seed=7)
     peers: list[potluck.Peer] = []
     for _ in range(3):
         await join(network, peers)
-    *honest, liar = peers
-    models = [torch.nn.Linear(16, 4) for _ in honest]
+    return peers
+
+
+def trainers(peers: list[potluck.Peer]) -> tuple[list[torch.nn.Module], list[Optimizer]]:
+    """One identical small model per peer, each with a sync-mode Optimizer (not started yet)."""
+    models = [torch.nn.Linear(16, 4) for _ in peers]
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
     opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
                       batch_size_per_step=BATCH, load_state=False, start=False)
-            for peer, model in zip(honest, models, strict=True)]
+            for peer, model in zip(peers, models, strict=True)]
+    return models, opts
+
+
+async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
+    """Two honest Optimizers train `epochs` epochs (sync mode) while a third peer keeps publishing
+    a progress record with `claims`; returns the honest ones."""
+    peers = await three_peers()
+    *honest, liar = peers
+    models, opts = trainers(honest)
     async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         while opt.local_epoch < epochs:
@@ -228,16 +240,8 @@ async def averaged_then_claimed(caplog: pytest.LogCaptureFixture, **claims: Any)
     is cut meanwhile. Then the third stops its Optimizer and publishes `claims` (at the epoch
     reached) instead, until the reader (the first) has read them; returns the reader's view then
     and the third's id."""
-    network = EmulatedNetwork(latency=0.01, seed=7)
-    peers: list[potluck.Peer] = []
-    for _ in range(3):
-        await join(network, peers)
-    models = [torch.nn.Linear(16, 4) for _ in peers]
-    for model in models[1:]:
-        model.load_state_dict(models[0].state_dict())
-    opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
-                      batch_size_per_step=BATCH, load_state=False, start=False)
-            for peer, model in zip(peers, models, strict=True)]
+    peers = await three_peers()
+    models, opts = trainers(peers)
     async def train(opt: Optimizer, model: torch.nn.Module, compute: float) -> None:
         generator = torch.Generator().manual_seed(int(compute * 1000))
         while opt.local_epoch < 2:
