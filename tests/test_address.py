@@ -135,3 +135,64 @@ def test_malformed_addresses(text: str, words: str) -> None:
 def test_parse_rejects_non_str() -> None:
     with pytest.raises(AddressError, match="must be a str"):
         Multiaddr.parse(b"/ip4/1.2.3.4/tcp/1")  # type: ignore[arg-type]
+
+
+RELAY = Identity.generate().peer_id
+RID = str(RELAY)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p/{ID}",
+        f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit",
+        f"/dns/relay.example/tcp/443/p2p/{RID}/p2p-circuit/p2p/{ID}",
+        f"/emu/relay/p2p/{RID}/p2p-circuit/p2p/{ID}",
+    ],
+)
+def test_circuit_roundtrip(text: str) -> None:
+    addr = Multiaddr.parse(text)
+    assert addr.is_circuit and addr.relay == RELAY
+    assert str(addr) == text
+    assert Multiaddr.parse(str(addr)) == addr
+    assert addr.relay_address.peer_id == RELAY and not addr.relay_address.is_circuit
+    assert Multiaddr.circuit(addr.relay_address, addr.peer_id) == addr
+    assert addr.without_peer_id().relay == RELAY  # the relay is part of the transport address
+    assert addr.without_peer_id().with_peer_id(PID) == Multiaddr.circuit(addr.relay_address, PID)
+
+
+def test_direct_address_is_not_a_circuit() -> None:
+    addr = Multiaddr.parse(f"/ip4/1.2.3.4/tcp/7/p2p/{ID}")
+    assert not addr.is_circuit and addr.relay is None
+    with pytest.raises(AddressError, match="not a circuit"):
+        _ = addr.relay_address
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("/ip4/1.2.3.4/tcp/7/p2p-circuit", "needs the relay's /p2p/<relay id>"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p", "missing target peer id"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p/abc", "bad target peer id"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p/{RID}", "back to its own relay"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p-circuit", "nested circuits"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/p2p/{ID}/p2p-circuit", "nested circuits"),
+        (f"/ip4/1.2.3.4/tcp/7/p2p/{RID}/p2p-circuit/x", "trailing junk '/x'"),
+    ],
+)
+def test_malformed_circuits(text: str, words: str) -> None:
+    with pytest.raises(AddressError, match="p2p-circuit") as info:
+        Multiaddr.parse(text)
+    assert words in str(info.value)
+
+
+def test_circuit_constructor_checks() -> None:
+    relay_addr = Multiaddr.parse(f"/ip4/1.2.3.4/tcp/7/p2p/{RID}")
+    with pytest.raises(AddressError, match="must name the relay"):
+        Multiaddr.circuit(relay_addr.without_peer_id(), PID)
+    with pytest.raises(AddressError, match="nested circuits"):
+        Multiaddr.circuit(Multiaddr.circuit(relay_addr, PID), PID)
+    with pytest.raises(AddressError, match="relay must be a PeerID"):
+        Multiaddr("ip4", "1.2.3.4", 7, PID, RID)  # type: ignore[arg-type]
+    with pytest.raises(AddressError, match="back to its own relay"):
+        Multiaddr.circuit(relay_addr, RELAY)

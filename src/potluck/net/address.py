@@ -6,6 +6,15 @@ Text forms (the ``/p2p/<peer id>`` suffix is optional)::
     /ip6/::1/tcp/31337/p2p/<peer id>
     /dns/example.org/tcp/443/p2p/<peer id>      (also dns4 / dns6)
     /emu/<name>/p2p/<peer id>                   (the in-process emulated network)
+
+A circuit address reaches a peer through a relay: the relay's own address (with its required
+``/p2p/<relay id>``), then ``/p2p-circuit``, then optionally the target's ``/p2p/<peer id>``::
+
+    /ip4/1.2.3.4/tcp/31337/p2p/<relay id>/p2p-circuit/p2p/<peer id>
+    /emu/<relay name>/p2p/<relay id>/p2p-circuit/p2p/<peer id>
+
+In a circuit `Multiaddr`, kind/host/port are the relay's transport address, `relay` the relay's
+id and `peer_id` the target's. Circuits do not nest (a relay is always dialed directly).
 """
 
 from __future__ import annotations
@@ -37,7 +46,11 @@ _EMU_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}", re.ASCII)
 
 _TCP_KINDS = ("ip4", "ip6", "dns", "dns4", "dns6")
 _KINDS = (*_TCP_KINDS, "emu")
-_EXAMPLES = "e.g. '/ip4/127.0.0.1/tcp/31337/p2p/<peer id>' or '/emu/<name>/p2p/<peer id>'"
+_EXAMPLES = (
+    "e.g. '/ip4/127.0.0.1/tcp/31337/p2p/<peer id>', '/emu/<name>/p2p/<peer id>' or "
+    "'/ip4/1.2.3.4/tcp/1/p2p/<relay id>/p2p-circuit/p2p/<peer id>'"
+)
+_CIRCUIT = "p2p-circuit"
 
 
 class _PartError(Exception):
@@ -98,6 +111,18 @@ def _parse_port(text: str) -> int:
     return port
 
 
+def _parse_peer_id(rest: list[str], what: str) -> tuple[PeerID | None, list[str]]:
+    """Read an optional `/p2p/<id>` from the front of `rest`."""
+    if not rest or rest[0] != "p2p":
+        return None, rest
+    if len(rest) < 2 or not rest[1]:
+        raise _PartError(f"missing {what} after /p2p")
+    try:
+        return PeerID.from_string(rest[1]), rest[2:]
+    except IdentityError as exc:
+        raise _PartError(f"bad {what}: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Multiaddr:
     """A peer's network address; `str()` gives the canonical text that `parse` reads back."""
@@ -106,6 +131,7 @@ class Multiaddr:
     host: str
     port: int | None = None
     peer_id: PeerID | None = None
+    relay: PeerID | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -115,6 +141,10 @@ class Multiaddr:
             object.__setattr__(self, "port", _check_port(self.kind, self.port))
             if self.peer_id is not None and not isinstance(self.peer_id, PeerID):
                 raise _PartError(f"peer_id must be a PeerID, got {type(self.peer_id).__name__}")
+            if self.relay is not None and not isinstance(self.relay, PeerID):
+                raise _PartError(f"relay must be a PeerID, got {type(self.relay).__name__}")
+            if self.relay is not None and self.relay == self.peer_id:
+                raise _PartError("a circuit cannot lead back to its own relay")
         except _PartError as exc:
             raise AddressError(
                 f"bad address fields: {exc}; valid addresses look {_EXAMPLES}"
@@ -156,18 +186,20 @@ class Multiaddr:
                 raise _PartError("missing port after /tcp")
             port = _parse_port(rest[1])
             rest = rest[2:]
-        peer_id = None
-        if rest and rest[0] == "p2p":
-            if len(rest) < 2 or not rest[1]:
-                raise _PartError("missing peer id after /p2p")
-            try:
-                peer_id = PeerID.from_string(rest[1])
-            except IdentityError as exc:
-                raise _PartError(f"bad peer id: {exc}") from None
-            rest = rest[2:]
+        peer_id, rest = _parse_peer_id(rest, "peer id")
+        relay = None
+        if rest and rest[0] == _CIRCUIT:
+            if peer_id is None:
+                raise _PartError(f"/{_CIRCUIT} needs the relay's /p2p/<relay id> before it")
+            relay = peer_id
+            peer_id, rest = _parse_peer_id(rest[1:], "target peer id")
+            if rest and rest[0] == _CIRCUIT:
+                raise _PartError("nested circuits are not supported (one relay per address)")
+            if peer_id == relay:
+                raise _PartError("a circuit cannot lead back to its own relay")
         if rest:
             raise _PartError(f"trailing junk {_quote('/' + '/'.join(rest))}")
-        return cls(kind, host, port, peer_id)
+        return cls(kind, host, port, peer_id, relay)
 
     @classmethod
     def tcp(cls, host: str, port: int, peer_id: PeerID | None = None) -> Multiaddr:
@@ -182,18 +214,45 @@ class Multiaddr:
             return cls("dns", host, port, peer_id)
         return cls("ip4" if ip.version == 4 else "ip6", str(ip), port, peer_id)
 
+    @classmethod
+    def circuit(cls, relay_address: Multiaddr, peer_id: PeerID | None = None) -> Multiaddr:
+        """The address of `peer_id` (or of whoever holds a reservation) through the relay at
+        `relay_address`, which must name the relay's id and not itself be a circuit."""
+        if not isinstance(relay_address, Multiaddr):
+            raise AddressError(f"relay_address must be a Multiaddr, got {type(relay_address).__name__}")
+        if relay_address.is_circuit:
+            raise AddressError(f"nested circuits are not supported: {relay_address} is already one")
+        if relay_address.peer_id is None:
+            raise AddressError(f"relay address {relay_address} must name the relay (/p2p/<relay id>)")
+        return cls(relay_address.kind, relay_address.host, relay_address.port, peer_id,
+                   relay_address.peer_id)
+
+    @property
+    def is_circuit(self) -> bool:
+        """True when this address reaches its peer through a relay."""
+        return self.relay is not None
+
+    @property
+    def relay_address(self) -> Multiaddr:
+        """The relay's own (direct) address, with its /p2p/ id; only for circuit addresses."""
+        if self.relay is None:
+            raise AddressError(f"{self} is not a circuit address")
+        return Multiaddr(self.kind, self.host, self.port, self.relay)
+
     def with_peer_id(self, peer_id: PeerID) -> Multiaddr:
         """The same address, naming the peer expected there."""
         return dataclasses.replace(self, peer_id=peer_id)
 
     def without_peer_id(self) -> Multiaddr:
-        """The bare transport address."""
+        """The bare transport address (a circuit address keeps its relay)."""
         return dataclasses.replace(self, peer_id=None)
 
     def __str__(self) -> str:
         text = f"/{self.kind}/{self.host}"
         if self.port is not None:
             text += f"/tcp/{self.port}"
+        if self.relay is not None:
+            text += f"/p2p/{self.relay}/{_CIRCUIT}"
         if self.peer_id is not None:
             text += f"/p2p/{self.peer_id}"
         return text
