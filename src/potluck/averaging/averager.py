@@ -158,7 +158,7 @@ class Averager:
         import scipy.optimize  # noqa: F401 - load it now, not on the event loop when we first lead a group
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
-        if allow_state_sharing and self.role == Role.NODE:
+        if allow_state_sharing and self.role != Role.AUX:  # a client behind a relay can donate too
             self.state_server = StateServer(self.transport, self._get_state, run_id, lock=self._lock,
                                             current_version=lambda: self.round)
 
@@ -246,8 +246,8 @@ class Averager:
 
     async def announce_state(self) -> None:
         """Tell the DHT that newcomers can download our state (done after every step)."""
-        if self.state_server is None:
-            return
+        if self.state_server is None or not self.transport.addresses:
+            return  # nobody could dial us for it (client mode without a relay)
         record = DonorRecord(self.round)
         try:
             await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
