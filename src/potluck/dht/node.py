@@ -168,7 +168,6 @@ class DHTNode:
         self.limits = Limits(self.config.max_value_bytes, self.config.max_ttl)
         self.validators: list[RecordValidator] = [PeerRecordValidator(clock), KeyKinds(clock), *validators]
         self.now = clock
-        self.client_mode = transport.client_mode
         self.routing = RoutingTable(self.node_id, self.config.bucket_size, self.config.depth_modulo)
         self.storage = Storage(self.config.max_storage_bytes)
         self.backoff = Backoff()
@@ -182,8 +181,15 @@ class DHTNode:
         self._hearsay: dict[int, list[Multiaddr]] = {}
         self._upkeep_task: asyncio.Task | None = None
         self._republish_task: asyncio.Task | None = None
+        self._readdress_task: asyncio.Task | None = None
+        self._readdress_again = False  # our addresses changed again while republishing
         self._started = False
         self._closed = False
+
+    @property
+    def client_mode(self) -> bool:
+        """Read live from the transport: a reachability check or a relay may change it."""
+        return self.transport.client_mode
 
     # -- life cycle ---------------------------------------------------------------------------------
     async def start(self, initial_peers: Iterable[Multiaddr | str | PeerID] = (),
@@ -208,8 +214,9 @@ class DHTNode:
             self.storage.store(self.node_id, own.record, self.now())  # its closest holder: us
             if initial and not own.holders:  # nobody took it along the lookup: store it as usual
                 await self.publish_peer_record(min(timeout, PUBLISH_TIMEOUT))
-        if publishes:
+        if self.config.peer_record_ttl is not None:  # also while we have no address: we may get one
             self._republish_task = self._spawn(self._republish_forever(self.config.peer_record_ttl / 3))
+            self.transport.watch_addresses(self._addresses_changed)
 
     async def bootstrap(self, initial_peers: Iterable[Multiaddr | str | PeerID],
                         timeout: float = BOOTSTRAP_TIMEOUT) -> None:
@@ -251,6 +258,7 @@ class DHTNode:
                 self.transport.remove_handler(method)
             if self.transport.resolver is self:
                 self.transport.set_resolver(None)
+            self.transport.unwatch_addresses(self._addresses_changed)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -606,8 +614,20 @@ class DHTNode:
         return None if gate is None else gate.own_token()
 
     def _publishes_peer_record(self) -> bool:
-        return (self.config.peer_record_ttl is not None and not self.client_mode
-                and bool(self.transport.addresses))
+        """Whether others can dial us (directly or through a relay): then they need our record."""
+        return self.config.peer_record_ttl is not None and bool(self.transport.addresses)
+
+    def _addresses_changed(self) -> None:
+        """The transport's `watch_addresses` callback: republish our record at once (a relay
+        reserved or lost), not at the next refresh, so that dials find the new addresses."""
+        self._readdress_again = True
+        if self._readdress_task is None or self._readdress_task.done():
+            self._readdress_task = self._spawn(self._republish_addresses())
+
+    async def _republish_addresses(self) -> None:
+        while self._readdress_again:
+            self._readdress_again = False
+            await self.publish_peer_record()
 
     def _own_peer_record(self) -> Record | None:
         """Our peer record, signed and checked (where we listen, for `peer_record_ttl` seconds);

@@ -420,8 +420,9 @@ class ExpertServer:
                  checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL,
                  stash_calls: int = DEFAULT_STASH_CALLS, device: str | torch.device | None = None,
                  caller_rate: float | None = None, caller_burst: int | None = None):
-        if peer.transport.client_mode:
-            raise ValueError("an expert server must accept connections; its peer is in client mode")
+        if not peer.transport.addresses:
+            raise ValueError("an expert server must be reachable: its peer has no address (client mode, or "
+                             "behind NAT with no relay reserved)")
         if input_schema is None:
             raise ValueError("input_schema is required: the inputs each expert takes, e.g. "
                              "(TensorSchema((1024,)),); make_expert() returns it for built-in types")

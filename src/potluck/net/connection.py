@@ -86,6 +86,9 @@ class RemoteInfo:
     max_frame_size: int | None = None
     bulk: bool = False  # the dialer opened this connection for one bulk stream at a time
     token: bytes | None = None  # reserved for membership tokens
+    # Where we saw the peer come from (TCP: its IP and port; emulated: its name): behind NAT,
+    # its router's public address. What the reachability check compares dial-back requests with.
+    observed: Multiaddr | None = None
 
 
 class FrameLink(Protocol):

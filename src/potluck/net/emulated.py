@@ -158,7 +158,7 @@ class EmulatedTransport(Transport):
         network._peers[self.peer_id] = self
 
     @property
-    def addresses(self) -> list[Multiaddr]:
+    def listen_addresses(self) -> list[Multiaddr]:
         if self.network._listeners.get(self._name) is not self:
             return []
         return [Multiaddr("emu", self._name, None, self.peer_id)]
@@ -166,7 +166,7 @@ class EmulatedTransport(Transport):
     async def start(self) -> None:
         if self._crashed:
             raise PeerUnreachable("this emulated peer has crashed; create a new transport")
-        if not self.client_mode:
+        if not self.forced_client:
             self.network._listeners[self._name] = self
 
     async def _stop_listening(self) -> None:
@@ -245,7 +245,8 @@ class EmulatedTransport(Transport):
     def _hello(self, bulk: bool) -> RemoteInfo:
         """What this peer's side of the handshake tells the other side."""
         return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode, self.max_frame_size, bulk,
-                          token=self.membership.own_token() if self.membership is not None else None)
+                          token=self.membership.own_token() if self.membership is not None else None,
+                          observed=Multiaddr("emu", self._name))
 
 
 class _LinkEnd:

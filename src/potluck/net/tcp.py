@@ -184,11 +184,11 @@ class TCPTransport(Transport):
         return self._links_per_peer.get(peer_id, 0)
 
     @property
-    def addresses(self) -> list[Multiaddr]:
+    def listen_addresses(self) -> list[Multiaddr]:
         return [a.with_peer_id(self.peer_id) for a in (self._announce or self._listen)]
 
     async def start(self) -> None:
-        if self.client_mode:
+        if self.forced_client:
             return
         loop = asyncio.get_running_loop()
         # Our own accept loop rather than loop.create_server: asyncio would run the TLS handshake
@@ -527,7 +527,7 @@ class TCPLink(asyncio.BufferedProtocol):
         self._decoder.grow_scratch(SCRATCH_SIZE)
         remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
                             bulk=hello["bulk"] if not self.initiator else self.bulk,
-                            token=hello["token"])
+                            token=hello["token"], observed=_observed(self._peername))
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
                           on_close=self.owner._unregister, load=PeerLoad.of(self.owner._peer_loads, hello["id"]))
@@ -673,6 +673,14 @@ async def _listening_sockets(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def _observed(peername: Any) -> Multiaddr | None:
+    """The address a connection came from (TCP peername), as a Multiaddr."""
+    try:
+        return Multiaddr.tcp(peername[0], peername[1])
+    except Exception:  # noqa: BLE001 - not an (ip, port) pair: e.g. a socket already gone
+        return None
 
 
 def _drop_tracebacks(error: BaseException) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from potluck.core import compat
 from potluck.core.errors import ConnectionLost, NetworkError, PeerUnreachable, detached
@@ -38,9 +38,11 @@ from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
 from potluck.net.peer_record import PeerRecord, PeerResolver
 
-__all__ = ["MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "Transport"]
+__all__ = ["MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "Reachability", "Transport"]
 
 logger = logging.getLogger(__name__)
+
+Reachability = Literal["public", "relayed", "private"]
 
 # Idle dedicated (bulk) connections kept per peer for the next stream, and for how long.
 MAX_IDLE_BULK_CONNECTIONS = 4
@@ -73,7 +75,13 @@ class Transport:
                  keepalive_timeout: float | None = KEEPALIVE_TIMEOUT):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
-        self.client_mode = client_mode
+        # The user asked for client mode: never listen, never relay, never found public.
+        self.forced_client = client_mode
+        self._public = not client_mode  # until a reachability check says otherwise
+        self._relayed: list[Multiaddr] = []  # our circuit addresses through relays
+        self._address_watchers: list[Callable[[], None]] = []
+        # Our public hosts as others saw us (the reachability check's answers; hole punching's candidates).
+        self.observed_hosts: list[str] = []
         self.max_frame_size = max_frame_size
         self.dial_timeout = dial_timeout
         self.keepalive_interval = keepalive_interval
@@ -97,10 +105,61 @@ class Transport:
         # here so they live exactly as long as the transport.
         self.services: dict[str, Any] = {}
 
-    # -- to be provided by subclasses -----------------------------------------------------------
+    # -- reachability ---------------------------------------------------------------------------
+    @property
+    def reachability(self) -> Reachability:
+        """"public": dialed directly at `listen_addresses`; "relayed": only through relays (our
+        circuit addresses); "private": not at all (forced client mode, or behind NAT and no relay)."""
+        if self._public:
+            return "public"
+        return "relayed" if self._relayed else "private"
+
+    @property
+    def client_mode(self) -> bool:
+        """What our handshake says: a relayed peer is still a client to others (kept out of DHT
+        routing tables, a client in averaging) though it publishes a record and can serve."""
+        return self.reachability != "public"
+
     @property
     def addresses(self) -> list[Multiaddr]:
-        """Where others can reach this peer (empty in client mode)."""
+        """Where others can reach this peer: direct when public, circuits when relayed, else none.
+        Code that must know whether this peer can be dialed checks this, not client_mode."""
+        reach = self.reachability
+        if reach == "public":
+            return self.listen_addresses
+        return list(self._relayed) if reach == "relayed" else []
+
+    def set_public(self, public: bool) -> None:
+        """Record what the reachability check found (a forced client is never public)."""
+        if public and self.forced_client:
+            raise ValueError("a transport in forced client mode cannot be public")
+        self._update(lambda: setattr(self, "_public", public))
+
+    def set_relayed_addresses(self, addresses: Iterable[Multiaddr]) -> None:
+        """Our circuit addresses through the relays we hold reservations with (empty: none)."""
+        relayed = list(addresses)
+        self._update(lambda: setattr(self, "_relayed", relayed))
+
+    def watch_addresses(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever `addresses` changes (the DHT republishes our record at once)."""
+        self._address_watchers.append(callback)
+
+    def unwatch_addresses(self, callback: Callable[[], None]) -> None:
+        if callback in self._address_watchers:
+            self._address_watchers.remove(callback)
+
+    def _update(self, change: Callable[[], None]) -> None:
+        before = self.addresses
+        change()
+        if self.addresses != before:
+            for callback in list(self._address_watchers):
+                callback()
+
+    # -- to be provided by subclasses -----------------------------------------------------------
+    @property
+    def listen_addresses(self) -> list[Multiaddr]:
+        """Where this peer listens or announces (with its /p2p/ id): what it is reached at if
+        public, and what a reachability check asks others to dial back (empty if not listening)."""
         raise NotImplementedError
 
     async def start(self) -> None:
