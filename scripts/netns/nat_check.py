@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""The real-network NAT check of issue 16, in Linux network namespaces (run as root).
+
+Topology (every namespace is named PREFIX + role; the whole set is removed at the end, whatever
+happens, and leftovers of an earlier crashed run are removed first):
+
+    relay 198.51.100.1 ─┐
+                        ├─ inet (a bridge: the "internet", 198.51.100.0/24)
+    nat-a 198.51.100.2 ─┤                nat-b 198.51.100.3
+      │ MASQUERADE, drops unsolicited      │ (the same)
+      ├─ a1 10.1.0.11                      ├─ b1 10.2.0.11
+      └─ a2 10.1.0.12                      └─ b2 10.2.0.12
+
+The routers behave like home routers: outgoing connections are masqueraded, and anything
+arriving on the WAN side that does not belong to a connection started inside is dropped.
+
+Steps, each reported in the JSON summary printed at the end (exit status 1 if one failed):
+  tcp_sanity  plain TCP: a NATed host reaches the public one and is seen as its router's
+              address; nobody outside can open a connection to a NATed host.
+  relay       `potluck peer --relay` starts on the public host.
+  expert      a1 hosts an expert (`potluck expert-server`); b1, behind the other NAT, calls it
+              (forward and backward, answers checked against a local copy) and reports whether its
+              connection ended up direct (hole punching) or relayed.
+  state       a2 donates averaged state (potluck.Averager); b2, a newcomer behind the other NAT,
+              downloads it and checks every value.
+
+Usage: sudo .venv/bin/python scripts/netns/nat_check.py [--keep-logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+# Every namespace this check makes starts with this; leftovers with it are removed before a run.
+PREFIX = "potluck-nat-"
+PUBLIC_NET = "198.51.100"  # TEST-NET-2: a documentation range, never routed anywhere real
+RELAY_IP = f"{PUBLIC_NET}.1"
+RELAY_PORT = 4001
+PROBE_PORT = 4000
+EXPERT_UID = "natcheck.0"
+EXPERT_HIDDEN = 32
+RUN_ID = "natcheck"
+
+# Deadlines (every wait has one; the whole check stays well under five minutes).
+CHECK_DEADLINE = 240.0  # the whole check, topology to summary
+COMMAND_TIMEOUT = 20.0  # one ip / iptables / apt-get step (apt-get gets INSTALL_TIMEOUT)
+INSTALL_TIMEOUT = 180.0  # apt-get update + install iptables on a fresh CI machine
+PROBE_TIMEOUT = 2.0  # a plain TCP connect that must fail: dropped SYNs hang until this
+START_TIMEOUT = 60.0  # a potluck process getting ready (imports torch, joins, reserves a relay slot)
+TASK_TIMEOUT = 90.0  # a client role finishing its calls or download (retries inside)
+STOP_GRACE = 5.0  # SIGTERM to SIGKILL for our processes
+
+
+@dataclass
+class Site:
+    """A private network behind a NAT router."""
+
+    router: str
+    public_ip: str
+    subnet: str  # first three octets; the router is .1
+    hosts: dict[str, str] = field(default_factory=dict)  # namespace -> address
+
+
+SITES = [Site("nat-a", f"{PUBLIC_NET}.2", "10.1.0", {"a1": "10.1.0.11", "a2": "10.1.0.12"}),
+         Site("nat-b", f"{PUBLIC_NET}.3", "10.2.0", {"b1": "10.2.0.11", "b2": "10.2.0.12"})]
+HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | {"relay": RELAY_IP}
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def ns(name: str) -> str:
+    return PREFIX + name
+
+
+def sh(*args: str, timeout: float = COMMAND_TIMEOUT) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise CheckFailed(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout
+
+
+def in_ns(name: str, *args: str) -> str:
+    return sh("ip", "netns", "exec", ns(name), *args)
+
+
+# -- topology -----------------------------------------------------------------------------------------
+def ensure_tools() -> None:
+    if shutil.which("ip") is None:
+        raise CheckFailed("`ip` (iproute2) is missing")
+    if shutil.which("iptables") is None:
+        print("nat_check: installing iptables", file=sys.stderr, flush=True)
+        sh("apt-get", "update", "-qq", timeout=INSTALL_TIMEOUT)
+        sh("apt-get", "install", "-y", "-qq", "iptables", timeout=INSTALL_TIMEOUT)
+
+
+def our_namespaces() -> list[str]:
+    listed = sh("ip", "netns", "list")
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)]
+
+
+def remove_namespaces() -> None:
+    """Kill what runs in our namespaces (ours, or an earlier crashed run's) and delete them."""
+    names = our_namespaces()
+    pids = [int(p) for name in names for p in sh("ip", "netns", "pids", name).split()]
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 1.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+    for name in names:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def link(a: str, a_if: str, b: str, b_if: str) -> None:
+    sh("ip", "link", "add", "name", a_if, "netns", ns(a), "type", "veth", "peer", "name", b_if, "netns", ns(b))
+
+
+def up(name: str, *interfaces: str) -> None:
+    for interface in ("lo", *interfaces):
+        sh("ip", "-n", ns(name), "link", "set", interface, "up")
+
+
+def build_topology() -> None:
+    names = ["inet", "relay"] + [s.router for s in SITES] + [h for s in SITES for h in s.hosts]
+    for name in names:
+        sh("ip", "netns", "add", ns(name))
+    sh("ip", "-n", ns("inet"), "link", "add", "name", "br0", "type", "bridge")
+    up("inet", "br0")
+    # the public segment
+    for name, ip in [("relay", RELAY_IP)] + [(s.router, s.public_ip) for s in SITES]:
+        port = f"to-{name}"
+        inside = "eth0" if name == "relay" else "wan"
+        link("inet", port, name, inside)
+        sh("ip", "-n", ns("inet"), "link", "set", port, "master", "br0")
+        up("inet", port)
+        sh("ip", "-n", ns(name), "addr", "add", f"{ip}/24", "dev", inside)
+        up(name, inside)
+    # the private networks
+    for site in SITES:
+        r = site.router
+        sh("ip", "-n", ns(r), "link", "add", "name", "lan", "type", "bridge")
+        sh("ip", "-n", ns(r), "addr", "add", f"{site.subnet}.1/24", "dev", "lan")
+        up(r, "lan")
+        for host, ip in site.hosts.items():
+            port = f"to-{host}"
+            link(r, port, host, "eth0")
+            sh("ip", "-n", ns(r), "link", "set", port, "master", "lan")
+            up(r, port)
+            sh("ip", "-n", ns(host), "addr", "add", f"{ip}/24", "dev", "eth0")
+            up(host, "eth0")
+            sh("ip", "-n", ns(host), "route", "add", "default", "via", f"{site.subnet}.1")
+        in_ns(r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        rules = [["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]]
+        for chain in ("INPUT", "FORWARD"):  # a home router: only answers to what was started inside
+            rules += [["-A", chain, "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                       "-j", "ACCEPT"],
+                      ["-A", chain, "-i", "wan", "-j", "DROP"]]
+        for rule in rules:
+            in_ns(r, "iptables", *rule)
+
+
+# -- processes ----------------------------------------------------------------------------------------
+class Processes:
+    """Our processes in the namespaces; stderr of each goes to a log file shown on failure."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def spawn(self, name: str, host: str, *args: str) -> asyncio.subprocess.Process:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                "ip", "netns", "exec", ns(host), str(PYTHON), *args, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=log, env=env, cwd=ROOT)
+        self.procs[name] = proc
+        return proc
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def read_until(self, name: str, match: Callable[[str], bool], timeout: float) -> str:
+        """The first stdout line of `name` that `match`es, within `timeout`."""
+        proc = self.procs[name]
+        assert proc.stdout is not None
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    line = (await proc.stdout.readline()).decode(errors="replace")
+                    if not line:
+                        raise CheckFailed(f"{name} exited ({await proc.wait()}) before it was ready:\n"
+                                          f"{self.log_tail(name)}")
+                    if match(line.strip()):
+                        return line.strip()
+        except TimeoutError:
+            raise CheckFailed(f"{name} was not ready within {timeout:.0f} s:\n{self.log_tail(name)}") from None
+
+    async def result(self, name: str, timeout: float) -> dict:
+        """A node.py role's final JSON line."""
+        line = await self.read_until(name, lambda s: s.startswith("{"), timeout)
+        return json.loads(line)
+
+    async def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+        for proc in self.procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_GRACE)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+# -- steps ----------------------------------------------------------------------------------------------
+async def probe(procs: Processes, name: str, host: str, target: str, port: int) -> dict:
+    await procs.spawn(name, host, str(HERE / "probe.py"), "connect", target, str(port), str(PROBE_TIMEOUT))
+    return await procs.result(name, PROBE_TIMEOUT + 10)
+
+
+async def tcp_sanity(procs: Processes) -> dict:
+    """A NATed host reaches the relay host and is seen as its router; nobody reaches it unasked."""
+    site_a = SITES[0]
+    for name, host in (("listen-relay", "relay"), ("listen-a1", "a1")):
+        await procs.spawn(name, host, str(HERE / "probe.py"), "listen", HOST_IP[host], str(PROBE_PORT), "60")
+        await procs.read_until(name, lambda s: s == "listening", 10)
+    out = await probe(procs, "a1-to-relay", "a1", RELAY_IP, PROBE_PORT)
+    if not out["ok"]:
+        raise CheckFailed(f"a1 (behind NAT) could not reach the public host: {out['error']}")
+    if not out["seen_as"].startswith(site_a.public_ip + ":"):
+        raise CheckFailed(f"a1 reached the public host as {out['seen_as']}, not as its router {site_a.public_ip}")
+    refused = {}
+    for name, host, target in (("relay-to-nat-a", "relay", site_a.public_ip), ("relay-to-a1", "relay", HOST_IP["a1"]),
+                               ("b1-to-nat-a", "b1", site_a.public_ip)):
+        answer = await probe(procs, name, host, target, PROBE_PORT)
+        if answer["ok"]:
+            raise CheckFailed(f"{host} opened a connection to {target}:{PROBE_PORT} behind NAT A: the NAT lets "
+                              "unsolicited connections in")
+        refused[f"{host}->{target}"] = answer["error"]
+    return {"a1_seen_by_relay_as": out["seen_as"], "unsolicited_refused": refused}
+
+
+async def start_relay(procs: Processes) -> str:
+    await procs.spawn("relay", "relay", "-m", "potluck", "-v", "peer", "--relay", "--host", RELAY_IP,
+                      "--port", str(RELAY_PORT))
+    line = await procs.read_until("relay", lambda s: s.startswith("--initial-peers") and RELAY_IP in s,
+                                  START_TIMEOUT)
+    return line.split()[1]
+
+
+async def expert_step(procs: Processes, relay: str) -> dict:
+    await procs.spawn("expert-server", "a1", "-m", "potluck", "-v", "expert-server", "--experts", EXPERT_UID,
+                      "--hidden", str(EXPERT_HIDDEN), "--optimizer", "none", "--seed", "0",
+                      "--host", HOST_IP["a1"], "--initial-peers", relay)
+    await procs.read_until("expert-server", lambda s: s.startswith("ready"), START_TIMEOUT)
+    await procs.spawn("expert-caller", "b1", str(HERE / "node.py"), "call-expert", "--host", HOST_IP["b1"],
+                      "--initial-peers", relay, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
+                      "--timeout", str(TASK_TIMEOUT))
+    return await procs.result("expert-caller", TASK_TIMEOUT + 30)
+
+
+async def state_step(procs: Processes, relay: str) -> dict:
+    await procs.spawn("donor", "a2", str(HERE / "node.py"), "donate", "--host", HOST_IP["a2"],
+                      "--initial-peers", relay, "--run-id", RUN_ID, "--timeout", str(START_TIMEOUT))
+    line = await procs.read_until("donor", lambda s: s.startswith(("ready", "{")), START_TIMEOUT + 10)
+    if line.startswith("{"):
+        raise CheckFailed(f"the donor failed: {json.loads(line)['error']}")
+    await procs.spawn("newcomer", "b2", str(HERE / "node.py"), "download", "--host", HOST_IP["b2"],
+                      "--initial-peers", relay, "--run-id", RUN_ID, "--timeout", str(TASK_TIMEOUT))
+    return await procs.result("newcomer", TASK_TIMEOUT + 30)
+
+
+async def run_step(summary: dict, name: str, step: Callable[[], object]) -> object:
+    start = time.monotonic()
+    try:
+        value = await step()
+    except CheckFailed as e:
+        summary["steps"][name] = {"ok": False, "error": str(e), "seconds": round(time.monotonic() - start, 2)}
+        return None
+    report = value if isinstance(value, dict) else {"value": value}
+    ok = report.pop("ok", True)
+    summary["steps"][name] = {"ok": ok, **report, "seconds": round(time.monotonic() - start, 2)}
+    return value if ok else None
+
+
+async def check(log_dir: Path) -> dict:
+    summary: dict = {"steps": {}}
+    procs = Processes(log_dir)
+    try:
+        await run_step(summary, "topology", lambda: asyncio.to_thread(build_topology))
+        if summary["steps"]["topology"]["ok"]:
+            await run_step(summary, "tcp_sanity", lambda: tcp_sanity(procs))
+            relay = await run_step(summary, "relay", lambda: start_relay(procs))
+            if relay is not None:
+                await asyncio.gather(run_step(summary, "expert", lambda: expert_step(procs, relay)),
+                                     run_step(summary, "state", lambda: state_step(procs, relay)))
+    finally:
+        await procs.stop_all()
+    return summary
+
+
+def raise_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(f"nat_check: stopped by signal {signum}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep the processes' logs here (default: a temporary "
+                                                           "folder, removed at the end)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("nat_check: needs root (it creates network namespaces and NAT rules)", file=sys.stderr)
+        return 2
+    if not PYTHON.exists():
+        print(f"nat_check: {PYTHON} is missing: run ./scripts/test.sh or scripts/venv.sh first", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, raise_on_signal)
+    start = time.monotonic()
+    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="nat-check-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"steps": {}}
+    try:
+        ensure_tools()
+        remove_namespaces()
+        summary = asyncio.run(asyncio.wait_for(check(log_dir), CHECK_DEADLINE))
+    except (CheckFailed, TimeoutError) as e:
+        summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
+    finally:
+        remove_namespaces()
+        if not args.keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    steps = summary["steps"]
+    summary["ok"] = "error" not in summary and bool(steps) and all(s["ok"] for s in steps.values())
+    summary["seconds"] = round(time.monotonic() - start, 1)
+    print(json.dumps(summary, indent=2))
+    if not summary["ok"]:
+        failed = [name for name, s in steps.items() if not s["ok"]]
+        print(f"nat_check: FAILED ({', '.join(failed) or summary.get('error')})", file=sys.stderr)
+        return 1
+    print("nat_check: all steps passed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
