@@ -4,9 +4,9 @@
 Topology (every namespace is named PREFIX + role; the whole set is removed at the end, whatever
 happens, and leftovers of an earlier crashed run are removed first):
 
-    relay 198.51.100.1 ─┐
+    relay 198.51.100.1 ─┐                 ┌─ boot 198.51.100.4
                         ├─ inet (a bridge: the "internet", 198.51.100.0/24)
-    nat-a 198.51.100.2 ─┤                nat-b 198.51.100.3
+    nat-a 198.51.100.2 ─┘                 └─ nat-b 198.51.100.3
       │ MASQUERADE, drops unsolicited      │ (the same)
       ├─ a1 10.1.0.11                      ├─ b1 10.2.0.11
       └─ a2 10.1.0.12                      └─ b2 10.2.0.12
@@ -17,7 +17,8 @@ arriving on the WAN side that does not belong to a connection started inside is 
 Steps, each reported in the JSON summary printed at the end (exit status 1 if one failed):
   tcp_sanity  plain TCP: a NATed host reaches the public one and is seen as its router's
               address; nobody outside can open a connection to a NATed host.
-  relay       `potluck peer --relay` starts on the public host.
+  public      `potluck peer` starts on boot and `potluck peer --relay` on relay; both are the
+              others' initial peers (two public peers: a reachability verdict needs two answers).
   expert      a1 hosts an expert (`potluck expert-server`); b1, behind the other NAT, calls it
               (forward and backward, answers checked against a local copy) and reports whether its
               connection ended up direct (hole punching) or relayed.
@@ -51,8 +52,8 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 # Every namespace this check makes starts with this; leftovers with it are removed before a run.
 PREFIX = "potluck-nat-"
 PUBLIC_NET = "198.51.100"  # TEST-NET-2: a documentation range, never routed anywhere real
-RELAY_IP = f"{PUBLIC_NET}.1"
-RELAY_PORT = 4001
+PUBLIC_HOSTS = {"relay": f"{PUBLIC_NET}.1", "boot": f"{PUBLIC_NET}.4"}
+PEER_PORT = 4001
 PROBE_PORT = 4000
 EXPERT_UID = "natcheck.0"
 EXPERT_HIDDEN = 32
@@ -80,7 +81,7 @@ class Site:
 
 SITES = [Site("nat-a", f"{PUBLIC_NET}.2", "10.1.0", {"a1": "10.1.0.11", "a2": "10.1.0.12"}),
          Site("nat-b", f"{PUBLIC_NET}.3", "10.2.0", {"b1": "10.2.0.11", "b2": "10.2.0.12"})]
-HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | {"relay": RELAY_IP}
+HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | PUBLIC_HOSTS
 
 
 class CheckFailed(Exception):
@@ -150,15 +151,15 @@ def up(name: str, *interfaces: str) -> None:
 
 
 def build_topology() -> None:
-    names = ["inet", "relay"] + [s.router for s in SITES] + [h for s in SITES for h in s.hosts]
+    names = ["inet", *PUBLIC_HOSTS] + [s.router for s in SITES] + [h for s in SITES for h in s.hosts]
     for name in names:
         sh("ip", "netns", "add", ns(name))
     sh("ip", "-n", ns("inet"), "link", "add", "name", "br0", "type", "bridge")
     up("inet", "br0")
     # the public segment
-    for name, ip in [("relay", RELAY_IP)] + [(s.router, s.public_ip) for s in SITES]:
+    for name, ip in [*PUBLIC_HOSTS.items()] + [(s.router, s.public_ip) for s in SITES]:
         port = f"to-{name}"
-        inside = "eth0" if name == "relay" else "wan"
+        inside = "eth0" if name in PUBLIC_HOSTS else "wan"
         link("inet", port, name, inside)
         sh("ip", "-n", ns("inet"), "link", "set", port, "master", "br0")
         up("inet", port)
@@ -257,7 +258,7 @@ async def tcp_sanity(procs: Processes) -> dict:
     for name, host in (("listen-relay", "relay"), ("listen-a1", "a1")):
         await procs.spawn(name, host, str(HERE / "probe.py"), "listen", HOST_IP[host], str(PROBE_PORT), "60")
         await procs.read_until(name, lambda s: s == "listening", 10)
-    out = await probe(procs, "a1-to-relay", "a1", RELAY_IP, PROBE_PORT)
+    out = await probe(procs, "a1-to-relay", "a1", HOST_IP["relay"], PROBE_PORT)
     if not out["ok"]:
         raise CheckFailed(f"a1 (behind NAT) could not reach the public host: {out['error']}")
     if not out["seen_as"].startswith(site_a.public_ip + ":"):
@@ -273,33 +274,39 @@ async def tcp_sanity(procs: Processes) -> dict:
     return {"a1_seen_by_relay_as": out["seen_as"], "unsolicited_refused": refused}
 
 
-async def start_relay(procs: Processes) -> str:
-    await procs.spawn("relay", "relay", "-m", "potluck", "-v", "peer", "--relay", "--host", RELAY_IP,
-                      "--port", str(RELAY_PORT))
-    line = await procs.read_until("relay", lambda s: s.startswith("--initial-peers") and RELAY_IP in s,
+async def start_public(procs: Processes, host: str, *options: str) -> str:
+    """A public `potluck peer` on `host`; its address."""
+    await procs.spawn(host, host, "-m", "potluck", "-v", "peer", "--host", HOST_IP[host], "--port", str(PEER_PORT),
+                      *options)
+    line = await procs.read_until(host, lambda s: s.startswith("--initial-peers") and HOST_IP[host] in s,
                                   START_TIMEOUT)
     return line.split()[1]
 
 
-async def expert_step(procs: Processes, relay: str) -> dict:
+async def public_peers(procs: Processes) -> list[str]:
+    boot = await start_public(procs, "boot")
+    return [boot, await start_public(procs, "relay", "--relay", "--initial-peers", boot)]
+
+
+async def expert_step(procs: Processes, initial: list[str]) -> dict:
     await procs.spawn("expert-server", "a1", "-m", "potluck", "-v", "expert-server", "--experts", EXPERT_UID,
                       "--hidden", str(EXPERT_HIDDEN), "--optimizer", "none", "--seed", "0",
-                      "--host", HOST_IP["a1"], "--initial-peers", relay)
+                      "--host", HOST_IP["a1"], "--initial-peers", *initial)
     await procs.read_until("expert-server", lambda s: s.startswith("ready"), START_TIMEOUT)
     await procs.spawn("expert-caller", "b1", str(HERE / "node.py"), "call-expert", "--host", HOST_IP["b1"],
-                      "--initial-peers", relay, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
+                      "--initial-peers", *initial, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
                       "--timeout", str(TASK_TIMEOUT))
     return await procs.result("expert-caller", TASK_TIMEOUT + 30)
 
 
-async def state_step(procs: Processes, relay: str) -> dict:
+async def state_step(procs: Processes, initial: list[str]) -> dict:
     await procs.spawn("donor", "a2", str(HERE / "node.py"), "donate", "--host", HOST_IP["a2"],
-                      "--initial-peers", relay, "--run-id", RUN_ID, "--timeout", str(START_TIMEOUT))
+                      "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(START_TIMEOUT))
     line = await procs.read_until("donor", lambda s: s.startswith(("ready", "{")), START_TIMEOUT + 10)
     if line.startswith("{"):
         raise CheckFailed(f"the donor failed: {json.loads(line)['error']}")
     await procs.spawn("newcomer", "b2", str(HERE / "node.py"), "download", "--host", HOST_IP["b2"],
-                      "--initial-peers", relay, "--run-id", RUN_ID, "--timeout", str(TASK_TIMEOUT))
+                      "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(TASK_TIMEOUT))
     return await procs.result("newcomer", TASK_TIMEOUT + 30)
 
 
@@ -310,7 +317,7 @@ async def run_step(summary: dict, name: str, step: Callable[[], object]) -> obje
     except CheckFailed as e:
         summary["steps"][name] = {"ok": False, "error": str(e), "seconds": round(time.monotonic() - start, 2)}
         return None
-    report = value if isinstance(value, dict) else {"value": value}
+    report = value if isinstance(value, dict) else {} if value is None else {"value": value}
     ok = report.pop("ok", True)
     summary["steps"][name] = {"ok": ok, **report, "seconds": round(time.monotonic() - start, 2)}
     return value if ok else None
@@ -323,10 +330,10 @@ async def check(log_dir: Path) -> dict:
         await run_step(summary, "topology", lambda: asyncio.to_thread(build_topology))
         if summary["steps"]["topology"]["ok"]:
             await run_step(summary, "tcp_sanity", lambda: tcp_sanity(procs))
-            relay = await run_step(summary, "relay", lambda: start_relay(procs))
-            if relay is not None:
-                await asyncio.gather(run_step(summary, "expert", lambda: expert_step(procs, relay)),
-                                     run_step(summary, "state", lambda: state_step(procs, relay)))
+            initial = await run_step(summary, "public", lambda: public_peers(procs))
+            if initial is not None:
+                await asyncio.gather(run_step(summary, "expert", lambda: expert_step(procs, initial)),
+                                     run_step(summary, "state", lambda: state_step(procs, initial)))
     finally:
         await procs.stop_all()
     return summary
