@@ -89,6 +89,7 @@ class RemoteInfo:
     # Where we saw the peer come from (TCP: its IP and port; emulated: its name): behind NAT,
     # its router's public address. What the reachability check compares dial-back requests with.
     observed: Multiaddr | None = None
+    relayed: bool = False  # the connection runs through a relay (net.relay), end to end
 
 
 class FrameLink(Protocol):
@@ -379,6 +380,16 @@ class Connection:
     @property
     def peer_id(self) -> PeerID:
         return self.remote.peer_id
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this connection runs through a relay (`net.relay`)."""
+        return self.remote.relayed
+
+    @property
+    def idle(self) -> bool:
+        """No call or stream in progress either way (it can be closed without cutting one)."""
+        return not (self._pending or self._streams or self._serving)
 
     def _new_id(self) -> int:
         call_id = self._next_id

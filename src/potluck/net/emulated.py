@@ -33,10 +33,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from potluck.core.errors import ConnectionLost, HandshakeError, MembershipRefused, PeerUnreachable
 from potluck.net.address import Multiaddr
-from potluck.net.connection import Connection, RemoteInfo
-from potluck.net.frames import Frame, FrameDecoder, encode
+from potluck.net.connection import Connection, RemoteInfo, Stream
+from potluck.net.frames import Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID
 from potluck.net.membership import GuestHandlers, MembershipGate
+from potluck.net.relay import StreamPipe, dial_circuit
 from potluck.net.transport import Transport
 
 __all__ = ["EmulatedNetwork", "EmulatedTransport"]
@@ -176,6 +177,8 @@ class EmulatedTransport(Transport):
     async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
         if self._crashed:
             raise PeerUnreachable("this emulated peer has crashed")
+        if address.is_circuit:
+            return await dial_circuit(self, address, expected, bulk)
         if address.kind != "emu":
             raise PeerUnreachable(f"{address} is not an emulated address")
         listener = await self._reach(address)
@@ -187,6 +190,20 @@ class EmulatedTransport(Transport):
         if expected is not None and listener.peer_id != expected:
             raise HandshakeError(f"{address} is {listener.peer_id}, not the expected {expected}")
         return self._join(listener, bulk)
+
+    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                                expected: PeerID, bulk: bool) -> Connection:
+        """Frames over the relayed bytes; the first is each side's trusted hello (the relay
+        vouches for the dialer's id, the dialer named the target's)."""
+        link = _RelayedLink(self, initiator, expected, bulk)
+        pipe = StreamPipe(stream, relay)
+        pipe.begin(link)
+        link.connection_made(pipe)
+        try:
+            return await link.handshake
+        except BaseException:
+            link.close("handshake failed")
+            raise
 
     def _loopback_connection(self) -> Connection:
         if self._crashed:
@@ -247,6 +264,105 @@ class EmulatedTransport(Transport):
         return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode, self.max_frame_size, bulk,
                           token=self.membership.own_token() if self.membership is not None else None,
                           observed=Multiaddr("emu", self._name))
+
+
+class _RelayedLink(asyncio.Protocol):
+    """A `FrameLink` over a relayed byte pipe (`net.relay.StreamPipe`): encoded frames out,
+    decoded frames in; the first frame each way is a HELLO carrying the sender's `_hello`."""
+
+    def __init__(self, owner: EmulatedTransport, initiator: bool, expected: PeerID, bulk: bool):
+        self.owner, self.initiator, self.expected, self.bulk = owner, initiator, expected, bulk
+        loop = asyncio.get_running_loop()
+        self.handshake: asyncio.Future[Connection] = loop.create_future()
+        self.connection: Connection | None = None
+        self._pipe: StreamPipe | None = None
+        self._decoder = FrameDecoder(owner.max_frame_size)
+        self._remote_max: int | None = None
+        self._paused = False
+        self._drained = asyncio.Event()
+        self._closing_reason: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._pipe = transport  # type: ignore[assignment]
+        hello = self.owner._hello(self.bulk)
+        meta = {"id": hello.peer_id.to_bytes(), "addrs": [str(a) for a in hello.addresses],
+                "client": hello.client_mode, "max_frame": hello.max_frame_size, "bulk": hello.bulk,
+                "token": hello.token}
+        self._write(Frame(Kind.HELLO, meta=meta))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for frame in self._decoder.feed(data):
+                if self.connection is not None:
+                    self.connection.frame_received(frame)
+                else:
+                    self._on_hello(frame)
+        except Exception as e:  # noqa: BLE001 - a bad frame ends this link, not the loop
+            if not self.handshake.done():
+                self.handshake.set_exception(HandshakeError(f"relayed handshake failed: {e}"))
+            self.close(f"bad relayed frame: {e}")
+
+    def _on_hello(self, frame: Frame) -> None:
+        meta = frame.meta or {}
+        if frame.kind is not Kind.HELLO or PeerID(meta["id"]) != self.expected:
+            raise HandshakeError(f"expected a HELLO from {self.expected}")
+        remote = RemoteInfo(self.expected, tuple(Multiaddr.parse(a) for a in meta["addrs"]), bool(meta["client"]),
+                            int(meta["max_frame"]), bool(meta["bulk"]) if not self.initiator else self.bulk,
+                            token=meta["token"], relayed=True)
+        handlers = self.owner._admit(self.expected, remote.token, accepting=not self.initiator)
+        self._remote_max = remote.max_frame_size
+        conn = self.owner._connection(remote, self.initiator, handlers)
+        conn.attach(self)
+        self.connection = conn
+        self.owner._register(conn)
+        if not self.handshake.done():
+            self.handshake.set_result(conn)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        self._drained.clear()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._drained.set()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = self._closing_reason or (str(exc) if exc else "the relayed connection was closed")
+        self._closing_reason = reason
+        self._drained.set()
+        if not self.handshake.done():
+            self.handshake.set_exception(PeerUnreachable(f"relayed connection closed during handshake: {reason}"))
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            connection.link_lost(reason)
+
+    # -- FrameLink ---------------------------------------------------------------------------------
+    def _write(self, frame: Frame) -> None:
+        for buf in encode(frame, self._remote_max):
+            self._pipe.write(buf)  # type: ignore[union-attr]
+
+    async def send(self, frame: Frame) -> int:
+        while self._paused and self._closing_reason is None:
+            await self._drained.wait()
+        if self._closing_reason is not None or self._pipe is None or self._pipe.is_closing():
+            raise ConnectionLost(f"relayed connection closed: {self._closing_reason or 'closing'}")
+        self._write(frame)
+        return frame.size
+
+    def send_nowait(self, frame: Frame) -> None:
+        if self._closing_reason is None and self._pipe is not None and not self._pipe.is_closing():
+            self._write(frame)
+
+    def close(self, reason: str | None = None) -> None:
+        if self._closing_reason is None:
+            self._closing_reason = reason or "closed"
+        if self.connection is not None:
+            self.connection.link_lost(self._closing_reason)
+        if self._pipe is not None:
+            self._pipe.close()
 
 
 class _LinkEnd:

@@ -42,10 +42,11 @@ from potluck.core.errors import (
     detached,
 )
 from potluck.net.address import Multiaddr
-from potluck.net.connection import Connection, PeerLoad, RemoteInfo
+from potluck.net.connection import Connection, PeerLoad, RemoteInfo, Stream
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
 from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
+from potluck.net.relay import RelayRefused, StreamPipe, dial_circuit
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,8 @@ class TCPTransport(Transport):
         TCPLink(self, initiator=False).adopt(sock, peer, ip)
 
     async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
+        if address.is_circuit:
+            return await dial_circuit(self, address, expected, bulk)
         if address.kind == "emu" or address.port is None:
             raise PeerUnreachable(f"{address} is not a TCP address")
         loop = asyncio.get_running_loop()
@@ -259,17 +262,35 @@ class TCPTransport(Transport):
             await loop.create_connection(lambda: link, address.host, address.port, **kwargs)
         except (OSError, ssl.SSLError) as e:
             raise PeerUnreachable(f"could not connect to {address}: {e}") from None
-        try:
-            error = await link.handshake
-        except BaseException:
-            link.close("handshake failed")
-            raise
-        if error is not None:
-            link.close("handshake failed")
-            raise detached(error)
-        if link.connection is None:
-            raise PeerUnreachable(f"{address} closed the connection right after the handshake")
-        return link.connection
+        return await link.authenticated(str(address))
+
+    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                                expected: PeerID, bulk: bool) -> Connection:
+        """A relayed connection: TLS (dialer = TLS client) and the usual handshake over the
+        relayed bytes, so the relay sees only ciphertext. Accepted ones count in the caps under
+        `relay:<relay id>` in place of an IP address."""
+        link = TCPLink(self, initiator=initiator, expected=expected, bulk=bulk, relay=relay)
+        pipe = StreamPipe(stream, relay)
+        if not initiator:
+            key = f"relay:{relay}"
+            refusal = self._accept(key)
+            if refusal is not None:
+                raise RelayRefused(refusal)
+            link.adopt_relayed(pipe, key)
+            return await link.authenticated(f"a connection relayed by {relay}")
+        pipe.begin(link)
+        if self._client_ctx is None:
+            link.connection_made(pipe)
+        else:
+            try:
+                tls = await asyncio.get_running_loop().start_tls(
+                    pipe, link, self._client_ctx, server_hostname="", ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
+                    **_TLS_SHUTDOWN)
+            except (OSError, ssl.SSLError, ConnectionError) as e:
+                pipe.abort()
+                raise PeerUnreachable(f"TLS through relay {relay} failed: {e}") from None
+            link.connection_made(tls)
+        return await link.authenticated(f"{expected} through relay {relay}")
 
     async def _stop_listening(self) -> None:
         loop = asyncio.get_running_loop()
@@ -296,11 +317,12 @@ class TCPLink(asyncio.BufferedProtocol):
     """One TCP (or TLS) connection: frames in and out, the handshake, then a `Connection`."""
 
     def __init__(self, owner: TCPTransport, initiator: bool, expected: PeerID | None = None,
-                 bulk: bool = False):
+                 bulk: bool = False, relay: PeerID | None = None):
         self.owner = owner
         self.initiator = initiator
         self.expected = expected
         self.bulk = bulk
+        self.relay = relay  # the relay a relayed connection runs through (net.relay)
         loop = self._loop = asyncio.get_running_loop()
         # None once authenticated, or the error that ended the handshake (a result, not an
         # exception: see connection._Failed; not the connection either, which holds this link).
@@ -328,6 +350,50 @@ class TCPLink(asyncio.BufferedProtocol):
         # task that hands it over (cancelling it closes the connection).
         self._opening: asyncio.Task | None = None
         self._gone = False  # connection_lost has run
+
+    async def authenticated(self, name: str) -> Connection:
+        """The connection, once the handshake (started elsewhere) is over; closes the link if not."""
+        try:
+            error = await self.handshake
+        except BaseException:
+            self.close("handshake failed")
+            raise
+        if error is not None:
+            self.close("handshake failed")
+            raise detached(error)
+        if self.connection is None:
+            raise PeerUnreachable(f"{name} closed the connection right after the handshake")
+        return self.connection
+
+    def adopt_relayed(self, pipe: StreamPipe, key: str) -> None:
+        """Serve a relayed connection we accepted (counted under `key`), as `adopt` a socket."""
+        self._accepted_ip, self._handshaking, self._peername = key, True, key
+        self.owner._links.add(self)
+        self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
+        self._opening = self._loop.create_task(self._open_relayed(pipe))
+
+    async def _open_relayed(self, pipe: StreamPipe) -> None:
+        pipe.begin(self)
+        if self.owner._server_ctx is None:
+            self._opening = None
+            self.connection_made(pipe)
+            return
+        try:
+            tls = await self._loop.start_tls(pipe, self, self.owner._server_ctx, server_side=True,
+                                             ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
+        except BaseException as e:  # noqa: BLE001 - a failed or cancelled TLS handshake ends the link
+            self._opening = None
+            pipe.abort()
+            cancelled = isinstance(e, asyncio.CancelledError)
+            if isinstance(e, Exception):
+                logger.debug("TLS handshake relayed from %s failed: %r", self._peer_name(), e)
+                _drop_tracebacks(e)
+            self.connection_lost(None if cancelled or not isinstance(e, Exception) else e)
+            if not isinstance(e, Exception) and not cancelled:
+                raise
+            return
+        self._opening = None
+        self.connection_made(tls)
 
     def adopt(self, sock: socket.socket, peer: Any, ip: str) -> None:
         """Serve a connection we accepted (and counted, under `ip`): it is a pending handshake from
@@ -527,7 +593,8 @@ class TCPLink(asyncio.BufferedProtocol):
         self._decoder.grow_scratch(SCRATCH_SIZE)
         remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
                             bulk=hello["bulk"] if not self.initiator else self.bulk,
-                            token=hello["token"], observed=_observed(self._peername))
+                            token=hello["token"], observed=None if self.relay else _observed(self._peername),
+                            relayed=self.relay is not None)
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
                           on_close=self.owner._unregister, load=PeerLoad.of(self.owner._peer_loads, hello["id"]))

@@ -26,6 +26,7 @@ from potluck.net.connection import (
     DEFAULT_STREAM_TIMEOUT,
     MAX_HANDLER_SECONDS,
     MAX_STREAM_HANDLER_SECONDS,
+    CallContext,
     Connection,
     Handlers,
     RemoteInfo,
@@ -37,6 +38,7 @@ from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
 from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
 from potluck.net.peer_record import PeerRecord, PeerResolver
+from potluck.net.relay import RELAY_STOP, Reservation, serve_stop
 
 __all__ = ["MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "Reachability", "Transport"]
 
@@ -104,6 +106,9 @@ class Transport:
         # Protocol services that exist once per transport (they own a set of handlers); kept
         # here so they live exactly as long as the transport.
         self.services: dict[str, Any] = {}
+        # Relays we hold a reservation with (net.relay.reserve): only they may pipe a connection to us.
+        self.relay_reservations: dict[PeerID, Reservation] = {}
+        self.add_stream_handler(RELAY_STOP, self._relay_stop)
 
     # -- reachability ---------------------------------------------------------------------------
     @property
@@ -166,8 +171,18 @@ class Transport:
         raise NotImplementedError
 
     async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
-        """Open, handshake and attach a connection; raise PeerUnreachable / HandshakeError."""
+        """Open, handshake and attach a connection; raise PeerUnreachable / HandshakeError.
+        A circuit address goes to `net.relay.dial_circuit`."""
         raise NotImplementedError
+
+    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                                expected: PeerID, bulk: bool) -> Connection:
+        """Run a connection with `expected` over a relayed byte stream (`net.relay`): handshake,
+        attach and register it, and return it once authenticated."""
+        raise NotImplementedError
+
+    async def _relay_stop(self, stream: Stream, ctx: CallContext) -> None:
+        await serve_stop(self, stream, ctx)
 
     async def _stop_listening(self) -> None:
         raise NotImplementedError
