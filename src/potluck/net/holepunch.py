@@ -1,0 +1,287 @@
+"""Hole punching: turn a relayed connection into a direct one (like libp2p's DCUtR).
+
+Two peers that share a relayed connection use it to signal, on a `holepunch` stream:
+  1. the initiator (by default the side that accepted the relayed connection: the one behind NAT,
+     as in DCUtR) sends CONNECT {its candidate addresses};
+  2. the other side answers CONNECT {its own}; the initiator measures the round trip (RTT);
+  3. the initiator sends SYNC and dials after RTT/2; the other side dials as SYNC arrives, so both
+     dials leave at about the same moment and each opens its own NAT for the other's (a TCP
+     simultaneous open);
+  4. on the new connection the relayed connection's dialer is the TLS client, and both run the
+     usual HELLO/AUTH handshake expecting the id they know from the relayed connection.
+Up to MAX_ATTEMPTS tries, each from fresh sockets. On success the direct connection goes first in
+the transport's shared pool and the relayed one is closed once idle; on failure the relayed one
+keeps working. The transport provides one attempt (`punch_endpoint()`, a `PunchEndpoint`): TCP
+binds a fresh port, the emulated network follows its NAT model.
+
+A peer's CONNECT is untrusted: its candidates are capped (MAX_CANDIDATES), must be plain IP or
+emulated addresses (no names to resolve, no circuits), and are dialed only with the identity check.
+Only relayed connections are punched, and MAX_CONCURRENT_PUNCHES at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from potluck.core import compat
+from potluck.core.errors import (
+    AddressError,
+    EndOfStream,
+    IdentityError,
+    MalformedMessage,
+    NetworkError,
+    PeerUnreachable,
+)
+from potluck.core.wire import list_field, wire_map
+from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
+from potluck.net.connection import CallContext, Connection, Stream
+from potluck.net.identity import PeerID
+
+if TYPE_CHECKING:
+    from potluck.net.transport import Transport
+
+__all__ = ["MAX_ATTEMPTS", "PUNCH_METHOD", "Connect", "HolePuncher", "PunchEndpoint", "Sync"]
+
+logger = logging.getLogger(__name__)
+
+PUNCH_METHOD = "holepunch"
+# Tries before giving up (DCUtR's number): a try fails when the SYNs missed each other (one
+# left too early and met a closed NAT); a third failure means the NATs do not allow it.
+MAX_ATTEMPTS = 3
+# Candidate addresses one CONNECT may carry. A peer has a public address or two per address family
+# (what others observed, one per NAT or interface); more would only make us dial addresses it chose
+# for other reasons (a stranger's host), so more is malformed.
+MAX_CANDIDATES = 8
+# Each wait for the other side's CONNECT or SYNC: one round trip through a relay, well under a
+# second on a live network; past this the relay or the peer is too slow for punching to matter.
+SIGNAL_TIMEOUT = 10.0
+# One try's dial, TCP open and TLS and HELLO/AUTH handshakes together. Crossing SYNs connect within
+# a round trip; a SYN dropped by the other's NAT (it had not opened yet) is sent again after 1 s
+# and 3 s; the handshakes are three round trips more. Past 5 s this try has failed.
+PUNCH_TIMEOUT = 5.0
+# A whole punch, as its stream's deadline: every try's signalling and dial, with room to spare.
+PUNCH_SECONDS = MAX_ATTEMPTS * (3 * SIGNAL_TIMEOUT + PUNCH_TIMEOUT)
+# Punches one transport runs at once, both roles (one per peer at most). Each holds a listening
+# socket and a few dials; a peer behind NAT has a handful of relayed connections at a time, and
+# a flood of CONNECTs must not make us dial (or bind) without end.
+MAX_CONCURRENT_PUNCHES = 8
+# How often a relayed connection replaced by a direct one is checked for idleness (then closed):
+# calls and streams already on it finish there; new ones take the direct connection.
+IDLE_CHECK_SECONDS = 1.0
+
+
+class PunchEndpoint(Protocol):
+    """One try, from the transport: our candidate addresses (bound before CONNECT is sent), and
+    the dial to the other side's. `client`: we are the TLS client (we dialed the relayed connection)."""
+
+    candidates: list[Multiaddr]
+
+    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
+        """The authenticated direct connection with `expected`, registered in the transport;
+        raises NetworkError or OSError (the caller's deadline bounds it)."""
+
+    def close(self) -> None:
+        """Release the try's sockets (the connection made, if any, stays)."""
+
+
+# -- messages -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Connect:
+    """Where the sender can be dialed for this try (its bound port on each public host)."""
+
+    addresses: tuple[Multiaddr, ...]
+    TAG: ClassVar[str] = "connect"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG, "addrs": [str(a) for a in self.addresses]}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Connect:
+        msg = _tagged(msg, cls.TAG)
+        return cls(tuple(list_field(msg, "addrs", "hole punch CONNECT", MAX_CANDIDATES, each=_candidate)))
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Dial now (the initiator dials RTT/2 after sending it)."""
+
+    TAG: ClassVar[str] = "sync"
+
+    def to_wire(self) -> dict:
+        return {"op": self.TAG}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Sync:
+        _tagged(msg, cls.TAG)
+        return cls()
+
+
+def _tagged(msg: Any, tag: str) -> Mapping:
+    msg = wire_map(msg, f"hole punch {tag.upper()}")
+    if msg.get("op") != tag:
+        raise MalformedMessage(f"hole punch {tag.upper()}", f"'op' must be {tag!r}")
+    return msg
+
+
+def _candidate(value: Any) -> Multiaddr:
+    """A dialable address from a peer: an IP literal with a port, or an emulated name; never a
+    name we would resolve for it, a circuit, or an address no host answers (any, multicast)."""
+    what = "hole punch CONNECT"
+    if not isinstance(value, str) or len(value) > MAX_ADDRESS_CHARS:
+        raise MalformedMessage(what, f"'addrs' must hold strings of at most {MAX_ADDRESS_CHARS} characters")
+    try:
+        addr = Multiaddr.parse(value)
+    except (AddressError, IdentityError) as e:
+        raise MalformedMessage(what, f"'addrs' must hold addresses: {e}") from None
+    if addr.is_circuit or addr.kind not in ("ip4", "ip6", "emu"):
+        raise MalformedMessage(what, f"'addrs' must hold IP or emulated addresses, not {addr}")
+    if addr.kind != "emu":
+        ip = ipaddress.ip_address(addr.host)
+        if not addr.port or ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+            raise MalformedMessage(what, f"'addrs' holds an address no single host answers: {addr}")
+    return addr.without_peer_id()
+
+
+# -- the protocol -------------------------------------------------------------------------------------
+class HolePuncher:
+    """One per transport: serves `holepunch` streams, and punches relayed connections as they come."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        # Punch each relayed connection we accept (False: the relay carries all, e.g. to measure it).
+        self.auto = True
+        self._active: set[PeerID] = set()  # peers with a punch in progress (either role)
+        self._tasks: set[asyncio.Task] = set()  # background punches and idle checks, ended by close()
+        transport.add_stream_handler(PUNCH_METHOD, self._serve, max_seconds=PUNCH_SECONDS)
+
+    def start(self, relayed: Connection) -> None:
+        """Punch `relayed` in the background (the caller is not held): a new relayed connection."""
+        if self.auto and self._refusal(relayed.peer_id) is None:
+            self._spawn(self._punch_logged(relayed))
+
+    async def punch(self, relayed: Connection) -> Connection:
+        """Run the protocol as initiator over `relayed`: the direct connection (now preferred).
+        Raises NetworkError (PeerUnreachable if every try failed); `relayed` is left as it was."""
+        peer, loop = relayed.peer_id, asyncio.get_running_loop()
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            raise PeerUnreachable(f"no hole punch with {peer}: {refusal}")
+        self._active.add(peer)
+        errors: list[str] = []
+        try:
+            stream = await relayed.open_stream(PUNCH_METHOD, None, timeout=PUNCH_SECONDS)
+            try:
+                for _ in range(MAX_ATTEMPTS):
+                    endpoint = self.transport.punch_endpoint()
+                    try:
+                        sent = loop.time()
+                        await stream.send(Connect(tuple(endpoint.candidates)).to_wire(), SIGNAL_TIMEOUT)
+                        theirs = Connect.from_wire(await stream.recv(SIGNAL_TIMEOUT))
+                        rtt = loop.time() - sent
+                        await stream.send(Sync().to_wire(), SIGNAL_TIMEOUT)
+                        await asyncio.sleep(rtt / 2)
+                        direct = await self._dial(endpoint, theirs.addresses, relayed, errors)
+                    finally:
+                        endpoint.close()
+                    if direct is not None:
+                        await stream.close()
+                        self._prefer(direct, relayed)
+                        return direct
+            except BaseException:
+                stream.abort("hole punch stopped")
+                raise
+            await stream.close()
+        finally:
+            self._active.discard(peer)
+        raise PeerUnreachable(f"hole punch to {peer} failed {MAX_ATTEMPTS} times: " + "; ".join(errors))
+
+    async def _serve(self, stream: Stream, ctx: CallContext) -> None:
+        """The other side of `punch`: answer each CONNECT with ours, dial on SYNC, until END."""
+        relayed, peer = ctx.connection, ctx.peer_id
+        if not relayed.relayed:
+            raise PeerUnreachable("hole punching is for relayed connections only")
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            raise PeerUnreachable(f"no hole punch: {refusal}")
+        self._active.add(peer)
+        errors: list[str] = []
+        try:
+            for _ in range(MAX_ATTEMPTS):
+                try:
+                    theirs = Connect.from_wire(await stream.recv(SIGNAL_TIMEOUT))
+                except EndOfStream:
+                    return
+                endpoint = self.transport.punch_endpoint()
+                try:
+                    await stream.send(Connect(tuple(endpoint.candidates)).to_wire(), SIGNAL_TIMEOUT)
+                    Sync.from_wire(await stream.recv(SIGNAL_TIMEOUT))
+                    direct = await self._dial(endpoint, theirs.addresses, relayed, errors)
+                finally:
+                    endpoint.close()
+                if direct is not None:  # the initiator ends the stream, or tries again if its side failed
+                    self._prefer(direct, relayed)
+        finally:
+            self._active.discard(peer)
+            if errors:
+                logger.debug("hole punch tries with %s that failed here: %s", peer, "; ".join(errors))
+
+    async def _dial(self, endpoint: PunchEndpoint, remote: tuple[Multiaddr, ...], relayed: Connection,
+                    errors: list[str]) -> Connection | None:
+        """One try's dial within PUNCH_TIMEOUT; None (and why, in `errors`) if it failed."""
+        try:
+            async with compat.timeout(PUNCH_TIMEOUT):
+                return await endpoint.connect(list(remote), relayed.peer_id, client=relayed.initiator)
+        except TimeoutError:
+            errors.append(f"no connection within {PUNCH_TIMEOUT:g} s")
+        except (NetworkError, OSError) as e:
+            errors.append(str(e) or type(e).__name__)
+        return None
+
+    def _prefer(self, direct: Connection, relayed: Connection) -> None:
+        """Calls take `direct` from now on; `relayed` closes once what runs on it is over."""
+        self.transport._prefer(direct)
+        self._spawn(self._close_when_idle(relayed, direct))
+
+    async def _close_when_idle(self, relayed: Connection, direct: Connection) -> None:
+        while not relayed.closed and not direct.closed:
+            if relayed.idle:
+                relayed.close("replaced by a direct connection (hole punched)")
+                return
+            await asyncio.sleep(IDLE_CHECK_SECONDS)
+
+    async def _punch_logged(self, relayed: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await self.punch(relayed)
+        except (NetworkError, OSError) as e:
+            if not relayed.closed:
+                logger.info("hole punch with %s failed; staying on the relay: %s", relayed.peer_id, e)
+            return
+        logger.info("hole punched to %s in %.3f s: traffic moves to the direct connection",
+                    relayed.peer_id, loop.time() - started)
+
+    def _refusal(self, peer: PeerID) -> str | None:
+        """Why no punch with `peer` starts now, if none may."""
+        if peer in self._active:
+            return "one is already running"
+        if len(self._active) >= MAX_CONCURRENT_PUNCHES:
+            return f"{MAX_CONCURRENT_PUNCHES} are running (the limit)"
+        if any(not c.closed and not c.relayed for c in self.transport._shared.get(peer, ())):
+            return "already connected directly"
+        return None
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        """Stop background punches and idle checks (the transport is closing)."""
+        for task in list(self._tasks):
+            task.cancel()
