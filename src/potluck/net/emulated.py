@@ -37,7 +37,7 @@ from potluck.net.connection import Connection, RemoteInfo, Stream
 from potluck.net.frames import Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID
 from potluck.net.membership import GuestHandlers, MembershipGate
-from potluck.net.relay import StreamPipe, dial_circuit
+from potluck.net.relay import StreamPipe, accept_stop, dial_circuit
 from potluck.net.transport import Transport
 
 __all__ = ["EmulatedNetwork", "EmulatedTransport"]
@@ -195,6 +195,8 @@ class EmulatedTransport(Transport):
                                 expected: PeerID, bulk: bool) -> Connection:
         """Frames over the relayed bytes; the first is each side's trusted hello (the relay
         vouches for the dialer's id, the dialer named the target's)."""
+        if not initiator:
+            await accept_stop(stream)
         link = _RelayedLink(self, initiator, expected, bulk)
         pipe = StreamPipe(stream, relay)
         pipe.begin(link)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RELAY_HOP", "RELAY_RESERVE", "RELAY_STOP", "RelayLimits", "RelayRefused", "RelayService", "Reservation",
-    "StreamPipe", "dial_circuit", "reserve", "serve_stop",
+    "StreamPipe", "accept_stop", "dial_circuit", "reserve", "serve_stop",
 ]
 
 logger = logging.getLogger(__name__)
@@ -328,9 +328,14 @@ async def serve_stop(transport: Transport, stream: Stream, ctx: CallContext) -> 
     source = _peer_message(stream.request, "src", "relay stop")
     if source in (transport.peer_id, ctx.peer_id):
         raise RelayRefused("a relayed connection from ourselves or from the relay itself")
-    await stream.send(_OK)
     await transport._link_over_stream(stream, ctx.peer_id, initiator=False, expected=source, bulk=False)
     await stream.done  # the relayed connection lives as long as this handler (its pipe ends the stream)
+
+
+async def accept_stop(stream: Stream) -> None:
+    """Tell the relay that we take the relayed connection (once our caps allow it); the bytes of
+    its handshake follow."""
+    await stream.send(_OK)
 
 
 # -- The dialer -------------------------------------------------------------------------------------
@@ -353,6 +358,9 @@ async def dial_circuit(transport: Transport, address: Multiaddr, expected: PeerI
         except (RemoteError, EndOfStream) as e:
             raise PeerUnreachable(f"relay {relay} could not connect us to {expected}: {e}") from None
         return await transport._link_over_stream(stream, relay, initiator=True, expected=expected, bulk=bulk)
+    except RemoteError as e:  # the relay ended the circuit (e.g. the target refused the handshake)
+        stream.abort("the relayed dial failed")
+        raise PeerUnreachable(f"the connection to {expected} through relay {relay} failed: {e}") from None
     except BaseException:
         stream.abort("the relayed dial failed")
         raise

@@ -46,7 +46,7 @@ from potluck.net.connection import Connection, PeerLoad, RemoteInfo, Stream
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
 from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
-from potluck.net.relay import RelayRefused, StreamPipe, dial_circuit
+from potluck.net.relay import RelayRefused, StreamPipe, accept_stop, dial_circuit
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
@@ -276,6 +276,12 @@ class TCPTransport(Transport):
             refusal = self._accept(key)
             if refusal is not None:
                 raise RelayRefused(refusal)
+            try:
+                await accept_stop(stream)
+            except BaseException:
+                self._handshake_over(key)
+                self._release(key)
+                raise
             link.adopt_relayed(pipe, key)
             return await link.authenticated(f"a connection relayed by {relay}")
         pipe.begin(link)
@@ -286,7 +292,7 @@ class TCPTransport(Transport):
                 tls = await asyncio.get_running_loop().start_tls(
                     pipe, link, self._client_ctx, server_hostname="", ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
                     **_TLS_SHUTDOWN)
-            except (OSError, ssl.SSLError, ConnectionError) as e:
+            except (OSError, ssl.SSLError, NetworkError) as e:
                 pipe.abort()
                 raise PeerUnreachable(f"TLS through relay {relay} failed: {e}") from None
             link.connection_made(tls)

@@ -178,7 +178,8 @@ class Transport:
     async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
                                 expected: PeerID, bulk: bool) -> Connection:
         """Run a connection with `expected` over a relayed byte stream (`net.relay`): handshake,
-        attach and register it, and return it once authenticated."""
+        attach and register it, and return it once authenticated. The accepting side first checks
+        its caps and then tells the relay it accepts (`net.relay.accept_stop`)."""
         raise NotImplementedError
 
     async def _relay_stop(self, stream: Stream, ctx: CallContext) -> None:
