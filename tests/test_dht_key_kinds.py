@@ -52,7 +52,7 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
 
 KEY_OF = {"matchmaking declarations": "r.match.g", "progress records": "r.progress", "state donor records": "r.state",
           "pipeline profiles": "r.pipeline.profiles", "pipeline layouts": "r.pipeline.layout",
-          "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results"}
+          "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays"}
 
 
 @pytest.mark.parametrize("rule", KEY_KINDS, ids=lambda r: r.name)

@@ -127,8 +127,11 @@ def test_potluck_peer_prints_addresses_and_exits_cleanly(sig):
     assert first.stdout.readline().startswith("peer id: ")
     assert "join with" in first.stdout.readline()
     address = first.stdout.readline().split("--initial-peers")[1].strip()
+    assert first.stdout.readline().startswith("No initial peers to check reachability with")
     second = _potluck("peer", "--host", "127.0.0.1", "--initial-peers", address)
     assert second.stdout.readline().startswith("peer id: ")
+    assert "join with" in second.stdout.readline() and "--initial-peers" in second.stdout.readline()
+    assert second.stdout.readline().startswith("Publicly reachable: 1 of 1 peers asked connected back")
     for proc in (second, first):
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=20)

@@ -8,6 +8,11 @@ resolves the ids this peer calls in the same way.
 In an authority-governed run (`authority=`), the peer first gets a membership token from the
 authority, shows it in every handshake, renews it in the background, and admits only peers whose
 tokens check out (`potluck.membership`).
+
+Reachability (issue 16): by default a peer asks its initial peers to dial it back
+(`net.reachability`). Found private (behind NAT or a firewall), it runs as a client unless it
+holds a relay reservation (`nat.relays`), with which it publishes circuit addresses and can serve.
+`reachability_summary` says in one sentence what was found and what the user can do.
 """
 
 from __future__ import annotations
@@ -24,8 +29,19 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.dht import DHT, DHTConfig
 from potluck.membership import Credential, MembershipClient, MembershipToken, parse_authority
 from potluck.membership.records import MembershipRecordValidator
+from potluck.nat import RelayAnnouncer, RelayReservations
 from potluck.net.address import Multiaddr
+from potluck.net.emulated import EmulatedTransport
 from potluck.net.identity import Identity, PeerID
+from potluck.net.reachability import (
+    CHECK_PEERS,
+    DIALBACK,
+    DIALBACK_CALL_TIMEOUT,
+    DialbackService,
+    ReachabilityReport,
+    check_reachability,
+)
+from potluck.net.relay import RelayService
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
 
@@ -34,6 +50,11 @@ T = TypeVar("T")
 
 # How long start-up may take to reach the initial peers before giving up with a clear error.
 BOOTSTRAP_TIMEOUT = 15.0
+# How long start-up waits for the first relay reservation of a peer found private, so that a
+# server started right after (ExpertServer) has an address; the search goes on after that.
+FIRST_RELAY_TIMEOUT = 10.0
+# What the reachability check and the first reservation may add to start-up, beyond the above.
+NAT_STARTUP_SECONDS = DIALBACK_CALL_TIMEOUT + FIRST_RELAY_TIMEOUT
 
 
 class Peer:
@@ -42,11 +63,17 @@ class Peer:
     Args:
         initial_peers: addresses (`/ip4/.../tcp/.../p2p/...`) of peers already in the swarm.
         host, port: where to listen (port 0 picks a free one).
-        client_mode: do not listen; only dial out (for peers behind NAT or a firewall).
+        client_mode: None (the default): check at start whether others can dial this peer, and run
+            as a client if not (unless a relay is found). True: force client mode (never listen;
+            only dial out). False: listen and announce without checking.
+        relay: also serve as a relay for peers behind NAT (`net.relay.RelayService`), announced
+            in the DHT; only while this peer is publicly reachable.
         identity_path: key file; created on first use so the peer id survives restarts.
         insecure: plain TCP without TLS, for trusted clusters only (ids are still verified).
         announce: addresses to advertise instead of the listening ones (e.g. behind port forwarding).
-        transport: a ready transport (e.g. from `potluck.net.EmulatedNetwork`); replaces TCP.
+        transport: a ready transport (e.g. from `potluck.net.EmulatedNetwork`); replaces TCP. It is
+            used as built (`client_mode` does not apply), except that an emulated transport with a
+            NAT model (`nat=`) gets the reachability check.
         dht_config: DHT limits and tunables (`potluck.dht.DHTConfig`).
         clock: the DHT's time source; an emulated swarm on the virtual clock passes
             `potluck.core.dht_time.event_loop_clock()` (see `Peer.create`). Membership tokens
@@ -59,16 +86,17 @@ class Peer:
     """
 
     def __init__(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
-                 client_mode: bool = False, identity_path: str | None = None, *,
+                 client_mode: bool | None = None, identity_path: str | None = None, *,
                  insecure: bool = False, announce: list[str] | None = None,
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
                  dht_config: DHTConfig | None = None, clock: Clock = get_dht_time,
-                 authority: str | None = None, credential: str | Credential | None = None, **transport_options: Any):
+                 authority: str | None = None, credential: str | Credential | None = None,
+                 relay: bool = False, **transport_options: Any):
         self._setup(initial_peers, host=host, port=port, client_mode=client_mode, identity_path=identity_path,
                     insecure=insecure, announce=announce, transport=transport, dht_config=dht_config,
-                    clock=clock, authority=authority, credential=credential, **transport_options)
+                    clock=clock, authority=authority, credential=credential, relay=relay, **transport_options)
         try:
-            self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5)
+            self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5 + NAT_STARTUP_SECONDS)
         except BaseException:
             self.shutdown()
             raise
@@ -84,17 +112,18 @@ class Peer:
             await self.ashutdown()
             raise RuntimeError("Peer.create() runs on potluck's event loop; elsewhere use Peer(...)")
         try:
-            await asyncio.wait_for(self._start(startup_timeout), startup_timeout + 5)
+            await asyncio.wait_for(self._start(startup_timeout), startup_timeout + 5 + NAT_STARTUP_SECONDS)
         except BaseException:
             await self.ashutdown()
             raise
         return self
 
     def _setup(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
-               client_mode: bool = False, identity_path: str | None = None, *, insecure: bool = False,
+               client_mode: bool | None = None, identity_path: str | None = None, *, insecure: bool = False,
                announce: list[str] | None = None, transport: Transport | None = None,
                dht_config: DHTConfig | None = None, clock: Clock = get_dht_time, authority: str | None = None,
-               credential: str | Credential | None = None, **transport_options: Any) -> None:
+               credential: str | Credential | None = None, relay: bool = False,
+               **transport_options: Any) -> None:
         self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
         if authority is not None:  # refuse bad arguments before anything is started
             parse_authority(authority)
@@ -103,10 +132,18 @@ class Peer:
                 raise MembershipError(f"{type(transport).__name__} does not check membership tokens; "
                                       "authority-governed runs need TCPTransport or EmulatedTransport")
         identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
+        # Whether to run the reachability check (see `client_mode` and `transport` above).
+        self._check = client_mode is None and (
+            transport is None or isinstance(transport, EmulatedTransport) and transport.nat is not None)
         if transport is None:
-            transport = TCPTransport(identity, host=host, port=port, client_mode=client_mode,
+            transport = TCPTransport(identity, host=host, port=port, client_mode=bool(client_mode),
                                      insecure=insecure, announce=announce, **transport_options)
         self.transport = transport
+        self._relay = relay
+        self._relay_service: RelayService | None = None
+        self._announcer: RelayAnnouncer | None = None
+        self._reservations: RelayReservations | None = None
+        self.reachability_summary = ""
         self._runner = acquire_runner()
         self.dht = DHT(transport, config=dht_config, clock=clock, runner=self._runner)
         self._membership: MembershipClient | None = None
@@ -118,11 +155,14 @@ class Peer:
 
     async def _start(self, timeout: float) -> None:
         await self.transport.start()
+        if not self.transport.forced_client:
+            self.transport.services.setdefault(DIALBACK, DialbackService(self.transport)).start()
         if self._membership is not None:
             await self._join_run()
         if not self.initial_peers:
             await self.dht.astart(timeout)
             self._start_membership()
+            await self._start_nat(None)
             return
         results = await asyncio.gather(*(self.transport.connect(a, timeout) for a in self.initial_peers),
                                        return_exceptions=True)
@@ -136,8 +176,87 @@ class Peer:
         for line in errors:
             logger.warning("initial peer unreachable: %s", line)
         reached = [r for r in results if isinstance(r, PeerID)]
+        report = await self._check_reachability(reached) if self._check else None
         await self.dht.astart(timeout, initial_peers=reached)
+        if report is not None and report.verdict == "unknown":
+            # Too few initial peers answered (often there is only one): ask DHT neighbours too.
+            node = self.dht.node
+            more = [p for p, _ in node.routing.nearest(node.node_id, CHECK_PEERS, exclude=report.asked)]
+            if more:
+                report = await self._check_reachability(more, report)
         self._start_membership()
+        await self._start_nat(report)
+
+    async def _check_reachability(self, servers: list[PeerID],
+                                  earlier: ReachabilityReport | None = None) -> ReachabilityReport:
+        report = await check_reachability(self.transport, servers)
+        if earlier is not None:
+            report = earlier.combine(report)
+        if report.verdict == "private":
+            self.transport.set_public(False)
+            # Our handshakes so far said we were public: redo them, so that nobody keeps us in a
+            # routing table or dials us at addresses that do not work.
+            for conn in self.transport.open_connections():
+                conn.close("this peer turned out not to be reachable; reconnecting as a client")
+        return report
+
+    async def _start_nat(self, report: ReachabilityReport | None) -> None:
+        """After the DHT is up: relay reservations if private, the relay service if asked."""
+        transport = self.transport
+        if report is not None and report.verdict == "private":
+            self._reservations = RelayReservations(transport, self.dht)
+            self._reservations.start()
+            await self._reservations.wait_first(FIRST_RELAY_TIMEOUT)
+        if self._relay:
+            if transport.reachability == "public":
+                self._relay_service = RelayService(transport)
+                self._relay_service.start()
+                self._announcer = RelayAnnouncer(transport, self.dht)
+                self._announcer.start()
+            else:
+                logger.warning("not serving as a relay: this peer is not publicly reachable")
+        self.reachability_summary = self._describe(report)
+        if transport.reachability == "private" and not transport.forced_client:
+            logger.warning(self.reachability_summary)
+        else:
+            logger.info(self.reachability_summary)
+
+    def _describe(self, report: ReachabilityReport | None) -> str:
+        """One plain sentence: what start-up found about our reachability, and what to do."""
+        t = self.transport
+        shown = ", ".join(str(a) for a in t.listen_addresses[:2]) or "its listening address"
+        ports = sorted({str(a.port) for a in t.listen_addresses if a.port is not None})
+        port = f"TCP port {'/'.join(ports)}" if ports else "its port"
+        if t.forced_client:
+            return "Client mode (as asked): this peer only dials out; it can train but not serve others."
+        if not self._check:
+            return f"Listening at {shown} (reachability not checked)."
+        if report is None:
+            return (f"No initial peers to check reachability with: assuming others can connect to {shown}; "
+                    f"behind NAT, forward {port} to this machine.")
+        asked = len(report.asked)
+        if report.verdict == "public":
+            return f"Publicly reachable: {report.answers} of {asked} peers asked connected back to {shown}."
+        if report.verdict == "unknown":
+            return (f"Could not tell whether this peer is reachable ({report.answers} of {asked} peers asked "
+                    f"answered the check): assuming others can connect to {shown}.")
+        if t.reachability == "relayed":
+            relays = ", ".join(str(r) for r in self._reservations.relays) if self._reservations else ""
+            return (f"Behind NAT or a firewall (no peer could connect back to {shown}): reachable through "
+                    f"relay {relays}; for direct connections, open or forward {port} to this machine.")
+        return (f"Behind NAT or a firewall (no peer could connect back to {shown}) and no relay found, so this "
+                f"peer runs in client mode (it can train but not serve): open or forward {port} to this "
+                "machine, or run a relay (`potluck peer --relay`) on a public machine.")
+
+    async def _close_nat(self) -> None:
+        for part in (self._reservations, self._announcer):
+            if part is not None:
+                await part.close()
+        if self._relay_service is not None:
+            self._relay_service.close()
+        dialback = self.transport.services.pop(DIALBACK, None)
+        if dialback is not None:
+            dialback.close()
 
     async def _join_run(self) -> None:
         """Get the first membership token (the authority's address from `authority` or from the
@@ -196,6 +315,7 @@ class Peer:
             if self._runner.is_running:
                 if getattr(self, "_membership", None) is not None:
                     self._runner.run(self._membership.stop(), timeout=10)
+                self._runner.run(self._close_nat(), timeout=10)
                 self._runner.run(self.dht.ashutdown(), timeout=10)
                 self._runner.run(self.transport.close(), timeout=10)
         finally:
@@ -210,6 +330,7 @@ class Peer:
         try:
             if getattr(self, "_membership", None) is not None:
                 await self._membership.stop()
+            await self._close_nat()
             await self.dht.ashutdown()
             await self.transport.close()
         finally:

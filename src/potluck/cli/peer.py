@@ -22,7 +22,8 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     parser.add_argument("--client-mode", action="store_true",
-                        help="do not listen; only dial out (behind NAT or a firewall)")
+                        help="force client mode: do not listen, only dial out (default: check at start "
+                             "whether others can connect, and become a client or use a relay if not)")
     parser.add_argument("--identity", metavar="PATH",
                         help="key file; created if missing, so the peer id stays the same across restarts")
     parser.add_argument("--insecure", action="store_true",
@@ -35,13 +36,14 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--credential", metavar="CRED", default=None,
                         help="what to show the authority: 'peer' (an allowlisted identity; the default), "
                              "'invite:CODE', or 'password:NAME' with the password in $POTLUCK_PASSWORD")
+    parser.set_defaults(relay=False)  # `potluck peer` adds --relay
 
 
 def start_peer(args: argparse.Namespace) -> Peer:
     return Peer(initial_peers=args.initial_peers, host=args.host, port=args.port,
-                client_mode=args.client_mode, identity_path=args.identity,
+                client_mode=True if args.client_mode else None, identity_path=args.identity,
                 insecure=args.insecure, announce=args.announce,
-                authority=args.authority, credential=args.credential)
+                authority=args.authority, credential=args.credential, relay=args.relay)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run a long-lived peer and print the addresses other peers can join with. "
                     "Stop it with Ctrl-C.")
     add_peer_options(parser)
+    parser.add_argument("--relay", action="store_true",
+                        help="also relay connections to peers behind NAT (only while this peer is publicly "
+                             "reachable); relays announce themselves in the DHT")
     parser.set_defaults(run=run)
 
 
@@ -63,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
             print("other peers can join with:")
             for addr in peer.addresses:
                 print(f"  --initial-peers {addr}")
-        else:
-            print("client mode: not reachable from outside; dialing out only")
+        print(peer.reachability_summary)
+        if args.relay and peer.transport.reachability == "public":
+            print("relaying for peers behind NAT")
         print("press Ctrl-C to stop", flush=True)
         while not stop.wait(STATUS_INTERVAL):
             node = peer.dht.node

@@ -56,6 +56,8 @@ PIPELINE_MAX_TTL = 1800.0
 # further ahead than a few periods. Results live 20 h: the DHT's own 24 h cap applies.
 LEASE_MAX_TTL = 3600.0
 RESULT_MAX_TTL = 24 * 3600.0
+# Relay announcements (`nat.relays`) live 10 min and are re-stored every third of it.
+RELAY_MAX_TTL = 3600.0
 # Keys whose matching kinds a node remembers (every record stored or read is checked, and a
 # run's few keys recur): at most MAX_KEY_BYTES (1 KiB) each, so a few MiB at most.
 KINDS_OF_KEYS_CACHED = 4096
@@ -68,6 +70,7 @@ KEY_KINDS: tuple[KeyKind, ...] = (
     KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL, owned_entries=False),
     KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
     KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
+    KeyKind("relay announcements", re.compile(r"\Anat\.relays\Z"), RELAY_MAX_TTL),
 )
 
 

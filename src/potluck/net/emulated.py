@@ -16,6 +16,14 @@ Timing model (deterministic; all times are loop time):
 - An orderly close reaches the other side one latency later, after the data sent before it.
 - A frame is dropped if, when it is sent or when it would arrive, either end has crashed or the
   two ends are partitioned. Dropped frames still use the sender's upload.
+
+NAT model (`network.transport(nat="eim" | "edm")`): a peer behind NAT dials out freely and its
+connections work both ways, but a dial to its /emu/ address is refused ("behind NAT", after the
+round trip a router's reset takes) unless a hole punch opened its NAT to that dialer
+(`open_nat`). "eim" (endpoint-independent mapping: one public port for every destination) lets
+punches through; "edm" (endpoint-dependent, symmetric NAT: a new port per destination) does not
+when the other side is NATed too (`punchable`). Others see a NATed peer's connections come from
+its own name: its router's public address stands for it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 # Ed25519 private keys are 32 random bytes (RFC 8032); emulated peers draw them from the seed.
 _KEY_BYTES = 32
+# The NAT kinds modelled: endpoint-independent and endpoint-dependent mapping.
+NAT_KINDS = ("eim", "edm")
 
 
 class EmulatedNetwork:
@@ -66,14 +76,15 @@ class EmulatedNetwork:
         self._decoder = FrameDecoder()
 
     def transport(self, identity: Identity | None = None, *, upload: float | None = None,
-                  download: float | None = None, client_mode: bool = False,
+                  download: float | None = None, client_mode: bool = False, nat: str | None = None,
                   **transport_kwargs: Any) -> EmulatedTransport:
-        """A new peer on this network (not started yet); bandwidths in bytes/s, None = unlimited."""
+        """A new peer on this network (not started yet); bandwidths in bytes/s, None = unlimited;
+        `nat`: None (public), or behind a NAT of a kind in NAT_KINDS (see the module docstring)."""
         if identity is None:
             key = Ed25519PrivateKey.from_private_bytes(self._rng.randbytes(_KEY_BYTES))
             identity = Identity(key)
         return EmulatedTransport(self, identity, upload=upload, download=download,
-                                 client_mode=client_mode, **transport_kwargs)
+                                 client_mode=client_mode, nat=nat, **transport_kwargs)
 
     def set_latency(self, a: PeerID, b: PeerID, seconds: float) -> None:
         """One-way latency between `a` and `b`, both directions (default: the network's)."""
@@ -107,6 +118,16 @@ class EmulatedNetwork:
     def heal(self) -> None:
         """Undo all partitions (crashed peers stay crashed)."""
         self._partitions.clear()
+
+    def open_nat(self, peer: PeerID, dialer: PeerID) -> None:
+        """A hole punch succeeded: `peer`'s NAT now lets `dialer`'s dials in."""
+        self._peers[peer]._nat_open.add(dialer)
+
+    @staticmethod
+    def punchable(a: EmulatedTransport, b: EmulatedTransport) -> bool:
+        """Whether a hole punch between `a` and `b` can work: unless both are NATed and either
+        NAT maps endpoint-dependently (the port the other aims at is not the one it gets)."""
+        return a.nat is None or b.nat is None or (a.nat == "eim" and b.nat == "eim")
 
     # -- internals --------------------------------------------------------------------------------
     def _blocked(self, a: EmulatedTransport, b: EmulatedTransport) -> bool:
@@ -145,8 +166,13 @@ class EmulatedTransport(Transport):
 
     def __init__(self, network: EmulatedNetwork, identity: Identity, *,
                  upload: float | None = None, download: float | None = None,
-                 client_mode: bool = False, membership: MembershipGate | None = None, **transport_kwargs: Any):
+                 client_mode: bool = False, membership: MembershipGate | None = None, nat: str | None = None,
+                 **transport_kwargs: Any):
+        if nat is not None and nat not in NAT_KINDS:
+            raise ValueError(f"nat must be None or one of {NAT_KINDS}, got {nat!r}")
         super().__init__(identity, client_mode=client_mode, **transport_kwargs)
+        self.nat = nat  # None: publicly reachable; else behind a NAT of this kind
+        self._nat_open: set[PeerID] = set()  # dialers a hole punch let through our NAT
         self.membership = membership  # the run's membership check, as in `TCPTransport`
         self.network = network
         self.upload = _bandwidth("upload", upload)
@@ -187,6 +213,8 @@ class EmulatedTransport(Transport):
             self.peer_id, listener.peer_id))
         if await self._reach(address) is not listener or self._crashed:
             raise PeerUnreachable(f"{address} went away during the handshake")
+        if listener.nat is not None and self.peer_id not in listener._nat_open:
+            raise PeerUnreachable(f"{address} is behind NAT (connection refused)")
         if expected is not None and listener.peer_id != expected:
             raise HandshakeError(f"{address} is {listener.peer_id}, not the expected {expected}")
         return self._join(listener, bulk)

@@ -1,0 +1,230 @@
+"""Relays through the DHT: public relays announce themselves, NATed peers reserve on a few.
+
+A relay (`potluck peer --relay`: a public peer running `net.relay.RelayService`) stores an entry
+under RELAYS_KEY with its own subkey, signed by itself (`own_subkey`), so nobody can announce for
+another peer or remove its entry; the value lists its addresses, vouched by that signature.
+
+A peer the reachability check found private keeps up to WANTED_RELAYS reservations
+(`RelayReservations`): it reads the announced relays, reserves on some (`net.relay.reserve`),
+sets its circuit addresses (`transport.set_relayed_addresses`, which makes the DHT republish its
+peer record at once), renews each reservation halfway to its expiry, and when a relay's
+connection is lost (`transport.watch_disconnects`) drops its addresses and reserves elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from potluck.core import compat
+from potluck.core.errors import MalformedMessage, NetworkError
+from potluck.dht import DHT, DHTError, own_subkey, subkey_owner
+from potluck.net.address import Multiaddr
+from potluck.net.identity import PeerID
+from potluck.net.relay import Reservation, reserve
+from potluck.net.transport import Transport
+from potluck.net.wire import addresses_to_wire, addresses_value
+
+__all__ = ["RELAYS_KEY", "RelayAnnouncer", "RelayReservations", "read_relays"]
+
+logger = logging.getLogger(__name__)
+
+# The DHT key every peer knows: one owner-signed entry per relay.
+RELAYS_KEY = "nat.relays"
+# A relay's entry lives this long and is re-stored every third of it: a dead relay drops out of
+# the list within minutes, and a live one costs one DHT store every few minutes.
+RELAY_ENTRY_TTL = 600.0
+# Reservations a NATed peer holds: two, so that when one relay dies the other still carries its
+# connections while a replacement is found (libp2p's AutoRelay also defaults to a few).
+WANTED_RELAYS = 2
+# Relays tried per search (in random order): bounds the dials one search costs when many are
+# announced or many refuse (full, or dead with their entry not yet expired).
+MAX_TRIED_PER_SEARCH = 8
+# A relay that refused or did not answer is not tried again for this long.
+RELAY_RETRY_SECONDS = 60.0
+# With fewer reservations than wanted, search again this often (new relays may have appeared).
+SEARCH_INTERVAL = 30.0
+# Each reservation is renewed once this fraction of its life is left (never closer to the end
+# than RENEW_MARGIN): time for a retry or two if the relay is slow.
+RENEW_AT_FRACTION = 0.5
+RENEW_MARGIN = 10.0
+# Deadline of one reservation call and of reading the relay list.
+RESERVE_TIMEOUT = 10.0
+READ_TIMEOUT = 10.0
+# Relays remembered as having failed recently (the oldest are forgotten first).
+MAX_FAILED_REMEMBERED = 256
+
+
+async def read_relays(dht: DHT, exclude: PeerID | None = None,
+                      timeout: float = READ_TIMEOUT) -> dict[PeerID, tuple[Multiaddr, ...]]:
+    """The announced relays and their addresses (entries not signed by their relay are skipped)."""
+    try:
+        async with compat.timeout(timeout):
+            found = await dht.aget(RELAYS_KEY, latest=True)
+    except (TimeoutError, NetworkError, DHTError) as e:
+        logger.debug("could not read the relay list: %s", e)
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    relays: dict[PeerID, tuple[Multiaddr, ...]] = {}
+    for subkey, entry in found.value.items():
+        owner = subkey_owner(subkey)
+        if owner is None or owner == exclude:
+            continue
+        try:
+            texts = addresses_value(getattr(entry, "value", None), "addrs", "relay entry")
+        except MalformedMessage:
+            continue
+        relays[owner] = tuple(Multiaddr.parse(t) for t in texts)
+    return relays
+
+
+class RelayAnnouncer:
+    """Keeps this relay's entry under RELAYS_KEY while it is public (a relay must be dialable)."""
+
+    def __init__(self, transport: Transport, dht: DHT):
+        self.transport, self.dht = transport, dht
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def announce(self) -> bool:
+        addresses = [a for a in self.transport.addresses if not a.is_circuit]
+        if self.transport.reachability != "public" or not addresses:
+            return False
+        try:
+            return await self.dht.astore(RELAYS_KEY, list(addresses_to_wire(addresses)),
+                                         self.dht.get_time() + RELAY_ENTRY_TTL,
+                                         subkey=own_subkey(self.transport.peer_id))
+        except (NetworkError, DHTError) as e:
+            logger.warning("could not announce this relay: %s", e)
+            return False
+
+    async def _run(self) -> None:
+        while True:
+            await self.announce()
+            await asyncio.sleep(RELAY_ENTRY_TTL / 3)
+
+
+class RelayReservations:
+    """Holds up to `wanted` relay reservations for a NATed peer (see the module docstring)."""
+
+    def __init__(self, transport: Transport, dht: DHT, wanted: int = WANTED_RELAYS):
+        self.transport, self.dht, self.wanted = transport, dht, wanted
+        self.held: dict[PeerID, Reservation] = {}
+        self._renew_at: dict[PeerID, float] = {}  # relay -> loop time to renew its reservation
+        self._failed: dict[PeerID, float] = {}  # relay -> loop time until which it is not tried
+        self._wake = asyncio.Event()
+        self._first = asyncio.Event()  # set once a reservation is held (or a search came up empty)
+        self._rng = random.Random(transport.peer_id.to_bytes())
+        self._task: asyncio.Task | None = None
+
+    @property
+    def relays(self) -> list[PeerID]:
+        return list(self.held)
+
+    def start(self) -> None:
+        self.transport.watch_disconnects(self._disconnected)
+        self._task = asyncio.ensure_future(self._run())
+
+    async def wait_first(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) for the first search to end; whether a relay is held."""
+        try:
+            async with compat.timeout(timeout):
+                await self._first.wait()
+        except TimeoutError:
+            pass
+        return bool(self.held)
+
+    async def close(self) -> None:
+        self.transport.unwatch_disconnects(self._disconnected)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _disconnected(self, peer: PeerID) -> None:
+        if peer in self.held:
+            logger.info("lost relay %s; looking for another", peer)
+            self._drop(peer)
+            self._wake.set()
+
+    def _drop(self, relay: PeerID) -> None:
+        self.held.pop(relay, None)
+        self._renew_at.pop(relay, None)
+        self.transport.relay_reservations.pop(relay, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.transport.set_relayed_addresses([a for r in self.held.values() for a in r.addresses])
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            await self._renew_due(loop.time())
+            if len(self.held) < self.wanted:
+                await self._search()
+            self._first.set()
+            await self._sleep(self._next_wake(loop.time()))
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            async with compat.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    def _hold(self, reservation: Reservation) -> None:
+        now = asyncio.get_running_loop().time()
+        left = reservation.expires - now
+        self.held[reservation.relay] = reservation
+        self._renew_at[reservation.relay] = reservation.expires - max(RENEW_MARGIN, RENEW_AT_FRACTION * left)
+        self._publish()
+
+    def _next_wake(self, now: float) -> float:
+        """Seconds until the next renewal, or the next search while short of relays."""
+        wake = min(self._renew_at.values(), default=now + SEARCH_INTERVAL)
+        if len(self.held) < self.wanted:
+            wake = min(wake, now + SEARCH_INTERVAL)
+        return max(1.0, wake - now)
+
+    async def _renew_due(self, now: float) -> None:
+        for relay in [r for r, at in self._renew_at.items() if at <= now]:
+            try:
+                self._hold(await reserve(self.transport, relay, RESERVE_TIMEOUT))
+            except (NetworkError, MalformedMessage) as e:
+                logger.info("relay %s did not renew our reservation (%s); looking for another", relay, e)
+                self._failed_now(relay)
+                self._drop(relay)
+
+    async def _search(self) -> None:
+        loop = asyncio.get_running_loop()
+        candidates = await read_relays(self.dht, exclude=self.transport.peer_id)
+        now = loop.time()
+        fresh = [r for r in candidates if r not in self.held and self._failed.get(r, 0.0) <= now]
+        self._rng.shuffle(fresh)
+        for relay in fresh[:MAX_TRIED_PER_SEARCH]:
+            if len(self.held) >= self.wanted:
+                break
+            self.transport.add_addresses(relay, candidates[relay])
+            try:
+                reservation = await reserve(self.transport, relay, RESERVE_TIMEOUT)
+            except (NetworkError, MalformedMessage) as e:
+                logger.debug("relay %s: no reservation (%s)", relay, e)
+                self._failed_now(relay)
+                continue
+            logger.info("reserved a slot on relay %s", relay)
+            self._hold(reservation)
+
+    def _failed_now(self, relay: PeerID) -> None:
+        self._failed.pop(relay, None)
+        self._failed[relay] = asyncio.get_running_loop().time() + RELAY_RETRY_SECONDS
+        while len(self._failed) > MAX_FAILED_REMEMBERED:
+            del self._failed[next(iter(self._failed))]
