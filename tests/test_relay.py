@@ -176,3 +176,26 @@ def test_emulated_calls_streams_and_a_relay_crash_on_the_virtual_clock() -> None
             await t.close()
 
     run_virtual(main())
+
+
+def test_emulated_circuits_end_with_the_reservations_connection() -> None:
+    async def main() -> None:
+        net = EmulatedNetwork(latency=0.01)
+        relay, target, dialer = (serving(net.transport()) for _ in range(3))
+        for t in (relay, target, dialer):
+            await t.start()
+        service = RelayService(relay)
+        service.start()
+        address = (await reserved_on(target, relay))[0]
+        assert await dialer.connect(address, timeout=PROMPT) == target.peer_id
+        relayed = [c for c in dialer.open_connections() if c.relayed]
+        assert len(relayed) == 1 and service.circuits == 1
+        for conn in target.open_connections():
+            if conn.peer_id == relay.peer_id:
+                conn.close("leaving the relay")
+        await asyncio.sleep(1.0)
+        assert relayed[0].closed and service.circuits == 0 and service.reservations == 0
+        with pytest.raises(NetworkError, match="holds no reservation"):
+            await dialer.connect(address, timeout=PROMPT)
+
+    run_virtual(main())
