@@ -46,8 +46,8 @@ def serving(t: Transport) -> Transport:
 
 
 @contextlib.asynccontextmanager
-async def tcp_peers(n: int) -> AsyncIterator[list[TCPTransport]]:
-    peers = [TCPTransport(Identity.generate(), host="127.0.0.1") for _ in range(n)]
+async def tcp_peers(n: int, insecure: bool = False) -> AsyncIterator[list[TCPTransport]]:
+    peers = [TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure) for _ in range(n)]
     for p in peers:
         await p.start()
     try:
@@ -126,9 +126,10 @@ def test_tcp_a_relay_that_alters_a_byte_breaks_the_connection_instead_of_deliver
     asyncio.run(main())
 
 
-def test_tcp_relay_dies_mid_stream_then_the_target_reserves_on_another() -> None:
+@pytest.mark.parametrize("insecure", [False, True])
+def test_tcp_relay_dies_mid_stream_then_the_target_reserves_on_another(insecure: bool) -> None:
     async def main() -> None:
-        async with tcp_peers(4) as (relay, relay2, target, dialer):
+        async with tcp_peers(4, insecure) as (relay, relay2, target, dialer):
             RelayService(relay).start()
             RelayService(relay2).start()
             serving(target)
