@@ -212,7 +212,7 @@ class Peer:
                 self._relay_service = RelayService(transport)
                 self._relay_service.start()
                 self._announcer = RelayAnnouncer(transport, self.dht)
-                self._announcer.start()
+                await self._announcer.start()
             else:
                 logger.warning("not serving as a relay: this peer is not publicly reachable")
         self.reachability_summary = self._describe(report)

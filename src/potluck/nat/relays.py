@@ -87,7 +87,9 @@ class RelayAnnouncer:
         self.transport, self.dht = transport, dht
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Announce now (so peers starting next find this relay), then every third of the TTL."""
+        await self.announce()
         self._task = asyncio.ensure_future(self._run())
 
     async def close(self) -> None:
@@ -109,8 +111,8 @@ class RelayAnnouncer:
 
     async def _run(self) -> None:
         while True:
-            await self.announce()
             await asyncio.sleep(RELAY_ENTRY_TTL / 3)
+            await self.announce()
 
 
 class RelayReservations:

@@ -1,0 +1,197 @@
+"""Swarms with peers behind NAT on the emulated network under the virtual clock (issue 16).
+
+NATed peers are `potluck.Peer`s on transports with the emulated NAT model: each finds itself
+private with the reachability check at start, reserves on the relays announced in the DHT and
+publishes circuit addresses, through which others dial it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.errors import ConnectionLost
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
+from potluck.moe import ExpertServer
+from potluck.moe.expert import aforward, alocate
+from potluck.moe.experts import make_expert
+from potluck.net.connection import CallContext, Stream
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
+
+T = TypeVar("T")
+BATCH = 8
+
+
+def run(scenario: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+    """On the shared runner with a virtual-time loop, as `potluck.Peer` and the Optimizer expect."""
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        assert isinstance(runner.loop, VirtualTimeLoop)
+        return runner.run(scenario, timeout=timeout)
+    finally:
+        release_runner()
+
+
+async def public_peers(network: EmulatedNetwork, n: int, relays: int) -> list[potluck.Peer]:
+    """`n` public peers, the first `relays` of them relays."""
+    peers: list[potluck.Peer] = []
+    for i in range(n):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock(), relay=i < relays))
+    return peers
+
+
+async def natted_peer(network: EmulatedNetwork, boot: list[potluck.Peer], nat: str = "eim",
+                      **transport: Any) -> potluck.Peer:
+    initial = [a for p in boot for a in p.addresses]
+    return await potluck.Peer.create(initial, transport=network.transport(nat=nat, **transport),
+                                     clock=event_loop_clock())
+
+
+async def shutdown(peers: list[potluck.Peer]) -> None:
+    for peer in reversed(peers):
+        await peer.ashutdown()
+
+
+class OnLoop:
+    """A peer for an ExpertServer built on the event loop itself: its `run` schedules the server's
+    start instead of blocking on it (`potluck.Peer.run` would wait for the loop it runs on)."""
+
+    def __init__(self, peer: potluck.Peer):
+        self.transport, self.dht = peer.transport, peer.dht
+        self.started: list[asyncio.Future] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> None:
+        self.started.append(asyncio.ensure_future(coro))
+
+
+def digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+@pytest.mark.timeout(120)
+def test_a_swarm_with_70_percent_of_peers_behind_nat_trains_and_natted_peers_serve_each_other():
+    async def scenario() -> None:
+        network = EmulatedNetwork(latency=0.01, seed=7)
+        peers = await public_peers(network, 3, relays=2)
+        for i in range(7):
+            peers.append(await natted_peer(network, peers[:3], nat="eim" if i % 2 else "edm"))
+        try:
+            natted = peers[3:]
+            assert all(p.transport.reachability == "relayed" for p in natted), [p.reachability_summary for p in natted]
+            assert all(p.transport.addresses and all(a.is_circuit for a in p.transport.addresses) for p in natted)
+            assert "reachable through relay" in natted[0].reachability_summary
+            assert all(p.transport.reachability == "public" for p in peers[:3])
+
+            # A NATed peer serves an expert; another NATed peer finds it in the DHT and calls it.
+            module, schema = make_expert("ffn", 8)
+            server_peer = OnLoop(natted[0])
+            server = ExpertServer(server_peer, {"ffn.0.0": module}, input_schema=schema)
+            await asyncio.gather(*server_peer.started)
+            try:
+                caller = natted[1]
+                location = await alocate(caller.dht, "ffn.0.0")
+                x = torch.randn(4, 8)
+                reply = await aforward(caller.transport, location, 1, [x], timeout=10)
+                assert torch.allclose(reply.outputs[0], module(x))
+                # Both NATed, one "edm": no hole punch can work, so the call went through a relay.
+                links = [c for c in caller.transport.open_connections() if c.peer_id == natted[0].transport.peer_id]
+                assert links and all(c.relayed for c in links)
+            finally:
+                await server._ashutdown()
+                server._executor.shutdown(wait=True)
+
+            # All ten train together: the NATed ones as averaging clients.
+            models = []
+            for _ in peers:
+                torch.manual_seed(0)
+                models.append(torch.nn.Linear(8, 2))
+            optimizers = [Optimizer(peer, "nat", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                                    target_batch_size=160, batch_size_per_step=BATCH, load_state=False, start=False)
+                          for peer, model in zip(peers, models, strict=True)]
+            for opt in optimizers:
+                await opt.astart()
+
+            async def train(i: int) -> None:
+                generator = torch.Generator().manual_seed(i)
+                while optimizers[i].local_epoch < 2:
+                    x = torch.randn(BATCH, 8, generator=generator)
+                    models[i](x).pow(2).mean().backward()
+                    await asyncio.sleep(0.05)
+                    await optimizers[i].astep()
+            try:
+                await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 300)
+            finally:
+                for opt in optimizers:
+                    opt.shutdown()
+            assert [o.local_epoch for o in optimizers] == [2] * 10
+            assert len({digest(m) for m in models}) == 1
+        finally:
+            await shutdown(peers)
+    run(scenario())
+
+
+async def numbered(stream: Stream, ctx: CallContext) -> None:
+    """Chunks `start`, `start + 1`, ... up to `n` (each CHUNK bytes of its number mod 256)."""
+    for i in range(stream.request["start"], stream.request["n"]):
+        await stream.send(bytes([i % 256]) * CHUNK)
+
+
+CHUNK = 64 * 2**10
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_dies_mid_transfer_and_the_transfer_resumes_through_another():
+    async def scenario() -> None:
+        network = EmulatedNetwork(latency=0.01, seed=3)
+        peers = await public_peers(network, 4, relays=3)  # the fourth is the reader
+        relays = {p.transport.peer_id: p for p in peers[:3]}
+        donor = await natted_peer(network, peers[:3], upload=2e6)
+        peers.append(donor)
+        try:
+            donor.transport.add_stream_handler("numbered", numbered)
+            first = set(donor.transport.relay_reservations)
+            assert len(first) == 2 and donor.transport.reachability == "relayed"
+            reader, n = peers[3], 60  # 60 x 64 KiB at 2 MB/s: about 2 s
+            got: list[int] = []
+            crashed = None
+            while len(got) < n:
+                stream = await reader.transport.open_stream(donor.transport.peer_id, "numbered",
+                                                            {"start": len(got), "n": n}, timeout=10)
+                try:
+                    while len(got) < n:
+                        chunk = await stream.recv(timeout=10)
+                        got.append(chunk[0])
+                        if len(got) == n // 3 and crashed is None:  # kill the relay this stream runs through
+                            crashed = next(r for r in first if any(c.peer_id == r and not c.closed
+                                                                   for c in reader.transport.open_connections()))
+                            network.crash(crashed)
+                except ConnectionLost:
+                    continue  # resume where it stopped: the redial goes through the other relay
+            assert got == [i % 256 for i in range(n)]
+            assert crashed is not None
+            # The donor noticed the death and holds a reservation on the third relay instead.
+            for _ in range(100):
+                if crashed not in donor.transport.relay_reservations and len(donor.transport.relay_reservations) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert set(donor.transport.relay_reservations) == set(relays) - {crashed}
+            assert all(a.relay != crashed for a in donor.transport.addresses)
+            # ... and republished its peer record with the new circuit addresses at once.
+            await asyncio.sleep(1)
+            record, _ = await reader.dht.node.resolve_peer(donor.transport.peer_id, 5, thorough=True)
+            assert set(record.addresses) == {a.without_peer_id() for a in donor.transport.addresses}
+        finally:
+            for p in peers:
+                if p.transport.peer_id != crashed:
+                    await p.ashutdown()
+    run(scenario())
