@@ -19,6 +19,7 @@ from potluck.net.identity import Identity
 from potluck.net.relay import RELAY_HOP, RELAY_STOP, RelayService, reserve
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
+from tests.test_lifetimes import cyclic_garbage, free_port, gc_saving_garbage, open_and_close_many
 
 MiB = 2**20
 MARKER = "secret-marker-7f3a"
@@ -200,3 +201,31 @@ def test_emulated_circuits_end_with_the_reservations_connection() -> None:
             await dialer.connect(address, timeout=PROMPT)
 
     run_virtual(main())
+
+
+def test_closed_relayed_connections_leave_no_cyclic_garbage() -> None:
+    async def emulated() -> None:
+        net = EmulatedNetwork(latency=0.01)
+        relay, dialer, target = (net.transport() for _ in range(3))
+        for t in (relay, dialer, target):
+            await t.start()
+        RelayService(relay).start()
+        dialer.add_addresses(target.peer_id, await reserved_on(target, relay))
+        with gc_saving_garbage():
+            await open_and_close_many(dialer, target, "/emu/nobody")
+            await asyncio.sleep(10.0)  # virtual time: every close has reached the other side
+            assert cyclic_garbage() == []
+
+    async def tls() -> None:
+        async with tcp_peers(3) as (relay, dialer, target):
+            RelayService(relay).start()
+            dialer.add_addresses(target.peer_id, await reserved_on(target, relay))
+            with gc_saving_garbage():
+                await open_and_close_many(dialer, target, f"/ip4/127.0.0.1/tcp/{free_port()}")
+                async with compat.timeout(PROMPT):
+                    while any(link.relay for link in (*dialer._links, *target._links)):
+                        await asyncio.sleep(0.01)
+                assert cyclic_garbage() == []
+
+    run_virtual(emulated())
+    asyncio.run(tls())

@@ -230,10 +230,13 @@ class EmulatedTransport(Transport):
         pipe.begin(link)
         link.connection_made(pipe)
         try:
-            return await link.handshake
+            await link.handshake
         except BaseException:
             link.close("handshake failed")
             raise
+        if link.connection is None:
+            raise PeerUnreachable(f"the relayed connection to {expected} closed right after the handshake")
+        return link.connection
 
     def _loopback_connection(self) -> Connection:
         if self._crashed:
@@ -303,7 +306,8 @@ class _RelayedLink(asyncio.Protocol):
     def __init__(self, owner: EmulatedTransport, initiator: bool, expected: PeerID, bulk: bool):
         self.owner, self.initiator, self.expected, self.bulk = owner, initiator, expected, bulk
         loop = asyncio.get_running_loop()
-        self.handshake: asyncio.Future[Connection] = loop.create_future()
+        # None once the connection is made (not the connection: it holds this link, a cycle).
+        self.handshake: asyncio.Future[None] = loop.create_future()
         self.connection: Connection | None = None
         self._pipe: StreamPipe | None = None
         self._decoder = FrameDecoder(owner.max_frame_size)
@@ -346,7 +350,7 @@ class _RelayedLink(asyncio.Protocol):
         self.connection = conn
         self.owner._register(conn)
         if not self.handshake.done():
-            self.handshake.set_result(conn)
+            self.handshake.set_result(None)
 
     def pause_writing(self) -> None:
         self._paused = True

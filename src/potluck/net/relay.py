@@ -518,6 +518,7 @@ class StreamPipe(asyncio.Transport):
         for task in self._tasks:
             if task is not current:
                 task.cancel()
+        self._tasks = []  # a cancelled task's traceback holds its frame, which holds this pipe
         protocol, self._protocol = self._protocol, None
         if protocol is not None:
             self._loop.call_soon(protocol.connection_lost, exc)
