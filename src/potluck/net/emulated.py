@@ -174,6 +174,8 @@ class EmulatedTransport(Transport):
         self.nat = nat  # None: publicly reachable; else behind a NAT of this kind
         self._nat_open: set[PeerID] = set()  # dialers a hole punch let through our NAT
         self.membership = membership  # the run's membership check, as in `TCPTransport`
+        # Hole punches where the other side dials (`EmulatedPunch`): that peer -> the connection it made.
+        self._punches: dict[PeerID, asyncio.Future[Connection]] = {}
         self.network = network
         self.upload = _bandwidth("upload", upload)
         self.download = _bandwidth("download", download)
@@ -297,6 +299,10 @@ class EmulatedTransport(Transport):
         return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode, self.max_frame_size, bulk,
                           token=self.membership.own_token() if self.membership is not None else None,
                           observed=Multiaddr("emu", self._name))
+
+    def punch_endpoint(self) -> EmulatedPunch:
+        """One hole punch try (`net.holepunch`), as the NAT model allows it."""
+        return EmulatedPunch(self)
 
 
 class _RelayedLink(asyncio.Protocol):
@@ -512,6 +518,44 @@ class _LinkEnd:
         self.local._links.pop(self, None)
         connection, self.connection, self.peer = self.connection, None, None  # no cycles once closed
         connection.link_lost(reason)
+
+
+class EmulatedPunch:
+    """One emulated hole punch try. It works if the two peers are `punchable` (see the module
+    docstring): the side that dialed the relayed connection (the TLS client on TCP) then dials the
+    other's address through its opened NAT (a round trip, as crossing SYNs take), and the other side
+    takes that connection. If not, both hang until their deadline, as SYNs dropped by a NAT do."""
+
+    def __init__(self, owner: EmulatedTransport):
+        self.owner = owner
+        self.candidates = [a.without_peer_id() for a in owner.listen_addresses]
+
+    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
+        owner, loop = self.owner, asyncio.get_running_loop()
+        other = owner.network._peers.get(expected)
+        if other is None or not owner.network.punchable(owner, other):
+            await loop.create_future()  # never resolved: the caller's deadline ends the try
+        if client:
+            target = next((a for a in remote if a.kind == "emu"), None)
+            if target is None:
+                raise PeerUnreachable(f"{expected} gave no emulated address to punch to")
+            owner.network.open_nat(expected, owner.peer_id)
+            conn = await owner._dial(target, expected, bulk=False)
+            accepted = other._punches.setdefault(owner.peer_id, loop.create_future())
+            if not accepted.done():
+                accepted.set_result(conn.link.peer.connection)
+            return conn
+        waiting = owner._punches.get(expected)
+        if waiting is None or waiting.done() and waiting.result().closed:
+            waiting = owner._punches[expected] = loop.create_future()
+        try:
+            return await waiting
+        finally:
+            if owner._punches.get(expected) is waiting:
+                del owner._punches[expected]
+
+    def close(self) -> None:
+        """Nothing is bound per try."""
 
 
 async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float,

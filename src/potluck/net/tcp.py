@@ -44,6 +44,7 @@ from potluck.core.errors import (
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, PeerLoad, RemoteInfo, Stream
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
+from potluck.net.holepunch import MAX_CANDIDATES
 from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
 from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
 from potluck.net.relay import RelayRefused, StreamPipe, accept_stop, dial_circuit
@@ -110,6 +111,10 @@ MAX_PENDING_HANDSHAKES = 128
 # leaves the other half to everyone else, who can still connect while it is held. A test swarm on
 # 127.0.0.1 dialing one peer at once stays far below 64 handshakes in flight.
 MAX_PENDING_HANDSHAKES_PER_IP = 64
+# Connections a hole punch's listener queues (`TCPPunch`): it waits for one, from one peer.
+PUNCH_BACKLOG = 4
+# Ports shared by a punch's listener and its dial need SO_REUSEPORT (Linux, macOS, BSDs).
+_REUSE_PORT = hasattr(socket, "SO_REUSEPORT")
 
 
 class TCPTransport(Transport):
@@ -317,6 +322,10 @@ class TCPTransport(Transport):
             await asyncio.wait(waits, timeout=CLOSE_TIMEOUT)
             for link in list(self._links):
                 link.abort()
+
+    def punch_endpoint(self) -> TCPPunch:
+        """One hole punch try (`net.holepunch`): a fresh port, and the dial from it."""
+        return TCPPunch(self)
 
 
 class TCPLink(asyncio.BufferedProtocol):
@@ -714,6 +723,146 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._hello is not None:
             return str(self._hello["id"])
         return str(self._peername)
+
+
+class TCPPunch:
+    """One hole punch try on TCP (`net.holepunch`): a socket listening on a fresh port, and a dial
+    from that same port to the other side's first candidate of our address family (one address
+    each, so both sides' dials are one TCP connection). The connection is our dial if our SYN
+    crossed theirs (a simultaneous open through both NATs), or the one we accepted (where nothing
+    drops their SYN before ours leaves: no NAT on our side, or loopback). Candidates: our port on
+    each host others saw us at (a port-preserving NAT keeps it), else on our listening hosts. The listener and the
+    dial share the port through SO_REUSEADDR and SO_REUSEPORT; where SO_REUSEPORT is missing there
+    is no listener, and only a simultaneous open connects."""
+
+    def __init__(self, owner: TCPTransport):
+        self.owner = owner
+        self._family = socket.AF_INET6 if ":" in owner.host else socket.AF_INET
+        self._kind = "ip6" if self._family == socket.AF_INET6 else "ip4"
+        self._listener: socket.socket | None = _punch_socket(self._family, (owner.host, 0))
+        port = self._listener.getsockname()[1]
+        self._local = (owner.host, port)
+        if _REUSE_PORT:
+            self._listener.listen(PUNCH_BACKLOG)
+        hosts = owner.observed_hosts or [a.host for a in owner.listen_addresses]
+        self.candidates: list[Multiaddr] = []
+        for host in dict.fromkeys(hosts):
+            with contextlib.suppress(ValueError):  # not an address: skipped
+                addr = Multiaddr.tcp(host, port)
+                if addr.kind == self._kind:
+                    self.candidates.append(addr)
+        del self.candidates[MAX_CANDIDATES:]
+
+    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
+        """The direct connection with `expected`: TLS client and dialing TCPLink if `client`, else
+        TLS server and accepting one, counted in the caps like any accepted connection."""
+        target = next((a for a in remote if a.kind == self._kind and a.port), None)
+        if target is None:
+            raise PeerUnreachable(f"{expected} gave no {self._kind} address to punch to")
+        loop = asyncio.get_running_loop()
+        if not _REUSE_PORT and self._listener is not None:
+            self._listener.close()  # frees the port for the dial (there is no listener)
+            self._listener = None
+        tries = [loop.create_task(self._dial(target))]
+        if self._listener is not None:
+            tries.append(loop.create_task(self._accept(target.host)))
+        sock, peer = await _first_socket(tries)
+        self.close()
+        if client:
+            link = TCPLink(self.owner, initiator=True, expected=expected)
+            kwargs: dict[str, Any] = {}
+            if self.owner._client_ctx is not None:
+                kwargs.update(ssl=self.owner._client_ctx, server_hostname="",
+                              ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
+            try:
+                await loop.create_connection(lambda: link, sock=sock, **kwargs)
+            except (OSError, ssl.SSLError) as e:
+                raise PeerUnreachable(f"TLS with {expected} on the punched connection failed: {e}") from None
+        else:
+            ip = str(peer[0])
+            refusal = self.owner._accept(ip)
+            if refusal is not None:
+                sock.close()
+                raise PeerUnreachable(f"refusing the punched connection from {ip}: {refusal}")
+            link = TCPLink(self.owner, initiator=False, expected=expected)
+            link.adopt(sock, peer, ip)
+        try:
+            error = await link.handshake
+        except BaseException:
+            link.close("hole punch abandoned")
+            raise
+        if error is not None:
+            link.close("handshake failed")
+            raise detached(error)
+        if link.connection is None:
+            raise PeerUnreachable(f"{expected} closed the punched connection right after the handshake")
+        return link.connection
+
+    async def _dial(self, target: Multiaddr) -> tuple[socket.socket, Any]:
+        sock = _punch_socket(self._family, self._local)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (target.host, target.port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock, sock.getpeername()
+
+    async def _accept(self, host: str) -> tuple[socket.socket, Any]:
+        """The first connection from `host` (others are strangers: closed)."""
+        assert self._listener is not None
+        while True:
+            sock, peer = await asyncio.get_running_loop().sock_accept(self._listener)
+            if str(peer[0]) == host:
+                sock.setblocking(False)
+                return sock, peer
+            sock.close()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _punch_socket(family: int, address: tuple[str, int]) -> socket.socket:
+    """A TCP socket bound to `address`, whose port other punch sockets may share."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, True)
+        if _REUSE_PORT:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, True)
+        sock.bind(address)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _first_socket(tries: list[asyncio.Task]) -> tuple[socket.socket, Any]:
+    """The socket of the first of `tries` that connects; the others are cancelled (or closed)."""
+    errors: list[str] = []
+    pending = set(tries)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is None:
+                    for other in done - {task}:
+                        if other.exception() is None:
+                            other.result()[0].close()
+                    return task.result()
+                errors.append(str(task.exception()) or type(task.exception()).__name__)
+    finally:
+        for task in pending:
+            task.cancel()
+            task.add_done_callback(_close_socket)
+    raise PeerUnreachable("punch dial failed: " + "; ".join(errors))
+
+
+def _close_socket(task: asyncio.Task) -> None:
+    """A try that connected after another had won (or after the deadline): close its socket."""
+    if not task.cancelled() and task.exception() is None:
+        task.result()[0].close()
 
 
 async def _listening_sockets(host: str, port: int) -> list[socket.socket]:

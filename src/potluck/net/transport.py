@@ -35,6 +35,7 @@ from potluck.net.connection import (
     UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
+from potluck.net.holepunch import HolePuncher, PunchEndpoint
 from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
 from potluck.net.peer_record import PeerRecord, PeerResolver
@@ -109,6 +110,8 @@ class Transport:
         # Relays we hold a reservation with (net.relay.reserve): only they may pipe a connection to us.
         self.relay_reservations: dict[PeerID, Reservation] = {}
         self.add_stream_handler(RELAY_STOP, self._relay_stop)
+        # Hole punching (net.holepunch): serves punches, and starts one on each relayed connection we accept.
+        self.puncher = HolePuncher(self)
 
     # -- reachability ---------------------------------------------------------------------------
     @property
@@ -283,6 +286,28 @@ class Transport:
             self._vouch(conn.peer_id, conn.remote.addresses)
         if not conn.remote.bulk:
             self._shared.setdefault(conn.peer_id, []).append(conn)
+            if conn.relayed and not conn.initiator:  # we are the NATed side: it punches, as in DCUtR
+                self.puncher.start(conn)
+
+    def _prefer(self, conn: Connection) -> None:
+        """Put `conn` first in its peer's shared pool: calls take it (a punched direct connection
+        over the relayed one it replaces)."""
+        pool = self._shared.get(conn.peer_id, [])
+        if conn in pool:
+            pool.remove(conn)
+            pool.insert(0, conn)
+
+    def _punched(self, peer_id: PeerID) -> bool:
+        """Whether our preferred connection with `peer_id` is a hole-punched direct one while the peer
+        can be dialed only through relays: bulk streams share it (a connection of their own would be
+        relayed again)."""
+        conns = self._shared.get(peer_id)
+        return bool(conns) and not conns[0].closed and not conns[0].relayed \
+            and all(a.is_circuit for a in self._book.dial_order(peer_id))
+
+    def punch_endpoint(self) -> PunchEndpoint:
+        """One hole punch try (`net.holepunch`): our candidates, and the dial to the other side's."""
+        raise NotImplementedError
 
     def _unregister(self, conn: Connection) -> None:
         self._all.pop(conn, None)
@@ -466,7 +491,7 @@ class Transport:
                         await self._resolve(peer_id)
                 except TimeoutError:
                     raise PeerUnreachable(f"could not find {peer_id}'s address within {timeout} s") from None
-            dedicated = peer_id in self._book or bool(self._bulk_idle.get(peer_id))
+            dedicated = (peer_id in self._book or bool(self._bulk_idle.get(peer_id))) and not self._punched(peer_id)
         if dedicated:
             conn = await self._bulk_connection(peer_id, timeout)
         else:
@@ -519,6 +544,7 @@ class Transport:
         if self._closed:
             return
         self._closed = True
+        self.puncher.close()
         await self._stop_listening()
         self._close_loopback("peer is shutting down")
         for conn in list(self._all):
