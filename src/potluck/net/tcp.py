@@ -29,6 +29,7 @@ import os
 import socket
 import ssl
 import sys
+from asyncio import sslproto
 from typing import Any
 
 from potluck.core.errors import (
@@ -294,9 +295,7 @@ class TCPTransport(Transport):
             link.connection_made(pipe)
         else:
             try:
-                tls = await asyncio.get_running_loop().start_tls(
-                    pipe, link, self._client_ctx, server_hostname="", ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-                    **_TLS_SHUTDOWN)
+                tls = await _start_tls(pipe, link, self._client_ctx, server_side=False)
             except (OSError, ssl.SSLError, NetworkError) as e:
                 pipe.abort()
                 raise PeerUnreachable(f"TLS through relay {relay} failed: {e}") from None
@@ -394,8 +393,7 @@ class TCPLink(asyncio.BufferedProtocol):
             self.connection_made(pipe)
             return
         try:
-            tls = await self._loop.start_tls(pipe, self, self.owner._server_ctx, server_side=True,
-                                             ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
+            tls = await _start_tls(pipe, self, self.owner._server_ctx, server_side=True)
         except BaseException as e:  # noqa: BLE001 - a failed or cancelled TLS handshake ends the link
             self._opening = None
             pipe.abort()
@@ -903,6 +901,28 @@ def _observed(peername: Any) -> Multiaddr | None:
         return Multiaddr.tcp(peername[0], peername[1])
     except Exception:  # noqa: BLE001 - not an (ip, port) pair: e.g. a socket already gone
         return None
+
+
+async def _start_tls(pipe: StreamPipe, protocol: asyncio.BaseProtocol, context: ssl.SSLContext, *,
+                     server_side: bool) -> asyncio.BaseTransport:
+    """TLS over a relayed pipe, as the standard loop's `start_tls` does it: uvloop's `start_tls`
+    accepts only uvloop's own transports, and potluck's runner uses uvloop when installed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    tls = sslproto.SSLProtocol(loop, protocol, context, waiter, server_side, None if server_side else "",
+                               call_connection_made=False, ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
+    pipe.pause_reading()
+    pipe.set_protocol(tls)
+    made = loop.call_soon(tls.connection_made, pipe)
+    resumed = loop.call_soon(pipe.resume_reading)
+    try:
+        await waiter
+    except BaseException:
+        pipe.close()
+        made.cancel()
+        resumed.cancel()
+        raise
+    return tls._app_transport
 
 
 def _drop_tracebacks(error: BaseException) -> None:
