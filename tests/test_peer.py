@@ -123,11 +123,12 @@ def _potluck(*args: str, **kwargs) -> subprocess.Popen:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_potluck_peer_prints_addresses_and_exits_cleanly(sig):
-    first = _potluck("peer", "--host", "127.0.0.1")
+    first = _potluck("peer", "--host", "127.0.0.1", "--relay")
     assert first.stdout.readline().startswith("peer id: ")
     assert "join with" in first.stdout.readline()
     address = first.stdout.readline().split("--initial-peers")[1].strip()
     assert first.stdout.readline().startswith("No initial peers to check reachability with")
+    assert first.stdout.readline().startswith("relaying for peers behind NAT")
     second = _potluck("peer", "--host", "127.0.0.1", "--initial-peers", address)
     assert second.stdout.readline().startswith("peer id: ")
     assert "join with" in second.stdout.readline() and "--initial-peers" in second.stdout.readline()

@@ -17,6 +17,7 @@ from potluck.net.identity import Identity
 from potluck.net.reachability import DIALBACK, DialbackService, check_reachability
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
+from potluck.peer import Peer
 
 
 async def echo(request, ctx):
@@ -164,3 +165,16 @@ def test_a_dial_back_request_with_too_many_addresses_is_refused():
         with pytest.raises(RemoteError, match="addrs"):
             await me.call(server.peer_id, DIALBACK, {"addrs": [str(me.listen_addresses[0])] * 99}, timeout=5)
     run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_tcp_peer_found_private_runs_as_a_client_and_says_what_to_do():
+    port = closed_port()
+    with Peer(host="127.0.0.1") as a, Peer(a.addresses, host="127.0.0.1") as b:
+        assert b.transport.reachability == "public" and b.reachability_summary.startswith("Publicly reachable")
+        with Peer([*a.addresses, *b.addresses], host="127.0.0.1", announce=[f"/ip4/127.0.0.1/tcp/{port}"]) as c:
+            assert c.transport.reachability == "private" and c.addresses == [] and c.transport.client_mode
+            assert f"open or forward TCP port {port}" in c.reachability_summary
+            assert "potluck peer --relay" in c.reachability_summary
+            assert c.dht.store("k", 1, c.dht.get_time() + 60)  # it works as a client
+            assert a.dht.get("k").value == 1
