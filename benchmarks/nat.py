@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from potluck.core.errors import NetworkError  # noqa: E402
+from potluck.core.runner import new_event_loop  # noqa: E402
 from potluck.net import Identity, TCPTransport  # noqa: E402
 from potluck.net.relay import RelayLimits, RelayService, reserve  # noqa: E402
 
@@ -173,6 +174,15 @@ async def hole_punches(relayed_address: str, tries: int) -> dict:
             "time_max_ms": round(max(times) * 1e3, 1) if times else None, "errors": errors[:3]}
 
 
+def run(coro):
+    """On the loop potluck's peers run on (uvloop when installed)."""
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
@@ -185,23 +195,26 @@ def main() -> None:
     parser.add_argument("--serve-target", metavar="RELAY", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_relay:
-        asyncio.run(serve_relay())
+        run(serve_relay())
         return
     if args.serve_target:
-        asyncio.run(serve_target(args.serve_target))
+        run(serve_target(args.serve_target))
         return
     rounds, mib, calls, tries = (4, 64, 500, 10) if args.quick else (8, 256, 1000, 30)
+    probe = new_event_loop()
+    loop_name = type(probe).__module__.split(".")[0]
+    probe.close()
     common = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "command": " ".join(["python", *sys.argv])}
+              "loop": loop_name, "command": " ".join(["python", *sys.argv])}
     relay = start(["--serve-relay"])
     target = None
     try:
         relay_address = relay.stdout.readline().strip()
         target = start(["--serve-target", relay_address])
         addresses = json.loads(target.stdout.readline())
-        for row in asyncio.run(compare(addresses, rounds, mib, calls)):
+        for row in run(compare(addresses, rounds, mib, calls)):
             print(json.dumps({**row, **common}), flush=True)
-        row = asyncio.run(hole_punches(addresses["relayed"], tries))
+        row = run(hole_punches(addresses["relayed"], tries))
         print(json.dumps({**row, **common}), flush=True)
     finally:
         for proc in (target, relay):

@@ -6,22 +6,27 @@ happens, and leftovers of an earlier crashed run are removed first):
 
     relay 198.51.100.1 ─┐                 ┌─ boot 198.51.100.4
                         ├─ inet (a bridge: the "internet", 198.51.100.0/24)
-    nat-a 198.51.100.2 ─┘                 └─ nat-b 198.51.100.3
-      │ MASQUERADE, drops unsolicited      │ (the same)
-      ├─ a1 10.1.0.11                      ├─ b1 10.2.0.11
-      └─ a2 10.1.0.12                      └─ b2 10.2.0.12
+    nat-a 198.51.100.2 ─┤                 ├─ nat-b 198.51.100.3
+      │ MASQUERADE,                       │  (the same)
+      │ drops unsolicited                 │
+      ├─ a1 10.1.0.11    nat-c 198.51.100.5 ─┐ (random ports)    ├─ b1 10.2.0.11
+      └─ a2 10.1.0.12                        └─ c1 10.3.0.11     └─ b2 10.2.0.12
 
 The routers behave like home routers: outgoing connections are masqueraded, and anything
-arriving on the WAN side that does not belong to a connection started inside is dropped.
+arriving on the WAN side that does not belong to a connection started inside is dropped. nat-a
+and nat-b keep a connection's source port when it is free (Linux's default: an endpoint-
+independent, port-preserving mapping, which hole punching needs); nat-c picks a random port for
+every connection (`--random-fully`: like a symmetric NAT, where punching cannot work).
 
 Steps, each reported in the JSON summary printed at the end (exit status 1 if one failed):
   tcp_sanity  plain TCP: a NATed host reaches the public one and is seen as its router's
               address; nobody outside can open a connection to a NATed host.
   public      `potluck peer` starts on boot and `potluck peer --relay` on relay; both are the
               others' initial peers (two public peers: a reachability verdict needs two answers).
-  expert      a1 hosts an expert (`potluck expert-server`); b1, behind the other NAT, calls it
-              (forward and backward, answers checked against a local copy) and reports whether its
-              connection ended up direct (hole punching) or relayed.
+  expert      a1 hosts an expert (`potluck expert-server`); b1 and c1, behind the other NATs,
+              call it (forward and backward, answers checked against a local copy) and report
+              whether their connection ended up direct (hole punched) or relayed: b1's must end
+              direct, c1's relayed (the punch fails and the relay keeps working).
   state       a2 donates averaged state (potluck.Averager); b2, a newcomer behind the other NAT,
               downloads it and checks every value.
 
@@ -58,6 +63,9 @@ PROBE_PORT = 4000
 EXPERT_UID = "natcheck.0"
 EXPERT_HIDDEN = 32
 RUN_ID = "natcheck"
+# Who calls a1's expert, and how its connection must end: b1's NAT keeps ports (punching works),
+# c1's picks random ones (punching fails; the relay carries the calls).
+EXPECTED_PATH = {"b1": "direct", "c1": "relayed"}
 
 # Deadlines (every wait has one; the whole check stays well under five minutes).
 CHECK_DEADLINE = 240.0  # the whole check, topology to summary
@@ -77,10 +85,12 @@ class Site:
     public_ip: str
     subnet: str  # first three octets; the router is .1
     hosts: dict[str, str] = field(default_factory=dict)  # namespace -> address
+    random_ports: bool = False  # a fresh random port per connection (symmetric-like) instead of keeping it
 
 
 SITES = [Site("nat-a", f"{PUBLIC_NET}.2", "10.1.0", {"a1": "10.1.0.11", "a2": "10.1.0.12"}),
-         Site("nat-b", f"{PUBLIC_NET}.3", "10.2.0", {"b1": "10.2.0.11", "b2": "10.2.0.12"})]
+         Site("nat-b", f"{PUBLIC_NET}.3", "10.2.0", {"b1": "10.2.0.11", "b2": "10.2.0.12"}),
+         Site("nat-c", f"{PUBLIC_NET}.5", "10.3.0", {"c1": "10.3.0.11"}, random_ports=True)]
 HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | PUBLIC_HOSTS
 
 
@@ -180,7 +190,8 @@ def build_topology() -> None:
             up(host, "eth0")
             sh("ip", "-n", ns(host), "route", "add", "default", "via", f"{site.subnet}.1")
         in_ns(r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        rules = [["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]]
+        rules = [["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE",
+                  *(["--random-fully"] if site.random_ports else [])]]
         for chain in ("INPUT", "FORWARD"):  # a home router: only answers to what was started inside
             rules += [["-A", chain, "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
                        "-j", "ACCEPT"],
@@ -293,10 +304,19 @@ async def expert_step(procs: Processes, initial: list[str]) -> dict:
                       "--hidden", str(EXPERT_HIDDEN), "--optimizer", "none", "--seed", "0",
                       "--host", HOST_IP["a1"], "--initial-peers", *initial)
     await procs.read_until("expert-server", lambda s: s.startswith("ready"), START_TIMEOUT)
-    await procs.spawn("expert-caller", "b1", str(HERE / "node.py"), "call-expert", "--host", HOST_IP["b1"],
-                      "--initial-peers", *initial, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
-                      "--timeout", str(TASK_TIMEOUT))
-    return await procs.result("expert-caller", TASK_TIMEOUT + 30)
+
+    async def call_from(host: str) -> dict:
+        await procs.spawn(f"caller-{host}", host, str(HERE / "node.py"), "call-expert", "--host", HOST_IP[host],
+                          "--initial-peers", *initial, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
+                          "--timeout", str(TASK_TIMEOUT))
+        report = await procs.result(f"caller-{host}", TASK_TIMEOUT + 30)
+        if report["ok"] and report["path"] != EXPECTED_PATH[host]:
+            report |= {"ok": False, "error": f"the connection ended {report['path']}, expected "
+                                             f"{EXPECTED_PATH[host]}"}
+        return report
+
+    reports = dict(zip(EXPECTED_PATH, await asyncio.gather(*map(call_from, EXPECTED_PATH)), strict=True))
+    return {"ok": all(r["ok"] for r in reports.values()), **reports}
 
 
 async def state_step(procs: Processes, initial: list[str]) -> dict:

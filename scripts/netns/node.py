@@ -33,7 +33,9 @@ ROWS = 4  # rows of the input batch sent to the expert
 STATE_ELEMENTS = 1 << 20  # 4 MiB of float32: the donated state
 STATE_SEED = 7
 RETRY_SECONDS = 1.0  # between attempts while the server or donor is not yet findable
-PUNCH_WAIT = 15.0  # how long after the first call we wait for hole punching to go direct
+# How long after the first call we wait for hole punching to go direct: longer than the server's
+# whole punch (net.holepunch: three tries of a few seconds each) takes to fail.
+PUNCH_WAIT = 20.0
 DONOR_LIFETIME = 600.0  # a donor nobody stops ends by itself
 
 
@@ -103,7 +105,7 @@ def call_expert(args: argparse.Namespace) -> dict:
                 "first_call_s": round(first, 3), "first_call_paths": first_paths,
                 "direct_after_s": None if direct_after is None else round(direct_after, 2),
                 "second_call_s": round(second, 3), "final_paths": paths(peer, server),
-                "path": "direct (hole punched)" if "direct" in paths(peer, server) else "relayed"}
+                "path": "direct" if "direct" in paths(peer, server) else "relayed"}
 
 
 def donate(args: argparse.Namespace) -> dict:
