@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import potluck
+from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import ConnectionLost
 from potluck.core.runner import acquire_runner, release_runner
@@ -193,7 +194,36 @@ def test_a_relay_dies_mid_transfer_and_the_transfer_resumes_through_another():
             record, _ = await reader.dht.node.resolve_peer(donor.transport.peer_id, 5, thorough=True)
             assert set(record.addresses) == {a.without_peer_id() for a in donor.transport.addresses}
         finally:
-            for p in reversed(peers):
-                if p.transport.peer_id != crashed:
-                    await p.ashutdown()
+            await shutdown(peers)
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_state_download_from_a_natted_donor_resumes_through_another_relay_when_one_dies():
+    async def scenario() -> None:
+        network = EmulatedNetwork(latency=0.01, seed=5)
+        peers = await public_peers(network, 2, relays=2)
+        donor = await natted_peer(network, peers, nat="edm", upload=2e6)
+        peers.append(donor)
+        reader = await potluck.Peer.create([str(peers[0].addresses[0])], clock=event_loop_clock(),
+                                           transport=network.transport(nat="edm", client_mode=True))
+        peers.append(reader)
+        generator = torch.Generator().manual_seed(0)
+        state = [torch.randn(1024, 1024, generator=generator), torch.randn(77, generator=generator)]
+        StateServer(donor.transport, lambda: (3, {"epoch": 3}, state), "nat", chunk_bytes=256 * 2**10)
+        via = donor.transport.addresses[0]
+        await reader.transport.connect(via)  # the first address the download dials: through this relay
+        crashed: list[Any] = []
+
+        def progress(done: int, total: int) -> None:
+            if not crashed and done >= total // 3:
+                crashed.append(via.relay)
+                network.crash(via.relay)
+        try:
+            version, metadata, tensors = await download_state(reader.transport, [donor.transport.peer_id], "nat",
+                                                              timeout=30, progress=progress)
+            assert crashed and version == 3 and metadata == {"epoch": 3}
+            assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
+        finally:
+            await shutdown(peers)
     run(scenario())

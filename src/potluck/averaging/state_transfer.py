@@ -49,6 +49,7 @@ import torch
 from potluck.core import compat, serialization
 from potluck.core.errors import (
     AveragingError,
+    ConnectionLost,
     DeadlineExceeded,
     EndOfStream,
     MalformedMessage,
@@ -110,6 +111,10 @@ MANIFEST_GRACE_SECONDS = 5.0
 # A donor that takes longer than this for one chunk is dropped (2 MiB at 35 KB/s); its chunks go
 # to the others.
 CHUNK_TIMEOUT = 60.0
+# A donor whose connection is lost mid-download is dialed again this many times before it is
+# dropped: behind NAT its relay may have died, and the redial goes through another of its relays
+# (a donor that is really gone fails that dial at once, or within the dial deadline if silent).
+DONOR_RECONNECTS = 1
 # In the endgame, at most this many donors fetch the same chunk: enough to route around one slow
 # donor without flooding the newcomer's link with duplicates.
 ENDGAME_COPIES = 2
@@ -649,18 +654,29 @@ class _Download:
         self._changed = asyncio.Event()
 
     async def _worker(self, donor: PeerID | None) -> None:
+        reconnects = 0
         try:
             while donor is not None and not self.complete:
                 try:
                     await self._fetch_from(donor)
+                except ConnectionLost as e:
+                    if reconnects < DONOR_RECONNECTS:
+                        reconnects += 1
+                        logger.info("state download: lost the connection to donor %s (%s); dialing again", donor, e)
+                    else:
+                        donor, reconnects = self._drop(donor, e), 0
                 except (NetworkError, _DonorMisbehaved) as e:
-                    self.failures[donor] = str(e) or type(e).__name__
-                    logger.warning("state download: dropping donor %s: %s", donor, e)
-                    donor = self._spares.popleft() if self._spares else None
+                    donor, reconnects = self._drop(donor, e), 0
         finally:
             self._alive -= 1
             if self._alive == 0 or self.complete:
                 self._finished.set()
+
+    def _drop(self, donor: PeerID, error: Exception) -> PeerID | None:
+        """Give up on `donor`; the spare donor to fetch from instead, if any."""
+        self.failures[donor] = str(error) or type(error).__name__
+        logger.warning("state download: dropping donor %s: %s", donor, error)
+        return self._spares.popleft() if self._spares else None
 
     async def _fetch_from(self, donor: PeerID) -> None:
         """Fetch chunks from `donor` until the download is complete; raise if the donor fails."""
