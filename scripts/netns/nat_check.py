@@ -356,7 +356,22 @@ async def check(log_dir: Path) -> dict:
                                      run_step(summary, "state", lambda: state_step(procs, initial)))
     finally:
         await procs.stop_all()
+    summary["hole_punches"] = punch_reports(log_dir)
     return summary
+
+
+PUNCH_LOG = "INFO potluck.net.holepunch: "  # as the CLI and node.py format their log lines
+
+
+def punch_reports(log_dir: Path) -> dict[str, list[str]]:
+    """What the peers logged about hole punches (net.holepunch: each one's outcome and time)."""
+    found = {}
+    for path in sorted(log_dir.glob("*.log")):
+        lines = [line.split(PUNCH_LOG, 1)[1] for line in path.read_text(errors="replace").splitlines()
+                 if PUNCH_LOG in line]
+        if lines:
+            found[path.stem] = lines
+    return found
 
 
 def raise_on_signal(signum: int, _frame: object) -> None:

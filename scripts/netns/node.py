@@ -49,10 +49,11 @@ def start_peer(args: argparse.Namespace) -> Peer:
 
 
 def paths(peer: Peer, target: PeerID) -> list[str]:
-    """How our open connections to `target` go: "relayed" or "direct", one per connection."""
+    """How our open connections to `target` go, one per connection: "relayed" or "direct", and
+    "bulk" for one opened for a single bulk stream (kept a while once idle) rather than calls."""
     async def look() -> list[str]:
-        return ["relayed" if c.relayed else "direct" for c in peer.transport.open_connections()
-                if c.peer_id == target]
+        return [("relayed" if c.relayed else "direct") + (" bulk" if c.remote.bulk else "")
+                for c in peer.transport.open_connections() if c.peer_id == target]
     return peer.run(look(), timeout=5)
 
 
@@ -101,11 +102,12 @@ def call_expert(args: argparse.Namespace) -> dict:
             time.sleep(0.1)
         direct_after = time.monotonic() - waited if "direct" in paths(peer, server) else None
         second = call()
+        final = paths(peer, server)
         return {"ok": True, "reachability": peer.transport.reachability, "attempts": attempts,
                 "first_call_s": round(first, 3), "first_call_paths": first_paths,
                 "direct_after_s": None if direct_after is None else round(direct_after, 2),
-                "second_call_s": round(second, 3), "final_paths": paths(peer, server),
-                "path": "direct" if "direct" in paths(peer, server) else "relayed"}
+                "second_call_s": round(second, 3), "final_paths": final,
+                "path": "direct" if "direct" in final else "relayed"}
 
 
 def donate(args: argparse.Namespace) -> dict:
@@ -158,7 +160,7 @@ def main() -> int:
     parser.add_argument("--run-id", help="donate, download: the averaging run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # as the CLI's
     try:
         report = ROLES[args.role](args)
     except Exception as e:  # noqa: BLE001 - the summary says what went wrong; the log has the trace
