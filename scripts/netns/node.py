@@ -142,7 +142,7 @@ def download(args: argparse.Namespace) -> dict:
         donor = PeerID.from_string(metadata["donor"])
         size = sum(t.numel() * t.element_size() for t in expected)
         return {"ok": True, "reachability": peer.transport.reachability, "attempts": attempts,
-                "version": version, "bytes": size, "seconds": round(seconds, 3),
+                "version": version, "bytes": size, "download_s": round(seconds, 3),
                 "paths_to_donor": paths(peer, donor)}
 
 
