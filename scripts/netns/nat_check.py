@@ -94,6 +94,9 @@ SITES = [Site("nat-a", f"{PUBLIC_NET}.2", "10.1.0", {"a1": "10.1.0.11", "a2": "1
 HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | PUBLIC_HOSTS
 
 
+TOOLS = {"ip": "iproute2", "iptables": "iptables"}  # command -> the Debian package that has it
+
+
 class CheckFailed(Exception):
     pass
 
@@ -115,12 +118,13 @@ def in_ns(name: str, *args: str) -> str:
 
 # -- topology -----------------------------------------------------------------------------------------
 def ensure_tools() -> None:
-    if shutil.which("ip") is None:
-        raise CheckFailed("`ip` (iproute2) is missing")
-    if shutil.which("iptables") is None:
-        print("nat_check: installing iptables", file=sys.stderr, flush=True)
+    """Install what a fresh CI machine may lack (Debian packages)."""
+    missing = [package for tool, package in TOOLS.items() if shutil.which(tool) is None]
+    if missing:
+        print(f"nat_check: installing {' '.join(missing)}", file=sys.stderr, flush=True)
+        os.environ["DEBIAN_FRONTEND"] = "noninteractive"
         sh("apt-get", "update", "-qq", timeout=INSTALL_TIMEOUT)
-        sh("apt-get", "install", "-y", "-qq", "iptables", timeout=INSTALL_TIMEOUT)
+        sh("apt-get", "install", "-y", "-qq", *missing, timeout=INSTALL_TIMEOUT)
 
 
 def our_namespaces() -> list[str]:
@@ -189,7 +193,7 @@ def build_topology() -> None:
             sh("ip", "-n", ns(host), "addr", "add", f"{ip}/24", "dev", "eth0")
             up(host, "eth0")
             sh("ip", "-n", ns(host), "route", "add", "default", "via", f"{site.subnet}.1")
-        in_ns(r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        in_ns(r, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")  # per namespace
         rules = [["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE",
                   *(["--random-fully"] if site.random_ports else [])]]
         for chain in ("INPUT", "FORWARD"):  # a home router: only answers to what was started inside
@@ -343,8 +347,8 @@ async def run_step(summary: dict, name: str, step: Callable[[], object]) -> obje
     return value if ok else None
 
 
-async def check(log_dir: Path) -> dict:
-    summary: dict = {"steps": {}}
+async def check(log_dir: Path, summary: dict) -> None:
+    """Run the steps, filling `summary` as they end (what ended stays there if the deadline hits)."""
     procs = Processes(log_dir)
     try:
         await run_step(summary, "topology", lambda: asyncio.to_thread(build_topology))
@@ -356,8 +360,7 @@ async def check(log_dir: Path) -> dict:
                                      run_step(summary, "state", lambda: state_step(procs, initial)))
     finally:
         await procs.stop_all()
-    summary["hole_punches"] = punch_reports(log_dir)
-    return summary
+        summary["hole_punches"] = punch_reports(log_dir)
 
 
 PUNCH_LOG = "INFO potluck.net.holepunch: "  # as the CLI and node.py format their log lines
@@ -398,7 +401,7 @@ def main() -> int:
     try:
         ensure_tools()
         remove_namespaces()
-        summary = asyncio.run(asyncio.wait_for(check(log_dir), CHECK_DEADLINE))
+        asyncio.run(asyncio.wait_for(check(log_dir, summary), CHECK_DEADLINE))
     except (CheckFailed, TimeoutError) as e:
         summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
     finally:
