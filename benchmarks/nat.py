@@ -79,7 +79,7 @@ async def serve_target(relay_address: str) -> None:
     # The target would punch every relayed connection it accepts (as a NATed peer does), and on one
     # host that always works: the relayed path would not stay relayed long enough to be measured.
     # It still answers punches that the client starts (the hole punch figures).
-    transport.puncher.start = lambda relayed: None
+    transport.puncher.auto = False
     await transport.start()
     relay = await transport.connect(relay_address)
     reservation = await reserve(transport, relay)
