@@ -101,11 +101,18 @@ def call_expert(args: argparse.Namespace) -> dict:
         while "direct" not in paths(peer, server) and time.monotonic() < min(waited + PUNCH_WAIT, deadline):
             time.sleep(0.1)
         direct_after = time.monotonic() - waited if "direct" in paths(peer, server) else None
+        relayed_closed_after = None
+        if direct_after is not None:  # the relayed connection closes once idle
+            while "relayed" in paths(peer, server) and time.monotonic() < min(waited + PUNCH_WAIT, deadline):
+                time.sleep(0.1)
+            if "relayed" not in paths(peer, server):
+                relayed_closed_after = time.monotonic() - waited
         second = call()
         final = paths(peer, server)
         return {"ok": True, "reachability": peer.transport.reachability, "attempts": attempts,
                 "first_call_s": round(first, 3), "first_call_paths": first_paths,
                 "direct_after_s": None if direct_after is None else round(direct_after, 2),
+                "relayed_closed_after_s": None if relayed_closed_after is None else round(relayed_closed_after, 2),
                 "second_call_s": round(second, 3), "final_paths": final,
                 "path": "direct" if "direct" in final else "relayed"}
 
