@@ -18,7 +18,17 @@ from potluck.core.errors import MalformedMessage, PeerUnreachable, RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.net.connection import CallContext, Connection, Stream
 from potluck.net.emulated import EmulatedNetwork
-from potluck.net.holepunch import MAX_ATTEMPTS, MAX_CANDIDATES, PUNCH_TIMEOUT, SIGNAL_TIMEOUT, Connect, Sync
+from potluck.net.holepunch import (
+    MAX_ATTEMPTS,
+    MAX_CANDIDATES,
+    MAX_PUNCH_BACKOFF_SECONDS,
+    MAX_REMEMBERED_FAILURES,
+    PUNCH_BACKOFF_SECONDS,
+    PUNCH_TIMEOUT,
+    SIGNAL_TIMEOUT,
+    Connect,
+    Sync,
+)
 from potluck.net.identity import Identity
 from potluck.net.relay import RelayService, reserve
 from potluck.net.tcp import TCPTransport
@@ -138,11 +148,12 @@ def test_tcp_relayed_connection_is_upgraded_to_a_direct_one() -> None:
             target.set_relayed_addresses(circuits)
             dialer.add_addresses(target.peer_id, circuits)
             assert await dialer.call(target.peer_id, "echo", "via relay") == {"echo": "via relay", "relayed": True}
-            await until(lambda: bool(direct(dialer, target)))  # the target punched in the background
-            assert await dialer.call(target.peer_id, "echo", "direct") == {"echo": "direct", "relayed": False}
-            # Bulk streams share the direct connection: one of their own could only be relayed.
+            # The target now punches in the background. A bulk stream opened at once (as a state
+            # download follows its manifest call) waits for the punch and shares the direct
+            # connection: one of its own could only be relayed.
             stream = await dialer.open_stream(target.peer_id, "bulk", timeout=PROMPT)
             assert await stream.recv() == {"relayed": False}
+            assert await dialer.call(target.peer_id, "echo", "direct") == {"echo": "direct", "relayed": False}
             await until(lambda: not any(c.relayed for c in dialer.open_connections()))
 
     asyncio.run(main())
@@ -180,5 +191,96 @@ def test_emulated_punch_succeeds_where_the_nats_allow_it_and_the_relay_stays_oth
             assert await dialer.call(target.peer_id, "echo", 3) == {"echo": 3, "relayed": True}
         for t in (dialer, target, relay):
             await t.close()
+
+    run_virtual(main())
+
+
+async def emulated_relayed(target_nat: str | None, dialer_nat: str | None) -> tuple[Transport, Transport, Transport]:
+    """(relay, target, dialer) on the emulated network: the target reserved a slot on the relay,
+    and the dialer knows only the target's circuit addresses."""
+    net = EmulatedNetwork(latency=0.02)
+    relay = net.transport()
+    target, dialer = net.transport(nat=target_nat), net.transport(nat=dialer_nat)
+    for t in (relay, target, dialer):
+        t.add_handler("echo", echo)
+        t.add_stream_handler("bulk", bulk)
+        await t.start()
+    RelayService(relay).start()
+    await target.connect(relay.addresses[0])
+    circuits = (await reserve(target, relay.peer_id)).addresses
+    target.set_public(False)  # as a reachability check finds: it tells others only its circuit addresses
+    target.set_relayed_addresses(circuits)
+    dialer.add_addresses(target.peer_id, circuits)
+    return relay, target, dialer
+
+
+def test_emulated_bulk_stream_opened_while_a_punch_runs_takes_the_direct_connection() -> None:
+    async def main() -> None:
+        relay, target, dialer = await emulated_relayed("eim", "eim")
+        assert (await dialer.call(target.peer_id, "echo", 1)) == {"echo": 1, "relayed": True}
+        assert target.puncher._active  # the punch is in flight as the bulk stream opens
+        stream = await dialer.open_stream(target.peer_id, "bulk", timeout=PROMPT)
+        assert await stream.recv() == {"relayed": False}
+        assert not any(c.relayed and c.remote.bulk for c in dialer.open_connections())
+        for t in (dialer, target, relay):
+            await t.close()
+
+    run_virtual(main())
+
+
+def test_emulated_failed_punch_is_not_tried_again_with_that_peer_until_its_backoff_ends() -> None:
+    async def main() -> None:
+        relay, target, dialer = await emulated_relayed("edm", "edm")
+        tries = 0
+        endpoint = target.punch_endpoint
+
+        def counted() -> Any:
+            nonlocal tries
+            tries += 1
+            return endpoint()
+
+        target.punch_endpoint = counted  # type: ignore[method-assign] - count the target's tries
+
+        async def new_relayed_connection() -> None:
+            for conn in direct(dialer, target) + [c for c in dialer.open_connections() if c.peer_id == target.peer_id]:
+                conn.close("a new relayed connection is wanted")
+            assert (await dialer.call(target.peer_id, "echo", 1)) == {"echo": 1, "relayed": True}
+            await asyncio.sleep(WHOLE_PUNCH)  # any punch it starts has ended
+
+        await new_relayed_connection()
+        assert tries == MAX_ATTEMPTS and not direct(dialer, target)  # failed: backing off
+        await new_relayed_connection()
+        assert tries == MAX_ATTEMPTS  # within the backoff: no punch started
+        await asyncio.sleep(PUNCH_BACKOFF_SECONDS)
+        await new_relayed_connection()
+        assert tries == 2 * MAX_ATTEMPTS  # after it: tried again (and failed: the backoff doubles)
+        await asyncio.sleep(PUNCH_BACKOFF_SECONDS)
+        await new_relayed_connection()
+        assert tries == 2 * MAX_ATTEMPTS
+        assert (await dialer.call(target.peer_id, "echo", 2)) == {"echo": 2, "relayed": True}
+        for t in (dialer, target, relay):
+            await t.close()
+
+    run_virtual(main())
+
+
+def test_remembered_punch_failures_are_capped_and_forgotten_once_long_over() -> None:
+    async def main() -> None:
+        puncher = EmulatedNetwork().transport().puncher
+        peers = [Identity.generate().peer_id for _ in range(MAX_REMEMBERED_FAILURES + 1)]
+        for peer in peers:
+            puncher._failed(peer)
+        assert len(puncher._failures) == MAX_REMEMBERED_FAILURES and peers[0] not in puncher._failures
+        assert "failed in a row" in (puncher._refusal(peers[-1]) or "")
+        for _ in range(10):  # failing again and again: the backoff doubles up to its cap
+            await asyncio.sleep(MAX_PUNCH_BACKOFF_SECONDS)
+            puncher._failed(peers[1])
+        loop = asyncio.get_running_loop()
+        assert puncher._failures[peers[1]] == (11, loop.time() + MAX_PUNCH_BACKOFF_SECONDS)
+        assert list(puncher._failures) == [peers[1]]  # the others' backoffs are long over: forgotten
+        await asyncio.sleep(2 * MAX_PUNCH_BACKOFF_SECONDS)
+        assert puncher._refusal(peers[1]) is None
+        puncher._failed(peers[1])  # long past its backoff: starts over
+        assert puncher._failures[peers[1]] == (1, loop.time() + PUNCH_BACKOFF_SECONDS)
 
     run_virtual(main())

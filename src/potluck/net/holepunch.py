@@ -17,11 +17,18 @@ binds a fresh port, the emulated network follows its NAT model.
 A peer's CONNECT is untrusted: its candidates are capped (MAX_CANDIDATES), must be plain IP or
 emulated addresses (no names to resolve, no circuits), and are dialed only with the identity check.
 Only relayed connections are punched, and MAX_CONCURRENT_PUNCHES at a time.
+
+A punch that failed every try is remembered: no new one with that peer starts for
+PUNCH_BACKOFF_SECONDS, doubled after each further failure up to MAX_PUNCH_BACKOFF_SECONDS (a
+symmetric NAT defeats every punch, and each costs ~15 s of tries); a success forgets the failures.
+A bulk stream to a peer reached only through relays waits up to BULK_WAIT_SECONDS for a punch in
+flight (`outcome`), so that it runs on the direct connection rather than a relayed one of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 from collections.abc import Mapping
@@ -45,7 +52,8 @@ from potluck.net.identity import PeerID
 if TYPE_CHECKING:
     from potluck.net.transport import Transport
 
-__all__ = ["MAX_ATTEMPTS", "PUNCH_METHOD", "Connect", "HolePuncher", "PunchEndpoint", "Sync"]
+__all__ = ["BULK_WAIT_SECONDS", "MAX_ATTEMPTS", "PUNCH_BACKOFF_SECONDS", "PUNCH_METHOD", "Connect", "HolePuncher",
+           "PunchEndpoint", "Sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,23 @@ PUNCH_SECONDS = MAX_ATTEMPTS * (3 * SIGNAL_TIMEOUT + PUNCH_TIMEOUT)
 # socket and a few dials; a peer behind NAT has a handful of relayed connections at a time, and
 # a flood of CONNECTs must not make us dial (or bind) without end.
 MAX_CONCURRENT_PUNCHES = 8
+# After a punch with a peer failed every try, none with it starts for this long, doubled after each
+# further failure: a NAT that defeated three tries (a symmetric one, a new port per destination)
+# defeats the next, and each punch costs ~15 s of tries and a bound port per try. A few minutes
+# lets a network that changed (a peer that moved, a router restarted) be tried again soon.
+PUNCH_BACKOFF_SECONDS = 300.0
+# The longest backoff, and how long past its backoff a peer's failures are remembered (then it
+# starts over): a peer that keeps failing is still tried every hour, and nothing is kept forever.
+MAX_PUNCH_BACKOFF_SECONDS = 3600.0
+# Peers whose failures are remembered (oldest dropped first): far more than one peer talks to
+# through relays, and a bound on what a flood of relayed connections from new ids can make us keep.
+MAX_REMEMBERED_FAILURES = 1024
+# How long a bulk stream to a peer reached only through relays waits for a punch in flight before
+# taking a relayed connection of its own: a punch that works is done within a few round trips
+# through the relay and a handshake (well under a second); a relayed bulk connection runs at
+# ~0.3x the direct throughput for the whole transfer, and a punch still going after this is
+# likely failing (a failed try takes PUNCH_TIMEOUT).
+BULK_WAIT_SECONDS = 3.0
 # How often a relayed connection replaced by a direct one is checked for idleness (then closed):
 # calls and streams already on it finish there; new ones take the direct connection.
 IDLE_CHECK_SECONDS = 1.0
@@ -155,7 +180,10 @@ class HolePuncher:
         self.transport = transport
         # Punch each relayed connection we accept (False: the relay carries all, e.g. to measure it).
         self.auto = True
-        self._active: set[PeerID] = set()  # peers with a punch in progress (either role)
+        # Peers with a punch in progress (either role) -> set once its outcome is known (see `outcome`).
+        self._active: dict[PeerID, asyncio.Event] = {}
+        # Peers whose last punch failed every try -> (failures in a row, loop time the backoff ends).
+        self._failures: dict[PeerID, tuple[int, float]] = {}
         self._tasks: set[asyncio.Task] = set()  # background punches and idle checks, ended by close()
         transport.add_stream_handler(PUNCH_METHOD, self._serve, max_seconds=PUNCH_SECONDS)
 
@@ -171,7 +199,7 @@ class HolePuncher:
         refusal = self._refusal(peer)
         if refusal is not None:
             raise PeerUnreachable(f"no hole punch with {peer}: {refusal}")
-        self._active.add(peer)
+        self._active[peer] = asyncio.Event()
         errors: list[str] = []
         try:
             stream = await relayed.open_stream(PUNCH_METHOD, None, timeout=PUNCH_SECONDS)
@@ -197,7 +225,8 @@ class HolePuncher:
                 raise
             await stream.close()
         finally:
-            self._active.discard(peer)
+            self._active.pop(peer).set()
+        self._failed(peer)
         raise PeerUnreachable(f"hole punch to {peer} failed {MAX_ATTEMPTS} times: " + "; ".join(errors))
 
     async def _serve(self, stream: Stream, ctx: CallContext) -> None:
@@ -208,7 +237,7 @@ class HolePuncher:
         refusal = self._refusal(peer)
         if refusal is not None:
             raise PeerUnreachable(f"no hole punch: {refusal}")
-        self._active.add(peer)
+        self._active[peer] = asyncio.Event()
         errors: list[str] = []
         try:
             for _ in range(MAX_ATTEMPTS):
@@ -226,7 +255,7 @@ class HolePuncher:
                 if direct is not None:  # the initiator ends the stream, or tries again if its side failed
                     self._prefer(direct, relayed)
         finally:
-            self._active.discard(peer)
+            self._active.pop(peer).set()
             if errors:
                 logger.debug("hole punch tries with %s that failed here: %s", peer, "; ".join(errors))
 
@@ -245,6 +274,8 @@ class HolePuncher:
     def _prefer(self, direct: Connection, relayed: Connection) -> None:
         """Calls take `direct` from now on; `relayed` closes once what runs on it is over."""
         self.transport._prefer(direct)
+        self._failures.pop(direct.peer_id, None)
+        self._active[direct.peer_id].set()  # bulk streams waiting in `outcome` may go
         self._spawn(self._close_when_idle(relayed, direct))
 
     async def _close_when_idle(self, relayed: Connection, direct: Connection) -> None:
@@ -266,6 +297,15 @@ class HolePuncher:
         logger.info("hole punched to %s in %.3f s: traffic moves to the direct connection",
                     relayed.peer_id, loop.time() - started)
 
+    async def outcome(self, peer: PeerID, within: float) -> None:
+        """Wait, at most `within` seconds, until a punch with `peer` in flight has made a direct
+        connection or ended; at once if none is in flight."""
+        running = self._active.get(peer)
+        if running is not None:
+            with contextlib.suppress(TimeoutError):
+                async with compat.timeout(within):
+                    await running.wait()
+
     def _refusal(self, peer: PeerID) -> str | None:
         """Why no punch with `peer` starts now, if none may."""
         if peer in self._active:
@@ -274,7 +314,24 @@ class HolePuncher:
             return f"{MAX_CONCURRENT_PUNCHES} are running (the limit)"
         if any(not c.closed and not c.relayed for c in self.transport._shared.get(peer, ())):
             return "already connected directly"
+        failed = self._failures.get(peer)
+        now = asyncio.get_running_loop().time()
+        if failed is not None and now < failed[1]:
+            return f"{failed[0]} failed in a row; the next may start in {failed[1] - now:.0f} s"
         return None
+
+    def _failed(self, peer: PeerID) -> None:
+        """Remember that a punch with `peer` failed every try: back off (see PUNCH_BACKOFF_SECONDS)."""
+        now = asyncio.get_running_loop().time()
+        count, until = self._failures.pop(peer, (0, now))
+        if now >= until + MAX_PUNCH_BACKOFF_SECONDS:  # long past its backoff: start over
+            count = 0
+        backoff = min(PUNCH_BACKOFF_SECONDS * 2 ** min(count, 32), MAX_PUNCH_BACKOFF_SECONDS)
+        self._failures[peer] = (count + 1, now + backoff)
+        for old, (_, ends) in list(self._failures.items()):  # oldest first: forget those long over
+            if len(self._failures) <= MAX_REMEMBERED_FAILURES and now < ends + MAX_PUNCH_BACKOFF_SECONDS:
+                break
+            del self._failures[old]
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)

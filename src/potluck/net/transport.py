@@ -35,7 +35,7 @@ from potluck.net.connection import (
     UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
-from potluck.net.holepunch import HolePuncher, PunchEndpoint
+from potluck.net.holepunch import BULK_WAIT_SECONDS, HolePuncher, PunchEndpoint
 from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
 from potluck.net.peer_record import PeerRecord, PeerResolver
@@ -302,8 +302,11 @@ class Transport:
         can be dialed only through relays: bulk streams share it (a connection of their own would be
         relayed again)."""
         conns = self._shared.get(peer_id)
-        return bool(conns) and not conns[0].closed and not conns[0].relayed \
-            and all(a.is_circuit for a in self._book.dial_order(peer_id))
+        return bool(conns) and not conns[0].closed and not conns[0].relayed and self._relayed_only(peer_id)
+
+    def _relayed_only(self, peer_id: PeerID) -> bool:
+        """Whether `peer_id` can be dialed only through relays (every known address a circuit)."""
+        return all(a.is_circuit for a in self._book.dial_order(peer_id))
 
     def punch_endpoint(self) -> PunchEndpoint:
         """One hole punch try (`net.holepunch`): our candidates, and the dial to the other side's."""
@@ -491,6 +494,9 @@ class Transport:
                         await self._resolve(peer_id)
                 except TimeoutError:
                     raise PeerUnreachable(f"could not find {peer_id}'s address within {timeout} s") from None
+            if self._relayed_only(peer_id):  # a punch in flight may soon give a direct connection to share
+                left = BULK_WAIT_SECONDS if deadline is None else min(BULK_WAIT_SECONDS, deadline - loop.time())
+                await self.puncher.outcome(peer_id, left)
             dedicated = (peer_id in self._book or bool(self._bulk_idle.get(peer_id))) and not self._punched(peer_id)
         if dedicated:
             conn = await self._bulk_connection(peer_id, timeout)
