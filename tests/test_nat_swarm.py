@@ -26,7 +26,9 @@ from potluck.moe.expert import aforward, alocate
 from potluck.moe.experts import make_expert
 from potluck.net.connection import CallContext, Stream
 from potluck.net.emulated import EmulatedNetwork
+from potluck.net.reachability import DIALBACK_CALL_TIMEOUT
 from potluck.optim import Optimizer
+from potluck.peer import FIRST_RELAY_TIMEOUT, RECHECK_INTERVAL
 
 T = TypeVar("T")
 BATCH = 8
@@ -224,6 +226,49 @@ def test_a_state_download_from_a_natted_donor_resumes_through_another_relay_when
                                                               timeout=30, progress=progress)
             assert crashed and version == 3 and metadata == {"epoch": 3}
             assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
+        finally:
+            await shutdown(peers)
+    run(scenario())
+
+
+async def echo(request: Any, ctx: CallContext) -> Any:
+    return request
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_whose_only_initial_peer_cannot_dial_it_is_relayed_and_re_checks_follow_its_nat():
+    async def scenario() -> None:
+        network = EmulatedNetwork(latency=0.01, seed=11)
+        peers = await public_peers(network, 1, relays=1)
+        # Its only initial peer (the relay) is the only one to ask: one failed dial-back is enough to
+        # call itself private (before, it assumed it was public and nobody could reach it).
+        home = await natted_peer(network, peers, nat="eim")
+        peers.append(home)
+        try:
+            home.transport.add_handler("echo", echo)
+            assert home.transport.reachability == "relayed", home.reachability_summary
+            assert "reachable through relay" in home.reachability_summary
+            assert all(a.is_circuit for a in home.transport.addresses)
+
+            home.transport.nat = None  # the user forwards the port: from now on anyone can dial in
+            await asyncio.sleep(RECHECK_INTERVAL + DIALBACK_CALL_TIMEOUT)
+            assert home.transport.reachability == "public", home.reachability_summary
+            assert home.reachability_summary.startswith("Publicly reachable")
+            assert home.transport.addresses == home.transport.listen_addresses
+            assert not home.transport.relay_reservations  # released: others dial it directly
+            # A newcomer finds its (republished) record and dials it directly.
+            newcomer = await potluck.Peer.create(peers[0].addresses, transport=network.transport(),
+                                                 clock=event_loop_clock())
+            peers.append(newcomer)
+            assert await newcomer.transport.call(home.transport.peer_id, "echo", 7, timeout=10) == 7
+            links = [c for c in newcomer.transport.open_connections() if c.peer_id == home.transport.peer_id]
+            assert links and not any(c.relayed for c in links)
+
+            home.transport.nat = "eim"  # the forward is gone again: the next check finds it private
+            await asyncio.sleep(RECHECK_INTERVAL + DIALBACK_CALL_TIMEOUT + FIRST_RELAY_TIMEOUT)
+            assert home.transport.reachability == "relayed", home.reachability_summary
+            assert all(a.is_circuit for a in home.transport.addresses) and home.transport.relay_reservations
+            assert "reachable through relay" in home.reachability_summary
         finally:
             await shutdown(peers)
     run(scenario())

@@ -83,13 +83,21 @@ def test_a_tcp_peer_announcing_an_address_nobody_can_reach_is_found_private(arun
 
 
 @pytest.mark.timeout(30)
-def test_one_answer_without_a_dial_back_is_unknown_and_a_private_server_refuses(arun):
+def test_one_answer_without_a_dial_back_is_private_and_no_answer_is_unknown(arun):
     async def main():
         async with tcp_servers(2) as servers:
-            servers[1].set_public(False)  # a server behind NAT: its dial-back proves nothing
+            servers[1].set_public(False)  # a server behind NAT refuses: its dial-back would prove nothing
             me = TCPTransport(Identity.generate(), host="127.0.0.1", announce=[f"/ip4/127.0.0.1/tcp/{closed_port()}"])
-            report = await checked(me, servers)
-            assert report.verdict == "unknown" and report.answers == 1
+            await me.start()
+            try:
+                for s in servers:
+                    await me.connect(s.listen_addresses[0])
+                report = await check_reachability(me, [servers[1].peer_id])
+                assert report.verdict == "unknown" and report.answers == 0
+                report = await check_reachability(me, [s.peer_id for s in servers])
+                assert report.verdict == "private" and report.answers == 1 and len(report.asked) == 2
+            finally:
+                await me.close()
     arun(main())
 
 

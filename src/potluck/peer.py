@@ -12,7 +12,9 @@ tokens check out (`potluck.membership`).
 Reachability (issue 16): by default a peer asks its initial peers to dial it back
 (`net.reachability`). Found private (behind NAT or a firewall), it runs as a client unless it
 holds a relay reservation (`nat.relays`), with which it publishes circuit addresses and can serve.
-`reachability_summary` says in one sentence what was found and what the user can do.
+It checks again every RECHECK_INTERVAL (a port forwarded or closed, a new router) and moves between
+public and private/relayed, taking or releasing relay reservations. `reachability_summary` says in
+one sentence what the latest check found and what the user can do.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ BOOTSTRAP_TIMEOUT = 15.0
 FIRST_RELAY_TIMEOUT = 10.0
 # What the reachability check and the first reservation may add to start-up, beyond the above.
 NAT_STARTUP_SECONDS = DIALBACK_CALL_TIMEOUT + FIRST_RELAY_TIMEOUT
+# How often a peer re-checks its reachability: a port forward opened or closed, or a router
+# replaced, is noticed within minutes, and each check costs CHECK_PEERS peers one dial-back.
+RECHECK_INTERVAL = 600.0
+# Sooner while no server answered (verdict unknown, or nobody to ask yet): what the peer assumed
+# meanwhile may be wrong, and a false "public" leaves it unreachable.
+RECHECK_UNKNOWN_INTERVAL = 60.0
 
 
 class Peer:
@@ -63,9 +71,9 @@ class Peer:
     Args:
         initial_peers: addresses (`/ip4/.../tcp/.../p2p/...`) of peers already in the swarm.
         host, port: where to listen (port 0 picks a free one).
-        client_mode: None (the default): check at start whether others can dial this peer, and run
-            as a client if not (unless a relay is found). True: force client mode (never listen;
-            only dial out). False: listen and announce without checking.
+        client_mode: None (the default): check at start (and every RECHECK_INTERVAL) whether others
+            can dial this peer, and run as a client if not (unless a relay is found). True: force
+            client mode (never listen; only dial out). False: listen and announce without checking.
         relay: also serve as a relay for peers behind NAT (`net.relay.RelayService`), announced
             in the DHT; only while this peer is publicly reachable.
         identity_path: key file; created on first use so the peer id survives restarts.
@@ -143,6 +151,8 @@ class Peer:
         self._relay_service: RelayService | None = None
         self._announcer: RelayAnnouncer | None = None
         self._reservations: RelayReservations | None = None
+        self._recheck_task: asyncio.Task | None = None
+        self._initial_ids: list[PeerID] = []  # initial peers reached: the first servers of re-checks
         self.reachability_summary = ""
         self._runner = acquire_runner()
         self.dht = DHT(transport, config=dht_config, clock=clock, runner=self._runner)
@@ -175,7 +185,7 @@ class Peer:
                                   "those peers are running:\n  " + "\n  ".join(errors))
         for line in errors:
             logger.warning("initial peer unreachable: %s", line)
-        reached = [r for r in results if isinstance(r, PeerID)]
+        reached = self._initial_ids = [r for r in results if isinstance(r, PeerID)]
         report = await self._check_reachability(reached) if self._check else None
         await self.dht.astart(timeout, initial_peers=reached)
         if report is not None and report.verdict == "unknown":
@@ -196,23 +206,24 @@ class Peer:
             self.transport.set_public(False)
             # Our handshakes so far said we were public: redo them, so that nobody keeps us in a
             # routing table or dials us at addresses that do not work.
-            for conn in self.transport.open_connections():
-                conn.close("this peer turned out not to be reachable; reconnecting as a client")
+            self._redo_handshakes("this peer turned out not to be reachable; reconnecting as a client")
         return report
+
+    def _redo_handshakes(self, why: str, idle_only: bool = False) -> None:
+        """Close connections whose handshake told our old reachability (client mode or not);
+        `idle_only` spares those in use, which keep the old one until they close."""
+        for conn in self.transport.open_connections():
+            if not idle_only or conn.idle:
+                conn.close(why)
 
     async def _start_nat(self, report: ReachabilityReport | None) -> None:
         """After the DHT is up: relay reservations if private, the relay service if asked."""
         transport = self.transport
         if report is not None and report.verdict == "private":
-            self._reservations = RelayReservations(transport, self.dht)
-            self._reservations.start()
-            await self._reservations.wait_first(FIRST_RELAY_TIMEOUT)
+            await self._reserve_relays()
         if self._relay:
             if transport.reachability == "public":
-                self._relay_service = RelayService(transport)
-                self._relay_service.start()
-                self._announcer = RelayAnnouncer(transport, self.dht)
-                await self._announcer.start()
+                await self._start_relay()
             else:
                 logger.warning("not serving as a relay: this peer is not publicly reachable")
         self.reachability_summary = self._describe(report)
@@ -220,9 +231,55 @@ class Peer:
             logger.warning(self.reachability_summary)
         else:
             logger.info(self.reachability_summary)
+        if self._check:
+            unknown = report is None or report.verdict == "unknown"
+            self._recheck_task = asyncio.ensure_future(self._recheck_forever(unknown))
+
+    async def _reserve_relays(self) -> None:
+        self._reservations = RelayReservations(self.transport, self.dht)
+        self._reservations.start()
+        await self._reservations.wait_first(FIRST_RELAY_TIMEOUT)
+
+    async def _start_relay(self) -> None:
+        if self._relay_service is None:
+            self._relay_service = RelayService(self.transport)
+            self._relay_service.start()
+            self._announcer = RelayAnnouncer(self.transport, self.dht)
+            await self._announcer.start()
+
+    async def _recheck_forever(self, unknown: bool) -> None:
+        while True:
+            await asyncio.sleep(RECHECK_UNKNOWN_INTERVAL if unknown else RECHECK_INTERVAL)
+            unknown = (await self.recheck_reachability()).verdict == "unknown"
+
+    async def recheck_reachability(self) -> ReachabilityReport:
+        """Check again (the initial peers, then DHT neighbours, as servers) and follow the verdict:
+        public <-> private or relayed. No answer changes nothing. Runs every RECHECK_INTERVAL."""
+        node = self.dht.node
+        servers = [*self._initial_ids, *(p for p, _ in node.routing.nearest(node.node_id, CHECK_PEERS))]
+        report = await check_reachability(self.transport, servers)
+        before = self.transport.reachability
+        if report.verdict == "public" and before != "public":
+            self.transport.set_public(True)
+            if self._reservations is not None:
+                await self._reservations.release()
+                self._reservations = None
+            self._redo_handshakes("this peer is publicly reachable now; reconnecting as a server", idle_only=True)
+            if self._relay:
+                await self._start_relay()
+        elif report.verdict == "private" and before == "public":
+            self.transport.set_public(False)
+            self._redo_handshakes("this peer is not reachable any more; reconnecting as a client", idle_only=True)
+            await self._reserve_relays()
+        if report.verdict != "unknown":  # else the summary still tells what we assume, and why
+            self.reachability_summary = self._describe(report)
+        if self.transport.reachability != before:
+            logger.warning("Reachability changed from %s to %s: %s", before, self.transport.reachability,
+                           self.reachability_summary)
+        return report
 
     def _describe(self, report: ReachabilityReport | None) -> str:
-        """One plain sentence: what start-up found about our reachability, and what to do."""
+        """One plain sentence: what the latest check found about our reachability, and what to do."""
         t = self.transport
         shown = ", ".join(str(a) for a in t.listen_addresses[:2]) or "its listening address"
         ports = sorted({str(a.port) for a in t.listen_addresses if a.port is not None})
@@ -249,6 +306,9 @@ class Peer:
                 "machine, or run a relay (`potluck peer --relay`) on a public machine.")
 
     async def _close_nat(self) -> None:
+        if self._recheck_task is not None:
+            self._recheck_task.cancel()
+            await asyncio.gather(self._recheck_task, return_exceptions=True)
         for part in (self._reservations, self._announcer):
             if part is not None:
                 await part.close()

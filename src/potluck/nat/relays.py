@@ -9,6 +9,7 @@ A peer the reachability check found private keeps up to WANTED_RELAYS reservatio
 sets its circuit addresses (`transport.set_relayed_addresses`, which makes the DHT republish its
 peer record at once), renews each reservation halfway to its expiry, and when a relay's
 connection is lost (`transport.watch_disconnects`) drops its addresses and reserves elsewhere.
+A later re-check that finds the peer public releases them all (`release`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,13 @@ class RelayReservations:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    async def release(self) -> None:
+        """Stop and give up every reservation: this peer turned out public, others dial it directly
+        (the relays stop piping to us; a slot ends with its connection or at its expiry)."""
+        await self.close()
+        for relay in list(self.held):
+            self._drop(relay)
 
     def _disconnected(self, peer: PeerID) -> None:
         if peer in self.held:

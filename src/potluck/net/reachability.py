@@ -4,9 +4,14 @@ A peer asks a few others to dial it back (`nat.dialback`): it lists its addresse
 server dials those whose host is the one it saw the call come from (`RemoteInfo.observed`), on a
 fresh connection that must prove the caller's id, within a short deadline, and answers which
 worked and the address it saw. The host rule means nobody can aim our dials at a third party: the
-only host a caller can make us dial is its own (or its router's). The verdict: public if any
-dial-back worked; private if at least two servers answered and none did; unknown otherwise (too
-few answers to tell a NAT from a server's bad day).
+only host a caller can make us dial is its own (or its router's).
+
+The verdict: public if any dial-back worked; private if at least one server answered and none
+worked; unknown if nobody answered (the caller keeps what it assumed and says so). One failed answer
+is enough because the two mistakes cost very differently: a false "private" (one server's bad
+day) costs relayed traffic until the next re-check (`potluck.Peer` re-checks every few minutes),
+while a false "public" leaves the peer unreachable, announcing addresses nobody can dial. The
+common home setup, one initial peer that is also the relay, gives exactly one answer.
 
 Servers are peers that are themselves public: a NATed server's dial-back could reach the caller
 through a shared LAN and pass where the internet would not.
@@ -49,11 +54,10 @@ DIALBACK_TIMEOUT = 5.0
 MAX_CONCURRENT_DIALBACKS = 8
 # A caller's call: the dial-backs' deadline plus the round trips of the call itself.
 DIALBACK_CALL_TIMEOUT = DIALBACK_TIMEOUT + 5.0
-# Peers asked in one check: enough for two answers with one of them down (the private verdict
-# needs two), few enough not to load the swarm's first peers with every newcomer's dials.
+# Peers asked in one check: a dial-back that works through any of them settles "public" even with
+# one server down or slow, and few enough not to load the swarm's first peers with every newcomer's
+# (and every re-check's) dials.
 CHECK_PEERS = 3
-# Answers that must agree no dial-back worked before we call ourselves private.
-MIN_PRIVATE_ANSWERS = 2
 # Observed hosts remembered (for hole punching's candidates): one per address family and router.
 MAX_OBSERVED_HOSTS = 4
 
@@ -170,7 +174,7 @@ class ReachabilityReport:
 def _verdict(reached: tuple[Multiaddr, ...], answers: int) -> Verdict:
     if reached:
         return "public"
-    return "private" if answers >= MIN_PRIVATE_ANSWERS else "unknown"
+    return "private" if answers else "unknown"
 
 
 async def check_reachability(transport: Transport, servers: Sequence[PeerID],
