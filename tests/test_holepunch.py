@@ -33,6 +33,7 @@ from potluck.net.identity import Identity
 from potluck.net.relay import RelayService, reserve
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
+from tests.test_relay import tcp_peers as relayed_tcp_peers
 
 # A deadline for what must happen promptly; generous, never reached.
 PROMPT = 10.0
@@ -50,16 +51,11 @@ async def bulk(stream: Stream, ctx: CallContext) -> None:
 
 @contextlib.asynccontextmanager
 async def tcp_peers(n: int) -> AsyncIterator[list[TCPTransport]]:
-    peers = [TCPTransport(Identity.generate(), host="127.0.0.1") for _ in range(n)]
-    for p in peers:
-        p.add_handler("echo", echo)
-        p.add_stream_handler("bulk", bulk)
-        await p.start()
-    try:
+    async with relayed_tcp_peers(n, punch=True) as peers:
+        for p in peers:
+            p.add_handler("echo", echo)
+            p.add_stream_handler("bulk", bulk)
         yield peers
-    finally:
-        for p in reversed(peers):
-            await p.close()
 
 
 async def as_if_relayed(a: Transport, b: Transport) -> tuple[Connection, Connection]:

@@ -47,10 +47,12 @@ def serving(t: Transport) -> Transport:
 
 
 @contextlib.asynccontextmanager
-async def tcp_peers(n: int, insecure: bool = False) -> AsyncIterator[list[TCPTransport]]:
+async def tcp_peers(n: int, insecure: bool = False, punch: bool = False) -> AsyncIterator[list[TCPTransport]]:
+    """`n` started transports on 127.0.0.1; without `punch` relayed connections stay relayed (these
+    tests watch the relay carry the traffic)."""
     peers = [TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure) for _ in range(n)]
     for p in peers:
-        p.puncher.auto = False  # these tests watch the relay carry the traffic (no hole punching)
+        p.puncher.auto = punch
         await p.start()
     try:
         yield peers

@@ -784,17 +784,7 @@ class TCPPunch:
                 raise PeerUnreachable(f"refusing the punched connection from {ip}: {refusal}")
             link = TCPLink(self.owner, initiator=False, expected=expected)
             link.adopt(sock, peer, ip)
-        try:
-            error = await link.handshake
-        except BaseException:
-            link.close("hole punch abandoned")
-            raise
-        if error is not None:
-            link.close("handshake failed")
-            raise detached(error)
-        if link.connection is None:
-            raise PeerUnreachable(f"{expected} closed the punched connection right after the handshake")
-        return link.connection
+        return await link.authenticated(f"{expected} on the punched connection")
 
     async def _dial(self, target: Multiaddr) -> tuple[socket.socket, Any]:
         sock = _punch_socket(self._family, self._local)
