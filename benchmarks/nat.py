@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from transport import echo, sink  # noqa: E402 - benchmarks/transport.py (this folder is on sys.path)
+
 from potluck.core.errors import NetworkError  # noqa: E402
 from potluck.core.runner import new_event_loop  # noqa: E402
 from potluck.net import Identity, TCPTransport  # noqa: E402
@@ -64,16 +66,6 @@ async def serve_relay() -> None:
 
 async def serve_target(relay_address: str) -> None:
     transport = TCPTransport(Identity.generate(), host="127.0.0.1")
-
-    async def echo(request, ctx):
-        return request
-
-    async def sink(stream, ctx):
-        total = 0
-        async for chunk in stream:
-            total += chunk.numel() * chunk.element_size()
-        await stream.send(total)
-
     transport.add_handler("echo", echo)
     transport.add_stream_handler("sink", sink)
     # The target would punch every relayed connection it accepts (as a NATed peer does), and on one

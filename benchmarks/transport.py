@@ -48,17 +48,20 @@ def make_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+async def echo(request, ctx):
+    return request
+
+
+async def sink(stream, ctx):
+    """Count the bytes of the tensors streamed in; answer the total."""
+    total = 0
+    async for chunk in stream:
+        total += chunk.numel() * chunk.element_size()
+    await stream.send(total)
+
+
 async def serve(insecure: bool) -> None:
     transport = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=insecure)
-
-    async def echo(request, ctx):
-        return request
-
-    async def sink(stream, ctx):
-        total = 0
-        async for chunk in stream:
-            total += chunk.numel() * chunk.element_size()
-        await stream.send(total)
 
     async def hang(request, ctx):
         await asyncio.Event().wait()  # never answers: the caller's deadline ends the call
