@@ -31,26 +31,41 @@ from potluck.dht import (
 from potluck.dht.records import Record
 from potluck.dht.routing import node_id_of
 from potluck.dht.validation import sign_record
-from potluck.net.emulated import EmulatedNetwork
+from potluck.net.emulated import NAT_KINDS, EmulatedNetwork
+from potluck.net.reachability import DialbackService, check_reachability
 
 LATENCY = 0.01  # 10 ms one way between any two emulated peers
 
 
 async def build_swarm(net: EmulatedNetwork, n: int, *, seed: int = 0, config: DHTConfig | None = None,
-                      client_mode: bool = False, first: list[DHT] | None = None) -> list[DHT]:
-    """`n` DHT peers joining one by one, each through a random peer already in (or in `first`).
+                      client_mode: bool = False, first: list[DHT] | None = None, natted: float = 0.0) -> list[DHT]:
+    """`n` DHT peers joining one by one, each through a random public peer already in (or in `first`).
     They publish no peer records: these tests follow the DHT's own records one by one (peer
-    records have their own tests in test_peer_records.py)."""
+    records have their own tests in test_peer_records.py). `natted`: the share of peers behind
+    NAT (eim or edm): each asks the peer it joins through to dial it back (`net.reachability`),
+    is found private and joins as a DHT client, as `potluck.Peer` does."""
     config = dataclasses.replace(config or DHTConfig(), peer_record_ttl=None)
     rng = random.Random(seed)
     clock = event_loop_clock()
     dhts: list[DHT] = []
+    public: list[DHT] = []  # the peers others can join through
     for _ in range(n):
-        transport = net.transport(keepalive_interval=None, client_mode=client_mode)
+        nat = rng.choice(NAT_KINDS) if natted and public and rng.random() < natted else None
+        transport = net.transport(keepalive_interval=None, client_mode=client_mode, nat=nat)
         await transport.start()
-        pool = dhts if (dhts and not client_mode) else (first or dhts)
+        pool = public if (public and not client_mode) else (first or dhts)
         boot = [rng.choice(pool).node.transport.addresses[0]] if pool else []
+        if natted and nat is None:
+            DialbackService(transport).start()
+        if nat is not None:
+            report = await check_reachability(transport, [await transport.connect(boot[0])])
+            assert report.verdict == "private", report
+            transport.set_public(False)
+            for conn in transport.open_connections():  # its handshake said it was public
+                conn.close("found private")
         dhts.append(await DHT.create(transport, clock=clock, initial_peers=boot, config=config))
+        if not dhts[-1].node.client_mode:
+            public.append(dhts[-1])
     return dhts
 
 
@@ -422,20 +437,23 @@ def mean_hops(outcomes: list[dict]) -> list[int]:
 
 @pytest.mark.timeout(240)  # ~35 s alone on 2 cores; the margin is for a busy machine
 def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
-    """1,000 peers, 10 keys, all pairs: every peer gets all keys in one traversal (10,000 gets)
-    and must find every one. Then the copies those gets cached along the way are wiped, so only
-    the k = 20 replicas of the stores remain; 50% of the peers crash at random, and every survivor
-    gets all keys again: at least 99% of these 5,000 gets must succeed (in practice all do)."""
+    """1,000 peers, about 40% of them behind NAT (found private by a dial-back, so DHT clients
+    that store nothing), 10 keys, all pairs: every peer gets all keys in one traversal (10,000
+    gets) and must find every one. Then the copies those gets cached along the way are wiped, so
+    only the k = 20 replicas of the stores remain; 50% of the peers crash at random, and every
+    survivor gets all keys again: at least 99% of these 5,000 gets must succeed (in practice all do)."""
     async def scenario():
         net = EmulatedNetwork(latency=LATENCY, seed=8)
-        dhts = await build_swarm(net, 1000, seed=8)
+        dhts = await build_swarm(net, 1000, seed=8, natted=0.4)
+        public = {d for d in dhts if d.node.transport.nat is None}
+        assert 300 <= 1000 - len(public) <= 500 and all(d.node.client_mode for d in set(dhts) - public)
         rng = random.Random(8)
         keys = [f"expert.ffn.{i}" for i in range(10)]
         now = dhts[0].get_time()
         for writer, chunk in zip(rng.sample(dhts, 5), range(0, 10, 2), strict=True):
             assert all(await writer.astore_many([(k, {"uid": k}, now + 3600) for k in keys[chunk:chunk + 2]]))
         await settle(dhts)
-        assert all(len(holders_of(dhts, k)) >= 20 for k in keys)  # default replication: k = 20
+        assert all(len(holders_of(dhts, k)) >= 20 and holders_of(dhts, k) <= public for k in keys)  # k = 20
         replicas = {d: list(d.node.storage.items(d.get_time())) for d in dhts}
 
         results = await asyncio.gather(*(d.node.get_many(keys) for d in dhts))
