@@ -22,7 +22,7 @@ Steps, each reported in the JSON summary printed at the end (exit status 1 if on
   tcp_sanity  plain TCP: a NATed host reaches the public one and is seen as its router's
               address; nobody outside can open a connection to a NATed host.
   public      `potluck peer` starts on boot and `potluck peer --relay` on relay; both are the
-              others' initial peers (two public peers: a reachability verdict needs two answers).
+              others' initial peers.
   expert      a1 hosts an expert (`potluck expert-server`); b1 and c1, behind the other NATs,
               call it (forward and backward, answers checked against a local copy) and report
               whether their connection ended up direct (hole punched) or relayed: b1's must end
