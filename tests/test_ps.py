@@ -32,6 +32,8 @@ from potluck.ps.messages import (
     PushRequest,
     ReplicaAck,
     ReplicaUpdate,
+    ServerAnnouncement,
+    ShardRole,
 )
 from potluck.ps.server import method_name
 from potluck.ps.simulation import PSSimulation
@@ -117,14 +119,19 @@ PEERS = [Identity.generate().peer_id for _ in range(3)]
 GOOD = {
     "push": PushRequest(2, (torch.ones(4, 3), torch.ones(3))).to_wire(),
     "reply": ParamsReply(7, (torch.ones(4, 3), torch.ones(3)), dropped=True).to_wire(),
-    "replica": ReplicaUpdate(7, (torch.ones(4, 3), torch.ones(3)), tuple(PEERS[:2])).to_wire(),
+    "replica": ReplicaUpdate(7, (torch.ones(4, 3), torch.ones(3)), tuple(PEERS[:2]),
+                             ({"exp_avg": torch.ones(4, 3), "step": torch.tensor(7.0)}, {"count": 7}),
+                             {PEERS[0]: 6}).to_wire(),
     "layout": ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))).to_wire(),
+    "announcement": ServerAnnouncement("ab" * 32, 2, (ShardRole(0, replica=PEERS[1], await_standby=True),
+                                                      ShardRole(1, standby_of=PEERS[2]))).to_wire(),
 }
 PARSE = {
     "push": lambda msg: PushRequest.from_wire(msg, SHARD, latest_step=3),
     "reply": lambda msg: ParamsReply.from_wire(msg, SHARD),
     "replica": lambda msg: ReplicaUpdate.from_wire(msg, SHARD),
     "layout": ShardLayout.from_wire,
+    "announcement": ServerAnnouncement.from_wire,
 }
 
 
@@ -147,6 +154,18 @@ PARSE = {
     ("replica", {"params": [torch.ones(4, 3), torch.full((3,), float("nan"))]}, "'params'[1]"),
     ("replica", {"workers": ["not a peer id"]}, "'workers'"),
     ("replica", {"workers": "abc"}, "'workers'"),
+    ("replica", {"optimizer": [{}]}, "'optimizer'"),  # one per parameter
+    ("replica", {"optimizer": [{"exp_avg": torch.ones(5, 3)}, {}]}, "'optimizer'"),  # larger than its parameter
+    ("replica", {"optimizer": [{"exp_avg": torch.full((4, 3), float("inf"))}, {}]}, "'optimizer'"),
+    ("replica", {"optimizer": [{"x": "text"}, {}]}, "'optimizer'"),
+    ("replica", {"last_push": {"nobody": 1}}, "'last_push'"),
+    ("replica", {"last_push": {str(PEERS[0]): -1}}, "'last_push'"),
+    ("announcement", {"num_shards": 0}, "'num_shards'"),
+    ("announcement", {"digest": "x" * 65}, "'digest'"),
+    ("announcement", {"roles": [{"shard": 2, "standby_of": None, "replica": None, "await_standby": False}]},
+     "'shard'"),  # only 2 shards
+    ("announcement", {"roles": [{"shard": 0, "standby_of": "nobody", "replica": None, "await_standby": False}]},
+     "'standby_of'"),
     ("layout", {"servers": []}, "'servers'"),
     ("layout", {"servers": [[]]}, "'servers'"),
     ("layout", {"servers": [[str(PEERS[0])] * (MAX_SERVERS_PER_SHARD + 1)]}, "'servers'"),
@@ -172,7 +191,11 @@ def test_messages_round_trip_through_the_wire():
     assert push.step == 2 and all(torch.equal(g, torch.ones_like(p)) for g, p in zip(push.grads, SHARD))
     reply = ParamsReply.from_wire(loads(dumps(GOOD["reply"])), SHARD)
     assert reply.step == 7 and reply.dropped
-    assert ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), SHARD).workers == tuple(PEERS[:2])
+    replica = ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), SHARD)
+    assert replica.workers == tuple(PEERS[:2]) and replica.last_push == {PEERS[0]: 6}
+    assert torch.equal(replica.optimizer[0]["exp_avg"], torch.ones(4, 3)) and replica.optimizer[1] == {"count": 7}
+    announcement = ServerAnnouncement.from_wire(loads(dumps(GOOD["announcement"])))
+    assert announcement.roles == (ShardRole(0, replica=PEERS[1], await_standby=True), ShardRole(1, standby_of=PEERS[2]))
     assert PullRequest.from_wire(loads(dumps(PullRequest().to_wire()))) == PullRequest()
     assert ReplicaAck.from_wire(ReplicaAck(False).to_wire()) == ReplicaAck(False)
     with pytest.raises(MalformedMessage, match="'accepted'"):
@@ -404,3 +427,59 @@ def test_sync_parameter_server_trains_over_tcp_with_real_peers():
     finally:
         for p in peers + [server_peer]:
             p.shutdown()
+
+
+def sharded_run_with_standbys(steps: int, crash_at: int | None) -> tuple[list[torch.Tensor], list]:
+    """Two dedicated shard servers, each the standby of the other's shard, two sync workers with
+    Adam; with `crash_at`, shard 0's primary dies once it has applied that many steps. Returns the
+    parameters after `steps` rounds, and the servers."""
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+                                       num_shards=2, standbys=True, offload=False)
+        crashed = []
+        try:
+            def until() -> bool:
+                if crash_at is not None and sim.primary.step == crash_at and not crashed:
+                    crashed.append(sim.layout.servers[0][0])
+                    sim.crash_server(0)
+                return all(c.pushes >= steps for c in sim.clients)
+            await sim.run(batches, until)
+            await sim.clients[0].apull()
+        finally:
+            await sim.close()
+        return [p.detach().clone() for p in sim.models[0].parameters()], sim.servers
+    return run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_takeover_continues_with_the_primarys_optimizer_state_exactly():
+    """The standby gets Adam's moments and step counts with every copy, so the run after a
+    takeover is step for step the undisturbed run (without them it restarts Adam: other values)."""
+    undisturbed, _ = sharded_run_with_standbys(30, None)
+    taken_over, servers = sharded_run_with_standbys(30, 10)
+    standby = next(s for s in servers if s.shard == 0 and s.primary is not None)
+    assert not standby.standby and standby.step == 30 and servers[0].step == 10  # it took over at step 10
+    assert all(torch.equal(a, b) for a, b in zip(undisturbed, taken_over, strict=True))
+
+
+@pytest.mark.timeout(30)
+def test_a_push_the_primary_applied_and_the_worker_resends_to_the_standby_is_not_applied_twice():
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=1), [FAST],
+                                       num_shards=2, standbys=True, offload=False)
+        client = sim.clients[0]
+        grads = [torch.ones_like(p) for p in sim.models[0].parameters()]
+        shard0 = [grads[i] for i in sim.layout.indices(0)]
+        for _ in range(3):
+            await client.apush(grads)
+        standby = next(s for s in sim.servers if s.shard == 0 and s.primary is not None)
+        sim.crash_server(0)
+        push = method_name("sim", 0, "push")
+        again = await client.transport.call(standby.transport.peer_id, push, PushRequest(2, tuple(shard0)).to_wire(),
+                                            timeout=5)  # the third push again: the primary applied it
+        step_after_retry = standby.step
+        await client.apush(grads)
+        await sim.close()
+        return ParamsReply.from_wire(again, shard0).step, step_after_retry, standby.step
+    replied, after_retry, after_next = run_virtual(scenario())
+    assert (replied, after_retry, after_next) == (3, 3, 4)

@@ -11,9 +11,12 @@ before it answers is the mode:
   older parameters than the current step are dropped (the slowest b workers never hold a step up).
 
 A worker that stays silent for `worker_timeout` (and is not waiting in a call) is dropped, so a
-dead worker stops a round for at most that long. In the decentralized form a shard's server
-copies its state to a standby on another peer after every step, before it answers the workers;
-the standby takes over when workers turn to it.
+dead worker stops a round for at most that long. A shard's server with a standby on another peer
+(the decentralized form, or `attach_replica`) copies its state to it after every step, before it
+answers the workers: parameters, optimizer state (Adam's moments and step counts) and each
+worker's last applied push. The standby takes over when workers turn to it and goes on exactly as
+the primary would have: a push the primary applied and the worker sends again to the standby is
+answered, not applied twice.
 
 Only the run's workers may call (issue 14: a stranger pushed 3e38 into an async server). The
 caller is the transport's authenticated peer id. With `workers=` the server knows the run's
@@ -221,6 +224,10 @@ class ParameterServer:
         self._push_norms: deque[float] = deque(maxlen=PUSH_NORM_WINDOW)
         self._round: dict[PeerID, tuple[torch.Tensor, ...]] = {}
         self._replica_workers: tuple[PeerID, ...] = ()
+        # Each worker's last accepted push, by the server step it was computed on: a worker's pushes
+        # have rising steps (each reply is newer than the push it answers), so one at or below this
+        # is a retry of a push already applied (sent again to the standby after its primary died).
+        self._last_push: dict[PeerID, int] = {}
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._registered = asyncio.Event()
@@ -279,6 +286,9 @@ class ParameterServer:
         self._drop_expired()  # modes that never wait (async, backup) still drop the dead
         self._enter(worker)
         try:
+            if base_step <= self._last_push.get(worker, -1):
+                async with self._lock:  # applied before (by the primary this standby took over from)
+                    return self._reply()
             mode = self.config.mode
             if mode in ("sync", "backup"):
                 return await self._push_round(worker, base_step, grads)
@@ -287,6 +297,7 @@ class ParameterServer:
                 self.clock_gaps.append(state.clock - self._min_clock())
             state.clock += 1
             async with self._lock:
+                self._last_push[worker] = base_step
                 await self._apply([grads], [self.step - base_step])
                 reply = self._reply()
             if mode == "ssp":
@@ -371,9 +382,20 @@ class ParameterServer:
             with torch.no_grad():
                 for p, new in zip(self.params, update.params, strict=True):
                     p.copy_(new)
+            for p, slots in zip(self.params, update.optimizer, strict=False):  # () keeps the standby's own
+                self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in slots.items()}
             self.step = update.step
             self._replica_workers = update.workers
+            self._last_push = dict(update.last_push)
         return ReplicaAck(True)
+
+    async def attach_replica(self, replica: PeerID) -> bool:
+        """Copy this shard's state to `replica` now and after every step from here on (a standby
+        that announced itself after this server started). False if it did not take the copy."""
+        async with self._lock:
+            self.replica = replica
+            await self._replicate()
+            return self.replica is not None
 
     # -- rounds (sync, backup) --------------------------------------------------------------------
     async def _push_round(self, worker: PeerID, base_step: int, grads: tuple[torch.Tensor, ...]) -> ParamsReply:
@@ -383,6 +405,7 @@ class ParameterServer:
                 return self._reply(dropped=True)
             target = self.step + 1
             self._round[worker] = grads
+            self._last_push[worker] = base_step
             self.workers[worker].clock += 1
         self._notify()
         await self._wait_until(lambda: self.step >= target)
@@ -446,8 +469,10 @@ class ParameterServer:
     async def _replicate(self) -> None:
         # The registered workers (not only the live ones): a worker the primary dropped for silence
         # may come back to the standby.
+        optimizer = tuple({k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in self.optimizer.state.get(p, {}).items()} for p in self.params)
         update = ReplicaUpdate(self.step, tuple(p.detach().clone() for p in self.params),
-                               tuple(self.members | set(self.workers)))
+                               tuple(self.members | set(self.workers)), optimizer, dict(self._last_push))
         try:
             reply = await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"),
                                               update.to_wire(), timeout=REPLICATE_TIMEOUT)

@@ -54,7 +54,8 @@ class PSSimulation:
     """A parameter-server swarm on an emulated network; build with `await PSSimulation.start(...)`.
 
     `compute_times[i]` is worker i's modeled compute time per step (seconds); with `num_shards`
-    dedicated servers, or `decentralized=True` for one shard served by each worker. `offload=False`
+    dedicated servers (`standbys=True`: each also keeps a standby copy of the next one's shard), or
+    `decentralized=True` for one shard served by each worker. `offload=False`
     keeps all tensor math on the loop: under the virtual clock a run then repeats exactly.
     """
 
@@ -74,7 +75,8 @@ class PSSimulation:
     async def start(cls, make_model: Callable[[], torch.nn.Module],
                     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], config: ServerConfig,
                     compute_times: Sequence[float], *, num_shards: int = 1, decentralized: bool = False,
-                    bandwidth: float | None = 100e6, latency: float = 0.001, offload: bool = True) -> PSSimulation:
+                    standbys: bool = False, bandwidth: float | None = 100e6, latency: float = 0.001,
+                    offload: bool = True) -> PSSimulation:
         network = EmulatedNetwork(latency=latency)
         peers: list[EmulatedPeer] = []
         for _ in range(len(compute_times) + (0 if decentralized else num_shards)):
@@ -83,7 +85,8 @@ class PSSimulation:
         server_peers = workers if decentralized else peers[len(compute_times):]
         reference = make_model()
         servers, layout = start_parameter_servers(server_peers, RUN_ID, list(reference.parameters()),
-                                                  optimizer, config, decentralized=decentralized, offload=offload)
+                                                  optimizer, config, decentralized=decentralized or standbys,
+                                                  offload=offload)
         models = [make_model() for _ in compute_times]
         clients = [PSClient(p, RUN_ID, layout, m.parameters()) for p, m in zip(workers, models, strict=True)]
         await asyncio.gather(*(c.aregister() for c in clients))
