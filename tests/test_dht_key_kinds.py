@@ -17,6 +17,7 @@ from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import Identity
 from potluck.optim.progress import PROGRESS_TTL, ProgressTracker
 from potluck.pipeline.layout import LAYOUT_TTL, LayoutDirectory
+from potluck.pipeline.planning import PLAN_TTL
 from potluck.pipeline.profiling import PROFILE_TTL, profiles_key
 from potluck.ps.sweep import LEASE_SECONDS, RESULT_TTL
 
@@ -39,6 +40,7 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
         "run.state.state": STATE_RECORD_TTL,  # an Averager of run "run.state" announces f"{run_id}.state"
         profiles_key("run"): PROFILE_TTL,
         layouts.key: LAYOUT_TTL,
+        "run.pipeline.plan": PLAN_TTL,  # planning.publish_plan's key for run "run"
         "sweep.abc.leases": LEASE_SECONDS,
         "sweep.abc.results": RESULT_TTL,
     }
@@ -52,6 +54,7 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
 
 KEY_OF = {"matchmaking declarations": "r.match.g", "progress records": "r.progress", "state donor records": "r.state",
           "pipeline profiles": "r.pipeline.profiles", "pipeline layouts": "r.pipeline.layout",
+          "pipeline plans": "r.pipeline.plan",
           "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays"}
 
 

@@ -68,6 +68,7 @@ KEY_KINDS: tuple[KeyKind, ...] = (
     KeyKind("state donor records", re.compile(r"\.state\Z"), DONOR_MAX_TTL),
     KeyKind("pipeline profiles", re.compile(r"\.pipeline\.profiles\Z"), PIPELINE_MAX_TTL),
     KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL, owned_entries=False),
+    KeyKind("pipeline plans", re.compile(r"\.pipeline\.plan\Z"), PIPELINE_MAX_TTL),
     KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
     KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
     KeyKind("relay announcements", re.compile(r"\Anat\.relays\Z"), RELAY_MAX_TTL),

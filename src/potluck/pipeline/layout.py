@@ -83,21 +83,23 @@ class LayoutDirectory:
 
     async def fetch(self) -> dict[str, list[Span]]:
         """{cluster id: its stages}, malformed layouts skipped."""
+        return {cluster: list(layout.stages) for cluster, layout in (await self.fetch_layouts()).items()}
+
+    async def fetch_layouts(self) -> dict[str, Layout]:
+        """{cluster id: its layout (epoch and stages)}, malformed layouts skipped."""
         self._started += 1
         number = self._started
         found = await self.dht.aget(self.key, latest=True)
-        layouts: dict[str, list[Span]] = {}
+        layouts: dict[str, Layout] = {}
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         for cluster, entry in list(entries.items())[:MAX_CLUSTERS]:
             try:
-                layout = Layout.from_wire(entry.value)
+                layouts[str(cluster)] = Layout.from_wire(entry.value)
             except MalformedMessage as e:
                 logger.warning("layout for cluster %r ignored: %s", str(cluster)[:64], e)
-                continue
-            layouts[str(cluster)] = list(layout.stages)
         if number > self._newest:
             self._newest = number
-            self._listed = frozenset(PeerID.from_string(s.peer) for stages in layouts.values() for s in stages)
+            self._listed = frozenset(PeerID.from_string(s.peer) for layout in layouts.values() for s in layout.stages)
         return layouts
 
     async def lists(self, peer: PeerID) -> bool:

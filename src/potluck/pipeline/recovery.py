@@ -11,8 +11,10 @@ Recovery (beyond Ravnest, which has none): drop the dead node, re-partition over
 *epoch*. Survivors keep the layers they still hold; layers nobody in the cluster has any more
 are loaded from the node holding them in another cluster (the matching ring member), fresh only
 if no cluster has them. Micro-batches in flight at the failure are dropped; training resumes.
-Limit: the controller itself is not replicated; if its node dies, its cluster stops and the
-other clusters go on (their rings re-form without it).
+The controller's state is in the DHT: its layout names the epoch and the stages. Under
+`potluck pipeline run` another member takes the role over when the controller's node dies
+(`pipeline.node`: the live member with the lowest peer id) and resumes from the layout
+(`take_over`). Under `harness.launch_run` nobody does: the cluster stops, the others go on.
 
 Callers are checked: a failure report is taken only from a member of this cluster (anyone else's
 is refused with an error), and the stages take `Configure` only from their controller, whose peer
@@ -121,6 +123,19 @@ class ClusterController:
         """Partition over the members, configure them, publish the layout, start watching."""
         async with self._lock:
             await self._apply(self.members, {}, {})
+        self._monitor = asyncio.ensure_future(self._watch())
+
+    async def take_over(self, layout: Layout, dead: Sequence[str]) -> None:
+        """Continue a cluster whose controller died, from its newest `layout` (epoch and stages):
+        re-partition without `dead` (at least the old controller's node), one epoch later, so every
+        stage is re-configured with this node as its controller; then watch."""
+        self.epoch = layout.epoch
+        self.partition = Partition([Stage(s.peer, s.start, s.end) for s in layout.stages], 0.0, [])
+        self.members = [s.peer for s in layout.stages]
+        if not await self.recover(dead, asyncio.get_running_loop().time()):
+            async with self._lock:  # nobody lost (the old controller left the cluster): re-configure alone
+                self.epoch += 1
+                await self._apply(self.members, {i: s.peer for s in self.stages for i in range(s.start, s.end)}, {})
         self._monitor = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:

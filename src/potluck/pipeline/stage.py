@@ -12,7 +12,9 @@ Methods served (prefix `{run_id}.pipe.`): `fwd` (`Activation`), `bwd` (`Gradient
 refused with a clear error and the worker goes on serving.
 
 Who may call what (the caller is the peer id the transport's handshake proved): `Configure` and
-`GetStats` only the controller the worker was created with; `fwd` only the previous stage and
+`GetStats` only the controllers the worker was created with (one peer, or every node that may be
+elected its cluster's controller: `potluck pipeline run`), and a `Configure` only for an epoch no older
+than the stage's (a superseded controller cannot roll it back); `fwd` only the previous stage and
 `bwd` only the next stage of the route the message's epoch belongs to; `GetLayers` (weights) the
 controller and nodes named in the run's layouts (`LayoutDirectory.lists`); `Ping` anyone. Ring data
 is taken from nodes named in the layouts only (`RingAllReduce(allowed=...)`). Anyone else's call is
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,16 +147,18 @@ class StageWorker:
 
     def __init__(self, peer: PeerLike, config: PipelineConfig, make_layers: MakeLayers,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-                 controller: PeerID | str, num_layers: int,
+                 controller: PeerID | str | Collection[PeerID | str], num_layers: int,
                  source: Source | None = None, loss_fn: LossFn | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None):
-        """`controller`: the peer id of the `ClusterController` that will configure this stage (the
-        only peer whose `Configure` is taken, so no stranger can be the first to configure it);
+        """`controller`: the peer id of the `ClusterController` that will configure this stage, or
+        the ids of every node that may become it (the only peers whose `Configure` is taken, so no
+        stranger can be the first to configure it);
         `num_layers`: the model's size (a route past it is refused when parsed)."""
         self.peer = peer
         self.transport = transport = peer.transport
         self.config = config
-        self.controller = PeerID.from_string(controller) if isinstance(controller, str) else controller
+        ids = [controller] if isinstance(controller, (str, PeerID)) else list(controller)
+        self.controllers = frozenset(PeerID.from_string(c) if isinstance(c, str) else c for c in ids)
         if not 0 < num_layers <= MAX_LAYER_INDEX:
             raise ValueError(f"num_layers must be in [1, {MAX_LAYER_INDEX}], got {num_layers}")
         self.num_layers = num_layers
@@ -283,12 +287,18 @@ class StageWorker:
 
     # -- handlers -----------------------------------------------------------------------------------
     @staticmethod
-    def _require(ctx: Any, allowed: PeerID | str | None, what: str, whom: str) -> None:
-        """Refuse `what` unless its caller is `allowed` (None: nobody), saying who may send it."""
+    def _require(ctx: Any, allowed: PeerID | str | frozenset[PeerID] | None, what: str, whom: str) -> None:
+        """Refuse `what` unless its caller is `allowed` (a set: one of them; None: nobody), saying
+        who may send it."""
         caller = ctx.peer_id
-        if allowed is not None and caller == (PeerID.from_string(allowed) if isinstance(allowed, str) else allowed):
+        if allowed is None:
+            allowed = frozenset()
+        elif not isinstance(allowed, frozenset):
+            allowed = frozenset([PeerID.from_string(allowed) if isinstance(allowed, str) else allowed])
+        if caller in allowed:
             return
-        expected = f"{whom} ({str(allowed)[:12]}...)" if allowed is not None else f"{whom}, and it has none"
+        names = ", ".join(f"{str(a)[:12]}..." for a in sorted(allowed, key=str))
+        expected = f"{whom} ({names})" if allowed else f"{whom}, and it has none"
         raise PipelineError(f"{what} refused: this stage takes it only from {expected}, not from {caller}")
 
     async def _check_epoch(self, epoch: int, ctx: Any) -> Route | None:
@@ -369,14 +379,17 @@ class StageWorker:
             case Ping():
                 return Ack().to_wire()
             case GetStats():
-                self._require(ctx, self.controller, "stats", "its controller")
+                self._require(ctx, self.controllers, "stats", "its controller")
                 return self.report().to_wire()
             case Configure(route=route):
-                self._require(ctx, self.controller, "configure", "its controller")
+                self._require(ctx, self.controllers, "configure", "its controller")
+                if self.route is not None and route.epoch < self.route.epoch:
+                    raise PipelineError(f"configure refused: epoch {route.epoch} is older than this stage's "
+                                        f"{self.route.epoch} (from a superseded controller)")
                 await self.configure(route)
                 return Ack().to_wire()
             case GetLayers(layers=wanted):
-                if ctx.peer_id != self.controller and not await self.directory.lists(ctx.peer_id):
+                if ctx.peer_id not in self.controllers and not await self.directory.lists(ctx.peer_id):
                     raise PipelineError(f"get_layers refused: this stage sends weights only to its controller and "
                                         f"nodes named in the run's layouts, not to {ctx.peer_id}")
                 held = {**self._retired, **self.layers}

@@ -1,0 +1,84 @@
+"""Controller election and takeover (`pipeline.node`) over the emulated network, on the virtual clock:
+the live member with the lowest peer id controls each cluster; when its node crashes, the next
+takes over from the layout in the DHT and the cluster trains on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from potluck.core.virtual_time import run_virtual
+from potluck.pipeline.node import PipelineNode
+from potluck.pipeline.partition import boundary_shapes
+from potluck.pipeline.planning import RunPlan, cluster_id
+from potluck.pipeline.profiling import NodeProfile
+from potluck.pipeline.stage import PipelineConfig
+from tests.emulated_swarm import make_swarm
+from tests.test_pipeline_net import COSTS, LAYERS, WIDTH, make_layers, source_for
+
+
+async def _until(condition, timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", [False, True], ids=["reset", "silent"])
+def test_the_next_member_takes_the_controller_role_over_when_its_node_crashes(silent):
+    config = PipelineConfig("elect", staleness_bound=4, average_every=5, ring_timeout=20, message_timeout=5,
+                            emulate_compute=True)
+
+    async def main():
+        net, peers = await make_swarm(6, latency=0.002, bandwidth=None)
+        ids = sorted(str(p.transport.peer_id) for p in peers)
+        plan = RunPlan(1, (tuple(ids[0::2]), tuple(ids[1::2])), ())
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        nodes = {}
+        for peer_id, peer in by_id.items():
+            node = PipelineNode(peer, config, plan, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=0.05),
+                                source=source_for, costs=COSTS,
+                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                                profiles={p: NodeProfile(p, 1.0, 2**40) for p in ids}, heartbeat=0.5,
+                                failure_timeout=1.0)
+            await node.start()
+            nodes[peer_id] = node
+
+        def controllers():
+            return {c: p for p, n in nodes.items() if p in live for c in n.controllers}
+
+        def last_stage(c):
+            return next(n.worker for p, n in nodes.items() if p in live and n.worker.route is not None
+                        and n.worker.route.cluster == cluster_id(c) and n.worker.route.last)
+
+        live = set(ids)
+        await _until(lambda: controllers() == {"c0": min(plan.clusters[0]), "c1": min(plan.clusters[1])}, 20,
+                     "the lowest peer id of each cluster controls it")
+        await _until(lambda: all(last_stage(c).stats.updates >= 20 for c in (0, 1)), 30, "both clusters train")
+        victim = min(plan.clusters[0])
+        live.discard(victim)
+        net.crash(by_id[victim].transport.peer_id, silent=silent)
+        await _until(lambda: controllers() == {"c0": sorted(plan.clusters[0])[1], "c1": min(plan.clusters[1])},
+                     10, "the next member takes cluster 0 over")
+        new = nodes[sorted(plan.clusters[0])[1]].controllers["c0"]
+        await _until(lambda: new.events, 10, "the new controller re-partitions without the dead node")
+        updates = last_stage(0).stats.updates
+        await _until(lambda: last_stage(0).stats.updates >= updates + 20, 30, "cluster 0 trains on")
+        stages = [s.peer for s in new.stages]
+        for peer_id in live:
+            await nodes[peer_id].close()
+        for p in peers:
+            if str(p.transport.peer_id) in live:
+                await p.dht.ashutdown()
+                await p.transport.close()
+        return victim, new.events[0], stages, plan
+
+    victim, event, stages, plan = run_virtual(main())
+    assert event.dead == victim and victim not in stages
+    assert sorted(stages) == sorted(plan.clusters[0])[1:]
+    assert event.fetched_from  # the dead node's layers came from cluster 1
