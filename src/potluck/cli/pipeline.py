@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from potluck.cli.peer import add_peer_options, start_peer
 from potluck.cli.signals import StopSignal
+from potluck.cli.spec import DEMO_MODEL, RunSpec, SpecError, add_spec_options
 
 # A node republishes its profile this often (well inside profiling.PROFILE_TTL).
 REPUBLISH_SECONDS = 60.0
@@ -36,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan", help="print the clusters and stages for the profiles in the DHT, and why",
         description="Read every node profile of the run (from the DHT via --initial-peers, or --profiles FILE), "
                     "group the nodes into clusters that each hold the model (maximizing the slowest cluster's "
-                    "throughput), split the model into stages per cluster, and explain the result. The model is "
-                    "the demo's 6-block MLP, profiled here, unless --layer-costs gives measured costs.",
+                    "throughput), split the model into stages per cluster, and explain the result. The model "
+                    "(--model, default the demo's 6-block MLP) is profiled here on a micro-batch from --data, "
+                    "unless --layer-costs gives measured costs. --write-plan saves the plan for "
+                    "`potluck pipeline run --plan`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_peer_options(plan)
     plan.add_argument("--run-id", default="pipeline", help="run whose profiles to read")
@@ -48,8 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--reference-flops", type=float, help="FLOP/s of the node that measured --layer-costs")
     plan.add_argument("--clusters", type=int, help="number of clusters (default: as many as memory allows)")
     plan.add_argument("--staleness-bound", type=int, default=4, help="micro-batches in flight per cluster")
-    plan.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch")
+    plan.add_argument("--micro-batch", type=int,
+                      help="samples per micro-batch (default: the --data batch size, else 32)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--write-plan", metavar="FILE",
+                      help="write the plan (run spec, layer costs, clusters and stages by peer id) as JSON")
+    add_spec_options(plan)
     plan.set_defaults(run=run_plan)
     parser.set_defaults(run=lambda args: (parser.print_help(), 2)[1])
 
@@ -74,18 +82,26 @@ def run_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_costs(args: argparse.Namespace) -> tuple[list[Any], float]:
+# Micro-batch size planned for when neither --micro-batch nor --data says (the demo's).
+DEFAULT_MICRO_BATCH = 32
+
+
+def _load_costs(args: argparse.Namespace, spec: RunSpec) -> tuple[list[Any], float, int]:
+    """(layer costs, FLOP/s of the node that measured them, samples per micro-batch)."""
     from potluck.pipeline.profiling import LayerCost, measure_flops, profile_layers
     if args.layer_costs:
         raw = json.loads(Path(args.layer_costs).read_text())
         costs = [LayerCost.from_wire(c) for c in raw]
-        return costs, args.reference_flops or 1.0
+        return costs, args.reference_flops or 1.0, args.micro_batch or DEFAULT_MICRO_BATCH
     import torch
-
-    from potluck.cli import demo_pipeline
-    layers = demo_pipeline.make_layers(range(demo_pipeline.LAYERS))
-    costs = profile_layers(layers, torch.randn(args.micro_batch, 1, 8, 8))
-    return costs, measure_flops()
+    if spec.data is not None:
+        sample = spec.sample()
+    elif spec.model == DEMO_MODEL:
+        sample = torch.randn(args.micro_batch or DEFAULT_MICRO_BATCH, 1, 8, 8)  # the demo's digits
+    else:
+        raise SpecError(f"--model {spec.model!r} needs --data to be profiled on (or --layer-costs)")
+    costs = profile_layers(spec.layers(), sample)
+    return costs, measure_flops(), args.micro_batch or sample.shape[0]
 
 
 def _profiles(args: argparse.Namespace) -> list[Any]:
@@ -124,14 +140,28 @@ def make_plan(profiles: list[Any], costs: list[Any], reference_flops: float, clu
     return out
 
 
+def _write_plan(path: Path, args: argparse.Namespace, spec: RunSpec, costs: list[Any], reference: float,
+                micro_batch: int, plan: dict[str, Any]) -> None:
+    from potluck.cli.plan_file import PlanFile, PlannedStage
+    clusters = tuple(tuple(PlannedStage(s["peer"], s["layers"][0], s["layers"][1] + 1) for s in c["stages"])
+                     for c in plan["clusters"])
+    PlanFile(args.run_id, spec, tuple(costs), reference, micro_batch, args.staleness_bound, clusters,
+             tuple(plan["standby"])).write(path)
+    print(f"plan written to {path} (for `potluck pipeline run --plan {path}`)", file=sys.stderr)
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    spec = RunSpec.from_args(args)
+    spec.check()
     profiles = _profiles(args)
     if not profiles:
         print(f"no node profiles found for run {args.run_id!r}: start nodes with `potluck pipeline node "
               f"--run-id {args.run_id} --initial-peers ...` first")
         return 1
-    costs, reference = _load_costs(args)
-    plan = make_plan(profiles, costs, reference, args.clusters, args.staleness_bound, args.micro_batch)
+    costs, reference, micro_batch = _load_costs(args, spec)
+    plan = make_plan(profiles, costs, reference, args.clusters, args.staleness_bound, micro_batch)
+    if args.write_plan:
+        _write_plan(Path(args.write_plan), args, spec, costs, reference, micro_batch, plan)
     if args.json:
         print(json.dumps(plan, indent=1))
         return 0
