@@ -7,11 +7,13 @@
   next one.
 - `worker`: the worker side: register, push gradients, receive fresh parameters, fail over to a
   shard's replica.
+- `discovery`: shard servers announce themselves and the layout in the DHT; workers find it there
+  (`potluck ps server` / `potluck ps worker`).
 - `sweep`: hyperparameter trials (grid or random) handed out through the DHT with leases.
 - `simulation`: a whole parameter-server swarm on the emulated network, for tests and
   `potluck compare`.
 
-Imports from `core`, `net` and `dht` only (and torch); the CLI (`potluck sweep`, `potluck compare`)
+Imports from `core`, `net` and `dht` only (and torch); the CLI (`potluck ps`, `potluck sweep`, `potluck compare`)
 sits above.
 """
 
