@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.pipeline_run import add_run_parser
 from potluck.cli.signals import StopSignal
 from potluck.cli.spec import DEMO_MODEL, RunSpec, SpecError, add_spec_options
 
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="write the plan (run spec, layer costs, clusters and stages by peer id) as JSON")
     add_spec_options(plan)
     plan.set_defaults(run=run_plan)
+    add_run_parser(commands)
     parser.set_defaults(run=lambda args: (parser.print_help(), 2)[1])
 
 
