@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,7 +178,6 @@ def _print_peer(peer: Any) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    import time
     _check_shards(args, args.shard)
     spec = RunSpec.from_args(args)
     params = list(_model(spec).parameters())
@@ -236,6 +236,7 @@ def run_worker(args: argparse.Namespace) -> int:
         worker.register()
         stop = StopSignal()  # from here Ctrl-C ends the steps, then the final pull; before, it interrupts at once
         source, loss_fn = spec.source(args.rank), spec.loss_fn
+        watcher = _Watcher(host.servers) if host is not None else None
         for step in range(args.steps):
             if stop.is_set():
                 break
@@ -245,12 +246,14 @@ def run_worker(args: argparse.Namespace) -> int:
             loss.backward()
             worker.push()
             print(f"step {step + 1}/{args.steps}: loss {float(loss):.4f}", flush=True)
+            if watcher is not None:
+                watcher.check(time.monotonic())
         worker.pull()
         print(f"done: server steps {worker.client.steps}; final parameters sha256 {params_digest(params)}",
               flush=True)
         if host is not None:
             print("still serving for the other workers until they are done", flush=True)
             while not stop.wait(WATCH_SECONDS) and peer.run(_aidle(host.servers), 10) < LINGER_IDLE_SECONDS:
-                pass
+                watcher.check(time.monotonic())
             peer.run(_cancel(task), 10)
     return 0

@@ -423,7 +423,9 @@ class ParameterServer:
         async with self._lock:
             if not self._round_ready():
                 return
-            grads = list(self._round.values())
+            # In peer-id order, not arrival order: float sums depend on the order, and this way a
+            # round's result (and a standby's, after a takeover) is the same whoever pushed first.
+            grads = [self._round[w] for w in sorted(self._round, key=str)]
             self._round = {}
             await self._apply(grads, [0] * len(grads))
 
