@@ -1,25 +1,29 @@
 """`potluck demo --mode pipeline`: Ravnest on 127.0.0.1: 2 clusters x 3 stages train a 6-block MLP.
 
-Seven peers (real TCP/TLS on 127.0.0.1, all in this one process, sharing its event loop; tensor
-math runs in threads) profile themselves, publish their profiles in the DHT, and are grouped
-into two clusters of three (the seventh stays a standby); each cluster splits the model into
-three stages. The clusters train on different draws of the digits data with the asynchronous
-pipeline and average each stage across clusters with the multi-ring all-reduce. Unless
---no-churn, one node of cluster 0 is shut down at 40% of the run: the cluster re-partitions
-(the standby takes the lost node's place) and reloads the lost layers from cluster 1. Finally
-the same model is trained in one process for the same number of updates, for comparison.
+Seven processes of `potluck pipeline run` (real TCP/TLS on 127.0.0.1), started as a user would
+start them on seven machines, profile themselves, publish their profiles in the DHT, and plan the
+run by the same rule: two clusters of three (the seventh stays a standby), each splitting the model
+into three stages, each with a controller elected by the rule. The clusters train on different
+draws of the digits data with the asynchronous pipeline and average each stage across clusters
+with the multi-ring all-reduce. Unless --no-churn, cluster 0's stage-1 node is killed with SIGKILL
+at 40% of the run: the cluster re-partitions (its controller, or the next node if that was the
+controller, re-configures the survivors, the standby if needed) and reloads the lost layers from
+cluster 1. At the end every node saves its layers; cluster 0's are assembled for the test accuracy,
+and the same model is trained in one process for the same number of updates, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from potluck.cli.processes import missing_demo_packages
+from potluck.cli.processes import missing_demo_packages, spawn
 from potluck.cli.tasks import accuracy, load_data
 
 REPORT_KEYS = ("test_accuracy", "single_process_test_accuracy", "stage_utilization", "max_staleness_observed",
@@ -31,9 +35,14 @@ LEARNING_RATE = 1e-3
 STALENESS_BOUND = 4
 AVERAGE_EVERY = 5
 NODES = 7  # 2 clusters x 3 stages + 1 standby
+CLUSTERS = 2  # what every node's plan makes of NODES nodes with MEMORY_FRACTION each
 RUN_ID = "demo-pipeline"
 # Each node declares memory for this fraction of the model, so a cluster needs three of them.
 MEMORY_FRACTION = 0.4
+# Every node declares the same speed (they share this machine's cores), so clusters are balanced.
+NODE_FLOPS = 1e9
+# Starting the processes (importing torch, joining the swarm, planning) on a loaded 2-core machine.
+START_SECONDS = 120.0
 
 
 def make_layers(indices: Any) -> list[Any]:
@@ -88,6 +97,14 @@ def assemble(workers: list[Any]) -> Any:
     return nn.Sequential(*(layers[i] for i in range(LAYERS)))
 
 
+def digits_batches(rank: int, seed: int) -> Any:
+    """The `--data` of the demo's nodes: cluster `rank`'s micro-batches, endless (`digits_source`)."""
+    import itertools
+    x, y, _, _ = load_data()
+    source = digits_source(x, y, rank + seed * 1_000)
+    return (source(mb) for mb in itertools.count())
+
+
 def _worker(args: argparse.Namespace) -> int:
     """One stage node in a process of its own (used by the tests that kill a node with SIGKILL),
     configured only by the peer id `spec["controller"]`: prints {"address", "peer_id"} as a JSON
@@ -129,81 +146,65 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from potluck.peer import Peer
-    from potluck.pipeline.clustering import ModelDemand, form_clusters
-    from potluck.pipeline.harness import launch_run
-    from potluck.pipeline.partition import STATE_FACTOR
-    from potluck.pipeline.profiling import (
-        fetch_profiles,
-        measure_flops,
-        profile_layers,
-        profile_node,
-        publish_profile,
-        serve_probes,
-    )
-    from potluck.pipeline.stage import PipelineConfig
+    from potluck.pipeline.planning import model_costs, model_demand
 
-    torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "layers"
+    shutil.rmtree(saved, ignore_errors=True)
     started = time.time()
     x, y, x_test, y_test = load_data()
-    layers = make_layers(range(LAYERS))
-    costs = profile_layers(layers, x[:MICRO_BATCH])
-    model_memory = sum(c.param_bytes for c in costs) * (STATE_FACTOR + 2) + \
-        sum(c.activation_bytes for c in costs) * MICRO_BATCH * STALENESS_BOUND
-    del layers
-    print(f"potluck demo (pipeline): {NODES} peers on 127.0.0.1 in this process, {args.duration:.0f} s; "
-          f"model: {LAYERS} layers, {sum(c.param_bytes for c in costs) / 1024:.0f} KiB of weights")
-    peers: list[Any] = []
+    demand = model_demand(model_costs(make_layers(range(LAYERS)), x[:MICRO_BATCH]), MICRO_BATCH, STALENESS_BOUND)
+    argv = ["pipeline", "run", "--host", "127.0.0.1", "--run-id", RUN_ID, "--nodes", str(NODES),
+            "--data", "potluck.cli.demo_pipeline:digits_batches", "--lr", str(LEARNING_RATE),
+            "--memory", str(demand.memory * MEMORY_FRACTION / 2**20), "--flops", str(NODE_FLOPS),
+            "--staleness-bound", str(STALENESS_BOUND), "--average-every", str(AVERAGE_EVERY),
+            "--heartbeat", "0.5", "--failure-timeout", "2", "--report-every", "0.5", "--save", str(saved)]
+    print(f"{NODES} processes of `potluck pipeline run` on 127.0.0.1, memory declared as {MEMORY_FRACTION:.0%} "
+          f"of the model's {demand.memory / 2**20:.2f} MiB each; logs in {out}/", flush=True)
+    nodes = [spawn("node-0", "node", argv, out, needs_final=False)]
     try:
-        peers.append(Peer(host="127.0.0.1"))
-        peers += [Peer(initial_peers=peers[0].addresses, host="127.0.0.1") for _ in range(NODES - 1)]
-        for p in peers:
-            serve_probes(p)
-        loop_peer = peers[0]
-        all_ids = [p.transport.peer_id for p in peers]  # one swarm: each finds the others through the DHT
-
-        flops = measure_flops()  # one CPU shared by every peer of this process: measured once
-
-        async def profile_all() -> list[Any]:
-            for p in peers:
-                profile = await profile_node(p, [i for i in all_ids if i != p.transport.peer_id],
-                                             flops=flops, memory=int(model_memory * MEMORY_FRACTION))
-                await publish_profile(p, RUN_ID, profile)
-            return await fetch_profiles(peers[0], RUN_ID)
-        profiles = loop_peer.run(profile_all(), timeout=120)
-        reference = max(p.flops for p in profiles)  # every node here is this process: the same speed
-        demand = ModelDemand(work=sum(c.seconds for c in costs) * reference,
-                             activation_bytes=max(c.activation_bytes for c in costs), memory=model_memory)
-        plan = form_clusters(profiles, demand)
-        print(f"profiled {len(profiles)} nodes ({profiles[0].flops / 1e9:.1f} GFLOP/s each, memory declared as "
-              f"{MEMORY_FRACTION:.0%} of the model's {model_memory / 2**20:.1f} MiB): {len(plan.clusters)} clusters "
-              f"of {[len(c) for c in plan.clusters]} nodes, standby {len(plan.standby)}")
-        index = {str(p.transport.peer_id): i for i, p in enumerate(peers)}
-        config = PipelineConfig(RUN_ID, staleness_bound=STALENESS_BOUND, average_every=AVERAGE_EVERY)
-        run_ = loop_peer.run(launch_run(
-            peers, [[index[m] for m in c] for c in plan.clusters], config,
-            make_layers, LAYERS, lambda params: torch.optim.Adam(params, LEARNING_RATE), sample=x[:MICRO_BATCH],
-            sources=[digits_source(x, y, c) for c in range(len(plan.clusters))], costs=costs,
-            profiles={p.peer_id: p for p in profiles}, reference_flops=reference,
-            standby=[[index[s] for s in plan.standby]] if plan.standby else (),
-            heartbeat=0.5, failure_timeout=2.0), timeout=120)
-        for c, controller in enumerate(run_.controllers):
-            stages = ", ".join(f"{p[:6]}:layers {a}-{b - 1}" for p, a, b in controller.stages)
-            print(f"cluster {c}: {stages}")
-        report = _train(args, run_, loop_peer, peers, config)
-        final_workers = [run_.workers[p] for p, _, _ in run_.controllers[0].stages]
-        model = assemble(final_workers)
-        report["test_accuracy"] = round(accuracy(model, x_test, y_test), 4)
-        loop_peer.run(run_.close(), timeout=30)
-        baseline = train_alone(x, y, report["updates"])
-        report["single_process_test_accuracy"] = round(accuracy(baseline, x_test, y_test), 4)
-        report["clusters"] = [[p[:8] for p in c] for c in plan.clusters]
-        report["wall_seconds"] = round(time.time() - started, 1)
+        if not nodes[0].ready.wait(START_SECONDS) or not nodes[0].address:
+            print(f"node-0 did not start: see {out}/node-0.log", file=sys.stderr)
+            return 1
+        nodes += [spawn(f"node-{i}", "node", [*argv, "--initial-peers", nodes[0].address], out, needs_final=False)
+                  for i in range(1, NODES)]
+        deadline = time.time() + START_SECONDS
+        while not (all("role" in n.last for n in nodes) and _configured(nodes) == CLUSTERS):
+            if time.time() > deadline or any(n.proc.poll() is not None for n in nodes):
+                print(f"the nodes did not start training: see {out}/node-*.log", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        clusters: dict[str, list[str]] = {}
+        for n in nodes:
+            if n.last.get("cluster") is not None:
+                clusters.setdefault(n.last["cluster"], []).append(n.hello["peer_id"])
+        print(f"planned by every node alike: {len(clusters)} clusters of {[len(c) for c in clusters.values()]} "
+              f"nodes, {NODES - sum(map(len, clusters.values()))} standby", flush=True)
+        report = _train(args, nodes)
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)  # each saves its layers on the way out
+        for n in nodes:
+            n.proc.wait(timeout=60)
     finally:
-        for p in reversed(peers):
-            p.shutdown()
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.kill()
+                n.proc.wait()
+    layers = {}
+    for path in saved.glob("*.pt"):
+        state = torch.load(path, weights_only=True)
+        if state["cluster"] == "c0":
+            layers.update({int(i): weights for i, weights in state["layers"].items()})
+    model = torch.nn.Sequential(*make_layers(range(LAYERS)))
+    for i in range(LAYERS):
+        model[i].load_state_dict(layers[i])
+    report["test_accuracy"] = round(accuracy(model, x_test, y_test), 4)
+    baseline = train_alone(x, y, report["updates"])
+    report["single_process_test_accuracy"] = round(accuracy(baseline, x_test, y_test), 4)
+    report["clusters"] = [[p[:8] for p in members] for _, members in sorted(clusters.items())]
+    report["wall_seconds"] = round(time.time() - started, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(out, report)
     print(f"\npipeline test accuracy {report['test_accuracy']:.1%} after up to {report['updates']} updates per stage; "
@@ -213,66 +214,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, run_: Any, loop_peer: Any, peers: list[Any], config: Any) -> dict[str, Any]:
-    """Watch the run, print a line per stage every 2 s, shut a node down at 40% (churn)."""
-    async def stats() -> list[Any]:
-        return [await c.stats() for c in run_.controllers]
+def _configured(nodes: list[Any]) -> int:
+    """How many clusters have every layer held by a configured stage (from the nodes' last rows)."""
+    held: dict[str, set[int]] = {}
+    for n in nodes:
+        if n.last.get("role") == "stage":
+            held.setdefault(n.last["cluster"], set()).update(range(*n.last["layers"]))
+    return sum(layers == set(range(LAYERS)) for layers in held.values())
 
+
+def _train(args: argparse.Namespace, nodes: list[Any]) -> dict[str, Any]:
+    """Watch the nodes' rows, print a line per cluster every 2 s, SIGKILL cluster 0's stage-1 node
+    at 40% of the run (churn)."""
     start = time.time()
-    busy0 = {p: w.stats.busy_seconds for p, w in run_.workers.items()}
+    busy0 = {n.name: n.last.get("busy_seconds", 0.0) for n in nodes}
     last_print, last_busy, curve = start, dict(busy0), []
-    killed, killed_at = None, 0.0
+    killed, killed_epoch = None, 0
     while (elapsed := time.time() - start) < args.duration:
         time.sleep(0.5)
+        live = [n for n in nodes if n.status != "killed"]
         if not args.no_churn and killed is None and elapsed > 0.4 * args.duration:
-            killed = run_.controllers[0].stages[1].peer
-            victim = next(p for p in peers if p.peer_id == killed)
-            killed_at = loop_peer.run(_loop_time(), timeout=5)
-            loop_peer.run(run_.workers[killed].close(), timeout=10)
-            victim.shutdown()
-            print(f"  node {killed[:6]} (cluster 0, stage 1) shut down: the cluster must recover")
+            victim = next(n for n in live if n.last.get("cluster") == "c0" and n.last.get("stage") == 1)
+            killed, killed_epoch = victim, victim.last["epoch"]
+            victim.status = "killed"
+            victim.proc.kill()
+            role = "cluster 0's controller" if victim.last.get("controls") else "a plain stage"
+            print(f"  {victim.name} ({victim.hello['peer_id'][:6]}: cluster 0, stage 1, {role}) killed with "
+                  "SIGKILL: the cluster must recover", flush=True)
         if time.time() - last_print >= 2.0:
             now = time.time()
-            for c, controller in enumerate(run_.controllers):
-                cells = []
-                for s, (peer, _, _) in enumerate(controller.stages):
-                    w = run_.workers[peer]
-                    util = (w.stats.busy_seconds - last_busy.get(peer, 0.0)) / (now - last_print)
-                    cells.append(f"s{s} {util:4.0%}")
-                last_loss = run_.workers[controller.stages[-1].peer].report().loss
-                cells.append(f"loss {last_loss:.3f}" if last_loss is not None else "loss -")
-                print(f"  {elapsed:5.1f}s cluster {c}: " + "  ".join(cells), flush=True)
-                if c == 0 and last_loss is not None:
-                    curve.append((round(elapsed, 2), round(last_loss, 4)))
-            last_busy = {p: w.stats.busy_seconds for p, w in run_.workers.items()}
+            for cluster in ("c0", "c1"):
+                stages = sorted((n for n in live if n.last.get("cluster") == cluster), key=lambda n: n.last["stage"])
+                cells = [f"s{n.last['stage']} "
+                         f"{(n.last['busy_seconds'] - last_busy.get(n.name, 0.0)) / (now - last_print):4.0%}"
+                         for n in stages]
+                loss = next((n.last["loss"] for n in stages if n.last["last"]), None)
+                cells.append(f"loss {loss:.3f}" if loss is not None else "loss -")
+                epoch = max((n.last["epoch"] for n in stages), default=0)
+                print(f"  {elapsed:5.1f}s cluster {cluster[1:]}: " + "  ".join(cells) + f"  (epoch {epoch})",
+                      flush=True)
+                if cluster == "c0" and loss is not None:
+                    curve.append((round(elapsed, 2), round(loss, 4)))
+            last_busy = {n.name: n.last.get("busy_seconds", 0.0) for n in live}
             last_print = now
     wall = time.time() - start
-    final = loop_peer.run(stats(), timeout=30)
-    utilization = {}
-    for c, controller in enumerate(run_.controllers):
-        for s, (peer, _, _) in enumerate(controller.stages):
-            w = run_.workers[peer]
-            utilization[f"cluster{c}/stage{s}"] = round((w.stats.busy_seconds - busy0.get(peer, 0.0)) / wall, 3)
-    entries = [e for cluster in final for e in cluster.values() if e is not None]  # None: a dead stage
+    staged = [n for n in nodes if n.status != "killed" and n.last.get("role") == "stage"]
+    rows = [n.last for n in staged]
+    utilization = {f"cluster{n.last['cluster'][1:]}/stage{n.last['stage']}":
+                   round((n.last["busy_seconds"] - busy0.get(n.name, 0.0)) / wall, 3) for n in staged}
+    recoveries = [e for r in rows for e in r["recoveries"] if e["cluster"] == "c0" and e["epoch"] > killed_epoch]
     return {
-        "stage_utilization": utilization,
-        "max_staleness_observed": max(e.max_in_flight for e in entries),
-        "max_version_lag": max(e.max_version_lag for e in entries),
-        "staleness_bound": config.staleness_bound,
-        "updates": max(e.updates for e in entries),  # of the stage that made the most
-        "averaging_rounds": max(e.rounds for e in entries),
-        "recoveries": [{"dead": ev.dead[:8], "detected_after_s": round(ev.detected_at - killed_at, 3),
-                        "recovery_s": round(ev.recovered_at - ev.detected_at, 3),
-                        "stages": [(s.peer[:8], s.start, s.end) for s in ev.stages],
-                        "fetched_from": {str(k): v[:8] for k, v in ev.fetched_from.items()}}
-                       for ev in run_.controllers[0].events],
-        "killed": killed[:8] if killed else None,
+        "stage_utilization": dict(sorted(utilization.items())),
+        "max_staleness_observed": max(r["max_in_flight"] for r in rows),
+        "max_version_lag": max(r["max_version_lag"] for r in rows),
+        "staleness_bound": STALENESS_BOUND,
+        "updates": max(r["updates"] for r in rows),  # of the stage that made the most
+        "averaging_rounds": max(r["rounds_applied"] for r in rows),
+        "recoveries": [{"dead": e["dead"][:8], "recovery_s": e["recovery_s"], "epoch": e["epoch"],
+                        "fetched_from": {k: v[:8] for k, v in e["fetched_from"].items()}} for e in recoveries],
+        "killed": killed.hello["peer_id"][:8] if killed else None,
         "loss_curve": curve,
     }
-
-
-async def _loop_time() -> float:
-    return asyncio.get_running_loop().time()
 
 
 def _plot(out: Path, report: dict[str, Any]) -> None:
