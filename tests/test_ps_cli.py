@@ -4,6 +4,7 @@ run's final parameters exact: every run is compared with the same training done 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -21,10 +22,24 @@ from torch import nn
 
 from potluck.cli.ps import params_digest
 from potluck.cli.spec import RunSpec
+from potluck.core.virtual_time import run_virtual
+from potluck.dht.errors import NotOwner
+from potluck.dht.records import own_subkey
+from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
-from potluck.ps.discovery import assemble_layout, layout_digest
+from potluck.ps.discovery import (
+    ANNOUNCE_INTERVAL,
+    POLL_INTERVAL,
+    ShardHost,
+    assemble_layout,
+    discover_layout,
+    find_primary,
+    layout_digest,
+    servers_key,
+)
 from potluck.ps.messages import ServerAnnouncement, ShardRole
-from potluck.ps.server import split_by_size
+from potluck.ps.server import ParameterServer, split_by_size
+from potluck.ps.simulation import EmulatedPeer
 from tests import user_model
 from tests.conftest import ROOT
 
@@ -219,3 +234,49 @@ def test_a_layout_needs_every_shard_and_a_standby_both_sides_name():
     assert layout.assignment == tuple(split_by_size([p.numel() for p in params], 2))
     layout, missing = assemble_layout({a: ann(ShardRole(0), digest="0" * 64), b: ann(ShardRole(1))}, params)
     assert layout is None and "1 announce a layout that does not match this model" in missing
+
+
+@pytest.mark.timeout(60)
+def test_servers_announce_in_their_own_names_and_a_late_standby_is_adopted():
+    """On the emulated network (virtual clock): workers find the layout the servers announce; a
+    standby that starts later is adopted by its primary at the next renewal; an entry under a
+    subkey nobody signed is ignored, and one in another server's name cannot be stored."""
+    async def scenario():
+        network = EmulatedNetwork(latency=0.001)
+        peers = [await EmulatedPeer.start(network, None, None)]
+        for _ in range(4):
+            peers.append(await EmulatedPeer.start(network, None, peers[0]))
+        a, b, c, worker, mallory = peers
+        params = [p for layer in user_model.make_layers() for p in layer.parameters()]
+        digest = layout_digest(params, 2)
+        assignment = split_by_size([p.numel() for p in params], 2)
+
+        def serve(peer: EmulatedPeer, shard: int, standby_of=None) -> ShardHost:
+            mine = [p for p, s in zip(params, assignment, strict=True) if s == shard]
+            server = ParameterServer(peer, "late", mine, lambda ps: torch.optim.Adam(ps), shard=shard,
+                                     standby_of=standby_of, offload=False)
+            host = ShardHost(peer, "late", [server], digest, 2)
+            tasks.append(asyncio.create_task(host.keep_announced()))
+            return host
+        tasks: list[asyncio.Task] = []
+        try:
+            hosts = [serve(a, 0), serve(b, 1)]
+            forged = ServerAnnouncement(digest, 2, (ShardRole(0),))
+            await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30, subkey="x")
+            with pytest.raises(NotOwner):
+                await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30,
+                                         subkey=own_subkey(b.transport.peer_id))
+            before = await discover_layout(worker, "late", params, timeout=10)
+            primary = await find_primary(c, "late", 0, digest, 2, timeout=10)
+            serve(c, 0, standby_of=primary)
+            await asyncio.sleep(ANNOUNCE_INTERVAL + 2 * POLL_INTERVAL)
+            after = await discover_layout(worker, "late", params, timeout=10)
+            return before, after, primary, hosts[0].servers[0].replica, [p.transport.peer_id for p in peers]
+        finally:
+            for task in tasks:
+                task.cancel()
+            for peer in peers:
+                await peer.close()
+    before, after, primary, replica, (a, b, c, _, _) = run_virtual(scenario())
+    assert before.servers == ((a,), (b,)) and primary == a
+    assert replica == c and after.servers == ((a, c), (b,))

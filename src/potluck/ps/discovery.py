@@ -193,12 +193,14 @@ class ShardHost:
                       for s in self.servers)
         return ServerAnnouncement(self.digest, self.num_shards, roles)
 
-    def _wanting(self) -> list[ParameterServer]:
-        """Primaries that are waited for and have no standby yet."""
-        return [s for s in self.servers if not s.standby and s.replica is None and s.shard in self.awaiting]
+    def _wanting(self, awaited_only: bool) -> list[ParameterServer]:
+        """Primaries without a standby (`awaited_only`: those workers wait for)."""
+        return [s for s in self.servers if not s.standby and s.replica is None
+                and (s.shard in self.awaiting or not awaited_only)]
 
-    async def attach_standbys(self) -> None:
-        wanting = self._wanting()
+    async def attach_standbys(self, awaited_only: bool = False) -> None:
+        """Adopt the standbys that announce themselves for this peer's primaries."""
+        wanting = self._wanting(awaited_only)
         if not wanting:
             return
         me = self.peer.transport.peer_id
@@ -216,11 +218,13 @@ class ShardHost:
         published, renew_at = None, 0.0
         while True:
             try:
-                await self.attach_standbys()
+                renew = loop.time() >= renew_at
+                # Every tick for the standbys workers wait for; others at each renewal.
+                await self.attach_standbys(awaited_only=not renew)
                 current = self.announcement()
-                if current != published or loop.time() >= renew_at:
+                if current != published or renew:
                     if await announce(self.peer, self.run_id, current):
                         published, renew_at = current, loop.time() + ANNOUNCE_INTERVAL
             except PotluckError as e:  # the DHT is unreachable for now: try again at the next tick
                 logger.warning("ps %s: announcing the shard servers failed: %s", self.run_id, e)
-            await asyncio.sleep(POLL_INTERVAL)  # reads the DHT only while a standby is wanted
+            await asyncio.sleep(POLL_INTERVAL)
