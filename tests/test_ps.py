@@ -6,6 +6,7 @@ and deadlines repeat exactly; one test runs real Peers over TCP on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -483,3 +484,19 @@ def test_a_push_the_primary_applied_and_the_worker_resends_to_the_standby_is_not
         return ParamsReply.from_wire(again, shard0).step, step_after_retry, standby.step
     replied, after_retry, after_next = run_virtual(scenario())
     assert (replied, after_retry, after_next) == (3, 3, 4)
+
+
+@pytest.mark.timeout(30)
+def test_a_standby_knows_the_workers_before_the_first_step():
+    """The primary copies its state to the standby when workers register, so one that dies
+    before any step is taken over too (the standby serves only workers it was told of)."""
+    async def scenario():
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+                                       num_shards=2, standbys=True, offload=False)
+        sim.crash_server(0)
+        await asyncio.gather(*(c.apush([torch.ones_like(p) for p in m.parameters()])
+                               for c, m in zip(sim.clients, sim.models, strict=True)))
+        standby = next(s for s in sim.servers if s.shard == 0 and s.primary is not None)
+        await sim.close()
+        return standby.standby, standby.step
+    assert run_virtual(scenario()) == (False, 1)

@@ -228,6 +228,7 @@ class ParameterServer:
         # have rising steps (each reply is newer than the push it answers), so one at or below this
         # is a retry of a push already applied (sent again to the standby after its primary died).
         self._last_push: dict[PeerID, int] = {}
+        self._copied_workers: frozenset[PeerID] = frozenset()  # the workers of the standby's last copy
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._registered = asyncio.Event()
@@ -275,6 +276,8 @@ class ParameterServer:
                 logger.info("ps %s/%d: starting with %d of %d workers", self.run_id, self.shard,
                             len(self.workers), self.config.num_workers)
             async with self._lock:
+                if self.replica is not None and worker not in self._copied_workers:
+                    await self._replicate()  # before the first step: the standby serves only workers it knows
                 return self._reply()
         finally:
             self._leave(worker)
@@ -475,6 +478,7 @@ class ParameterServer:
                            for k, v in self.optimizer.state.get(p, {}).items()} for p in self.params)
         update = ReplicaUpdate(self.step, tuple(p.detach().clone() for p in self.params),
                                tuple(self.members | set(self.workers)), optimizer, dict(self._last_push))
+        self._copied_workers = frozenset(update.workers)
         try:
             reply = await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"),
                                               update.to_wire(), timeout=REPLICATE_TIMEOUT)
