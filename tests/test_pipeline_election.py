@@ -82,3 +82,52 @@ def test_the_next_member_takes_the_controller_role_over_when_its_node_crashes(si
     assert event.dead == victim and victim not in stages
     assert sorted(stages) == sorted(plan.clusters[0])[1:]
     assert event.fetched_from  # the dead node's layers came from cluster 1
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_joins_after_the_plan_is_a_standby_a_recovery_takes():
+    """Six planned nodes in two clusters of three, no standby; each holds a third of the model, so a
+    cluster that loses one needs another node: the seventh, which published its profile after the
+    plan was made."""
+    from potluck.pipeline.profiling import publish_profile
+    config = PipelineConfig("late", staleness_bound=4, average_every=5, ring_timeout=20, message_timeout=5,
+                            emulate_compute=True)
+    memory = 13_000  # 2 of the 6 equal layers (6,256 bytes each at 4 in flight, 2 stashes) per node
+
+    async def main():
+        net, peers = await make_swarm(7, latency=0.002, bandwidth=None)
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        ids = sorted(by_id)
+        late = ids[3]  # a peer id in the middle: the plan is not simply the lowest ids
+        planned = [p for p in ids if p != late]
+        plan = RunPlan(1, (tuple(planned[0::2]), tuple(planned[1::2])), ())
+        nodes = {}
+        for peer_id in ids:
+            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
+                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
+                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                                profiles={p: NodeProfile(p, 1.0, memory) for p in planned}, heartbeat=0.5,
+                                failure_timeout=1.0)
+            await node.start()
+            nodes[peer_id] = node
+        await publish_profile(by_id[late], "late", NodeProfile(late, 1.0, memory))
+        c0 = plan.clusters[0]
+        await _until(lambda: "c0" in nodes[min(c0)].controllers, 20, "cluster 0 has its controller")
+        controller = nodes[min(c0)].controllers["c0"]
+        await _until(lambda: controller.standby == [late], 10, "the late node is cluster 0's standby")
+        victim = max(c0)
+        net.crash(by_id[victim].transport.peer_id)
+        await _until(lambda: controller.events, 10, "cluster 0 recovers")
+        worker = nodes[late].worker
+        await _until(lambda: worker.route is not None and worker.stats.updates >= 10, 30, "the late node trains")
+        stages = [s.peer for s in controller.stages]
+        for peer_id, node in nodes.items():
+            if peer_id != victim:
+                await node.close()
+                await by_id[peer_id].dht.ashutdown()
+                await by_id[peer_id].transport.close()
+        return stages, victim, late, c0
+
+    stages, victim, late, c0 = run_virtual(main())
+    assert late in stages and victim not in stages and len(stages) == 3
+    assert set(stages) - {late} == set(c0) - {victim}

@@ -3,7 +3,8 @@
 The node profiles itself and publishes its profile; once `--nodes N` profiles are in (or the nodes
 a `--plan FILE` names), it computes the plan by the rule every node applies alike
 (`pipeline.planning`), publishes it, and runs its stage; the controller role of each cluster goes
-to the live member with the lowest peer id, and moves on when that node dies (`pipeline.node`).
+to the live member with the lowest peer id, and moves on when that node dies (`pipeline.node`). A
+node that finds the run planned already takes the published plan, as a standby if it is not in it.
 Every line it prints on stdout is one JSON object: `{"peer_id", "address"}` first, then
 `{"plan"}`, then a progress row every `--report-every` seconds.
 """
@@ -63,7 +64,7 @@ def _emit(row: dict[str, Any]) -> None:
 
 
 def _wait_for_profiles(peer: Any, args: argparse.Namespace, wanted: list[str] | None, stop: StopSignal) -> list[Any]:
-    """The profiles the plan is made from: those of `wanted`, else the first --nodes by peer id."""
+    """The run's profiles once those of `wanted` are in, else once --nodes are (sorted by peer id)."""
     from potluck.pipeline.profiling import fetch_profiles
     deadline = time.monotonic() + args.wait
     while True:
@@ -73,11 +74,20 @@ def _wait_for_profiles(peer: Any, args: argparse.Namespace, wanted: list[str] | 
             if len(found) == len(wanted):
                 return found
         elif len(profiles) >= args.nodes:
-            return profiles[:args.nodes]
+            return profiles
         if time.monotonic() > deadline or stop.wait(POLL_SECONDS):
             have = len(found) if wanted is not None else len(profiles)
             raise SpecError(f"only {have} of {len(wanted) if wanted is not None else args.nodes} node profiles "
                             f"of run {args.run_id!r} appeared within {args.wait:.0f} s")
+
+
+def _most_published(published: dict[str, Any]) -> Any:
+    """The plan most nodes published (ties: the newest version, then the first in JSON order)."""
+    counts: dict[str, tuple[int, Any]] = {}
+    for plan in published.values():
+        key = json.dumps(plan.to_wire(), sort_keys=True)
+        counts[key] = (counts.get(key, (0, plan))[0] + 1, plan)
+    return max(sorted(counts.items()), key=lambda item: (item[1][0], item[1][1].version))[1][1]
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -127,12 +137,15 @@ def run_pipeline(args: argparse.Namespace) -> int:
             profiles = _wait_for_profiles(peer, args, plan.nodes, stop)
         else:
             profiles = _wait_for_profiles(peer, args, None, stop)
-            if peer.peer_id not in [p.peer_id for p in profiles]:
-                raise SpecError(f"run {args.run_id!r} already has its {args.nodes} nodes; this one is not among them")
-            demand = model_demand(costs, int(sample.shape[0]), args.staleness_bound, reference)
-            plan = plan_run(profiles, demand, args.clusters)
-        peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
-        _emit({"plan": plan.to_wire()})
+            published = peer.run(fetch_plans(peer, args.run_id), timeout=30)
+            if published:  # the run is planned already (this node joins late, or restarts): take that plan
+                plan = _most_published(published)
+            else:
+                demand = model_demand(costs, int(sample.shape[0]), args.staleness_bound, reference)
+                plan = plan_run(profiles[:args.nodes], demand, args.clusters)
+        if peer.peer_id in plan.nodes:
+            peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
+        _emit({"plan": plan.to_wire(), "joined_late": peer.peer_id not in plan.nodes})
         config = PipelineConfig(args.run_id, staleness_bound=args.staleness_bound, average_every=args.average_every)
         node = PipelineNode(peer, config, plan, spec.make_layers, len(costs), spec.make_optimizer,
                             source=spec.source, costs=costs, shapes=shapes,
@@ -153,7 +166,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
                 if now - last_published > REPUBLISH_SECONDS:
                     last_published = now
                     peer.run(publish_profile(peer, args.run_id, profile), timeout=30)
-                    peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
+                    if peer.peer_id in plan.nodes:
+                        peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
                 if args.duration and now - started >= args.duration:
                     break
         finally:

@@ -9,6 +9,11 @@ the members below it; when the rule names it, it takes the role over. The contro
 recoverable from the DHT: its layout holds the epoch and the stages, the plan holds the standby
 nodes. The new controller resumes from them and re-partitions without the members that do not
 answer, one epoch later, so every stage then reports failures to it (`ClusterController.take_over`).
+
+Nodes that join after the plan was made (their profiles are in the DHT, they are not in the plan)
+are standbys: every election round adds them to the standby lists of the controllers this node
+holds, so a recovery that needs a node takes one. They are never elected (the stages take
+`configure` only from the plan's nodes), so a cluster whose planned members all died stops.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from potluck.core.peer_like import PeerLike
 from potluck.pipeline.layout import Layout
 from potluck.pipeline.messages import Ping
 from potluck.pipeline.planning import RunPlan, cluster_id
-from potluck.pipeline.profiling import LayerCost, NodeProfile
+from potluck.pipeline.profiling import LayerCost, NodeProfile, fetch_profiles
 from potluck.pipeline.recovery import FAILURE_TIMEOUT, HEARTBEAT, ClusterController
 from potluck.pipeline.stage import LossFn, MakeLayers, PipelineConfig, Source, StageWorker, call
 
@@ -37,6 +42,8 @@ logger = logging.getLogger(__name__)
 # At start every node waits this long for the plan's other nodes to answer (their workers to be
 # up) before electing controllers, so a node still starting is not taken for dead.
 START_TIMEOUT = 120.0
+# Nodes that joined after the plan taken as standbys: a run has tens of nodes, not thousands.
+MAX_LATE_NODES = 256
 
 
 class PipelineNode:
@@ -111,6 +118,8 @@ class PipelineNode:
     async def elect(self) -> None:
         """One round of the rule over every cluster this node is a member of."""
         layouts = await self.worker.directory.fetch_layouts()
+        if self.controllers:
+            await self._refresh_standby(layouts)
         for index, planned in enumerate(self.plan.clusters):
             cid = cluster_id(index)
             if cid in self.controllers:
@@ -118,7 +127,7 @@ class PipelineNode:
             members = [s.peer for s in layouts[cid].stages] if cid in layouts else list(planned)
             if self.me not in members:
                 continue
-            for candidate in sorted(members):
+            for candidate in sorted(m for m in members if m in self.plan.nodes):
                 if candidate == self.me:
                     await self._take_over(index, layouts)
                     break
@@ -151,3 +160,16 @@ class PipelineNode:
             del self.controllers[cid]
             await controller.close()
             raise
+
+    async def _refresh_standby(self, layouts: dict[str, Layout]) -> None:
+        """Give the controllers held here every node not in a layout: the plan's standbys and the
+        nodes that joined later (profiles in the DHT, not in the plan)."""
+        late = [p for p in await fetch_profiles(self.peer, self.config.run_id)
+                if p.peer_id not in self.plan.nodes][:MAX_LATE_NODES]
+        self.profiles.update({p.peer_id: p for p in late})
+        in_use = {s.peer for layout in layouts.values() for s in layout.stages}
+        for controller in self.controllers.values():
+            in_use.update(controller.members)
+        spare = [p for p in [*self.plan.standby, *(p.peer_id for p in late)] if p not in in_use]
+        for controller in self.controllers.values():
+            controller.standby = list(spare)
