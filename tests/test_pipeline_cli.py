@@ -28,6 +28,11 @@ MEMORY_FRACTION = 0.6
 TARGET_LOSS = 0.8
 
 
+# The run spec of the tests' nodes: the user's model, data and loss.
+USER_MODEL = ["--model", "tests.user_model:make_layers", "--data", "tests.user_model:batches", "--loss",
+              "tests.user_model:loss", "--lr", "0.01", "--staleness-bound", str(STALENESS_BOUND)]
+
+
 def _memory_mib() -> float:
     layers = user_model.make_layers()
     sample = next(user_model.batches(0, 0))[0]
@@ -107,17 +112,16 @@ def swarm(tmp_path):
     """start(n, extra) -> n nodes of one run (the first is every other's initial peer); all killed after."""
     nodes: list[Node] = []
 
-    def start(n: int, extra: list[str]) -> list[Node]:
-        common = ["--host", "127.0.0.1", "--run-id", "cli", "--nodes", str(n), "--model",
-                  "tests.user_model:make_layers", "--data", "tests.user_model:batches", "--loss",
-                  "tests.user_model:loss", "--lr", "0.01", "--flops", "1e6", "--memory", str(_memory_mib()),
-                  "--staleness-bound", str(STALENESS_BOUND), "--heartbeat", "0.5", "--failure-timeout", "1.5",
-                  "--report-every", "0.5", *extra]
-        nodes.append(Node(common, tmp_path / "node0.log"))
+    def start(n: int, extra: list[str], own: list[list[str]] | None = None) -> list[Node]:
+        """`extra`: options of every node; `own[i]`: node i's own."""
+        own = own or [[] for _ in range(n)]
+        common = ["--host", "127.0.0.1", "--flops", "1e6", "--memory", str(_memory_mib()), "--heartbeat", "0.5",
+                  "--failure-timeout", "1.5", "--report-every", "0.5", *extra]
+        nodes.append(Node([*common, *own[0]], tmp_path / "node0.log"))
         _wait(lambda: nodes[0].find("address"), 60, nodes, "the first node's address")
         address = nodes[0].find("address")["address"]
         for i in range(1, n):
-            nodes.append(Node([*common, "--initial-peers", address], tmp_path / f"node{i}.log"))
+            nodes.append(Node([*common, *own[i], "--initial-peers", address], tmp_path / f"node{i}.log"))
         _wait(lambda: all(node.find("plan") for node in nodes), 90, nodes, "every node's plan")
         return nodes
 
@@ -158,7 +162,7 @@ def _epoch(nodes: list[Node], cluster: str) -> int:
 def test_seven_nodes_form_two_clusters_and_a_standby_and_survive_a_killed_controller_and_stage_node(swarm):
     """The issue's test: SIGKILL the node that holds cluster 0's controller role and a plain stage node
     of cluster 1; both clusters go on training (two nodes hold the model) and reach the target."""
-    nodes = swarm(7, ["--clusters", "2"])
+    nodes = swarm(7, ["--run-id", "cli", "--nodes", "7", "--clusters", "2", *USER_MODEL])
     plan = nodes[0].find("plan")["plan"]
     assert all(n.find("plan")["plan"] == plan for n in nodes)
     c0, c1 = plan["clusters"]
@@ -176,3 +180,30 @@ def test_seven_nodes_form_two_clusters_and_a_standby_and_survive_a_killed_contro
           "cluster 0's next node to take the controller role over")
     _wait(lambda: _trained_since(live, "c0", epochs["c0"]) and _trained_since(live, "c1", epochs["c1"]), 90,
           nodes, "both clusters to train on to the target")
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file(swarm, tmp_path):
+    """A plan written beforehand (`pipeline plan --write-plan`'s format) names the nodes by peer id:
+    each starts with its key file and the plan, nothing else about the run."""
+    from potluck.cli.plan_file import PlanFile, PlannedStage
+    from potluck.cli.spec import RunSpec
+    from potluck.net.identity import Identity
+    keys, ids = [], []
+    for i in range(3):
+        identity = Identity.generate()
+        identity.save(tmp_path / f"node{i}.key")
+        keys.append(["--identity", str(tmp_path / f"node{i}.key")])
+        ids.append(str(identity.peer_id))
+    spec = RunSpec("tests.user_model:make_layers", "tests.user_model:batches", "tests.user_model:loss", lr=0.01)
+    sample = next(user_model.batches(0, 0))[0]
+    costs = model_costs(user_model.make_layers(), sample)
+    PlanFile("planned", spec, tuple(costs), 1.0, sample.shape[0], STALENESS_BOUND,
+             ((PlannedStage(ids[0], 0, 1), PlannedStage(ids[1], 1, 3)),), (ids[2],)).write(tmp_path / "plan.json")
+    nodes = swarm(3, ["--plan", str(tmp_path / "plan.json")], keys)
+    assert [n.peer_id for n in nodes] == ids
+    assert all(n.find("plan")["plan"] == {"version": 1, "clusters": [sorted(ids[:2])], "standby": [ids[2]]}
+               for n in nodes)
+    _wait(lambda: _trained_since(nodes, "c0", -1), 60, nodes, "the planned cluster to reach the target loss")
+    assert _controllers(nodes) == {"c0": min(ids[:2])}
+    assert nodes[2].progress()[-1]["role"] == "standby"

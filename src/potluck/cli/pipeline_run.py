@@ -41,9 +41,11 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_peer_options(run)
     add_spec_options(run)
-    run.add_argument("--run-id", default="pipeline", help="the run this node joins")
+    run.add_argument("--run-id", default="pipeline", help="the run this node joins (with --plan: the plan's)")
     run.add_argument("--nodes", type=int, help="plan once this many nodes have published their profiles")
-    run.add_argument("--plan", metavar="FILE", help="use this plan (`potluck pipeline plan --write-plan`) instead")
+    run.add_argument("--plan", metavar="FILE",
+                     help="use this plan (`potluck pipeline plan --write-plan`): its nodes, run id, spec, layer "
+                          "costs and staleness bound (stages are re-derived from the costs)")
     run.add_argument("--clusters", type=int, help="number of clusters (default: as many as memory allows)")
     run.add_argument("--flops", type=float, help="override the measured FLOP/s")
     run.add_argument("--memory", type=float, help="override free memory, in MiB")
@@ -114,6 +116,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if args.plan:
         from potluck.cli.plan_file import PlanFile
         plan_file = PlanFile.read(Path(args.plan))
+        args.run_id, args.staleness_bound = plan_file.run_id, plan_file.staleness_bound
     spec = RunSpec.from_args(args) if plan_file is None else plan_file.spec
     layers = spec.layers()
     sample = spec.sample(0)
