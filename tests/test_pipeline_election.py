@@ -131,3 +131,41 @@ def test_a_node_that_joins_after_the_plan_is_a_standby_a_recovery_takes():
     stages, victim, late, c0 = run_virtual(main())
     assert late in stages and victim not in stages and len(stages) == 3
     assert set(stages) - {late} == set(c0) - {victim}
+
+
+@pytest.mark.timeout(60)
+def test_a_planned_node_that_never_comes_is_replaced_by_a_standby_at_the_start():
+    config = PipelineConfig("absent", staleness_bound=4, average_every=0, message_timeout=5, emulate_compute=True)
+    memory = 13_000  # a third of the model per node: the cluster needs three
+
+    async def main():
+        net, peers = await make_swarm(4, latency=0.002, bandwidth=None)
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        ids = sorted(by_id)
+        absent = ids[1]
+        plan = RunPlan(1, (tuple(ids[:3]),), (ids[3],))
+        net.crash(by_id[absent].transport.peer_id)
+        nodes = {}
+        for peer_id in ids:
+            if peer_id == absent:
+                continue
+            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
+                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
+                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                                profiles={p: NodeProfile(p, 1.0, memory) for p in ids}, heartbeat=0.5,
+                                failure_timeout=1.0)
+            await node.start()
+            nodes[peer_id] = node
+        await _until(lambda: "c0" in nodes[ids[0]].controllers, 200, "the cluster has its controller")
+        controller = nodes[ids[0]].controllers["c0"]
+        standby = nodes[ids[3]].worker
+        await _until(lambda: standby.route is not None and standby.stats.updates >= 10, 30, "the standby trains")
+        stages = [s.peer for s in controller.stages]
+        for peer_id, node in nodes.items():
+            await node.close()
+            await by_id[peer_id].dht.ashutdown()
+            await by_id[peer_id].transport.close()
+        return stages, ids
+
+    stages, ids = run_virtual(main())
+    assert sorted(stages) == [ids[0], ids[2], ids[3]]

@@ -30,6 +30,7 @@ from potluck.core.errors import NetworkError
 from potluck.core.peer_like import PeerLike
 from potluck.pipeline.layout import Layout
 from potluck.pipeline.messages import Ping
+from potluck.pipeline.partition import PartitionError
 from potluck.pipeline.planning import RunPlan, cluster_id
 from potluck.pipeline.profiling import LayerCost, NodeProfile, fetch_profiles
 from potluck.pipeline.recovery import FAILURE_TIMEOUT, HEARTBEAT, ClusterController
@@ -154,7 +155,14 @@ class PipelineNode:
             else:
                 logger.info("%s controls cluster %s", self.me[:8], cid)
                 controller.members = [m for m in members if m not in dead]
-                await controller.plan()
+                while True:
+                    try:
+                        await controller.plan()
+                        break
+                    except PartitionError:  # a planned member never came: a standby stands in
+                        if not controller.standby:
+                            raise
+                        controller.members.append(controller.standby.pop(0))
                 await controller.start()
         except BaseException:
             del self.controllers[cid]
