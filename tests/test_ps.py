@@ -118,7 +118,7 @@ def test_split_by_size_balances_elements_over_shards():
 SHARD = [torch.zeros(4, 3), torch.zeros(3)]  # the shard's parameters the messages are checked against
 PEERS = [Identity.generate().peer_id for _ in range(3)]
 GOOD = {
-    "push": PushRequest(2, (torch.ones(4, 3), torch.ones(3))).to_wire(),
+    "push": PushRequest(2, (torch.ones(4, 3), torch.ones(3)), seq=5).to_wire(),
     "reply": ParamsReply(7, (torch.ones(4, 3), torch.ones(3)), dropped=True).to_wire(),
     "replica": ReplicaUpdate(7, (torch.ones(4, 3), torch.ones(3)), tuple(PEERS[:2]),
                              ({"exp_avg": torch.ones(4, 3), "step": torch.tensor(7.0)}, {"count": 7}),
@@ -147,6 +147,8 @@ PARSE = {
     ("push", {"grads": [torch.ones(3, 4), torch.ones(3)]}, "'grads'[0]"),
     ("push", {"grads": [torch.ones(4, 3), torch.ones(3, dtype=torch.float64)]}, "'grads'[1]"),
     ("push", {"grads": [torch.ones(4, 3), torch.tensor([1.0, float("inf"), 0.0])]}, "'grads'[1]"),
+    ("push", {"seq": -1}, "'seq'"),
+    ("push", {"seq": "1"}, "'seq'"),
     ("reply", {"step": 2**62}, "'step'"),
     ("reply", {"params": [torch.ones(4, 3)]}, "'params'"),
     ("reply", {"params": [torch.ones(4, 3), torch.ones(4)]}, "'params'[1]"),
@@ -476,7 +478,7 @@ def test_a_push_the_primary_applied_and_the_worker_resends_to_the_standby_is_not
         standby = next(s for s in sim.servers if s.shard == 0 and s.primary is not None)
         sim.crash_server(0)
         push = method_name("sim", 0, "push")
-        again = await client.transport.call(standby.transport.peer_id, push, PushRequest(2, tuple(shard0)).to_wire(),
+        again = await client.transport.call(standby.transport.peer_id, push, PushRequest(2, tuple(shard0), seq=2).to_wire(),
                                             timeout=5)  # the third push again: the primary applied it
         step_after_retry = standby.step
         await client.apush(grads)

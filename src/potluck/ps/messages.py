@@ -177,13 +177,19 @@ class PullRequest:
 
 @dataclass(frozen=True)
 class PushRequest:
-    """A worker's gradients for one shard, computed on the parameters of server step `step`."""
+    """A worker's gradients for one shard, computed on the parameters of server step `step`.
+    `seq` numbers the worker's pushes (the same when it sends one again to a standby): a server
+    applies a push only if its `seq` is above the worker's last applied one. None: not numbered."""
 
     step: int
     grads: tuple[torch.Tensor, ...]
+    seq: int | None = None
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "grads": list(self.grads)}
+        wire = {"step": self.step, "grads": list(self.grads)}
+        if self.seq is not None:
+            wire["seq"] = self.seq
+        return wire
 
     @classmethod
     def from_wire(cls, msg: Any, like: Sequence[torch.Tensor], latest_step: int) -> PushRequest:
@@ -192,7 +198,9 @@ class PushRequest:
         what = "push"
         msg = wire_map(msg, what)
         step = int_field(msg, "step", what, 0, latest_step + 1)
-        return cls(step, _tensors(msg, "grads", what, like, finite=True))
+        grads = _tensors(msg, "grads", what, like, finite=True)
+        seq = msg.get("seq")
+        return cls(step, grads, None if seq is None else int_value(seq, "seq", what, 0, MAX_STEP))
 
 
 # -- server -> worker ---------------------------------------------------------------------------------
@@ -229,8 +237,8 @@ class ReplicaUpdate:
     """A primary's state after step `step`, copied to its standby before it answers the workers:
     the parameters, the optimizer's per-parameter state (Adam's moments and step counts: without
     them a takeover would restart the optimizer), the workers it serves (the standby takes them
-    over with it), and each worker's last applied push, by the server step it was computed on (so a
-    push retried at the standby after the primary applied it is not applied twice)."""
+    over with it), and each worker's last applied push (its `PushRequest.seq`, so a push sent again
+    to the standby after the primary applied it is not applied twice)."""
 
     step: int
     params: tuple[torch.Tensor, ...]

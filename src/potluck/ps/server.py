@@ -224,9 +224,8 @@ class ParameterServer:
         self._push_norms: deque[float] = deque(maxlen=PUSH_NORM_WINDOW)
         self._round: dict[PeerID, tuple[torch.Tensor, ...]] = {}
         self._replica_workers: tuple[PeerID, ...] = ()
-        # Each worker's last accepted push, by the server step it was computed on: a worker's pushes
-        # have rising steps (each reply is newer than the push it answers), so one at or below this
-        # is a retry of a push already applied (sent again to the standby after its primary died).
+        # Each worker's last accepted push, by its `seq`: one at or below this is a push already
+        # applied, sent again (to the standby, after its primary died before answering).
         self._last_push: dict[PeerID, int] = {}
         self._copied_workers: frozenset[PeerID] = frozenset()  # the workers of the standby's last copy
         self._lock = asyncio.Lock()
@@ -289,18 +288,20 @@ class ParameterServer:
         self._drop_expired()  # modes that never wait (async, backup) still drop the dead
         self._enter(worker)
         try:
-            if base_step <= self._last_push.get(worker, -1):
+            seq = request.seq
+            if seq is not None and seq <= self._last_push.get(worker, -1):
                 async with self._lock:  # applied before (by the primary this standby took over from)
                     return self._reply()
             mode = self.config.mode
             if mode in ("sync", "backup"):
-                return await self._push_round(worker, base_step, grads)
+                return await self._push_round(worker, base_step, grads, seq)
             state = self.workers[worker]
             if mode == "ssp":
                 self.clock_gaps.append(state.clock - self._min_clock())
             state.clock += 1
             async with self._lock:
-                self._last_push[worker] = base_step
+                if seq is not None:
+                    self._last_push[worker] = seq
                 await self._apply([grads], [self.step - base_step])
                 reply = self._reply()
             if mode == "ssp":
@@ -401,14 +402,16 @@ class ParameterServer:
             return self.replica is not None
 
     # -- rounds (sync, backup) --------------------------------------------------------------------
-    async def _push_round(self, worker: PeerID, base_step: int, grads: tuple[torch.Tensor, ...]) -> ParamsReply:
+    async def _push_round(self, worker: PeerID, base_step: int, grads: tuple[torch.Tensor, ...],
+                          seq: int | None) -> ParamsReply:
         async with self._lock:  # not while a step is being applied: the push belongs to the next round
             if self.config.mode == "backup" and base_step < self.step:
                 self.dropped_gradients += 1  # computed on parameters a finished round has replaced
                 return self._reply(dropped=True)
             target = self.step + 1
             self._round[worker] = grads
-            self._last_push[worker] = base_step
+            if seq is not None:
+                self._last_push[worker] = seq
             self.workers[worker].clock += 1
         self._notify()
         await self._wait_until(lambda: self.step >= target)

@@ -71,6 +71,7 @@ class PSClient:
         self._server = [0] * layout.num_shards  # which of each shard's servers is in use
         self.steps = [0] * layout.num_shards  # server step of the parameters held, per shard
         self.pushes = 0
+        self._seq = 0  # numbers every push, answered or not: one cancelled after the server applied it is not reused
         self.dropped = 0  # pushes a backup-mode server did not use
 
     async def aregister(self) -> None:
@@ -82,8 +83,9 @@ class PSClient:
         if grads is None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         grads = [g.detach() for g in grads]
+        seq, self._seq = self._seq, self._seq + 1
         await asyncio.gather(*(
-            self._call(k, "push", PushRequest(self.steps[k], tuple(grads[i] for i in indices)))
+            self._call(k, "push", PushRequest(self.steps[k], tuple(grads[i] for i in indices), seq))
             for k, indices in enumerate(self._indices)))
         self.pushes += 1
 
@@ -126,7 +128,7 @@ def _copied(request: RegisterRequest | PullRequest | PushRequest) -> RegisterReq
     """A request to this peer itself with its tensors copied, as the wire would: the loopback
     passes the objects themselves, and the server keeps the gradients past this call."""
     if isinstance(request, PushRequest):
-        return PushRequest(request.step, tuple(g.clone() for g in request.grads))
+        return PushRequest(request.step, tuple(g.clone() for g in request.grads), request.seq)
     return request
 
 
