@@ -19,6 +19,7 @@ from potluck.optim.progress import PROGRESS_TTL, ProgressTracker
 from potluck.pipeline.layout import LAYOUT_TTL, LayoutDirectory
 from potluck.pipeline.planning import PLAN_TTL
 from potluck.pipeline.profiling import PROFILE_TTL, profiles_key
+from potluck.ps.discovery import ANNOUNCE_TTL, servers_key
 from potluck.ps.sweep import LEASE_SECONDS, RESULT_TTL
 
 NOW = 1000.0
@@ -43,6 +44,7 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
         "run.pipeline.plan": PLAN_TTL,  # planning.publish_plan's key for run "run"
         "sweep.abc.leases": LEASE_SECONDS,
         "sweep.abc.results": RESULT_TTL,
+        servers_key("run"): ANNOUNCE_TTL,
     }
     for key, ttl in writers.items():
         [rule] = rules_for(key)
@@ -55,7 +57,8 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
 KEY_OF = {"matchmaking declarations": "r.match.g", "progress records": "r.progress", "state donor records": "r.state",
           "pipeline profiles": "r.pipeline.profiles", "pipeline layouts": "r.pipeline.layout",
           "pipeline plans": "r.pipeline.plan",
-          "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays"}
+          "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays",
+          "shard server announcements": "r.ps.servers"}
 
 
 @pytest.mark.parametrize("rule", KEY_KINDS, ids=lambda r: r.name)

@@ -23,7 +23,7 @@ from torch import nn
 from potluck.cli.ps import params_digest
 from potluck.cli.spec import RunSpec
 from potluck.core.virtual_time import run_virtual
-from potluck.dht.errors import NotOwner
+from potluck.dht.errors import RecordRejected
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
@@ -239,8 +239,8 @@ def test_a_layout_needs_every_shard_and_a_standby_both_sides_name():
 @pytest.mark.timeout(60)
 def test_servers_announce_in_their_own_names_and_a_late_standby_is_adopted():
     """On the emulated network (virtual clock): workers find the layout the servers announce; a
-    standby that starts later is adopted by its primary at the next renewal; an entry under a
-    subkey nobody signed is ignored, and one in another server's name cannot be stored."""
+    standby that starts later is adopted by its primary at the next renewal; an announcement in
+    another server's name, under an unsigned subkey or as a plain record cannot be stored."""
     async def scenario():
         network = EmulatedNetwork(latency=0.001)
         peers = [await EmulatedPeer.start(network, None, None)]
@@ -262,10 +262,10 @@ def test_servers_announce_in_their_own_names_and_a_late_standby_is_adopted():
         try:
             hosts = [serve(a, 0), serve(b, 1)]
             forged = ServerAnnouncement(digest, 2, (ShardRole(0),))
-            await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30, subkey="x")
-            with pytest.raises(NotOwner):
-                await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30,
-                                         subkey=own_subkey(b.transport.peer_id))
+            for subkey in ("x", own_subkey(b.transport.peer_id), None):  # unsigned, in b's name, plain
+                with pytest.raises(RecordRejected):
+                    await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30,
+                                             subkey=subkey)
             before = await discover_layout(worker, "late", params, timeout=10)
             primary = await find_primary(c, "late", 0, digest, 2, timeout=10)
             serve(c, 0, standby_of=primary)

@@ -58,6 +58,9 @@ LEASE_MAX_TTL = 3600.0
 RESULT_MAX_TTL = 24 * 3600.0
 # Relay announcements (`nat.relays`) live 10 min and are re-stored every third of it.
 RELAY_MAX_TTL = 3600.0
+# Shard server announcements (`ps.discovery`) live 30 s and are renewed every 10 s; ten minutes
+# is twenty of their lifetimes.
+PS_SERVERS_MAX_TTL = 600.0
 # Keys whose matching kinds a node remembers (every record stored or read is checked, and a
 # run's few keys recur): at most MAX_KEY_BYTES (1 KiB) each, so a few MiB at most.
 KINDS_OF_KEYS_CACHED = 4096
@@ -72,6 +75,7 @@ KEY_KINDS: tuple[KeyKind, ...] = (
     KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
     KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
     KeyKind("relay announcements", re.compile(r"\Anat\.relays\Z"), RELAY_MAX_TTL),
+    KeyKind("shard server announcements", re.compile(r"\.ps\.servers\Z"), PS_SERVERS_MAX_TTL),
 )
 
 
