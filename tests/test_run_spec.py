@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from potluck.cli import main
-from potluck.cli import spec as spec_mod
 from potluck.cli.plan_file import PLAN_FILE_VERSION, PlanFile
 from potluck.cli.spec import LOSSES, OPTIMIZERS, RunSpec, SpecError, add_spec_options, load_ref
 from tests import user_model
@@ -75,8 +74,6 @@ def test_spec_file_and_command_line_overrides(tmp_path) -> None:
                            "tests.user_model:loss", "adamw", 0.1, 3)
     assert parse("--model", "tests.user_model:make_layers", "--seed", "5") == \
         RunSpec(model="tests.user_model:make_layers", seed=5)
-    # Python 3.10 has no tomllib: its fallback reads the same file the same way
-    assert spec_mod._parse_flat_toml(SPEC_FILE) == spec_mod.parse_toml(SPEC_FILE)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import PotluckError
 
 # Loss names `--loss` accepts, and the torch.nn.functional function each means.
@@ -269,43 +270,8 @@ def demo_model() -> list[Any]:
 
 
 def parse_toml(text: str) -> dict[str, Any]:
-    """A flat TOML table: tomllib where there is one (3.11+), else the flat subset specs use
-    (`key = "string" | number | true | false`, comments), so 3.10 needs no extra package."""
+    """A TOML document (`compat.tomllib`: the standard library's on 3.11+, tomli on 3.10)."""
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        return _parse_flat_toml(text)
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        return compat.tomllib.loads(text)
+    except compat.tomllib.TOMLDecodeError as e:
         raise ValueError(str(e)) from e
-
-
-def _parse_flat_toml(text: str) -> dict[str, Any]:
-    import ast
-    out: dict[str, Any] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, eq, value = (s.strip() for s in line.partition("="))
-        if not eq or not key.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"line {n}: expected key = value (only flat keys are supported on Python 3.10)")
-        if value and value[0] in "\"'":  # a string: cut at its closing quote (no escapes), then only a comment
-            close = value.find(value[0], 1)
-            if close < 0 or value[close + 1:].strip()[:1] not in ("", "#"):
-                raise ValueError(f"line {n}: cannot read value {value!r}")
-            value = value[:close + 1]
-        elif "#" in value:
-            value = value.split("#", 1)[0].strip()
-        if value in ("true", "false"):
-            out[key] = value == "true"
-            continue
-        try:
-            parsed = ast.literal_eval(value.replace("_", "") if value[:1] not in "\"'" else value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"line {n}: cannot read value {value!r}") from None
-        if not isinstance(parsed, (str, int, float)):
-            raise ValueError(f"line {n}: cannot read value {value!r}")
-        out[key] = parsed
-    return out
