@@ -395,15 +395,8 @@ class TCPLink(asyncio.BufferedProtocol):
         try:
             tls = await _start_tls(pipe, self, self.owner._server_ctx, server_side=True)
         except BaseException as e:  # noqa: BLE001 - a failed or cancelled TLS handshake ends the link
-            self._opening = None
             pipe.abort()
-            cancelled = isinstance(e, asyncio.CancelledError)
-            if isinstance(e, Exception):
-                logger.debug("TLS handshake relayed from %s failed: %r", self._peer_name(), e)
-                _drop_tracebacks(e)
-            self.connection_lost(None if cancelled or not isinstance(e, Exception) else e)
-            if not isinstance(e, Exception) and not cancelled:
-                raise
+            self._tls_failed(e)
             return
         self._opening = None
         self.connection_made(tls)
@@ -424,20 +417,24 @@ class TCPLink(asyncio.BufferedProtocol):
             # Calls connection_made with the (TLS) transport once its handshake is done.
             await self._loop.connect_accepted_socket(lambda: self, sock, **kwargs)
         except BaseException as e:  # noqa: BLE001 - a failed or cancelled TLS handshake ends the link
-            # asyncio has closed the connection and does not tell the protocol of a connection
-            # lost in the TLS handshake: end the link here (connection_lost runs once).
-            self._opening = None
-            cancelled = isinstance(e, asyncio.CancelledError)
-            if isinstance(e, Exception) and not cancelled:
-                logger.debug("TLS handshake with %s failed: %r", self._peer_name(), e)
-                # Its traceback holds asyncio's frames, which hold the future that holds the error
-                # (and this link, their protocol): a cycle only the GC would free. Not needed now.
-                _drop_tracebacks(e)
-            self.connection_lost(None if cancelled or not isinstance(e, Exception) else e)
-            if not isinstance(e, Exception) and not cancelled:
-                raise
+            self._tls_failed(e)
             return
         self._opening = None
+
+    def _tls_failed(self, error: BaseException) -> None:
+        """An accepted connection's TLS handshake failed or was cancelled: asyncio has closed the
+        connection and does not tell the protocol of a connection lost in the TLS handshake, so end
+        the link here (connection_lost runs once); re-raise what is not an error (KeyboardInterrupt)."""
+        self._opening = None
+        cancelled = isinstance(error, asyncio.CancelledError)
+        if isinstance(error, Exception) and not cancelled:
+            logger.debug("TLS handshake with %s failed: %r", self._peer_name(), error)
+            # Its traceback holds asyncio's frames, which hold the future that holds the error
+            # (and this link, their protocol): a cycle only the GC would free. Not needed now.
+            _drop_tracebacks(error)
+        self.connection_lost(None if cancelled or not isinstance(error, Exception) else error)
+        if not isinstance(error, Exception) and not cancelled:
+            raise error
 
     # -- asyncio protocol callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
