@@ -5,8 +5,12 @@ Each DHT publishes its peer's signed record at start, so any peer can call any o
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.dht import DHT, event_loop_clock
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
 
@@ -37,3 +41,17 @@ async def add_peer(net: EmulatedNetwork, peers: list[SimPeer], bandwidth: float 
     dht = DHT(transport, initial_peers=bootstrap, clock=event_loop_clock())
     await dht.astart()
     return SimPeer(transport, dht)
+
+
+T = TypeVar("T")
+
+
+def run_on_shared_runner(scenario: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+    """Run `scenario` on the shared runner, with a virtual-time loop: `potluck.Peer` and the
+    Optimizer run on that runner, as they do outside tests."""
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        assert isinstance(runner.loop, VirtualTimeLoop)
+        return runner.run(scenario, timeout=timeout)
+    finally:
+        release_runner()

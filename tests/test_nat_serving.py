@@ -14,7 +14,8 @@ from potluck.pipeline.harness import launch_run
 from potluck.pipeline.stage import PipelineConfig
 from potluck.ps import PSClient, ServerConfig, start_parameter_servers
 from potluck.ps.worker import train_worker
-from tests.test_nat_swarm import natted_peer, public_peers, run, shutdown
+from tests.emulated_swarm import run_on_shared_runner
+from tests.test_nat_swarm import natted_peer, public_peers, shutdown
 from tests.test_pipeline_net import COSTS, LAYERS, WIDTH, make_layers, source_for
 
 
@@ -66,7 +67,7 @@ def test_parameter_server_shards_behind_nat_serve_workers_through_relays():
                 server.shutdown()
         finally:
             await shutdown(everyone)
-    run(scenario())
+    run_on_shared_runner(scenario())
 
 
 @pytest.mark.timeout(60)
@@ -94,4 +95,4 @@ def test_pipeline_stages_behind_nat_train_through_relays():
             if run_ is not None:
                 await run_.close()
             await shutdown(peers + natted)
-    run(scenario())
+    run_on_shared_runner(scenario())

@@ -19,8 +19,6 @@ import potluck
 from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import ConnectionLost
-from potluck.core.runner import acquire_runner, release_runner
-from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.moe import ExpertServer
 from potluck.moe.expert import aforward, alocate
 from potluck.moe.experts import make_expert
@@ -29,19 +27,10 @@ from potluck.net.emulated import EmulatedNetwork
 from potluck.net.reachability import DIALBACK_CALL_TIMEOUT
 from potluck.optim import Optimizer
 from potluck.peer import FIRST_RELAY_TIMEOUT, RECHECK_INTERVAL
+from tests.emulated_swarm import run_on_shared_runner
 
 T = TypeVar("T")
 BATCH = 8
-
-
-def run(scenario: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-    """On the shared runner with a virtual-time loop, as `potluck.Peer` and the Optimizer expect."""
-    runner = acquire_runner(virtual_time_loop)
-    try:
-        assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(scenario, timeout=timeout)
-    finally:
-        release_runner()
 
 
 async def public_peers(network: EmulatedNetwork, n: int, relays: int) -> list[potluck.Peer]:
@@ -140,7 +129,7 @@ def test_a_swarm_with_70_percent_of_peers_behind_nat_trains_and_natted_peers_ser
             assert len({digest(m) for m in models}) == 1
         finally:
             await shutdown(peers)
-    run(scenario())
+    run_on_shared_runner(scenario())
 
 
 async def numbered(stream: Stream, ctx: CallContext) -> None:
@@ -197,7 +186,7 @@ def test_a_relay_dies_mid_transfer_and_the_transfer_resumes_through_another():
             assert set(record.addresses) == {a.without_peer_id() for a in donor.transport.addresses}
         finally:
             await shutdown(peers)
-    run(scenario())
+    run_on_shared_runner(scenario())
 
 
 @pytest.mark.timeout(60)
@@ -228,7 +217,7 @@ def test_a_state_download_from_a_natted_donor_resumes_through_another_relay_when
             assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
         finally:
             await shutdown(peers)
-    run(scenario())
+    run_on_shared_runner(scenario())
 
 
 async def echo(request: Any, ctx: CallContext) -> Any:
@@ -271,4 +260,4 @@ def test_a_peer_whose_only_initial_peer_cannot_dial_it_is_relayed_and_re_checks_
             assert "reachable through relay" in home.reachability_summary
         finally:
             await shutdown(peers)
-    run(scenario())
+    run_on_shared_runner(scenario())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -17,8 +17,6 @@ from potluck.averaging import Averager
 from potluck.averaging.accountability import ban_list
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import AveragingError
-from potluck.core.runner import acquire_runner, release_runner
-from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim.optimizer import PROGRESS_INTERVAL
@@ -66,17 +64,6 @@ def warnings_naming(caplog: pytest.LogCaptureFixture, who: object, words: str) -
 
 
 # -- Optimizer swarms ----------------------------------------------------------------------------------
-def run_on_shared_runner(scenario: Coroutine[Any, Any, T], timeout: float) -> T:
-    """Run `scenario` on the shared runner, with a virtual-time loop: `potluck.Peer` and the
-    Optimizer run on that runner, as they do outside tests."""
-    runner = acquire_runner(virtual_time_loop)
-    try:
-        assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(scenario, timeout=timeout)
-    finally:
-        release_runner()
-
-
 async def join(network: EmulatedNetwork, peers: list[potluck.Peer]) -> potluck.Peer:
     """A new `potluck.Peer` on `network`, bootstrapped from the first of `peers`, appended to them."""
     peer = await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),

@@ -36,8 +36,8 @@ from potluck.optim.progress import (
     PeerProgress,
     ProgressTracker,
 )
-from tests.adversarial.members import claim_progress, join, keep_claiming, run_on_shared_runner, warnings_naming
-from tests.emulated_swarm import SimPeer, make_swarm
+from tests.adversarial.members import claim_progress, join, keep_claiming, warnings_naming
+from tests.emulated_swarm import SimPeer, make_swarm, run_on_shared_runner
 
 RUN = "lies"
 TARGET = 1000

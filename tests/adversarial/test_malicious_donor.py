@@ -25,7 +25,8 @@ from potluck.averaging.state_transfer import CHUNK_BYTES, DonorRecord, StateServ
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
-from tests.adversarial.members import join, keep_claiming, run_on_shared_runner, warnings_naming
+from tests.adversarial.members import join, keep_claiming, warnings_naming
+from tests.emulated_swarm import run_on_shared_runner
 
 RUN = "donors"
 EPOCH = 40
