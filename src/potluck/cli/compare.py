@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.help import HelpFormatter
 from potluck.cli.tasks import accuracy, load_data, make_model
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "modes' final smoothed losses; seconds_to_target per mode, null if never reached; "
                     "fastest_to_target; most_accurate; least_accurate; samples_per_second per mode) and "
                     "'explanation' (the findings in words); and DIR/loss.png (training loss against time).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of training per mode")
     parser.add_argument("--workers", type=int, default=4, help="workers (peers) per mode; at least 3")
     parser.add_argument("--slow", type=float, default=4.0, help="how many times slower the slow worker is")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.help import HelpFormatter
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
 from potluck.cli.tasks import accuracy, load_data, make_model
 
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     + "; and DIR/loss.png (training loss against time, swarm and single peer). "
                     "--mode moe writes: " + ", ".join(demo_moe.REPORT_KEYS) + "; --mode pipeline writes: "
                     + ", ".join(demo_pipeline.REPORT_KEYS) + ".",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--peers", type=int, default=4, help="peers at the start (at least 2)")
     parser.add_argument("--mode", choices=["sync", "moshpit", "diloco", "moe", "pipeline"], default="sync",
                         help="sync: DeDLOC global batches; moshpit: local SGD with group averaging; "

@@ -8,6 +8,7 @@ import logging
 import re
 import sys
 
+from potluck.cli.help import HelpFormatter
 from potluck.cli.peer import add_peer_options, start_peer
 from potluck.cli.signals import StopSignal
 
@@ -55,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "--experts 'ffn.[0:4].[0:4]' serves the 16 experts ffn.0.0 ... ffn.3.3 ([a:b] is the "
                     "range a..b-1). Clients find them with RemoteMixtureOfExperts(peer, in_features, "
                     "grid_size=(4, 4), uid_prefix='ffn', k_best=...). Stop with Ctrl-C (saves checkpoints).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--experts", nargs="+", required=True, metavar="PATTERN",
                         help="uid patterns to serve, e.g. 'ffn.[0:4].[0:4]' (quote them for the shell)")
     parser.add_argument("--expert-type", default="ffn", choices=expert_types(), help="built-in expert type")

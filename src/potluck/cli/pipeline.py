@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.help import HelpFormatter
 from potluck.cli.peer import add_peer_options, start_peer
 from potluck.cli.pipeline_run import add_run_parser
 from potluck.cli.signals import StopSignal
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(--model, default the demo's 6-block MLP) is profiled here on a micro-batch from --data, "
                     "unless --layer-costs gives measured costs. --write-plan saves the plan for "
                     "`potluck pipeline run --plan`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_peer_options(plan)
     plan.add_argument("--run-id", default="pipeline", help="run whose profiles to read")
     plan.add_argument("--profiles", metavar="FILE", help="JSON list of node profiles instead of the DHT")

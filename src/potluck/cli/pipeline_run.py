@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.help import HelpFormatter
 from potluck.cli.peer import add_peer_options, start_peer
 from potluck.cli.signals import StopSignal
 from potluck.cli.spec import RunSpec, SpecError, add_spec_options
@@ -38,7 +39,7 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:
                     "--plan names), plan the run by a rule every node computes alike, take this node's stage, "
                     "and train until Ctrl-C (or --duration). Each cluster's controller is its live node with "
                     "the lowest peer id; if it dies, the next takes over. Prints one JSON object per line.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_peer_options(run)
     add_spec_options(run)
     run.add_argument("--run-id", default="pipeline", help="the run this node joins (with --plan: the plan's)")
