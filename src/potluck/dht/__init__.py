@@ -12,11 +12,20 @@ from potluck.dht.dht import DHT
 from potluck.dht.errors import BadRequest, DHTError, ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
 from potluck.dht.node import DHTConfig, DHTNode
 from potluck.dht.peer_records import peer_record_key
-from potluck.dht.records import Record, ValueWithExpiration, key_id_of, own_subkey, owner_marker, subkey_owner
+from potluck.dht.records import (
+    Record,
+    ValueWithExpiration,
+    key_id_of,
+    own_subkey,
+    owned_entries,
+    owner_marker,
+    subkey_owner,
+)
 from potluck.dht.validation import RecordValidator, SchemaValidator
 
 __all__ = [
     "DHT", "BadRequest", "DHTConfig", "DHTError", "DHTNode", "ExpirationTooFar", "NotOwner", "Record",
     "RecordRejected", "RecordValidator", "SchemaValidator", "ValueTooLarge", "ValueWithExpiration",
-    "event_loop_clock", "get_dht_time", "key_id_of", "own_subkey", "owner_marker", "peer_record_key", "subkey_owner",
+    "event_loop_clock", "get_dht_time", "key_id_of", "own_subkey", "owned_entries", "owner_marker", "peer_record_key",
+    "subkey_owner",
 ]

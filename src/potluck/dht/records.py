@@ -134,6 +134,16 @@ def subkey_owner(subkey: Subkey) -> PeerID | None:
     return owner if owner is not None and subkey == own_subkey(owner) else None
 
 
+def owned_entries(found: Any) -> list[tuple[PeerID, Any]]:
+    """(owner, value) of each entry of a per-peer dictionary (a `get` result) that its owner
+    signed, in stored order; an absent value, a plain record and unsigned subkeys give nothing."""
+    value = getattr(found, "value", None)
+    if not isinstance(value, dict):
+        return []
+    return [(owner, getattr(entry, "value", None)) for subkey, entry in value.items()
+            if (owner := subkey_owner(subkey)) is not None]
+
+
 def _owners_in(name: Key | Subkey | None) -> list[str]:
     if isinstance(name, str):
         if not _OWNER_ANY_STR.search(name):

@@ -20,7 +20,7 @@ import random
 
 from potluck.core import compat
 from potluck.core.errors import MalformedMessage, NetworkError
-from potluck.dht import DHT, DHTError, own_subkey, subkey_owner
+from potluck.dht import DHT, DHTError, own_subkey, owned_entries
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
 from potluck.net.relay import Reservation, reserve
@@ -66,15 +66,12 @@ async def read_relays(dht: DHT, exclude: PeerID | None = None,
     except (TimeoutError, NetworkError, DHTError) as e:
         logger.debug("could not read the relay list: %s", e)
         return {}
-    if found is None or not isinstance(found.value, dict):
-        return {}
     relays: dict[PeerID, tuple[Multiaddr, ...]] = {}
-    for subkey, entry in found.value.items():
-        owner = subkey_owner(subkey)
-        if owner is None or owner == exclude:
+    for owner, value in owned_entries(found):
+        if owner == exclude:
             continue
         try:
-            texts = addresses_value(getattr(entry, "value", None), "addrs", "relay entry")
+            texts = addresses_value(value, "addrs", "relay entry")
         except MalformedMessage:
             continue
         relays[owner] = tuple(Multiaddr.parse(t) for t in texts)

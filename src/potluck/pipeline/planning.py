@@ -21,7 +21,7 @@ from torch import nn
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, list_field, list_value, wire_map
-from potluck.dht.records import own_subkey, subkey_owner
+from potluck.dht.records import own_subkey, owned_entries
 from potluck.pipeline.clustering import ModelDemand, form_clusters
 from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, peer_text
 from potluck.pipeline.partition import STATE_FACTOR
@@ -124,15 +124,11 @@ async def fetch_plans(peer: PeerLike, run_id: str) -> dict[str, RunPlan]:
     """{peer id: the plan it published}; unsigned and malformed entries skipped."""
     found = await peer.dht.aget(_key(run_id), latest=True)
     plans: dict[str, RunPlan] = {}
-    if found is not None and isinstance(found.value, dict):
-        for subkey, entry in list(found.value.items())[:MAX_PLAN_NODES]:
-            owner = subkey_owner(subkey)
-            if owner is None:
-                continue
-            try:
-                plans[str(owner)] = RunPlan.from_wire(entry.value)
-            except MalformedMessage as e:
-                logger.warning("skipping the plan of %s: %s", str(owner)[:8], e)
+    for owner, value in owned_entries(found)[:MAX_PLAN_NODES]:
+        try:
+            plans[str(owner)] = RunPlan.from_wire(value)
+        except MalformedMessage as e:
+            logger.warning("skipping the plan of %s: %s", str(owner)[:8], e)
     return plans
 
 

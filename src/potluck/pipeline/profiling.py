@@ -23,7 +23,7 @@ from torch import nn
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, number_field, text_field, wire_map
-from potluck.dht.records import own_subkey, subkey_owner
+from potluck.dht.records import own_subkey, owned_entries
 from potluck.net.identity import PeerID
 from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest
 
@@ -219,13 +219,12 @@ async def fetch_profiles(peer: PeerLike, run_id: str) -> list[NodeProfile]:
     found = await peer.dht.aget(profiles_key(run_id), latest=True)
     profiles = []
     if found is not None and isinstance(found.value, dict):
-        owned = [(owner, entry) for subkey, entry in found.value.items()
-                 if (owner := subkey_owner(subkey)) is not None]
+        owned = owned_entries(found)
         if len(owned) < len(found.value):
             logger.warning("skipping %d profiles under subkeys that no peer signed", len(found.value) - len(owned))
-        for owner, entry in owned[:MAX_PROFILES]:  # unsigned entries cannot crowd out signed ones
+        for owner, value in owned[:MAX_PROFILES]:  # unsigned entries cannot crowd out signed ones
             try:
-                profile = NodeProfile.from_wire(entry.value)
+                profile = NodeProfile.from_wire(value)
             except MalformedMessage as e:
                 logger.warning("skipping a profile: %s", e)
                 continue

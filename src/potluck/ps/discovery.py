@@ -32,7 +32,7 @@ import torch
 
 from potluck.core.errors import MalformedMessage, PotluckError
 from potluck.core.peer_like import PeerLike
-from potluck.dht.records import own_subkey, subkey_owner
+from potluck.dht.records import own_subkey, owned_entries
 from potluck.net.identity import PeerID
 from potluck.ps.messages import ServerAnnouncement, ShardLayout, ShardRole
 from potluck.ps.server import ParameterServer, split_by_size
@@ -76,14 +76,9 @@ async def read_announcements(peer: PeerLike, run_id: str) -> dict[PeerID, Server
     """Every live announcement of the run, by announcer (unsigned and malformed entries skipped)."""
     found = await peer.dht.aget(servers_key(run_id), latest=True)
     out: dict[PeerID, ServerAnnouncement] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    for subkey, entry in found.value.items():
-        owner = subkey_owner(subkey)
-        if owner is None:
-            continue
+    for owner, value in owned_entries(found):
         try:
-            out[owner] = ServerAnnouncement.from_wire(entry.value)
+            out[owner] = ServerAnnouncement.from_wire(value)
         except MalformedMessage as e:
             logger.warning("skipping the shard server announcement of %s: %s", owner, e)
     return out
