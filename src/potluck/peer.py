@@ -33,6 +33,7 @@ from potluck.membership import Credential, MembershipClient, MembershipToken, pa
 from potluck.membership.records import MembershipRecordValidator
 from potluck.nat import RelayAnnouncer, RelayReservations
 from potluck.net.address import Multiaddr
+from potluck.net.connection import TransportStats
 from potluck.net.emulated import EmulatedTransport
 from potluck.net.identity import Identity, PeerID
 from potluck.net.reachability import (
@@ -352,6 +353,11 @@ class Peer:
     def addresses(self) -> list[str]:
         """Addresses other peers can use as `initial_peers` (empty in client mode)."""
         return [str(a) for a in self.transport.addresses]
+
+    @property
+    def stats(self) -> TransportStats:
+        """Bytes this peer sent and received on the wire so far (`transport.stats`, live)."""
+        return self.transport.stats
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start a coroutine on the peer's event loop without waiting (background work)."""

@@ -92,6 +92,17 @@ class RemoteInfo:
     relayed: bool = False  # the connection runs through a relay (net.relay), end to end
 
 
+@dataclass
+class TransportStats:
+    """Bytes one transport put on and took off the wire since it started: the framed bytes of every
+    connection it holds (handshakes, headers and keepalives included; not the TLS records' own
+    overhead, about 22 bytes per 16 KiB record, nor the bytes of connections relayed through
+    another, which count once, on the connection to the relay). Two ints: an add per frame."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
 class FrameLink(Protocol):
     """What a connection needs from the layer below: ordered frame delivery both ways."""
 

@@ -468,6 +468,7 @@ class _LinkEnd:
         up_start = max(now, self.local._upload_free)
         up_done = up_start + (frame.size / up if up else 0.0)
         self.local._upload_free = up_done
+        self.local.stats.bytes_sent += frame.size
         down_done = max(up_done, max(up_start, self.remote._download_free) + (frame.size / down if down else 0.0))
         self.remote._download_free = down_done
         if not self.network._blocked(self.local, self.remote):
@@ -495,6 +496,7 @@ class _LinkEnd:
             if isinstance(item, str):
                 self._lose(item)
                 break
+            self.local.stats.bytes_received += item.size
             try:
                 self.connection.frame_received(item)
             except Exception:  # noqa: BLE001 - a broken link must not wedge the loop's timers

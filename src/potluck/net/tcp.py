@@ -460,6 +460,8 @@ class TCPLink(asyncio.BufferedProtocol):
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.relay is None:  # a relayed link's bytes are counted on the connection to the relay
+            self.owner.stats.bytes_received += nbytes
         if self.connection is not None:
             # Any bytes are proof of life, not only whole frames: a large frame on a slow link may
             # take longer than the keepalive timeout, and its sender cannot answer pings meanwhile.
@@ -666,6 +668,8 @@ class TCPLink(asyncio.BufferedProtocol):
                 if started:  # a deadline or a cancellation cut a frame in half: the stream is lost
                     self.close("a frame was abandoned half-sent (its deadline passed)")
                 raise
+            if self.relay is None:
+                self.owner.stats.bytes_sent += frame.size
             self._flush_control()
         return frame.size
 
@@ -686,6 +690,8 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._transport is not None and not self._transport.is_closing():
             for buf in buffers:
                 self._transport.write(buf)
+                if self.relay is None:
+                    self.owner.stats.bytes_sent += len(buf)
 
     async def _drain(self) -> None:
         if self._transport is None or self._transport.is_closing():

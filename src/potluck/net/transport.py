@@ -32,6 +32,7 @@ from potluck.net.connection import (
     RemoteInfo,
     Stream,
     StreamHandler,
+    TransportStats,
     UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
@@ -90,6 +91,8 @@ class Transport:
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
         self.handlers = Handlers()
+        # Bytes on the wire (what bytes-per-sample figures are made of); links add to it per frame.
+        self.stats = TransportStats()
         self._book = AddressBook()
         self._resolver: PeerResolver | None = None
         self._disconnect_watchers: list[Callable[[PeerID], None]] = []
