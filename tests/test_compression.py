@@ -17,7 +17,7 @@ from potluck.core.errors import CompressionError
 
 pytestmark = pytest.mark.timeout(30)
 
-STATELESS = ["none", "fp16", "scaled_fp16", "uniform8", "quantile8", "blockwise8"]
+STATELESS = ["none", "fp16", "scaled_fp16", "uniform8", "quantile8", "blockwise8", "blockwise4", "sparse"]
 # Shapes: 0-dim, one element, odd sizes that are not a multiple of any block, several dims,
 # exactly one default block, and ~1M elements (over quantile8's sample size).
 SHAPES = [(), (1,), (7,), (4097,), (3, 5, 7), (4096,), (1021, 1031)]
@@ -25,7 +25,7 @@ SHAPES = [(), (1,), (7,), (4097,), (3, 5, 7), (4096,), (1021, 1031)]
 
 def codec_for(name: str) -> Codec:
     # A small block so that small shapes also span several blocks and a short tail.
-    return get_codec({"name": "blockwise8", "block": 64}) if name == "blockwise8" else get_codec(name)
+    return get_codec({"name": name, "block": 64}) if name.startswith("blockwise") else get_codec(name)
 
 
 def round_trip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,8 @@ def test_non_float_inputs_are_refused(name: str) -> None:
 
 def test_compressed_sizes_per_element() -> None:
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))
-    expected = {"none": 4, "fp16": 2, "scaled_fp16": 2, "uniform8": 1, "quantile8": 1, "blockwise8": 1, "topk": 0.08}
+    expected = {"none": 4, "fp16": 2, "scaled_fp16": 2, "uniform8": 1, "quantile8": 1, "blockwise8": 1, "blockwise4": 0.5,
+                "topk": 0.08}
     for name, bytes_per_element in expected.items():
         size = len(serialization.dumps(get_codec(name).encode(x))) / x.numel()
         assert bytes_per_element <= size <= bytes_per_element * 1.005, (name, size)
@@ -269,6 +270,24 @@ MALFORMED: dict[str, list[Callable[[dict[str, Any]], object]]] = {
         lambda p: with_field(p, "scales", p["scales"].view(1, -1)),
         lambda p: with_field(p, "codes", p["codes"].to(torch.uint8)),
         lambda p: with_field(p, "codes", torch.full_like(p["codes"], -128)),
+    ],
+    "blockwise4": [
+        lambda p: with_field(p, "scales", p["scales"][:-1]),
+        lambda p: with_field(p, "scales", torch.full_like(p["scales"], math.nan)),
+        lambda p: with_field(p, "scales", -p["scales"]),
+        lambda p: with_field(p, "codes", p["codes"].to(torch.int8)),
+        lambda p: with_field(p, "codes", p["codes"][:-1]),
+        lambda p: with_field(p, "codes", torch.full_like(p["codes"], 0xFF)),  # nibble 15: code 8
+        lambda p: with_field(p, "shape", [6, 30]),
+        lambda p: with_field(p, "shape", [2**40]),
+    ],
+    "sparse": [
+        lambda p: with_field(p, "shape", [2, 30]),  # fewer elements than values sent
+        lambda p: with_field(p, "indices", p["indices"].long()),
+        lambda p: with_field(p, "indices", p["indices"][:-1]),
+        lambda p: with_field(p, "indices", p["indices"].flip(0)),
+        lambda p: with_field(p, "indices", p["indices"] + 150),
+        lambda p: with_field(p, "values", torch.full_like(p["values"], math.inf)),
     ],
     "topk": [
         lambda p: with_field(p, "shape", [-1, 30]),
@@ -574,3 +593,23 @@ def test_powersgd_refuses_bad_input_and_calls_out_of_order() -> None:
         state.finish(torch.full((30, 2), 3e38))
     with pytest.raises(CompressionError, match="rank"):
         PowerSGD((20, 30), rank=0)
+
+
+def test_blockwise4_packs_two_codes_per_byte_within_a_seventh_of_each_blocks_absmax() -> None:
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(5))
+    codec = get_codec({"name": "blockwise4", "block": 100})
+    payload = codec.encode(x)
+    assert payload["codes"].numel() == 501 and payload["scales"].numel() == 11
+    y = round_trip(codec, x)
+    for lo in range(0, 1001, 100):
+        block = x[lo:lo + 100]
+        assert max_error(block, y[lo:lo + 100]) <= block.abs().max().item() / 14 * (1 + 1e-6)
+    assert torch.equal(round_trip(codec, torch.zeros(9)), torch.zeros(9))
+
+
+def test_sparse_sends_exactly_the_nonzeros() -> None:
+    x = torch.zeros(10_000)
+    x[torch.arange(0, 10_000, 97)] = torch.randn(104, generator=torch.Generator().manual_seed(6))
+    codec = get_codec("sparse")
+    assert torch.equal(round_trip(codec, x), x)
+    assert len(serialization.dumps(codec.encode(x))) < 8 * 104 + 100
