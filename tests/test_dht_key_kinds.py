@@ -15,7 +15,7 @@ from potluck.dht.key_kinds import KEY_KINDS, KeyKinds
 from potluck.dht.records import Record, own_subkey
 from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import Identity
-from potluck.optim.progress import PROGRESS_TTL, ProgressTracker
+from potluck.optim.progress import PROGRESS_TTL, ROUNDS_TTL, ProgressTracker
 from potluck.pipeline.layout import LAYOUT_TTL, LayoutDirectory
 from potluck.pipeline.planning import PLAN_TTL
 from potluck.pipeline.profiling import PROFILE_TTL, profiles_key
@@ -45,6 +45,7 @@ def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_life
         "sweep.abc.leases": LEASE_SECONDS,
         "sweep.abc.results": RESULT_TTL,
         servers_key("run"): ANNOUNCE_TTL,
+        progress.rounds_key: ROUNDS_TTL,
     }
     for key, ttl in writers.items():
         [rule] = rules_for(key)
@@ -58,7 +59,7 @@ KEY_OF = {"matchmaking declarations": "r.match.g", "progress records": "r.progre
           "pipeline profiles": "r.pipeline.profiles", "pipeline layouts": "r.pipeline.layout",
           "pipeline plans": "r.pipeline.plan",
           "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays",
-          "shard server announcements": "r.ps.servers"}
+          "shard server announcements": "r.ps.servers", "round records": "r.rounds"}
 
 
 @pytest.mark.parametrize("rule", KEY_KINDS, ids=lambda r: r.name)

@@ -7,10 +7,10 @@ and whether the key holds only owner-signed per-peer entries.
   capped at a few times the lifetime its honest writer uses, so what a squatter (or a
   misconfigured peer) writes is gone soon after.
 - **Owned entries only.** Keys that hold one entry per peer (donors, declarations, progress,
-  profiles, sweep leases and results) take only subkeys carrying an `[owner:<peer id>]` marker,
-  which the DHT accepts only with that peer's signature. A plain record or an unsigned subkey is
-  refused: a plain record expiring later than the dictionary would displace every entry and
-  block the owners' re-stores for its whole lifetime.
+  round records, profiles, sweep leases and results) take only subkeys carrying an
+  `[owner:<peer id>]` marker, which the DHT accepts only with that peer's signature. A plain
+  record or an unsigned subkey is refused: a plain record expiring later than the dictionary
+  would displace every entry and block the owners' re-stores for its whole lifetime.
 
 A kind matches the key's text (`re.search`): potluck's protocols name their keys
 `<run>.<kind>...`, so these are reserved suffixes and infixes of str keys; other keys keep the
@@ -61,6 +61,9 @@ RELAY_MAX_TTL = 3600.0
 # Shard server announcements (`ps.discovery`) live 30 s and are renewed every 10 s; ten minutes
 # is twenty of their lifetimes.
 PS_SERVERS_MAX_TTL = 600.0
+# Round records (`optim.progress.RoundRecord`, for monitors) live a minute (ROUNDS_TTL) and are
+# re-stored after every round; ten minutes is ten of their lifetimes.
+ROUNDS_MAX_TTL = 600.0
 # Keys whose matching kinds a node remembers (every record stored or read is checked, and a
 # run's few keys recur): at most MAX_KEY_BYTES (1 KiB) each, so a few MiB at most.
 KINDS_OF_KEYS_CACHED = 4096
@@ -70,12 +73,13 @@ KEY_KINDS: tuple[KeyKind, ...] = (
     KeyKind("progress records", re.compile(r"\.progress\Z"), PROGRESS_MAX_TTL),
     KeyKind("state donor records", re.compile(r"\.state\Z"), DONOR_MAX_TTL),
     KeyKind("pipeline profiles", re.compile(r"\.pipeline\.profiles\Z"), PIPELINE_MAX_TTL),
-    KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL, owned_entries=False),
+    KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL),
     KeyKind("pipeline plans", re.compile(r"\.pipeline\.plan\Z"), PIPELINE_MAX_TTL),
     KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
     KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
     KeyKind("relay announcements", re.compile(r"\Anat\.relays\Z"), RELAY_MAX_TTL),
     KeyKind("shard server announcements", re.compile(r"\.ps\.servers\Z"), PS_SERVERS_MAX_TTL),
+    KeyKind("round records", re.compile(r"\.rounds\Z"), ROUNDS_MAX_TTL),
 )
 
 

@@ -64,6 +64,8 @@ from potluck.optim.progress import (
     GlobalProgress,
     PeerProgress,
     ProgressTracker,
+    RoundRecord,
+    checked_metrics,
 )
 
 logger = logging.getLogger(__name__)
@@ -197,6 +199,8 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_updates = delay_updates
         self._pending: _Round | None = None  # a delayed update under way
         self._attempt = 0  # failed averaging tries of the current epoch
+        self._failed_rounds = 0  # failed averaging tries since we started (published for monitors)
+        self._metrics: tuple[float, dict[str, float]] | None = None  # report_metrics: (DHT time, values)
         self._next_catch_up = 0.0  # loop time before which we do not download again
         self._in_round = False  # step() is waiting for a round: our samples are frozen
         # The state's digest for the next gradient round, hashed in the background right after
@@ -309,6 +313,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def report_metrics(self, loss: float | None = None, **values: float) -> None:
+        """Publish training metrics (the loss, accuracies...) with our next progress records, for
+        monitors (`potluck monitor`): at most MAX_METRICS names of MAX_METRIC_NAME_CHARS
+        characters, finite numbers (ValueError otherwise). They replace the last ones reported."""
+        if loss is not None:
+            values = {"loss": float(loss), **values}
+        self._metrics = (self.peer.dht.get_time(), checked_metrics(values))
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "epoch": self.local_epoch,
@@ -505,6 +517,8 @@ class Optimizer(torch.optim.Optimizer):
             self.tracker.set_neighbors(result.peers)
             notes = {p: RoundNote.read(m) for p, m in result.gathered.items()}
             total = sum(notes[p].samples for p in result.contributors if p in notes)
+            self._record_round(epoch, notes, result.contributors,
+                               result.contributors[0] if total < self.target_batch_size else None)
             if total < self.target_batch_size:
                 # Short of the global batch (a peer computed slower than it reported): the sum
                 # stays with one member, the first contributor, and the epoch goes on; every
@@ -539,6 +553,7 @@ class Optimizer(torch.optim.Optimizer):
             await self._catch_up(max(r.done for r in others))
             return
         self._attempt += 1
+        self._failed_rounds += 1
         waiting = self._training_peers(others, epoch, live=True)  # not those gone or idle
         if waiting and self._attempt < MAX_ROUND_ATTEMPTS:
             logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
@@ -643,7 +658,22 @@ class Optimizer(torch.optim.Optimizer):
         instead of missing it. Without `store`: to our neighbors only (see ProgressTracker)."""
         await self.tracker.report(self.accumulating_epoch, self.samples + self._round_samples,
                                   self.samples_per_second, self.local_epoch, self._in_round, self._idle(),
-                                  self._part if self._pending is None else 0, store=store)
+                                  self._part if self._pending is None else 0, store=store,
+                                  failed=self._failed_rounds, metrics=self._metrics)
+
+    def _record_round(self, epoch: int, notes: dict[str, RoundNote], contributors: list[str],
+                      keeper: str | None = None) -> None:
+        """Publish, for monitors, a round we completed: each contributor's samples as its note
+        gave them to the group (a monitor credits a peer with what the others record for it),
+        and our membership token (our name) if the run has an authority."""
+        record = RoundRecord(epoch, self._part, tuple((p, notes[p].samples) for p in contributors
+                                                      if p in notes and not notes[p].aux),
+                             keeper, self.peer.dht.get_time())
+        token = getattr(self.peer, "membership", None)
+        task = asyncio.ensure_future(self.tracker.record_round(record, None if token is None else token.to_wire()))
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(retrieve_exception)
 
     def _publish(self) -> None:
         """Report a change of state (a new epoch, a round ended) without waiting: the report
@@ -721,9 +751,13 @@ class Optimizer(torch.optim.Optimizer):
             if self._anyone_else():
                 expected = self._place_on_grid() if self._fitted_grid else None
                 # in place; untouched on failure
-                await self.state_averager.astep(weight=float(self.samples), target_group_size=expected)
+                result = await self.state_averager.astep(weight=float(self.samples), target_group_size=expected,
+                                                         gather=RoundNote(self.samples).to_wire())
                 self._state_generation += 1
+                self._record_round(self.local_epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
+                                   result.contributors)
         except AveragingError as e:
+            self._failed_rounds += 1
             logger.warning("moshpit averaging failed (%s); continuing locally", e)
         self.samples = 0
         self._advance_epoch()

@@ -20,6 +20,13 @@ and speed count at most `MAX_SPEED_RATIO` times the median peer's, and a peer we
 recently at most `AVERAGED_SLACK` times what it averaged with (`averaged`): the samples its round
 note gave the group, which the group's update is scaled by, over that epoch's duration, and the
 samples that rate adds up to since.
+
+Two more things ride along for monitors (`potluck monitor`): the training metrics a peer chooses
+to publish (`Optimizer.report_metrics`) and its count of failed rounds in its progress record, and
+after every completed averaging round a signed round record (`RoundRecord`, under
+`<run_id>.rounds`) naming the group's contributors and the samples each one's round note gave the
+group. A monitor credits a peer with what the other members of its groups record for it
+(`potluck.monitor.ledger`), never with what the peer says of itself.
 """
 
 from __future__ import annotations
@@ -30,9 +37,20 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from potluck.core.errors import NetworkError, PotluckError
-from potluck.dht.records import own_subkey, subkey_owner
+from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
+from potluck.core.wire import (
+    bytes_field,
+    int_field,
+    int_value,
+    list_field,
+    number_field,
+    number_value,
+    text_field,
+    wire_map,
+)
+from potluck.dht.records import own_subkey, owned_entries, subkey_owner
 from potluck.net.identity import PeerID
+from potluck.net.membership import MAX_TOKEN_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +99,27 @@ MAX_NEIGHBORS = 32
 MAX_AVERAGED_PEERS = 4 * MAX_NEIGHBORS
 # A report that does not arrive within this is dropped: the next one follows a moment later.
 PUSH_TIMEOUT = 1.0
+# Metrics one progress record may carry (`Optimizer.report_metrics`), and the longest name: a
+# loss and a few accuracies fit; more would grow every report, which is sent ten times a second.
+MAX_METRICS = 16
+MAX_METRIC_NAME_CHARS = 32
+# A round record lives this long: a monitor polling every second (or restarted within a minute)
+# still sees it; the DHT caps it at ROUNDS_MAX_TTL (dht.key_kinds).
+ROUNDS_TTL = 60.0
+# A peer's round record holds its latest rounds only: at most this many, and as many as list at
+# most MAX_RECORDED_MEMBERS contributors in all (512 x about 60 bytes is 30 KiB, well within one
+# DHT value: 64 KiB, dht.validation.DEFAULT_MAX_VALUE_BYTES). A monitor polling every second sees
+# every round of groups of up to 32 peers finishing up to 16 rounds a second, and of 256 peers up
+# to 2 (a group that large takes seconds per round).
+MAX_RECORDED_ROUNDS = 16
+MAX_RECORDED_MEMBERS = 512
+# Contributors listed per round; the members of a larger group past it are not recorded (and not
+# credited).
+MAX_ROUND_MEMBERS = 256
+# Longest peer id string accepted in a round record (ours are about 50 characters).
+MAX_PEER_ID_CHARS = 128
+# Bounds a recorded epoch, member's samples, failed-rounds counter and target (from the network).
+MAX_RECORDED_COUNT = 2**40
 
 
 @dataclass(frozen=True)
@@ -95,6 +134,10 @@ class PeerProgress:
     averaging: bool = False  # in a round now: `samples` is frozen, nothing is added
     idle: bool = False  # has stopped calling step() (e.g. done training, still online)
     part: int = 0  # rounds of this epoch that ended short of the batch (their samples were moved)
+    failed: int = 0  # averaging rounds that failed since the peer started (for monitors)
+    target: int = 0  # the run's target batch size, as this peer was given it (0: not said)
+    metrics: tuple[tuple[str, float], ...] = ()  # what it chose to publish (report_metrics)
+    metrics_time: float = 0.0  # DHT time the metrics were reported
 
     def live(self, now: float) -> bool:
         """It reported recently: still there."""
@@ -127,6 +170,7 @@ class ProgressTracker:
         self.dht = dht
         self.transport = transport
         self.key = f"{run_id}.progress"
+        self.rounds_key = rounds_key(run_id)
         self.subkey = own_subkey(peer_id)
         self.peer_id = peer_id
         self.target = target_batch_size
@@ -144,6 +188,7 @@ class ProgressTracker:
         # last round with it, oldest first; at most MAX_AVERAGED_PEERS
         self._averaged: dict[str, tuple[int, float, float]] = {}
         self._over_averaged: set[str] = set()  # peers now far over what they averaged with (named once each)
+        self._rounds: list[RoundRecord] = []  # our latest rounds, as published (record_round)
         transport.add_handler(self.method, self._on_push)
 
     def close(self) -> None:
@@ -157,13 +202,18 @@ class ProgressTracker:
         self.pushed = {peer: r for peer, r in self.pushed.items() if peer in self._neighbors}
 
     async def report(self, epoch: int, samples: int, samples_per_second: float, done: int,
-                     averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True) -> None:
+                     averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True,
+                     failed: int = 0, metrics: tuple[float, dict[str, float]] | None = None) -> None:
         """Publish: `epoch` our samples count towards (and its `part`), `done` epochs applied
-        (lower while a delayed update is still averaging), whether we are in a round or idle.
+        (lower while a delayed update is still averaging), whether we are in a round or idle,
+        our failed rounds so far and the latest `metrics` (DHT time reported, values).
         Without `store`, only to the neighbors."""
         now = self.dht.get_time()
         record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
-                  "client": self.client_mode, "done": done, "averaging": averaging, "idle": idle, "part": part}
+                  "client": self.client_mode, "done": done, "averaging": averaging, "idle": idle, "part": part,
+                  "failed": failed, "target": self.target}
+        if metrics is not None:
+            record["mtime"], record["metrics"] = metrics
         sends = [self._send(peer, record) for peer in self._neighbors.values()]
         if store:
             sends.append(self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey))
@@ -171,6 +221,22 @@ class ProgressTracker:
             await asyncio.gather(*sends)
         except PotluckError as e:
             logger.debug("could not publish progress: %s", e)
+
+    async def record_round(self, record: RoundRecord, token: bytes | None = None) -> None:
+        """Publish a round we completed (with our latest ones: MAX_RECORDED_ROUNDS) for monitors,
+        with our membership `token` (its name) in an authority-governed run."""
+        rounds = [*self._rounds, record][-MAX_RECORDED_ROUNDS:]
+        while len(rounds) > 1 and sum(len(r.samples) for r in rounds) > MAX_RECORDED_MEMBERS:
+            rounds.pop(0)
+        self._rounds = rounds
+        value: dict[str, Any] = {"rounds": [r.to_wire() for r in self._rounds]}
+        if token is not None:
+            value["token"] = token
+        now = self.dht.get_time()
+        try:
+            await self.dht.astore(self.rounds_key, value, now + ROUNDS_TTL, subkey=self.subkey)
+        except PotluckError as e:
+            logger.debug("could not publish a round record: %s", e)
 
     def averaged(self, samples: dict[str, int], duration: float, now: float) -> None:
         """A round we took part in (ending at DHT time `now`): the samples each other member
@@ -331,6 +397,90 @@ class ProgressTracker:
         return bounded
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """A completed averaging round as one member saw it: who contributed and the samples each
+    one's round note gave the group (what scaled the group's update). A short round (sync mode: it
+    did not fill the batch) names the member that carries its sum on into the epoch's next part."""
+
+    epoch: int
+    part: int
+    samples: tuple[tuple[str, int], ...]  # (contributor's peer id, its samples), at most MAX_ROUND_MEMBERS
+    keeper: str | None = None  # a short round's keeper; None when the round closed the epoch
+    time: float = 0.0  # DHT time the round ended
+
+    def to_wire(self) -> dict:
+        msg: dict[str, Any] = {"epoch": self.epoch, "part": self.part, "time": self.time,
+                               "samples": [[p, n] for p, n in self.samples[:MAX_ROUND_MEMBERS]]}
+        if self.keeper is not None:
+            msg["keeper"] = self.keeper
+        return msg
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> RoundRecord:
+        what = "round record"
+        msg = wire_map(msg, what)
+
+        def member(item: Any) -> tuple[str, int]:
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str) \
+                    or len(item[0]) > MAX_PEER_ID_CHARS:
+                raise MalformedMessage(what, "a member must be [peer id, samples]")
+            return item[0], int_value(item[1], "samples", what, 0, MAX_RECORDED_COUNT)
+
+        members = list_field(msg, "samples", what, MAX_ROUND_MEMBERS, each=member)
+        keeper = text_field(msg, "keeper", what, MAX_PEER_ID_CHARS, optional=True)
+        return cls(int_field(msg, "epoch", what, 0, MAX_RECORDED_COUNT), int_field(msg, "part", what, 0,
+                   MAX_RECORDED_COUNT), tuple(dict(members).items()), keeper,
+                   number_field(msg, "time", what, default=0.0))
+
+
+def rounds_key(run_id: str) -> str:
+    """The DHT key of a run's round records (one owner-signed entry per peer)."""
+    return f"{run_id}.rounds"
+
+
+async def fetch_rounds(dht: Any, run_id: str) -> dict[str, tuple[list[RoundRecord], bytes | None]] | None:
+    """Every peer's published round records and membership token bytes, by signer (a malformed
+    round is skipped, a malformed token read as none); None if the DHT could not be read."""
+    try:
+        found = await dht.aget(rounds_key(run_id), latest=True)
+    except PotluckError as e:
+        logger.debug("could not read round records: %s", e)
+        return None
+    published: dict[str, tuple[list[RoundRecord], bytes | None]] = {}
+    for owner, value in owned_entries(found):
+        if not isinstance(value, dict) or not isinstance(value.get("rounds"), list):
+            continue
+        rounds = []
+        for msg in value["rounds"][:MAX_RECORDED_ROUNDS]:
+            try:
+                rounds.append(RoundRecord.from_wire(msg))
+            except MalformedMessage:
+                continue
+        try:
+            token = bytes_field(value, "token", "round record", MAX_TOKEN_BYTES) if "token" in value else None
+        except MalformedMessage:
+            token = None
+        published[str(owner)] = (rounds, token)
+    return published
+
+
+def checked_metrics(values: dict[str, Any]) -> dict[str, float]:
+    """`values` as metrics a progress record carries: at most MAX_METRICS names of at most
+    MAX_METRIC_NAME_CHARS characters, finite numbers (ValueError otherwise)."""
+    if len(values) > MAX_METRICS:
+        raise ValueError(f"at most {MAX_METRICS} metrics can be published, not {len(values)}")
+    checked = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_METRIC_NAME_CHARS:
+            raise ValueError(f"a metric's name is a string of 1 to {MAX_METRIC_NAME_CHARS} characters: {name!r:.50}")
+        try:
+            checked[name] = number_value(float(value), name, "metric", signed=True)
+        except (TypeError, ValueError, MalformedMessage):
+            raise ValueError(f"metric {name!r} must be a finite number, not {value!r:.50}") from None
+    return checked
+
+
 def _far_over(report: PeerProgress, max_samples: float) -> bool:
     """Whether `report` claims over NAMED_OVER_BOUND times a positive samples bound: a lie."""
     return 0 < max_samples * NAMED_OVER_BOUND < report.samples
@@ -352,9 +502,27 @@ def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress
         time = float(value["time"]) if received is None else received
         done = int(value.get("done", epoch))
         part = int(value.get("part", 0))
+        failed = int(value.get("failed", 0))
+        target = int(value.get("target", 0))
     except (KeyError, TypeError, ValueError):
         return None
-    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND or not 0 <= done <= epoch or part < 0:
+    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND or not 0 <= done <= epoch or part < 0 \
+            or not 0 <= failed < MAX_RECORDED_COUNT or not 0 <= target < MAX_RECORDED_COUNT:
         return None
+    metrics, metrics_time = _parse_metrics(value)
     return PeerProgress(peer, epoch, samples, sps, time, bool(value.get("client")), done,
-                        bool(value.get("averaging")), bool(value.get("idle")), part)
+                        bool(value.get("averaging")), bool(value.get("idle")), part, failed, target,
+                        metrics, metrics_time)
+
+
+def _parse_metrics(value: dict) -> tuple[tuple[tuple[str, float], ...], float]:
+    """A progress record's metrics and their time, or none if they are malformed (the progress
+    itself still counts)."""
+    if "metrics" not in value:
+        return (), 0.0
+    try:
+        metrics = checked_metrics(wire_map(value["metrics"], "metrics"))
+        mtime = number_field(value, "mtime", "metrics")
+    except (ValueError, MalformedMessage):
+        return (), 0.0
+    return tuple(metrics.items()), mtime

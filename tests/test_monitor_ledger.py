@@ -1,0 +1,235 @@
+"""The monitor's ledger (issue 18): a peer is credited with the samples it was really averaged with.
+
+One sync-mode swarm on the emulated network under the virtual clock, followed by a monitor
+(`Follower` into a `Ledger` on a file): three peers train, a newcomer joins at 0.8 s, one of the
+first three dies mid-epoch at 1.2 s, and the monitor itself is stopped at 1.5 s and restarted on the
+same database 0.5 s later. The truth is what the trainers published in their round records (the
+samples each contributor's note gave its group; honest members all record the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.monitor.follower import Follower
+from potluck.monitor.ledger import SCHEMA_VERSION, Ledger, LedgerError
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer, progress
+from potluck.optim.progress import PeerProgress, RoundRecord, fetch_rounds
+from tests.emulated_swarm import run_on_shared_runner
+
+RUN = "ledger"
+BATCH, TARGET = 8, 128
+COMPUTE = 0.02  # virtual seconds per batch
+POLL = 0.25  # the monitor's poll interval (virtual seconds)
+JOIN_AT, DIE_AT, RESTART_AT, RESTART_GAP = 0.8, 1.2, 1.5, 0.5
+EPOCHS = 10  # the survivors train this many epochs
+KEPT_ROUNDS = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+async def scenario(db: Path) -> dict:
+    loop = asyncio.get_running_loop()
+    network = EmulatedNetwork(latency=0.01, seed=7)
+    peers: list[potluck.Peer] = []
+    published: list[tuple[str, RoundRecord]] = []  # (publisher, record): the truth
+    optimizers: list[Optimizer] = []
+
+    async def add(load_state: bool) -> tuple[potluck.Peer, Optimizer, torch.nn.Module]:
+        peer = await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                         clock=event_loop_clock())
+        peers.append(peer)
+        model = make_model()
+        opt = Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TARGET,
+                        batch_size_per_step=BATCH, load_state=load_state, start=False)
+        publish = opt.tracker.record_round
+
+        async def recording(record: RoundRecord, token: bytes | None = None) -> None:
+            published.append((peer.peer_id, record))
+            await publish(record, token)
+        opt.tracker.record_round = recording
+        await opt.astart()
+        optimizers.append(opt)
+        return peer, opt, model
+
+    async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        while opt.local_epoch < EPOCHS:
+            x = torch.randn(BATCH, 8, generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+            loss.backward()
+            opt.report_metrics(loss=loss.item(), accuracy=0.5)
+            await asyncio.sleep(COMPUTE)
+            await opt.astep()
+
+    trainers = [await add(load_state=False) for _ in range(3)]
+    monitor = await potluck.Peer.create(peers[0].addresses, transport=network.transport(client_mode=True),
+                                        clock=event_loop_clock())
+    ledger = Ledger(db, RUN, history_interval=POLL)
+    follower = Follower(monitor, RUN, ledger, poll_interval=POLL)
+    following = asyncio.ensure_future(follower.run())
+    tasks = [asyncio.ensure_future(train(opt, model, i)) for i, (_, opt, model) in enumerate(trainers)]
+    start = loop.time()
+    result: dict = {}
+    try:
+        await asyncio.sleep(JOIN_AT)
+        newcomer, new_opt, new_model = await add(load_state=True)
+        result["newcomer"], result["joined_at_epoch"] = newcomer.peer_id, new_opt.local_epoch
+        tasks.append(asyncio.ensure_future(train(new_opt, new_model, 9)))
+        await asyncio.sleep(start + DIE_AT - loop.time())
+        dead, dead_opt = trainers[2][0], trainers[2][1]
+        tasks[2].cancel()
+        result["dead"], result["died_in_epoch"] = dead.peer_id, dead_opt.accumulating_epoch
+        dead_opt.shutdown()
+        await dead.ashutdown()
+        await asyncio.sleep(start + RESTART_AT - loop.time())
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+        follower.close()
+        ledger.close()
+        await asyncio.sleep(RESTART_GAP)
+        ledger = Ledger(db, RUN, history_interval=POLL)
+        follower = Follower(monitor, RUN, ledger, poll_interval=POLL)
+        following = asyncio.ensure_future(follower.run())
+        await asyncio.wait_for(asyncio.gather(*(t for i, t in enumerate(tasks) if i != 2)), 120)
+        await asyncio.sleep(2 * POLL)  # the last rounds' records reach the DHT and the monitor
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+        await follower.poll()  # read once more: nothing is counted twice
+        result["rounds_in_the_dht"] = {(r.epoch, r.part) for peer, (records, _) in
+                                       (await fetch_rounds(monitor.dht, RUN)).items() if peer != dead.peer_id
+                                       for r in records}  # (the dead peer's record lives on for a minute)
+        result.update(published=published, credits=_credits(ledger), contributors=ledger.contributors(),
+                      epochs=ledger.epochs(), history=ledger.history(), peers=ledger.peers(),
+                      now=ledger.swarm_now(), trained=[p.peer_id for p in peers])
+        return result
+    finally:
+        following.cancel()
+        follower.close()
+        ledger.close()
+        for t in tasks:
+            t.cancel()
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in [*peers, monitor]:
+            await peer.ashutdown()
+
+
+def _credits(ledger: Ledger) -> dict[tuple[str, int], int]:
+    epochs = {row.epoch for row in ledger.epochs(limit=1000)}
+    return {(peer, e): n for e in epochs for peer, n in ledger.credits(e).items() if n}
+
+
+def truth(published: list[tuple[str, RoundRecord]]) -> dict[tuple[str, int], int]:
+    """Each peer's samples in each epoch's rounds, as honest members recorded them (a short
+    round's samples count for their members, and not again in the note of the member that
+    carried them on)."""
+    rounds = {(r.epoch, r.part, frozenset(dict(r.samples))): r for _, r in published}
+    samples: dict[tuple[str, int], int] = defaultdict(int)
+    for r in rounds.values():
+        for peer, n in r.samples:
+            samples[peer, r.epoch] += n
+        if r.keeper is not None:
+            samples[r.keeper, r.epoch] -= sum(n for _, n in r.samples)
+    return {k: n for k, n in samples.items() if n}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    with pytest.MonkeyPatch.context() as patch:
+        # Peers keep their last 4 rounds (about 1 s of this run) in their records: the rounds from
+        # before the monitor's restart are gone from the DHT by the end, so only its database has them.
+        patch.setattr(progress, "MAX_RECORDED_ROUNDS", KEPT_ROUNDS)
+        return run_on_shared_runner(scenario(tmp_path_factory.mktemp("ledger") / "monitor.db"), timeout=300)
+
+
+def test_the_ledger_credits_exactly_the_samples_that_were_averaged(run: dict) -> None:
+    expected = truth(run["published"])
+    assert run["credits"] == expected
+    # an epoch's credit is its rounds' samples: what scaled the update the members applied
+    closing = {(r.epoch, frozenset(dict(r.samples))): sum(n for _, n in r.samples)
+               for _, r in run["published"] if r.keeper is None}
+    per_epoch: dict[int, int] = defaultdict(int)
+    for (epoch, _), total in closing.items():
+        per_epoch[epoch] += total
+    rows = {row.epoch: row for row in run["epochs"]}
+    assert {e: rows[e].samples for e in per_epoch} == dict(per_epoch)
+    assert all(n >= TARGET for n in per_epoch.values())
+    assert len(per_epoch) >= EPOCHS - 1
+    assert all(rows[e].group_sizes and sum(rows[e].group_sizes) >= 2 for e in per_epoch)
+    contributors = {c.peer_id: c for c in run["contributors"]}
+    total = sum(expected.values())
+    for peer in run["trained"]:
+        credited = sum(n for (p, _), n in expected.items() if p == peer)
+        assert contributors[peer].samples == credited
+        assert contributors[peer].share == pytest.approx(credited / total)
+        assert contributors[peer].online_hours > 0
+
+
+def test_a_peer_that_dies_mid_epoch_is_credited_for_the_rounds_it_completed_only(run: dict) -> None:
+    dead = run["dead"]
+    credited = {epoch for (peer, epoch) in run["credits"] if peer == dead}
+    assert credited and max(credited) < run["died_in_epoch"], (credited, run["died_in_epoch"])
+    assert {k: n for k, n in run["credits"].items() if k[0] == dead} == \
+        {k: n for k, n in truth(run["published"]).items() if k[0] == dead}
+    assert not next(p for p in run["peers"] if p.peer_id == dead).online
+
+
+def test_a_newcomer_is_credited_from_its_first_round(run: dict) -> None:
+    newcomer = run["newcomer"]
+    credited = sorted(epoch for (peer, epoch) in run["credits"] if peer == newcomer)
+    first_round = min(r.epoch for _, r in run["published"] if newcomer in dict(r.samples))
+    assert credited[0] == first_round >= run["joined_at_epoch"]
+    assert len(credited) >= EPOCHS - first_round - 1
+
+
+def test_a_restarted_monitor_resumes_from_its_database(run: dict) -> None:
+    """The monitor was down for RESTART_GAP mid-run and read every record again at the end: the
+    credits above equal the truth, so nothing was lost or counted twice. Its view and charts go on."""
+    assert min(run["rounds_in_the_dht"])[0] > max(epoch for (_, epoch) in run["credits"]) - KEPT_ROUNDS
+    restarted_in = 4  # rounds before it is in the database only (the restart came at about epoch 6)
+    assert min(epoch for (_, epoch) in run["credits"]) + restarted_in < min(run["rounds_in_the_dht"])[0]
+    assert run["now"].epoch >= EPOCHS - 1 and run["now"].target_batch_size == TARGET
+    history = run["history"]
+    assert len(history) >= 3 and all(a.time < b.time for a, b in zip(history, history[1:], strict=False))
+    assert any(p.loss is not None for p in history)
+    assert all(set(row.metrics) == {"loss", "accuracy"} for row in run["epochs"][:3])
+
+
+def report(peer: str, epoch: int, failed: int = 0, loss: float | None = None, time: float = 0.0) -> PeerProgress:
+    metrics = (("loss", loss),) if loss is not None else ()
+    return PeerProgress(peer, epoch, 0, 10.0, time, failed=failed, metrics=metrics, metrics_time=time, target=64)
+
+
+def test_ledger_counts_failed_rounds_and_metrics_once_and_refuses_a_newer_schema(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    with Ledger(db, "run") as ledger:
+        ledger.observe(1.0, {"a": report("a", 3, failed=1, loss=2.0, time=1.0)}, {})
+        ledger.observe(2.0, {"a": report("a", 3, failed=3, loss=1.0, time=2.0),
+                             "b": report("b", 3, failed=0, loss=3.0, time=2.0)}, {})
+        ledger.observe(2.5, {"a": report("a", 3, failed=3, loss=1.0, time=2.0)}, {})  # the same record again
+    with Ledger(db, "run") as ledger:  # reopened: the counter goes on from where it was
+        ledger.observe(3.0, {"a": report("a", 4, failed=4, time=3.0)}, {})
+        rows = {row.epoch: row for row in ledger.epochs()}
+        assert rows[3].failed_rounds == 2 and rows[4].failed_rounds == 1
+        assert rows[3].metrics == {"loss": pytest.approx(2.0)}  # 2.0, 1.0 (a), 3.0 (b)
+        assert next(c for c in ledger.contributors() if c.peer_id == "a").online_hours == pytest.approx(2 / 3600)
+    with pytest.raises(LedgerError, match="run 'run', not 'other'"):
+        Ledger(db, "other")
+    connection = sqlite3.connect(db)
+    connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    connection.close()
+    with pytest.raises(LedgerError, match="newer potluck"):
+        Ledger(db, "run")
