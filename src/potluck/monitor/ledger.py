@@ -7,12 +7,15 @@ the `MonitorView` queries of the dashboard and the CLI.
 
 **Credit.** A peer is credited for an epoch with the samples it was really averaged with, as the
 *other* members of its group recorded them (the samples its round note gave the group, which
-scaled the group's update): the lower median of their records, and never more than it records
-itself. Only members that list each other count (when the peer published a record of that round);
-a claim nobody else confirms earns nothing, so a peer's own round records and progress claims
-earn it nothing. A short round's samples (sync mode: the round did not fill the batch) are
-credited to their members, and taken off the member that carried their sum into the epoch's next
-round (its note there includes them). docs/security.md says what this does not stop.
+scaled the group's update): the lower median of their records and its own (which counts as one
+vote), never more than the highest of theirs nor than its own. Only members that list each other
+count (when the peer published a record of that round; if it did not, at least
+MIN_WITNESSES_WITHOUT_RECORD others must record it). A claim nobody else confirms earns nothing,
+so a peer's own round records and progress claims earn it nothing, and one member recording
+another's samples too low is outvoted by the others and the peer itself. A short round's samples
+(sync mode: the round did not fill the batch) are credited to their members, and taken off the
+member that carried their sum into the epoch's next round (its note there includes them).
+docs/security.md says what this does not stop.
 
 Writes are idempotent (keyed by reporter, epoch, round part, member; metrics by peer, time,
 name): a record read twice, or again after a restart, changes nothing. Every query is bounded.
@@ -47,6 +50,10 @@ HISTORY_INTERVAL = 5.0
 # A peer seen in two polls at most this far apart (seconds) was online in between; a longer gap
 # (it left, or the monitor was down) adds nothing to its online time.
 MAX_ONLINE_GAP = 10.0
+# A member that published no record of a round (it died right after it, or never existed: a name
+# a liar made up) is credited only if this many other members record it: one liar alone cannot
+# credit a peer of its invention.
+MIN_WITNESSES_WITHOUT_RECORD = 2
 # Distinct metric names shown per epoch at most (a peer publishes at most MAX_METRICS at a time,
 # but may change names over time).
 MAX_METRIC_NAMES = 64
@@ -95,7 +102,9 @@ class Round:
 
 
 def credit_epoch(rounds: Iterable[Round]) -> dict[str, int]:
-    """Each peer's credit for one epoch from its members' records (see the module docstring)."""
+    """Each peer's credit for one epoch from its members' records (see the module docstring):
+    in each round, the lower median of the others' records of it and its own (one vote), at most
+    the highest other record and its own."""
     by_part: dict[int, dict[str, Round]] = defaultdict(dict)
     for r in rounds:
         by_part[r.part][r.reporter] = r
@@ -104,14 +113,14 @@ def credit_epoch(rounds: Iterable[Round]) -> dict[str, int]:
         confirmed = {}
         for peer in {m for r in records.values() for m in r.members}:
             own = records.get(peer)
+            claim = None if own is None else own.members.get(peer)
             witnesses = [r.members[peer] for reporter, r in records.items()
                          if reporter != peer and peer in r.members and (own is None or reporter in own.members)]
-            if not witnesses:
+            if not witnesses or (own is None and len(witnesses) < MIN_WITNESSES_WITHOUT_RECORD):
                 continue  # nobody else confirms it
-            samples = _lower_median(witnesses)
-            if own is not None and peer in own.members:
-                samples = min(samples, own.members[peer])
-            confirmed[peer] = samples
+            votes = witnesses if claim is None else [*witnesses, claim]
+            most = max(witnesses) if claim is None else min(max(witnesses), claim)
+            confirmed[peer] = min(_lower_median(votes), most)
         for peer, samples in confirmed.items():
             credit[peer] += samples
         keepers = Counter(r.keeper for r in records.values() if r.keeper is not None).most_common(1)
