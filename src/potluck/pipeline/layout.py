@@ -1,6 +1,11 @@
 """Cluster layouts in the DHT: which peer holds which layers, read by rings and by recovery.
 
-Key `{run_id}.pipeline.layout`, one subkey per cluster, written by the cluster's controller.
+Key `{run_id}.pipeline.layout`: each cluster's controller writes its cluster's layout under its own
+signed subkey `{cluster id}[owner:<its peer id>]` (an owned key kind, `dht.key_kinds`), so nobody
+can write a layout in another node's name, and a reader knows who wrote each one. A reader keeps,
+per cluster, the newest layout (plan version, then epoch) among those it accepts: under `potluck
+pipeline run` only those written by a node the run's plan lets control that cluster
+(`pipeline.node`), so a stranger's layout naming itself is ignored; under `launch_run` any signed one.
 A `Layout` lists a `Span` (peer id, first layer, end layer) per stage; ring members in other
 clusters, and nodes that must fetch lost layers, dial the peers by id (the transport finds their
 addresses through their signed peer records in the DHT).
@@ -10,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, int_value, list_field, wire_map
+from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.pipeline.messages import (
     MAX_CLUSTERS,
@@ -25,12 +32,17 @@ from potluck.pipeline.messages import (
     peer_text,
 )
 
-__all__ = ["Layout", "LayoutDirectory", "Span"]
+__all__ = ["Accept", "Layout", "LayoutDirectory", "Span"]
 
 logger = logging.getLogger(__name__)
 
 # Layouts in the DHT expire after this unless republished (the controller republishes at half).
 LAYOUT_TTL = 120.0
+# Signed entries read per fetch: a run's clusters, each written by its few successive controllers
+# (an entry lives LAYOUT_TTL); more is someone flooding the key, and parsing is bounded by this.
+MAX_LAYOUT_ENTRIES = 4 * MAX_CLUSTERS
+# A cluster id is short text ("c0"); a longer subkey prefix is not a layout.
+MAX_CLUSTER_ID_CHARS = 64
 
 
 class Span(NamedTuple):
@@ -43,13 +55,14 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """One cluster's stages in `epoch`."""
+    """One cluster's stages in `epoch`, under version `plan` of the run's plan."""
 
     epoch: int
     stages: tuple[Span, ...]
+    plan: int = 1
 
     def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages]}
+        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages], "plan": self.plan}
 
     @classmethod
     def from_wire(cls, msg: Any) -> Layout:
@@ -63,40 +76,80 @@ class Layout:
             start = int_value(start, "stages", what, 0, MAX_LAYER_INDEX)
             stages.append(Span(peer_text(peer, "stages", what), start,
                                int_value(end, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
-        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages))
+        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages),
+                   int_field(msg, "plan", what, 1, MAX_COUNTER))
+
+
+# Whether a reader takes `layout` of cluster `cluster`, written by `owner` (peer id text).
+Accept = Callable[[str, str, Layout], bool]
+
+
+def _entry_names(subkey: Any) -> tuple[str, str] | None:
+    """(cluster id, owner) of a layout entry's subkey `{cluster}[owner:<id>]`; None if it is not one."""
+    if not isinstance(subkey, str) or "[" not in subkey:
+        return None
+    cluster, marker = subkey[:subkey.index("[")], subkey[subkey.index("["):]
+    owner = subkey_owner(marker)
+    if owner is None or not 0 < len(cluster) <= MAX_CLUSTER_ID_CHARS:
+        return None
+    return cluster, str(owner)
 
 
 class LayoutDirectory:
     """Every cluster's layout, in the DHT of `peer`; also who they name (`lists`), which is how a
     stage tells the run's nodes (ring members, nodes fetching layers) from strangers."""
 
-    def __init__(self, peer: PeerLike, run_id: str):
+    def __init__(self, peer: PeerLike, run_id: str, accept: Accept | None = None):
+        """`accept`: which signed layouts to read (None: all); `potluck pipeline run` sets it to its plan's rule."""
+        self.peer = peer
         self.dht = peer.dht
         self.key = f"{run_id}.pipeline.layout"
+        self.accept = accept
         self._listed: frozenset[PeerID] = frozenset()  # every peer of the newest layouts read
         self._started = 0  # reads of the layouts started so far
         self._newest = 0  # the number (in start order) of the newest-started read that completed
         self._reading = asyncio.Lock()
 
     async def publish(self, cluster_id: str, layout: Layout) -> None:
-        await self.dht.astore(self.key, layout.to_wire(), self.dht.get_time() + LAYOUT_TTL, subkey=cluster_id)
+        """Store `layout` under this node's own signed subkey for `cluster_id`."""
+        subkey = f"{cluster_id}{own_subkey(self.peer.transport.peer_id)}"
+        await self.dht.astore(self.key, layout.to_wire(), self.dht.get_time() + LAYOUT_TTL, subkey=subkey)
 
     async def fetch(self) -> dict[str, list[Span]]:
         """{cluster id: its stages}, malformed layouts skipped."""
         return {cluster: list(layout.stages) for cluster, layout in (await self.fetch_layouts()).items()}
 
-    async def fetch_layouts(self) -> dict[str, Layout]:
-        """{cluster id: its layout (epoch and stages)}, malformed layouts skipped."""
-        self._started += 1
+    async def fetch_layouts(self, accept: Accept | None = None) -> dict[str, Layout]:
+        """{cluster id: its newest accepted layout (plan version, then epoch; ties: the lowest
+        writer)}; malformed layouts skipped. `accept` replaces the directory's rule for this read
+        (which then does not change `lists`)."""
+        own_rule = accept is None
+        accept = self.accept if own_rule else accept
+        if own_rule:
+            self._started += 1
         number = self._started
         found = await self.dht.aget(self.key, latest=True)
-        layouts: dict[str, Layout] = {}
+        best: dict[str, tuple[tuple[int, int], str, Layout]] = {}
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        for cluster, entry in list(entries.items())[:MAX_CLUSTERS]:
+        for subkey, entry in list(entries.items())[:MAX_LAYOUT_ENTRIES]:
+            names = _entry_names(subkey)
+            if names is None:
+                continue
+            cluster, owner = names
             try:
-                layouts[str(cluster)] = Layout.from_wire(entry.value)
+                layout = Layout.from_wire(entry.value)
             except MalformedMessage as e:
-                logger.warning("layout for cluster %r ignored: %s", str(cluster)[:64], e)
+                logger.warning("layout for cluster %r from %s ignored: %s", cluster, owner[:8], e)
+                continue
+            if accept is not None and not accept(cluster, owner, layout):
+                continue
+            rank = (layout.plan, layout.epoch)
+            held = best.get(cluster)
+            if held is None or rank > held[0] or (rank == held[0] and owner < held[1]):
+                best[cluster] = (rank, owner, layout)
+        layouts = {cluster: layout for cluster, (_, _, layout) in sorted(best.items())[:MAX_CLUSTERS]}
+        if not own_rule:
+            return layouts
         if number > self._newest:
             self._newest = number
             self._listed = frozenset(PeerID.from_string(s.peer) for layout in layouts.values() for s in layout.stages)

@@ -6,12 +6,18 @@ and once the run's nodes are in, every node computes the plan itself by one dete
 the model (`model_costs`: FLOPs and bytes counted, not timed, since timings differ between
 machines). Each node publishes the plan it computed (a `RunPlan` with a version) under its own
 signed subkey of `{run_id}.pipeline.plan`, so anyone can check that the nodes agree (`disagreeing`).
+
+Re-planning (`replan`): when a cluster still names a member that has been dead for a while (its
+controller could not replace it: no standby left, or every member died), or when the nodes in no
+cluster could hold another copy of the model and the plan over the live nodes has more clusters,
+version v+1 is `plan_run` over the live nodes' profiles. Whoever computes it, anyone can check it
+(`checks`): it must equal the rule applied to the profiles of the nodes it names.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +28,13 @@ from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.wire import int_field, list_field, list_value, wire_map
 from potluck.dht.records import own_subkey, owned_entries
-from potluck.pipeline.clustering import ModelDemand, form_clusters
+from potluck.pipeline.clustering import ClusteringError, ModelDemand, form_clusters
 from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, peer_text
 from potluck.pipeline.partition import STATE_FACTOR
 from potluck.pipeline.profiling import LayerCost, NodeProfile
 
-__all__ = ["RunPlan", "cluster_id", "disagreeing", "fetch_plans", "model_costs", "model_demand", "plan_run",
-           "publish_plan"]
+__all__ = ["RunPlan", "checks", "cluster_id", "cluster_index", "disagreeing", "fetch_plans", "model_costs",
+           "model_demand", "plan_run", "publish_plan", "replan"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,14 @@ FLOPS_PER_PARAM = 6
 def cluster_id(index: int) -> str:
     """The name of cluster `index` in layouts and controller methods."""
     return f"c{index}"
+
+
+def cluster_index(name: str) -> int | None:
+    """The index `cluster_id` gave `name`; None for any other text."""
+    digits = name[1:]
+    if not name.startswith("c") or not digits.isdigit() or len(digits) > 6 or cluster_id(int(digits)) != name:
+        return None
+    return int(digits)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,46 @@ def plan_run(profiles: Sequence[NodeProfile], demand: ModelDemand, clusters: int
     """The plan every node computes from the same profiles: a pure function of its inputs."""
     found = form_clusters(sorted(profiles, key=lambda p: p.peer_id), demand, clusters)
     return RunPlan(version, tuple(tuple(sorted(c)) for c in found.clusters), tuple(sorted(found.standby)))
+
+
+def replan(plan: RunPlan, members: Sequence[Sequence[str]], live: Sequence[NodeProfile], dead: Collection[str],
+           demand: ModelDemand, clusters: int | None = None) -> RunPlan | None:
+    """Version `plan.version + 1`, or None if the rule keeps `plan`. `members`: each cluster's
+    members now (its layout's stages; the plan's before one is published); `live`: the profiles of
+    the nodes that answer (the plan's and later ones); `dead`: nodes that have not answered for a
+    while. Re-plan when (a) a cluster still names a dead member, or (b) the nodes in no cluster
+    hold a copy of the model's memory and the plan over `live` has more clusters than `plan`.
+    `clusters` is kept while `live` can form that many; else as many as memory allows."""
+    broken = any(m in dead for ms in members for m in ms)
+    busy = {m for ms in members for m in ms}
+    if not broken and sum(p.memory for p in live if p.peer_id not in busy) < demand.memory:
+        return None  # no new cluster fits: skip the solver
+    try:
+        new = plan_run(live, demand, clusters, plan.version + 1)
+    except ClusteringError:
+        if clusters is None:
+            return None
+        try:
+            new = plan_run(live, demand, None, plan.version + 1)
+        except ClusteringError:
+            return None
+    return new if (broken and new.clusters) or len(new.clusters) > len(plan.clusters) else None
+
+
+def checks(plan: RunPlan, profiles: dict[str, NodeProfile], demand: ModelDemand, clusters: int | None = None) -> bool:
+    """Whether `plan` (a re-plan, version > 1) is the rule applied to the profiles of the nodes it
+    names, as `replan` computes it."""
+    try:
+        found = [profiles[p] for p in plan.nodes]
+    except KeyError:
+        return False
+    for count in ([clusters, None] if clusters is not None else [None]):
+        try:
+            if plan_run(found, demand, count, plan.version) == plan:
+                return True
+        except ClusteringError:
+            continue
+    return False
 
 
 def _key(run_id: str) -> str:

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
-from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
+from potluck.pipeline.layout import LAYOUT_TTL, Accept, Layout, LayoutDirectory, Span
 from potluck.pipeline.messages import (
     Ack,
     Configure,
@@ -76,7 +76,12 @@ class ClusterController:
     def __init__(self, peer: PeerLike, config: PipelineConfig, cluster_id: str, members: Sequence[str],
                  costs: Sequence[LayerCost], shapes: Sequence[Sequence[int]], *,
                  profiles: dict[str, NodeProfile] | None = None, reference_flops: float = 1.0,
-                 standby: Sequence[str] = (), heartbeat: float = HEARTBEAT, failure_timeout: float = FAILURE_TIMEOUT):
+                 standby: Sequence[str] = (), heartbeat: float = HEARTBEAT, failure_timeout: float = FAILURE_TIMEOUT,
+                 plan_version: int = 1, accept: Accept | None = None,
+                 claim: Callable[[str], Awaitable[bool]] | None = None):
+        """`plan_version`: the run plan's version its layouts are published under; `accept`: which
+        layouts it reads (`LayoutDirectory`); `claim(peer)`: whether a standby agrees to join this
+        cluster (None: every standby does), so two clusters never take the same one."""
         self.peer = peer
         self.transport = transport = peer.transport
         self.config = config
@@ -85,7 +90,9 @@ class ClusterController:
         self.standby = list(standby)
         self.costs = list(costs)
         self.shapes = [tuple(s) for s in shapes]  # shapes[i]: per-sample input of layer i; shapes[-1]: output
-        self.directory = LayoutDirectory(peer, config.run_id)
+        self.directory = LayoutDirectory(peer, config.run_id, accept)
+        self.plan_version = plan_version
+        self.claim = claim
         self.profiles = profiles or {}
         self.reference_flops = reference_flops
         self.heartbeat = heartbeat
@@ -117,12 +124,24 @@ class ClusterController:
         await self._publish()
 
     async def _publish(self) -> None:
-        await self.directory.publish(self.cluster_id, Layout(self.epoch, tuple(self.stages)))
+        await self.directory.publish(self.cluster_id, Layout(self.epoch, tuple(self.stages), self.plan_version))
 
-    async def start(self) -> None:
-        """Partition over the members, configure them, publish the layout, start watching."""
+    async def take_standby(self) -> str | None:
+        """The next standby that accepts to join this cluster (`claim`), taken off the list; None
+        if none is left."""
+        while self.standby:
+            peer = self.standby.pop(0)
+            if self.claim is None or await self.claim(peer):
+                return peer
+        return None
+
+    async def start(self, elsewhere: dict[int, list[str]] | None = None, in_order: bool = False) -> None:
+        """Partition over the members, configure them, publish the layout, start watching.
+        `elsewhere`: {layer: nodes holding it} to load layers from (a re-planned run's previous
+        clusters); `in_order`: configure the stages one by one from the last, so that no stage
+        sends to one still in an older epoch (a re-plan may put stages epochs apart)."""
         async with self._lock:
-            await self._apply(self.members, {}, {})
+            await self._apply(self.members, {}, elsewhere or {}, in_order)
         self._monitor = asyncio.ensure_future(self._watch())
 
     async def take_over(self, layout: Layout, dead: Sequence[str]) -> None:
@@ -145,7 +164,8 @@ class ClusterController:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _apply(self, members: list[str], holders: dict[int, str], elsewhere: dict[int, list[str]]) -> None:
+    async def _apply(self, members: list[str], holders: dict[int, str], elsewhere: dict[int, list[str]],
+                     in_order: bool = False) -> None:
         """Partition over `members` and configure them. A stage that gets a layer it does not hold
         loads it from `holders[layer]` (its holder in this cluster before, still alive: the freshest
         weights), else from `elsewhere[layer]` (holders in other clusters)."""
@@ -171,6 +191,10 @@ class ClusterController:
                           sources=sources(s))
             Ack.from_wire(await call(self.transport, s.peer_id, self._ctl, Configure(route), CONFIGURE_TIMEOUT))
         await self._publish()  # first: a stage fetching layers is given them only once the layouts name it
+        if in_order:
+            for i in reversed(range(len(stages))):
+                await configure(i)
+            return
         async with compat.TaskGroup() as group:
             for i in range(len(stages)):
                 group.create_task(configure(i))
@@ -240,9 +264,10 @@ class ClusterController:
                     await self._apply(survivors, holders, elsewhere)
                     break
                 except PartitionError:
-                    if not self.standby:
+                    extra = await self.take_standby()
+                    if extra is None:
                         raise
-                    survivors.append(self.standby.pop(0))
+                    survivors.append(extra)
                 except (NetworkError, TimeoutError, PotluckError, compat.ExceptionGroup) as e:
                     # a member failed while being configured: drop whoever is dead now, try again
                     alive = await asyncio.gather(*(self._alive(m) for m in survivors))
