@@ -7,10 +7,10 @@ import logging
 import sys
 
 from potluck import __version__
-from potluck.cli import authority, compare, demo, expert_server, peer, pipeline, ps, sweep
+from potluck.cli import authority, compare, demo, expert_server, monitor, peer, pipeline, ps, sweep
 from potluck.core.errors import PotluckError
 
-COMMANDS = [peer, authority, demo, expert_server, pipeline, ps, sweep, compare]
+COMMANDS = [peer, authority, demo, expert_server, pipeline, ps, sweep, compare, monitor]
 
 
 def build_parser() -> argparse.ArgumentParser:

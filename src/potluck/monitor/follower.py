@@ -80,8 +80,10 @@ class Follower:
         me = PeerProgress(self.peer.peer_id, 0, 0, 0.0, now, client_mode=True, idle=True)
         progress = self.tracker.estimate(reports, me)
         eta = progress.eta_seconds if target is not None and math.isfinite(progress.eta_seconds) else None
-        return SwarmNow(self.run_id, now, len(reports), progress.samples_per_second, progress.epoch,
-                        int(progress.samples), target, eta)
+        # Speed: every training peer's (as bounded), also while it waits in a round, where the ETA
+        # counts it as not computing: a chart of the swarm's speed should not drop at every round.
+        speed = sum(r.samples_per_second for r in progress.reports if r.peer_id != me.peer_id and not r.idle)
+        return SwarmNow(self.run_id, now, len(reports), speed, progress.epoch, int(progress.samples), target, eta)
 
     def _names(self, rounds: dict[str, tuple[list[RoundRecord], bytes | None]]) -> dict[str, str]:
         """The name each signer's membership token gives it, where the token admits that very
