@@ -4,7 +4,8 @@ The node profiles itself and publishes its profile; once `--nodes N` profiles ar
 a `--plan FILE` names), it computes the plan by the rule every node applies alike
 (`pipeline.planning`), publishes it, and runs its stage; the controller role of each cluster goes
 to the live member with the lowest peer id, and moves on when that node dies (`pipeline.node`). A
-node that finds the run planned already takes the published plan, as a standby if it is not in it.
+node that finds the run planned already (by nodes that answer) takes the newest published plan, as
+a standby if it is not in it; the plan is re-planned when nodes join or die (`planning.replan`).
 Every line it prints on stdout is one JSON object: `{"peer_id", "address"}` first, then
 `{"plan"}`, then a progress row every `--report-every` seconds.
 """
@@ -30,6 +31,8 @@ POLL_SECONDS = 1.0
 PROFILE_TIMEOUT = 120.0
 # Starting or stopping the node's worker and election.
 START_TIMEOUT = 60.0
+# A node that finds plans published asks their nodes whether they run, each within this.
+PING_TIMEOUT = 3.0
 
 
 def add_run_parser(commands: argparse._SubParsersAction) -> None:
@@ -84,13 +87,33 @@ def _wait_for_profiles(peer: Any, args: argparse.Namespace, wanted: list[str] | 
                             f"of run {args.run_id!r} appeared within {args.wait:.0f} s")
 
 
-def _most_published(published: dict[str, Any]) -> Any:
-    """The plan most nodes published (ties: the newest version, then the first in JSON order)."""
+async def _running_plan(peer: Any, run_id: str, published: dict[str, Any]) -> Any:
+    """The newest published plan (ties: the one most nodes published) whose nodes are running now:
+    at least half of them answer a ping. None if none is: the plans are an earlier run's, left in
+    the DHT under the same run id."""
+    import asyncio
+
+    from potluck.core.errors import NetworkError
+    from potluck.pipeline.messages import Ping
+    from potluck.pipeline.stage import call
+
+    async def answers(node: str) -> bool:
+        try:
+            await call(peer.transport, node, f"{run_id}.pipe.ctl", Ping(), PING_TIMEOUT)
+            return True
+        except (NetworkError, TimeoutError):  # refused, unreachable or silent: not running
+            return False
+
     counts: dict[str, tuple[int, Any]] = {}
     for plan in published.values():
         key = json.dumps(plan.to_wire(), sort_keys=True)
         counts[key] = (counts.get(key, (0, plan))[0] + 1, plan)
-    return max(sorted(counts.items()), key=lambda item: (item[1][0], item[1][1].version))[1][1]
+    for _, plan in sorted(counts.values(), key=lambda item: (-item[1].version, -item[0])):
+        nodes = [n for n in plan.nodes if n != peer.peer_id]
+        alive = await asyncio.gather(*(answers(n) for n in nodes))
+        if 2 * sum(alive) >= len(nodes):
+            return plan
+    return None
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -135,6 +158,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
         profile = peer.run(profile_node(peer, list(peer.transport.connected_peers()), flops=args.flops,
                                         memory=memory), timeout=PROFILE_TIMEOUT)
         peer.run(publish_profile(peer, args.run_id, profile), timeout=30)
+        demand = model_demand(costs, int(sample.shape[0]), args.staleness_bound, reference)
         if plan_file is not None:
             plan = RunPlan(1, tuple(tuple(sorted(s.peer for s in c)) for c in plan_file.clusters),
                            tuple(sorted(plan_file.standby)))
@@ -142,10 +166,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
         else:
             profiles = _wait_for_profiles(peer, args, None, stop)
             published = peer.run(fetch_plans(peer, args.run_id), timeout=30)
-            if published:  # the run is planned already (this node joins late, or restarts): take that plan
-                plan = _most_published(published)
-            else:
-                demand = model_demand(costs, int(sample.shape[0]), args.staleness_bound, reference)
+            # planned already (this node joins late, or restarts), unless by an earlier run of this id
+            plan = peer.run(_running_plan(peer, args.run_id, published), timeout=60) if published else None
+            if plan is None:
                 plan = plan_run(profiles[:args.nodes], demand, args.clusters)
         if peer.peer_id in plan.nodes:
             peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
@@ -154,13 +177,17 @@ def run_pipeline(args: argparse.Namespace) -> int:
         node = PipelineNode(peer, config, plan, spec.make_layers, len(costs), spec.make_optimizer,
                             source=spec.source, costs=costs, shapes=shapes,
                             profiles={p.peer_id: p for p in profiles}, reference_flops=reference,
-                            loss_fn=spec.loss_fn, heartbeat=args.heartbeat, failure_timeout=args.failure_timeout)
+                            loss_fn=spec.loss_fn, heartbeat=args.heartbeat, failure_timeout=args.failure_timeout,
+                            demand=demand, clusters=args.clusters)
         peer.run(node.start(), timeout=START_TIMEOUT)
         started = last_published = time.monotonic()
         checked = False
         try:
             while not stop.wait(args.report_every):
                 now = time.monotonic()
+                if node.plan != plan:  # re-planned
+                    plan = node.plan
+                    _emit({"plan": plan.to_wire(), "replanned": True})
                 _emit(_progress(node, now - started))
                 if not checked:  # every node has published its plan by now, or is late: check once
                     checked = True
@@ -170,8 +197,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
                 if now - last_published > REPUBLISH_SECONDS:
                     last_published = now
                     peer.run(publish_profile(peer, args.run_id, profile), timeout=30)
-                    if peer.peer_id in plan.nodes:
-                        peer.run(publish_plan(peer, args.run_id, plan), timeout=30)
+                    if peer.peer_id in node.plan.nodes:
+                        peer.run(publish_plan(peer, args.run_id, node.plan), timeout=30)
                 if args.duration and now - started >= args.duration:
                     break
         finally:

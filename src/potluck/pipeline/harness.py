@@ -94,6 +94,11 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
     del layers
     workers: dict[str, StageWorker] = {}
     controllers = []
+    # a cluster's layout is read only from its controller's node
+    hosts = {f"c{c}": controller_host(nodes, members) for c, members in enumerate(clusters)}
+
+    def accept(cluster: str, owner: str, layout: Any) -> bool:
+        return hosts.get(cluster) == owner
     for c, members in enumerate(clusters):
         spare = list(standby[c]) if c < len(standby) else []
         host = next((i for i in members if not isinstance(nodes[i], RemoteNode)), None)
@@ -105,6 +110,7 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
                 continue  # its process runs its own worker (created with `controller_host`'s id)
             worker = StageWorker(nodes[i], config, make_layers, optimizer, controller=controller_id,
                                  num_layers=num_layers, source=sources[c], loss_fn=loss_fn, scheduler=scheduler)
+            worker.directory.accept = accept
             if prepare is not None:
                 prepare(worker)
             worker.start()
@@ -112,7 +118,8 @@ async def launch_run(nodes: Sequence[PeerLike | RemoteNode], clusters: Sequence[
         controllers.append(ClusterController(
             nodes[host], config, f"c{c}", [_peer_id(nodes[i]) for i in members], costs, shapes,
             profiles=profiles, reference_flops=reference_flops,
-            standby=[_peer_id(nodes[i]) for i in spare], heartbeat=heartbeat, failure_timeout=failure_timeout))
+            standby=[_peer_id(nodes[i]) for i in spare], heartbeat=heartbeat, failure_timeout=failure_timeout,
+            accept=accept))
     for controller in controllers:
         await controller.plan()
     for controller in controllers:

@@ -9,6 +9,8 @@ the members below it; when the rule names it, it takes the role over. The contro
 recoverable from the DHT: its layout holds the epoch and the stages, the plan holds the standby
 nodes. The new controller resumes from them and re-partitions without the members that do not
 answer, one epoch later, so every stage then reports failures to it (`ClusterController.take_over`).
+A controller that finds its cluster's layout at a newer epoch than its own (it was taken for dead,
+e.g. cut off, and another member took over) steps down.
 Layouts are read only from nodes the plan lets control that cluster (its members and standbys),
 under the plan's version: a stranger's layout is ignored.
 
@@ -202,6 +204,12 @@ class PipelineNode:
         if self.demand is not None:
             await self._follow()
         layouts = await self.worker.directory.fetch_layouts()
+        for cid, controller in list(self.controllers.items()):
+            if cid in layouts and layouts[cid].epoch > controller.epoch:  # another node took the role over
+                logger.warning("%s steps down as controller of cluster %s: its layout is at epoch %d, past this "
+                               "controller's %d", self.me[:8], cid, layouts[cid].epoch, controller.epoch)
+                del self.controllers[cid]
+                await controller.close()
         late = await self._late_profiles()
         if self.controllers:
             self._refresh_standby(layouts, late)
