@@ -16,7 +16,9 @@ Modes:
   same state (their digests travel with the gradients): it would change nothing.
 - "moshpit": local SGD; every `local_steps` steps the parameters are averaged in Moshpit groups.
 - "diloco": `local_steps` inner steps of the wrapped optimizer, then an outer step with Nesterov
-  momentum on the averaged change of the parameters.
+  momentum on the averaged change of the parameters. Streaming DiLoCo with `fragments`,
+  `outer_delay` and `outer_compression` (`potluck.optim.streaming`): one fragment of the model at
+  a time, its round overlapped with the next inner steps, its pseudo-gradient compressed.
 
 A newcomer downloads the current state before its first step; a peer that falls behind catches
 up the same way. It takes the state that most donors agree on among the live peers of its
@@ -30,6 +32,10 @@ it holds beyond the model and the wrapped optimizer (one peer, between rounds):
 - "moshpit": 0.
 - "diloco": 3 (the outer starting point, the averaged change, the outer momentum; the momentum
   is part of the state that newcomers download and that groups average when they differ).
+  Streaming (fragments, outer_delay or outer_compression): the same 3, each split among the
+  fragments (outer parameters, momentum, pseudo-gradient buffers), plus 1 with a top-k
+  `outer_compression` (the error feedback residuals); a round holds flat buffers of one
+  fragment, not of the model.
 A round with others uses buffers of the averaged size (a flat snapshot and the result, and a
 shard to reduce), which the peer's buffer pool keeps for the next rounds up to
 `MAX_POOLED_BYTES` in all; a donor holds at most one copy of its state while newcomers
@@ -39,7 +45,6 @@ download it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import warnings
@@ -67,6 +72,8 @@ from potluck.optim.progress import (
     RoundRecord,
     checked_metrics,
 )
+from potluck.optim.streaming import StreamingConfig, StreamingDiLoCo
+from potluck.optim.streaming import tensor_digest as _digest
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +154,15 @@ class Optimizer(torch.optim.Optimizer):
         average_state_every: in sync mode, average parameters and statistics every k epochs.
         local_steps: moshpit/diloco: local steps between averaging rounds.
         outer_lr, outer_momentum: diloco's outer Nesterov step.
+        fragments: diloco: split the parameters (in order, about equal sizes) into this many
+            fragments; fragment i's outer round comes every `local_steps` steps, offset by
+            i * local_steps / fragments (a multiple of fragments). An epoch is then one
+            fragment's round.
+        outer_delay: diloco: inner steps a fragment's round runs in the background before it is
+            applied (less than local_steps / fragments); the local parameters then take
+            `mixing * local + (1 - mixing) * outer` (paper: mixing 0.5).
+        outer_compression: diloco: codec for the pseudo-gradients on the wire, e.g. "blockwise4",
+            "blockwise8", {"name": "topk", "ratio": 0.01} (top-k with error feedback per fragment).
         grid: moshpit grid sizes (see `Averager`). Default: one fitted to the swarm's size at
             each round (`potluck.averaging.moshpit_grid`: 2x2 for 4 peers, 10x10 for 100), each
             peer in the cell of its rank among the live peers.
@@ -171,6 +187,7 @@ class Optimizer(torch.optim.Optimizer):
                  grid: tuple[int, ...] | None = None, compression: Any = "none", matchmaking_time: float = 1.0,
                  averaging_timeout: float = 30.0, delay_updates: bool = False, load_state: bool = True,
                  load_state_timeout: float = 30.0, powersgd_rank: int | None = None, aggregation: str = "mean",
+                 fragments: int = 1, outer_delay: int = 0, mixing: float = 0.5, outer_compression: Any = "none",
                  start: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -178,6 +195,9 @@ class Optimizer(torch.optim.Optimizer):
         if target_batch_size <= 0 or batch_size_per_step <= 0:
             raise ValueError("target_batch_size and batch_size_per_step must be positive")
         params = list(params)
+        streaming = StreamingConfig(fragments, outer_delay, mixing, outer_compression)
+        if mode != "diloco" and streaming != StreamingConfig():
+            raise ValueError("fragments, outer_delay, mixing and outer_compression are diloco options")
         self.inner = optimizer(params) if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) \
             else optimizer
         if not isinstance(self.inner, torch.optim.Optimizer):
@@ -223,6 +243,8 @@ class Optimizer(torch.optim.Optimizer):
         # accumulated since about then (see ProgressTracker.averaged)
         self._epoch_began: float | None = None
         self._params = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
+        if mode == "diloco":
+            streaming.check(local_steps, len(self._params))
         self._init_optimizer_state()
         # DiLoCo's outer momentum is part of the state newcomers download and groups average:
         # members whose momentum differs would take different outer steps from one change.
@@ -243,6 +265,10 @@ class Optimizer(torch.optim.Optimizer):
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.grad_averager: Averager | None = None  # sync mode's accumulator (see astart)
         self.delta_averager: Averager | None = None  # diloco's averaged change (see astart)
+        # Streaming DiLoCo's fragment rounds (see astart), or None (plain DiLoCo, other modes).
+        self._streaming_config = streaming if mode == "diloco" and streaming.streaming else None
+        self.streaming: StreamingDiLoCo | None = None
+        self._grid = grid
         self._cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
         self._spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
         self._averaging_options, self._powersgd_rank = common, powersgd_rank  # for astart's averagers
@@ -269,6 +295,10 @@ class Optimizer(torch.optim.Optimizer):
                                           powersgd_rank=self._powersgd_rank, **options)
         if self.mode == "diloco":
             self._outer_params = await run_in_thread(lambda: [p.detach().clone() for p in self._params])
+        if self._streaming_config is not None:
+            self.streaming = StreamingDiLoCo(self, self._streaming_config)
+            await self.streaming.start(self._outer_params, options, self._grid)
+        elif self.mode == "diloco":
             zeros = await run_in_thread(_zeros_like, self._params)
             self.delta_averager = Averager(self.peer, zeros, f"{self.run_id}.delta", allow_state_sharing=False,
                                            **options)
@@ -304,7 +334,9 @@ class Optimizer(torch.optim.Optimizer):
                 await run_in_thread(self._inner_step)
                 self.samples += self.batch_size_per_step
                 self.steps += 1
-                if self.steps >= self.local_steps:
+                if self.streaming is not None:
+                    await self.streaming.after_step()
+                elif self.steps >= self.local_steps:
                     await (self._moshpit_round() if self.mode == "moshpit" else self._diloco_round())
         finally:
             self._stepping = False
@@ -986,6 +1018,8 @@ class Optimizer(torch.optim.Optimizer):
         for averager in (self.grad_averager, self.state_averager, getattr(self, "delta_averager", None)):
             if averager is not None:
                 averager.shutdown()
+        if getattr(self, "streaming", None) is not None:
+            self.streaming.shutdown()
 
 
 
@@ -1067,14 +1101,6 @@ def _drop(task: asyncio.Future) -> None:
     """Cancel a background task whose result is no longer wanted, and mark its outcome seen."""
     task.cancel()
     task.add_done_callback(retrieve_exception)
-
-
-def _digest(tensors: list[torch.Tensor]) -> str:
-    """BLAKE2b of the tensors' bytes: equal only if they are equal to the bit."""
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def _cell(rank: int, grid: tuple[int, ...]) -> list[int]:

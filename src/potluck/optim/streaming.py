@@ -1,0 +1,343 @@
+"""Streaming DiLoCo (arXiv 2501.18512): DiLoCo's outer loop one fragment of the model at a time,
+overlapped with the inner steps, with compressed pseudo-gradients.
+
+The model's parameters are split, in parameter order, into `fragments` groups of about equal size.
+Every `local_steps / fragments` inner steps one fragment's outer round starts (fragment
+`epoch % fragments`): so each fragment is synchronized every `local_steps` steps, staggered by
+`local_steps / fragments`, and the peak traffic is one fragment's, not the model's. A round:
+1. its pseudo-gradient, the fragment's outer parameters minus its local ones, is written into the
+   fragment's delta buffers; with a top-k codec only the largest values are kept there, and what
+   was left out is added to that fragment's next pseudo-gradient (error feedback);
+2. the fragment's averager averages it with the group in the background, the wire codec
+   (`outer_compression`) compressing it, while the inner steps go on for `delay` more steps;
+3. the averaged pseudo-gradient moves the fragment's outer parameters (Nesterov, as DiLoCo), and
+   the local parameters take `mixing * local + (1 - mixing) * outer` (the paper's rule: with
+   `delay` > 0 the local ones have moved on since the round began; with `delay` = 0 they are the
+   outer ones, as in DiLoCo).
+The outer parameters and momentum of a fragment are what stay identical across a round's group:
+each member applies the same averaged pseudo-gradient to them. Members whose outer points differ
+(one stepped alone after a failed round, a newcomer) notice it from the digests in their round
+notes, and average the fragment's outer parameters and momentum with the group.
+
+Memory, model-sized buffers beyond the model and the wrapped optimizer: the outer parameters, the
+outer momentum, the delta buffers (each split among the fragments: 1 model each), plus the error
+feedback residuals with a top-k `outer_compression` (1 model). A round in flight also holds the
+averager's flat buffers of one fragment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from potluck.averaging.averager import Averager, StepResult
+from potluck.compression import Codec, TopK, get_codec
+from potluck.core.errors import AveragingError, MalformedMessage
+from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.core.wire import text_field, wire_map
+
+__all__ = ["MAX_FRAGMENTS", "ErrorFeedback", "FragmentNote", "StreamingConfig", "StreamingDiLoCo", "split_fragments",
+           "tensor_digest"]
+
+logger = logging.getLogger(__name__)
+
+# Each fragment runs two averagers (a matchmaking key and a round per epoch each); the paper's
+# models use a few to a few dozen fragments (one per few layers). More is a misconfiguration.
+MAX_FRAGMENTS = 64
+# A peer this many fragment rounds behind the swarm moves on to its round without downloading
+# its state: the fragment of a missed round is repaired in its next round (see `_rejoin`).
+MAX_ROUNDS_REJOINED = 1
+# Longest digest in a fragment note (ours are 32 hex digits of BLAKE2b-128).
+MAX_DIGEST_CHARS = 128
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """The Optimizer's Streaming DiLoCo options (see the module docstring)."""
+
+    fragments: int = 1
+    delay: int = 0
+    mixing: float = 0.5
+    compression: Any = "none"
+
+    @property
+    def streaming(self) -> bool:
+        """Anything beyond plain DiLoCo (which the Optimizer runs as before)."""
+        return self.fragments > 1 or self.delay > 0 or get_codec(self.compression).name != "none"
+
+    def check(self, local_steps: int, parameters: int) -> None:
+        """ValueError (or CompressionError for the codec) on options that cannot work."""
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) \
+                or not 1 <= self.fragments <= min(MAX_FRAGMENTS, max(parameters, 1)):
+            raise ValueError(f"fragments must be an int in 1..{min(MAX_FRAGMENTS, parameters)} "
+                             f"(at most one per parameter tensor), got {self.fragments!r}")
+        if local_steps % self.fragments:
+            raise ValueError(f"local_steps ({local_steps}) must be a multiple of fragments ({self.fragments}): "
+                             "a fragment's round starts every local_steps / fragments steps")
+        interval = local_steps // self.fragments
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < interval:
+            raise ValueError(f"delay must be an int in 0..{interval - 1} (less than local_steps / fragments: "
+                             f"one fragment's round in flight at a time), got {self.delay!r}")
+        if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)) or not 0 <= self.mixing <= 1:
+            raise ValueError(f"mixing must be a number in [0, 1], got {self.mixing!r}")
+        get_codec(self.compression)  # parsed (and refused) now, not at the first round
+
+    def wire_codec(self) -> Codec:
+        """What the averagers send pseudo-gradients with: a top-k thins them before the round
+        (with error feedback), and its chunks and averages travel as `sparse`, which loses
+        nothing (a top-k per chunk would cut them again, without feedback)."""
+        codec = get_codec(self.compression)
+        return get_codec("sparse") if isinstance(codec, TopK) else codec
+
+
+@dataclass(frozen=True)
+class FragmentNote:
+    """What a member tells its fragment round: the digest of the fragment's outer parameters and
+    momentum it applies the average to (members that differ average those afterwards)."""
+
+    outer: str | None = None
+
+    def to_wire(self) -> dict:
+        return {} if self.outer is None else {"outer": self.outer}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> FragmentNote:
+        what = "fragment note"
+        return cls(text_field(wire_map(msg, what), "outer", what, MAX_DIGEST_CHARS, optional=True))
+
+    @classmethod
+    def read(cls, msg: Any) -> FragmentNote:
+        """A member's note, or an empty one if malformed (an unknown point: the group averages)."""
+        try:
+            return cls.from_wire(msg)
+        except MalformedMessage:
+            return cls()
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[range]:
+    """Consecutive index ranges of `sizes` (parameter numels, in parameter order), `fragments` of
+    them, each non-empty, cut where the running total passes each k / fragments of the whole."""
+    total, bounds, running = sum(sizes), [0], 0
+    for index, size in enumerate(sizes):
+        running += size
+        left = len(sizes) - index - 1  # tensors after this one
+        need = fragments - len(bounds)  # cuts still to make
+        if need > 0 and left >= need and (running * fragments >= len(bounds) * total or left == need):
+            bounds.append(index + 1)
+    bounds.append(len(sizes))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class ErrorFeedback:
+    """Top-k with error feedback for one fragment's pseudo-gradients: one `TopK` per tensor (its
+    residual is what was left out so far). After `thin(deltas)`, deltas + residuals equals the
+    pseudo-gradients plus the residuals before (nothing is lost, only delayed)."""
+
+    def __init__(self, spec: Any, count: int):
+        self.codecs = [get_codec(spec) for _ in range(count)]
+
+    def thin(self, deltas: list[torch.Tensor]) -> None:
+        """Keep the largest values (with what was held back before) in `deltas`, in place."""
+        for codec, delta in zip(self.codecs, deltas, strict=True):
+            payload = codec.encode(delta)
+            flat = delta.view(-1)
+            flat.zero_()
+            flat[payload["indices"].long()] = payload["values"].to(delta.dtype)
+
+    @property
+    def residuals(self) -> list[torch.Tensor | None]:
+        return [codec.residual for codec in self.codecs]
+
+
+@dataclass
+class _Fragment:
+    index: int
+    params: list[torch.Tensor]
+    outer: list[torch.Tensor]  # views of the Optimizer's own lists: one set of tensors
+    momentum: list[torch.Tensor]
+    averager: Averager  # over the delta buffers: the pseudo-gradients
+    outer_averager: Averager  # over outer + momentum: repairs members that differ
+    feedback: ErrorFeedback | None
+
+
+@dataclass
+class _Flight:
+    """A fragment's round under way in the background."""
+
+    fragment: _Fragment
+    epoch: int
+    task: asyncio.Future | None  # None: nobody else trains (the local change is applied)
+    steps_left: int  # inner steps until it is applied
+
+
+class StreamingDiLoCo:
+    """The fragment schedule of an `Optimizer` in diloco mode (see the module docstring). The
+    optimizer calls `after_step()` after every inner step; progress, catching up and epochs stay
+    the optimizer's (an epoch is one fragment round: local_steps / fragments inner steps)."""
+
+    def __init__(self, opt: Any, config: StreamingConfig):
+        self.opt, self.config = opt, config
+        self.interval = opt.local_steps // config.fragments
+        self.steps = 0  # inner steps since the last round started
+        self.fragments: list[_Fragment] = []
+        self.flight: _Flight | None = None
+
+    async def start(self, outer: list[torch.Tensor], options: dict[str, Any], grid: Any) -> None:
+        """Build each fragment's buffers and averagers over the optimizer's outer parameters and
+        momentum (`outer`, `opt._outer_momentum`): one set of tensors, so downloads reach them."""
+        opt, config = self.opt, self.config
+        params, momentum = opt._params, opt._outer_momentum
+        wire = {**options, "compression": self.config.wire_codec().spec, "grid": grid}
+        exact = {**options, "grid": grid}
+        spec = get_codec(config.compression)
+        for i, span in enumerate(split_fragments([p.numel() for p in params], config.fragments)):
+            deltas = await run_in_thread(lambda span=span: [torch.zeros_like(params[k]) for k in span])
+            self.fragments.append(_Fragment(
+                i, [params[k] for k in span], [outer[k] for k in span], [momentum[k] for k in span],
+                Averager(opt.peer, deltas, f"{opt.run_id}.delta{i}", allow_state_sharing=False, **wire),
+                Averager(opt.peer, [outer[k] for k in span] + [momentum[k] for k in span],
+                         f"{opt.run_id}.outer{i}", allow_state_sharing=False, **exact),
+                ErrorFeedback(config.compression, len(span)) if isinstance(spec, TopK) else None))
+
+    async def after_step(self) -> None:
+        """Count one inner step: apply the round in flight when its delay is over, and start the
+        next fragment's round when it is due."""
+        self.steps += 1
+        if self.flight is not None:
+            self.flight.steps_left -= 1
+            if self.flight.steps_left <= 0:
+                await self._land()
+        if self.steps >= self.interval:
+            self.steps = 0
+            await self._launch()
+
+    async def _launch(self) -> None:
+        opt = self.opt
+        opt.steps = 0
+        swarm_epoch = opt.progress().epoch
+        if swarm_epoch > opt.local_epoch:  # the others are ahead: rejoin them
+            await self._rejoin(swarm_epoch)
+            return
+        fragment = self.fragments[opt.local_epoch % len(self.fragments)]
+        await run_in_thread(self._take_change, fragment)
+        task = None
+        if opt._anyone_else():
+            members = opt._members(opt.progress().reports)
+            digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
+            task = asyncio.ensure_future(fragment.averager.astep(
+                weight=float(opt.batch_size_per_step * opt.local_steps), gather=FragmentNote(digest).to_wire(),
+                group_key=f"outer{opt.local_epoch}", members=members))
+        self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay)
+        if self.config.delay == 0:
+            await self._land()
+
+    async def _land(self) -> None:
+        """Apply the round in flight (waiting for it if it is not over yet)."""
+        opt, flight = self.opt, self.flight
+        self.flight = None
+        fragment, result = flight.fragment, None
+        if flight.task is not None:
+            if not flight.task.done():
+                opt._waited = True
+            await opt._wait_for_round(flight.task, fragment.averager, flight.epoch)
+            if flight.task.cancelled():  # the others' round is over without us: rejoin them
+                await self._rejoin(max(r.done for r in opt.tracker.merged(opt._reports).values()))
+                return
+            try:
+                result = flight.task.result()
+            except AveragingError as e:
+                logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
+        await run_in_thread(self._outer_step, fragment)
+        opt.samples = 0
+        opt._advance_epoch()
+        if result is not None and len({FragmentNote.read(m).outer for m in result.gathered.values()}) > 1:
+            await self._repair(fragment, result)
+
+    async def _rejoin(self, epoch: int) -> None:
+        """The swarm is at `epoch`, ahead of us. One round behind (a slower peer, whose group
+        formed without it): move on to it; the fragment of the round we missed has a stale outer
+        point, which its next round's digests reveal and average away. Further behind: download
+        the swarm's state (as DiLoCo does). Downloading for one round would never end when rounds
+        are shorter than a download: the swarm is a round further on by the time it finishes."""
+        opt = self.opt
+        opt.samples = 0
+        if epoch - opt.local_epoch > MAX_ROUNDS_REJOINED:
+            await opt._catch_up(epoch)
+            return
+        logger.info("fragment round %d went on without us; rejoining the swarm at round %d", opt.local_epoch, epoch)
+        opt._move_to(epoch)
+        opt._publish()
+
+    def _take_change(self, fragment: _Fragment) -> None:
+        """The fragment's pseudo-gradient into its delta buffers, thinned if top-k (worker thread)."""
+        with fragment.averager.get_tensors() as deltas, torch.no_grad():
+            torch._foreach_copy_(deltas, fragment.outer)
+            torch._foreach_sub_(deltas, fragment.params)
+            if fragment.feedback is not None:
+                fragment.feedback.thin(deltas)
+
+    def _outer_step(self, fragment: _Fragment) -> None:
+        """The averaged pseudo-gradient moves the outer parameters (Nesterov, as DiLoCo's outer
+        step); the local ones take them, mixed with themselves if they moved on meanwhile."""
+        opt = self.opt
+        with fragment.averager.get_tensors() as deltas, opt.state_averager.get_tensors(), torch.no_grad():
+            opt._state_generation += 1
+            torch._foreach_mul_(fragment.momentum, opt.outer_momentum)
+            torch._foreach_add_(fragment.momentum, deltas)
+            torch._foreach_add_(deltas, fragment.momentum, alpha=opt.outer_momentum)
+            torch._foreach_add_(fragment.outer, deltas, alpha=-opt.outer_lr)
+            if self.config.delay == 0:
+                torch._foreach_copy_(fragment.params, fragment.outer)
+            else:  # mixing * local + (1 - mixing) * outer
+                torch._foreach_lerp_(fragment.params, fragment.outer, 1.0 - self.config.mixing)
+
+    async def _repair(self, fragment: _Fragment, result: StepResult) -> None:
+        """The group's outer points differed: average them (and the momentum) with the group;
+        the local parameters move with their outer point."""
+        opt = self.opt
+        logger.info("fragment %d: the group's outer parameters differ; averaging them", fragment.index)
+        before = await run_in_thread(lambda: [t.clone() for t in fragment.outer])
+        try:
+            await fragment.outer_averager.astep(group_key=f"outer-state{opt.local_epoch}",
+                                                target_group_size=len(result.peers), members=frozenset(result.peers))
+        except AveragingError as e:
+            logger.warning("fragment %d: averaging the outer parameters failed (%s)", fragment.index, e)
+            return
+        await run_in_thread(self._follow, fragment, before)
+
+    def _follow(self, fragment: _Fragment, before: list[torch.Tensor]) -> None:
+        with self.opt.state_averager.get_tensors(), torch.no_grad():
+            self.opt._state_generation += 1
+            if self.config.delay == 0:
+                torch._foreach_copy_(fragment.params, fragment.outer)
+            else:
+                torch._foreach_sub_(before, fragment.outer)
+                torch._foreach_sub_(fragment.params, before)
+
+    def shutdown(self) -> None:
+        """Stop the round in flight (from any thread) and the fragments' averagers."""
+        task = None if self.flight is None else self.flight.task
+        if task is not None and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(_drop, task)
+        for fragment in self.fragments:
+            fragment.averager.shutdown()
+            fragment.outer_averager.shutdown()
+
+
+def _drop(task: asyncio.Future) -> None:
+    task.cancel()
+    task.add_done_callback(retrieve_exception)
+
+
+def tensor_digest(tensors: list[torch.Tensor]) -> str:
+    """BLAKE2b of the tensors' bytes: equal only if they are equal to the bit."""
+    digest = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -1,0 +1,230 @@
+"""Streaming DiLoCo (`potluck.optim.streaming`) on the emulated network under the virtual clock.
+
+What stays identical across a fragment round's group is the fragment's *outer* parameters and
+outer momentum: every member applies the same averaged pseudo-gradient to them (or, if their
+outer points differed, averages those right after). The local parameters are not: with
+`outer_delay` > 0 each member mixes its own inner progress of the delayed steps into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import potluck
+from potluck.compression import get_codec
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import virtual_time_loop
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
+from potluck.optim.streaming import ErrorFeedback, StreamingConfig, split_fragments, tensor_digest
+
+BATCH = 8
+WIDE = 16384  # the hidden layer of the model whose rounds' bytes are counted
+COMPUTE_SECONDS = 0.02
+
+
+def make_model(seed: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same start on every peer
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+
+def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(BATCH * 4, 16, generator=generator)[:BATCH]
+    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+
+
+async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int = 32, apart: bool = False,
+                kill: Callable[[Optimizer], bool] | None = None) -> dict:
+    """Train `peers` peers until `epochs` fragment rounds (from different starting points if
+    `apart`); peer 0 is crashed when `kill(its optimizer)` says so after a step. Records, per fragment round that a group completed, each
+    member's digest of that fragment's outer parameters and momentum once it is applied."""
+    network = EmulatedNetwork(latency=0.01, seed=1)
+    nodes: list[potluck.Peer] = []
+    for _ in range(peers):
+        nodes.append(await potluck.Peer.create(nodes[0].addresses if nodes else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    models = [make_model(index if apart else 0, width) for index in range(peers)]
+    optimizers = [Optimizer(peer, "stream", model.parameters(), lambda p: torch.optim.SGD(p, 0.3),
+                            target_batch_size=64, batch_size_per_step=BATCH, mode="diloco", local_steps=4,
+                            matchmaking_time=0.5, load_state=False, start=False, **options)
+                  for peer, model in zip(nodes, models, strict=True)]
+    rounds: dict[bytes, dict[int, str]] = {}  # group id -> member -> outer digest after the round
+    round_bytes: list[tuple[int, int]] = []  # (fragment, bytes peer 1 sent) per completed fragment round
+    for index, opt in enumerate(optimizers):
+        await opt.astart()
+        _record(index, opt, nodes[index], rounds, round_bytes if index == 1 else None)
+    await asyncio.sleep(1)  # the peers see each other's progress: no first rounds alone
+    held_out = batch(torch.Generator().manual_seed(999))
+    losses = [_loss(models[1], held_out)]
+    crashed: list[int] = []
+
+    async def train(index: int) -> None:
+        model, opt = models[index], optimizers[index]
+        generator = torch.Generator().manual_seed(100 + index)
+        while opt.local_epoch < epochs:
+            x, y = batch(generator)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            await asyncio.sleep(COMPUTE_SECONDS)
+            await opt.astep()
+            if index == 0 and kill is not None and kill(opt):
+                network.crash(nodes[0].transport.peer_id)
+                crashed.append(opt.local_epoch)
+                return
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(peers))), 600)
+        losses.append(_loss(models[1], held_out))
+        return {"rounds": rounds, "epochs": [o.local_epoch for o in optimizers], "losses": losses,
+                "round_bytes": round_bytes, "crashed": crashed,
+                "params": [tensor_digest(list(m.parameters())) for m in models],
+                "outer": [tensor_digest(o._outer_params) for o in optimizers]}
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in nodes:
+            await peer.ashutdown()
+
+
+def _loss(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> float:
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(data[0]), data[1]))
+
+
+def _record(index: int, opt: Optimizer, node: potluck.Peer, rounds: dict,
+            round_bytes: list[tuple[int, int]] | None) -> None:
+    engine = opt.streaming
+    assert engine is not None
+    groups: list[bytes] = []
+    for fragment in engine.fragments:
+        advance, astep = fragment.averager._advance, fragment.averager.astep
+
+        def recording_advance(me: int, group_id: bytes, _advance=advance) -> None:  # a completed all-reduce
+            groups.append(group_id)
+            _advance(me, group_id)
+
+        async def counting_astep(*args, _astep=astep, _index=fragment.index, **kwargs):
+            sent = node.stats.bytes_sent
+            result = await _astep(*args, **kwargs)
+            if round_bytes is not None:
+                round_bytes.append((_index, node.stats.bytes_sent - sent))
+            return result
+        fragment.averager._advance, fragment.averager.astep = recording_advance, counting_astep
+    land = engine._land
+
+    async def recording_land() -> None:
+        fragment = engine.flight.fragment
+        groups.clear()
+        await land()
+        if groups:
+            rounds.setdefault(groups[0], {})[index] = tensor_digest(fragment.outer + fragment.momentum)
+    engine._land = recording_land
+
+
+def run(*args: Any, **kwargs: Any) -> dict:
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        return runner.run(swarm(*args, **kwargs), timeout=300)
+    finally:
+        release_runner()
+
+
+@pytest.mark.timeout(120)
+def test_fragment_outer_parameters_are_identical_across_each_round_and_local_ones_mix():
+    # The peers start from different points: the first round of each fragment finds their
+    # digests differ, and averages their outer points.
+    result = run(3, 12, dict(fragments=2, outer_delay=1, mixing=0.5, outer_compression="blockwise4"), apart=True)
+    assert result["epochs"] == [12, 12, 12], result
+    rounds = result["rounds"]
+    for group_id, digests in rounds.items():
+        assert len(set(digests.values())) == 1, f"round {group_id.hex()}: outer points differ after it: {digests}"
+    together = [group for group in rounds.values() if len(group) == 3]
+    assert len(together) >= 8, rounds  # all but the first rounds (before the peers saw each other)
+    # The whole outer state ends identical (the last two rounds covered both fragments), the
+    # local parameters not: each mixed its own last inner steps in.
+    assert len(set(result["outer"])) == 1, result["outer"]
+    assert len(set(result["params"])) == 3, result["params"]
+    assert result["losses"][1] < 0.8 * result["losses"][0], result["losses"]
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_mid_fragment_leaves_the_others_training_and_identical():
+    # Peer 0 crashes while a fragment's round is in flight (started, not yet applied).
+    result = run(3, 14, dict(fragments=2, outer_delay=1, outer_compression={"name": "topk", "ratio": 0.1}),
+                 kill=lambda opt: opt.local_epoch >= 5 and opt.streaming.flight is not None)
+    assert result["crashed"] and result["epochs"][1:] == [14, 14], result
+    after = [group for group in result["rounds"].values() if set(group) == {1, 2}]
+    assert len(after) >= 5, result["rounds"]
+    for group in after:
+        assert group[1] == group[2], result["rounds"]
+    assert result["outer"][1] == result["outer"][2]
+    assert result["losses"][1] < 0.8 * result["losses"][0], result["losses"]
+
+
+@pytest.mark.timeout(120)
+def test_4bit_and_topk_pseudo_gradients_cut_the_bytes_of_a_round():
+    def mean_round_bytes(compression: Any) -> float:
+        result = run(2, 4, dict(fragments=2, outer_compression=compression), width=WIDE)
+        sizes = [sent for fragment, sent in result["round_bytes"] if fragment == 0]
+        assert len(sizes) >= 2 and min(sizes) > 0, result["round_bytes"]
+        return sum(sizes) / len(sizes)
+
+    # Fragment 0 is the first layer's weight, 16 x 16384: 1 MiB at 4 bytes a value. A peer sends
+    # the other its half (512 KiB) and the average of its own half back (512 KiB), and each round
+    # about 35 KB more (matchmaking, and the members' check of a block of 4096 float32 values of
+    # each other's result), which no codec shrinks.
+    dense = mean_round_bytes("none")
+    assert 2**20 < dense < 2**20 + 60_000
+    # 4-bit: 1/8 of the values' bytes (and a scale per 4096 of them).
+    assert dense / mean_round_bytes("blockwise4") > 5.5
+    # Top 1% (error feedback keeps the rest for later): 8 bytes per value kept, 2% of the dense
+    # bytes, and the average of two thinned halves back.
+    assert dense / mean_round_bytes({"name": "topk", "ratio": 0.01}) > 12
+
+
+def test_error_feedback_sends_what_it_holds_back_later():
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(30, 20), (20,)]
+    feedback = ErrorFeedback({"name": "topk", "ratio": 0.1}, len(shapes))
+    held = [torch.zeros(shape) for shape in shapes]
+    sent_total = [torch.zeros(shape) for shape in shapes]
+    grads_total = [torch.zeros(shape) for shape in shapes]
+    for _ in range(5):
+        grads = [torch.randn(shape, generator=generator) for shape in shapes]
+        deltas = [g.clone() for g in grads]
+        feedback.thin(deltas)
+        for delta, grad, before, residual in zip(deltas, grads, held, feedback.residuals, strict=True):
+            assert (delta != 0).sum() == get_codec({"name": "topk", "ratio": 0.1}).kept(delta.numel())
+            # What is sent plus what is held back is the pseudo-gradient plus what was held before.
+            assert torch.equal(delta + residual, grad + before)
+            assert torch.equal(delta * residual, torch.zeros_like(delta))  # disjoint
+        held = [r.clone() for r in feedback.residuals]
+        for total, delta, g_total, grad in zip(sent_total, deltas, grads_total, grads, strict=True):
+            total += delta
+            g_total += grad
+    for total, g_total, residual in zip(sent_total, grads_total, held, strict=True):
+        assert torch.allclose(total + residual, g_total, atol=1e-5)
+
+
+def test_fragments_split_parameters_in_order_into_about_equal_parts():
+    assert split_fragments([512, 32, 128, 4], 2) == [range(0, 1), range(1, 4)]
+    assert split_fragments([10] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_fragments([1, 1, 100], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert split_fragments([5], 1) == [range(0, 1)]
+
+
+def test_streaming_options_are_checked_when_the_optimizer_is_built():
+    StreamingConfig(2, 1, 0.5, "blockwise4").check(local_steps=4, parameters=4)
+    for config, local_steps in [(StreamingConfig(3), 4), (StreamingConfig(2, 2), 4), (StreamingConfig(5), 5),
+                                (StreamingConfig(2, 0, 1.5), 4), (StreamingConfig(0), 4)]:
+        with pytest.raises(ValueError):
+            config.check(local_steps, parameters=4)
+    from potluck.core.errors import CompressionError
+    with pytest.raises(CompressionError):
+        StreamingConfig(1, 0, 0.5, "blockwise3").check(4, 4)
+    assert not StreamingConfig().streaming and StreamingConfig(compression="blockwise4").streaming
