@@ -169,3 +169,45 @@ def test_a_planned_node_that_never_comes_is_replaced_by_a_standby_at_the_start()
 
     stages, ids = run_virtual(main())
     assert sorted(stages) == [ids[0], ids[2], ids[3]]
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_steps_down_when_its_clusters_layout_is_newer_than_its_epoch():
+    """Split brain: a member that took the role over (here: a layout of a newer epoch published by
+    the next member) supersedes the controller, which closes its controller instead of pinging on;
+    the rule then gives the role back to the lowest live member, which resumes from that layout."""
+    from potluck.pipeline.layout import Layout, LayoutDirectory
+    config = PipelineConfig("split", staleness_bound=4, average_every=0, message_timeout=5, emulate_compute=True)
+
+    async def main():
+        net, peers = await make_swarm(3, latency=0.002, bandwidth=None)
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        ids = sorted(by_id)
+        plan = RunPlan(1, (tuple(ids),), ())
+        nodes = {}
+        for peer_id in ids:
+            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
+                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
+                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                                profiles={p: NodeProfile(p, 1.0, 2**40) for p in ids}, heartbeat=0.5,
+                                failure_timeout=1.0)
+            await node.start()
+            nodes[peer_id] = node
+        first = nodes[ids[0]]
+        await _until(lambda: "c0" in first.controllers and first.controllers["c0"].partition is not None, 20,
+                     "the lowest peer id controls the cluster")
+        old = first.controllers["c0"]
+        newer = Layout(old.epoch + 3, tuple(old.stages))
+        await LayoutDirectory(by_id[ids[1]], config.run_id).publish("c0", newer)
+        await _until(lambda: first.controllers.get("c0") is not old, 10, "the superseded controller steps down")
+        await _until(lambda: "c0" in first.controllers, 10, "the rule gives the role back")
+        epoch = first.controllers["c0"].epoch
+        for peer_id, node in nodes.items():
+            await node.close()
+            await by_id[peer_id].dht.ashutdown()
+            await by_id[peer_id].transport.close()
+        return old, newer, epoch
+
+    old, newer, epoch = run_virtual(main())
+    assert old._monitor is not None and old._monitor.done()  # closed, no longer pinging
+    assert epoch > newer.epoch  # resumed from the newer layout, one epoch later
