@@ -13,6 +13,7 @@ import asyncio
 import sqlite3
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from potluck.core.dht_time import event_loop_clock
 from potluck.monitor.follower import Follower
 from potluck.monitor.ledger import SCHEMA_VERSION, Ledger, LedgerError
 from potluck.net.emulated import EmulatedNetwork
+from potluck.net.identity import Identity
+from potluck.net.membership import MembershipGate, MembershipToken
 from potluck.optim import Optimizer, progress
 from potluck.optim.progress import PeerProgress, RoundRecord, fetch_rounds
 from tests.emulated_swarm import run_on_shared_runner
@@ -233,3 +236,18 @@ def test_ledger_counts_failed_rounds_and_metrics_once_and_refuses_a_newer_schema
     connection.close()
     with pytest.raises(LedgerError, match="newer potluck"):
         Ledger(db, "run")
+
+
+def test_names_come_from_membership_tokens_that_admit_their_publisher() -> None:
+    authority, stranger = Identity.generate(), Identity.generate()
+    alice, bob, carol, dave = (Identity.generate().peer_id for _ in range(4))
+    gate = MembershipGate(authority.peer_id, RUN, clock=lambda: 100.0)
+    transport = SimpleNamespace(add_handler=lambda *_: None, remove_handler=lambda *_: None, membership=gate)
+    follower = Follower(SimpleNamespace(dht=None, transport=transport, peer_id="monitor"), RUN, Ledger(":memory:"))
+
+    def token(peer: object, signer: Identity = authority, name: str = "alice") -> bytes:
+        return MembershipToken.issue(signer, peer, name, RUN, 200.0).to_wire()
+    names = follower._names({str(alice): ([], token(alice)), str(bob): ([], token(alice, name="mallory")),
+                             str(carol): ([], token(carol, stranger, "carol")), str(dave): ([], b"junk"),
+                             "not a peer id": ([], token(alice))})
+    assert names == {str(alice): "alice"}  # bob showed alice's token, a stranger signed carol's, dave's is junk

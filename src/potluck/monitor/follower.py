@@ -14,7 +14,7 @@ import logging
 import math
 from typing import Any
 
-from potluck.core.errors import MalformedMessage, MembershipError
+from potluck.core.errors import IdentityError, MalformedMessage, MembershipError
 from potluck.core.runner import run_in_thread
 from potluck.monitor.ledger import Ledger
 from potluck.monitor.views import SwarmNow
@@ -98,7 +98,7 @@ class Follower:
             try:
                 parsed = MembershipToken.from_wire(token)
                 gate.verify(PeerID.from_string(peer), parsed)
-            except (MalformedMessage, MembershipError, ValueError) as e:
+            except (MalformedMessage, MembershipError, IdentityError) as e:
                 logger.debug("monitor: no name for %s: %s", peer, e)
                 continue
             names[peer] = parsed.name
