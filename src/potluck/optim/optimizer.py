@@ -238,6 +238,9 @@ class Optimizer(torch.optim.Optimizer):
         self.epoch_samples = 0  # samples of the whole swarm behind the last epoch applied
         self.steps = 0  # local steps since the last averaging (moshpit, diloco)
         self.samples_per_second = 0.0
+        self.samples_processed = 0  # local samples behind every step() so far (bytes_per_sample)
+        stats = peer.transport.stats
+        self._wire_at_start = (stats.bytes_sent, stats.bytes_received)
         self._last_step_time: float | None = None
         # loop time our current epoch (or part of it) began: the members' samples in its round
         # accumulated since about then (see ProgressTracker.averaged)
@@ -326,6 +329,7 @@ class Optimizer(torch.optim.Optimizer):
         if not self._started:
             raise RuntimeError("the optimizer has not joined the run: await astart() first")
         self._measure_speed()
+        self.samples_processed += self.batch_size_per_step
         self._waited, self._stepping = False, True
         try:
             if self.mode == "sync":
@@ -342,6 +346,15 @@ class Optimizer(torch.optim.Optimizer):
             self._stepping = False
             if self._waited:  # time spent in rounds or downloads is not computing time
                 self._last_step_time = self._now()
+
+    def bytes_per_sample(self) -> tuple[float, float]:
+        """(sent, received): bytes on this peer's wire since the optimizer was built, per sample
+        it processed (0.0 before the first), from its transport's counters (`transport.stats`).
+        The figure that compares modes' traffic; it counts all the peer's traffic (the DHT, state
+        downloads, and any other optimizer on the same peer)."""
+        stats, (sent, received) = self.peer.transport.stats, self._wire_at_start
+        samples = max(self.samples_processed, 1)
+        return (stats.bytes_sent - sent) / samples, (stats.bytes_received - received) / samples
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
