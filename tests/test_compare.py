@@ -41,6 +41,11 @@ def test_short_comparison_of_every_mode_writes_a_sane_report(tmp_path, capsys):
             assert r["test_accuracy"] > 0.15, (mode, r["test_accuracy"])
         assert r["samples"] > 0 and r["updates"] > 0
         assert all(len(point) == 2 for point in r["loss_curve"]) and r["loss_curve"]
+        # Bytes on the workers' links: counted in every mode, and the same losses against them.
+        assert r["bytes_per_sample"]["sent"] > 0 and r["bytes_per_sample"]["received"] > 0, mode
+        megabytes = [point[0] for point in r["bytes_curve"]]
+        assert megabytes == sorted(megabytes) and megabytes[-1] > 0, (mode, megabytes)
+        assert [point[1] for point in r["bytes_curve"]] == [point[1] for point in r["loss_curve"]]
     assert report["settings"]["slow"] == 4.0 and report["settings"]["failure"] is True
     check_explanation_agrees_with_the_figures(report)
     assert (tmp_path / "loss.png").stat().st_size > 1000
@@ -91,6 +96,12 @@ def check_explanation_agrees_with_the_figures(report: dict[str, Any]) -> None:
     assert findings["samples_per_second"] == rates
     most = max(rates, key=rates.__getitem__)
     assert f"most {most} ({rates[most]:.0f})" in text
+
+    traffic = {m: report[m]["bytes_per_sample"]["sent"] for m in modes if "bytes_per_sample" in report[m]}
+    if traffic:
+        order = sorted(traffic, key=lambda m: (traffic[m], MODES.index(m)))
+        assert f"fewest {order[0]} ({traffic[order[0]]:,.0f})" in text
+        assert "; in order: " + ", ".join(f"{m} {traffic[m]:,.0f}" for m in order) + "." in text
 
     sync, backup = report["ps_sync"]["updates"], report["backup"]["updates"]
     assert (f"({backup} vs {sync})" in text) and (("backup made no more" in text) == (backup <= sync))

@@ -81,7 +81,7 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(peers))), 600)
         losses.append(_loss(models[1], held_out))
         return {"rounds": rounds, "epochs": [o.local_epoch for o in optimizers], "losses": losses,
-                "round_bytes": round_bytes, "crashed": crashed,
+                "round_bytes": round_bytes, "crashed": crashed, "per_sample": optimizers[1].bytes_per_sample(),
                 "params": [tensor_digest(list(m.parameters())) for m in models],
                 "outer": [tensor_digest(o._outer_params) for o in optimizers]}
     finally:
@@ -168,10 +168,13 @@ def test_a_peer_killed_mid_fragment_leaves_the_others_training_and_identical():
 
 @pytest.mark.timeout(120)
 def test_4bit_and_topk_pseudo_gradients_cut_the_bytes_of_a_round():
+    per_sample = {}
+
     def mean_round_bytes(compression: Any) -> float:
         result = run(2, 4, dict(fragments=2, outer_compression=compression), width=WIDE)
         sizes = [sent for fragment, sent in result["round_bytes"] if fragment == 0]
         assert len(sizes) >= 2 and min(sizes) > 0, result["round_bytes"]
+        per_sample[str(compression)] = result["per_sample"]
         return sum(sizes) / len(sizes)
 
     # Fragment 0 is the first layer's weight, 16 x 16384: 1 MiB at 4 bytes a value. A peer sends
@@ -185,6 +188,9 @@ def test_4bit_and_topk_pseudo_gradients_cut_the_bytes_of_a_round():
     # Top 1% (error feedback keeps the rest for later): 8 bytes per value kept, 2% of the dense
     # bytes, and the average of two thinned halves back.
     assert dense / mean_round_bytes({"name": "topk", "ratio": 0.01}) > 12
+    # The optimizer's own figure (all the peer's traffic, per sample it processed) says the same.
+    sent = {codec: figures[0] for codec, figures in per_sample.items()}
+    assert min(per_sample["none"]) > 0 and sent["none"] > 4 * max(sent["blockwise4"], sent[str({"name": "topk", "ratio": 0.01})])
 
 
 def test_error_feedback_sends_what_it_holds_back_later():

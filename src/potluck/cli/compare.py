@@ -29,12 +29,15 @@ logger = logging.getLogger(__name__)
 
 MODES = ("ps_sync", "ps_async", "ssp", "backup", "dedloc", "moshpit", "diloco")
 REPORT_KEYS = ("final_loss", "test_accuracy", "wall_seconds", "train_seconds", "samples", "updates",
-               "loss_curve")
+               "loss_curve", "bytes_per_sample", "bytes_curve")
 LEARNING_RATE = 3e-3
 BATCH = 32
 # Emulated links: a home connection's 10 MB/s each way and 10 ms one-way latency.
 BANDWIDTH = 10e6
 LATENCY = 0.01
+# How often the parameter-server modes' bytes on the wire are read (their steps run inside the
+# simulation): the loss-vs-bytes curve has 40 bins over a run of a few seconds or more.
+TRAFFIC_SAMPLE_SECONDS = 0.05
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,11 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "on held-out digits; wall_seconds: the whole run of the mode, start-up included; "
                     "train_seconds: the training part; samples: processed by all workers; updates: "
                     "server steps (PS modes), global steps (dedloc) or the evaluated worker's local steps "
-                    "(moshpit, diloco); loss_curve: [seconds, smoothed training loss] pairs), plus "
+                    "(moshpit, diloco); loss_curve: [seconds, smoothed training loss] pairs; bytes_per_sample: "
+                    "{sent, received}, the bytes on the workers' links per sample they processed (a parameter "
+                    "server's own link not counted); bytes_curve: [MB the workers sent, smoothed training "
+                    "loss] pairs), plus "
                     "'settings', 'findings' (computed from those figures: target_loss, the median of the "
                     "modes' final smoothed losses; seconds_to_target per mode, null if never reached; "
                     "fastest_to_target; most_accurate; least_accurate; samples_per_second per mode) and "
-                    "'explanation' (the findings in words); and DIR/loss.png (training loss against time).",
+                    "'explanation' (the findings in words); and DIR/loss.png (training loss against time, and "
+                    "against the bytes the workers sent).",
         formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of training per mode")
     parser.add_argument("--workers", type=int, default=4, help="workers (peers) per mode; at least 3")
@@ -95,11 +102,28 @@ class ModeResult:
     train_seconds: float = 0.0
     samples: int = 0
     updates: int = 0
+    bytes_sent: int = 0  # by all the workers, from their transports' counters
+    bytes_received: int = 0
+    traffic: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes the workers sent so far)
 
     def report(self) -> dict[str, Any]:
+        samples = max(self.samples, 1)
+        curve = smooth(self.losses)
         return {"final_loss": round(self.final_loss, 4), "test_accuracy": round(self.test_accuracy, 4),
                 "wall_seconds": round(self.wall_seconds, 2), "train_seconds": round(self.train_seconds, 2),
-                "samples": self.samples, "updates": self.updates, "loss_curve": smooth(self.losses)}
+                "samples": self.samples, "updates": self.updates, "loss_curve": curve,
+                "bytes_per_sample": {"sent": round(self.bytes_sent / samples, 1),
+                                     "received": round(self.bytes_received / samples, 1)},
+                "bytes_curve": [[round(sent_by(self.traffic, t) / 1e6, 3), loss] for t, loss in curve]}
+
+    def count_bytes(self, transports: list[Any]) -> None:
+        self.bytes_sent = sum(t.stats.bytes_sent for t in transports)
+        self.bytes_received = sum(t.stats.bytes_received for t in transports)
+
+
+def sent_by(traffic: list[tuple[float, int]], seconds: float) -> int:
+    """The bytes sent by `seconds` (the last reading at or before it; 0 before the first)."""
+    return next((sent for t, sent in reversed(traffic) if t <= seconds), 0)
 
 
 def smooth(losses: list[tuple[float, float]], bins: int = 40) -> list[list[float]]:
@@ -162,12 +186,21 @@ def run_ps(mode: str, scenario: Scenario, data: Data) -> ModeResult:
         result.train_seconds = scenario.duration
         if scenario.victim is not None:
             loop.call_later(scenario.duration / 2, sim.crash_worker, scenario.victim)
+        transports = [w.transport for w in sim.workers]
+
+        async def meter() -> None:
+            while True:
+                result.traffic.append((loop.time() - t0, sum(t.stats.bytes_sent for t in transports)))
+                await asyncio.sleep(TRAFFIC_SAMPLE_SECONDS)
+        metering = asyncio.ensure_future(meter())
         try:
             await sim.run(data.batches, lambda: loop.time() - t0 >= scenario.duration)
             await sim.clients[0].apull()
         finally:
+            metering.cancel()
             await sim.close()
         result.losses = [(t - t0, loss) for t, loss in sim.losses]
+        result.count_bytes(transports)
         return sim
 
     runner = acquire_runner()
@@ -238,7 +271,9 @@ def run_collaborative(mode: str, scenario: Scenario, data: Data) -> ModeResult:
                 opt.step()
                 local_steps[i] += 1
                 with lock:
-                    result.losses.append((time.perf_counter() - t0, loss.item()))
+                    seconds = time.perf_counter() - t0
+                    result.losses.append((seconds, loss.item()))
+                    result.traffic.append((seconds, sum(p.transport.stats.bytes_sent for p in peers)))
         threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(scenario.workers)]
         for t in threads:
             t.start()
@@ -251,6 +286,7 @@ def run_collaborative(mode: str, scenario: Scenario, data: Data) -> ModeResult:
         result.train_seconds = time.perf_counter() - t0
         data.evaluate(models[0], result)
         result.samples = BATCH * len(result.losses)
+        result.count_bytes([p.transport for p in peers])
         # Updates of the evaluated model: global steps (dedloc), or its own local steps (moshpit, diloco).
         result.updates = optimizers[0].local_epoch if mode == "dedloc" else local_steps[0]
     finally:
@@ -381,6 +417,14 @@ def explain(report: dict[str, Any]) -> tuple[dict[str, Any], str]:
         if least != most:
             line += f", least {least} ({rate[least]:.0f})"
         lines.append(line + ".")
+    traffic = {m: report[m]["bytes_per_sample"]["sent"] for m in modes if "bytes_per_sample" in report[m]}
+    if traffic:
+        fewest, most = min(traffic, key=traffic.__getitem__), max(traffic, key=traffic.__getitem__)
+        line = f"- Bytes each worker sent per sample it processed: fewest {fewest} ({traffic[fewest]:,.0f})"
+        if most != fewest:
+            line += f", most {most} ({traffic[most]:,.0f})"
+        lines.append(line + "; in order: " + ", ".join(f"{m} {traffic[m]:,.0f}" for m in sorted(
+            traffic, key=lambda m: (traffic[m], MODES.index(m)))) + ".")
     lines += _server_step_comparisons(report)
     lines.append("How the modes work:")
     notes = _mode_notes()
@@ -437,8 +481,9 @@ def _finite(x: Any) -> bool:
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = [("mode", "final loss", "test acc", "updates", "samples", "wall s")]
+    rows = [("mode", "final loss", "test acc", "updates", "samples", "bytes sent/sample", "wall s")]
     rows += [(m, f"{r['final_loss']:.3f}", f"{r['test_accuracy']:.3f}", str(r["updates"]), str(r["samples"]),
+              f"{r['bytes_per_sample']['sent']:,.0f}" if "bytes_per_sample" in r else "-",
               f"{r['wall_seconds']:.1f}") for m, r in report.items() if m in MODES]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
@@ -450,16 +495,21 @@ def _plot(path: Path, results: dict[str, ModeResult], scenario: Scenario) -> Non
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for mode, r in results.items():
-        curve = smooth(r.losses)
-        if curve:
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=mode)
+        report = r.report()
+        if report["loss_curve"]:
+            ax.plot(*zip(*report["loss_curve"], strict=True), label=mode)
+            sent = [point for point in report["bytes_curve"] if point[0] > 0]  # a log axis has no 0
+            if sent:
+                by_bytes.plot(*zip(*sent, strict=True), label=mode)
     ax.set_xlabel("seconds")
     ax.set_ylabel("training loss (smoothed)")
     ax.set_yscale("log")
     ax.legend()
-    ax.set_title(f"same model, data and workers; one worker {scenario.slow:g}x slower"
+    by_bytes.set_xlabel("MB sent by the workers")
+    by_bytes.set_xscale("log")  # modes differ by orders of magnitude
+    fig.suptitle(f"same model, data and workers; one worker {scenario.slow:g}x slower"
                  + ("; one dies halfway" if scenario.failure else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
