@@ -139,7 +139,7 @@ def truth(published: list[tuple[str, RoundRecord]]) -> dict[tuple[str, int], int
     """Each peer's samples in each epoch's rounds, as honest members recorded them (a short
     round's samples count for their members, and not again in the note of the member that
     carried them on)."""
-    rounds = {(r.epoch, r.part, frozenset(dict(r.samples))): r for _, r in published}
+    rounds = {(r.epoch, r.part, r.round, frozenset(dict(r.samples))): r for _, r in published}
     samples: dict[tuple[str, int], int] = defaultdict(int)
     for r in rounds.values():
         for peer, n in r.samples:
@@ -251,3 +251,60 @@ def test_names_come_from_membership_tokens_that_admit_their_publisher() -> None:
                              str(carol): ([], token(carol, stranger, "carol")), str(dave): ([], b"junk"),
                              "not a peer id": ([], token(alice))})
     assert names == {str(alice): "alice"}  # bob showed alice's token, a stranger signed carol's, dave's is junk
+
+
+async def local_update_swarm(mode: str) -> dict:
+    """Three peers in `mode` (moshpit or diloco) for a few rounds, followed by a monitor."""
+    network = EmulatedNetwork(latency=0.01, seed=3)
+    peers: list[potluck.Peer] = []
+    published: list[tuple[str, RoundRecord]] = []
+    for _ in range(4):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    *trainers, monitor = peers
+    optimizers = []
+    for peer in trainers:
+        opt = Optimizer(peer, RUN, make_model().parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TARGET,
+                        batch_size_per_step=BATCH, mode=mode, local_steps=4, load_state=False, start=False)
+        publish = opt.tracker.record_round
+
+        async def recording(record: RoundRecord, token: bytes | None = None, _publish=publish, _me=peer.peer_id):
+            published.append((_me, record))
+            await _publish(record, token)
+        opt.tracker.record_round = recording
+        optimizers.append(opt)
+    ledger = Ledger(":memory:", RUN)
+    follower = Follower(monitor, RUN, ledger, poll_interval=POLL)
+    following = asyncio.ensure_future(follower.run())
+
+    async def train(opt: Optimizer, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        while opt.local_epoch < 4:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.randn(p.shape, generator=generator)
+            await asyncio.sleep(COMPUTE)
+            await opt.astep()
+    try:
+        for opt in optimizers:
+            await opt.astart()
+        await asyncio.wait_for(asyncio.gather(*(train(o, i) for i, o in enumerate(optimizers))), 120)
+        await asyncio.sleep(2 * POLL)
+        await follower.poll()
+        return {"published": published, "credits": _credits(ledger)}
+    finally:
+        following.cancel()
+        follower.close()
+        ledger.close()
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+@pytest.mark.parametrize("mode", ["moshpit", "diloco"])
+def test_local_update_modes_credit_the_samples_of_their_rounds_too(mode: str) -> None:
+    run = run_on_shared_runner(local_update_swarm(mode), timeout=300)
+    together = [(p, r) for p, r in run["published"] if len(r.samples) >= 2]  # averaged with someone
+    assert together and run["credits"] == truth(together)
+    assert all(n % (4 * BATCH) == 0 for n in run["credits"].values())  # local_steps batches each round

@@ -17,8 +17,10 @@ another's samples too low is outvoted by the others and the peer itself. A short
 member that carried their sum into the epoch's next round (its note there includes them).
 docs/security.md says what this does not stop.
 
-Writes are idempotent (keyed by reporter, epoch, round part, member; metrics by peer, time,
-name): a record read twice, or again after a restart, changes nothing. Every query is bounded.
+Rounds are told apart by epoch, part and the id their members record them under (moshpit
+members meet whatever their epochs, and record the group's median). Writes are idempotent (keyed
+by reporter, epoch, part, round id, member; metrics by peer, time, name): a record read twice, or
+again after a restart, changes nothing. Every query is bounded.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ CREATE TABLE IF NOT EXISTS peers (
     client_mode INTEGER NOT NULL DEFAULT 0, epoch INTEGER NOT NULL DEFAULT 0, sps REAL NOT NULL DEFAULT 0,
     online_seconds REAL NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS rounds (
-    reporter TEXT NOT NULL, epoch INTEGER NOT NULL, part INTEGER NOT NULL, keeper TEXT, time REAL NOT NULL,
-    PRIMARY KEY (reporter, epoch, part));
+    reporter TEXT NOT NULL, epoch INTEGER NOT NULL, part INTEGER NOT NULL, round TEXT NOT NULL, keeper TEXT,
+    time REAL NOT NULL, PRIMARY KEY (reporter, epoch, part, round));
 CREATE TABLE IF NOT EXISTS confirmations (
-    reporter TEXT NOT NULL, epoch INTEGER NOT NULL, part INTEGER NOT NULL, member TEXT NOT NULL,
-    samples INTEGER NOT NULL, PRIMARY KEY (reporter, epoch, part, member));
+    reporter TEXT NOT NULL, epoch INTEGER NOT NULL, part INTEGER NOT NULL, round TEXT NOT NULL, member TEXT NOT NULL,
+    samples INTEGER NOT NULL, PRIMARY KEY (reporter, epoch, part, round, member));
 CREATE TABLE IF NOT EXISTS credits (
     peer_id TEXT NOT NULL, epoch INTEGER NOT NULL, samples INTEGER NOT NULL, PRIMARY KEY (peer_id, epoch));
 CREATE INDEX IF NOT EXISTS credits_by_epoch ON credits (epoch);
@@ -97,6 +99,7 @@ class Round:
 
     reporter: str
     part: int
+    round: str  # the id its members record it under
     keeper: str | None
     members: Mapping[str, int]
 
@@ -105,11 +108,11 @@ def credit_epoch(rounds: Iterable[Round]) -> dict[str, int]:
     """Each peer's credit for one epoch from its members' records (see the module docstring):
     in each round, the lower median of the others' records of it and its own (one vote), at most
     the highest other record and its own."""
-    by_part: dict[int, dict[str, Round]] = defaultdict(dict)
+    by_round: dict[tuple[int, str], dict[str, Round]] = defaultdict(dict)
     for r in rounds:
-        by_part[r.part][r.reporter] = r
+        by_round[r.part, r.round][r.reporter] = r
     credit: dict[str, int] = defaultdict(int)
-    for records in by_part.values():
+    for records in by_round.values():
         confirmed = {}
         for peer in {m for r in records.values() for m in r.members}:
             own = records.get(peer)
@@ -131,8 +134,8 @@ def credit_epoch(rounds: Iterable[Round]) -> dict[str, int]:
 
 def group_sizes(rounds: Iterable[Round]) -> list[int]:
     """The sizes of the groups of an epoch's rounds that at least two of their members recorded alike."""
-    groups = Counter((r.part, frozenset(r.members)) for r in rounds if r.reporter in r.members)
-    return sorted((len(members) for (_, members), count in groups.items() if count >= 2), reverse=True)
+    groups = Counter((r.part, r.round, frozenset(r.members)) for r in rounds if r.reporter in r.members)
+    return sorted((len(members) for (_, _, members), count in groups.items() if count >= 2), reverse=True)
 
 
 def _lower_median(values: list[int]) -> int:
@@ -247,22 +250,23 @@ class Ledger:
 
     def _add_round(self, reporter: str, record: RoundRecord, now: float) -> bool:
         """Store `reporter`'s record of a round; False if it was stored already (read again)."""
-        added = self._db.execute("INSERT OR IGNORE INTO rounds VALUES (?, ?, ?, ?, ?)",
-                                 (reporter, record.epoch, record.part, record.keeper, now)).rowcount
+        added = self._db.execute("INSERT OR IGNORE INTO rounds VALUES (?, ?, ?, ?, ?, ?)",
+                                 (reporter, record.epoch, record.part, record.round, record.keeper, now)).rowcount
         if added:
-            self._db.executemany("INSERT OR IGNORE INTO confirmations VALUES (?, ?, ?, ?, ?)",
-                                 [(reporter, record.epoch, record.part, m, n) for m, n in record.samples])
+            self._db.executemany("INSERT OR IGNORE INTO confirmations VALUES (?, ?, ?, ?, ?, ?)",
+                                 [(reporter, record.epoch, record.part, record.round, m, n) for m, n in record.samples])
         return bool(added)
 
     def _settle(self, epoch: int, now: float) -> None:
         """Recompute `epoch`'s credits and groups from every record of it stored so far."""
         db = self._db
-        members: dict[tuple[str, int], dict[str, int]] = defaultdict(dict)
-        for reporter, part, member, samples in db.execute(
-                "SELECT reporter, part, member, samples FROM confirmations WHERE epoch = ?", (epoch,)):
-            members[reporter, part][member] = samples
-        rounds = [Round(reporter, part, keeper, members[reporter, part]) for reporter, part, keeper in
-                  db.execute("SELECT reporter, part, keeper FROM rounds WHERE epoch = ?", (epoch,))]
+        members: dict[tuple[str, int, str], dict[str, int]] = defaultdict(dict)
+        for reporter, part, round_id, member, samples in db.execute(
+                "SELECT reporter, part, round, member, samples FROM confirmations WHERE epoch = ?", (epoch,)):
+            members[reporter, part, round_id][member] = samples
+        rounds = [Round(reporter, part, round_id, keeper, members[reporter, part, round_id])
+                  for reporter, part, round_id, keeper in
+                  db.execute("SELECT reporter, part, round, keeper FROM rounds WHERE epoch = ?", (epoch,))]
         credit = credit_epoch(rounds)
         db.execute("DELETE FROM credits WHERE epoch = ?", (epoch,))
         db.executemany("INSERT INTO credits VALUES (?, ?, ?)", [(p, epoch, n) for p, n in credit.items()])

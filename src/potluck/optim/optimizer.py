@@ -45,6 +45,8 @@ download it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import warnings
@@ -62,7 +64,7 @@ from potluck.core import compat, serialization
 from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
-from potluck.core.wire import int_field, number_field, text_field, wire_map
+from potluck.core.wire import int_field, int_value, number_field, text_field, wire_map
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
     MAX_SAMPLES_PER_SECOND,
@@ -710,10 +712,15 @@ class Optimizer(torch.optim.Optimizer):
                       keeper: str | None = None) -> None:
         """Publish, for monitors, a round we completed: each contributor's samples as its note
         gave them to the group (a monitor credits a peer with what the others record for it),
-        and our membership token (our name) if the run has an authority."""
+        and our membership token (our name) if the run has an authority. Every member records it
+        alike: under the same epoch (the lower median of the epochs in the notes, if they say
+        theirs) and id (a digest of the notes: the same members may meet twice in an epoch)."""
+        said = sorted(n.epoch for n in notes.values() if n.epoch is not None)
+        epoch = said[(len(said) - 1) // 2] if said else epoch
+        wire = json.dumps(sorted((p, notes[p].to_wire()) for p in contributors if p in notes)).encode()
         record = RoundRecord(epoch, self._part, tuple((p, notes[p].samples) for p in contributors
                                                       if p in notes and not notes[p].aux),
-                             keeper, self.peer.dht.get_time())
+                             keeper, self.peer.dht.get_time(), hashlib.blake2b(wire, digest_size=8).hexdigest())
         token = getattr(self.peer, "membership", None)
         task = asyncio.ensure_future(self.tracker.record_round(record, None if token is None else token.to_wire()))
         self._background.add(task)  # held until done: the loop keeps only weak references
@@ -796,8 +803,9 @@ class Optimizer(torch.optim.Optimizer):
             if self._anyone_else():
                 expected = self._place_on_grid() if self._fitted_grid else None
                 # in place; untouched on failure
+                note = RoundNote(self.samples, epoch=self.local_epoch).to_wire()
                 result = await self.state_averager.astep(weight=float(self.samples), target_group_size=expected,
-                                                         gather=RoundNote(self.samples).to_wire())
+                                                         gather=note)
                 self._state_generation += 1
                 self._record_round(self.local_epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                    result.contributors)
@@ -826,7 +834,7 @@ class Optimizer(torch.optim.Optimizer):
                 members = self._members(self.progress().reports)
                 digest = await run_in_thread(_digest, self._outer_params)
                 task = asyncio.ensure_future(self.delta_averager.astep(
-                    weight=float(self.samples), gather=RoundNote(outer=digest).to_wire(),
+                    weight=float(self.samples), gather=RoundNote(self.samples, outer=digest).to_wire(),
                     group_key=f"outer{self.local_epoch}", members=members))
                 await self._wait_for_round(task, self.delta_averager, self.local_epoch)
                 if task.cancelled():  # the others' round is over: take their state
@@ -834,7 +842,10 @@ class Optimizer(torch.optim.Optimizer):
                     await self._catch_up(max(r.done for r in self.tracker.merged(self._reports).values()))
                     return
                 result = task.result()
+                self._record_round(self.local_epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
+                                   result.contributors)
         except AveragingError as e:
+            self._failed_rounds += 1
             logger.warning("diloco averaging failed (%s); using the local change", e)
         await run_in_thread(self._outer_step)
         self.samples = 0
@@ -1040,16 +1051,20 @@ class Optimizer(torch.optim.Optimizer):
 class RoundNote:
     """What a member tells its group in a round: the samples and speed behind its gradients
     (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco).
-    An aux peer says `aux`: it holds no state."""
+    An aux peer says `aux`: it holds no state. Moshpit members say their `epoch` (they meet
+    whatever their epochs): the round is recorded under the group's median (see _record_round)."""
 
     samples: int = 0
     speed: float = 0.0
     state: str | None = None
     aux: bool = False
     outer: str | None = None
+    epoch: int | None = None
 
     def to_wire(self) -> dict:
         msg: dict[str, Any] = {"samples": self.samples, "sps": self.speed}
+        if self.epoch is not None:
+            msg["epoch"] = self.epoch
         if self.state is not None:
             msg["state"] = self.state
         if self.outer is not None:
@@ -1066,7 +1081,8 @@ class RoundNote:
                    min(number_field(msg, "sps", what, default=0.0), MAX_SAMPLES_PER_SECOND),
                    text_field(msg, "state", what, MAX_DIGEST_CHARS, optional=True),
                    msg.get("aux") is True,
-                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True))
+                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True),
+                   None if msg.get("epoch") is None else int_value(msg["epoch"], "epoch", what, 0, MAX_CLAIMED_SAMPLES))
 
     @classmethod
     def read(cls, msg: Any) -> RoundNote:

@@ -118,6 +118,8 @@ MAX_RECORDED_MEMBERS = 512
 MAX_ROUND_MEMBERS = 256
 # Longest peer id string accepted in a round record (ours are about 50 characters).
 MAX_PEER_ID_CHARS = 128
+# Longest round id accepted in a round record (ours are 16 hex digits).
+MAX_ROUND_ID_CHARS = 64
 # Bounds a recorded epoch, member's samples, failed-rounds counter and target (from the network).
 MAX_RECORDED_COUNT = 2**40
 
@@ -408,12 +410,15 @@ class RoundRecord:
     samples: tuple[tuple[str, int], ...]  # (contributor's peer id, its samples), at most MAX_ROUND_MEMBERS
     keeper: str | None = None  # a short round's keeper; None when the round closed the epoch
     time: float = 0.0  # DHT time the round ended
+    round: str = ""  # an id every member of the round records alike (a digest of their notes)
 
     def to_wire(self) -> dict:
         msg: dict[str, Any] = {"epoch": self.epoch, "part": self.part, "time": self.time,
                                "samples": [[p, n] for p, n in self.samples[:MAX_ROUND_MEMBERS]]}
         if self.keeper is not None:
             msg["keeper"] = self.keeper
+        if self.round:
+            msg["round"] = self.round
         return msg
 
     @classmethod
@@ -431,7 +436,8 @@ class RoundRecord:
         keeper = text_field(msg, "keeper", what, MAX_PEER_ID_CHARS, optional=True)
         return cls(int_field(msg, "epoch", what, 0, MAX_RECORDED_COUNT), int_field(msg, "part", what, 0,
                    MAX_RECORDED_COUNT), tuple(dict(members).items()), keeper,
-                   number_field(msg, "time", what, default=0.0))
+                   number_field(msg, "time", what, default=0.0),
+                   text_field(msg, "round", what, MAX_ROUND_ID_CHARS, optional=True) or "")
 
 
 def rounds_key(run_id: str) -> str:
