@@ -190,11 +190,12 @@ class StreamingDiLoCo:
 
     async def start(self, outer: list[torch.Tensor], options: dict[str, Any], grid: Any) -> None:
         """Build each fragment's buffers and averagers over the optimizer's outer parameters and
-        momentum (`outer`, `opt._outer_momentum`): one set of tensors, so downloads reach them."""
+        momentum (`outer`, `opt._outer_momentum`): one set of tensors, so downloads reach them.
+        `options`: the optimizer's averaging options (aggregation, role, timeouts, codec)."""
         opt, config = self.opt, self.config
         params, momentum = opt._params, opt._outer_momentum
+        # Moshpit groups (`grid`) for the rounds; a repair meets exactly the round's group.
         wire = {**options, "compression": self.config.wire_codec().spec, "grid": grid}
-        exact = {**options, "grid": grid}
         spec = get_codec(config.compression)
         for i, span in enumerate(split_fragments([p.numel() for p in params], config.fragments)):
             deltas = await run_in_thread(lambda span=span: [torch.zeros_like(params[k]) for k in span])
@@ -202,7 +203,7 @@ class StreamingDiLoCo:
                 i, [params[k] for k in span], [outer[k] for k in span], [momentum[k] for k in span],
                 Averager(opt.peer, deltas, f"{opt.run_id}.delta{i}", allow_state_sharing=False, **wire),
                 Averager(opt.peer, [outer[k] for k in span] + [momentum[k] for k in span],
-                         f"{opt.run_id}.outer{i}", allow_state_sharing=False, **exact),
+                         f"{opt.run_id}.outer{i}", allow_state_sharing=False, **options),
                 ErrorFeedback(config.compression, len(span)) if isinstance(spec, TopK) else None))
 
     async def after_step(self) -> None:
