@@ -237,3 +237,14 @@ def test_streaming_options_are_checked_when_the_optimizer_is_built():
     with pytest.raises(CompressionError):
         StreamingConfig(1, 0, 0.5, "blockwise3").check(4, 4)
     assert not StreamingConfig().streaming and StreamingConfig(compression="blockwise4").streaming
+
+
+@pytest.mark.timeout(120)
+def test_moshpit_grid_groups_apply_to_the_fragment_rounds():
+    # Four peers on a 2x2 grid: each fragment round averages within pairs (cells from the peers'
+    # ranks, the dimension turning each round), and each pair leaves it with one outer point.
+    result = run(4, 6, dict(fragments=2, outer_delay=1, outer_compression="blockwise8", grid=(2, 2)))
+    assert result["epochs"] == [6, 6, 6, 6], result
+    groups = list(result["rounds"].values())
+    assert len(groups) >= 10 and all(len(group) == 2 for group in groups), groups
+    assert all(len(set(group.values())) == 1 for group in groups), groups

@@ -875,23 +875,25 @@ class Optimizer(torch.optim.Optimizer):
             torch._foreach_add_(self._outer_params, deltas, alpha=-self.outer_lr)
             torch._foreach_copy_(self._params, self._outer_params)
 
-    def _place_on_grid(self) -> int:
+    def _place_on_grid(self, averager: Averager | None = None, grid: tuple[int, ...] | None = None) -> int:
         """Moshpit without a given grid: every peer derives the same layout from what all of
         them see alike. The live peers (sorted ids) give the grid (`moshpit_grid`) and each one's
         cell (the digits of its rank); the epoch gives the round's dimension. Peers that agree
         meet as on the paper's torus: len(grid) rounds reach the exact mean. (Random cells and a
         per-peer round count left most peers alone in their groups, round after round.)
+        Streaming DiLoCo places each fragment's `averager` on its given `grid` the same way.
         Returns the size of this round's group."""
+        averager = self.state_averager if averager is None else averager
         now = self.peer.dht.get_time()
         me = self.peer.peer_id
         ids = sorted({me, *(r.peer_id for r in self.progress().reports if r.live(now) and not r.idle)})
-        grid = moshpit_grid(len(ids))
-        if grid != self.state_averager.grid:
+        grid = moshpit_grid(len(ids)) if grid is None else tuple(grid)
+        if grid != averager.grid:
             logger.info("moshpit: %d peers average on a %s grid (groups of about %d)", len(ids),
                         "x".join(map(str, grid)), grid[0])
         cells = [_cell(rank, grid) for rank in range(len(ids))]
         mine = cells[ids.index(me)]
-        self.state_averager.set_grid(grid, mine, round=self.local_epoch)
+        averager.set_grid(grid, mine, round=self.local_epoch)
         dim = self.local_epoch % len(grid)
         # The group closes as soon as every peer of its line is in, not at the window's end.
         return sum(all(c[k] == mine[k] for k in range(len(grid)) if k != dim) for c in cells)

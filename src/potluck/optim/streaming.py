@@ -187,6 +187,7 @@ class StreamingDiLoCo:
         self.steps = 0  # inner steps since the last round started
         self.fragments: list[_Fragment] = []
         self.flight: _Flight | None = None
+        self.grid: tuple[int, ...] | None = None  # Moshpit groups for the rounds (see start)
 
     async def start(self, outer: list[torch.Tensor], options: dict[str, Any], grid: Any) -> None:
         """Build each fragment's buffers and averagers over the optimizer's outer parameters and
@@ -194,8 +195,10 @@ class StreamingDiLoCo:
         `options`: the optimizer's averaging options (aggregation, role, timeouts, codec)."""
         opt, config = self.opt, self.config
         params, momentum = opt._params, opt._outer_momentum
-        # Moshpit groups (`grid`) for the rounds; a repair meets exactly the round's group.
-        wire = {**options, "compression": self.config.wire_codec().spec, "grid": grid}
+        # Moshpit groups (`grid`) for the rounds, placed at each round (see `_launch`); a repair
+        # meets exactly the round's group.
+        self.grid = None if grid is None else tuple(grid)
+        wire = {**options, "compression": self.config.wire_codec().spec, "grid": self.grid}
         spec = get_codec(config.compression)
         for i, span in enumerate(split_fragments([p.numel() for p in params], config.fragments)):
             deltas = await run_in_thread(lambda span=span: [torch.zeros_like(params[k]) for k in span])
@@ -229,11 +232,14 @@ class StreamingDiLoCo:
         await run_in_thread(self._take_change, fragment)
         task = None
         if opt._anyone_else():
-            members = opt._members(opt.progress().reports)
+            # With a grid, the peers' cells come from their ranks, as in moshpit mode (random cells
+            # left most peers alone); without, a stable group meets again without the DHT.
+            expected = None if self.grid is None else opt._place_on_grid(fragment.averager, self.grid)
+            members = opt._members(opt.progress().reports) if self.grid is None else None
             digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
             task = asyncio.ensure_future(fragment.averager.astep(
                 weight=float(opt.batch_size_per_step * opt.local_steps), gather=FragmentNote(digest).to_wire(),
-                group_key=f"outer{opt.local_epoch}", members=members))
+                group_key=f"outer{opt.local_epoch}", target_group_size=expected, members=members))
         self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay)
         if self.config.delay == 0:
             await self._land()
