@@ -125,6 +125,7 @@ def swarm(tmp_path):
         _wait(lambda: all(node.find("plan") for node in nodes), 90, nodes, "every node's plan")
         return nodes
 
+    start.nodes = nodes  # nodes started by the test itself join them here, to be killed after
     yield start
     for node in nodes:
         if node.proc.poll() is None:
@@ -142,14 +143,16 @@ def _controllers(nodes: list[Node]) -> dict[str, str]:
     return out
 
 
-def _trained_since(nodes: list[Node], cluster: str, epoch: int, updates: int = 25) -> bool:
+def _trained_since(nodes: list[Node], cluster: str, epoch: int, updates: int = 25,
+                   target: float | None = TARGET_LOSS) -> bool:
     """The cluster's last stage, configured in an epoch after `epoch`, made `updates` updates there
-    and its loss over its last micro-batches is under the target."""
+    and its loss over its last micro-batches is under `target` (None: any)."""
     for node in nodes:
         if node.proc.poll() is not None:
             continue
         rows = [r for r in node.progress() if r.get("cluster") == cluster and r["last"] and r["epoch"] > epoch]
-        if rows and rows[-1]["updates"] >= rows[0]["updates"] + updates and (rows[-1]["loss"] or 9) < TARGET_LOSS:
+        if rows and rows[-1]["updates"] >= rows[0]["updates"] + updates and (
+                target is None or (rows[-1]["loss"] or 9) < target):
             return True
     return False
 
@@ -182,10 +185,11 @@ def test_seven_nodes_form_two_clusters_and_a_standby_and_survive_a_killed_contro
           nodes, "both clusters to train on to the target")
 
 
-@pytest.mark.timeout(120)
-def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file(swarm, tmp_path):
+@pytest.mark.timeout(180)
+def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file_and_replans_for_a_late_node(swarm, tmp_path):
     """A plan written beforehand (`pipeline plan --write-plan`'s format) names the nodes by peer id:
-    each starts with its key file and the plan, nothing else about the run."""
+    each starts with its key file and the plan, nothing else about the run. A node that comes later
+    makes the run re-plan with a second cluster (every node checks and follows version 2)."""
     from potluck.cli.plan_file import PlanFile, PlannedStage
     from potluck.cli.spec import RunSpec
     from potluck.net.identity import Identity
@@ -207,3 +211,19 @@ def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file(swarm, tmp_pa
     _wait(lambda: _trained_since(nodes, "c0", -1), 60, nodes, "the planned cluster to reach the target loss")
     assert _controllers(nodes) == {"c0": min(ids[:2])}
     assert nodes[2].progress()[-1]["role"] == "standby"
+    # a fourth node started later with the same plan file waits as a standby too; with it the two
+    # spare nodes hold a copy of the model, so the planner publishes version 2 with two clusters
+    first = _epoch(nodes, "c0")
+    late = Node(["--host", "127.0.0.1", "--flops", "1e6", "--memory", str(_memory_mib()), "--heartbeat", "0.5",
+                 "--failure-timeout", "1.5", "--report-every", "0.5", "--plan", str(tmp_path / "plan.json"),
+                 "--initial-peers", nodes[0].find("address")["address"]], tmp_path / "node3.log")
+    swarm.nodes.append(late)
+    nodes.append(late)
+    _wait(lambda: all(n.find("replanned") for n in nodes), 60, nodes, "every node to follow plan version 2")
+    assert late.find("plan")["joined_late"]
+    plans = [n.find("replanned")["plan"] for n in nodes]
+    assert all(p == plans[0] for p in plans) and plans[0]["version"] == 2
+    assert sorted(len(c) for c in plans[0]["clusters"]) == [2, 2] and not plans[0]["standby"]
+    _wait(lambda: all(_trained_since(nodes, c, first, 10, None) for c in ("c0", "c1")), 60, nodes,
+          "both clusters of version 2 to train")
+
