@@ -17,38 +17,51 @@ import time
 from pathlib import Path
 from typing import Any
 
+from potluck.cli.demo_monitor import DemoMonitor, credit_table
 from potluck.cli.help import HelpFormatter
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
 from potluck.cli.tasks import accuracy, load_data, make_model
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
-               "mode", "peers", "killed", "joined", "loss_curves")
+               "mode", "peers", "killed", "joined", "loss_curves", "monitor")
 LOCAL_BATCH = 32
 TARGET_BATCH = 1024
 LEARNING_RATE = 6e-3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from potluck.cli import demo_moe, demo_pipeline
+    from potluck.cli import demo_lm, demo_moe, demo_pipeline
     parser = sub.add_parser(
         "demo", help="train a small CNN with a local swarm of peers (the main demo)",
         description="Start a local swarm of peer processes that train a CNN on the digits data set "
                     "together: one peer is 2x slower, one is in client mode (behind NAT); midway one "
                     "peer is killed and a new one joins. A separate process trains alone for "
                     "comparison. Writes DIR/report.json with: " + ", ".join(REPORT_KEYS)
-                    + "; and DIR/loss.png (training loss against time, swarm and single peer). "
+                    + "; and DIR/loss.png (training loss against time, swarm and single peer). A `potluck "
+                    "monitor` follows the run (sync, moshpit, diloco) into DIR/ledger.db and serves its live "
+                    "dashboard, whose URL is printed at the start; `monitor` in the report holds the URL, the "
+                    "database and the samples the ledger credits each peer. "
                     "--mode moe writes: " + ", ".join(demo_moe.REPORT_KEYS) + "; --mode pipeline writes: "
                     + ", ".join(demo_pipeline.REPORT_KEYS) + ".",
         formatter_class=HelpFormatter)
     parser.add_argument("--peers", type=int, default=4, help="peers at the start (at least 2)")
-    parser.add_argument("--mode", choices=["sync", "moshpit", "diloco", "moe", "pipeline"], default="sync",
-                        help="sync: DeDLOC global batches; moshpit: local SGD with group averaging; "
+    parser.add_argument("--task", choices=["digits", "lm"], default="digits",
+                        help="digits: a CNN on 8x8 digits; lm: a byte-level GPT on the Python standard "
+                             "library's source, swarm against one process alone (writes DIR/report.json with: "
+                             + ", ".join(demo_lm.REPORT_KEYS) + "; and DIR/lm.png)")
+    parser.add_argument("--mode", choices=["sync", "moshpit", "diloco", "moe", "pipeline"], default=None,
+                        help="sync (the default; diloco with --task lm): DeDLOC global batches; "
+                             "moshpit: local SGD with group averaging; "
                              "diloco: inner steps, then an averaged outer Nesterov step; "
                              "moe: a mixture of experts served by expert servers; "
                              "pipeline: Ravnest clusters training an asynchronous pipeline")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of training")
+    parser.add_argument("--duration", type=float, default=None,
+                        help=f"seconds of training (default: 60; {demo_lm.DEFAULT_DURATION:.0f} with --task lm)")
     parser.add_argument("--out", default="potluck-report", metavar="DIR", help="report folder")
     parser.add_argument("--no-churn", action="store_true", help="do not kill a peer or add one midway")
+    parser.add_argument("--no-monitor", action="store_true", help="start no monitor (no dashboard, no credit)")
+    parser.add_argument("--monitor-port", type=int, default=None, metavar="PORT",
+                        help="port of the monitor's dashboard (default: a free one)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
@@ -92,6 +105,7 @@ def _worker(args: argparse.Namespace) -> int:
             loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
             if time.monotonic() - last > 0.5:
                 last = time.monotonic()
+                opt.report_metrics(loss=loss_ema)  # for the monitor's loss chart
                 emit({"epoch": opt.local_epoch, "loss": loss_ema, "sps": opt.samples_per_second,
                       "samples": samples, "time": time.time()})
         emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "epoch": opt.local_epoch,
@@ -142,6 +156,11 @@ def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task == "lm":
+        from potluck.cli import demo_lm
+        return demo_lm.run(args)
+    args.mode = args.mode or "sync"
+    args.duration = 60.0 if args.duration is None else args.duration
     if args.mode == "moe":
         from potluck.cli import demo_moe
         return demo_moe.run(args)
@@ -161,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     roles = ["node"] + ["slow", "client"] + ["node"] * (args.peers - 3)
     roles = roles[:args.peers]
     workers: list[WorkerProcess] = []
-    killed = joined = None
+    killed = joined = monitor = None
     print(f"potluck demo: {args.peers} peers train a CNN on digits ({args.mode} mode, {args.duration:.0f} s); "
           f"logs in {out}/")
     try:
@@ -169,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         workers.append(first)
         if not first.ready.wait(60) or first.address is None:
             raise RuntimeError(f"the first peer failed to start; see {out}/peer-0.log")
+        if not args.no_monitor:
+            monitor = DemoMonitor.start("demo", first.address, out, args.monitor_port)
+            print(monitor.announce(), flush=True)
         for i, role in enumerate(roles[1:], start=1):
             workers.append(_start(f"peer-{i}", role, args.mode, i, first.address, out))
         workers.append(_start("alone", "alone", args.mode, 99, None, out))
@@ -188,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
                     workers.insert(-1, joined)
                 display.update()
                 time.sleep(0.25)
+        if monitor is not None:
+            monitor.stop()  # it has seen the rounds; it exits while the peers finish
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.stdin.write("stop\n")
@@ -200,11 +224,13 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
-    return _report(args, out, workers, started, killed, joined)
+        if monitor is not None:
+            monitor.close()
+    return _report(args, out, workers, started, killed, joined, monitor)
 
 
 def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], started: float,
-            killed: WorkerProcess | None, joined: WorkerProcess | None) -> int:
+            killed: WorkerProcess | None, joined: WorkerProcess | None, monitor: DemoMonitor | None) -> int:
     # A peer that never trained (a newcomer that started after the others stopped, as happens on
     # a busy machine) says nothing about the swarm: it is listed with 0 samples, not averaged in.
     swarm = [w for w in workers if w.role != "alone" and w.final and w.final.get("samples", 0) > 0]
@@ -225,11 +251,15 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
         "mode": args.mode, "peers": args.peers,
         "killed": killed.name if killed else None, "joined": joined.name if joined else None,
         "loss_curves": {w.name: w.curve for w in workers},
+        "monitor": monitor.report({w.hello["peer_id"]: w.name for w in workers if "peer_id" in w.hello})
+        if monitor is not None else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(out / "loss.png", workers, started)
     print(f"\nswarm test accuracy {report['test_accuracy']:.1%} after {report['epochs']} epochs; "
           f"one peer alone: {report['single_peer_test_accuracy']:.1%} after {report['single_peer_epochs']} epochs")
+    if monitor is not None:
+        print(f"credit (the monitor's ledger, {monitor.db}):\n{credit_table(report['monitor']['contributors'])}")
     print(f"report: {out / 'report.json'}, plot: {out / 'loss.png'} ({report['wall_seconds']} s)")
     return 0
 

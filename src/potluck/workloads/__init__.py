@@ -1,0 +1,1 @@
+"""Real training workloads for demos, examples and benchmarks (beyond the digits CNN)."""
