@@ -93,9 +93,10 @@ def _worker(spec: dict) -> int:
     accumulate = options.get("target_batch_size", LOCAL_BATCH) // LOCAL_BATCH if options.get("mode") == "sync" else 1
     go.wait()
     samples, steps, started, last_eval, last_row = 0, 0, time.time(), -math.inf, 0.0
+    wire_at_go = (peer.stats.bytes_sent, peer.stats.bytes_received) if peer else (0, 0)
 
-    def row(**extra: float) -> dict:
-        sent = peer.stats.bytes_sent if peer else 0
+    def row(**extra: float) -> dict:  # bytes: the wire's since go (training, not joining)
+        sent = peer.stats.bytes_sent - wire_at_go[0] if peer else 0
         return {"samples": samples, "epoch": opt.local_epoch if peer else steps // accumulate,
                 "sps": samples / max(time.time() - started, 1e-9), "bytes_sent": sent, "time": time.time(), **extra}
     try:
@@ -116,7 +117,7 @@ def _worker(spec: dict) -> int:
         result = lm.evaluate(model, sample)
         final = row(**result, final=True, train_seconds=time.time() - started)
         if peer:
-            final["bytes_received"] = peer.stats.bytes_received
+            final["bytes_received"] = peer.stats.bytes_received - wire_at_go[1]
         _emit(final)
     finally:
         if peer:
