@@ -154,6 +154,14 @@ class ErrorFeedback:
     def residuals(self) -> list[torch.Tensor | None]:
         return [codec.residual for codec in self.codecs]
 
+    def reset(self) -> None:
+        """Forget the residuals, after a round that went on without us: its pseudo-gradient is
+        still in the local parameters' change, where the next one finds it again, so the part
+        held back from it must not be added twice. (What earlier rounds held back goes with it:
+        a rare, bounded loss.)"""
+        for codec in self.codecs:
+            codec.reset()
+
 
 @dataclass
 class _Fragment:
@@ -254,6 +262,8 @@ class StreamingDiLoCo:
                 opt._waited = True
             await opt._wait_for_round(flight.task, fragment.averager, flight.epoch)
             if flight.task.cancelled():  # the others' round is over without us: rejoin them
+                if fragment.feedback is not None:
+                    fragment.feedback.reset()
                 await self._rejoin(max(r.done for r in opt.tracker.merged(opt._reports).values()))
                 return
             try:
