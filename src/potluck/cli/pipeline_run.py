@@ -220,14 +220,14 @@ def _save(worker: Any, directory: Path) -> None:
 
 def _progress(node: Any, elapsed: float) -> dict[str, Any]:
     """One progress row: this node's place, counters and loss (the last stage's is the cluster's), and
-    the recoveries of the clusters it controls."""
+    the recoveries made by the controllers it holds or held."""
     worker = node.worker
     route, report = worker.route, worker.report()
     row: dict[str, Any] = {"time": round(elapsed, 2), "controls": sorted(node.controllers),
                            "recoveries": [{"cluster": cluster, "dead": e.dead, "epoch": e.epoch,
                                            "recovery_s": round(e.recovered_at - e.detected_at, 3),
                                            "fetched_from": {str(k): v for k, v in e.fetched_from.items()}}
-                                          for cluster, c in sorted(node.controllers.items()) for e in c.events]}
+                                          for cluster, e in node.recoveries()]}
     if route is None:
         return {**row, "role": "standby"}
     return {**row, "role": "stage", "cluster": route.cluster, "stage": route.stage, "last": route.last,

@@ -60,7 +60,7 @@ from potluck.pipeline.planning import (
     replan,
 )
 from potluck.pipeline.profiling import LayerCost, NodeProfile, fetch_profiles
-from potluck.pipeline.recovery import FAILURE_TIMEOUT, HEARTBEAT, ClusterController
+from potluck.pipeline.recovery import FAILURE_TIMEOUT, HEARTBEAT, ClusterController, RecoveryEvent
 from potluck.pipeline.stage import LossFn, MakeLayers, PipelineConfig, PipelineError, Source, StageWorker, call
 
 __all__ = ["Claim", "PipelineNode"]
@@ -83,6 +83,9 @@ ADOPT_TIMEOUT = 30.0
 PLAN_EPOCH_GAP = 8
 # A cluster id in a claim: "c<index>".
 MAX_CLUSTER_ID_CHARS = 16
+# Recoveries of controllers this node held and closed (stepped down, re-planned) that it still
+# reports: a run has a few recoveries, not thousands.
+MAX_PAST_RECOVERIES = 100
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class PipelineNode:
                                   num_layers=num_layers, source=self._source, loss_fn=loss_fn)
         self.worker.directory.accept = self._accepts
         self.controllers: dict[str, ClusterController] = {}
+        self._past: list[tuple[str, RecoveryEvent]] = []  # recoveries of controllers closed since
         self._claimed: tuple[int, str] | None = None  # (plan version, cluster) this node agreed to join
         self._missed: dict[str, int] = {}  # the planner's count of rounds each node did not answer
         self._judged: dict[str, bool] = {}  # published plans (as JSON) checked already: passed or not
@@ -160,6 +164,15 @@ class PipelineNode:
 
     def _accepts(self, cluster: str, owner: str, layout: Layout) -> bool:
         return self._may_control(self.plan, cluster, owner, layout)
+
+    def recoveries(self) -> list[tuple[str, RecoveryEvent]]:
+        """(cluster, event) of every recovery made by a controller this node holds or held."""
+        return [*self._past, *((cid, e) for cid, c in sorted(self.controllers.items()) for e in c.events)]
+
+    async def _drop_controller(self, cid: str) -> None:
+        controller = self.controllers.pop(cid)
+        self._past = [*self._past, *((cid, e) for e in controller.events)][-MAX_PAST_RECOVERIES:]
+        await controller.close()
 
     async def start(self) -> None:
         """Start the worker, wait for the plan's nodes to answer, then keep applying the rule."""
@@ -208,8 +221,7 @@ class PipelineNode:
             if cid in layouts and layouts[cid].epoch > controller.epoch:  # another node took the role over
                 logger.warning("%s steps down as controller of cluster %s: its layout is at epoch %d, past this "
                                "controller's %d", self.me[:8], cid, layouts[cid].epoch, controller.epoch)
-                del self.controllers[cid]
-                await controller.close()
+                await self._drop_controller(cid)
         late = await self._late_profiles()
         if self.controllers:
             self._refresh_standby(layouts, late)
@@ -357,9 +369,8 @@ class PipelineNode:
     async def _adopt(self, plan: RunPlan) -> None:
         """Leave the current plan for `plan`: close its controllers, let the new plan's nodes
         configure this stage, and publish `plan` as this node's."""
-        for controller in self.controllers.values():
-            await controller.close()
-        self.controllers.clear()
+        for cid in list(self.controllers):
+            await self._drop_controller(cid)
         self.previous, self.plan = self.plan, plan
         self._missed.clear()
         self.worker.controllers = frozenset(PeerID.from_string(p) for p in plan.nodes)
