@@ -185,8 +185,32 @@ def _ndarray_buffer(a: np.ndarray) -> tuple[list, memoryview]:
     return [_NP_PREFIX + name, list(a.shape)], memoryview(flat)
 
 
+# Values of exactly these types pack as they are (subclasses, ints and arrays take `_convert`'s
+# checks). Every frame is packed, and most of a message is such leaves: skipping the call and the
+# isinstance chain for them makes packing several times cheaper.
+_PLAIN = frozenset({type(None), bool, float, str, bytes})
+
+
 def _convert(obj: object, specs: list, buffers: list, depth: int) -> object:
     """Copy `obj` into plain msgpack types, moving arrays out into `buffers`."""
+    cls = type(obj)
+    if cls in _PLAIN or (cls is int and _MIN_MSGPACK_INT <= obj <= _MAX_MSGPACK_INT):
+        return obj
+    if cls is list or cls is tuple:
+        if depth >= MAX_DEPTH:
+            raise SerializationError(f"containers nested deeper than {MAX_DEPTH} levels")
+        return [item if type(item) in _PLAIN else _convert(item, specs, buffers, depth + 1) for item in obj]
+    if cls is dict:
+        if depth >= MAX_DEPTH:
+            raise SerializationError(f"containers nested deeper than {MAX_DEPTH} levels")
+        if all(type(key) is str or type(key) is bytes for key in obj):
+            return {key: value if type(value) in _PLAIN else _convert(value, specs, buffers, depth + 1)
+                    for key, value in obj.items()}
+    return _convert_checked(obj, specs, buffers, depth)
+
+
+def _convert_checked(obj: object, specs: list, buffers: list, depth: int) -> object:
+    """`_convert` for what its fast paths leave: ints (range), subclasses, arrays, other keys."""
     if obj is None or isinstance(obj, bool):
         return obj
     if isinstance(obj, int):
