@@ -13,6 +13,7 @@ from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import own_subkey
 from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
 from tests.emulated_swarm import add_peer, make_swarm
 
 
@@ -150,6 +151,19 @@ def test_client_and_aux_averagers_take_part():
         for a in avgs[:3]:
             torch.testing.assert_close(a._tensors[0], expected)
         assert results[0].group_size == 4 and len(results[0].contributors) == 3
+    run_virtual(main())
+
+
+def test_a_stateful_codec_is_refused_with_where_to_use_it():
+    """Top-k keeps a residual; one instance encodes every chunk of a step, so one chunk's
+    leftover would be added to the next: the Averager (and so Optimizer) refuses it."""
+    async def main():
+        net, peers = await make_swarm(1)
+        with pytest.raises(ValueError, match="outer_compression"):
+            Averager(peers[0], [torch.zeros(3)], "topk", compression={"name": "topk", "ratio": 0.5})
+        with pytest.raises(ValueError, match="outer_compression"):
+            Optimizer(peers[0], "topk-opt", [torch.nn.Parameter(torch.zeros(3))], lambda p: torch.optim.SGD(p, 0.1),
+                      batch_size_per_step=1, target_batch_size=2, compression="topk", start=False)
     run_virtual(main())
 
 

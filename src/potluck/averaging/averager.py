@@ -34,6 +34,7 @@ from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.dht.records import own_subkey
+from potluck.metrics import peer_metrics, stopwatch
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Averager:
         run_id: the name of this averaging job; peers with the same run_id average together.
         target_group_size: close a group once it has this many members (None: whoever shows up).
         min_group_size: fail the step when fewer peers are found.
-        compression: a codec name or spec (`potluck.compression.known_codecs()`).
+        compression: a codec name or spec (`potluck.compression.known_codecs()`); stateless only
+            (top-k's error feedback: Streaming DiLoCo's `outer_compression`).
         role: a `Role` (or its value): NODE "node" (sends and reduces), CLIENT "client" (behind
             NAT: only sends and receives), AUX "aux" (reduces for others, holds no result; its
             tensors only define the shapes). A NODE on a client-mode transport becomes a CLIENT.
@@ -134,6 +136,13 @@ class Averager:
         self._tensors = [t.detach().clone() if copy else t.detach() for t in tensors]
         self._lock = threading.Lock()
         self.codec = get_codec(compression)
+        if self.codec.stateful:
+            # A step encodes every chunk, result and check with this one instance: a residual
+            # would leak from one chunk into the next (or fail on a chunk of another size).
+            raise ValueError(f"the Averager cannot carry {self.codec.name!r}'s state (its error feedback) between "
+                             "chunks: for top-k pseudo-gradients use Optimizer(mode='diloco', outer_compression="
+                             "{'name': 'topk', ...}) (Streaming DiLoCo keeps error feedback per fragment), or a "
+                             "stateless codec such as 'sparse' or 'blockwise4'")
         self.total = sum(t.numel() for t in self._tensors)
         self.powersgd = None if powersgd_rank is None else \
             [PowerSGD(t.shape, powersgd_rank, seed=k) for k, t in enumerate(self._tensors)]
@@ -144,6 +153,7 @@ class Averager:
         self.sender_timeout = sender_timeout
         self.grid: tuple[int, ...] | None = None
         self.round = 0
+        self._phase = "matchmaking"  # of the step under way: where a failure is counted (potluck.metrics)
         if grid:
             self.set_grid(grid, coordinates)
         # In matchmaking now, with no group yet: a step may be cancelled without harm to anyone's
@@ -190,12 +200,22 @@ class Averager:
                     members: Collection[str] | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
+        metrics = peer_metrics(self.transport)
+        elapsed = stopwatch()
+        self._phase = "matchmaking"  # what failed, for metrics; _step moves it on
         try:
             async with compat.timeout(budget):
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
-                return await self._step(weight, gather, group_key, target_group_size, known)
+                result = await self._step(weight, gather, group_key, target_group_size, known)
         except TimeoutError:
+            metrics.round_failures.inc(run=self.run_id, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
+        except Exception:
+            metrics.round_failures.inc(run=self.run_id, kind=self._phase)
+            raise
+        metrics.round_seconds.observe(elapsed(), run=self.run_id)
+        metrics.group_size.observe(result.group_size, run=self.run_id)
+        return result
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
                     members: frozenset[PeerID] | None) -> StepResult:
@@ -214,6 +234,7 @@ class Averager:
             self.forming = False
             _discard(snapshot)
         group = formed.group
+        self._phase = "allreduce"
         me = group.peers.index(self.transport.peer_id)
         vector = None if snapshot is None or group.modes[me] == "aux" else snapshot.result()
         if self.powersgd is None:
