@@ -168,3 +168,42 @@ def test_the_run_grows_a_cluster_for_late_nodes_and_replans_when_a_cluster_canno
     assert sorted(shrunk.nodes) == sorted(set(first + late) - {victim})
     # every late node that got layers in version 2 loaded trained weights from the first cluster
     assert loaded and all(all(flags) for flags in loaded.values()), loaded
+
+
+@pytest.mark.timeout(60)
+def test_a_new_node_takes_a_published_plan_only_if_its_nodes_run():
+    """An earlier run's plan, left in the DHT under the same run id, is not adopted (its nodes do not
+    answer); a plan whose nodes answer is, the newest version first."""
+    from types import SimpleNamespace
+
+    from potluck.cli.pipeline_run import RUNNING_WAIT, _running_plan
+    from potluck.net.identity import Identity
+
+    async def main():
+        net, peers = await make_swarm(3, latency=0.002, bandwidth=None)
+        me, *running = peers
+        ids = [str(p.transport.peer_id) for p in running]
+        gone = [str(Identity.generate().peer_id) for _ in range(2)]
+
+        async def pong(request, ctx):
+            return Ack().to_wire()
+
+        for peer in running:
+            peer.transport.add_handler("r.pipe.ctl", pong)
+        node = SimpleNamespace(transport=me.transport, peer_id=str(me.transport.peer_id))
+        old = RunPlan(3, (tuple(sorted(gone)),), ())
+        live = RunPlan(1, (tuple(sorted(ids)),), ())
+        newer = RunPlan(2, (tuple(sorted(ids)),), ())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stale = await _running_plan(node, "r", {gone[0]: old, gone[1]: old})
+        waited = loop.time() - started
+        taken = await _running_plan(node, "r", {gone[0]: old, ids[0]: live, ids[1]: newer})
+        for p in peers:
+            await p.dht.ashutdown()
+            await p.transport.close()
+        return stale, waited, taken, newer
+
+    stale, waited, taken, newer = run_virtual(main())
+    assert stale is None and waited >= RUNNING_WAIT  # asked again for a while, then left alone
+    assert taken == newer  # the newest plan whose nodes run

@@ -31,8 +31,11 @@ POLL_SECONDS = 1.0
 PROFILE_TIMEOUT = 120.0
 # Starting or stopping the node's worker and election.
 START_TIMEOUT = 60.0
-# A node that finds plans published asks their nodes whether they run, each within this.
+# A node that finds plans published asks their nodes whether they run, each within this, for up to
+# RUNNING_WAIT (a stage starts a moment after its node publishes the plan; an earlier run's plan
+# left in the DHT costs a newly started node this long).
 PING_TIMEOUT = 3.0
+RUNNING_WAIT = 10.0
 
 
 def add_run_parser(commands: argparse._SubParsersAction) -> None:
@@ -89,8 +92,9 @@ def _wait_for_profiles(peer: Any, args: argparse.Namespace, wanted: list[str] | 
 
 async def _running_plan(peer: Any, run_id: str, published: dict[str, Any]) -> Any:
     """The newest published plan (ties: the one most nodes published) whose nodes are running now:
-    at least half of them answer a ping. None if none is: the plans are an earlier run's, left in
-    the DHT under the same run id."""
+    at least half of them answer a ping, asked again for up to RUNNING_WAIT (a node that has just
+    published its plan starts its stage a moment later). None if none is: the plans are an earlier
+    run's, left in the DHT under the same run id."""
     import asyncio
 
     from potluck.core.errors import NetworkError
@@ -108,12 +112,18 @@ async def _running_plan(peer: Any, run_id: str, published: dict[str, Any]) -> An
     for plan in published.values():
         key = json.dumps(plan.to_wire(), sort_keys=True)
         counts[key] = (counts.get(key, (0, plan))[0] + 1, plan)
-    for _, plan in sorted(counts.values(), key=lambda item: (-item[1].version, -item[0])):
-        nodes = [n for n in plan.nodes if n != peer.peer_id]
-        alive = await asyncio.gather(*(answers(n) for n in nodes))
-        if 2 * sum(alive) >= len(nodes):
-            return plan
-    return None
+    plans = [plan for _, plan in sorted(counts.values(), key=lambda item: (-item[1].version, -item[0]))]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RUNNING_WAIT
+    while True:
+        for plan in plans:
+            nodes = [n for n in plan.nodes if n != peer.peer_id]
+            alive = await asyncio.gather(*(answers(n) for n in nodes))
+            if 2 * sum(alive) >= len(nodes):
+                return plan
+        if loop.time() > deadline:
+            return None
+        await asyncio.sleep(POLL_SECONDS)
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -167,7 +177,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
             profiles = _wait_for_profiles(peer, args, None, stop)
             published = peer.run(fetch_plans(peer, args.run_id), timeout=30)
             # planned already (this node joins late, or restarts), unless by an earlier run of this id
-            plan = peer.run(_running_plan(peer, args.run_id, published), timeout=60) if published else None
+            plan = (peer.run(_running_plan(peer, args.run_id, published), timeout=RUNNING_WAIT + 60)
+                    if published else None)
             if plan is None:
                 plan = plan_run(profiles[:args.nodes], demand, args.clusters)
         if peer.peer_id in plan.nodes:
