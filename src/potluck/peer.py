@@ -31,6 +31,7 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.dht import DHT, DHTConfig
 from potluck.membership import Credential, MembershipClient, MembershipToken, parse_authority
 from potluck.membership.records import MembershipRecordValidator
+from potluck.metrics import MetricsServer, peer_metrics, serve_metrics
 from potluck.nat import RelayAnnouncer, RelayReservations
 from potluck.net.address import Multiaddr
 from potluck.net.connection import TransportStats
@@ -92,6 +93,8 @@ class Peer:
             start (MembershipError if refused) and admits only peers with valid tokens.
         credential: what to show the authority: `"peer"` (an allowlisted key, the default),
             `"invite:CODE"`, `"password:NAME:PASSWORD"`, or a `potluck.membership.Credential`.
+        metrics_port: serve this peer's Prometheus metrics (`potluck.metrics.PeerMetrics`) at
+            http://host:metrics_port/metrics (0 picks a port: `metrics_url`); None: not served.
     """
 
     def __init__(self, initial_peers: Iterable[str] = (), host: str = "0.0.0.0", port: int = 0,
@@ -100,10 +103,11 @@ class Peer:
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
                  dht_config: DHTConfig | None = None, clock: Clock = get_dht_time,
                  authority: str | None = None, credential: str | Credential | None = None,
-                 relay: bool = False, **transport_options: Any):
+                 relay: bool = False, metrics_port: int | None = None, **transport_options: Any):
         self._setup(initial_peers, host=host, port=port, client_mode=client_mode, identity_path=identity_path,
                     insecure=insecure, announce=announce, transport=transport, dht_config=dht_config,
-                    clock=clock, authority=authority, credential=credential, relay=relay, **transport_options)
+                    clock=clock, authority=authority, credential=credential, relay=relay,
+                    metrics_port=metrics_port, **transport_options)
         try:
             self._runner.run(self._start(startup_timeout), timeout=startup_timeout + 5 + NAT_STARTUP_SECONDS)
         except BaseException:
@@ -131,7 +135,7 @@ class Peer:
                client_mode: bool | None = None, identity_path: str | None = None, *, insecure: bool = False,
                announce: list[str] | None = None, transport: Transport | None = None,
                dht_config: DHTConfig | None = None, clock: Clock = get_dht_time, authority: str | None = None,
-               credential: str | Credential | None = None, relay: bool = False,
+               credential: str | Credential | None = None, relay: bool = False, metrics_port: int | None = None,
                **transport_options: Any) -> None:
         self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
         if authority is not None:  # refuse bad arguments before anything is started
@@ -149,6 +153,8 @@ class Peer:
                                      insecure=insecure, announce=announce, **transport_options)
         self.transport = transport
         self._relay = relay
+        self._metrics_at = None if metrics_port is None else (host, metrics_port)
+        self._metrics_server: MetricsServer | None = None
         self._relay_service: RelayService | None = None
         self._announcer: RelayAnnouncer | None = None
         self._reservations: RelayReservations | None = None
@@ -166,6 +172,10 @@ class Peer:
 
     async def _start(self, timeout: float) -> None:
         await self.transport.start()
+        if self._metrics_at is not None:
+            registry = peer_metrics(self.transport).registry
+            self._metrics_server = await serve_metrics(registry.exposition, *self._metrics_at)
+            logger.info("serving Prometheus metrics at %s", self._metrics_server.url)
         if not self.transport.forced_client:
             self.transport.services.setdefault(DIALBACK, DialbackService(self.transport)).start()
         if self._membership is not None:
@@ -319,6 +329,11 @@ class Peer:
         if dialback is not None:
             dialback.close()
 
+    async def _close_metrics(self) -> None:
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+            self._metrics_server = None
+
     async def _join_run(self) -> None:
         """Get the first membership token (the authority's address from `authority` or from the
         initial peers); MembershipError says why not."""
@@ -343,6 +358,11 @@ class Peer:
     def membership(self) -> MembershipToken | None:
         """This peer's current membership token (None outside an authority-governed run)."""
         return None if self._membership is None else self._membership.token
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this peer serves its Prometheus metrics (`metrics_port`); None if it does not."""
+        return None if self._metrics_server is None else self._metrics_server.url
 
     @property
     def peer_id(self) -> str:
@@ -382,6 +402,7 @@ class Peer:
                 if getattr(self, "_membership", None) is not None:
                     self._runner.run(self._membership.stop(), timeout=10)
                 self._runner.run(self._close_nat(), timeout=10)
+                self._runner.run(self._close_metrics(), timeout=10)
                 self._runner.run(self.dht.ashutdown(), timeout=10)
                 self._runner.run(self.transport.close(), timeout=10)
         finally:
@@ -397,6 +418,7 @@ class Peer:
             if getattr(self, "_membership", None) is not None:
                 await self._membership.stop()
             await self._close_nat()
+            await self._close_metrics()
             await self.dht.ashutdown()
             await self.transport.close()
         finally:

@@ -34,6 +34,7 @@ from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.tensors import all_finite
 from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.dht.records import own_subkey
+from potluck.metrics import peer_metrics, stopwatch
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class Averager:
         self.sender_timeout = sender_timeout
         self.grid: tuple[int, ...] | None = None
         self.round = 0
+        self._phase = "matchmaking"  # of the step under way: where a failure is counted (potluck.metrics)
         if grid:
             self.set_grid(grid, coordinates)
         # In matchmaking now, with no group yet: a step may be cancelled without harm to anyone's
@@ -198,12 +200,22 @@ class Averager:
                     members: Collection[str] | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
+        metrics = peer_metrics(self.transport)
+        elapsed = stopwatch()
+        self._phase = "matchmaking"  # what failed, for metrics; _step moves it on
         try:
             async with compat.timeout(budget):
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
-                return await self._step(weight, gather, group_key, target_group_size, known)
+                result = await self._step(weight, gather, group_key, target_group_size, known)
         except TimeoutError:
+            metrics.round_failures.inc(run=self.run_id, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
+        except Exception:
+            metrics.round_failures.inc(run=self.run_id, kind=self._phase)
+            raise
+        metrics.round_seconds.observe(elapsed(), run=self.run_id)
+        metrics.group_size.observe(result.group_size, run=self.run_id)
+        return result
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
                     members: frozenset[PeerID] | None) -> StepResult:
@@ -222,6 +234,7 @@ class Averager:
             self.forming = False
             _discard(snapshot)
         group = formed.group
+        self._phase = "allreduce"
         me = group.peers.index(self.transport.peer_id)
         vector = None if snapshot is None or group.modes[me] == "aux" else snapshot.result()
         if self.powersgd is None:

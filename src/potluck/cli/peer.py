@@ -36,6 +36,9 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--credential", metavar="CRED", default=None,
                         help="what to show the authority: 'peer' (an allowlisted identity; the default), "
                              "'invite:CODE', or 'password:NAME' with the password in $POTLUCK_PASSWORD")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free "
+                             "port; see docs/monitoring.md)")
     parser.set_defaults(relay=False)  # `potluck peer` adds --relay
 
 
@@ -43,7 +46,8 @@ def start_peer(args: argparse.Namespace) -> Peer:
     return Peer(initial_peers=args.initial_peers, host=args.host, port=args.port,
                 client_mode=True if args.client_mode else None, identity_path=args.identity,
                 insecure=args.insecure, announce=args.announce,
-                authority=args.authority, credential=args.credential, relay=args.relay)
+                authority=args.authority, credential=args.credential, relay=args.relay,
+                metrics_port=args.metrics_port)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
             for addr in peer.addresses:
                 print(f"  --initial-peers {addr}")
         print(peer.reachability_summary)
+        if peer.metrics_url is not None:
+            print(f"metrics: {peer.metrics_url}")
         if args.relay and peer.transport.reachability == "public":
             print("relaying for peers behind NAT")
         print("press Ctrl-C to stop", flush=True)

@@ -59,6 +59,7 @@ from potluck.dht.validation import (
     check_record,
     sign_record,
 )
+from potluck.metrics import peer_metrics, stopwatch
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
@@ -162,6 +163,7 @@ class DHTNode:
     def __init__(self, transport: Transport, config: DHTConfig | None = None,
                  validators: Sequence[RecordValidator] = (), clock: Clock = get_dht_time):
         self.transport = transport
+        self.metrics = peer_metrics(transport)
         self.peer_id = transport.peer_id
         self.node_id = _node_id(self.peer_id)
         self.config = config or DHTConfig()
@@ -344,12 +346,23 @@ class DHTNode:
         """Check that `peer` serves the DHT; raises a NetworkError if it does not answer."""
         try:
             self._introduce(peer)
-            await self.transport.call(peer, protocol.PING, protocol.PING_REQUEST,
-                                      timeout=timeout or self.config.rpc_timeout, resolve=False)
+            await self._request(peer, protocol.PING, protocol.PING_REQUEST, timeout or self.config.rpc_timeout)
         except (NetworkError, TimeoutError):
             self._peer_failed(peer)
             raise
         self._peer_ok(peer)
+
+    async def _request(self, peer: PeerID, method: str, request: bytes, timeout: float) -> Any:
+        """One DHT request to `peer`, its round trip (or failure) counted in the peer's metrics."""
+        elapsed = stopwatch()
+        name = method.removeprefix("dht.")
+        try:
+            response = await self.transport.call(peer, method, request, timeout=timeout, resolve=False)
+        except Exception:
+            self.metrics.dht_failures.inc(method=name)
+            raise
+        self.metrics.dht_seconds.observe(elapsed(), method=name)
+        return response
 
     # -- handlers ------------------------------------------------------------------------------------
     def _caller(self, ctx: CallContext) -> None:
@@ -416,7 +429,7 @@ class DHTNode:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
         request = protocol.find_request(ids, values, stop, None if own is None else own.record)
-        response = await self.transport.call(peer, protocol.FIND, request, timeout=timeout, resolve=False)
+        response = await self._request(peer, protocol.FIND, request, timeout)
         parsed, held = protocol.parse_find_response(response, len(ids))
         if own is not None:
             own.answered(peer, held)
@@ -594,8 +607,7 @@ class DHTNode:
                 timeout = max(0.0, min(timeout, deadline - self._mono()))
             try:
                 self._introduce(peer)
-                response = await self.transport.call(peer, protocol.STORE, protocol.store_request(chunk),
-                                                     timeout=timeout, resolve=False)
+                response = await self._request(peer, protocol.STORE, protocol.store_request(chunk), timeout)
                 answers.extend(protocol.parse_store_response(response, len(chunk)))
             except (NetworkError, BadRequest, TimeoutError) as e:
                 logger.debug("store on %s failed: %s", peer, e)
