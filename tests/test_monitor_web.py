@@ -1,0 +1,238 @@
+"""The monitor's web server (`potluck.monitor.web`): JSON API, live events, /metrics, and its limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import aiohttp
+import pytest
+
+from potluck.metrics import CONTENT_TYPE, Registry
+from potluck.monitor import web
+from potluck.monitor.ledger import Ledger
+from potluck.monitor.views import Contributor, EpochRow, HistoryPoint, PeerState, SwarmNow
+from potluck.monitor.web import start_web
+from potluck.optim.progress import PeerProgress, RoundRecord
+
+
+class FakeView:
+    """A MonitorView of hand-made rows; tests change them between requests."""
+
+    def __init__(self) -> None:
+        self.now = SwarmNow("demo", 1000.0, 2, 12.5, 3, 40, 128, 7.0)
+        self.peer_rows = [PeerState("peerA", "alice", True, 3, 8.0, False, 900.0, 1000.0),
+                          PeerState("peerB", None, False, 2, 4.5, True, 950.0, 990.0)]
+        self.contributor_rows = [Contributor("peerA", "alice", 300, 0.5, 0.75, 3),
+                                 Contributor("peerB", None, 100, 0.25, 0.25, 1)]
+        self.epoch_rows = [EpochRow(2, 995.0, 128, (2,), 0, {"loss": 0.5}),
+                           EpochRow(1, 980.0, 128, (2,), 1, {"loss": 0.9})]
+        self.points = [HistoryPoint(990.0 + i, 2, 2, 10.0 + i, 1.0 - 0.1 * i) for i in range(5)]
+        self.epochs_asked: list[int] = []
+
+    def swarm_now(self) -> SwarmNow:
+        return self.now
+
+    def peers(self) -> list[PeerState]:
+        return list(self.peer_rows)
+
+    def contributors(self) -> list[Contributor]:
+        return list(self.contributor_rows)
+
+    def epochs(self, limit: int = 100) -> list[EpochRow]:
+        self.epochs_asked.append(limit)
+        return self.epoch_rows[:limit]
+
+    def history(self, since: float | None = None) -> list[HistoryPoint]:
+        return [p for p in self.points if since is None or p.time > since]
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> object:
+    async with session.get(url) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def next_event(response: aiohttp.ClientResponse) -> tuple[str | None, dict]:
+    """The next SSE event's id and data."""
+    event_id, data = None, None
+    while True:
+        line = (await response.content.readline()).decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = json.loads(line[6:])
+        elif line == "" and data is not None:
+            return event_id, data
+
+
+def test_api_answers_with_the_views_rows(arun) -> None:
+    view = FakeView()
+    view.points.append(HistoryPoint(995.0, 3, 2, 11.0, math.nan))  # no loss published: null in JSON
+
+    async def main():
+        server = await start_web(view, "127.0.0.1", 0)
+        assert server.url == f"http://127.0.0.1:{server.port}/"
+        try:
+            async with aiohttp.ClientSession() as s:
+                url = server.url
+                assert await get_json(s, url + "api/swarm") == view.now.to_json()
+                assert await get_json(s, url + "api/peers") == [p.to_json() for p in view.peer_rows]
+                assert await get_json(s, url + "api/contributors") == [c.to_json() for c in view.contributor_rows]
+                assert await get_json(s, url + "api/epochs?limit=1") == [view.epoch_rows[0].to_json()]
+                assert view.epochs_asked == [1]
+                history = await get_json(s, url + "api/history")
+                assert [p["time"] for p in history] == [990.0, 991.0, 992.0, 993.0, 994.0, 995.0]
+                assert history[-1]["loss"] is None and history[0]["loss"] == 1.0
+                assert [p["time"] for p in await get_json(s, url + "api/history?since=993")] == [994.0, 995.0]
+                for bad in ("api/history?since=x", "api/history?since=nan", "api/epochs?limit=0",
+                            "api/epochs?limit=2.5", "api/epochs?limit=100000"):
+                    async with s.get(url + bad) as response:
+                        assert response.status == 400, bad
+                async with s.get(url) as response:  # the dashboard and its files
+                    page = await response.text()
+                    assert response.status == 200 and 'id="loss-chart"' in page and 'id="peers-online"' in page
+                for name in ("dashboard.js", "dashboard.css"):
+                    async with s.get(url + "static/" + name) as response:
+                        assert response.status == 200 and len(await response.read()) > 500
+        finally:
+            await server.close()
+    arun(main())
+
+
+def test_metrics_show_the_run_and_the_monitor_peers_registry(arun) -> None:
+    view = FakeView()
+    registry = Registry()
+    registry.counter("potluck_bytes_sent_total", "Bytes sent").inc(42)
+
+    async def main():
+        server = await start_web(view, "127.0.0.1", 0, registry=registry)
+        try:
+            async with aiohttp.ClientSession() as s, s.get(server.url + "metrics") as response:
+                assert response.headers["Content-Type"] == CONTENT_TYPE
+                text = await response.text()
+        finally:
+            await server.close()
+        series = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        assert series['potluck_run_peers_online{run="demo"}'] == "2"
+        assert series['potluck_run_samples_per_second{run="demo"}'] == "12.5"
+        assert series['potluck_run_epoch{run="demo"}'] == "3"
+        assert series['potluck_run_eta_seconds{run="demo"}'] == "7"
+        assert series['potluck_contributor_samples{run="demo",peer="peerA",name="alice"}'] == "300"
+        assert series['potluck_contributor_samples{run="demo",peer="peerB",name=""}'] == "100"
+        assert series["potluck_bytes_sent_total"] == "42"
+    arun(main())
+
+
+def test_events_push_the_swarm_and_only_new_history_points(arun, monkeypatch) -> None:
+    monkeypatch.setattr(web, "EVENT_INTERVAL", 0.05)
+    view = FakeView()
+
+    async def main():
+        server = await start_web(view, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(server.url + "api/events") as response:
+                    assert response.headers["Content-Type"] == "text/event-stream"
+                    event_id, first = await next_event(response)
+                    assert first["swarm"] == view.now.to_json()
+                    assert [p["peer_id"] for p in first["peers"]] == ["peerA", "peerB"]
+                    assert [c["samples"] for c in first["contributors"]] == [300, 100]
+                    assert [e["epoch"] for e in first["epochs"]] == [2, 1]
+                    assert len(first["history"]) == 5 and event_id == "994.0"
+                    # The swarm moves on: the next events carry the new numbers and only the new point.
+                    view.now = SwarmNow("demo", 1001.0, 3, 20.0, 4, 0, 128, None)
+                    view.points.append(HistoryPoint(1001.0, 4, 3, 20.0, 0.4))
+                    while True:
+                        event_id, event = await next_event(response)
+                        if event["history"]:
+                            break
+                    assert [p["time"] for p in event["history"]] == [1001.0] and event_id == "1001.0"
+                    assert event["swarm"]["peers_online"] == 3 and event["swarm"]["eta_seconds"] is None
+                    _, event = await next_event(response)
+                    assert event["history"] == []
+                # A reconnecting browser says the last event it saw: it gets only what came after.
+                async with s.get(server.url + "api/events", headers={"Last-Event-ID": "993.0"}) as response:
+                    _, event = await next_event(response)
+                    assert [p["time"] for p in event["history"]] == [994.0, 1001.0]
+        finally:
+            await server.close()
+    arun(main())
+
+
+def test_limits_get_only_capped_event_clients_and_small_requests(arun, monkeypatch) -> None:
+    monkeypatch.setattr(web, "MAX_EVENT_CLIENTS", 2)
+    monkeypatch.setattr(web, "EVENT_INTERVAL", 0.05)
+    view = FakeView()
+
+    async def main():
+        server = await start_web(view, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                url = server.url
+                for method in ("POST", "PUT", "DELETE"):
+                    async with s.request(method, url + "api/swarm", data=b"x" * 100) as response:
+                        assert response.status == 405
+                async with s.post(url + "api/swarm", data=b"x" * (web.MAX_REQUEST_BODY * 4)) as response:
+                    assert response.status in (405, 413)
+                async with s.get(url + "api/history?since=" + "1" * web.MAX_REQUEST_LINE) as response:
+                    assert response.status in (400, 414)
+                async with s.get(url + "static/../web.py") as response:
+                    assert response.status in (403, 404)
+                streams = [await s.get(url + "api/events") for _ in range(2)]
+                for stream in streams:
+                    await next_event(stream)
+                async with s.get(url + "api/events") as response:
+                    assert response.status == 503  # the cap; the API still answers
+                assert (await get_json(s, url + "api/swarm"))["run_id"] == "demo"
+                streams[0].close()
+                for _ in range(100):  # the server notices the closed stream at its next write
+                    async with s.get(url + "api/events") as response:
+                        if response.status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                else:
+                    pytest.fail("a closed stream's slot was never freed")
+                streams[1].close()
+        finally:
+            await server.close()
+    arun(main())
+
+
+def test_a_real_ledger_is_served_as_it_answers(arun) -> None:
+    """The Ledger the monitor runs (SQLite), fed two peers' progress and a round, served as is."""
+    def report(peer: str, epoch: int, loss: float, time: float) -> PeerProgress:
+        return PeerProgress(peer, epoch, 16, 10.0, time, metrics=(("loss", loss),), metrics_time=time, target=64)
+
+    ledger = Ledger(":memory:", "run", history_interval=1.0)
+    closed = RoundRecord(3, 0, (("a", 40), ("b", 24)), time=2.0, round="r3")
+    for t in (1.0, 2.5, 3.5):
+        epoch = 3 if t < 2 else 4
+        ledger.observe(t, {"a": report("a", epoch, 2.0 / t, t), "b": report("b", epoch, 3.0 / t, t)},
+                       {"a": [closed], "b": [closed]} if t > 2 else {},
+                       swarm=SwarmNow("run", t, 2, 20.0, epoch, 16, 64, 2.4))
+
+    async def main():
+        server = await start_web(ledger, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                url = server.url
+                assert await get_json(s, url + "api/swarm") == ledger.swarm_now().to_json()
+                assert await get_json(s, url + "api/peers") == [p.to_json() for p in ledger.peers()]
+                contributors = await get_json(s, url + "api/contributors")
+                assert [(c["peer_id"], c["samples"]) for c in contributors] == [("a", 40), ("b", 24)]
+                assert await get_json(s, url + "api/epochs") == [e.to_json() for e in ledger.epochs()]
+                assert (await get_json(s, url + "api/epochs"))[0]["group_sizes"] == [2]
+                history = await get_json(s, url + "api/history")
+                assert history == [p.to_json() for p in ledger.history()] and len(history) >= 2
+                async with s.get(url + "metrics") as response:
+                    text = await response.text()
+            assert 'potluck_contributor_samples{run="run",peer="a",name=""} 40' in text.splitlines()
+            assert 'potluck_run_peers_online{run="run"} 2' in text.splitlines()
+        finally:
+            await server.close()
+    try:
+        arun(main())
+    finally:
+        ledger.close()
