@@ -2,9 +2,10 @@
 the election rule gives it to this node, and the run's re-planning.
 
 Election rule (every node applies it alike, so no vote is needed): a cluster's controller is the
-live member with the lowest peer id, where the members are the stages of the cluster's newest
-layout in the DHT (the plan's cluster before any layout is published) and "live" means it answers
-a `Ping` within the failure timeout. Each member re-applies the rule every heartbeat, pinging only
+live member with the lowest peer id (the plan's members of that cluster before the standbys that
+joined it), where the members are the stages of the cluster's newest layout in the DHT (the plan's
+cluster before any layout is published) and "live" means it answers a `Ping` within the failure
+timeout. Each member re-applies the rule every heartbeat, pinging only
 the members below it; when the rule names it, it takes the role over. The controller's state is
 recoverable from the DHT: its layout holds the epoch and the stages, the plan holds the standby
 nodes. The new controller resumes from them and re-partitions without the members that do not
@@ -232,7 +233,9 @@ class PipelineNode:
             members = [s.peer for s in layouts[cid].stages] if cid in layouts else list(planned)
             if self.me not in members:
                 continue
-            for candidate in sorted(m for m in members if m in self.plan.nodes):
+            # the plan's members of the cluster first: a standby that joined it does not take the
+            # role (and re-configure every stage) while one of them is alive
+            for candidate in sorted((m for m in members if m in self.plan.nodes), key=lambda m: (m not in planned, m)):
                 if candidate == self.me:
                     await self._take_over(index, layouts)
                     break
