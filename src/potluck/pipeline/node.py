@@ -223,9 +223,8 @@ class PipelineNode:
                 logger.warning("%s steps down as controller of cluster %s: its layout is at epoch %d, past this "
                                "controller's %d", self.me[:8], cid, layouts[cid].epoch, controller.epoch)
                 await self._drop_controller(cid)
-        late = await self._late_profiles()
         if self.controllers:
-            self._refresh_standby(layouts, late)
+            self._refresh_standby(layouts, await self._late_profiles())
         for index, planned in enumerate(self.plan.clusters):
             cid = cluster_id(index)
             if cid in self.controllers:
@@ -242,7 +241,7 @@ class PipelineNode:
                 if await self._alive(candidate):
                     break  # a live member below this node holds the role
         if self.demand is not None:
-            await self._plan_ahead(layouts, late)
+            await self._plan_ahead(layouts)
 
     async def _take_over(self, index: int, layouts: dict[str, Layout]) -> None:
         cid = cluster_id(index)
@@ -321,7 +320,7 @@ class PipelineNode:
         return Ack(self._claimed == (claim.version, claim.cluster)).to_wire()
 
     # -- re-planning ---------------------------------------------------------------------------------
-    async def _plan_ahead(self, layouts: dict[str, Layout], late: list[NodeProfile]) -> None:
+    async def _plan_ahead(self, layouts: dict[str, Layout]) -> None:
         """If this node is the planner (the plan's live node with the lowest peer id), count who
         answers and publish the next version when `planning.replan` calls for it."""
         for node in sorted(self.plan.nodes):
@@ -329,7 +328,7 @@ class PipelineNode:
                 break
             if await self._alive(node):
                 return  # a live node below this one plans
-        candidates = [*self.plan.nodes, *(p.peer_id for p in late)]
+        candidates = [*self.plan.nodes, *(p.peer_id for p in await self._late_profiles())]
         answered = await asyncio.gather(*(self._alive(p) for p in candidates if p != self.me))
         for node, ok in zip([p for p in candidates if p != self.me], answered, strict=True):
             self._missed[node] = 0 if ok else self._missed.get(node, 0) + 1
