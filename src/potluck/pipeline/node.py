@@ -87,6 +87,9 @@ MAX_CLUSTER_ID_CHARS = 16
 # Recoveries of controllers this node held and closed (stepped down, re-planned) that it still
 # reports: a run has a few recoveries, not thousands.
 MAX_PAST_RECOVERIES = 100
+# Published plans remembered as checked (each check solves the clustering): a run sees a few
+# versions; only the plan's nodes can make it check more, and the oldest are forgotten first.
+MAX_JUDGED_PLANS = 64
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,8 @@ class PipelineNode:
                 if missing:
                     self.profiles.update({p.peer_id: p for p in await fetch_profiles(self.peer, self.config.run_id)
                                           if p.peer_id in missing})
+                if len(self._judged) >= MAX_JUDGED_PLANS:
+                    del self._judged[next(iter(self._judged))]
                 self._judged[key] = await run_in_thread(checks, plan, self.profiles, self.demand, self.clusters)
                 if not self._judged[key]:
                     logger.warning("plan version %d is not the rule applied to its nodes' profiles: ignored",
