@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from potluck.averaging.accountability import VERIFY_BLOCK
 from potluck.averaging.allreduce import (
     AllReduceService,
     Equivocation,
@@ -23,6 +24,7 @@ from potluck.averaging.allreduce import (
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.compression import get_codec
 from potluck.core.errors import AveragingError, MalformedMessage
+from potluck.core.serialization import pack
 from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
@@ -218,6 +220,42 @@ def test_member_whose_data_the_codec_refuses_abstains_without_stalling_anyone():
         check_survivors_identical([r[0] if i in good else r for i, r in enumerate(results)], good,
                                   weighted_mean(vectors, weights, good))
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec, most_bytes", [
+    ("blockwise4", 4 * 4 * VERIFY_BLOCK // 6),  # 4 senders' blocks at 4 bits (+ digests), not 64 KiB of float32
+    ({"name": "blockwise4", "block": 1000}, None),  # re-encoding a block is not exact: float32, and no false alarm
+])
+def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypatch, spec, most_bytes):
+    """A member that checks a reducer fetches a block of every sender's piece. Under a 4-bit code
+    whose blocks align with the checked block it comes 4-bit: the check costs about what the
+    round sent, not 4 bytes a value. Where the code cannot carry the block exactly it comes as
+    float32. Either way it decodes to the values the digests bind: the step commits everywhere."""
+    codec = get_codec(spec)
+    replies = []
+    honest_verify = AllReduceService._on_verify
+
+    async def recording(self, request, ctx):
+        replies.append(await honest_verify(self, request, ctx))
+        return replies[-1]
+    monkeypatch.setattr(AllReduceService, "_on_verify", recording)
+
+    async def main():
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 4 * 2 * VERIFY_BLOCK)
+        g = torch.Generator().manual_seed(5)
+        vectors = [torch.randn(group.total, generator=g) for _ in range(4)]
+        results = await asyncio.gather(*(services[i].run(group, vectors[i], 1.0, codec, timeout=60.0, chunk=2**14)
+                                         for i in range(4)))
+        assert all(torch.equal(r[0], results[0][0]) for r in results)
+        torch.testing.assert_close(results[0][0], weighted_mean(vectors, [1.0] * 4, range(4)), rtol=0, atol=0.6)
+    run_virtual(main())
+    assert len(replies) == 4 * 3  # each member checks the three other reducers
+    if most_bytes is not None:
+        for reply in replies:
+            packed = pack(reply)
+            assert len(packed.body) + sum(b.nbytes for b in packed.buffers) < most_bytes
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,8 @@ import torch
 
 from potluck.averaging import Averager, allreduce
 from potluck.averaging.accountability import ban_list
-from potluck.averaging.allreduce import AllReduceRun, ShardReducer
+from potluck.averaging.allreduce import AllReduceRun, AllReduceService, ShardReducer
+from potluck.compression import get_codec
 from potluck.core.virtual_time import run_virtual
 from tests.adversarial.members import N, assert_refused, group_of_four, step_together, warnings_naming
 
@@ -85,6 +86,44 @@ def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
         assert warnings_naming(caplog, attacker.peer_id, "not what its pieces reduce to") == 3
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_that_forges_the_4bit_pieces_a_check_fetches_is_caught_by_every_honest_peer(monkeypatch, caplog):
+    """Under a 4-bit codec a check fetches each sender's block in its 4-bit form (a check then
+    costs what the round sent, issue 19). The attacker reduces its shard to 1e6 and answers every
+    check with well-formed 4-bit pieces that say 1e6 too (a constant encodes exactly), so that
+    they reduce to its lie. Bound: they do not decode to the values the senders' digests bind:
+    every honest peer keeps its tensors and bans the attacker."""
+    honest_chunk = allreduce._weighted_chunk
+    honest_verify = AllReduceService._on_verify
+    codec = get_codec("blockwise4")
+    attacker = None
+
+    async def forging_verify(self, request, ctx):
+        reply = await honest_verify(self, request, ctx)
+        if self.transport is attacker:
+            for entry in reply["p"]:
+                assert entry[5], "the check's answer travels in the codec's 4-bit form"
+                entry[4] = codec.encode(torch.full_like(codec.decode(entry[4]), 1e6))
+        return reply
+    monkeypatch.setattr(AllReduceService, "_on_verify", forging_verify)  # before the services bind it
+
+    async def main():
+        nonlocal attacker
+        avgs, vectors = await group_of_four("forged-4bit-pieces", matchmaking_time=1.0, compression="blockwise4")
+        attacker = avgs[3].transport
+
+        def lying_chunk(pieces, weights, senders, c, out, scratch):
+            honest_chunk(pieces, weights, senders, c, out, scratch)
+            if reducing_on(attacker):
+                out.fill_(1e6)
+        monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+        with caplog.at_level(logging.WARNING):
+            results = await step_together(avgs, HONEST_FIRST)
+        assert_refused(results, avgs[:3], vectors, avgs[3])
+        assert warnings_naming(caplog, attacker.peer_id, "do not match their digests") == 3
     run_virtual(main())
 
 

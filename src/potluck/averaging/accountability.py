@@ -34,8 +34,9 @@ MAX_EVIDENCE_CHARS = 500
 # Bytes of every digest (SHA-256).
 DIGEST_BYTES = 32
 # Elements per digested block of a chunk (16 KiB of float32). A member that checks a reducer's
-# work under an elementwise aggregation fetches one block from every sender, not a whole chunk:
-# the check then costs (reducers - 1) x senders x 16 KiB per member and step, not 1 MiB.
+# work under an elementwise aggregation fetches one block from every sender, not a whole chunk,
+# in the codec's form where exact (allreduce._wire_form): the check then costs (reducers - 1) x
+# senders x one block per member and step (~2 KiB under 4 bits), not a chunk.
 VERIFY_BLOCK = 2**12
 
 
