@@ -207,3 +207,49 @@ def test_a_new_node_takes_a_published_plan_only_if_its_nodes_run():
     stale, waited, taken, newer = run_virtual(main())
     assert stale is None and waited >= RUNNING_WAIT  # asked again for a while, then left alone
     assert taken == newer  # the newest plan whose nodes run
+
+
+@pytest.mark.timeout(60)
+def test_two_clusters_that_need_the_one_standby_at_once_do_not_both_take_it():
+    """Two clusters of three that each need all three (a third of the model per node) lose a node
+    each at the same moment; the plan has one standby. It joins one cluster only; the other cannot
+    recover (here: no re-planning), and no layout names the standby twice."""
+    config = PipelineConfig("one-standby", staleness_bound=4, average_every=0, message_timeout=5,
+                            emulate_compute=True)
+    third = 13_000  # 2 of the 6 equal layers per node (as in test_pipeline_election)
+
+    async def main():
+        net, peers = await make_swarm(7, latency=0.002, bandwidth=None)
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        ids = sorted(by_id)
+        plan = RunPlan(1, (tuple(ids[0:6:2]), tuple(ids[1:6:2])), (ids[6],))
+        nodes = {}
+        for peer_id in ids:
+            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
+                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
+                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                                profiles={p: NodeProfile(p, 1.0, third) for p in ids}, heartbeat=0.5,
+                                failure_timeout=1.0)
+            await node.start()
+            nodes[peer_id] = node
+        controllers = [nodes[min(c)] for c in plan.clusters]
+        await _until(lambda: all(f"c{i}" in n.controllers and n.controllers[f"c{i}"].partition is not None
+                                 for i, n in enumerate(controllers)), 20, "both clusters have their controller")
+        victims = [max(c) for c in plan.clusters]
+        for victim in victims:
+            net.crash(by_id[victim].transport.peer_id)
+        standby = nodes[ids[6]].worker
+        await _until(lambda: standby.route is not None and standby.stats.updates >= 10, 30, "the standby trains")
+        await asyncio.sleep(5)  # time for the other cluster to try, too
+        stages = [[s.peer for s in n.controllers[f"c{i}"].stages] for i, n in enumerate(controllers)]
+        claimed = nodes[ids[6]]._claimed
+        for peer_id, node in nodes.items():
+            if peer_id not in victims:
+                await node.close()
+                await by_id[peer_id].dht.ashutdown()
+                await by_id[peer_id].transport.close()
+        return stages, ids[6], claimed, standby.route.cluster
+
+    stages, spare, claimed, joined = run_virtual(main())
+    assert sum(spare in s for s in stages) == 1  # one cluster took it, the other did not
+    assert claimed == (1, joined)
