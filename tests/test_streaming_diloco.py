@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import potluck
+from potluck.averaging.matchmaking import Matchmaker
 from potluck.compression import get_codec
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
@@ -167,6 +168,24 @@ def test_a_peer_killed_mid_fragment_leaves_the_others_training_and_identical():
         assert group[1] == group[2], result["rounds"]
     assert result["outer"][1] == result["outer"][2]
     assert result["losses"][1] < 0.8 * result["losses"][0], result["losses"]
+
+
+@pytest.mark.timeout(120)
+def test_only_the_first_round_looks_for_peers_in_the_dht(monkeypatch):
+    """Each fragment has its own averager, but they share the memory of the last group: a later
+    fragment's first round asks that group's leader directly, as a repeated round does (before,
+    each fragment's first round declared itself in the DHT and waited out a matchmaking window)."""
+    through_dht = []
+    dht_key = Matchmaker._dht_key
+
+    def recording(self, group_key):
+        through_dht.append(self.prefix)
+        return dht_key(self, group_key)
+    monkeypatch.setattr(Matchmaker, "_dht_key", recording)
+    result = run(3, 6, dict(fragments=2, outer_compression="blockwise4"))
+    assert result["epochs"] == [6, 6, 6] and len(result["rounds"]) == 6, result
+    assert all(len(group) == 3 for group in result["rounds"].values()), result["rounds"]
+    assert set(through_dht) == {"stream.delta0"}, through_dht
 
 
 @pytest.mark.timeout(120)

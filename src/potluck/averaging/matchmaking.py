@@ -12,7 +12,8 @@ leader whose caller knows that exactly that group's members take part (`members`
 group as soon as they are back, with no declaration and no settling. A leader that is open to
 newcomers turns its old members away, and they fall back to the DHT like everyone else; so does a
 member whose leader does not gather in time. This saves the DHT's part of every epoch's
-matchmaking in a stable swarm (most of a round on a fast network).
+matchmaking in a stable swarm (most of a round on a fast network). Averagers that meet the same
+peers can share that memory (`LastGroup`): Streaming DiLoCo's fragments meet through the DHT once.
 
 The leader closes the group when it reaches `target_group_size` or its window ends, decides the
 load split (DeDLOC's linear program over the members' measured bandwidths) and the member order,
@@ -86,6 +87,16 @@ REJOIN_WAIT = 5.0
 REJOIN_FRACTION = 0.5
 # Longest group key a join request may name (ours are a prefix, an epoch and a grid cell).
 MAX_KEY_CHARS = 512
+
+
+@dataclass
+class LastGroup:
+    """The last group we were in: its leader (ourselves if we led it), and its members if we led
+    it. Matchmakers that meet the same peers may share one (Streaming DiLoCo's fragments: a later
+    fragment's first round then meets without the DHT too)."""
+
+    leader: PeerID | None = None
+    members: frozenset[PeerID] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -310,8 +321,7 @@ class Matchmaker:
         self.min_group_size = min_group_size
         self._gatherings: dict[str, _Gathering] = {}
         self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
-        self.leader: PeerID | None = None  # of the last group we were in (ourselves if we led it)
-        self._last_members: frozenset[PeerID] = frozenset()  # of the last group we led
+        self.last = LastGroup()
         self.banned = ban_list(transport)
         transport.add_handler(f"{METHOD_JOIN}.{prefix}", self._on_join)
 
@@ -338,13 +348,14 @@ class Matchmaker:
         `members`: every peer that takes part, if the caller knows them: if they are the group
         we led last time, we wait for them only, without the DHT. Members of a last group always
         ask its leader first."""
-        keep = members is not None and self.leader == self.transport.peer_id and not self.client \
-            and members == self._last_members
+        keep = members is not None and self.last.leader == self.transport.peer_id and not self.client \
+            and members == self.last.members
         if keep:  # full once they are all back
             target = min(target or self.target, len(members))
         formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
-        self.leader = formed.group.peers[0]
-        self._last_members = frozenset(formed.group.peers) if self.leader == self.transport.peer_id else frozenset()
+        leader = formed.group.peers[0]
+        self.last.leader = leader
+        self.last.members = frozenset(formed.group.peers) if leader == self.transport.peer_id else frozenset()
         return formed
 
     async def _form(self, group_key: str, window: float, bandwidth: tuple[float, float], metadata: Any,
@@ -353,7 +364,7 @@ class Matchmaker:
         give_up = loop.time() + window + BEGIN_SLACK
         upload, download = bandwidth
         me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download, metadata)
-        leader = self.leader if self.leader != self.transport.peer_id else None
+        leader = self.last.leader if self.last.leader != self.transport.peer_id else None
         if leader is not None:
             await _settle(0.0, ready)  # our own check first: a failing peer must not join
             rejoined = await self._rejoin(leader, group_key, me, window * REJOIN_FRACTION, give_up)
@@ -418,7 +429,7 @@ class Matchmaker:
             logger.debug("rejoining %s failed: %s", leader, e)
             return None
         finally:
-            self.leader = None  # asked once; it is set again by the group we end up in
+            self.last.leader = None  # asked once; it is set again by the group we end up in
 
     async def _keep(self, gathering: _Gathering, ready: asyncio.Future | None, give_up: float) -> FormedGroup:
         """Lead the last group again: close it once its members are back or the window ends."""
@@ -537,7 +548,7 @@ class Matchmaker:
     async def _answer_join(self, join: JoinRequest, ctx: Any) -> JoinReply:
         if ctx.peer_id in self.banned:
             return JoinRefused("this peer caught you lying earlier")
-        if join.again is not None and ctx.peer_id not in self._last_members:
+        if join.again is not None and ctx.peer_id not in self.last.members:
             return JoinRefused("not a member of our last group")
         gathering = self._gatherings.get(join.key) if join.again is None else \
             await self._gathering_for(join.key, min(join.again, REJOIN_WAIT))

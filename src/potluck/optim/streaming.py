@@ -216,6 +216,11 @@ class StreamingDiLoCo:
                 Averager(opt.peer, [outer[k] for k in span] + [momentum[k] for k in span],
                          f"{opt.run_id}.outer{i}", allow_state_sharing=False, **options),
                 ErrorFeedback(config.compression, len(span)) if isinstance(spec, TopK) else None))
+        # The fragments' rounds meet the same peers: one memory of the last group for all, so a
+        # later fragment's first round asks the last leader directly, as a repeated round does
+        # (no DHT declaration, no matchmaking window: once per run, not once per fragment).
+        for fragment in self.fragments[1:]:
+            fragment.averager.matchmaker.last = self.fragments[0].averager.matchmaker.last
 
     async def after_step(self) -> None:
         """Count one inner step: apply the round in flight when its delay is over, and start the
