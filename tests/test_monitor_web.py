@@ -1,20 +1,28 @@
-"""The monitor's web server (`potluck.monitor.web`): JSON API, live events, /metrics, and its limits."""
+"""The monitor's web server (`potluck.monitor.web`): JSON API, live events, /metrics, and its limits;
+against a hand-made view, and against the real Ledger following an emulated swarm as it trains."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import urllib.request
 
 import aiohttp
 import pytest
+import torch
 
-from potluck.metrics import CONTENT_TYPE, Registry
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.metrics import CONTENT_TYPE, Registry, peer_metrics
 from potluck.monitor import web
+from potluck.monitor.follower import Follower
 from potluck.monitor.ledger import Ledger
 from potluck.monitor.views import Contributor, EpochRow, HistoryPoint, PeerState, SwarmNow
 from potluck.monitor.web import start_web
-from potluck.optim.progress import PeerProgress, RoundRecord
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
+from tests.emulated_swarm import run_on_shared_runner
 
 
 class FakeView:
@@ -200,39 +208,94 @@ def test_limits_get_only_capped_event_clients_and_small_requests(arun, monkeypat
     arun(main())
 
 
-def test_a_real_ledger_is_served_as_it_answers(arun) -> None:
-    """The Ledger the monitor runs (SQLite), fed two peers' progress and a round, served as is."""
-    def report(peer: str, epoch: int, loss: float, time: float) -> PeerProgress:
-        return PeerProgress(peer, epoch, 16, 10.0, time, metrics=(("loss", loss),), metrics_time=time, target=64)
+SWARM_RUN, SWARM_BATCH, SWARM_TARGET = "web", 8, 64
 
-    ledger = Ledger(":memory:", "run", history_interval=1.0)
-    closed = RoundRecord(3, 0, (("a", 40), ("b", 24)), time=2.0, round="r3")
-    for t in (1.0, 2.5, 3.5):
-        epoch = 3 if t < 2 else 4
-        ledger.observe(t, {"a": report("a", epoch, 2.0 / t, t), "b": report("b", epoch, 3.0 / t, t)},
-                       {"a": [closed], "b": [closed]} if t > 2 else {},
-                       swarm=SwarmNow("run", t, 2, 20.0, epoch, 16, 64, 2.4))
 
-    async def main():
-        server = await start_web(ledger, "127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession() as s:
-                url = server.url
-                assert await get_json(s, url + "api/swarm") == ledger.swarm_now().to_json()
-                assert await get_json(s, url + "api/peers") == [p.to_json() for p in ledger.peers()]
-                contributors = await get_json(s, url + "api/contributors")
-                assert [(c["peer_id"], c["samples"]) for c in contributors] == [("a", 40), ("b", 24)]
-                assert await get_json(s, url + "api/epochs") == [e.to_json() for e in ledger.epochs()]
-                assert (await get_json(s, url + "api/epochs"))[0]["group_sizes"] == [2]
-                history = await get_json(s, url + "api/history")
-                assert history == [p.to_json() for p in ledger.history()] and len(history) >= 2
-                async with s.get(url + "metrics") as response:
-                    text = await response.text()
-            assert 'potluck_contributor_samples{run="run",peer="a",name=""} 40' in text.splitlines()
-            assert 'potluck_run_peers_online{run="run"} 2' in text.splitlines()
-        finally:
-            await server.close()
+async def swarm_served_mid_run() -> list[dict]:
+    """Two trainers on the emulated network (virtual clock), a monitor peer following them into a
+    Ledger and serving it; twice while they train, the API and /metrics are read over real HTTP from a
+    thread (the virtual clock stands still meanwhile) next to the ledger's own answers."""
+    network = EmulatedNetwork(latency=0.01, seed=5)
+    peers: list[potluck.Peer] = []
+    for _ in range(3):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    *trainers, monitor = peers
+    optimizers = []
+    for peer in trainers:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = Optimizer(peer, SWARM_RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                        target_batch_size=SWARM_TARGET, batch_size_per_step=SWARM_BATCH, load_state=False, start=False)
+        optimizers.append((opt, model))
+    ledger = Ledger(":memory:", SWARM_RUN, history_interval=0.25)
+    follower = Follower(monitor, SWARM_RUN, ledger, poll_interval=0.25)
+    following = asyncio.ensure_future(follower.run())
+    server = await start_web(ledger, "127.0.0.1", 0, registry=peer_metrics(monitor.transport).registry)
+
+    async def train(opt: Optimizer, model: torch.nn.Module, seed: int, epochs: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        while opt.local_epoch < epochs:
+            x = torch.randn(SWARM_BATCH, 4, generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+            loss.backward()
+            opt.report_metrics(loss=loss.item())
+            await asyncio.sleep(0.02)
+            await opt.astep()
+
+    def read() -> dict:
+        def get(path: str) -> bytes:
+            with urllib.request.urlopen(server.url + path, timeout=10) as response:
+                return response.read()
+        truth = {"swarm": ledger.swarm_now().to_json(), "peers": [p.to_json() for p in ledger.peers()],
+                 "contributors": [c.to_json() for c in ledger.contributors()],
+                 "history": [p.to_json() for p in ledger.history()]}
+        served = {name: json.loads(get("api/" + name)) for name in truth}
+        return {"truth": truth, "served": served, "metrics": get("metrics").decode()}
+
+    loop = asyncio.get_running_loop()
+    reads = []
     try:
-        arun(main())
+        for opt, _ in optimizers:
+            await opt.astart()
+        for epochs in (2, 4):  # read mid-run, then later in the same run
+            await asyncio.wait_for(asyncio.gather(*(train(opt, model, i, epochs)
+                                                    for i, (opt, model) in enumerate(optimizers))), 60)
+            await asyncio.sleep(0.5)  # the monitor polls the round records of the last epoch
+            reads.append(await loop.run_in_executor(None, read))
+        reads.append({"trainers": [p.peer_id for p in trainers]})
+        return reads
     finally:
+        await server.close()
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+        follower.close()
         ledger.close()
+        for opt, _ in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+@pytest.mark.timeout(60)
+def test_api_and_metrics_answer_with_the_ledgers_numbers_while_a_swarm_trains() -> None:
+    first, later, names = run_on_shared_runner(swarm_served_mid_run(), timeout=60)
+    trainers = set(names["trainers"])
+    for read in (first, later):
+        assert read["served"] == read["truth"]  # the API is the ledger, as it was at that moment
+        assert {p["peer_id"] for p in read["served"]["peers"] if p["online"]} == trainers
+        lines = read["metrics"].splitlines()
+        swarm = read["truth"]["swarm"]
+        assert f'potluck_run_epoch{{run="{SWARM_RUN}"}} {swarm["epoch"]}' in lines
+        for c in read["truth"]["contributors"]:
+            assert f'potluck_contributor_samples{{run="{SWARM_RUN}",peer="{c["peer_id"]}",name=""}} {c["samples"]}' in lines
+        # the monitor peer's own registry: it reads the run through DHT finds
+        assert any(line.startswith('potluck_dht_request_seconds_count{method="find"} ') and float(line.split()[-1]) > 0
+                   for line in lines)
+    # The numbers moved on between the two reads: more epochs, more credit, more history with losses.
+    assert later["truth"]["swarm"]["epoch"] > first["truth"]["swarm"]["epoch"] >= 1
+    credit = {c["peer_id"]: c["samples"] for c in first["truth"]["contributors"]}
+    assert set(credit) == trainers and all(n > 0 for n in credit.values())
+    assert all(c["samples"] > credit[c["peer_id"]] for c in later["truth"]["contributors"])
+    losses = [p["loss"] for p in later["served"]["history"] if p["loss"] is not None]
+    assert len(losses) > len([p for p in first["served"]["history"] if p["loss"] is not None]) >= 2
