@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,6 @@ from aiohttp import web
 from potluck.core import compat
 from potluck.metrics import CONTENT_TYPE, Registry
 from potluck.monitor.views import HistoryPoint, MonitorView
-
-logger = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 
