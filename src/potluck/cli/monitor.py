@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import math
 import sys
 import time
@@ -97,8 +96,7 @@ def run_monitor(args: argparse.Namespace) -> int:
             follower = Follower(peer, args.run_id, ledger)
             server = _start_web(peer, ledger, args.host, args.port)
             print(f"monitoring run {args.run_id!r} into {args.db} as peer {peer.peer_id}")
-            print(f"dashboard: {server.url}" if server is not None else
-                  "dashboard: not available in this installation (potluck.monitor.web); recording only")
+            print(f"dashboard: {server.url}")
             print("press Ctrl-C to stop", flush=True)
             last_print = 0.0
             try:
@@ -110,8 +108,7 @@ def run_monitor(args: argparse.Namespace) -> int:
                     stop.wait(POLL_INTERVAL)
             finally:
                 follower.close()
-                if server is not None:
-                    peer.run(server.close(), WEB_TIMEOUT)
+                peer.run(server.close(), WEB_TIMEOUT)
     finally:
         ledger.close()
     print("stopped", flush=True)
@@ -119,17 +116,12 @@ def run_monitor(args: argparse.Namespace) -> int:
 
 
 def _start_web(peer: Peer, ledger: Ledger, host: str, port: int) -> Any:
-    """The dashboard's server on the peer's event loop, or None where potluck.monitor.web is not installed."""
-    try:
-        from potluck.monitor.web import start_web  # the web side is optional
-    except ImportError:
-        return None
+    """The dashboard's server on the peer's event loop; its /metrics include the monitor peer's own."""
+    from potluck.metrics import peer_metrics
+    from potluck.monitor.web import start_web
 
-    async def start() -> Any:
-        server = start_web(ledger, host, port)
-        return await server if inspect.isawaitable(server) else server
     try:
-        return peer.run(start(), WEB_TIMEOUT)
+        return peer.run(start_web(ledger, host, port, registry=peer_metrics(peer.transport).registry), WEB_TIMEOUT)
     except OSError as e:
         raise PotluckError(f"cannot serve the dashboard on {host}:{port} ({e}): pick another --port") from None
 
