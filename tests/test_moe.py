@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 
 import potluck
 from potluck.core.errors import MalformedMessage, RemoteError
+from potluck.core.virtual_time import run_virtual
 from potluck.moe import (
     BadExpertRequest,
     ExpertNotFound,
@@ -24,8 +27,10 @@ from potluck.moe import (
     TensorSchema,
     make_expert,
 )
-from potluck.moe.grid import ExpertLocation, parse_cell
-from potluck.moe.server import METHOD_FORWARD
+from potluck.moe.grid import ExpertLocation, announce_experts, parse_cell
+from potluck.moe.messages import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest
+from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD
+from tests.emulated_swarm import make_swarm
 
 HIDDEN = 8
 
@@ -260,7 +265,9 @@ def test_mixture_averages_k_best_experts_and_drops_a_dead_server(peers):
     try:
         torch.manual_seed(3)
         experts = _grid_experts(a, b)
-        layer = RemoteMixtureOfExperts(client, HIDDEN, grid, "ffn", k_best=4, k_min=1, forward_timeout=10)
+        # every expert's answer is expected, however loaded the machine: no grace period after k_min
+        layer = RemoteMixtureOfExperts(client, HIDDEN, grid, "ffn", k_best=4, k_min=1, forward_timeout=10,
+                                       timeout_after_k_min=None)
         x = torch.randn(6, HIDDEN, requires_grad=True)
         out = layer(x)
         out.pow(2).sum().backward()
@@ -318,6 +325,76 @@ def test_a_late_expert_is_dropped_weights_renormalize_and_its_server_keeps_servi
         remote = RemoteExpert(client, "g.0.0")  # the slow server got over it and serves again
         torch.testing.assert_close(remote(x), gated.linear(x))
         assert slow.stats["g.0.0"].forward_calls >= 1
+
+
+def _scaling_expert(host, uid: str, scale: float, slow_forward: float = 0.0, slow_backward: float = 0.0) -> None:
+    """A stand-in expert server on an emulated peer: output = scale * input (and so is the input
+    gradient), after `slow_*` virtual seconds."""
+    shapes = {uid: SimpleNamespace(input_schema=(TensorSchema((HIDDEN,)),), output_schema=(TensorSchema((HIDDEN,)),))}
+
+    async def forward(msg, ctx):
+        request = ForwardRequest.from_wire(msg, shapes, 64)
+        await asyncio.sleep(slow_forward)
+        return ForwardReply((request.inputs[0] * scale,), kept=True).to_wire()
+
+    async def backward(msg, ctx):
+        request = BackwardRequest.from_wire(msg, shapes, 64)
+        await asyncio.sleep(slow_backward)
+        return BackwardReply((request.grads[0] * scale,)).to_wire()
+    host.transport.add_handler(METHOD_FORWARD, forward)
+    host.transport.add_handler(METHOD_BACKWARD, backward)
+
+
+@pytest.mark.timeout(30)
+def test_after_k_min_answers_a_slow_expert_gets_only_the_grace_period():
+    """Virtual clock: three experts, one 30 s late in forward, another in backward. Once every
+    sample has k_min answers the call waits timeout_after_k_min more, then goes on with the others."""
+    slow, grace = 30.0, 1.0
+
+    async def main():
+        _, peers = await make_swarm(4)
+        hosts, client = peers[:3], peers[3]
+        _scaling_expert(hosts[0], "ffn.0.0", 1.0)
+        _scaling_expert(hosts[1], "ffn.0.1", 2.0, slow_backward=slow)
+        _scaling_expert(hosts[2], "ffn.0.2", 3.0, slow_forward=slow)
+        for i, host in enumerate(hosts):  # each announces its own (records name their owner)
+            location = ExpertLocation(f"ffn.0.{i}", host.transport.peer_id)
+            assert await announce_experts(host.dht, [location], host.dht.get_time() + 600, timeout=10) > 0
+        loop = asyncio.get_running_loop()
+        x, grad_out = torch.randn(4, HIDDEN), torch.randn(4, 3, HIDDEN)
+        scores = [[[0.0]] * 4, [[3.0, 2.0, 1.0]] * 4]  # every sample asks all three experts
+
+        async def call(layer: RemoteMixtureOfExperts, backward: bool = False) -> tuple[float, dict]:
+            dispatches, _ = layer._dispatch(await layer._search(scores, 3), 3)
+            started = loop.time()
+            if backward:
+                results = await layer._backward_all(x, grad_out, dispatches)
+            else:
+                results = await layer._forward_all(x, dispatches)
+            return loop.time() - started, {d.location.uid: r for d, r in zip(dispatches, results, strict=True)}
+
+        layer = RemoteMixtureOfExperts(client, HIDDEN, (1, 3), "ffn", k_best=3, k_min=1, forward_timeout=60,
+                                       backward_timeout=60, timeout_after_k_min=grace)
+        elapsed, results = await call(layer)
+        assert grace <= elapsed < grace + 0.5  # not the 30 s of the slow expert, nor forward_timeout
+        assert isinstance(results["ffn.0.2"], TimeoutError)
+        for uid, scale in (("ffn.0.0", 1.0), ("ffn.0.1", 2.0)):
+            torch.testing.assert_close(results[uid].outputs[0], x * scale)
+        elapsed, results = await call(layer, backward=True)
+        assert grace <= elapsed < grace + 0.5 and isinstance(results["ffn.0.1"], TimeoutError)
+        torch.testing.assert_close(results["ffn.0.0"][0], grad_out[:, 0])
+        torch.testing.assert_close(results["ffn.0.2"][0], grad_out[:, 2] * 3.0)
+
+        waiting = RemoteMixtureOfExperts(client, HIDDEN, (1, 3), "ffn", k_best=3, k_min=1, forward_timeout=60,
+                                         timeout_after_k_min=None)  # waits for every expert, up to forward_timeout
+        elapsed, results = await call(waiting)
+        assert slow <= elapsed < slow + 0.5
+        torch.testing.assert_close(results["ffn.0.2"].outputs[0], x * 3.0)
+        all_three = RemoteMixtureOfExperts(client, HIDDEN, (1, 3), "ffn", k_best=3, k_min=3, forward_timeout=60,
+                                           timeout_after_k_min=grace)  # k_min answers come only with the slow one
+        elapsed, results = await call(all_three)
+        assert slow <= elapsed < slow + 0.5 and not any(isinstance(r, BaseException) for r in results.values())
+    run_virtual(main())
 
 
 @pytest.mark.timeout(60)

@@ -3,7 +3,9 @@
 A gating network scores each grid dimension separately (product keys: an expert's score is the sum
 of its coordinates' scores), a beam search over the DHT finds each sample's best live experts, and
 the calls run in parallel. Experts that fail or miss the deadline are dropped and the remaining
-weights renormalized (softmax over the experts that answered), down to `k_min` per sample.
+weights renormalized (softmax over the experts that answered), down to `k_min` per sample. Once
+every sample has `k_min` answers, the rest get a short grace period (`timeout_after_k_min`), so
+one slow expert does not hold every batch until `forward_timeout`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,11 @@ DEFAULT_CACHE_SECONDS = 2.0
 # A server whose call failed is skipped by searches for this long, so a killed server costs one
 # failed call per client rather than one per batch until its announcement expires.
 DEAD_SERVER_SECONDS = 10.0
+# Once every sample has k_min answers, the other calls get this much longer (hivemind's
+# timeout_after_k_min). A healthy expert answers within a round trip plus its server's queue, far
+# under a second on a LAN and about that over the internet; a stalled one then costs each batch
+# this long instead of the whole forward_timeout (60 s by default).
+DEFAULT_TIMEOUT_AFTER_K_MIN = 1.0
 
 
 @dataclass
@@ -94,10 +101,43 @@ class _MixtureCall(torch.autograd.Function):
         return None, grad_x, None, None, None
 
 
+async def _gather_after_k_min(calls: Sequence[Awaitable[Any]], rows: Sequence[Sequence[int]], samples: int,
+                             k_min: int, grace: float | None) -> list[Any]:
+    """Each call's result or exception (like `gather(..., return_exceptions=True)`), where call i
+    answers for the samples `rows[i]`. Once every sample has `k_min` answers, the calls still running
+    get `grace` seconds more (None: no limit beyond their own timeouts); then they are cancelled and
+    count as failed with a TimeoutError."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    index = {task: i for i, task in enumerate(tasks)}
+    answered = [0] * samples
+    pending, deadline = set(tasks), None
+    loop = asyncio.get_running_loop()
+    try:
+        while pending:
+            wait = None if deadline is None else max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break  # the grace period is over
+            for task in done:
+                if task.exception() is None:
+                    for row in rows[index[task]]:
+                        answered[row] += 1
+            if deadline is None and grace is not None and all(a >= k_min for a in answered):
+                deadline = loop.time() + grace
+    finally:
+        for task in pending:
+            task.cancel()
+    if pending:
+        logger.info("%d expert calls dropped: no answer %.1f s after every sample had %d", len(pending), grace, k_min)
+        await asyncio.wait(pending)
+    late = TimeoutError(f"no answer within {grace} s after every sample had k_min={k_min} answers")
+    return [late if task in pending else (task.exception() or task.result()) for task in tasks]
+
+
 class _RemoteMixtureBase(nn.Module):
     def __init__(self, peer: PeerLike, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
                  k_min: int, forward_timeout: float | None, backward_timeout: float | None,
-                 beam_size: int | None, cache_seconds: float):
+                 beam_size: int | None, cache_seconds: float, timeout_after_k_min: float | None):
         super().__init__()
         if not grid_size or any(g < 1 for g in grid_size):
             raise ValueError(f"grid_size must be positive sizes, one per grid dimension; got {grid_size}")
@@ -110,6 +150,7 @@ class _RemoteMixtureBase(nn.Module):
         self.k_best, self.k_min = k_best, k_min
         self.forward_timeout = forward_timeout or DEFAULT_TIMEOUT
         self.backward_timeout = backward_timeout or DEFAULT_TIMEOUT
+        self.timeout_after_k_min = timeout_after_k_min
         self.beam_size = beam_size or max(k_best, 2)
         self.gate = nn.Linear(in_features, sum(self.grid_size))
         self.directory = GridDirectory(peer.dht, cache_seconds, LOOKUP_TIMEOUT)
@@ -143,7 +184,8 @@ class _RemoteMixtureBase(nn.Module):
                 logger.info("expert %s dropped: %s", d.location.uid, e)
                 self._dead[str(d.location.peer_id)] = time.monotonic() + DEAD_SERVER_SECONDS
                 raise
-        return await asyncio.gather(*(one(d) for d in dispatches), return_exceptions=True)
+        return await _gather_after_k_min([one(d) for d in dispatches], [d.rows for d in dispatches], len(x),
+                                         self.k_min, self.timeout_after_k_min)
 
     async def _backward_all(self, x: torch.Tensor, grad_outputs: torch.Tensor,
                             dispatches: list[_Dispatch]) -> list[Any]:
@@ -152,7 +194,8 @@ class _RemoteMixtureBase(nn.Module):
                            [grad_outputs[torch.tensor(d.rows), torch.tensor(d.slots)]], self.backward_timeout,
                            [d.needs_grad], d.kept)
                  for d in dispatches]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        return await _gather_after_k_min(calls, [d.rows for d in dispatches], len(x), self.k_min,
+                                         self.timeout_after_k_min)
 
     # -- shared steps -------------------------------------------------------------------------------
     def _route(self, flat: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[list[tuple[float, ExpertLocation]]]]:
@@ -203,15 +246,18 @@ class RemoteMixtureOfExperts(_RemoteMixtureBase):
             server may host experts of several grids.
         k_best: experts asked per sample. k_min: fewest answers a sample may have (else NotEnoughExperts).
         forward_timeout, backward_timeout: seconds per expert call (None: 60); late experts are dropped.
+        timeout_after_k_min: once every sample has k_min answers (forward; backward: k_min gradients),
+            the other calls get this many seconds more, then are dropped (None: wait for them all).
         beam_size: prefixes each search round looks up per sample (default max(k_best, 2)).
         cache_seconds: how long DHT prefix lookups are reused.
     """
 
     def __init__(self, peer: PeerLike, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
                  k_min: int = 1, forward_timeout: float | None = None, backward_timeout: float | None = None, *,
-                 beam_size: int | None = None, cache_seconds: float = DEFAULT_CACHE_SECONDS):
+                 timeout_after_k_min: float | None = DEFAULT_TIMEOUT_AFTER_K_MIN, beam_size: int | None = None,
+                 cache_seconds: float = DEFAULT_CACHE_SECONDS):
         super().__init__(peer, in_features, grid_size, uid_prefix, k_best, k_min, forward_timeout,
-                         backward_timeout, beam_size, cache_seconds)
+                         backward_timeout, beam_size, cache_seconds, timeout_after_k_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -239,7 +285,7 @@ class RemoteSwitchMixtureOfExperts(_RemoteMixtureBase):
                  forward_timeout: float | None = None, backward_timeout: float | None = None, *,
                  beam_size: int | None = None, cache_seconds: float = DEFAULT_CACHE_SECONDS):
         super().__init__(peer, in_features, grid_size, uid_prefix, 1, 1, forward_timeout, backward_timeout,
-                         beam_size, cache_seconds)
+                         beam_size, cache_seconds, None)  # one expert per sample: no grace to give
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, self.in_features)
