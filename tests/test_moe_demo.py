@@ -1,4 +1,5 @@
-"""`potluck demo --mode moe`, run as a user runs it, shortened: experts on two servers, one killed."""
+"""`potluck demo --mode moe`, run as a user runs it, shortened: experts on two servers, one killed,
+the trainers' own parameters identical after every epoch."""
 
 from __future__ import annotations
 
@@ -24,5 +25,7 @@ def test_moe_demo_learns_digits_with_a_server_killed_and_writes_its_report(tmp_p
     assert report["experts_at_start"] == 8
     assert report["experts_alive_at_end"] == 4 and all(u.startswith("ffn.0.") for u in report["experts_alive"])
     assert all(steps > 0 for steps in report["steps"].values())
+    shared = report["shared_parameters"]  # the trainers' own parameters, data parallel (sync mode)
+    assert shared["epochs_compared"] > 0 and shared["epochs_agreeing"] == shared["epochs_compared"], shared
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert "killed server-1" in proc.stdout and "test accuracy" in proc.stdout

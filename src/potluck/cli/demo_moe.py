@@ -2,9 +2,11 @@
 
 Each trainer's model is input layer -> RemoteMixtureOfExperts over a 2x4 grid of ffn experts ->
 classifier. The experts live on two expert-server processes (grid rows 0 and 1) and learn from
-both trainers' gradients. Midway one server is killed: its experts vanish from the DHT and the
-trainers go on with the survivors. The parent prints a progress line and writes report.json and
-loss.png.
+both trainers' gradients with the servers' own optimizers; the trainers' own parameters (input
+layer, gate, classifier) are trained data parallel with `potluck.Optimizer` (sync mode), so after
+every epoch they are the same on both trainers. Midway one server is killed: its experts
+vanish from the DHT and the trainers go on with the survivors. The parent prints a progress line
+and writes report.json and loss.png.
 """
 
 from __future__ import annotations
@@ -22,12 +24,20 @@ from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
 from potluck.cli.tasks import accuracy, load_data
 
 REPORT_KEYS = ("test_accuracy", "experts_alive_at_end", "experts_at_start", "trainer_accuracies", "killed",
-               "wall_seconds", "steps", "experts_per_sample", "loss_curves")
+               "wall_seconds", "steps", "experts_per_sample", "loss_curves", "shared_parameters")
 GRID = (2, 4)
 HIDDEN = 64
 BATCH = 32
 K_BEST = 4
+TRAINERS = 2
 LEARNING_RATE = 3e-3
+# Samples per epoch of the trainers' shared parameters (sync mode: their gradients are averaged
+# and every trainer takes the same step): 4 local batches each, so a round (tens of ms here) is a
+# small share of the time, while the gate still steps often enough to keep up with the experts.
+TARGET_BATCH = BATCH * 4 * TRAINERS
+# Every trainer builds its shared parameters from this seed: they start equal (a late trainer
+# would download them from the others instead).
+SHARED_SEED = 0
 EXPERT_LEARNING_RATE = 1e-3
 # Announcements expire this long after a server dies, so the demo sees its experts disappear.
 ANNOUNCE_TTL = 6.0
@@ -79,6 +89,17 @@ def _model(peer: Any) -> tuple[Any, Any]:
     return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), moe, nn.Linear(HIDDEN, 10)), moe
 
 
+def _shared_optimizer(peer: Any, model: Any) -> Any:
+    """Sync data parallelism over the trainer's own parameters (the gate among them); experts are
+    not among them: their servers train them."""
+    import torch
+
+    from potluck.optim import Optimizer
+    return Optimizer(peer, "moe-demo", model.parameters(), lambda p: torch.optim.Adam(p, LEARNING_RATE),
+                     target_batch_size=TARGET_BATCH, batch_size_per_step=BATCH, mode="sync",
+                     matchmaking_time=0.5, averaging_timeout=20.0)
+
+
 async def _alive_experts(peer: Any) -> list[str]:
     """Experts the DHT lists under the grid that also answer a call now."""
     import asyncio
@@ -99,17 +120,20 @@ def _trainer(spec: dict) -> int:
     import torch
 
     import potluck
+    from potluck.cli.ps import params_digest
     from potluck.moe import NotEnoughExperts
     torch.set_num_threads(1)
     stop = _stop_event()
     x, y, x_test, y_test = load_data()
     x, x_test = x.reshape(len(x), -1), x_test.reshape(len(x_test), -1)
-    with potluck.Peer(initial_peers=spec["initial_peers"], host="127.0.0.1", client_mode=True) as peer:
-        torch.manual_seed(spec["seed"])
+    # Not client mode: the trainers average their shared parameters with each other.
+    with potluck.Peer(initial_peers=spec["initial_peers"], host="127.0.0.1") as peer:
+        torch.manual_seed(SHARED_SEED)
         model, moe = _model(peer)
-        opt = torch.optim.Adam(model.parameters(), LEARNING_RATE)
-        _emit({"address": None, "experts_at_start": len(peer.run(_alive_experts(peer), 30))})
+        opt = _shared_optimizer(peer, model)
+        _emit({"address": peer.addresses[0], "experts_at_start": len(peer.run(_alive_experts(peer), 30))})
         generator = torch.Generator().manual_seed(spec["seed"])
+        digests: dict[int, str] = {}  # the shared parameters right after each epoch
         loss_ema, step, failed, last, started = None, 0, 0, 0.0, time.time()
         while not stop.is_set():
             batch = torch.randint(0, len(y), (BATCH,), generator=generator)
@@ -118,19 +142,22 @@ def _trainer(spec: dict) -> int:
             except NotEnoughExperts:
                 failed += 1  # every expert of some sample failed at once; skip this batch
                 continue
-            opt.zero_grad()
             loss.backward()
+            epoch = opt.local_epoch
             opt.step()
+            if opt.local_epoch != epoch:
+                digests[opt.local_epoch] = params_digest(list(model.parameters()))
             step += 1
             loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
             if time.monotonic() - last > 0.5:
                 last = time.monotonic()
                 _emit({"step": step, "loss": loss_ema, "experts_per_sample": moe.last_answered,
                        "sps": step * BATCH / (time.time() - started), "time": time.time()})
+        opt.shutdown()
         model.eval()
         alive = peer.run(_alive_experts(peer), 60)
         _emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "step": step, "failed_batches": failed,
-               "experts_alive": alive})
+               "experts_alive": alive, "digests": digests})
     return 0
 
 
@@ -179,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         workers.append(_spawn("server-1", "server", {"row": 1, "initial_peer": first.hello["address"]}, out))
         _ready(workers[1], out)
         addresses = [w.hello["address"] for w in workers]
-        workers += [_spawn(f"trainer-{i}", "trainer", {"seed": i, "initial_peers": addresses}, out) for i in range(2)]
+        workers += [_spawn(f"trainer-{i}", "trainer", {"seed": i, "initial_peers": addresses}, out)
+                    for i in range(TRAINERS)]
         for w in workers[2:]:
             _ready(w, out)
         training_started, last_line = time.time(), 0.0
@@ -194,15 +222,16 @@ def run(args: argparse.Namespace) -> int:
                 last_line = time.time()
                 print(_line(workers, elapsed), flush=True)
             time.sleep(0.25)
-        for w in workers[2:] + workers[:2]:  # trainers evaluate while the surviving server still runs
-            if w.proc.poll() is None:
-                w.proc.stdin.write("stop\n")
-                w.proc.stdin.flush()
-            if w.role == "trainer":
-                w.proc.wait(STOP_TIMEOUT)
-        for w in workers[:2]:
-            if w.status != "killed":
-                w.proc.wait(STOP_TIMEOUT)
+        # Trainers first, all at once (one left alone would wait for the other in its next
+        # round); they evaluate while the surviving server still runs.
+        for group in (workers[2:], workers[:2]):
+            for w in group:
+                if w.proc.poll() is None:
+                    w.proc.stdin.write("stop\n")
+                    w.proc.stdin.flush()
+            for w in group:
+                if w.status != "killed":
+                    w.proc.wait(STOP_TIMEOUT)
     finally:
         for w in workers:
             if w.proc.poll() is None:
@@ -230,14 +259,32 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
         "experts_per_sample": {t.name: t.last.get("experts_per_sample") for t in trainers},
         "mode": "moe", "grid": list(GRID), "k_best": K_BEST,
         "loss_curves": {t.name: t.curve for t in trainers},
+        "shared_parameters": _shared_parameters(trainers),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(out / "loss.png", trainers, started, killed)
     each = ", ".join(f"{k} {v:.1%}" for k, v in report["trainer_accuracies"].items())
     print(f"\ntest accuracy {report['test_accuracy']:.1%} ({each}); "
           f"experts alive at the end: {report['experts_alive_at_end']} of {report['experts_at_start']}")
+    shared = report["shared_parameters"]
+    if shared["last_epoch"] is not None:
+        print(f"shared parameters (input layer, gate, classifier): the trainers' sha256 digests "
+              f"{'agree' if shared['agree_at_last_epoch'] else 'DIFFER'} after epoch {shared['last_epoch']} "
+              f"(they agreed after {shared['epochs_agreeing']} of the {shared['epochs_compared']} epochs "
+              f"all took)")
     print(f"report: {out / 'report.json'}, plot: {out / 'loss.png'} ({report['wall_seconds']} s)")
     return 0
+
+
+def _shared_parameters(trainers: list[WorkerProcess]) -> dict:
+    """Whether the trainers' shared parameters were identical after the epochs they all took (one
+    may have stopped an epoch later than another, so the last common one is compared)."""
+    digests = [{int(e): d for e, d in t.final["digests"].items()} for t in trainers]
+    common = sorted(set.intersection(*(set(d) for d in digests)))
+    agreeing = [e for e in common if len({d[e] for d in digests}) == 1]
+    last = common[-1] if common else None
+    return {"last_epoch": last, "agree_at_last_epoch": last in agreeing, "epochs_compared": len(common),
+            "epochs_agreeing": len(agreeing), "digest": digests[0][last] if last is not None else None}
 
 
 def _plot(path: Path, trainers: list[WorkerProcess], started: float, killed: WorkerProcess | None) -> None:
