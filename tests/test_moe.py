@@ -390,6 +390,8 @@ def test_after_k_min_answers_a_slow_expert_gets_only_the_grace_period():
         elapsed, results = await call(waiting)
         assert slow <= elapsed < slow + 0.5
         torch.testing.assert_close(results["ffn.0.2"].outputs[0], x * 3.0)
+        with pytest.raises(ValueError, match="timeout_after_k_min"):
+            RemoteMixtureOfExperts(client, HIDDEN, (1, 3), "ffn", k_best=3, timeout_after_k_min=-1.0)
         all_three = RemoteMixtureOfExperts(client, HIDDEN, (1, 3), "ffn", k_best=3, k_min=3, forward_timeout=60,
                                            timeout_after_k_min=grace)  # k_min answers come only with the slow one
         elapsed, results = await call(all_three)

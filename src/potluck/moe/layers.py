@@ -143,6 +143,8 @@ class _RemoteMixtureBase(nn.Module):
             raise ValueError(f"grid_size must be positive sizes, one per grid dimension; got {grid_size}")
         if not 1 <= k_min <= k_best:
             raise ValueError(f"need 1 <= k_min <= k_best; got k_min={k_min}, k_best={k_best}")
+        if timeout_after_k_min is not None and not timeout_after_k_min >= 0:
+            raise ValueError(f"timeout_after_k_min must be >= 0 seconds or None; got {timeout_after_k_min}")
         self.peer = peer
         self.in_features = in_features
         self.grid_size = tuple(grid_size)
