@@ -27,7 +27,7 @@ Prints one JSON object per line: one per system, then the comparison the issue a
   {"metric": "streaming_vs_sync", "val_loss_ratio": 1.01, "bytes_ratio": 140.0, "goal_met": true, ...}
 The goal: streaming's validation loss within 2% of sync's at >= 100x fewer bytes sent per sample.
 
-Usage: python benchmarks/lm.py [--quick] [--peers 2] [--samples 8192] [--local-steps 64]
+Usage: python benchmarks/lm.py [--quick] [--peers 2] [--samples 8192] [--local-steps 128]
            [--systems alone,sync,diloco,streaming] [--out DIR]
 """
 
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2048 samples, H=16: a smoke run of a few minutes")
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8192, help="samples (windows) per system, all processes")
-    parser.add_argument("--local-steps", type=int, default=64, help="H: inner steps per outer round")
+    parser.add_argument("--local-steps", type=int, default=128, help="H: inner steps per outer round")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default=None, help="folder for the processes' logs (default: a temporary one)")
     args = parser.parse_args()

@@ -1,8 +1,9 @@
 """`potluck demo --task lm`: a local swarm of peer processes trains a byte-level language model
 on the Python standard library's source (potluck.workloads.lm), beside one process alone.
 
-Every peer trains the same small GPT with `potluck.Optimizer`; a separate process trains the same
-model with the same optimizer alone. Every few seconds each measures its validation loss on the
+Every peer trains the same small GPT with `potluck.Optimizer` (the swarm's global batch, or its
+inner steps); a separate process trains it with the same Adam alone (in sync mode on batches of the
+swarm's global size). Every few seconds each measures its validation loss on the
 same held-out windows. The parent shows a progress line and writes report.json (validation loss
 and bits per byte of both, against wall time and against samples processed) and lm.png.
 The peers' worker (`_worker`) is also what benchmarks/lm.py starts, with other optimizer options.
@@ -14,6 +15,7 @@ import argparse
 import bisect
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,15 +38,19 @@ EVAL_INTERVAL = 4.0
 # finish its last evaluation after being told to stop.
 START_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
-# DiLoCo reached a lower validation loss than sync mode in the same wall time here (3 peers on a
-# busy 2-core machine, 60 s: 2.82 against 2.89 nats per byte), at a quarter of the bytes per sample.
+# DiLoCo reached a lower validation loss than sync mode in the same wall time on a busy 2-core
+# machine (the default 4 peers, 150 s: 2.86 against 2.90 nats per byte; 3 peers, 60 s: 2.82 against
+# 2.89), at a quarter of the bytes per sample (docs/benchmarks.md, "potluck demo --task lm").
 DEFAULT_MODE = "diloco"
 DEFAULT_DURATION = 150.0  # seconds of training: about 3 minutes in all on a 2-core machine
 
 
 def optimizer_options(mode: str) -> dict:
     """potluck.Optimizer's options for the demo's modes (benchmarks/lm.py passes its own)."""
-    options = {"mode": mode, "target_batch_size": TARGET_BATCH, "matchmaking_time": 0.5, "averaging_timeout": 20.0}
+    # load_state=False: every peer builds the same initial model and all start training together,
+    # so there is no state to download (a search for donors would only delay the start)
+    options = {"mode": mode, "target_batch_size": TARGET_BATCH, "matchmaking_time": 0.5, "averaging_timeout": 20.0,
+               "load_state": False}
     if mode in ("diloco", "moshpit"):
         options["local_steps"] = DILOCO_LOCAL_STEPS
     return options
@@ -129,8 +135,7 @@ def _worker(spec: dict) -> int:
 # -- the parent -----------------------------------------------------------------------------------------
 def start_worker(name: str, spec: dict, out: Path) -> WorkerProcess:
     """One worker process (`potluck demo --task lm --worker SPEC`), followed by the parent."""
-    worker = spawn(name, spec["role"], ["demo", "--task", "lm", "--worker", json.dumps(spec)], out)
-    return worker
+    return spawn(name, spec["role"], ["demo", "--task", "lm", "--worker", json.dumps(spec)], out)
 
 
 def wait_ready(worker: WorkerProcess, out: Path) -> None:
@@ -153,7 +158,7 @@ def stop_all(workers: list[WorkerProcess]) -> None:
     for w in workers:
         try:
             w.proc.wait(max(1.0, deadline - time.time()))
-        except Exception:  # noqa: BLE001 - a stuck worker: killed below
+        except subprocess.TimeoutExpired:  # a stuck worker: killed below
             pass
     for w in workers:
         if w.proc.poll() is None:
