@@ -22,6 +22,7 @@ Figures per scenario (one JSON object per line):
   epochs_per_minute        epochs the swarm advanced per minute of training
   longest_stall            s: the longest time a peer saw no new epoch (from the start to the stop)
   params_identical         true if every peer's parameters have one digest at the final epoch
+  catch_ups                state downloads of peers that fell behind: read RSS with it (see the row)
   rss_over_time            the samples: [seconds since start, MB, epoch]
 
 Usage: python benchmarks/soak.py [--quick] [--minutes 10] [--warmup S] [--sample S]
@@ -147,7 +148,8 @@ def run_worker(args: argparse.Namespace) -> None:
             trainer.stop.set()
         threading.Thread(target=listen, daemon=True).start()
         trainer.run()
-        say(event="final", epoch=opt.local_epoch, digests=trainer.digests, error=trainer.error)
+        say(event="final", epoch=opt.local_epoch, digests=trainer.digests, error=trainer.error,
+            catch_ups=opt.catch_ups)
         trainer.stop.wait(WORKER_IDLE_TIMEOUT)  # others may still need us for the finish epoch's rounds
         opt.shutdown()
 
@@ -252,7 +254,7 @@ def run_emulated(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int
             t.join(FINISH_TIMEOUT + 10)
         for record, t in zip(records, trainers, strict=True):
             record.final = {"epoch": t.opt.local_epoch, "digests": {str(k): v for k, v in t.digests.items()},
-                            "error": t.error}
+                            "error": t.error, "catch_ups": t.opt.catch_ups}
         process.final = {"epoch": max(r.final["epoch"] for r in records)}
         return [process, *records], trained, finish
     finally:
@@ -312,6 +314,11 @@ def summarize(scenario: str, records: list[PeerRecord], trained: float, finish: 
         stalls.append(round(max(b - a for a, b in zip(times, times[1:], strict=False)), 2))
     rows.append({"metric": "longest_stall", "value": max(stalls), "unit": "s", "per_peer": stalls,
                  "measured": "longest time without a new epoch, start to stop", **params})
+    catch_ups = [r.final.get("catch_ups") for r in peers]
+    rows.append({"metric": "catch_ups", "value": sum(c or 0 for c in catch_ups), "unit": "downloads",
+                 "per_peer": catch_ups, **params,
+                 "measured": "state downloads of peers that fell behind (a busy machine): each allocates "
+                             "state-sized buffers that glibc keeps once freed, so RSS settles higher"})
     digests = [r.final.get("digests", {}).get(str(finish)) for r in peers]
     errors = sorted({r.final["error"] for r in peers if r.final.get("error")})
     row = {"metric": "params_identical", "value": None not in digests and len(set(digests)) == 1, "unit": "bool",

@@ -222,6 +222,7 @@ class Optimizer(torch.optim.Optimizer):
         self._pending: _Round | None = None  # a delayed update under way
         self._attempt = 0  # failed averaging tries of the current epoch
         self._failed_rounds = 0  # failed averaging tries since we started (published for monitors)
+        self.catch_ups = 0  # times we fell behind the swarm and downloaded its state (benchmarks read it)
         self._metrics: tuple[float, dict[str, float]] | None = None  # report_metrics: (DHT time, values)
         self._next_catch_up = 0.0  # loop time before which we do not download again
         self._in_round = False  # step() is waiting for a round: our samples are frozen
@@ -787,6 +788,7 @@ class Optimizer(torch.optim.Optimizer):
         self._attempt, self._waited, self._part, self._part_due = 0, True, 0, None
         self._epoch_began = self._now()
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
+        self.catch_ups += 1
         if not await self._try_load_state(self.averaging_timeout) or self.local_epoch < epoch - 1:
             self._move_to(epoch)  # nobody could share the newest state; keep ours and rejoin
         elif self.local_epoch < epoch:
