@@ -186,13 +186,15 @@ def run(args: argparse.Namespace) -> int:
     options = optimizer_options(mode)
     workers: list[WorkerProcess] = []
     history: list[tuple[float, dict[str, int]]] = []  # (time, samples of each worker so far)
+    # the lone process needs no address: it starts beside the first peer (and is listed last)
+    alone = start_worker("alone", {"role": "alone", "rank": 0, "options": options}, out)
     try:
         first = start_worker("peer-0", {"role": "node", "rank": 0, "options": options}, out)
         workers.append(first)
         wait_ready(first, out)
         workers += [start_worker(f"peer-{i}", {"role": "node", "rank": i, "options": options,
                                                "initial_peer": first.address}, out) for i in range(1, args.peers)]
-        workers.append(start_worker("alone", {"role": "alone", "rank": 0, "options": options}, out))
+        workers.append(alone)
         for w in workers:
             wait_ready(w, out)
         tell(workers, "go")
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.25)
         stop_all(workers)
     finally:
-        for w in workers:
+        for w in [*workers, alone]:
             if w.proc.poll() is None:
                 w.proc.kill()
     return _report(args, mode, duration, out, workers, history, started, training_started)
