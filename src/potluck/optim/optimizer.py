@@ -68,6 +68,7 @@ from potluck.core.wire import int_field, int_value, number_field, text_field, wi
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
     MAX_SAMPLES_PER_SECOND,
+    MAX_SPEED_RATIO,
     GlobalProgress,
     PeerProgress,
     ProgressTracker,
@@ -122,6 +123,16 @@ MAX_STATE_EPOCH_LEAD = 8
 # A peer that downloaded a state still older than the swarm's waits this long before asking again
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
+# A DiLoCo peer joins an outer round another peer has entered (Optimizer.round_begun) only after
+# `local_steps` / this of its own inner steps. Honest peers' speeds are within MAX_SPEED_RATIO of
+# each other, so they all join every round; a liar that claims to be in a round all the time makes
+# the others' rounds at most this many times as frequent.
+MIN_JOIN_STEP_FRACTION = MAX_SPEED_RATIO
+# It joins before its own `local_steps` only if the rest of them would take longer than this
+# fraction of the matchmaking window: the window opened when the other peer entered, which we
+# hear of up to a progress interval (and a DHT read) late. Peers of about equal speed make all
+# their steps.
+JOIN_WINDOW_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -343,7 +354,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.steps += 1
                 if self.streaming is not None:
                     await self.streaming.after_step()
-                elif self.steps >= self.local_steps:
+                elif self.steps >= self.local_steps or (self.mode == "diloco" and self.round_begun(self.steps)):
                     await (self._moshpit_round() if self.mode == "moshpit" else self._diloco_round())
         finally:
             self._stepping = False
@@ -838,12 +849,18 @@ class Optimizer(torch.optim.Optimizer):
                 task = asyncio.ensure_future(self.delta_averager.astep(
                     weight=float(self.samples), gather=RoundNote(self.samples, outer=digest).to_wire(),
                     group_key=f"outer{self.local_epoch}", members=members))
-                await self._wait_for_round(task, self.delta_averager, self.local_epoch)
+                self._in_round = True  # slower peers see it and join now (round_begun)
+                self._publish()
+                try:
+                    await self._wait_for_round(task, self.delta_averager, self.local_epoch)
+                finally:
+                    self._in_round = False
                 if task.cancelled():  # the others' round is over: take their state
                     self.samples = 0
                     await self._catch_up(max(r.done for r in self.tracker.merged(self._reports).values()))
                     return
                 result = task.result()
+                self.tracker.set_neighbors(result.peers)  # they hear our progress at once
                 self._record_round(self.local_epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                    result.contributors)
         except AveragingError as e:
@@ -860,6 +877,22 @@ class Optimizer(torch.optim.Optimizer):
             logger.info("epoch %d: the group's outer parameters differ; averaging them", self.local_epoch)
             await self._average_state(f"outer-state{self.local_epoch}", len(result.peers), frozenset(result.peers))
             await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
+
+    def round_begun(self, steps: int) -> bool:
+        """DiLoCo: another live peer has entered our epoch's outer round (it made its inner steps
+        first), and we have made `steps` of ours, at least 1 / MIN_JOIN_STEP_FRACTION of them, but
+        the rest would take us past JOIN_WINDOW_FRACTION of its matchmaking window: join it now,
+        with fewer inner steps (weighted by our samples). Waiting for all of ours, a slower peer
+        came after the window, stepped alone, and fell further behind every round: two peers of
+        unequal speed never met again."""
+        if steps * MIN_JOIN_STEP_FRACTION < self.local_steps or self.samples_per_second <= 0:
+            return False
+        rest = (self.local_steps - steps) * self.batch_size_per_step / self.samples_per_second
+        if rest < JOIN_WINDOW_FRACTION * self.matchmaking_time:
+            return False  # we come in time with all our steps
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return any(r.peer_id != me and r.averaging and r.epoch == self.local_epoch and r.live(now)
+                   for r in self.progress().reports)
 
     def _take_change(self) -> None:
         """The parameters' change since the last outer step, into the delta averager (in a worker thread)."""

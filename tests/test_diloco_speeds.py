@@ -1,0 +1,103 @@
+"""DiLoCo peers of unequal speed meet in every outer round (emulated network, virtual clock).
+
+The faster peer makes its inner steps first and enters the round; a slower one joins it then,
+with fewer inner steps, instead of arriving after the round's matchmaking window (it used to
+step alone, fall an epoch further behind every round, and never meet the faster one again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import pytest
+import torch
+
+import potluck
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import virtual_time_loop
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer
+from potluck.optim.streaming import tensor_digest
+
+BATCH = 8
+COMPUTE_SECONDS = (0.02, 0.05)  # per batch: the second peer is 2.5x slower
+LOCAL_STEPS = 24  # the slower peer would come 0.72 s after the faster one, past the window
+MATCHMAKING_SECONDS = 0.5
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same start on every peer
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+async def swarm(epochs: int, options: dict[str, Any]) -> dict:
+    """Train the peers until `epochs` outer rounds; per epoch, each peer's outer digest once it
+    reached that epoch, and the group sizes of the rounds."""
+    network = EmulatedNetwork(latency=0.01, seed=1)
+    peers: list[potluck.Peer] = []
+    for _ in COMPUTE_SECONDS:
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    models = [make_model() for _ in peers]
+    optimizers = [Optimizer(peer, "speeds", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                            target_batch_size=64, batch_size_per_step=BATCH, mode="diloco", local_steps=LOCAL_STEPS,
+                            matchmaking_time=MATCHMAKING_SECONDS, load_state=False, start=False, **options)
+                  for peer, model in zip(peers, models, strict=True)]
+    outer: dict[int, dict[int, str]] = collections.defaultdict(dict)  # epoch -> peer -> outer digest
+    for index, opt in enumerate(optimizers):
+        await opt.astart()
+        advance = opt._advance_epoch
+
+        def recording(index: int = index, opt: Optimizer = opt, advance: Any = advance) -> None:
+            advance()
+            outer[opt.local_epoch][index] = tensor_digest(opt._outer_params + opt._outer_momentum)
+        opt._advance_epoch = recording
+    await asyncio.sleep(1)  # the peers see each other's progress: no first round alone
+    steps = [0 for _ in peers]
+
+    async def train(index: int) -> None:
+        model, opt = models[index], optimizers[index]
+        generator = torch.Generator().manual_seed(100 + index)
+        while opt.local_epoch < epochs:
+            x = torch.randn(BATCH, 16, generator=generator)
+            y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            await asyncio.sleep(COMPUTE_SECONDS[index])
+            await opt.astep()
+            steps[index] += 1
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 20)  # virtual seconds
+        return {"outer": dict(outer), "steps": steps, "epochs": [o.local_epoch for o in optimizers],
+                "failed": [o._failed_rounds for o in optimizers]}
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+def run(epochs: int, options: dict[str, Any]) -> dict:
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        return runner.run(swarm(epochs, options), timeout=120)
+    finally:
+        release_runner()
+
+
+@pytest.mark.timeout(120)
+def test_diloco_peers_of_unequal_speed_take_every_outer_step_together():
+    result = run(6, {})
+    outer = result["outer"]
+    assert result["epochs"] == [6, 6], result
+    # Every outer step is taken by both peers, from the same round: their outer parameters and
+    # momentum are identical after each one, and no round failed.
+    assert sorted(outer) == list(range(1, 7)), result
+    for epoch, digests in outer.items():
+        assert set(digests) == {0, 1} and len(set(digests.values())) == 1, (epoch, result)
+    assert result["failed"] == [0, 0], result
+    # The faster peer sets the pace; the slower one joins each round with fewer inner steps.
+    assert result["steps"][0] == 6 * LOCAL_STEPS and result["steps"][1] < 0.75 * result["steps"][0], result
