@@ -45,6 +45,17 @@ def attacker_runs(monkeypatch: pytest.MonkeyPatch, attacker: Averager, method: s
     monkeypatch.setattr(AllReduceRun, method, patched)
 
 
+def reduce_to_1e6(monkeypatch: pytest.MonkeyPatch, attacker) -> None:
+    """The reducer of the peer of transport `attacker` fills its shard with 1e6 (the same lie to all)."""
+    honest_chunk = allreduce._weighted_chunk
+
+    def lying_chunk(pieces, weights, senders, c, out, scratch):
+        honest_chunk(pieces, weights, senders, c, out, scratch)
+        if reducing_on(attacker):
+            out.fill_(1e6)
+    monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+
+
 @pytest.mark.timeout(60)
 def test_a_failure_report_for_a_part_the_reporter_does_not_hold_fails_nobody(monkeypatch, caplog):
     """Bound: the report changes nothing; every honest peer ends with the exact mean of the four."""
@@ -71,17 +82,11 @@ def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer
     """The attacker reduces its shard to 1e6 for everyone (the same wrong result to all, so no
     comparison of results shows it). Bound: every honest peer keeps its own tensors (the step
     fails there), and every honest peer has the attacker on its ban list."""
-    honest_chunk = allreduce._weighted_chunk
 
     async def main():
         avgs, vectors = await group_of_four("wrong-aggregate", matchmaking_time=1.0)
         attacker = avgs[3].transport
-
-        def lying_chunk(pieces, weights, senders, c, out, scratch):
-            honest_chunk(pieces, weights, senders, c, out, scratch)
-            if reducing_on(attacker):
-                out.fill_(1e6)
-        monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+        reduce_to_1e6(monkeypatch, attacker)
         with caplog.at_level(logging.WARNING):
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
@@ -96,7 +101,6 @@ def test_a_reducer_that_forges_the_4bit_pieces_a_check_fetches_is_caught_by_ever
     check with well-formed 4-bit pieces that say 1e6 too (a constant encodes exactly), so that
     they reduce to its lie. Bound: they do not decode to the values the senders' digests bind:
     every honest peer keeps its tensors and bans the attacker."""
-    honest_chunk = allreduce._weighted_chunk
     honest_verify = AllReduceService._on_verify
     codec = get_codec("blockwise4")
     attacker = None
@@ -114,12 +118,7 @@ def test_a_reducer_that_forges_the_4bit_pieces_a_check_fetches_is_caught_by_ever
         nonlocal attacker
         avgs, vectors = await group_of_four("forged-4bit-pieces", matchmaking_time=1.0, compression="blockwise4")
         attacker = avgs[3].transport
-
-        def lying_chunk(pieces, weights, senders, c, out, scratch):
-            honest_chunk(pieces, weights, senders, c, out, scratch)
-            if reducing_on(attacker):
-                out.fill_(1e6)
-        monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+        reduce_to_1e6(monkeypatch, attacker)
         with caplog.at_level(logging.WARNING):
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
