@@ -4,9 +4,11 @@ against a hand-made view, and against the real Ledger following an emulated swar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import urllib.request
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -19,7 +21,7 @@ from potluck.monitor import web
 from potluck.monitor.follower import Follower
 from potluck.monitor.ledger import Ledger
 from potluck.monitor.views import Contributor, EpochRow, HistoryPoint, PeerState, SwarmNow
-from potluck.monitor.web import start_web
+from potluck.monitor.web import WebServer, start_web
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
 from tests.emulated_swarm import run_on_shared_runner
@@ -62,6 +64,18 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> object:
         return await response.json()
 
 
+@contextlib.asynccontextmanager
+async def served(view: FakeView,
+                 registry: Registry | None = None) -> AsyncIterator[tuple[WebServer, aiohttp.ClientSession]]:
+    """`view` served on a free local port, and a client session; both closed after."""
+    server = await start_web(view, "127.0.0.1", 0, registry=registry)
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield server, session
+    finally:
+        await server.close()
+
+
 async def next_event(response: aiohttp.ClientResponse) -> tuple[str | None, dict]:
     """The next SSE event's id and data."""
     event_id, data = None, None
@@ -80,32 +94,28 @@ def test_api_answers_with_the_views_rows(arun) -> None:
     view.points.append(HistoryPoint(995.0, 3, 2, 11.0, math.nan))  # no loss published: null in JSON
 
     async def main():
-        server = await start_web(view, "127.0.0.1", 0)
-        assert server.url == f"http://127.0.0.1:{server.port}/"
-        try:
-            async with aiohttp.ClientSession() as s:
-                url = server.url
-                assert await get_json(s, url + "api/swarm") == view.now.to_json()
-                assert await get_json(s, url + "api/peers") == [p.to_json() for p in view.peer_rows]
-                assert await get_json(s, url + "api/contributors") == [c.to_json() for c in view.contributor_rows]
-                assert await get_json(s, url + "api/epochs?limit=1") == [view.epoch_rows[0].to_json()]
-                assert view.epochs_asked == [1]
-                history = await get_json(s, url + "api/history")
-                assert [p["time"] for p in history] == [990.0, 991.0, 992.0, 993.0, 994.0, 995.0]
-                assert history[-1]["loss"] is None and history[0]["loss"] == 1.0
-                assert [p["time"] for p in await get_json(s, url + "api/history?since=993")] == [994.0, 995.0]
-                for bad in ("api/history?since=x", "api/history?since=nan", "api/epochs?limit=0",
-                            "api/epochs?limit=2.5", "api/epochs?limit=100000"):
-                    async with s.get(url + bad) as response:
-                        assert response.status == 400, bad
-                async with s.get(url) as response:  # the dashboard and its files
-                    page = await response.text()
-                    assert response.status == 200 and 'id="loss-chart"' in page and 'id="peers-online"' in page
-                for name in ("dashboard.js", "dashboard.css"):
-                    async with s.get(url + "static/" + name) as response:
-                        assert response.status == 200 and len(await response.read()) > 500
-        finally:
-            await server.close()
+        async with served(view) as (server, s):
+            assert server.url == f"http://127.0.0.1:{server.port}/"
+            url = server.url
+            assert await get_json(s, url + "api/swarm") == view.now.to_json()
+            assert await get_json(s, url + "api/peers") == [p.to_json() for p in view.peer_rows]
+            assert await get_json(s, url + "api/contributors") == [c.to_json() for c in view.contributor_rows]
+            assert await get_json(s, url + "api/epochs?limit=1") == [view.epoch_rows[0].to_json()]
+            assert view.epochs_asked == [1]
+            history = await get_json(s, url + "api/history")
+            assert [p["time"] for p in history] == [990.0, 991.0, 992.0, 993.0, 994.0, 995.0]
+            assert history[-1]["loss"] is None and history[0]["loss"] == 1.0
+            assert [p["time"] for p in await get_json(s, url + "api/history?since=993")] == [994.0, 995.0]
+            for bad in ("api/history?since=x", "api/history?since=nan", "api/epochs?limit=0",
+                        "api/epochs?limit=2.5", "api/epochs?limit=100000"):
+                async with s.get(url + bad) as response:
+                    assert response.status == 400, bad
+            async with s.get(url) as response:  # the dashboard and its files
+                page = await response.text()
+                assert response.status == 200 and 'id="loss-chart"' in page and 'id="peers-online"' in page
+            for name in ("dashboard.js", "dashboard.css"):
+                async with s.get(url + "static/" + name) as response:
+                    assert response.status == 200 and len(await response.read()) > 500
     arun(main())
 
 
@@ -115,13 +125,9 @@ def test_metrics_show_the_run_and_the_monitor_peers_registry(arun) -> None:
     registry.counter("potluck_bytes_sent_total", "Bytes sent").inc(42)
 
     async def main():
-        server = await start_web(view, "127.0.0.1", 0, registry=registry)
-        try:
-            async with aiohttp.ClientSession() as s, s.get(server.url + "metrics") as response:
-                assert response.headers["Content-Type"] == CONTENT_TYPE
-                text = await response.text()
-        finally:
-            await server.close()
+        async with served(view, registry) as (server, s), s.get(server.url + "metrics") as response:
+            assert response.headers["Content-Type"] == CONTENT_TYPE
+            text = await response.text()
         series = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
         assert series['potluck_run_peers_online{run="demo"}'] == "2"
         assert series['potluck_run_samples_per_second{run="demo"}'] == "12.5"
@@ -138,34 +144,30 @@ def test_events_push_the_swarm_and_only_new_history_points(arun, monkeypatch) ->
     view = FakeView()
 
     async def main():
-        server = await start_web(view, "127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.get(server.url + "api/events") as response:
-                    assert response.headers["Content-Type"] == "text/event-stream"
-                    event_id, first = await next_event(response)
-                    assert first["swarm"] == view.now.to_json()
-                    assert [p["peer_id"] for p in first["peers"]] == ["peerA", "peerB"]
-                    assert [c["samples"] for c in first["contributors"]] == [300, 100]
-                    assert [e["epoch"] for e in first["epochs"]] == [2, 1]
-                    assert len(first["history"]) == 5 and event_id == "994.0"
-                    # The swarm moves on: the next events carry the new numbers and only the new point.
-                    view.now = SwarmNow("demo", 1001.0, 3, 20.0, 4, 0, 128, None)
-                    view.points.append(HistoryPoint(1001.0, 4, 3, 20.0, 0.4))
-                    while True:
-                        event_id, event = await next_event(response)
-                        if event["history"]:
-                            break
-                    assert [p["time"] for p in event["history"]] == [1001.0] and event_id == "1001.0"
-                    assert event["swarm"]["peers_online"] == 3 and event["swarm"]["eta_seconds"] is None
-                    _, event = await next_event(response)
-                    assert event["history"] == []
-                # A reconnecting browser says the last event it saw: it gets only what came after.
-                async with s.get(server.url + "api/events", headers={"Last-Event-ID": "993.0"}) as response:
-                    _, event = await next_event(response)
-                    assert [p["time"] for p in event["history"]] == [994.0, 1001.0]
-        finally:
-            await server.close()
+        async with served(view) as (server, s):
+            async with s.get(server.url + "api/events") as response:
+                assert response.headers["Content-Type"] == "text/event-stream"
+                event_id, first = await next_event(response)
+                assert first["swarm"] == view.now.to_json()
+                assert [p["peer_id"] for p in first["peers"]] == ["peerA", "peerB"]
+                assert [c["samples"] for c in first["contributors"]] == [300, 100]
+                assert [e["epoch"] for e in first["epochs"]] == [2, 1]
+                assert len(first["history"]) == 5 and event_id == "994.0"
+                # The swarm moves on: the next events carry the new numbers and only the new point.
+                view.now = SwarmNow("demo", 1001.0, 3, 20.0, 4, 0, 128, None)
+                view.points.append(HistoryPoint(1001.0, 4, 3, 20.0, 0.4))
+                while True:
+                    event_id, event = await next_event(response)
+                    if event["history"]:
+                        break
+                assert [p["time"] for p in event["history"]] == [1001.0] and event_id == "1001.0"
+                assert event["swarm"]["peers_online"] == 3 and event["swarm"]["eta_seconds"] is None
+                _, event = await next_event(response)
+                assert event["history"] == []
+            # A reconnecting browser says the last event it saw: it gets only what came after.
+            async with s.get(server.url + "api/events", headers={"Last-Event-ID": "993.0"}) as response:
+                _, event = await next_event(response)
+                assert [p["time"] for p in event["history"]] == [994.0, 1001.0]
     arun(main())
 
 
@@ -175,36 +177,32 @@ def test_limits_get_only_capped_event_clients_and_small_requests(arun, monkeypat
     view = FakeView()
 
     async def main():
-        server = await start_web(view, "127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession() as s:
-                url = server.url
-                for method in ("POST", "PUT", "DELETE"):
-                    async with s.request(method, url + "api/swarm", data=b"x" * 100) as response:
-                        assert response.status == 405
-                async with s.post(url + "api/swarm", data=b"x" * (web.MAX_REQUEST_BODY * 4)) as response:
-                    assert response.status in (405, 413)
-                async with s.get(url + "api/history?since=" + "1" * web.MAX_REQUEST_LINE) as response:
-                    assert response.status in (400, 414)
-                async with s.get(url + "static/../web.py") as response:
-                    assert response.status in (403, 404)
-                streams = [await s.get(url + "api/events") for _ in range(2)]
-                for stream in streams:
-                    await next_event(stream)
+        async with served(view) as (server, s):
+            url = server.url
+            for method in ("POST", "PUT", "DELETE"):
+                async with s.request(method, url + "api/swarm", data=b"x" * 100) as response:
+                    assert response.status == 405
+            async with s.post(url + "api/swarm", data=b"x" * (web.MAX_REQUEST_BODY * 4)) as response:
+                assert response.status in (405, 413)
+            async with s.get(url + "api/history?since=" + "1" * web.MAX_REQUEST_LINE) as response:
+                assert response.status in (400, 414)
+            async with s.get(url + "static/../web.py") as response:
+                assert response.status in (403, 404)
+            streams = [await s.get(url + "api/events") for _ in range(2)]
+            for stream in streams:
+                await next_event(stream)
+            async with s.get(url + "api/events") as response:
+                assert response.status == 503  # the cap; the API still answers
+            assert (await get_json(s, url + "api/swarm"))["run_id"] == "demo"
+            streams[0].close()
+            for _ in range(100):  # the server notices the closed stream at its next write
                 async with s.get(url + "api/events") as response:
-                    assert response.status == 503  # the cap; the API still answers
-                assert (await get_json(s, url + "api/swarm"))["run_id"] == "demo"
-                streams[0].close()
-                for _ in range(100):  # the server notices the closed stream at its next write
-                    async with s.get(url + "api/events") as response:
-                        if response.status == 200:
-                            break
-                    await asyncio.sleep(0.05)
-                else:
-                    pytest.fail("a closed stream's slot was never freed")
-                streams[1].close()
-        finally:
-            await server.close()
+                    if response.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("a closed stream's slot was never freed")
+            streams[1].close()
     arun(main())
 
 
