@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,8 +38,10 @@ from typing import Any
 import aiohttp
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-PYTHON = ROOT / ".venv" / "bin" / "python"
+sys.path.insert(0, str(HERE.parent))  # scripts/checks_common.py
+from checks_common import PYTHON, ROOT, CheckFailed, Processes, finish, log_folder, run_step, stop_on_signals  # noqa: E402
+
+PROG = "dashboard_check"
 RUN_ID = "dashcheck"
 TRAINERS = 3
 MIN_LOSS_POINTS = 4  # the ledger adds a history point every 5 s: 20 s of training
@@ -60,10 +59,6 @@ POLL = 0.5  # between looks at the API or the page
 STOP_GRACE = 10.0  # SIGTERM to SIGKILL for our processes
 
 
-class CheckFailed(Exception):
-    pass
-
-
 # -- chromium -------------------------------------------------------------------------------------------
 def find_chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
@@ -75,7 +70,7 @@ def ensure_chromium() -> dict:
     if found is None:
         if os.geteuid() != 0:
             raise CheckFailed("chromium is missing and installing it needs root: apt-get install chromium")
-        print("dashboard_check: installing chromium", file=sys.stderr, flush=True)
+        print(f"{PROG}: installing chromium", file=sys.stderr, flush=True)
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
             result = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT, env=env)
@@ -88,65 +83,14 @@ def ensure_chromium() -> dict:
     return {"path": found, "version": version, "installed_now": installed}
 
 
-# -- processes --------------------------------------------------------------------------------------------
-class Processes:
-    """Our child processes; stderr of each goes to a log file shown on failure."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
-
-    async def spawn(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
-                                                        stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
-                                                        cwd=ROOT, start_new_session=True)
-        self.procs[name] = proc
-        return proc
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def read_until(self, name: str, match: Callable[[str], bool], timeout: float) -> str:
-        """The first stdout line of `name` that `match`es, within `timeout`."""
-        proc = self.procs[name]
-        assert proc.stdout is not None
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    line = (await proc.stdout.readline()).decode(errors="replace")
-                    if not line:
-                        raise CheckFailed(f"{name} exited ({await proc.wait()}) before it was ready:\n"
-                                          f"{self.log_tail(name)}")
-                    if match(line.strip()):
-                        return line.strip()
-        except TimeoutError:
-            raise CheckFailed(f"{name} was not ready within {timeout:.0f} s:\n{self.log_tail(name)}") from None
-
-    async def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-        for proc in self.procs.values():
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # with its children (chromium's renderers)
-                await proc.wait()
-
-
 # -- steps ------------------------------------------------------------------------------------------------
 async def start_swarm(procs: Processes) -> dict:
     trainer = str(HERE / "trainer.py")
-    await procs.spawn("trainer0", str(PYTHON), trainer, "0", "--run-id", RUN_ID)
+    await procs.spawn("trainer0", str(PYTHON), trainer, "0", "--run-id", RUN_ID, own_session=True)
     address = (await procs.read_until("trainer0", lambda s: s.startswith("address "), START_TIMEOUT)).split()[1]
     for i in range(1, TRAINERS):
-        await procs.spawn(f"trainer{i}", str(PYTHON), trainer, str(i), "--run-id", RUN_ID, "--initial-peers", address)
+        await procs.spawn(f"trainer{i}", str(PYTHON), trainer, str(i), "--run-id", RUN_ID, "--initial-peers", address,
+                          own_session=True)
     ids = [(await procs.read_until(f"trainer{i}", lambda s: s.startswith("peer "), START_TIMEOUT)).split()[1]
            for i in range(TRAINERS)]
     return {"initial_peer": address, "trainers": ids}
@@ -154,7 +98,8 @@ async def start_swarm(procs: Processes) -> dict:
 
 async def start_monitor(procs: Processes, initial: str, db: Path) -> str:
     await procs.spawn("monitor", str(PYTHON), "-m", "potluck", "monitor", "--run-id", RUN_ID,
-                      "--initial-peers", initial, "--db", str(db), "--host", "127.0.0.1", "--port", "0")
+                      "--initial-peers", initial, "--db", str(db), "--host", "127.0.0.1", "--port", "0",
+                      own_session=True)
     line = await procs.read_until("monitor", lambda s: s.startswith("dashboard:"), START_TIMEOUT)
     url = line.split(maxsplit=1)[1]
     if not url.startswith("http://"):
@@ -252,7 +197,7 @@ async def open_browser(procs: Processes, chromium: str, profile: Path) -> str:
     await procs.spawn("chromium", chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                       "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}",
                       f"--window-size={WINDOW[0]},{WINDOW[1]}", "--remote-debugging-address=127.0.0.1",
-                      "--remote-debugging-port=0", "about:blank")
+                      "--remote-debugging-port=0", "about:blank", own_session=True)
     # Chromium names its DevTools endpoint on stderr (our log file), not stdout.
     deadline = time.monotonic() + START_TIMEOUT
     log = procs.log_dir / "chromium.log"
@@ -324,21 +269,9 @@ async def _look(read: Callable[[], Awaitable[dict | None]],
     return done(state), state
 
 
-async def run_step(summary: dict, name: str, step: Callable[[], Awaitable[Any]]) -> Any:
-    start = time.monotonic()
-    try:
-        value = await step()
-    except CheckFailed as e:
-        summary["steps"][name] = {"ok": False, "error": str(e), "seconds": round(time.monotonic() - start, 2)}
-        return None
-    report = value if isinstance(value, dict) else {"value": value}
-    summary["steps"][name] = {"ok": True, **report, "seconds": round(time.monotonic() - start, 2)}
-    return value
-
-
 async def check(log_dir: Path, chromium: str, screenshot: Path, summary: dict) -> None:
     """Run the steps, filling `summary` as they end (what ended stays there if the deadline hits)."""
-    procs = Processes(log_dir)
+    procs = Processes(log_dir, STOP_GRACE)
     try:
         async with aiohttp.ClientSession() as session:
             swarm = await run_step(summary, "swarm", lambda: start_swarm(procs))
@@ -358,10 +291,6 @@ async def check(log_dir: Path, chromium: str, screenshot: Path, summary: dict) -
         await procs.stop_all()
 
 
-def raise_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(f"dashboard_check: stopped by signal {signum}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--screenshot", default=str(ROOT / "docs" / "dashboard.png"), metavar="PATH",
@@ -370,33 +299,20 @@ def main() -> int:
                                                            "a temporary folder, removed at the end)")
     args = parser.parse_args()
     if not PYTHON.exists():
-        print(f"dashboard_check: {PYTHON} is missing: run ./scripts/test.sh or scripts/venv.sh first", file=sys.stderr)
+        print(f"{PROG}: {PYTHON} is missing: run ./scripts/test.sh or scripts/venv.sh first", file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, raise_on_signal)
+    stop_on_signals(PROG)
     start = time.monotonic()
-    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="dashboard-check-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     summary: dict = {"steps": {}}
-    try:
-        summary["steps"]["chromium"] = {"ok": True, **ensure_chromium(), "seconds": round(time.monotonic() - start, 2)}
-        asyncio.run(asyncio.wait_for(check(log_dir, summary["steps"]["chromium"]["path"],
-                                           Path(args.screenshot).resolve(), summary), CHECK_DEADLINE))
-    except (CheckFailed, TimeoutError, subprocess.TimeoutExpired) as e:
-        summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
-    finally:
-        if not args.keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
-    steps = summary["steps"]
-    summary["ok"] = "error" not in summary and len(steps) == 4 and all(s["ok"] for s in steps.values())
-    summary["seconds"] = round(time.monotonic() - start, 1)
-    print(json.dumps(summary, indent=2))
-    if not summary["ok"]:
-        failed = [name for name, s in steps.items() if not s["ok"]]
-        print(f"dashboard_check: FAILED ({', '.join(failed) or summary.get('error')})", file=sys.stderr)
-        return 1
-    print("dashboard_check: all steps passed", file=sys.stderr)
-    return 0
+    with log_folder(args.keep_logs, "dashboard-check-") as log_dir:
+        try:
+            summary["steps"]["chromium"] = {"ok": True, **ensure_chromium(),
+                                            "seconds": round(time.monotonic() - start, 2)}
+            asyncio.run(asyncio.wait_for(check(log_dir, summary["steps"]["chromium"]["path"],
+                                               Path(args.screenshot).resolve(), summary), CHECK_DEADLINE))
+        except (CheckFailed, TimeoutError, subprocess.TimeoutExpired) as e:
+            summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
+    return finish(PROG, summary, start, complete=len(summary["steps"]) == 4)
 
 
 if __name__ == "__main__":

@@ -44,15 +44,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-PYTHON = ROOT / ".venv" / "bin" / "python"
+sys.path.insert(0, str(HERE.parent))  # scripts/checks_common.py
+from checks_common import PYTHON, CheckFailed, Processes, finish, log_folder, run_step, stop_on_signals  # noqa: E402
+
+PROG = "nat_check"
 
 # Every namespace this check makes starts with this; leftovers with it are removed before a run.
 PREFIX = "potluck-nat-"
@@ -97,10 +97,6 @@ HOST_IP = {name: ip for site in SITES for name, ip in site.hosts.items()} | PUBL
 TOOLS = {"ip": "iproute2", "iptables": "iptables"}  # command -> the Debian package that has it
 
 
-class CheckFailed(Exception):
-    pass
-
-
 def ns(name: str) -> str:
     return PREFIX + name
 
@@ -121,7 +117,7 @@ def ensure_tools() -> None:
     """Install what a fresh CI machine may lack (Debian packages)."""
     missing = [package for tool, package in TOOLS.items() if shutil.which(tool) is None]
     if missing:
-        print(f"nat_check: installing {' '.join(missing)}", file=sys.stderr, flush=True)
+        print(f"{PROG}: installing {' '.join(missing)}", file=sys.stderr, flush=True)
         os.environ["DEBIAN_FRONTEND"] = "noninteractive"
         sh("apt-get", "update", "-qq", timeout=INSTALL_TIMEOUT)
         sh("apt-get", "install", "-y", "-qq", *missing, timeout=INSTALL_TIMEOUT)
@@ -205,73 +201,28 @@ def build_topology() -> None:
 
 
 # -- processes ----------------------------------------------------------------------------------------
-class Processes:
-    """Our processes in the namespaces; stderr of each goes to a log file shown on failure."""
+async def spawn(procs: Processes, name: str, host: str, *args: str) -> None:
+    """Our Python with `args` in `host`'s namespace."""
+    await procs.spawn(name, "ip", "netns", "exec", ns(host), str(PYTHON), *args, stdin=asyncio.subprocess.PIPE)
 
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
 
-    async def spawn(self, name: str, host: str, *args: str) -> asyncio.subprocess.Process:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                "ip", "netns", "exec", ns(host), str(PYTHON), *args, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=log, env=env, cwd=ROOT)
-        self.procs[name] = proc
-        return proc
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def read_until(self, name: str, match: Callable[[str], bool], timeout: float) -> str:
-        """The first stdout line of `name` that `match`es, within `timeout`."""
-        proc = self.procs[name]
-        assert proc.stdout is not None
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    line = (await proc.stdout.readline()).decode(errors="replace")
-                    if not line:
-                        raise CheckFailed(f"{name} exited ({await proc.wait()}) before it was ready:\n"
-                                          f"{self.log_tail(name)}")
-                    if match(line.strip()):
-                        return line.strip()
-        except TimeoutError:
-            raise CheckFailed(f"{name} was not ready within {timeout:.0f} s:\n{self.log_tail(name)}") from None
-
-    async def result(self, name: str, timeout: float) -> dict:
-        """A node.py role's final JSON line."""
-        line = await self.read_until(name, lambda s: s.startswith("{"), timeout)
-        return json.loads(line)
-
-    async def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-        for proc in self.procs.values():
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+async def result(procs: Processes, name: str, timeout: float) -> dict:
+    """A node.py role's final JSON line."""
+    line = await procs.read_until(name, lambda s: s.startswith("{"), timeout)
+    return json.loads(line)
 
 
 # -- steps ----------------------------------------------------------------------------------------------
 async def probe(procs: Processes, name: str, host: str, target: str, port: int) -> dict:
-    await procs.spawn(name, host, str(HERE / "probe.py"), "connect", target, str(port), str(PROBE_TIMEOUT))
-    return await procs.result(name, PROBE_TIMEOUT + 10)
+    await spawn(procs, name, host, str(HERE / "probe.py"), "connect", target, str(port), str(PROBE_TIMEOUT))
+    return await result(procs, name, PROBE_TIMEOUT + 10)
 
 
 async def tcp_sanity(procs: Processes) -> dict:
     """A NATed host reaches the relay host and is seen as its router; nobody reaches it unasked."""
     site_a = SITES[0]
     for name, host in (("listen-relay", "relay"), ("listen-a1", "a1")):
-        await procs.spawn(name, host, str(HERE / "probe.py"), "listen", HOST_IP[host], str(PROBE_PORT), "60")
+        await spawn(procs, name, host, str(HERE / "probe.py"), "listen", HOST_IP[host], str(PROBE_PORT), "60")
         await procs.read_until(name, lambda s: s == "listening", 10)
     out = await probe(procs, "a1-to-relay", "a1", HOST_IP["relay"], PROBE_PORT)
     if not out["ok"]:
@@ -291,8 +242,8 @@ async def tcp_sanity(procs: Processes) -> dict:
 
 async def start_public(procs: Processes, host: str, *options: str) -> str:
     """A public `potluck peer` on `host`; its address."""
-    await procs.spawn(host, host, "-m", "potluck", "-v", "peer", "--host", HOST_IP[host], "--port", str(PEER_PORT),
-                      *options)
+    await spawn(procs, host, host, "-m", "potluck", "-v", "peer", "--host", HOST_IP[host], "--port", str(PEER_PORT),
+                *options)
     line = await procs.read_until(host, lambda s: s.startswith("--initial-peers") and HOST_IP[host] in s,
                                   START_TIMEOUT)
     return line.split()[1]
@@ -304,16 +255,16 @@ async def public_peers(procs: Processes) -> list[str]:
 
 
 async def expert_step(procs: Processes, initial: list[str]) -> dict:
-    await procs.spawn("expert-server", "a1", "-m", "potluck", "-v", "expert-server", "--experts", EXPERT_UID,
-                      "--hidden", str(EXPERT_HIDDEN), "--optimizer", "none", "--seed", "0",
-                      "--host", HOST_IP["a1"], "--initial-peers", *initial)
+    await spawn(procs, "expert-server", "a1", "-m", "potluck", "-v", "expert-server", "--experts", EXPERT_UID,
+                "--hidden", str(EXPERT_HIDDEN), "--optimizer", "none", "--seed", "0",
+                "--host", HOST_IP["a1"], "--initial-peers", *initial)
     await procs.read_until("expert-server", lambda s: s.startswith("ready"), START_TIMEOUT)
 
     async def call_from(host: str) -> dict:
-        await procs.spawn(f"caller-{host}", host, str(HERE / "node.py"), "call-expert", "--host", HOST_IP[host],
-                          "--initial-peers", *initial, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
-                          "--timeout", str(TASK_TIMEOUT))
-        report = await procs.result(f"caller-{host}", TASK_TIMEOUT + 30)
+        await spawn(procs, f"caller-{host}", host, str(HERE / "node.py"), "call-expert", "--host", HOST_IP[host],
+                    "--initial-peers", *initial, "--uid", EXPERT_UID, "--hidden", str(EXPERT_HIDDEN),
+                    "--timeout", str(TASK_TIMEOUT))
+        report = await result(procs, f"caller-{host}", TASK_TIMEOUT + 30)
         if report["ok"] and report["path"] != EXPECTED_PATH[host]:
             report |= {"ok": False, "error": f"the connection ended {report['path']}, expected "
                                              f"{EXPECTED_PATH[host]}"}
@@ -324,32 +275,19 @@ async def expert_step(procs: Processes, initial: list[str]) -> dict:
 
 
 async def state_step(procs: Processes, initial: list[str]) -> dict:
-    await procs.spawn("donor", "a2", str(HERE / "node.py"), "donate", "--host", HOST_IP["a2"],
-                      "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(START_TIMEOUT))
+    await spawn(procs, "donor", "a2", str(HERE / "node.py"), "donate", "--host", HOST_IP["a2"],
+                "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(START_TIMEOUT))
     line = await procs.read_until("donor", lambda s: s.startswith(("ready", "{")), START_TIMEOUT + 10)
     if line.startswith("{"):
         raise CheckFailed(f"the donor failed: {json.loads(line)['error']}")
-    await procs.spawn("newcomer", "b2", str(HERE / "node.py"), "download", "--host", HOST_IP["b2"],
-                      "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(TASK_TIMEOUT))
-    return await procs.result("newcomer", TASK_TIMEOUT + 30)
-
-
-async def run_step(summary: dict, name: str, step: Callable[[], object]) -> object:
-    start = time.monotonic()
-    try:
-        value = await step()
-    except CheckFailed as e:
-        summary["steps"][name] = {"ok": False, "error": str(e), "seconds": round(time.monotonic() - start, 2)}
-        return None
-    report = value if isinstance(value, dict) else {} if value is None else {"value": value}
-    ok = report.pop("ok", True)
-    summary["steps"][name] = {"ok": ok, **report, "seconds": round(time.monotonic() - start, 2)}
-    return value if ok else None
+    await spawn(procs, "newcomer", "b2", str(HERE / "node.py"), "download", "--host", HOST_IP["b2"],
+                "--initial-peers", *initial, "--run-id", RUN_ID, "--timeout", str(TASK_TIMEOUT))
+    return await result(procs, "newcomer", TASK_TIMEOUT + 30)
 
 
 async def check(log_dir: Path, summary: dict) -> None:
     """Run the steps, filling `summary` as they end (what ended stays there if the deadline hits)."""
-    procs = Processes(log_dir)
+    procs = Processes(log_dir, STOP_GRACE)
     try:
         await run_step(summary, "topology", lambda: asyncio.to_thread(build_topology))
         if summary["steps"]["topology"]["ok"]:
@@ -377,47 +315,30 @@ def punch_reports(log_dir: Path) -> dict[str, list[str]]:
     return found
 
 
-def raise_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(f"nat_check: stopped by signal {signum}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep-logs", metavar="DIR", help="keep the processes' logs here (default: a temporary "
                                                            "folder, removed at the end)")
     args = parser.parse_args()
     if os.geteuid() != 0:
-        print("nat_check: needs root (it creates network namespaces and NAT rules)", file=sys.stderr)
+        print(f"{PROG}: needs root (it creates network namespaces and NAT rules)", file=sys.stderr)
         return 2
     if not PYTHON.exists():
-        print(f"nat_check: {PYTHON} is missing: run ./scripts/test.sh or scripts/venv.sh first", file=sys.stderr)
+        print(f"{PROG}: {PYTHON} is missing: run ./scripts/test.sh or scripts/venv.sh first", file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, raise_on_signal)
+    stop_on_signals(PROG)
     start = time.monotonic()
-    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="nat-check-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     summary: dict = {"steps": {}}
-    try:
-        ensure_tools()
-        remove_namespaces()
-        asyncio.run(asyncio.wait_for(check(log_dir, summary), CHECK_DEADLINE))
-    except (CheckFailed, TimeoutError) as e:
-        summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
-    finally:
-        remove_namespaces()
-        if not args.keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
-    steps = summary["steps"]
-    summary["ok"] = "error" not in summary and bool(steps) and all(s["ok"] for s in steps.values())
-    summary["seconds"] = round(time.monotonic() - start, 1)
-    print(json.dumps(summary, indent=2))
-    if not summary["ok"]:
-        failed = [name for name, s in steps.items() if not s["ok"]]
-        print(f"nat_check: FAILED ({', '.join(failed) or summary.get('error')})", file=sys.stderr)
-        return 1
-    print("nat_check: all steps passed", file=sys.stderr)
-    return 0
+    with log_folder(args.keep_logs, "nat-check-") as log_dir:
+        try:
+            ensure_tools()
+            remove_namespaces()
+            asyncio.run(asyncio.wait_for(check(log_dir, summary), CHECK_DEADLINE))
+        except (CheckFailed, TimeoutError) as e:
+            summary["error"] = str(e) or f"the check did not finish within {CHECK_DEADLINE:.0f} s"
+        finally:
+            remove_namespaces()
+    return finish(PROG, summary, start, complete=bool(summary["steps"]))
 
 
 if __name__ == "__main__":
