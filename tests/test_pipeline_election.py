@@ -5,6 +5,7 @@ takes over from the layout in the DHT and the cluster trains on."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -28,6 +29,16 @@ async def _until(condition, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def make_node(peer, config: PipelineConfig, plan: RunPlan, profiled: Iterable[str], memory: int = 2**40,
+              **kwargs) -> PipelineNode:
+    """A node of the test model (SGD, emulated compute) that knows a profile of `memory` bytes for each
+    of `profiled`; quick heartbeats and failure detection."""
+    return PipelineNode(peer, config, plan, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=0.05),
+                        source=source_for, costs=COSTS, shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
+                        profiles={p: NodeProfile(p, 1.0, memory) for p in profiled}, heartbeat=0.5,
+                        failure_timeout=1.0, **kwargs)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("silent", [False, True], ids=["reset", "silent"])
 def test_the_next_member_takes_the_controller_role_over_when_its_node_crashes(silent):
@@ -41,11 +52,7 @@ def test_the_next_member_takes_the_controller_role_over_when_its_node_crashes(si
         by_id = {str(p.transport.peer_id): p for p in peers}
         nodes = {}
         for peer_id, peer in by_id.items():
-            node = PipelineNode(peer, config, plan, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=0.05),
-                                source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, 2**40) for p in ids}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(peer, config, plan, ids)
             await node.start()
             nodes[peer_id] = node
 
@@ -103,11 +110,7 @@ def test_a_node_that_joins_after_the_plan_is_a_standby_a_recovery_takes():
         plan = RunPlan(1, (tuple(planned[0::2]), tuple(planned[1::2])), ())
         nodes = {}
         for peer_id in ids:
-            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
-                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, memory) for p in planned}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(by_id[peer_id], config, plan, planned, memory)
             await node.start()
             nodes[peer_id] = node
         await publish_profile(by_id[late], "late", NodeProfile(late, 1.0, memory))
@@ -149,11 +152,7 @@ def test_a_planned_node_that_never_comes_is_replaced_by_a_standby_at_the_start()
         for peer_id in ids:
             if peer_id == absent:
                 continue
-            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
-                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, memory) for p in ids}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(by_id[peer_id], config, plan, ids, memory)
             await node.start()
             nodes[peer_id] = node
         await _until(lambda: "c0" in nodes[ids[0]].controllers, 200, "the cluster has its controller")
@@ -186,11 +185,7 @@ def test_a_controller_steps_down_when_its_clusters_layout_is_newer_than_its_epoc
         plan = RunPlan(1, (tuple(ids),), ())
         nodes = {}
         for peer_id in ids:
-            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
-                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, 2**40) for p in ids}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(by_id[peer_id], config, plan, ids)
             await node.start()
             nodes[peer_id] = node
         first = nodes[ids[0]]

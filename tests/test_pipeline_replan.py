@@ -12,14 +12,13 @@ import torch
 from potluck.core.errors import RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.messages import Ack
-from potluck.pipeline.node import Claim, PipelineNode
-from potluck.pipeline.partition import boundary_shapes
+from potluck.pipeline.node import Claim
 from potluck.pipeline.planning import RunPlan, checks, model_demand, plan_run, replan
 from potluck.pipeline.profiling import NodeProfile, publish_profile
 from potluck.pipeline.stage import PipelineConfig
 from tests.emulated_swarm import make_swarm
-from tests.test_pipeline_election import _until
-from tests.test_pipeline_net import COSTS, LAYERS, WIDTH, make_layers, source_for
+from tests.test_pipeline_election import _until, make_node
+from tests.test_pipeline_net import COSTS, LAYERS, make_layers
 
 DEMAND = model_demand(COSTS, 8, 4)  # what one copy of the test model needs (micro-batch 8, bound 4)
 HALF = int(DEMAND.memory * 0.55)  # two nodes hold the model, one cannot
@@ -54,13 +53,6 @@ def test_the_replan_rule():
     assert not checks(grown, {p.peer_id: p for p in profiles("abc")}, DEMAND)  # a profile is missing
 
 
-def _node(peer, config, plan, ids, **kwargs):
-    return PipelineNode(peer, config, plan, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=0.05),
-                        source=source_for, costs=COSTS, shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                        profiles={p: NodeProfile(p, 1.0, HALF) for p in ids}, heartbeat=0.5, failure_timeout=1.0,
-                        **kwargs)
-
-
 @pytest.mark.timeout(60)
 def test_a_standby_joins_the_first_cluster_that_claims_it():
     config = PipelineConfig("claims")
@@ -70,7 +62,7 @@ def test_a_standby_joins_the_first_cluster_that_claims_it():
         ids = [str(p.transport.peer_id) for p in peers]
         standby, c0, c1, stranger = peers
         plan = RunPlan(1, ((ids[1],), (ids[2],)), (ids[0],))
-        node = _node(standby, config, plan, ids)
+        node = make_node(standby, config, plan, ids, HALF)
         method = f"{config.run_id}.pipe.claim"
 
         async def claim(peer, version, cluster):
@@ -122,7 +114,7 @@ def test_the_run_grows_a_cluster_for_late_nodes_and_replans_when_a_cluster_canno
             return on_version
 
         for peer_id in ids:
-            node = _node(by_id[peer_id], config, plan, ids, demand=DEMAND)
+            node = make_node(by_id[peer_id], config, plan, ids, HALF, demand=DEMAND)
             if peer_id in late:
                 node.worker.on_version = recorder(peer_id)
             await node.start()
@@ -225,11 +217,7 @@ def test_two_clusters_that_need_the_one_standby_at_once_do_not_both_take_it():
         plan = RunPlan(1, (tuple(ids[0:6:2]), tuple(ids[1:6:2])), (ids[6],))
         nodes = {}
         for peer_id in ids:
-            node = PipelineNode(by_id[peer_id], config, plan, make_layers, LAYERS,
-                                lambda p: torch.optim.SGD(p, lr=0.05), source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, third) for p in ids}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(by_id[peer_id], config, plan, ids, third)
             await node.start()
             nodes[peer_id] = node
         controllers = [nodes[min(c)] for c in plan.clusters]

@@ -10,21 +10,17 @@ signed one ignored, and the cluster trains on with its own layout."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from potluck.core.errors import RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import RecordRejected
 from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
 from potluck.pipeline.messages import GetLayers
-from potluck.pipeline.node import PipelineNode
-from potluck.pipeline.partition import boundary_shapes
 from potluck.pipeline.planning import RunPlan
-from potluck.pipeline.profiling import NodeProfile
 from potluck.pipeline.stage import PipelineConfig
 from tests.emulated_swarm import make_swarm
-from tests.test_pipeline_election import _until
-from tests.test_pipeline_net import COSTS, LAYERS, WIDTH, make_layers, source_for
+from tests.test_pipeline_election import _until, make_node
+from tests.test_pipeline_net import LAYERS
 
 
 @pytest.mark.timeout(60)
@@ -39,11 +35,7 @@ def test_a_strangers_layout_is_not_read_and_earns_it_no_weights():
         plan = RunPlan(1, (tuple(ids),), ())
         nodes = []
         for peer in peers:
-            node = PipelineNode(peer, config, plan, make_layers, LAYERS, lambda p: torch.optim.SGD(p, lr=0.05),
-                                source=source_for, costs=COSTS,
-                                shapes=boundary_shapes(make_layers(range(LAYERS)), [WIDTH]),
-                                profiles={p: NodeProfile(p, 1.0, 2**40) for p in ids}, heartbeat=0.5,
-                                failure_timeout=1.0)
+            node = make_node(peer, config, plan, ids)
             await node.start()
             nodes.append(node)
         workers = [n.worker for n in nodes]
