@@ -43,6 +43,27 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 
 
+def record_published(opt: Optimizer, published: list[tuple[str, RoundRecord]]) -> None:
+    """Note every round record `opt` publishes in `published`, as (publisher, record): the truth."""
+    publish = opt.tracker.record_round
+
+    async def recording(record: RoundRecord, token: bytes | None = None) -> None:
+        published.append((opt.peer.peer_id, record))
+        await publish(record, token)
+    opt.tracker.record_round = recording
+
+
+async def train_on_noise(opt: Optimizer, seed: int, epochs: int) -> None:
+    """Random gradients, a batch every COMPUTE virtual seconds, until `opt` reaches `epochs`."""
+    generator = torch.Generator().manual_seed(seed)
+    while opt.local_epoch < epochs:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=generator)
+        await asyncio.sleep(COMPUTE)
+        await opt.astep()
+
+
 async def scenario(db: Path) -> dict:
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=7)
@@ -57,12 +78,7 @@ async def scenario(db: Path) -> dict:
         model = make_model()
         opt = Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TARGET,
                         batch_size_per_step=BATCH, load_state=load_state, start=False)
-        publish = opt.tracker.record_round
-
-        async def recording(record: RoundRecord, token: bytes | None = None) -> None:
-            published.append((peer.peer_id, record))
-            await publish(record, token)
-        opt.tracker.record_round = recording
+        record_published(opt, published)
         await opt.astart()
         optimizers.append(opt)
         return peer, opt, model
@@ -266,29 +282,15 @@ async def local_update_swarm(mode: str) -> dict:
     for peer in trainers:
         opt = Optimizer(peer, RUN, make_model().parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TARGET,
                         batch_size_per_step=BATCH, mode=mode, local_steps=4, load_state=False, start=False)
-        publish = opt.tracker.record_round
-
-        async def recording(record: RoundRecord, token: bytes | None = None, _publish=publish, _me=peer.peer_id):
-            published.append((_me, record))
-            await _publish(record, token)
-        opt.tracker.record_round = recording
+        record_published(opt, published)
         optimizers.append(opt)
     ledger = Ledger(":memory:", RUN)
     follower = Follower(monitor, RUN, ledger, poll_interval=POLL)
     following = asyncio.ensure_future(follower.run())
-
-    async def train(opt: Optimizer, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        while opt.local_epoch < 4:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.randn(p.shape, generator=generator)
-            await asyncio.sleep(COMPUTE)
-            await opt.astep()
     try:
         for opt in optimizers:
             await opt.astart()
-        await asyncio.wait_for(asyncio.gather(*(train(o, i) for i, o in enumerate(optimizers))), 120)
+        await asyncio.wait_for(asyncio.gather(*(train_on_noise(o, i, 4) for i, o in enumerate(optimizers))), 120)
         await asyncio.sleep(2 * POLL)
         await follower.poll()
         return {"published": published, "credits": _credits(ledger)}

@@ -29,7 +29,7 @@ from potluck.net.identity import Identity
 from potluck.optim import Optimizer
 from potluck.optim.progress import RoundRecord, fetch_rounds
 from tests.emulated_swarm import run_on_shared_runner
-from tests.test_monitor_ledger import BATCH, COMPUTE, make_model, truth
+from tests.test_monitor_ledger import BATCH, make_model, record_published, train_on_noise, truth
 
 RUN = "liar"
 TARGET = 96
@@ -53,12 +53,7 @@ async def scenario(db: Path) -> dict:
     *honest, liar = optimizers
     liar_id = liar.peer.peer_id
     for opt in honest:
-        publish = opt.tracker.record_round
-
-        async def recording(record: RoundRecord, token: bytes | None = None, _publish=publish, _me=opt.peer.peer_id):
-            honest_records.append((_me, record))
-            await _publish(record, token)
-        opt.tracker.record_round = recording
+        record_published(opt, honest_records)
     publish_truly, report_truly = liar.tracker.record_round, liar.tracker.report
 
     async def lying_record(record: RoundRecord, token: bytes | None = None) -> None:
@@ -73,20 +68,11 @@ async def scenario(db: Path) -> dict:
     ledger = Ledger(db, RUN)
     follower = Follower(monitor, RUN, ledger, poll_interval=0.25)
     following = asyncio.ensure_future(follower.run())
-
-    async def train(opt: Optimizer, seed: int) -> None:
-        model_params = [p for g in opt.param_groups for p in g["params"]]
-        generator = torch.Generator().manual_seed(seed)
-        while opt.local_epoch < EPOCHS:
-            for p in model_params:
-                p.grad = torch.randn(p.shape, generator=generator)
-            await asyncio.sleep(COMPUTE)
-            await opt.astep()
-
     try:
         for opt in optimizers:
             await opt.astart()
-        await asyncio.wait_for(asyncio.gather(*(train(o, i) for i, o in enumerate(optimizers))), 120)
+        await asyncio.wait_for(asyncio.gather(*(train_on_noise(o, i, EPOCHS) for i, o in enumerate(optimizers))),
+                               120)
         sybil = str(Identity.generate().peer_id)
         await publish_truly(RoundRecord(FAKE_EPOCH, 0, ((liar_id, MILLION), (sybil, MILLION),
                                                         (honest[0].peer.peer_id, 1))))
