@@ -30,6 +30,27 @@ from potluck.core.errors import CompressionError
 __all__ = ["Sparse", "TopK"]
 
 
+def _sparse_fields(payload: Mapping[str, Any], codec: str) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """A sparse payload's shape, int32 indices and float32 values, each checked for type."""
+    check_fields(payload, codec, ("shape", "indices", "values"))
+    return (shape_field(payload, "shape", codec), tensor_field(payload, "indices", codec, torch.int32, ndim=1),
+            tensor_field(payload, "values", codec, torch.float32, ndim=1))
+
+
+def _scatter(shape: torch.Size, indices: torch.Tensor, values: torch.Tensor, codec: str) -> torch.Tensor:
+    """A zero tensor of `shape` with finite `values` at `indices`, strictly increasing within it."""
+    check_finite_field(values, "values", codec)
+    numel = shape.numel()
+    if indices.numel():
+        if indices[0].item() < 0 or indices[-1].item() >= numel:
+            raise CompressionError(f"{codec} payload has indices outside 0..{numel - 1}")
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise CompressionError(f"{codec} payload indices must be strictly increasing")
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out[indices.long()] = values
+    return out.view(shape)
+
+
 @register_codec
 class TopK(Codec):
     """Sends ceil(ratio * n) (at least 1) largest |values| as sorted int32 indices + float32 values.
@@ -96,10 +117,7 @@ class TopK(Codec):
         return {"shape": list(corrected.shape), "indices": indices.to(torch.int32), "values": values}
 
     def _decode(self, payload: Mapping[str, Any]) -> torch.Tensor:
-        check_fields(payload, self.name, ("shape", "indices", "values"))
-        shape = shape_field(payload, "shape", self.name)
-        indices = tensor_field(payload, "indices", self.name, torch.int32, ndim=1)
-        values = tensor_field(payload, "values", self.name, torch.float32, ndim=1)
+        shape, indices, values = _sparse_fields(payload, self.name)
         numel = shape.numel()
         expected = self.kept(numel) if numel else 0
         if indices.numel() != expected or values.numel() != expected:
@@ -107,15 +125,7 @@ class TopK(Codec):
                 f"topk payload has {indices.numel()} indices and {values.numel()} values; "
                 f"ratio {self.ratio} of {numel} elements needs {expected}"
             )
-        check_finite_field(values, "values", self.name)
-        if expected:
-            if indices[0].item() < 0 or indices[-1].item() >= numel:
-                raise CompressionError(f"topk payload has indices outside 0..{numel - 1}")
-            if expected > 1 and not bool((indices[1:] > indices[:-1]).all()):
-                raise CompressionError("topk payload indices must be strictly increasing")
-        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-        out[indices.long()] = values
-        return out.view(shape)
+        return _scatter(shape, indices, values, self.name)
 
     def error_bound(self, tensor: torch.Tensor) -> float:
         flat = self._corrected(tensor).view(-1)
@@ -140,23 +150,12 @@ class Sparse(Codec):
         return {"shape": list(tensor.shape), "indices": indices.to(torch.int32), "values": flat[indices]}
 
     def _decode(self, payload: Mapping[str, Any]) -> torch.Tensor:
-        check_fields(payload, self.name, ("shape", "indices", "values"))
-        shape = shape_field(payload, "shape", self.name)
-        indices = tensor_field(payload, "indices", self.name, torch.int32, ndim=1)
-        values = tensor_field(payload, "values", self.name, torch.float32, ndim=1)
+        shape, indices, values = _sparse_fields(payload, self.name)
         numel = shape.numel()
         if indices.numel() != values.numel() or indices.numel() > numel:
             raise CompressionError(f"sparse payload has {indices.numel()} indices and {values.numel()} values "
                                    f"for {numel} elements")
-        check_finite_field(values, "values", self.name)
-        if indices.numel():
-            if indices[0].item() < 0 or indices[-1].item() >= numel:
-                raise CompressionError(f"sparse payload has indices outside 0..{numel - 1}")
-            if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-                raise CompressionError("sparse payload indices must be strictly increasing")
-        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-        out[indices.long()] = values
-        return out.view(shape)
+        return _scatter(shape, indices, values, self.name)
 
     def error_bound(self, tensor: torch.Tensor) -> float:
         value_range(finite_float32(tensor, self.name).values, self.name)
