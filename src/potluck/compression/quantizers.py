@@ -316,8 +316,64 @@ def _blocks(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return views
 
 
+class _BlockScaled(Codec):
+    """What blockwise8 and blockwise4 share: codes -code_max..code_max, each block's scaled by its
+    absmax (stored as code + offset), the block size, the scales' checks and the error bound."""
+
+    code_max: int
+    offset: int  # added to a code where it is stored (an unsigned nibble)
+
+    def __init__(self, block: int = DEFAULT_BLOCK):
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+            raise CompressionError(f"{self.name}: block must be an int in 1..{MAX_BLOCK}, got {block!r:.50}")
+        self.block = block
+
+    def params(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def _encode_blocks(self, flat: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Fill the flat `codes` with the flat `values`' stored codes; the blocks' scales."""
+        scales = []
+        for values, out in zip(_blocks(flat, self.block), _blocks(codes, self.block), strict=True):
+            absmax = values.abs().amax(dim=1, keepdim=True)
+            safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # all-zero blocks stay 0
+            scaled = (values / safe).mul_(self.code_max).round_()
+            out.copy_(scaled.add_(self.offset) if self.offset else scaled)
+            scales.append(absmax.reshape(-1))
+        return torch.cat(scales)
+
+    def _check_scales(self, scales: torch.Tensor, count: int, what: str) -> None:
+        expected = -(-count // self.block)
+        if scales.numel() != expected:
+            raise CompressionError(
+                f"{self.name} payload has {scales.numel()} scales for {count} {what} "
+                f"(block {self.block} needs {expected})"
+            )
+        check_finite_field(scales, "scales", self.name)
+        if scales.numel() and scales.min().item() < 0:
+            raise CompressionError(f"{self.name} payload has negative scales")
+
+    def _decode_blocks(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill the flat `out` with the flat stored `codes` times their blocks' `scales`."""
+        start = 0
+        for code_block, out_block in zip(_blocks(codes, self.block), _blocks(out, self.block), strict=True):
+            block_scales = scales[start : start + code_block.shape[0]].unsqueeze(1)
+            start += code_block.shape[0]
+            code = code_block.to(torch.float32)
+            if self.offset:
+                code.sub_(self.offset)
+            # (code / code_max) * scale: |code / code_max| <= 1, so the product cannot exceed the scale.
+            torch.mul(code.div_(self.code_max), block_scales, out=out_block)
+
+    def error_bound(self, tensor: torch.Tensor) -> float:
+        x = finite_float32(tensor, self.name)
+        if x.lo == x.hi:  # every value is +-absmax of its block: exact
+            return 0.0
+        return x.absmax / (2 * self.code_max) + 2 * F32_EPS * x.absmax + SUBNORMAL_SLACK
+
+
 @register_codec
-class Blockwise8Bit(Codec):
+class Blockwise8Bit(_BlockScaled):
     """int8 codes scaled by each block's absmax (the bitsandbytes idea, in plain torch).
 
     An outlier only costs precision in its own block. 1 byte/element plus 4 bytes per block.
@@ -325,61 +381,27 @@ class Blockwise8Bit(Codec):
     """
 
     name = "blockwise8"
-
-    def __init__(self, block: int = DEFAULT_BLOCK):
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
-            raise CompressionError(f"blockwise8: block must be an int in 1..{MAX_BLOCK}, got {block!r:.50}")
-        self.block = block
-
-    def params(self) -> dict[str, Any]:
-        return {"block": self.block}
+    code_max, offset = _INT8_MAX, 0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         x = finite_float32(tensor, self.name)
         codes = torch.empty(x.values.shape, dtype=torch.int8, device=x.values.device)
-        scales = []
-        value_blocks = _blocks(x.values.reshape(-1), self.block)
-        for values, out in zip(value_blocks, _blocks(codes.view(-1), self.block), strict=True):
-            absmax = values.abs().amax(dim=1, keepdim=True)
-            safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # all-zero blocks stay 0
-            out.copy_((values / safe).mul_(_INT8_MAX).round_())
-            scales.append(absmax.reshape(-1))
-        return {"codes": codes, "scales": torch.cat(scales)}
+        return {"codes": codes, "scales": self._encode_blocks(x.values.reshape(-1), codes.view(-1))}
 
     def _decode(self, payload: Mapping[str, Any]) -> torch.Tensor:
         check_fields(payload, self.name, ("codes", "scales"))
         codes = tensor_field(payload, "codes", self.name, torch.int8)
         scales = tensor_field(payload, "scales", self.name, torch.float32, ndim=1)
-        expected = -(-codes.numel() // self.block)
-        if scales.numel() != expected:
-            raise CompressionError(
-                f"{self.name} payload has {scales.numel()} scales for {codes.numel()} codes "
-                f"(block {self.block} needs {expected})"
-            )
-        check_finite_field(scales, "scales", self.name)
-        if scales.numel() and scales.min().item() < 0:
-            raise CompressionError(f"{self.name} payload has negative scales")
+        self._check_scales(scales, codes.numel(), "codes")
         if codes.numel() and codes.min().item() < -_INT8_MAX:
             raise CompressionError(f"{self.name} payload has code -128, outside -127..127")
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-        start = 0
-        code_blocks = _blocks(codes.reshape(-1), self.block)
-        for code_block, out_block in zip(code_blocks, _blocks(out.view(-1), self.block), strict=True):
-            block_scales = scales[start : start + code_block.shape[0]].unsqueeze(1)
-            start += code_block.shape[0]
-            # (code / 127) * scale: |code / 127| <= 1, so the product cannot exceed the scale.
-            torch.mul(code_block.to(torch.float32).div_(_INT8_MAX), block_scales, out=out_block)
+        self._decode_blocks(codes.reshape(-1), scales, out.view(-1))
         return out
-
-    def error_bound(self, tensor: torch.Tensor) -> float:
-        x = finite_float32(tensor, self.name)
-        if x.lo == x.hi:  # every value is +-absmax of its block: exact
-            return 0.0
-        return x.absmax / (2 * _INT8_MAX) + 2 * F32_EPS * x.absmax + SUBNORMAL_SLACK
 
 
 @register_codec
-class Blockwise4Bit(Codec):
+class Blockwise4Bit(_BlockScaled):
     """4-bit codes (-7..7, two per byte) scaled by each block's absmax: blockwise8 at half the
     bytes, for what tolerates coarse values (DiLoCo's pseudo-gradients: the Streaming DiLoCo
     paper trains as well with 4-bit outer gradients). 0.5 byte/element plus 4 bytes per block.
@@ -387,14 +409,7 @@ class Blockwise4Bit(Codec):
     """
 
     name = "blockwise4"
-
-    def __init__(self, block: int = DEFAULT_BLOCK):
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
-            raise CompressionError(f"blockwise4: block must be an int in 1..{MAX_BLOCK}, got {block!r:.50}")
-        self.block = block
-
-    def params(self) -> dict[str, Any]:
-        return {"block": self.block}
+    code_max, offset = _INT4_MAX, _INT4_MAX
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         if isinstance(tensor, torch.Tensor) and tensor.numel() > MAX_DENSE_ELEMENTS:
@@ -403,16 +418,10 @@ class Blockwise4Bit(Codec):
         flat = x.values.reshape(-1)
         nibbles = torch.empty(flat.numel() + flat.numel() % 2, dtype=torch.uint8, device=flat.device)
         nibbles[flat.numel():] = 0  # the padding of an odd count
-        scales = []
-        for values, out in zip(_blocks(flat, self.block), _blocks(nibbles[:flat.numel()], self.block), strict=True):
-            absmax = values.abs().amax(dim=1, keepdim=True)
-            safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # all-zero blocks stay 0
-            out.copy_((values / safe).mul_(_INT4_MAX).round_().add_(_INT4_MAX))
-            scales.append(absmax.reshape(-1))
+        scales = self._encode_blocks(flat, nibbles[:flat.numel()])
         pairs = nibbles.view(-1, 2)
         codes = pairs[:, 0] | (pairs[:, 1] << 4)
-        return {"shape": list(x.values.shape), "codes": codes,
-                "scales": torch.cat(scales) if scales else torch.zeros(0)}
+        return {"shape": list(x.values.shape), "codes": codes, "scales": scales}
 
     def _decode(self, payload: Mapping[str, Any]) -> torch.Tensor:
         check_fields(payload, self.name, ("shape", "codes", "scales"))
@@ -422,29 +431,10 @@ class Blockwise4Bit(Codec):
         numel = shape.numel()
         if codes.numel() != -(-numel // 2):
             raise CompressionError(f"{self.name} payload has {codes.numel()} bytes of codes for {numel} values")
-        expected = -(-numel // self.block)
-        if scales.numel() != expected:
-            raise CompressionError(
-                f"{self.name} payload has {scales.numel()} scales for {numel} values "
-                f"(block {self.block} needs {expected})"
-            )
-        check_finite_field(scales, "scales", self.name)
-        if scales.numel() and scales.min().item() < 0:
-            raise CompressionError(f"{self.name} payload has negative scales")
+        self._check_scales(scales, numel, "values")
         nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=1).reshape(-1)[:numel]
         if numel and nibbles.max().item() == _NIBBLE_INVALID:
             raise CompressionError(f"{self.name} payload has code 8, outside -7..7")
         out = torch.empty(numel, dtype=torch.float32, device=codes.device)
-        start = 0
-        for code_block, out_block in zip(_blocks(nibbles, self.block), _blocks(out, self.block), strict=True):
-            block_scales = scales[start : start + code_block.shape[0]].unsqueeze(1)
-            start += code_block.shape[0]
-            # (code / 7) * scale: |code / 7| <= 1, so the product cannot exceed the scale.
-            torch.mul(code_block.to(torch.float32).sub_(_INT4_MAX).div_(_INT4_MAX), block_scales, out=out_block)
+        self._decode_blocks(nibbles, scales, out)
         return out.view(shape)
-
-    def error_bound(self, tensor: torch.Tensor) -> float:
-        x = finite_float32(tensor, self.name)
-        if x.lo == x.hi:  # every value is +-absmax of its block: exact
-            return 0.0
-        return x.absmax / (2 * _INT4_MAX) + 2 * F32_EPS * x.absmax + SUBNORMAL_SLACK
