@@ -9,20 +9,23 @@ import torch
 from potluck.net import Identity, TCPTransport
 
 
+async def echo(request, ctx):
+    return request
+
+
+async def sink(stream, ctx):
+    """Counts the elements of the tensors streamed to it; answers the total."""
+    total = 0
+    async for chunk in stream:
+        total += chunk.numel()
+    await stream.send(total)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--insecure", action="store_true")
     args = parser.parse_args()
     transport = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=args.insecure)
-
-    async def echo(request, ctx):
-        return request
-
-    async def sink(stream, ctx):
-        total = 0
-        async for chunk in stream:
-            total += chunk.numel()
-        await stream.send(total)
 
     async def source(stream, ctx):
         n, size = stream.request["n"], stream.request["size"]

@@ -11,25 +11,15 @@ from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.net.tcp import TCPTransport
+from tests.peer_process import echo, sink
 
 PAYLOAD = 100_000  # bytes of tensor per message: far above any frame's header
 
 
-async def _echo(request, ctx):
-    return request
-
-
-async def _sink(stream, ctx):
-    total = 0
-    async for message in stream:
-        total += message.numel()
-    await stream.send(total)
-
-
 async def _exchange(a, b) -> None:
     """One call (a request and its echo) and one stream of three messages a -> b."""
-    b.add_handler("echo", _echo)
-    b.add_stream_handler("sink", _sink)
+    b.add_handler("echo", echo)
+    b.add_stream_handler("sink", sink)
     payload = torch.zeros(PAYLOAD, dtype=torch.uint8)
     assert (await a.call(b.peer_id, "echo", payload, timeout=10)).numel() == PAYLOAD
     sent_before = a.stats.bytes_sent
