@@ -16,7 +16,8 @@ Modes:
   same state (their digests travel with the gradients): it would change nothing.
 - "moshpit": local SGD; every `local_steps` steps the parameters are averaged in Moshpit groups.
 - "diloco": `local_steps` inner steps of the wrapped optimizer, then an outer step with Nesterov
-  momentum on the averaged change of the parameters. Streaming DiLoCo with `fragments`,
+  momentum on the averaged change of the parameters (a slower peer joins the round that a faster
+  one entered, with fewer inner steps: `round_begun`). Streaming DiLoCo with `fragments`,
   `outer_delay` and `outer_compression` (`potluck.optim.streaming`): one fragment of the model at
   a time, its round overlapped with the next inner steps, its pseudo-gradient compressed.
 
@@ -124,9 +125,9 @@ MAX_STATE_EPOCH_LEAD = 8
 # (the donors are applying the newest epoch this very moment), instead of downloading in a loop.
 CATCH_UP_RETRY_SECONDS = PROGRESS_INTERVAL
 # A DiLoCo peer joins an outer round another peer has entered (Optimizer.round_begun) only after
-# `local_steps` / this of its own inner steps. Honest peers' speeds are within MAX_SPEED_RATIO of
-# each other, so they all join every round; a liar that claims to be in a round all the time makes
-# the others' rounds at most this many times as frequent.
+# `local_steps` / this of its own inner steps (Streaming DiLoCo: of a fragment's interval). Honest
+# peers' speeds are within MAX_SPEED_RATIO of each other, so they all join every round; a liar that
+# claims to be in a round all the time makes the others' rounds at most this many times as frequent.
 MIN_JOIN_STEP_FRACTION = MAX_SPEED_RATIO
 # It joins before its own `local_steps` only if the rest of them would take longer than this
 # fraction of the matchmaking window: the window opened when the other peer entered, which we
@@ -354,7 +355,8 @@ class Optimizer(torch.optim.Optimizer):
                 self.steps += 1
                 if self.streaming is not None:
                     await self.streaming.after_step()
-                elif self.steps >= self.local_steps or (self.mode == "diloco" and self.round_begun(self.steps)):
+                elif self.steps >= self.local_steps or (self.mode == "diloco"
+                                                        and self.round_begun(self.steps, self.local_steps)):
                     await (self._moshpit_round() if self.mode == "moshpit" else self._diloco_round())
         finally:
             self._stepping = False
@@ -878,16 +880,17 @@ class Optimizer(torch.optim.Optimizer):
             await self._average_state(f"outer-state{self.local_epoch}", len(result.peers), frozenset(result.peers))
             await run_in_thread(torch._foreach_copy_, self._outer_params, [p.detach() for p in self._params])
 
-    def round_begun(self, steps: int) -> bool:
+    def round_begun(self, steps: int, due: int) -> bool:
         """DiLoCo: another live peer has entered our epoch's outer round (it made its inner steps
-        first), and we have made `steps` of ours, at least 1 / MIN_JOIN_STEP_FRACTION of them, but
+        first), and we have made `steps` of the `due` ones (local_steps; Streaming DiLoCo: a
+        fragment's interval), at least 1 / MIN_JOIN_STEP_FRACTION of them, but
         the rest would take us past JOIN_WINDOW_FRACTION of its matchmaking window: join it now,
         with fewer inner steps (weighted by our samples). Waiting for all of ours, a slower peer
         came after the window, stepped alone, and fell further behind every round: two peers of
         unequal speed never met again."""
-        if steps * MIN_JOIN_STEP_FRACTION < self.local_steps or self.samples_per_second <= 0:
+        if steps * MIN_JOIN_STEP_FRACTION < due or self.samples_per_second <= 0:
             return False
-        rest = (self.local_steps - steps) * self.batch_size_per_step / self.samples_per_second
+        rest = (due - steps) * self.batch_size_per_step / self.samples_per_second
         if rest < JOIN_WINDOW_FRACTION * self.matchmaking_time:
             return False  # we come in time with all our steps
         now, me = self.peer.dht.get_time(), self.peer.peer_id

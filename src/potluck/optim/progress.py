@@ -216,7 +216,7 @@ class ProgressTracker:
                   "failed": failed, "target": self.target}
         if metrics is not None:
             record["mtime"], record["metrics"] = metrics
-        sends = [self._send(peer, record) for peer in self._neighbors.values()]
+        sends = [self._send(name, peer, record) for name, peer in self._neighbors.items()]
         if store:
             sends.append(self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey))
         try:
@@ -257,11 +257,15 @@ class ProgressTracker:
     def has_neighbors(self) -> bool:
         return bool(self._neighbors)
 
-    async def _send(self, peer: Any, record: dict) -> None:
+    async def _send(self, name: str, peer: Any, record: dict) -> None:
         try:
             await self.transport.call(peer, self.method, record, timeout=PUSH_TIMEOUT)
         except (NetworkError, PotluckError) as e:
             logger.debug("could not send progress to %s: %s", peer, e)
+            # A neighbor that does not answer (crashed, gone) would hold each of our reports up
+            # for PUSH_TIMEOUT, as long as LIVE_SECONDS: others would take us for gone. It hears
+            # of us through the DHT until our next group.
+            self._neighbors = {p: i for p, i in self._neighbors.items() if p != name}
 
     async def _on_push(self, request: Any, ctx: Any) -> None:
         """A neighbor's report: about the sender itself, and only from a neighbor (a bounded set)."""

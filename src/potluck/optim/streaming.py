@@ -230,7 +230,7 @@ class StreamingDiLoCo:
             self.flight.steps_left -= 1
             if self.flight.steps_left <= 0:
                 await self._land()
-        if self.steps >= self.interval:
+        if self.steps >= self.interval or (self.flight is None and self.opt.round_begun(self.steps, self.interval)):
             self.steps = 0
             await self._launch()
 
@@ -253,6 +253,8 @@ class StreamingDiLoCo:
             task = asyncio.ensure_future(fragment.averager.astep(
                 weight=float(opt.batch_size_per_step * opt.local_steps), gather=FragmentNote(digest).to_wire(),
                 group_key=f"outer{opt.local_epoch}", target_group_size=expected, members=members))
+            opt._in_round = True  # slower peers see it and join now (Optimizer.round_begun)
+            opt._publish()
         self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay)
         if self.config.delay == 0:
             await self._land()
@@ -265,7 +267,10 @@ class StreamingDiLoCo:
         if flight.task is not None:
             if not flight.task.done():
                 opt._waited = True
-            await opt._wait_for_round(flight.task, fragment.averager, flight.epoch)
+            try:
+                await opt._wait_for_round(flight.task, fragment.averager, flight.epoch)
+            finally:
+                opt._in_round = False
             if flight.task.cancelled():  # the others' round is over without us: rejoin them
                 if fragment.feedback is not None:
                     fragment.feedback.reset()
@@ -273,6 +278,7 @@ class StreamingDiLoCo:
                 return
             try:
                 result = flight.task.result()
+                opt.tracker.set_neighbors(result.peers)  # they hear our progress at once
             except AveragingError as e:
                 logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
         await run_in_thread(self._outer_step, fragment)
