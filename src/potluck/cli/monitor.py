@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.cli.help import HelpFormatter
+from potluck.cli.peer import add_identity_options
 from potluck.cli.signals import StopSignal
 from potluck.core.errors import PotluckError
 from potluck.monitor.follower import POLL_INTERVAL, POLL_TIMEOUT, Follower
@@ -38,15 +39,7 @@ def add_join_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", required=True, help="the run to follow, as its trainers name it")
     parser.add_argument("--initial-peers", nargs="+", required=True, metavar="ADDR",
                         help="addresses of peers in the run (/ip4/.../tcp/.../p2p/<peer id>)")
-    parser.add_argument("--identity", metavar="PATH",
-                        help="key file; created if missing, so the monitor keeps its peer id across restarts")
-    parser.add_argument("--insecure", action="store_true", help="plain TCP without TLS, as the run uses")
-    parser.add_argument("--authority", metavar="ADDR",
-                        help="the run's authority, if it has one (its address or peer id); members' names "
-                             "then come from their membership tokens")
-    parser.add_argument("--credential", metavar="CRED", default=None,
-                        help="what to show the authority: 'peer', 'invite:CODE', or 'password:NAME' with the "
-                             "password in $POTLUCK_PASSWORD")
+    add_identity_options(parser)
 
 
 def join(args: argparse.Namespace) -> Peer:
@@ -60,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Follow a run as a peer that trains nothing: record who is online, how fast the swarm "
                     "goes, each epoch, the metrics trainers publish and the samples each peer was really "
                     "averaged with into a SQLite file (a restart resumes from it), and serve a live "
-                    "dashboard. Stop it with Ctrl-C.",
+                    "dashboard. In a run with an --authority, members' names come from their membership "
+                    "tokens. Stop it with Ctrl-C.",
         formatter_class=HelpFormatter)
     add_join_options(parser)
     parser.add_argument("--db", required=True, metavar="FILE", help="the ledger's database (created if missing)")

@@ -24,22 +24,27 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-mode", action="store_true",
                         help="force client mode: do not listen, only dial out (default: check at start "
                              "whether others can connect, and become a client or use a relay if not)")
+    add_identity_options(parser)
+    parser.add_argument("--announce", nargs="*", default=None, metavar="ADDR",
+                        help="addresses to advertise instead of the listening ones (port forwarding)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free "
+                             "port; see docs/monitoring.md)")
+    parser.set_defaults(relay=False)  # `potluck peer` adds --relay
+
+
+def add_identity_options(parser: argparse.ArgumentParser) -> None:
+    """Who the peer is and how it proves it: shared with `potluck monitor`'s client-mode peer."""
     parser.add_argument("--identity", metavar="PATH",
                         help="key file; created if missing, so the peer id stays the same across restarts")
     parser.add_argument("--insecure", action="store_true",
                         help="plain TCP without TLS: only for trusted networks")
-    parser.add_argument("--announce", nargs="*", default=None, metavar="ADDR",
-                        help="addresses to advertise instead of the listening ones (port forwarding)")
     parser.add_argument("--authority", metavar="ADDR",
                         help="join an authority-governed run: the authority's address as `potluck authority` "
                              "prints it (/ip4/.../tcp/.../p2p/<id>), or its peer id if it is an initial peer")
     parser.add_argument("--credential", metavar="CRED", default=None,
                         help="what to show the authority: 'peer' (an allowlisted identity; the default), "
                              "'invite:CODE', or 'password:NAME' with the password in $POTLUCK_PASSWORD")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free "
-                             "port; see docs/monitoring.md)")
-    parser.set_defaults(relay=False)  # `potluck peer` adds --relay
 
 
 def start_peer(args: argparse.Namespace) -> Peer:
