@@ -53,6 +53,18 @@ def record_published(opt: Optimizer, published: list[tuple[str, RoundRecord]]) -
     opt.tracker.record_round = recording
 
 
+async def stop_monitored(following: asyncio.Future, follower: Follower, ledger: Ledger,
+                         optimizers: list[Optimizer], peers: list[potluck.Peer]) -> None:
+    """Stop the monitor's follower and ledger, then the trainers and `peers` (the monitor's among them)."""
+    following.cancel()
+    follower.close()
+    ledger.close()
+    for opt in optimizers:
+        opt.shutdown()
+    for peer in peers:
+        await peer.ashutdown()
+
+
 async def train_on_noise(opt: Optimizer, seed: int, epochs: int) -> None:
     """Random gradients, a batch every COMPUTE virtual seconds, until `opt` reaches `epochs`."""
     generator = torch.Generator().manual_seed(seed)
@@ -135,15 +147,9 @@ async def scenario(db: Path) -> dict:
                       now=ledger.swarm_now(), trained=[p.peer_id for p in peers])
         return result
     finally:
-        following.cancel()
-        follower.close()
-        ledger.close()
         for t in tasks:
             t.cancel()
-        for opt in optimizers:
-            opt.shutdown()
-        for peer in [*peers, monitor]:
-            await peer.ashutdown()
+        await stop_monitored(following, follower, ledger, optimizers, [*peers, monitor])
 
 
 def _credits(ledger: Ledger) -> dict[tuple[str, int], int]:
@@ -295,13 +301,7 @@ async def local_update_swarm(mode: str) -> dict:
         await follower.poll()
         return {"published": published, "credits": _credits(ledger)}
     finally:
-        following.cancel()
-        follower.close()
-        ledger.close()
-        for opt in optimizers:
-            opt.shutdown()
-        for peer in peers:
-            await peer.ashutdown()
+        await stop_monitored(following, follower, ledger, optimizers, peers)
 
 
 @pytest.mark.parametrize("mode", ["moshpit", "diloco"])

@@ -29,7 +29,7 @@ from potluck.net.identity import Identity
 from potluck.optim import Optimizer
 from potluck.optim.progress import RoundRecord, fetch_rounds
 from tests.emulated_swarm import run_on_shared_runner
-from tests.test_monitor_ledger import BATCH, make_model, record_published, train_on_noise, truth
+from tests.test_monitor_ledger import BATCH, make_model, record_published, stop_monitored, train_on_noise, truth
 
 RUN = "liar"
 TARGET = 96
@@ -89,13 +89,7 @@ async def scenario(db: Path) -> dict:
                             if ledger.credits(e)},
                 "contributors": {c.peer_id: c for c in ledger.contributors()}}
     finally:
-        following.cancel()
-        follower.close()
-        ledger.close()
-        for opt in optimizers:
-            opt.shutdown()
-        for peer in [*peers, monitor]:
-            await peer.ashutdown()
+        await stop_monitored(following, follower, ledger, optimizers, [*peers, monitor])
 
 
 @pytest.fixture(scope="module")
