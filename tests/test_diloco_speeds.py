@@ -26,6 +26,7 @@ BATCH = 8
 COMPUTE_SECONDS = (0.02, 0.05)  # per batch: the second peer is 2.5x slower
 INTERVAL = 24  # inner steps per round: the slower peer would come 0.72 s after the faster one, past the window
 MATCHMAKING_SECONDS = 0.5
+STALL_AT_STEP = 30  # the slower peer's step after which it stalls (test_a_stalled_peer_...)
 
 
 def make_model() -> torch.nn.Module:
@@ -33,9 +34,10 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
-async def swarm(epochs: int, options: dict[str, Any]) -> dict:
-    """Train the peers until `epochs` outer rounds; per epoch, each peer's outer digest once it
-    reached that epoch, and the group sizes of the rounds."""
+async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dict:
+    """Train the peers until `epochs` outer rounds (the slower peer stalls for `stall` seconds
+    after its STALL_AT_STEP-th step); per epoch, each peer's outer digest once it reached that
+    epoch."""
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
     for _ in COMPUTE_SECONDS:
@@ -65,7 +67,8 @@ async def swarm(epochs: int, options: dict[str, Any]) -> dict:
             x = torch.randn(BATCH, 16, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            await asyncio.sleep(COMPUTE_SECONDS[index])
+            stalled = stall if index == 1 and steps[index] == STALL_AT_STEP else 0.0
+            await asyncio.sleep(COMPUTE_SECONDS[index] + stalled)
             await opt.astep()
             steps[index] += 1
 
@@ -80,10 +83,10 @@ async def swarm(epochs: int, options: dict[str, Any]) -> dict:
             await peer.ashutdown()
 
 
-def run(epochs: int, options: dict[str, Any]) -> dict:
+def run(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
-        return runner.run(swarm(epochs, options), timeout=120)
+        return runner.run(swarm(epochs, options, stall), timeout=120)
     finally:
         release_runner()
 
@@ -106,3 +109,17 @@ def test_diloco_peers_of_unequal_speed_take_every_outer_step_together(options: d
     # (with a delayed round, the last one lands one step after the round's interval)
     assert 6 * INTERVAL <= result["steps"][0] <= 6 * INTERVAL + 1, result
     assert result["steps"][1] < 0.75 * result["steps"][0], result
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_peer_follows_its_lone_partner_far_ahead_and_meets_it_again():
+    # The slower peer stalls for 3 s: the other takes four or five outer steps alone, more than
+    # MAX_EPOCH_LEAD ahead. It was in the stalled peer's last group, so that one still believes
+    # its epoch (a lone stranger's it would not), downloads its state and meets it again in the
+    # following rounds. (Without that, each went on alone at its own epoch for good.)
+    result = run(10, {}, stall=3.0)
+    outer = result["outer"]
+    assert result["epochs"] == [10, 10], result
+    assert any(set(outer[epoch]) == {0} for epoch in range(3, 7)), result  # the rounds it missed
+    for epoch in (8, 9, 10):
+        assert set(outer[epoch]) == {0, 1} and len(set(outer[epoch].values())) == 1, (epoch, result)
