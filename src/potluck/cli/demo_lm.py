@@ -31,6 +31,9 @@ LEARNING_RATE = 3e-3  # Adam; higher rates stall this model at the unigram loss 
 # while one averaging round still carries several peers' samples.
 TARGET_BATCH = 128
 DILOCO_LOCAL_STEPS = 20  # inner steps between DiLoCo's outer steps
+# Seconds a round waits for its group: peers that share two busy cores reach a round seconds apart;
+# with 0.5 s, 8 of the default demo's DiLoCo rounds failed and the late peers downloaded the state.
+MATCHMAKING_TIME = 2.0
 # Seconds between validation measurements: often enough for a curve, rare enough to cost
 # under a tenth of a peer's compute (one evaluation is about two training steps).
 EVAL_INTERVAL = 4.0
@@ -39,8 +42,8 @@ EVAL_INTERVAL = 4.0
 START_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
 # DiLoCo reached a lower validation loss than sync mode in the same wall time on a busy 2-core
-# machine (the default 4 peers, 150 s: 2.86 against 2.90 nats per byte; 3 peers, 60 s: 2.82 against
-# 2.89), at a quarter of the bytes per sample (docs/benchmarks.md, "potluck demo --task lm").
+# machine (the default 4 peers, 150 s: 2.45 against 2.52 nats per byte), at a seventh of the bytes
+# per sample (docs/benchmarks.md, "potluck demo --task lm").
 DEFAULT_MODE = "diloco"
 DEFAULT_DURATION = 150.0  # seconds of training: about 3 minutes in all on a 2-core machine
 
@@ -49,8 +52,8 @@ def optimizer_options(mode: str) -> dict:
     """potluck.Optimizer's options for the demo's modes (benchmarks/lm.py passes its own)."""
     # load_state=False: every peer builds the same initial model and all start training together,
     # so there is no state to download (a search for donors would only delay the start)
-    options = {"mode": mode, "target_batch_size": TARGET_BATCH, "matchmaking_time": 0.5, "averaging_timeout": 20.0,
-               "load_state": False}
+    options = {"mode": mode, "target_batch_size": TARGET_BATCH, "matchmaking_time": MATCHMAKING_TIME,
+               "averaging_timeout": 20.0, "load_state": False}
     if mode in ("diloco", "moshpit"):
         options["local_steps"] = DILOCO_LOCAL_STEPS
     return options
