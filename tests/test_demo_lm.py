@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 def test_lm_demo_learns_below_the_unigram_entropy_and_writes_its_report(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, "-m", "potluck", "demo", "--task", "lm", "--peers", "2", "--duration",
-                           "20", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=190)
+                           "12", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=190)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     from potluck.cli.demo_lm import REPORT_KEYS
