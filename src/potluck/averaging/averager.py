@@ -169,8 +169,11 @@ class Averager:
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
         if allow_state_sharing and self.role != Role.AUX:  # a client behind a relay can donate too
+            # The round alone does not name the state: the Optimizer relabels it with the epoch
+            # (sync: the round that averaged epoch e's state is e + 1, and so is the label of the
+            # step after it), so a snapshot from before that step was offered as current after it.
             self.state_server = StateServer(self.transport, self._get_state, run_id, lock=self._lock,
-                                            current_version=lambda: self.round)
+                                            current_version=lambda: (self.round, self.state_metadata))
 
     # -- the user's side ----------------------------------------------------------------------------
     @contextlib.contextmanager

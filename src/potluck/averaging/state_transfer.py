@@ -126,6 +126,11 @@ MAX_SNAPSHOTS = 1
 # handing out a manifest and the downloader's streams (MANIFEST_GRACE_SECONDS and a connection),
 # and lets newcomers arriving shortly after each other share one copy.
 SNAPSHOT_IDLE_SECONDS = 20.0
+# A manifest handed out holds its snapshot this long for the downloader's chunk stream: its grace for
+# other donors' manifests and a dial. A downloader that never opens one (it chose other donors'
+# state, or refused ours) must not keep a stale snapshot on offer: one that is on offer only by
+# such claims is replaced once they lapse, and offering it again does not extend them.
+SNAPSHOT_CLAIM_SECONDS = MANIFEST_GRACE_SECONDS + 5.0
 # Without `current_version`, a snapshot this young is offered again instead of copying the state
 # once more: newcomers that arrive together share one copy, yet a newer state is offered soon.
 SNAPSHOT_REUSE_SECONDS = 2.0
@@ -345,7 +350,9 @@ class _Snapshot:
     created: float = 0.0
     last_used: float = 0.0  # when a manifest of it was handed out or a stream of it ended
     streams: int = 0  # chunk streams serving it now
+    key: Any = None  # `current_version()` when it was taken (see StateServer)
     claims: int = 0  # manifests handed out whose downloader has not opened a stream yet
+    claimed_until: float = 0.0  # claims lapse then (SNAPSHOT_CLAIM_SECONDS)
 
     @property
     def snapshot_id(self) -> bytes:
@@ -366,10 +373,11 @@ class _Snapshot:
         return self.flat[start:end].clone()
 
 
-def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
-                   chunk_bytes: int) -> _Snapshot:
+def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None, chunk_bytes: int,
+                   current_version: Callable[[], Any] | None) -> _Snapshot:
     """Copy and hash the state (in a worker thread: it costs time proportional to its size)."""
     with lock if lock is not None else contextlib.nullcontext():
+        key = None if current_version is None else current_version()
         state = get_state()
         if not isinstance(state, (tuple, list)) or len(state) != 3:
             raise TypeError("get_state() must return (version, metadata, tensors)")
@@ -396,7 +404,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None,
                    for start in range(0, flat.numel(), chunk_bytes))
     manifest = Manifest(version, metadata, specs, tuple(sizes), chunk_bytes, hashes,
                         secrets.token_bytes(SNAPSHOT_ID_BYTES))
-    return _Snapshot(manifest, flat)
+    return _Snapshot(manifest, flat, key=key)
 
 
 class StateServer:
@@ -406,7 +414,9 @@ class StateServer:
     the tensors are copied there right away, with `lock` (if given) held around both, so a
     trainer that updates the tensors under the same lock never yields a torn snapshot.
 
-    Memory: at most `max_snapshots` copies of the state, at most one per version when
+    `current_version()` (optional, cheap) returns a key that changes whenever the state does (read
+    under `lock` with the state): a snapshot is offered only while the key is the one it was taken
+    at. Memory: at most `max_snapshots` copies of the state, at most one per key when
     `current_version` is given. A snapshot lives while a chunk stream serves it, and
     `SNAPSHOT_IDLE_SECONDS` after its last use; every wait of a stream is bounded
     (`CHUNK_STREAM_IDLE_SECONDS`, `CHUNK_SEND_TIMEOUT`), so a downloader that stops reading
@@ -416,7 +426,7 @@ class StateServer:
 
     def __init__(self, transport: Transport, get_state: StateGetter, prefix: str, *,
                  lock: AbstractContextManager | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 max_snapshots: int = MAX_SNAPSHOTS, current_version: Callable[[], int] | None = None):
+                 max_snapshots: int = MAX_SNAPSHOTS, current_version: Callable[[], Any] | None = None):
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
                              f"got {chunk_bytes}")
@@ -427,8 +437,8 @@ class StateServer:
         self.chunks_method = chunks_method(prefix)
         self.chunks_served = 0  # chunks sent so far (for statistics and tests)
         self._get_state = get_state
-        # Cheap: the version the state has now. A snapshot of an older version is not offered
-        # again (a peer catching up must not get the epoch it already has).
+        # Cheap: a key of the state now. A snapshot of an older state is not offered again (a
+        # peer catching up must not get the epoch it already has).
         self._current_version = current_version
         self._lock = lock
         self._chunk_bytes = chunk_bytes
@@ -437,7 +447,7 @@ class StateServer:
         self._building: asyncio.Future[_Snapshot] | None = None
         self._sweeper: asyncio.TimerHandle | None = None  # frees the next idle snapshot due
         self._streams: set[Stream] = set()  # chunk streams being served, aborted by close()
-        self._withheld: int | None = None  # see replacing()
+        self._withheld: Any = None  # see replacing()
         self._closed = False
         transport.add_handler(self.manifest_method, self._serve_manifest)
         transport.add_stream_handler(self.chunks_method, self._serve_chunks)
@@ -479,7 +489,10 @@ class StateServer:
                 raise LookupError("this peer's state is being replaced; ask another peer")
             self._withheld = None
         snapshot = await self._current_snapshot()
-        snapshot.claims += 1
+        now = asyncio.get_running_loop().time()
+        if self._is_current(snapshot, now):  # a stale one is not held longer for newcomers
+            snapshot.claims += 1
+            snapshot.claimed_until = now + SNAPSHOT_CLAIM_SECONDS
         self._used(snapshot)
         return snapshot.manifest
 
@@ -499,20 +512,21 @@ class StateServer:
         if newest is not None and self._is_current(newest, loop.time()):
             return newest
         if self._building is None:
-            for key in [k for k, s in self._snapshots.items() if s.idle and not s.claims]:
+            now = loop.time()
+            for key in [k for k, s in self._snapshots.items() if s.idle and not (s.claims and now < s.claimed_until)]:
                 del self._snapshots[key]  # nobody is using or about to use it
             if len(self._snapshots) >= self._max_snapshots:
                 newest = max(self._snapshots.values(), key=lambda s: s.created)
                 logger.debug("state server: every snapshot is in use; offering version %d", newest.version)
                 return newest
-            self._building = loop.run_in_executor(None, _take_snapshot, self._get_state,
-                                                  self._lock, self._chunk_bytes)
+            self._building = loop.run_in_executor(None, _take_snapshot, self._get_state, self._lock,
+                                                  self._chunk_bytes, self._current_version)
             self._building.add_done_callback(self._snapshot_taken)
         return None
 
     def _is_current(self, snapshot: _Snapshot, now: float) -> bool:
         if self._current_version is not None:
-            return self._current_version() == snapshot.version
+            return self._current_version() == snapshot.key
         return now - snapshot.created < SNAPSHOT_REUSE_SECONDS
 
     def _snapshot_taken(self, future: asyncio.Future[_Snapshot]) -> None:
