@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -35,6 +36,13 @@ class Classifier(torch.nn.Module):
 def collaborative(peer: potluck.Peer, model: torch.nn.Module) -> potluck.Optimizer:
     return potluck.Optimizer(peer, "frameworks", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                              target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False)
+
+
+def see_each_other(*opts: potluck.Optimizer, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(len(opt.progress().reports) < len(opts) for opt in opts):
+        assert time.monotonic() < deadline, "the optimizers never saw each other's progress"
+        time.sleep(0.05)
 
 
 def train_with_hugging_face(model: Classifier, opt: potluck.Optimizer, out: str, together: threading.Event) -> None:
@@ -89,8 +97,10 @@ def test_hugging_face_trainer_and_lightning_train_together(tmp_path):
             potluck.Peer(host="127.0.0.1", initial_peers=first.addresses) as second:
         hf_model, pl_model = Classifier(), Classifier()
         hf_opt, pl_opt = collaborative(first, hf_model), collaborative(second, pl_model)
-        # Both trainers start together: otherwise the Hugging Face thread (ready in a fraction of a second) can
-        # take all EPOCHS alone while Lightning still loads, and the test would check a catch-up instead.
+        # Both trainers start together, each seeing the other's progress: otherwise the Hugging Face thread can
+        # take all EPOCHS alone in a fraction of a second (it did in the full suite) while Lightning loads, and
+        # the test would check a catch-up instead of two trainers together.
+        see_each_other(hf_opt, pl_opt)
         together = threading.Event()
         hf_thread = threading.Thread(target=train_with_hugging_face,
                                      args=(hf_model, hf_opt, str(tmp_path / "hf"), together))
