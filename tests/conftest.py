@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -89,3 +90,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     until exit) out of the cyclic GC's sight: each full collection rescans every tracked object.
     What tests create is collected as usual."""
     gc.freeze()
+
+
+# A test that ran this long (a big emulated swarm) may leave millions of objects in reference
+# cycles: asyncio's cancelled tasks hold their CancelledError, whose traceback holds the frame
+# that holds the task. Left to the cyclic GC, they are freed by whichever later test triggers a
+# full collection: after the 256-peer Moshpit test that took 3 s, long enough for two peers
+# of test_frameworks (one process, one stalled loop) to see each other's progress records expire
+# and train alone. Collected right away, no later test pays for them.
+COLLECT_AFTER_SECONDS = 2.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    started = time.monotonic()
+    yield
+    if time.monotonic() - started >= COLLECT_AFTER_SECONDS:
+        gc.collect()
