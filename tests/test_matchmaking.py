@@ -21,6 +21,7 @@ from potluck.averaging.matchmaking import (
     FormedGroup,
     JoinAccepted,
     JoinFailed,
+    JoinMoved,
     JoinRefused,
     JoinRequest,
     parse_join_reply,
@@ -94,7 +95,7 @@ def test_group_announcement_refuses_malformed_fields_by_name():
 
 def test_join_reply_refuses_malformed_fields_by_name():
     formed, me = a_group()
-    for reply in (JoinAccepted(formed), JoinFailed("only 1 peer(s) gathered"),
+    for reply in (JoinAccepted(formed), JoinFailed("only 1 peer(s) gathered"), JoinMoved(formed.group.peers[1]),
                   JoinRefused("group is full or already formed", tuple(formed.group.peers)), JoinRefused("no")):
         assert parse_join_reply(reply.to_wire(), me, 100) == reply
     parse = lambda w: parse_join_reply(w, me, 100)  # noqa: E731
@@ -102,6 +103,7 @@ def test_join_reply_refuses_malformed_fields_by_name():
     refuses(parse, {"group": {**formed.to_wire(), "id": None}}, "'id'")  # the group's own checks
     refuses(parse, {"failed": 7}, "'failed'")
     refuses(parse, {"failed": "x" * (MAX_REASON_CHARS + 1)}, "'failed'")
+    refuses(parse, {"moved": "someone"}, "'moved'")
     refuses(parse, {"refused": None, "taken": []}, "'refused'")
     refuses(parse, {"refused": "full"}, "'taken'")
     refuses(parse, {"refused": "full", "taken": [b"short"]}, "'taken'")
@@ -174,4 +176,38 @@ def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
         assert [r.group_size for r in results] == [3, 3, 3]
         assert asked, "nobody asked the hostile leader, so the test proves nothing"
         assert any("malformed group: 'id'" in r.getMessage() for r in caplog.records)
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_that_sees_an_earlier_leader_late_hands_its_followers_over():
+    """The earliest peer's declaration reaches the DHT late (a slow store), after a later peer
+    has already taken a follower: that leader hands its follower over to the earlier one and
+    joins it too, so the key's three peers form one group, not a pair and a peer alone."""
+    async def main():
+        net, peers = await make_swarm(4)
+        first = peers[0]
+        store = first.dht.astore
+
+        async def slow_declaration(key: str, *args: Any, **kwargs: Any) -> Any:
+            if ".match." in key:
+                await asyncio.sleep(0.3)  # its window runs from before this
+            return await store(key, *args, **kwargs)
+
+        first.dht.astore = slow_declaration
+        avgs = [Averager(p, [torch.full((8,), float(i))], "late", matchmaking_time=1.0)
+                for i, p in enumerate(peers[:3])]
+        handed = []
+        for a in avgs:
+            hand_over = a.matchmaker._hand_over
+            a.matchmaker._hand_over = lambda g, leader, h=hand_over: (handed.append(leader), h(g, leader))
+
+        async def start(i: int) -> Any:
+            await asyncio.sleep(0.01 * i)  # peers[0] first: its declaration expires first
+            return await avgs[i].astep(timeout=20)
+
+        results = await asyncio.gather(*(start(i) for i in range(3)))
+        assert handed == [first.transport.peer_id], "nobody led before seeing the first peer: the test proves nothing"
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
     run_virtual(main())

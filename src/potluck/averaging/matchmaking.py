@@ -3,9 +3,10 @@
 Every listening peer declares itself under the group key for one gathering window. The leader is
 the declaration that expires first (ties: smallest peer id), i.e. the peer that started waiting
 first; later arrivals cannot take its place. Others ask it to join with a long-poll call that
-returns the finished group. A leader that discovers an earlier leader hands its followers over
-and joins that one, so a key's peers end in one group whenever they can see each other. Peers in
-client mode never lead (nobody can dial them); they only join.
+returns the finished group. Declarations take a moment to spread, so a peer may have led its own
+group before it saw an earlier leader's record: it then hands its followers over (each is told to
+ask the earlier leader) and joins that one itself, so a key's peers end in one group whenever they
+can see each other. Peers in client mode never lead (nobody can dial them); they only join.
 
 A group meets again without the DHT: a member asks the leader of its last group directly, and a
 leader whose caller knows that exactly that group's members take part (`members`) closes the
@@ -57,7 +58,7 @@ from potluck.net.transport import Transport
 from potluck.net.wire import peer_id_value
 
 __all__ = [
-    "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinRefused",
+    "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinMoved", "JoinRefused",
     "JoinRequest", "Matchmaker", "parse_join_reply",
 ]
 
@@ -87,6 +88,10 @@ REJOIN_WAIT = 5.0
 REJOIN_FRACTION = 0.5
 # Longest group key a join request may name (ours are a prefix, an epoch and a grid cell).
 MAX_KEY_CHARS = 512
+# Hand-overs a follower follows in one join: honest leaders hand over once each, to an earlier
+# leader (a chain as long as the key's leaders that saw each other late, a few at most); the cap
+# stops a hostile leader sending a follower round a ring of peers until the window ends.
+MAX_HANDOVERS = 4
 
 
 @dataclass
@@ -260,7 +265,17 @@ class JoinFailed:
         return {"failed": self.reason[:MAX_REASON_CHARS]}
 
 
-JoinReply = JoinAccepted | JoinRefused | JoinFailed
+@dataclass(frozen=True)
+class JoinMoved:
+    """The leader handed its gathering over to an earlier leader: ask `leader` instead."""
+
+    leader: PeerID
+
+    def to_wire(self) -> dict:
+        return {"moved": self.leader.to_bytes()}
+
+
+JoinReply = JoinAccepted | JoinRefused | JoinFailed | JoinMoved
 
 
 def _peer_ids(msg: dict, key: str, what: str) -> tuple[PeerID, ...]:
@@ -276,6 +291,8 @@ def parse_join_reply(msg: Any, me: PeerID, total: int) -> JoinReply:
         return JoinAccepted(FormedGroup.from_wire(msg.get("group"), me, total))
     if "failed" in msg:
         return JoinFailed(text_field(msg, "failed", what, MAX_REASON_CHARS))
+    if "moved" in msg:
+        return JoinMoved(peer_id_value(msg.get("moved"), "moved", what, raw=True))
     return JoinRefused(text_field(msg, "refused", what, MAX_REASON_CHARS),
                        _peer_ids(msg, "taken", what))
 
@@ -287,9 +304,10 @@ class _Gathering:
     target: int
     closes_at: float
     members: list[Candidate] = field(default_factory=list)
-    # The group formed, or why none was: a result, never an exception (raised from a future,
-    # a stored error would tie its traceback's frames, which hold this gathering, to it: a cycle).
-    done: asyncio.Future[FormedGroup | str] = field(
+    # The group formed, or why none was, or the leader it was handed over to: a result, never an
+    # exception (raised from a future, a stored error would tie its traceback's frames, which hold
+    # this gathering, to it: a cycle).
+    done: asyncio.Future[FormedGroup | str | JoinMoved] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     ready: asyncio.Future | None = None  # the owner's own check; nobody joins before it passes
     keep: bool = False  # the last group meets again, without the DHT (see the module docstring)
@@ -394,6 +412,12 @@ class Matchmaker:
                         return _formed(gathering)
                     if gathering.full or self.dht.get_time() >= gathering.closes_at:
                         return self._close(gathering)
+                if gathering is not None and len(gathering.members) > 1:
+                    earlier = [p for p in await self._earlier_peers(group_key) if p not in tried]
+                    if earlier and not gathering.done.done():
+                        self._hand_over(gathering, earlier[0])
+                        gathering = None  # from now on we only join, like a client
+                        continue
                 if gathering is None or len(gathering.members) == 1:
                     for leader in await self._earlier_peers(group_key):
                         if leader in tried or (gathering is not None and len(gathering.members) > 1):
@@ -418,6 +442,15 @@ class Matchmaker:
                 if not gathering.done.done():
                     gathering.done.set_result("the leader gave up")
                 gathering.settled.set()
+
+    def _hand_over(self, gathering: _Gathering, leader: PeerID) -> None:
+        """Stop gathering: our followers (and anyone still asking) are told to join `leader`, an
+        earlier leader whose record reached us after they had joined us."""
+        logger.debug("handing %d follower(s) under %r over to the earlier leader %s",
+                     len(gathering.members) - 1, gathering.key, leader)
+        self._gatherings.pop(gathering.key, None)
+        gathering.done.set_result(JoinMoved(leader))
+        gathering.settled.set()
 
     async def _rejoin(self, leader: PeerID, group_key: str, me: Candidate, wait: float,
                       give_up: float) -> FormedGroup | None:
@@ -510,9 +543,10 @@ class Matchmaker:
         return [candidates[order] for order in sorted(candidates)]
 
     async def _join(self, leader: PeerID, group_key: str, me: Candidate, give_up: float,
-                    tried: set[PeerID], rejoin_wait: float | None = None) -> FormedGroup | None:
+                    tried: set[PeerID], rejoin_wait: float | None = None, handovers: int = 0) -> FormedGroup | None:
         """Ask `leader` to take us; None if it refused (the caller tries another). A full group
-        names its members, so we skip all of them at once."""
+        names its members, so we skip all of them at once; a leader that handed its gathering
+        over names the leader to ask next."""
         request = JoinRequest(group_key, self.schema, me.role, me.upload, me.download, me.metadata,
                               again=rejoin_wait).to_wire()
         loop = asyncio.get_running_loop()
@@ -539,6 +573,11 @@ class Matchmaker:
             return answer.group
         if isinstance(answer, JoinFailed):
             raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
+        if isinstance(answer, JoinMoved):
+            tried.add(leader)
+            if answer.leader in tried or answer.leader == self.transport.peer_id or handovers >= MAX_HANDOVERS:
+                return None
+            return await self._join(answer.leader, group_key, me, give_up, tried, rejoin_wait, handovers + 1)
         tried.update(answer.taken)
         return None
 
@@ -566,6 +605,8 @@ class Matchmaker:
             except Exception:  # noqa: BLE001 - the owner failed its own check: it forms no group
                 return JoinRefused("this peer is not averaging this round")
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
+        if gathering.done.done() and isinstance(gathering.done.result(), JoinMoved):
+            return gathering.done.result()
         if gathering.full or gathering.done.done():
             taken = tuple(m.peer_id for m in gathering.members)
             if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
@@ -579,6 +620,8 @@ class Matchmaker:
         formed = await asyncio.shield(gathering.done)
         if isinstance(formed, str):
             return JoinFailed(formed)
+        if isinstance(formed, JoinMoved):
+            return formed
         return JoinAccepted(formed)
 
     def _close(self, gathering: _Gathering) -> FormedGroup:
