@@ -211,3 +211,35 @@ def test_a_leader_that_sees_an_earlier_leader_late_hands_its_followers_over():
         assert [r.group_size for r in results] == [3, 3, 3]
         assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_peers_follow_a_hostile_leaders_hand_over_only_so_far_and_still_group():
+    """A hostile peer declares itself first and answers every join by handing the follower over
+    to the latest honest peer: followers go there, that peer hands them on to the earliest
+    honest leader, and the three honest peers still form one group."""
+    async def main():
+        net, peers = await make_swarm(4)
+        rogue = peers[3]
+        avgs = [Averager(p, [torch.full((8,), float(i))], "moved", matchmaking_time=1.0)
+                for i, p in enumerate(peers[:3])]
+        asked = []
+
+        async def hand_over(request: Any, ctx: Any) -> dict:
+            asked.append(ctx.peer_id)
+            return JoinMoved(peers[2].transport.peer_id).to_wire()
+
+        rogue.transport.add_handler(f"{METHOD_JOIN}.moved", hand_over)
+        declared = Declaration(avgs[0].schema)
+        assert await rogue.dht.astore("moved.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
+                                      subkey=own_subkey(rogue.transport.peer_id))
+
+        async def start(i: int) -> Any:
+            await asyncio.sleep(0.01 * i)
+            return await avgs[i].astep(timeout=20)
+
+        results = await asyncio.gather(*(start(i) for i in range(3)))
+        assert asked, "nobody asked the hostile leader, so the test proves nothing"
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert str(rogue.transport.peer_id) not in results[0].peers
+    run_virtual(main())
