@@ -168,7 +168,7 @@ def test_diloco_peers_that_started_apart_are_brought_together():
 
 def test_round_notes_are_typed_and_a_malformed_one_says_nothing():
     from potluck.core.errors import MalformedMessage
-    from potluck.optim.optimizer import RoundNote
+    from potluck.optim.progress import RoundNote
     note = RoundNote(96, 120.5, "ab" * 32, outer=None)
     assert RoundNote.from_wire(note.to_wire()) == note
     assert RoundNote.from_wire(RoundNote(aux=True).to_wire()).aux

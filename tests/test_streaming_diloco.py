@@ -85,6 +85,8 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
                 "round_bytes": round_bytes, "crashed": crashed,
                 "aggregations": {f.averager.aggregation for o in optimizers for f in o.streaming.fragments}, "per_sample": optimizers[1].bytes_per_sample(),
                 "params": [tensor_digest(list(m.parameters())) for m in models],
+                "records": [list(o.tracker._rounds) for o in optimizers],
+                "peers": [str(n.peer_id) for n in nodes],
                 "outer": [tensor_digest(o._outer_params) for o in optimizers]}
     finally:
         for opt in optimizers:
@@ -154,6 +156,13 @@ def test_fragment_outer_parameters_are_identical_across_each_round_and_local_one
     assert len(set(result["outer"])) == 1, result["outer"]
     assert len(set(result["params"])) == 3, result["params"]
     assert result["losses"][1] < 0.8 * result["losses"][0], result["losses"]
+    # Every member records every fragment round for monitors' credit: each contributor's samples
+    # since its previous round began (2 inner steps: an interval; with the delay, the step after
+    # a round began counts towards the next), so every sample is credited once.
+    for records in result["records"]:
+        full = [r for r in records if len(r.samples) == 3]
+        assert len(full) >= 8, records
+        assert all(dict(r.samples) == dict.fromkeys(result["peers"], 2 * BATCH) for r in full), full
 
 
 @pytest.mark.timeout(120)

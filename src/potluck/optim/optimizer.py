@@ -62,17 +62,16 @@ from potluck.averaging.averager import Averager, moshpit_grid
 from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import Manifest
 from potluck.core import compat, serialization
-from potluck.core.errors import AveragingError, MalformedMessage, SerializationError
+from potluck.core.errors import AveragingError, SerializationError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
-from potluck.core.wire import int_field, int_value, number_field, text_field, wire_map
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
-    MAX_SAMPLES_PER_SECOND,
     MAX_SPEED_RATIO,
     GlobalProgress,
     PeerProgress,
     ProgressTracker,
+    RoundNote,
     RoundRecord,
     checked_metrics,
 )
@@ -106,10 +105,6 @@ MAX_ROUND_ATTEMPTS = 4
 # size can split the swarm's round in two.
 IDLE_STEP_INTERVALS = 4
 IDLE_FLOOR_SECONDS = 5.0
-# Bounds a round member's claim of samples (it comes from the network): more than any batch.
-MAX_CLAIMED_SAMPLES = 2**40
-# Longest state digest accepted in a round note (ours are 64 hex digits of SHA-256).
-MAX_DIGEST_CHARS = 128
 # Epochs a downloaded state's scheduler may be moved on by replaying its steps one by one, when it
 # is not a torch scheduler whose learning rate at any epoch has a closed form (those move in one
 # call): about 3 us a step, so at most a tenth of a second.
@@ -1084,55 +1079,6 @@ class Optimizer(torch.optim.Optimizer):
                 averager.shutdown()
         if getattr(self, "streaming", None) is not None:
             self.streaming.shutdown()
-
-
-
-@dataclass(frozen=True)
-class RoundNote:
-    """What a member tells its group in a round: the samples and speed behind its gradients
-    (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco).
-    An aux peer says `aux`: it holds no state. Moshpit members say their `epoch` (they meet
-    whatever their epochs): the round is recorded under the group's median (see _record_round)."""
-
-    samples: int = 0
-    speed: float = 0.0
-    state: str | None = None
-    aux: bool = False
-    outer: str | None = None
-    epoch: int | None = None
-
-    def to_wire(self) -> dict:
-        msg: dict[str, Any] = {"samples": self.samples, "sps": self.speed}
-        if self.epoch is not None:
-            msg["epoch"] = self.epoch
-        if self.state is not None:
-            msg["state"] = self.state
-        if self.outer is not None:
-            msg["outer"] = self.outer
-        if self.aux:
-            msg["aux"] = True
-        return msg
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> RoundNote:
-        what = "round note"
-        msg = wire_map(msg, what)
-        return cls(int_field(msg, "samples", what, 0, MAX_CLAIMED_SAMPLES + 1),
-                   min(number_field(msg, "sps", what, default=0.0), MAX_SAMPLES_PER_SECOND),
-                   text_field(msg, "state", what, MAX_DIGEST_CHARS, optional=True),
-                   msg.get("aux") is True,
-                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True),
-                   None if msg.get("epoch") is None else int_value(msg["epoch"], "epoch", what, 0, MAX_CLAIMED_SAMPLES))
-
-    @classmethod
-    def read(cls, msg: Any) -> RoundNote:
-        """A member's note, or an empty one if it is malformed: such a member is counted as
-        saying nothing (no samples, an unknown state), not allowed to fail the round for all."""
-        try:
-            return cls.from_wire(msg)
-        except MalformedMessage as e:
-            logger.debug("ignoring a malformed round note: %s", e)
-            return cls()
 
 
 def _check_epoch(manifest: Manifest, limit: int) -> None:

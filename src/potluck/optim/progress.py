@@ -63,6 +63,10 @@ PROGRESS_TTL = 3.0
 MAX_EXTRAPOLATION = 0.25
 # Records that claim absurd values are ignored (they come from other peers).
 MAX_SAMPLES_PER_SECOND = 1e9
+# Bounds a round member's claim of samples (it comes from the network): more than any batch.
+MAX_CLAIMED_SAMPLES = 2**40
+# Longest state digest accepted in a round note (ours are 64 hex digits of SHA-256).
+MAX_DIGEST_CHARS = 128
 # Epochs an honest peer can be ahead of the others: one (its round ended and it applied the
 # update, or its delayed round started, a moment before theirs). A report further ahead than this
 # of the second-highest epoch reported is ignored: it takes two peers to move the epoch.
@@ -536,3 +540,52 @@ def _parse_metrics(value: dict) -> tuple[tuple[tuple[str, float], ...], float]:
     except (ValueError, MalformedMessage):
         return (), 0.0
     return tuple(metrics.items()), mtime
+
+
+@dataclass(frozen=True)
+class RoundNote:
+    """What a member tells its group in a round: the samples behind its gradients or change, its
+    speed (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco
+    and each fragment of Streaming DiLoCo). Members record each other's samples for monitors.
+    An aux peer says `aux`: it holds no state. Moshpit members say their `epoch` (they meet
+    whatever their epochs): the round is recorded under the group's median (see _record_round)."""
+
+    samples: int = 0
+    speed: float = 0.0
+    state: str | None = None
+    aux: bool = False
+    outer: str | None = None
+    epoch: int | None = None
+
+    def to_wire(self) -> dict:
+        msg: dict[str, Any] = {"samples": self.samples, "sps": self.speed}
+        if self.epoch is not None:
+            msg["epoch"] = self.epoch
+        if self.state is not None:
+            msg["state"] = self.state
+        if self.outer is not None:
+            msg["outer"] = self.outer
+        if self.aux:
+            msg["aux"] = True
+        return msg
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> RoundNote:
+        what = "round note"
+        msg = wire_map(msg, what)
+        return cls(int_field(msg, "samples", what, 0, MAX_CLAIMED_SAMPLES + 1),
+                   min(number_field(msg, "sps", what, default=0.0), MAX_SAMPLES_PER_SECOND),
+                   text_field(msg, "state", what, MAX_DIGEST_CHARS, optional=True),
+                   msg.get("aux") is True,
+                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True),
+                   None if msg.get("epoch") is None else int_value(msg["epoch"], "epoch", what, 0, MAX_CLAIMED_SAMPLES))
+
+    @classmethod
+    def read(cls, msg: Any) -> RoundNote:
+        """A member's note, or an empty one if it is malformed: such a member is counted as
+        saying nothing (no samples, an unknown state), not allowed to fail the round for all."""
+        try:
+            return cls.from_wire(msg)
+        except MalformedMessage as e:
+            logger.debug("ignoring a malformed round note: %s", e)
+            return cls()

@@ -38,11 +38,11 @@ import torch
 
 from potluck.averaging.averager import Averager, StepResult
 from potluck.compression import Codec, TopK, get_codec
-from potluck.core.errors import AveragingError, MalformedMessage
+from potluck.core.errors import AveragingError
 from potluck.core.runner import retrieve_exception, run_in_thread
-from potluck.core.wire import text_field, wire_map
+from potluck.optim.progress import RoundNote
 
-__all__ = ["MAX_FRAGMENTS", "ErrorFeedback", "FragmentNote", "StreamingConfig", "StreamingDiLoCo", "split_fragments",
+__all__ = ["MAX_FRAGMENTS", "ErrorFeedback", "StreamingConfig", "StreamingDiLoCo", "split_fragments",
            "tensor_digest"]
 
 logger = logging.getLogger(__name__)
@@ -53,8 +53,6 @@ MAX_FRAGMENTS = 64
 # A peer this many fragment rounds behind the swarm moves on to its round without downloading
 # its state: the fragment of a missed round is repaired in its next round (see `_rejoin`).
 MAX_ROUNDS_REJOINED = 1
-# Longest digest in a fragment note (ours are 32 hex digits of BLAKE2b-128).
-MAX_DIGEST_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -94,30 +92,6 @@ class StreamingConfig:
         nothing (a top-k per chunk would cut them again, without feedback)."""
         codec = get_codec(self.compression)
         return get_codec("sparse") if isinstance(codec, TopK) else codec
-
-
-@dataclass(frozen=True)
-class FragmentNote:
-    """What a member tells its fragment round: the digest of the fragment's outer parameters and
-    momentum it applies the average to (members that differ average those afterwards)."""
-
-    outer: str | None = None
-
-    def to_wire(self) -> dict:
-        return {} if self.outer is None else {"outer": self.outer}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> FragmentNote:
-        what = "fragment note"
-        return cls(text_field(wire_map(msg, what), "outer", what, MAX_DIGEST_CHARS, optional=True))
-
-    @classmethod
-    def read(cls, msg: Any) -> FragmentNote:
-        """A member's note, or an empty one if malformed (an unknown point: the group averages)."""
-        try:
-            return cls.from_wire(msg)
-        except MalformedMessage:
-            return cls()
 
 
 def split_fragments(sizes: Sequence[int], fragments: int) -> list[range]:
@@ -182,6 +156,7 @@ class _Flight:
     epoch: int
     task: asyncio.Future | None  # None: nobody else trains (the local change is applied)
     steps_left: int  # inner steps until it is applied
+    samples: int  # behind its change (since the last round began): the others record them
 
 
 class StreamingDiLoCo:
@@ -251,11 +226,12 @@ class StreamingDiLoCo:
             members = opt._members(opt.progress().reports) if self.grid is None else None
             digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
             task = asyncio.ensure_future(fragment.averager.astep(
-                weight=float(opt.batch_size_per_step * opt.local_steps), gather=FragmentNote(digest).to_wire(),
+                weight=float(opt.batch_size_per_step * opt.local_steps),
+                gather=RoundNote(opt.samples, outer=digest).to_wire(),
                 group_key=f"outer{opt.local_epoch}", target_group_size=expected, members=members))
             opt._in_round = True  # slower peers see it and join now (Optimizer.round_begun)
             opt._publish()
-        self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay)
+        self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay, opt.samples)
         if self.config.delay == 0:
             await self._land()
 
@@ -279,12 +255,14 @@ class StreamingDiLoCo:
             try:
                 result = flight.task.result()
                 opt.tracker.set_neighbors(result.peers)  # they hear our progress at once
+                opt._record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
+                                  result.contributors)
             except AveragingError as e:
                 logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
         await run_in_thread(self._outer_step, fragment)
-        opt.samples = 0
+        opt.samples = max(0, opt.samples - flight.samples)  # those since it began go to the next round
         opt._advance_epoch()
-        if result is not None and len({FragmentNote.read(m).outer for m in result.gathered.values()}) > 1:
+        if result is not None and len({RoundNote.read(m).outer for m in result.gathered.values()}) > 1:
             await self._repair(fragment, result)
 
     async def _rejoin(self, epoch: int) -> None:
