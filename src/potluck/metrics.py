@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import math
 import time
 import weakref
@@ -238,13 +239,31 @@ async def serve_metrics(render: Callable[[], str], host: str, port: int) -> Metr
 
     app = web.Application(client_max_size=MAX_REQUEST_BODY)
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, logger=QuietBadRequests(__name__))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     return MetricsServer(runner, f"http://{shown}:{bound}/metrics", bound)
+
+
+class QuietBadRequests(logging.LoggerAdapter):
+    """aiohttp's server logger (`AppRunner(logger=...)`): a request that is not valid HTTP (a
+    scanner, a line over our limits) is its sender's problem, so it is logged at DEBUG without a
+    traceback. aiohttp logs those at ERROR with a traceback each, and anyone who can reach a
+    public metrics or dashboard port could flood the log with them. Errors of our handlers stay
+    errors."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.getLogger(name), {})
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+        if isinstance(exc_info, HttpProcessingError):
+            self.logger.debug("%s: %s", msg % args if args else msg, exc_info)
+        else:
+            self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
 
 
 def _number(value: float) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from potluck.core import compat
-from potluck.metrics import CONTENT_TYPE, Registry
+from potluck.metrics import CONTENT_TYPE, QuietBadRequests, Registry
 from potluck.monitor.views import HistoryPoint, MonitorView
 
 STATIC = Path(__file__).parent / "static"
@@ -164,8 +164,9 @@ async def start_web(view: MonitorView, host: str, port: int, registry: Registry 
     running event loop; `registry` (the monitor peer's, `potluck.metrics.peer_metrics`) is added to
     /metrics."""
     server = WebServer(view, registry)
-    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=CLOSE_GRACE,
-                           max_line_size=MAX_REQUEST_LINE, max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
+    runner = web.AppRunner(server.app(), access_log=None, logger=QuietBadRequests(__name__),
+                           shutdown_timeout=CLOSE_GRACE, max_line_size=MAX_REQUEST_LINE,
+                           max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
