@@ -137,6 +137,30 @@ def test_a_newcomer_that_knows_only_a_peer_id_can_call_it():
 
 
 @pytest.mark.timeout(60)
+def test_a_dial_whose_lookup_ends_at_the_peer_itself_does_not_wait_for_itself():
+    """Only the target holds its record (others lost theirs), so the lookup that resolves it ends
+    with a find call to the target, over a connection without resolution. That call used to wait
+    for the dial that was waiting for the lookup, until the lookup gave up on it (SLOW_AFTER, 1 s):
+    every first call to a peer by id in a big swarm, a matchmaking window missed."""
+    async def scenario():
+        net, peers = await make_swarm(8)
+        newcomer = await newcomer_knowing_nobody(net, peers)
+        target = await add_peer(net, peers)
+        target.transport.add_handler("echo", echo)
+        for p in peers:
+            p.dht.node.storage = type(p.dht.node.storage)()  # the record is left on the target only
+        assert newcomer.transport.addresses_of(target.transport.peer_id) == []
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await newcomer.transport.call(target.transport.peer_id, "echo", "hi", timeout=5) == "hi"
+        assert loop.time() - started < 0.2, "the call waited for itself"  # a few round trips of 5 ms
+        for p in [*peers, newcomer, target]:
+            await p.dht.ashutdown()
+            await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_concurrent_dials_to_one_unknown_id_share_one_lookup_and_later_dials_use_the_cache():
     async def scenario():
         net, peers = await make_swarm(4)

@@ -103,7 +103,11 @@ class Transport:
         self._shared: dict[PeerID, list[Connection]] = {}
         self._bulk_idle: dict[PeerID, list[Connection]] = {}
         self._all: dict[Connection, None] = {}  # ordered, so shutdown order is repeatable
-        self._dialing: dict[PeerID, asyncio.Future] = {}
+        # Dials in progress, by (peer, whether it may resolve the peer's record in the DHT). The
+        # two kinds never wait for each other: the DHT's own calls do not resolve, and resolving a
+        # peer's record is a lookup that ends by calling that very peer (it holds its record), so a
+        # call waiting for the resolving dial would wait for itself until the lookup gave up on it.
+        self._dialing: dict[tuple[PeerID, bool], asyncio.Future] = {}
         self._idle_timers: dict[Connection, asyncio.TimerHandle] = {}
         self._loopback: Connection | None = None  # the calling side of calls to ourselves
         self._closed = False
@@ -335,12 +339,13 @@ class Transport:
         for conn in self._shared.get(peer_id, ()):
             if not conn.closed:
                 return conn
-        # One dial per peer at a time: concurrent callers wait for the same attempt.
-        pending = self._dialing.get(peer_id)
+        # One dial per peer (and kind, see `_dialing`) at a time: concurrent callers wait for the same attempt.
+        key = (peer_id, resolve)
+        pending = self._dialing.get(key)
         if pending is None:
             pending = asyncio.ensure_future(self._dial_known(peer_id, bulk=False, resolve=resolve))
-            self._dialing[peer_id] = pending
-            pending.add_done_callback(lambda f: (self._dialing.pop(peer_id, None), f.cancelled() or f.exception()))
+            self._dialing[key] = pending
+            pending.add_done_callback(lambda f: (self._dialing.pop(key, None), f.cancelled() or f.exception()))
         try:
             async with compat.timeout(timeout):
                 await asyncio.wait([pending])  # our deadline or cancellation leaves the dial going
@@ -363,6 +368,10 @@ class Transport:
             except PeerUnreachable as e:
                 errors.append(str(e))
             else:
+                if not bulk:  # the lookup itself may have connected to it (see `_dialing`)
+                    for conn in self._shared.get(peer_id, ()):
+                        if not conn.closed:
+                            return conn
                 conn = await self._dial_first(peer_id, [a for a in recorded if a not in tried], bulk, errors)
                 if conn is not None:
                     return conn
