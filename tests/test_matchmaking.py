@@ -152,25 +152,30 @@ def test_a_malformed_declaration_in_the_dht_is_ignored():
     run_virtual(main())
 
 
+async def three_peers_and_a_hostile_leader(run_id: str, answer: Any) -> tuple[list[Averager], Any, list]:
+    """Three honest averagers and a fourth peer declared first under their key (so it leads), that
+    answers every join request with `answer(ctx)`; returns the averagers, that peer, and who asked it."""
+    net, peers = await make_swarm(4)
+    rogue = peers[3]
+    avgs = [Averager(p, [torch.full((8,), float(i))], run_id, matchmaking_time=1.0) for i, p in enumerate(peers[:3])]
+    asked: list = []
+
+    async def hostile(request: Any, ctx: Any) -> dict:
+        asked.append(ctx.peer_id)
+        return answer(ctx)
+
+    rogue.transport.add_handler(f"{METHOD_JOIN}.{run_id}", hostile)
+    assert await rogue.dht.astore(f"{run_id}.match.all", Declaration(avgs[0].schema).to_wire(),
+                                  rogue.dht.get_time() + 0.9, subkey=own_subkey(rogue.transport.peer_id))
+    return avgs, rogue, asked
+
+
 @pytest.mark.timeout(60)
 def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
     """A hostile peer declares itself first and answers every join with a broken group: each
     follower logs what was wrong, tries the next leader, and the honest peers still group."""
     async def main():
-        net, peers = await make_swarm(4)
-        rogue = peers[3]
-        avgs = [Averager(p, [torch.full((8,), float(i))], "hostile", matchmaking_time=1.0)
-                for i, p in enumerate(peers[:3])]
-        asked = []
-
-        async def broken_group(request: Any, ctx: Any) -> dict:
-            asked.append(ctx.peer_id)
-            return {"group": {"id": "not bytes"}}
-
-        rogue.transport.add_handler(f"{METHOD_JOIN}.hostile", broken_group)
-        declared = Declaration(avgs[0].schema)
-        assert await rogue.dht.astore("hostile.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
-                                      subkey=own_subkey(rogue.transport.peer_id))
+        avgs, rogue, asked = await three_peers_and_a_hostile_leader("hostile", lambda ctx: {"group": {"id": "not bytes"}})
         with caplog.at_level("WARNING", logger="potluck.averaging.matchmaking"):
             results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         assert [r.group_size for r in results] == [3, 3, 3]
@@ -219,20 +224,8 @@ def test_peers_follow_a_hostile_leaders_hand_over_only_so_far_and_still_group():
     to the latest honest peer: followers go there, that peer hands them on to the earliest
     honest leader, and the three honest peers still form one group."""
     async def main():
-        net, peers = await make_swarm(4)
-        rogue = peers[3]
-        avgs = [Averager(p, [torch.full((8,), float(i))], "moved", matchmaking_time=1.0)
-                for i, p in enumerate(peers[:3])]
-        asked = []
-
-        async def hand_over(request: Any, ctx: Any) -> dict:
-            asked.append(ctx.peer_id)
-            return JoinMoved(peers[2].transport.peer_id).to_wire()
-
-        rogue.transport.add_handler(f"{METHOD_JOIN}.moved", hand_over)
-        declared = Declaration(avgs[0].schema)
-        assert await rogue.dht.astore("moved.match.all", declared.to_wire(), rogue.dht.get_time() + 0.9,
-                                      subkey=own_subkey(rogue.transport.peer_id))
+        avgs, rogue, asked = await three_peers_and_a_hostile_leader(
+            "moved", lambda ctx: JoinMoved(avgs[2].transport.peer_id).to_wire())
 
         async def start(i: int) -> Any:
             await asyncio.sleep(0.01 * i)
