@@ -236,3 +236,37 @@ def test_peers_follow_a_hostile_leaders_hand_over_only_so_far_and_still_group():
         assert [r.group_size for r in results] == [3, 3, 3]
         assert str(rogue.transport.peer_id) not in results[0].peers
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_followers_handed_over_to_a_peer_that_refuses_them_regroup_without_it():
+    """A hostile peer's declaration lands late but earliest, so the leader that already has a
+    follower hands it over; the hostile peer refuses everyone, and the honest three still group."""
+    async def main():
+        net, peers = await make_swarm(4)
+        rogue = peers[0]
+        avgs = [Averager(p, [torch.full((8,), float(i))], "refusing", matchmaking_time=1.0)
+                for i, p in enumerate(peers[1:])]
+        asked = []
+
+        async def refuse(request: Any, ctx: Any) -> dict:
+            asked.append(ctx.peer_id)
+            return JoinRefused("not today").to_wire()
+
+        rogue.transport.add_handler(f"{METHOD_JOIN}.refusing", refuse)
+        expires = rogue.dht.get_time() + 0.9  # before every honest peer's window ends: it would lead
+
+        async def declare_late() -> None:
+            await asyncio.sleep(0.3)  # after the honest peers have grouped up
+            assert await rogue.dht.astore("refusing.match.all", Declaration(avgs[0].schema).to_wire(), expires,
+                                          subkey=own_subkey(rogue.transport.peer_id))
+
+        async def start(i: int) -> Any:
+            await asyncio.sleep(0.01 * i)
+            return await avgs[i].astep(timeout=20)
+
+        results, _ = await asyncio.gather(asyncio.gather(*(start(i) for i in range(3))), declare_late())
+        assert asked, "nobody was handed over to the hostile peer, so the test proves nothing"
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
+    run_virtual(main())

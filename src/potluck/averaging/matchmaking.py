@@ -577,7 +577,10 @@ class Matchmaker:
             tried.add(leader)
             if answer.leader in tried or answer.leader == self.transport.peer_id or handovers >= MAX_HANDOVERS:
                 return None
-            return await self._join(answer.leader, group_key, me, give_up, tried, rejoin_wait, handovers + 1)
+            joined = await self._join(answer.leader, group_key, me, give_up, tried, rejoin_wait, handovers + 1)
+            if joined is None:  # it will not take us: nor would it take the followers we may lead next
+                tried.add(answer.leader)
+            return joined
         tried.update(answer.taken)
         return None
 
