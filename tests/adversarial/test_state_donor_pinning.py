@@ -103,6 +103,13 @@ def test_a_new_version_frees_the_old_snapshot_once_its_downloads_are_done(refcou
     async def main() -> None:
         donor, (a, b) = await start(2, [torch.randn(500_000)], chunk_bytes=CHUNK)
         await download_state(a, [donor.transport.peer_id], PREFIX, timeout=30)
+        # The download is done on the donor's side too: its stream closed one latency after the
+        # newcomer had every chunk (asked sooner, the donor rightly keeps the old one in use: CI
+        # once saw [0, 1] below, the old stream still open when b's request came in).
+        for _ in range(100):
+            if all(s.streams == 0 for s in donor.server._snapshots.values()):
+                break
+            await asyncio.sleep(0.01)
         donor.watched = donor.held()
         donor.version = 2
         version, _, _ = await download_state(b, [donor.transport.peer_id], PREFIX, timeout=30)
