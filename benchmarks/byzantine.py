@@ -1,4 +1,30 @@
-"""Training with malicious members: how far do attackers push training, under each aggregation?
+"""Malicious members over many rounds (drift) and in training, under each aggregation.
+
+Part "drift" (the default): how far do attackers move the honest peers over ROUNDS rounds? n
+members average vectors of DIM coordinates through the reducers' own code: each member reduces one
+shard (`robust.aggregate`, or the mean), and each honest reducer keeps its averager's record
+(`potluck.averaging.suspicion.SuspicionLedger`), records the step's pieces once all are in and
+leaves out whom it suspects or banned (as `ShardReducer` does: a sender one reducer leaves out
+is out of the whole step). Honest pieces are mu + sigma N(0, I) (mu fixed: a steady gradient,
+sigma = 1); the f attackers all send, knowing the honest pieces of the round:
+  alie        mean - 1.0 std, per coordinate ("a little is enough", Baruch et al. 2019)
+  ipm         -0.5 x the honest mean (inner-product manipulation, Xie et al. 2020)
+  sign_flip   minus its own honest gradient
+  far_edge    honest mean + (largest honest distance from it) x a fixed unit vector
+  other_data  mu' + sigma N(0, I): a gradient of other data (mu' another fixed vector)
+  patient     its own honest gradient + PATIENT_OFFSET sigma on every coordinate (not in the
+              default list: the slowest to find out; --drift-attacks patient)
+The honest peers' parameters add up the results (SGD with lr 1, no loss pulling them back: the
+worst case, where every round's bias stays); the honest-only run averages the n - f honest
+pieces alone with the same aggregation. One JSON row per run: "byzantine_drift", value = the
+largest distance over the rounds between the two runs' parameters, per coordinate (RMS) in
+sigma, with the distance after the first round (one round's bias), after 20, 50, 100 and the
+last round, the round from which the attackers were left out, and the honest members ever
+banned; with consequences (the library's behaviour) and without (`consequences: false`: the
+record disabled, as before it existed). Rows "byzantine_drift_honest" give the honest-only run's
+distance from the plain mean of the honest pieces (what the robust aggregation itself costs).
+
+Part "training": how far do attackers push training, under each aggregation?
 
 8 peers on the emulated network (virtual clock, one process, one torch thread) train the demo's
 CNN on scikit-learn's digits (`potluck.cli.tasks`: same model, initial weights and split as
@@ -14,7 +40,10 @@ Attackers are 1 or 2 of the 8 peers. Each computes its honest gradient g, sends 
   sign_flip  -g                       (the BTARD paper's sign flipping),
   scaled     -100 g                   (sign-flipped and scaled x100),
   random     100 * rms(g) * N(0, 1)   (noise, each coordinate, 100 times g's scale),
-and claims weight ATTACKER_WEIGHT (1e30: with the mean, reducers bound it to
+  or one of part drift's attacks (alie, ipm, far_edge: from the honest gradients of the step;
+  other_data: the gradient of its batch with every label shifted by one),
+and (scaled and random only: the others claim 1, to stay hidden) claims weight ATTACKER_WEIGHT
+(1e30: with the mean, reducers bound it to
 MAX_WEIGHT_OVER_MEDIAN x the median; robust aggregations count each sender once) while honest
 peers claim 1.
 
@@ -31,9 +60,13 @@ beside the mean's. wall_seconds_per_step is the whole simulation's CPU per step 
 gradients, the emulated protocol, the reducers): the virtual clock counts no CPU, and on a
 shared machine this figure follows the machine's load more than the aggregation.
 
-Usage: python benchmarks/byzantine.py [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
+Usage: python benchmarks/byzantine.py [--part drift|training|all] [--rounds 200] [--dim 2048]
+           [--groups 1/4,2/5,3/10] [--drift-attacks alie,ipm,sign_flip,far_edge,other_data]
+       python benchmarks/byzantine.py --part training [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
            [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
            [--quick]
+(--quick: drift over 50 rounds with 2 of 5 attackers; training as below. Drift runs the robust
+aggregations only: the mean keeps no record of deviations, and one liar moves it anywhere.)
 (--jobs: runs in that many processes at once; each run is one process's work, so accuracies do
 not change; CPU timings do when the processes compete for cores.)
 """
@@ -45,6 +78,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import json
+import logging
 import platform
 import sys
 import time
@@ -59,8 +93,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from emulated_swarm import make_swarm  # noqa: E402
 
-from potluck.averaging import Averager, allreduce, robust  # noqa: E402
-from potluck.averaging.allreduce import CHUNK_ELEMENTS, _weighted_chunk  # noqa: E402
+from potluck.averaging import Averager, robust  # noqa: E402
+from potluck.averaging.accountability import BanList  # noqa: E402
+from potluck.averaging.allreduce import CHUNK_ELEMENTS  # noqa: E402
+from potluck.averaging.allreduce.reducer import ShardReducer  # noqa: E402
+from potluck.averaging.allreduce.reduction import weighted_chunk  # noqa: E402
+from potluck.averaging.suspicion import SuspicionLedger  # noqa: E402
 from potluck.cli.tasks import accuracy, load_data, make_model  # noqa: E402
 from potluck.core.virtual_time import run_virtual  # noqa: E402
 
@@ -71,6 +109,81 @@ ATTACK_SCALE = 100.0
 ATTACKER_WEIGHT = 1e30
 BANDWIDTH = 100e6  # bytes/s each way, per emulated peer
 LATENCY = 0.005
+
+
+DRIFT_ATTACKS = ("alie", "ipm", "sign_flip", "far_edge", "other_data")
+ALIE_Z = 1.0  # standard deviations (the paper's z_max for 2 of 5 is 0.84, for 1 of 4 zero)
+IPM_EPSILON = 0.5
+PATIENT_OFFSET = 0.2  # sigma per coordinate, the same way every round
+
+
+def drift_attack(kind: str, honest: torch.Tensor, own: torch.Tensor, mu_other: torch.Tensor, edge: torch.Tensor,
+                 g: torch.Generator) -> torch.Tensor:
+    mean = honest.mean(0)
+    if kind == "alie":
+        return mean - ALIE_Z * honest.std(0)
+    if kind == "ipm":
+        return -IPM_EPSILON * mean
+    if kind == "sign_flip":
+        return -own
+    if kind == "far_edge":
+        return mean + (honest - mean).norm(dim=1).max() * edge
+    if kind == "other_data":
+        return mu_other + torch.randn(mean.shape, generator=g)
+    if kind == "patient":
+        return own + PATIENT_OFFSET
+    raise ValueError(kind)
+
+
+def aggregate_shard(aggregation: str, pieces: list[torch.Tensor], out: torch.Tensor) -> dict[int, float]:
+    if aggregation == "mean":
+        torch.stack(pieces).mean(0, out=out)
+        return {}
+    return robust.aggregate(aggregation, pieces, [1.0] * len(pieces), out, measure=True)
+
+
+def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int, dim: int, consequences: bool,
+          seed: int) -> dict:
+    """One run of part "drift" (see the module docstring)."""
+    torch.set_num_threads(1)
+    logging.getLogger("potluck").setLevel(logging.ERROR)  # each ban is logged; the row counts them
+    if attack_kind is None:  # the honest members alone
+        n, f = n - f, 0
+    g = torch.Generator().manual_seed(seed)
+    mu, mu_other, edge = torch.randn(dim, generator=g), torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    edge /= edge.norm()
+    peers = [f"member{i}" for i in range(n)]  # attackers first
+    bounds = [(k * dim // n, (k + 1) * dim // n) for k in range(n)]
+    ledgers = {k: SuspicionLedger(BanList()) for k in range(f, n)} if consequences else {}
+    params, reference, plain = torch.zeros(dim), torch.zeros(dim), torch.zeros(dim)
+    out, ref = torch.empty(dim), torch.empty(dim)
+    named: dict[int, list[int]] = {}
+    distances, left_from = [], None
+    for t in range(rounds):
+        honest = mu + torch.randn(n - f, dim, generator=g)
+        own = mu + torch.randn(dim, generator=g)
+        pieces = ([drift_attack(attack_kind, honest, own, mu_other, edge, g)] * f if f else []) + list(honest)
+        left: set[int] = set()
+        for k, ledger in ledgers.items():
+            lo, hi = bounds[k]
+            ledger.record(lo, peers, [p[lo:hi] for p in pieces], [peers[i] for i in named.get(k, ())])
+            left |= {peers.index(p) for p in ledger.left_out(peers)}
+        if f and left_from is None and set(range(f)) <= left:
+            left_from = t
+        senders = [i for i in range(n) if i not in left]
+        for k, (lo, hi) in enumerate(bounds):
+            measured = aggregate_shard(aggregation, [pieces[i][lo:hi] for i in senders], out[lo:hi])
+            named[k] = [senders[j] for j in robust.far_pieces(measured)[1]]
+            aggregate_shard(aggregation, [h[lo:hi] for h in honest], ref[lo:hi])
+        params += out
+        reference += ref
+        plain += honest.mean(0)
+        distances.append(((params - reference).norm() / dim ** 0.5).item())
+    at = {f"drift_after_{r}": round(distances[r - 1], 3) for r in (1, 20, 50, 100) if r <= rounds}
+    honest_banned = sorted({p for ledger in ledgers.values() for p in peers[f:] if p in ledger.banned})
+    return {"value": round(max(distances), 3), **at, "drift_last": round(distances[-1], 3),
+            "left_out_from_round": left_from, "honest_banned": len(honest_banned),
+            "honest_only_from_mean": round(((reference - plain).norm() / dim ** 0.5).item(), 3)}
 
 
 def emit(row: dict) -> None:
@@ -96,7 +209,7 @@ class ReduceTimer:
     summed over a run."""
 
     seconds = 0.0
-    _original = allreduce.ShardReducer._reduce
+    _original = ShardReducer._reduce
 
     @classmethod
     def install(cls) -> None:
@@ -106,7 +219,7 @@ class ReduceTimer:
                 cls._original(reducer, *args)
             finally:
                 cls.seconds += time.thread_time() - t0
-        allreduce.ShardReducer._reduce = timed
+        ShardReducer._reduce = timed
 
 
 def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int, clip_radius: float,
@@ -121,27 +234,41 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     size = sum(p.numel() for p in model.parameters())
     rngs = [torch.Generator().manual_seed(100 * seed + 100 + i) for i in range(PEERS)]  # batches, noise
+    edge = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    edge /= edge.norm()  # far_edge's direction
+    loud = attack_kind in ("scaled", "random")  # these also claim a huge weight; the others stay hidden
 
     async def main() -> dict:
         net, peers = await make_swarm(PEERS, latency=LATENCY, bandwidth=BANDWIDTH)
-        averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=PEERS, min_group_size=PEERS,
+        # The honest peers go on without attackers their reducers banned (averaging.suspicion).
+        averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=PEERS,
+                              min_group_size=PEERS - attackers,
                               matchmaking_time=1.0, allreduce_timeout=30.0, bandwidth=BANDWIDTH,
                               allow_state_sharing=False, aggregation=aggregation) for p in peers]
         members = None
         failed, averaging_wall = 0, 0.0
         for step in range(steps):
-            for i, avg in enumerate(averagers):
+            grads = []
+            for i in range(PEERS):
                 picks = torch.randint(len(y_train), (BATCH,), generator=rngs[i])
+                labels = (y_train[picks] + 1) % 10 if attack_kind == "other_data" and i < attackers else y_train[picks]
                 model.zero_grad()
-                torch.nn.functional.cross_entropy(model(x_train[picks]), y_train[picks]).backward()
-                grad = flat_grad(model)
-                if i < attackers:
+                torch.nn.functional.cross_entropy(model(x_train[picks]), labels).backward()
+                grads.append(flat_grad(model))
+            honest_grads = torch.stack(grads[attackers:])
+            for i, avg in enumerate(averagers):
+                grad = grads[i]
+                if i < attackers and attack_kind in DRIFT_ATTACKS:  # other_data: its labels were wrong
+                    grad = grad if attack_kind == "other_data" else \
+                        drift_attack(attack_kind, honest_grads, grad, grad, edge, rngs[i])
+                elif i < attackers:
                     grad = attack(attack_kind, grad, rngs[i])
                 with avg.get_tensors() as tensors:
                     tensors[0].copy_(grad)
             t0 = time.perf_counter()
             results = await asyncio.gather(
-                *(a.astep(weight=ATTACKER_WEIGHT if i < attackers else 1.0, group_key=f"step{step}", members=members)
+                *(a.astep(weight=ATTACKER_WEIGHT if i < attackers and loud else 1.0, group_key=f"step{step}",
+                          members=members)
                   for i, a in enumerate(averagers)), return_exceptions=True)
             averaging_wall += time.perf_counter() - t0
             honest = results[attackers]
@@ -180,29 +307,63 @@ def aggregation_cost(aggregation: str, repeats: int = 5) -> float:
     t0 = time.perf_counter()
     for _ in range(repeats):
         if aggregation == "mean":
-            _weighted_chunk({i: [p] for i, p in enumerate(pieces)}, dict.fromkeys(range(PEERS), 1.0),
+            weighted_chunk({i: [p] for i, p in enumerate(pieces)}, dict.fromkeys(range(PEERS), 1.0),
                             tuple(range(PEERS)), 0, out, scratch)
         else:
             robust.aggregate(aggregation, pieces, [1.0] * PEERS, out)
     return (time.perf_counter() - t0) / repeats * 1000
 
 
+def drift_part(args: argparse.Namespace, common: dict) -> None:
+    """Part "drift": every aggregation x attack x group, with and without consequences."""
+    groups = [tuple(int(x) for x in g.split("/")) for g in args.groups.split(",")]
+    robust_ones = [a for a in args.aggregations.split(",") if a != "mean"]  # the mean keeps no record
+    runs = [(agg, kind, f, n, on) for agg in robust_ones for f, n in groups
+            for kind in [None, *args.drift_attacks.split(",")] for on in ((True,) if kind is None else (True, False))]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(drift, agg, kind, n, f, args.rounds, args.dim, on, args.seed)
+                   for agg, kind, f, n, on in runs]
+        for (agg, kind, f, n, on), future in zip(runs, futures, strict=True):
+            result = future.result()
+            metric = "byzantine_drift" if kind else "byzantine_drift_honest"
+            if kind is None:
+                result = {"value": result["honest_only_from_mean"], "honest_banned": result["honest_banned"]}
+            emit({"metric": metric, "unit": "sigma", "aggregation": agg, "attack": kind or "none",
+                  "attackers": f, "members": n, "consequences": on, "rounds": args.rounds, "dim": args.dim,
+                  **result, **common})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("drift", "training", "all"), default="drift")
+    parser.add_argument("--rounds", type=int, default=200, help="drift: rounds")
+    parser.add_argument("--dim", type=int, default=2048, help="drift: coordinates of the averaged vector")
+    parser.add_argument("--groups", default="1/4,2/5,3/10", help="drift: attackers/members")
+    parser.add_argument("--drift-attacks", default=",".join(DRIFT_ATTACKS))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--aggregations", default="mean,centered_clip,trimmed_mean")
-    parser.add_argument("--attacks", default="sign_flip,scaled,random")
+    parser.add_argument("--attacks", default="sign_flip,scaled,random,alie,ipm,far_edge,other_data")
     parser.add_argument("--attackers", default="1,2")
     parser.add_argument("--clip-radius", type=float, default=robust.CLIP_RADIUS,
                         help="CenteredClip's radius in median distances (for tuning; the default is the library's)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     parser.add_argument("--seed", type=int, default=0, help="picks the peers' batches (the model starts the same)")
-    parser.add_argument("--quick", action="store_true", help="20 steps, the scaled attack only, 2 attackers")
+    parser.add_argument("--quick", action="store_true",
+                        help="drift: 50 rounds, 2 of 5; training: 20 steps, the scaled attack only, 2 attackers")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.attacks, args.attackers = 20, "scaled", "2"
+        args.steps, args.attacks, args.attackers, args.rounds, args.groups = 20, "scaled", "2", 50, "2/5"
     torch.set_num_threads(1)
+    robust.CLIP_RADIUS = args.clip_radius
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.part in ("drift", "all"):
+        drift_part(args, {"clip_radius": args.clip_radius, "seed": args.seed, "host": platform.node(), "date": now})
+    if args.part in ("training", "all"):
+        training_part(args, now)
+
+
+def training_part(args: argparse.Namespace, now: str) -> None:
+    """Part "training" (see the module docstring)."""
     common = {"peers": PEERS, "steps": args.steps, "batch_per_peer": BATCH, "clip_radius": args.clip_radius,
               "seed": args.seed, "host": platform.node(), "date": now}
     aggregations = args.aggregations.split(",")

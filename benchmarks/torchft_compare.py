@@ -13,8 +13,9 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
                   runs the lighthouse (min_replicas=2, so it goes on when a peer fails); every peer
                   is a replica group of one process with its own TCPStore, a `torchft.Manager` over
                   a `ProcessGroupGloo` (timeouts 5 s), and `torchft.Optimizer` around Adam. Each step: zero_grad()
-                  (starts the quorum), forward and backward on 64 samples (256 / 4), an average
-                  all-reduce of every gradient through `Manager.allreduce`, step() (applied if the
+                  (starts the quorum), forward and backward on 64 samples (256 / 4), one average
+                  all-reduce of all gradients, flattened into one tensor (as torchft's DDP
+                  buckets them), through `Manager.allreduce`, step() (applied if the
                   step committed). No client mode: every replica must accept Gloo connections. The
                   step is synchronous, so the whole swarm moves at the slow peer's pace.
 
@@ -84,31 +85,53 @@ class TorchftStep:
         self.optimizer.zero_grad()
 
     def step(self) -> None:
-        for work in [self.manager.allreduce(p.grad) for p in self.params if p.grad is not None]:
-            work.wait()
+        # One flat all-reduce of all gradients, as torchft's DDP does with its buckets (this model's
+        # 150 KB of gradients fit one 25 MB bucket); one collective per tensor would pay a round
+        # trip per tensor.
+        import torch
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
         self.optimizer.step()
 
 
-def torchft_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, TorchftStep, list]:
+def torchft_peer(args: argparse.Namespace, model: Any, host: str = "127.0.0.1",
+                 timeout_s: float = TORCHFT_TIMEOUT) -> tuple[str | None, TorchftStep, list]:
+    """A torchft replica group of one process whose servers (lighthouse on rank 0, TCPStore, manager,
+    checkpoint server) are reached at `host`. Off loopback, set GLOO_SOCKET_IFNAME to `host`'s
+    interface first: Gloo otherwise binds to what the machine's hostname resolves to."""
     import torch
     import torchft
     from torch.distributed import TCPStore
     from torchft._torchft import LighthouseServer
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        """torchft's checkpoint server, advertised at `host` (it says http://<hostname>:port, and this
+        machine's hostname resolves to 127.0.0.1: in a network namespace, the recovering peer itself)."""
+
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     closers: list = []
     address = args.initial
     if args.rank == 0:
-        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=TORCHFT_MIN_REPLICAS,
+        lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=TORCHFT_MIN_REPLICAS,
                                       join_timeout_ms=TORCHFT_JOIN_TIMEOUT_MS)
-        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+        address = f"http://{host}:" + lighthouse.address().rsplit(":", 1)[1]
         closers.append(lighthouse.shutdown)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
-    timeout = timedelta(seconds=TORCHFT_TIMEOUT)
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this replica group's
+    timeout = timedelta(seconds=timeout_s)
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=TORCHFT_MIN_REPLICAS,
                               load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-                              store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=address,
-                              replica_id=f"replica{args.rank}", rank=0, world_size=1, hostname="127.0.0.1",
-                              timeout=timeout, quorum_timeout=timeout, init_sync=False)
+                              store_addr=host, store_port=store.port, lighthouse_addr=address,
+                              replica_id=f"replica{args.rank}", rank=0, world_size=1, hostname=host,
+                              timeout=timeout, quorum_timeout=timeout, init_sync=False,
+                              checkpoint_transport=Transport(timeout=timeout, num_chunks=0))
     closers.insert(0, manager.shutdown)
     opt = TorchftStep(manager, torchft.Optimizer(manager, torch.optim.Adam(model.parameters(), LR)),
                       list(model.parameters()), store)

@@ -6,10 +6,18 @@ Other machines:  python examples/train_digits.py --initial-peers /ip4/<first mac
 Behind NAT:      add --client-mode (the peer only dials out)
 
 Every machine trains on its own random batches; the swarm steps the optimizer together every
-`--target-batch-size` samples. Stop with Ctrl-C; the peer prints its test accuracy.
+`--target-batch-size` samples. Stop with Ctrl-C (or --duration); the peer prints its test accuracy.
+
+Keep the result: --save DIR writes DIR/model.pt (the model's state dict: plain
+`model.load_state_dict(torch.load("DIR/model.pt"))`) and DIR/checkpoint.potluck (the run's epoch and
+optimizer state) every 10 epochs and at the end. --resume DIR starts from that checkpoint: the peer
+continues from its epoch, and rejoins the swarm (taking the swarm's newer state if it moved on).
 """
 
 import argparse
+import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +34,9 @@ def main() -> None:
     parser.add_argument("--identity", default=None, help="key file, so the peer id survives restarts")
     parser.add_argument("--target-batch-size", type=int, default=1024)
     parser.add_argument("--mode", choices=["sync", "moshpit", "diloco"], default="sync")
+    parser.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: at Ctrl-C)")
+    parser.add_argument("--save", metavar="DIR", help="save model.pt and checkpoint.potluck here")
+    parser.add_argument("--resume", metavar="DIR", help="resume from DIR/checkpoint.potluck")
     args = parser.parse_args()
 
     x, y, x_test, y_test = load_data()
@@ -38,18 +49,37 @@ def main() -> None:
                                 target_batch_size=args.target_batch_size, batch_size_per_step=32, mode=args.mode,
                                 role=potluck.Role.CLIENT if args.client_mode else potluck.Role.NODE,
                                 average_state_every=5)
+        if args.resume:
+            opt.load_checkpoint(Path(args.resume) / "checkpoint.potluck")
+            print(f"resumed at epoch {opt.local_epoch} from {args.resume}", flush=True)
         generator = torch.Generator().manual_seed(int.from_bytes(peer.peer_id.encode()[:4], "little"))
+        started, shown = time.monotonic(), opt.local_epoch
         try:
-            while True:
+            while not args.duration or time.monotonic() - started < args.duration:
                 batch = torch.randint(0, len(y), (32,), generator=generator)
                 torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
                 opt.step()
-                if opt.local_epoch and opt.local_epoch % 10 == 0 and opt.samples == 0:
+                if opt.local_epoch >= shown + 10:
+                    shown = opt.local_epoch
                     print(f"epoch {opt.local_epoch}: test accuracy {accuracy(model, x_test, y_test):.1%}", flush=True)
+                    save(args.save, model, opt)
         except KeyboardInterrupt:
-            print(f"\nstopped at epoch {opt.local_epoch}: test accuracy {accuracy(model, x_test, y_test):.1%}")
+            print()
         finally:
+            save(args.save, model, opt)
+            print(f"stopped at epoch {opt.local_epoch}: test accuracy {accuracy(model, x_test, y_test):.4%}"
+                  + (f"; saved to {args.save}" if args.save else ""), flush=True)
             opt.shutdown()
+
+
+def save(directory: str | None, model: torch.nn.Module, opt: potluck.Optimizer) -> None:
+    """The model for plain PyTorch, and the checkpoint to resume from (each written whole)."""
+    if directory is None:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), Path(directory) / "model.tmp")
+    os.replace(Path(directory) / "model.tmp", Path(directory) / "model.pt")
+    opt.save_checkpoint(Path(directory) / "checkpoint.potluck")
 
 
 if __name__ == "__main__":

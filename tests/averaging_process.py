@@ -39,7 +39,7 @@ def main() -> None:
     timing = {}
 
     async def announced(self, group, *a, **kw):
-        print("allreduce-start " + json.dumps({"peers": [str(p) for p in group.peers], "modes": list(group.modes),
+        print("allreduce-start " + json.dumps({"peers": [str(p) for p in group.peers], "roles": list(group.roles),
                                                "part_sizes": list(group.part_sizes)}), flush=True)
         timing["start"] = time.monotonic()
         try:

@@ -95,7 +95,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # A test that ran this long (a big emulated swarm) may leave millions of objects in reference
 # cycles: asyncio's cancelled tasks hold their CancelledError, whose traceback holds the frame
 # that holds the task. Left to the cyclic GC, they are freed by whichever later test triggers a
-# full collection: after the 256-peer Moshpit test that took 3 s, long enough for two peers
+# full collection: after a 256-peer Moshpit test that took 3 s, long enough for two peers
 # of test_frameworks (one process, one stalled loop) to see each other's progress records expire
 # and train alone. Collected right away, no later test pays for them.
 COLLECT_AFTER_SECONDS = 2.0

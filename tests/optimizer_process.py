@@ -42,17 +42,8 @@ def main() -> None:
         opt = potluck.Optimizer(peer, "processes", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                                 target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False)
         digests: dict[int, str] = {}
-        advance, catch_up = opt._advance_epoch, opt._catch_up
-
-        def recording_advance() -> None:  # the parameters at the end of each applied epoch
-            advance()
-            digests[opt.local_epoch] = digest(model)
-
-        async def recording_catch_up(epoch: int) -> None:  # or downloaded by a peer that missed a round
-            await catch_up(epoch)
-            digests[opt.local_epoch] = digest(model)
-        opt._advance_epoch = recording_advance
-        opt._catch_up = recording_catch_up
+        # the parameters at the end of each applied epoch, or once downloaded by a peer that missed a round
+        opt.register_epoch_hook(lambda event: digests.__setitem__(event.epoch, digest(model)))
         print("ready", flush=True)
         sys.stdin.readline()
         deadline = time.monotonic() + 60

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from potluck.averaging.accountability import VERIFY_BLOCK
-from potluck.averaging.allreduce import (
-    AllReduceService,
+from potluck.averaging.allreduce import AllReduceService, Group
+from potluck.averaging.allreduce.coordinator import Coordinator
+from potluck.averaging.allreduce.member import AllReduceRun
+from potluck.averaging.allreduce.messages import (
+    METHOD_PART,
     Equivocation,
-    Group,
     MemberState,
     Outcome,
     PartRequest,
@@ -45,10 +47,10 @@ class PlainCodec:
 CODEC = PlainCodec()
 
 
-async def swarm(n: int, bandwidth: float | None = 50e6, latency: float = 0.002, modes=None):
+async def swarm(n: int, bandwidth: float | None = 50e6, latency: float = 0.002, roles=None):
     net = EmulatedNetwork(latency=latency)
-    modes = modes or ["node"] * n
-    transports = [net.transport(upload=bandwidth, download=bandwidth, client_mode=(m == "client")) for m in modes]
+    roles = roles or ["node"] * n
+    transports = [net.transport(upload=bandwidth, download=bandwidth, client_mode=(r == "client")) for r in roles]
     for t in transports:
         await t.start()
     for t in transports:
@@ -58,9 +60,9 @@ async def swarm(n: int, bandwidth: float | None = 50e6, latency: float = 0.002, 
     return net, transports, [AllReduceService(t) for t in transports]
 
 
-def make_group(transports, modes, size, gid=b"g"):
-    fractions = optimal_fractions(modes, [1.0] * len(modes))
-    return Group(gid, tuple(t.peer_id for t in transports), tuple(modes), tuple(part_sizes(size, fractions)))
+def make_group(transports, roles, size, gid=b"g"):
+    fractions = optimal_fractions(roles, [1.0] * len(roles))
+    return Group(gid, tuple(t.peer_id for t in transports), tuple(roles), tuple(part_sizes(size, fractions)))
 
 
 async def average(services, group, vectors, weights, crash_at=None, crash=(), net=None, **kwargs):
@@ -69,7 +71,7 @@ async def average(services, group, vectors, weights, crash_at=None, crash=(), ne
     kwargs.setdefault("chunk", 1000)
 
     async def one(i):
-        vec = None if group.modes[i] == "aux" else vectors[i]
+        vec = None if group.roles[i] == "aux" else vectors[i]
         result, contributors = await services[i].run(group, vec, weights[i], CODEC, **kwargs)
         return result
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(services))]
@@ -128,13 +130,13 @@ def test_identical_inputs_come_back_bit_identical(n):
 
 @pytest.mark.timeout(60)
 def test_client_and_aux_members():
-    modes = ["node", "client", "aux", "node", "client"]
+    roles = ["node", "client", "aux", "node", "client"]
 
     async def main():
-        net, transports, services = await swarm(len(modes), modes=modes)
-        group = make_group(transports, modes, 9_999)
+        net, transports, services = await swarm(len(roles), roles=roles)
+        group = make_group(transports, roles, 9_999)
         assert group.part_sizes[1] == group.part_sizes[4] == 0 and group.part_sizes[2] > 0
-        vectors = [torch.randn(9_999) for _ in modes]
+        vectors = [torch.randn(9_999) for _ in roles]
         weights = [1.0, 2.0, 0.0, 3.0, 4.0]
         results = await average(services, group, vectors, weights)
         assert results[2] is None  # aux members reduce but hold no result
@@ -147,17 +149,17 @@ def test_client_and_aux_members():
 @pytest.mark.parametrize("crash", [[4], [1], [0], [1, 4], [0, 3]],
                          ids=["client-sender", "reducer", "coordinator", "sender+reducer", "coordinator+reducer"])
 def test_members_killed_mid_step_leave_survivors_identical(crash):
-    modes = ["node", "node", "node", "node", "client"]
+    roles = ["node", "node", "node", "node", "client"]
 
     async def main():
-        net, transports, services = await swarm(len(modes), bandwidth=10e6, modes=modes)
-        group = make_group(transports, modes, 200_000)  # 800 KB per member: ~0.3 s at 10 MB/s
-        vectors = [torch.randn(200_000) for _ in modes]
+        net, transports, services = await swarm(len(roles), bandwidth=10e6, roles=roles)
+        group = make_group(transports, roles, 200_000)  # 800 KB per member: ~0.3 s at 10 MB/s
+        vectors = [torch.randn(200_000) for _ in roles]
         weights = [1.0, 2.0, 3.0, 4.0, 5.0]
         loop = asyncio.get_running_loop()
         start = loop.time()
         results = await average(services, group, vectors, weights, crash_at=0.1, crash=crash, net=net)
-        survivors = [i for i in range(len(modes)) if i not in crash]
+        survivors = [i for i in range(len(roles)) if i not in crash]
         check_survivors_identical(results, survivors, weighted_mean(vectors, weights, survivors))
         assert loop.time() - start < 20  # within the stage deadlines, not the step's 60 s
     run_virtual(main())
@@ -261,18 +263,18 @@ def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypat
 @pytest.mark.timeout(60)
 def test_crash_scenario_is_deterministic_under_the_virtual_clock():
     """Same seeds, same crash: same results, contributors and virtual end time, bit for bit."""
-    modes = ["node", "node", "node", "node", "client"]
+    roles = ["node", "node", "node", "node", "client"]
 
     async def scenario():
-        net, transports, services = await swarm(len(modes), bandwidth=10e6, modes=modes)
-        group = make_group(transports, modes, 100_000)
+        net, transports, services = await swarm(len(roles), bandwidth=10e6, roles=roles)
+        group = make_group(transports, roles, 100_000)
         g = torch.Generator().manual_seed(1234)
-        vectors = [torch.randn(100_000, generator=g) for _ in modes]
-        weights = [float(w) for w in torch.rand(len(modes), generator=g) + 0.5]
+        vectors = [torch.randn(100_000, generator=g) for _ in roles]
+        weights = [float(w) for w in torch.rand(len(roles), generator=g) + 0.5]
         loop = asyncio.get_running_loop()
         start = loop.time()
         tasks = [asyncio.ensure_future(services[i].run(group, vectors[i], weights[i], CODEC, timeout=60.0,
-                                                       sender_timeout=2.0, chunk=1000)) for i in range(len(modes))]
+                                                       sender_timeout=2.0, chunk=1000)) for i in range(len(roles))]
         await asyncio.sleep(0.05)
         for i in (1, 4):  # a reducer and the client sender, mid-step
             net.crash(group.peers[i])
@@ -292,12 +294,12 @@ def test_crash_scenario_is_deterministic_under_the_virtual_clock():
 
 @pytest.mark.timeout(60)
 def test_everyone_fails_together_when_no_reducer_survives():
-    modes = ["node", "client", "client"]
+    roles = ["node", "client", "client"]
 
     async def main():
-        net, transports, services = await swarm(3, bandwidth=10e6, modes=modes)
-        group = make_group(transports, modes, 100_000)
-        vectors = [torch.randn(100_000) for _ in modes]
+        net, transports, services = await swarm(3, bandwidth=10e6, roles=roles)
+        group = make_group(transports, roles, 100_000)
+        vectors = [torch.randn(100_000) for _ in roles]
         results = await average(services, group, vectors, [1.0] * 3, crash_at=0.05, crash=[0], net=net,
                                 timeout=30)
         for i in (1, 2):
@@ -314,7 +316,6 @@ def test_forged_and_malformed_parts_are_refused_and_the_step_completes():
         intruder = net.transport()
         await intruder.start()
         intruder.add_addresses(group.peers[0], transports[0].addresses)
-        from potluck.averaging.allreduce import METHOD_PART
         from potluck.core.errors import RemoteError
 
         async def attack(request, payloads):
@@ -386,10 +387,10 @@ def test_part_request_and_member_state_refuse_malformed_fields_by_name():
             PartRequest.from_wire({**good.to_wire(), key: value})
         assert caught.value.field
     proof = Equivocation(2, 2, 1, (0, 1), (b"a" * 32, b"b" * 32), (b"s" * 64, b"t" * 64))
-    outcome = Outcome(3, (0, 1), {0: 0, 1: 1, 2: 2}, digests={0: b"d" * 32}, equivocation=proof)
+    outcome = Outcome(3, (0, 1), {0: 0, 1: 1, 2: 2}, False, digests={0: b"d" * 32}, equivocation=proof)
     state = MemberState(1, (2,), {0: (0, 1)}, (0,), 3, outcome, sent={0: b"r" * 32, 1: b"q" * 32},
                         received={1: {0: b"r" * 32}}, checked=3, finals={0: SignedFinal(1, (0, 1), b"r" * 32, b"s" * 64)})
-    assert MemberState.from_wire(state.to_wire(), group) == state
+    assert MemberState.from_wire(state.to_wire(), n=len(group.peers)) == state
     for key, value, field in (("m", 3, "'m'"), ("dead", [0] * 4, "'dead'"), ("dead", [7], "'dead'"),
                               ("rep", [[0, [9]]], "'rep'"), ("rep", [[0]], "'rep'"), ("final", "0", "'final'"),
                               ("v", -1, "'v'"), ("fail", "x" * 1001, "'fail'"), ("o", {"v": 1}, "'o'"),
@@ -399,9 +400,9 @@ def test_part_request_and_member_state_refuse_malformed_fields_by_name():
                               ("o", {**outcome.to_wire(), "d": [[0, b"d"]]}, "'o'"),
                               ("o", {**outcome.to_wire(), "eq": [2, 2, 1, [0], b"a" * 32]}, "'o'")):
         with pytest.raises(MalformedMessage, match=field):
-            MemberState.from_wire({**state.to_wire(), key: value}, group)
+            MemberState.from_wire({**state.to_wire(), key: value}, n=len(group.peers))
     with pytest.raises(MalformedMessage, match="not a map"):
-        MemberState.from_wire([1, 2], group)
+        MemberState.from_wire([1, 2], n=len(group.peers))
 
 
 def test_result_messages_refuse_chunks_outside_the_shard_and_bad_finals():
@@ -421,20 +422,18 @@ def test_killed_client_member_does_not_hold_the_others_until_a_deadline(monkeypa
     """A client-mode member killed at any point of a step: it cannot be dialed, so the lost
     connections are the only sign; the survivors must finish at once, not at the sender timeout
     or the step's deadline (the demo's swarm stalled 20 s whenever its client-mode peer died)."""
-    from potluck.averaging import allreduce
-
-    modes = ["node", "node", "client", "node"]
+    roles = ["node", "node", "client", "node"]
     crashed: list[float] = []
 
     async def main():
-        net, transports, services = await swarm(len(modes), modes=modes)
-        group = make_group(transports, modes, 50_000)
+        net, transports, services = await swarm(len(roles), roles=roles)
+        group = make_group(transports, roles, 50_000)
 
         def crash():
             if not crashed:
                 crashed.append(asyncio.get_running_loop().time())
                 net.crash(group.peers[2])
-        publish, changed = allreduce.Coordinator._publish, allreduce.AllReduceRun._changed
+        publish, changed = Coordinator._publish, AllReduceRun._changed
 
         def on_publish(self, outcome):  # the coordinator has just decided who the senders are
             publish(self, outcome)
@@ -446,9 +445,9 @@ def test_killed_client_member_does_not_hold_the_others_until_a_deadline(monkeypa
             if self.me == 2 and len(self.final) == {"first-final": 1, "all-final": 3}.get(when):
                 crash()
             changed(self)
-        monkeypatch.setattr(allreduce.Coordinator, "_publish", on_publish)
-        monkeypatch.setattr(allreduce.AllReduceRun, "_changed", on_changed)
-        vectors = [torch.randn(50_000) for _ in modes]
+        monkeypatch.setattr(Coordinator, "_publish", on_publish)
+        monkeypatch.setattr(AllReduceRun, "_changed", on_changed)
+        vectors = [torch.randn(50_000) for _ in roles]
         weights = [1.0, 2.0, 3.0, 4.0]
         loop = asyncio.get_running_loop()
         if when == "before-sending":  # right after the group formed, before its first byte;

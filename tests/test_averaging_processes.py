@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.averaging.allreduce import bounded_weights
+from potluck.averaging.allreduce.reduction import bounded_weights
 from tests.averaging_process import vector_of
 from tests.conftest import ROOT
 
@@ -85,8 +85,8 @@ def pick_victims(roles: tuple[str, ...], group: dict) -> list[int]:
     once the group is known: "reducer" is the last node, whose shard does not start at offset 0
     (a check of the first elements alone would miss its re-reduction); "coordinator" is the first
     node (the coordinator, reducing shard 0); "sender" is the client, which only sends."""
-    nodes = [i for i, m in enumerate(group["modes"]) if m == "node"]
-    clients = [i for i, m in enumerate(group["modes"]) if m == "client"]
+    nodes = [i for i, r in enumerate(group["roles"]) if r == "node"]
+    clients = [i for i, r in enumerate(group["roles"]) if r == "client"]
     assert len(nodes) == 3 and len(clients) == 1, group
     by_role = {"sender": clients[0], "reducer": nodes[-1], "coordinator": nodes[0]}
     victims = [by_role[r] for r in roles]
@@ -103,7 +103,7 @@ def test_members_killed_by_signal_leave_survivors_identical_and_correct(processe
     contributors the step reports, and finish within the all-reduce deadline."""
     first = AveragingProcess(0, None, str(tmp_path / "0.f32"))
     processes.append(first)
-    for i in range(1, 4):  # 3 only sends (client mode)
+    for i in range(1, 4):  # 3 only sends (a client)
         processes.append(AveragingProcess(i, first.address, str(tmp_path / f"{i}.f32"), client=(i == 3)))
     by_id = {p.peer_id: p for p in processes}
     for p in processes:

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(200)
 def test_lm_demo_learns_below_the_unigram_entropy_and_writes_its_report(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))

@@ -318,8 +318,8 @@ def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
             assert info.value.remote_type == "BadRequest", info.value
 
         async def raw_store(record: Record) -> bool | str:
-            answer = await call(target.peer_id, protocol.STORE, protocol.store_request([record]), timeout=5)
-            return protocol.parse_store_response(answer, 1)[0]
+            answer = await call(target.peer_id, protocol.STORE, protocol.write(protocol.StoreRequest([record])), timeout=5)
+            return protocol.read(protocol.StoreResponse, answer, n_records=1).results[0]
 
         signed = (await target.node.get_many([owned]))[owned].records[0]
         forged = Record(owned, None, dumps({"step": 99}), now + 70, bytes(64))
@@ -351,10 +351,12 @@ def test_bad_input_is_refused_with_a_clear_error_and_the_node_keeps_serving():
         assert (await target.aget("fine")).value == "ok"
         # and the targeted node still answers others: a find sent straight to it by a third peer
         bystander = dhts[0]
-        answer = await bystander.node.transport.call(
-            target.peer_id, protocol.FIND, protocol.find_request([key_id_of(owned)], values=True), timeout=5)
-        [(nearest, records)], _ = protocol.parse_find_response(answer, 1)
-        assert records == [signed] and {p for p, _, _ in nearest} >= {alice.peer_id, mallory.peer_id}
+        answer = protocol.read(protocol.FindResponse, await bystander.node.transport.call(
+            target.peer_id, protocol.FIND, protocol.write(protocol.FindRequest([key_id_of(owned)], values=True, stop=False)),
+            timeout=5), n_ids=1)
+        [result] = answer.results
+        assert result.records == (signed,)
+        assert {answer.peers[i][0] for i in result.nearest} >= {alice.peer_id, mallory.peer_id}
         await bystander.node.ping(target.peer_id)
         await shutdown(dhts)
 
@@ -435,6 +437,7 @@ def mean_hops(outcomes: list[dict]) -> list[int]:
     return [o.hops for result in outcomes for o in result.values() if o.hops]
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(240)  # ~35 s alone on 2 cores; the margin is for a busy machine
 def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
     """1,000 peers, about 40% of them behind NAT (found private by a dial-back, so DHT clients
@@ -483,6 +486,7 @@ def test_thousand_peers_find_every_key_and_keep_99_percent_after_half_die():
     run_virtual(scenario())
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(240)  # ~18 s alone on 2 cores; the margin is for a busy machine
 def test_lookup_hops_grow_like_log_n(record_property):
     """Mean hops of gets from 100 random peers, at 100, 300 and 1,000 peers. With buckets split

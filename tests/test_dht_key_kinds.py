@@ -9,6 +9,7 @@ import pytest
 
 from potluck.averaging.averager import STATE_RECORD_TTL
 from potluck.averaging.matchmaking import Matchmaker
+from potluck.core.names import RunNames
 from potluck.core.serialization import dumps
 from potluck.dht import ExpirationTooFar, RecordRejected
 from potluck.dht.key_kinds import KEY_KINDS, KeyKinds
@@ -18,8 +19,8 @@ from potluck.net.identity import Identity
 from potluck.optim.progress import PROGRESS_TTL, ROUNDS_TTL, ProgressTracker
 from potluck.pipeline.layout import LAYOUT_TTL, LayoutDirectory
 from potluck.pipeline.planning import PLAN_TTL
-from potluck.pipeline.profiling import PROFILE_TTL, profiles_key
-from potluck.ps.discovery import ANNOUNCE_TTL, servers_key
+from potluck.pipeline.profiling import PROFILE_TTL
+from potluck.ps.discovery import ANNOUNCE_TTL
 from potluck.ps.sweep import LEASE_SECONDS, RESULT_TTL
 
 NOW = 1000.0
@@ -32,33 +33,33 @@ def rules_for(key: str) -> list:
 
 def test_every_rule_matches_the_key_its_protocol_writes_and_fits_its_honest_lifetime():
     matchmaker = Matchmaker.__new__(Matchmaker)  # only its key builder is used
-    matchmaker.prefix = "run.grads"
+    matchmaker.names = RunNames("run").averager("grads")
     progress = ProgressTracker(None, SimpleNamespace(add_handler=lambda *a: None), "run", Identity.generate().peer_id, 1)
     layouts = LayoutDirectory(SimpleNamespace(dht=None), "run")
     writers = {
         matchmaker._dht_key("0"): LONGEST_MATCHMAKING_WINDOW,
         progress.key: PROGRESS_TTL,
-        "run.state.state": STATE_RECORD_TTL,  # an Averager of run "run.state" announces f"{run_id}.state"
-        profiles_key("run"): PROFILE_TTL,
+        RunNames("run").averager("state").donors: STATE_RECORD_TTL,
+        RunNames("run").pipeline.profiles: PROFILE_TTL,
         layouts.key: LAYOUT_TTL,
-        "run.pipeline.plan": PLAN_TTL,  # planning.publish_plan's key for run "run"
-        "sweep.abc.leases": LEASE_SECONDS,
-        "sweep.abc.results": RESULT_TTL,
-        servers_key("run"): ANNOUNCE_TTL,
+        RunNames("run").pipeline.plan: PLAN_TTL,
+        RunNames("run").sweep_leases("abc"): LEASE_SECONDS,
+        RunNames("run").sweep_results("abc"): RESULT_TTL,
+        RunNames("run").ps_servers: ANNOUNCE_TTL,
         progress.rounds_key: ROUNDS_TTL,
     }
     for key, ttl in writers.items():
         [rule] = rules_for(key)
         assert rule.max_ttl >= min(4 * ttl, 24 * 3600.0), key
     for other in ("run", "expert.3.14", "bench/7", "_peer.x", "matchmaking", "run.states", "run.progress.x",
-                  "my.sweep.x.leases"):
+                  "sweep.s.leases", "run.state", "r.match.g"):
         assert rules_for(other) == [], other
 
 
-KEY_OF = {"matchmaking declarations": "r.match.g", "progress records": "r.progress", "state donor records": "r.state",
+KEY_OF = {"matchmaking declarations": "r.avg.a.match.g", "progress records": "r.progress", "state donor records": "r.avg.a.donors",
           "pipeline profiles": "r.pipeline.profiles", "pipeline layouts": "r.pipeline.layout",
           "pipeline plans": "r.pipeline.plan",
-          "sweep leases": "sweep.s.leases", "sweep results": "sweep.s.results", "relay announcements": "nat.relays",
+          "sweep leases": "r.sweep.s.leases", "sweep results": "r.sweep.s.results", "relay announcements": "nat.relays",
           "shard server announcements": "r.ps.servers", "round records": "r.rounds"}
 
 

@@ -10,6 +10,7 @@ from potluck.core.serialization import dumps
 from potluck.dht import protocol
 from potluck.dht.errors import BadRequest, ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
 from potluck.dht.records import Record, key_id_of, owner_marker, owners_of
+from potluck.dht.routing import node_id_of
 from potluck.dht.validation import (
     CLOCK_SKEW_ALLOWANCE,
     Limits,
@@ -18,6 +19,7 @@ from potluck.dht.validation import (
     check_record,
     sign_record,
 )
+from potluck.net.address import Multiaddr
 from potluck.net.identity import Identity
 
 NOW = 1_000_000.0
@@ -150,10 +152,10 @@ def test_malformed_messages_are_refused_with_bad_request():
                protocol.encode({"ids": [bytes(20)], "values": True, "stop": False, "rec": ["k"]})]
     for message in garbage:
         with pytest.raises(BadRequest):
-            protocol.parse_find_request(message)
-    assert protocol.parse_find_request(protocol.find_request([1, 2], True, True)) == ([1, 2], True, True, None)
-    own = Record("k", None, b"v", 1.0)
-    assert protocol.parse_find_request(protocol.find_request([1], False, own_record=own)) == ([1], False, False, own)
+            protocol.read(protocol.FindRequest, message)
+    for request in (protocol.FindRequest((1, 2), True, True),
+                    protocol.FindRequest((1,), False, False, own_record=Record("k", None, b"v", 1.0))):
+        assert protocol.read(protocol.FindRequest, protocol.write(request)) == request
     bad_records = [[], ["k"], [1, None, b"v", 1.0, None, None], ["k", True, b"v", 1.0, None, None],
                    ["k", None, "not bytes", 1.0, None, None], ["k", None, b"v", "soon", None, None],
                    ["k", None, b"v", float("inf"), None, None], ["k", None, b"v", 1.0, b"short sig", None],
@@ -161,11 +163,15 @@ def test_malformed_messages_are_refused_with_bad_request():
                    ["k", 2**63, b"v", 1.0, None, None]]
     for item in bad_records:
         with pytest.raises(BadRequest):
-            protocol.parse_store_request(protocol.encode({"records": [item]}))
+            protocol.read(protocol.StoreRequest, protocol.encode({"records": [item]}))
     with pytest.raises(BadRequest, match="at most 256"):
-        protocol.parse_store_request(protocol.encode({"records": [["k", None, b"v", 1.0, None, None]] * 257}))
+        protocol.read(protocol.StoreRequest, protocol.encode({"records": [["k", None, b"v", 1.0, None, None]] * 257}))
     with pytest.raises(BadRequest):
-        protocol.parse_ping(protocol.encode({"x": 1}))
+        protocol.read(protocol.Ping, protocol.encode({"x": 1}))
+    protocol.read(protocol.Ping, protocol.PING_REQUEST)
+    for outcomes in ([True, "no", 3], [True]):  # one outcome per record sent, each True, False or a reason
+        with pytest.raises(BadRequest):
+            protocol.read(protocol.StoreResponse, protocol.encode({"results": outcomes}), n_records=3)
 
 
 @pytest.mark.timeout(10)
@@ -182,6 +188,28 @@ def test_malformed_answers_are_refused_so_the_caller_can_drop_that_peer():
     ]
     for answer in answers:
         with pytest.raises(BadRequest):
-            protocol.parse_find_response(msgpack.packb(answer), 1)
-    ok = protocol.parse_find_response(msgpack.packb({"peers": [[pid, ["/emu/1"]]], "results": [[[0], []]]}), 1)
-    assert ok[0][0][0][0][0].to_bytes() == pid and ok[1] is None
+            protocol.read(protocol.FindResponse, msgpack.packb(answer), n_ids=1)
+    ok = protocol.read(protocol.FindResponse, msgpack.packb({"peers": [[pid, ["/emu/1"]]], "results": [[[0], []]]}),
+                       n_ids=1)
+    assert ok.peers[ok.results[0].nearest[0]][0].to_bytes() == pid and ok.held is None
+
+
+@pytest.mark.timeout(10)
+def test_dht_messages_keep_their_compact_wire_form():
+    """Keys, positional lists and ids as 20 bytes: what a node sends is what it sent before the
+    messages were declared, byte for byte."""
+    pid = Identity.generate().peer_id
+    record = Record("k", None, b"v", 1.0)
+    key = (5).to_bytes(20, "big")
+    assert protocol.write(protocol.FindRequest((5,), True, False)) == protocol.encode(
+        {"ids": [key], "values": True, "stop": False})
+    assert protocol.write(protocol.FindRequest((5,), False, True, record)) == protocol.encode(
+        {"ids": [key], "values": False, "stop": True, "rec": record.to_wire()})
+    near = (pid, node_id_of(pid), (Multiaddr.parse("/emu/1"),))
+    answer = protocol.FindResponse((near,), (protocol.FindResult((0,), (record,)),), "RecordRejected: no")
+    assert protocol.write(answer) == protocol.encode(
+        {"peers": [[pid.to_bytes(), ["/emu/1"]]], "results": [[[0], [record.to_wire()]]], "rec": "RecordRejected: no"})
+    assert protocol.read(protocol.FindResponse, protocol.write(answer), n_ids=1) == answer
+    assert protocol.write(protocol.StoreRequest((record,))) == protocol.encode({"records": [record.to_wire()]})
+    assert protocol.write(protocol.StoreResponse((True, "no"))) == protocol.encode({"results": [True, "no"]})
+    assert protocol.PING_REQUEST == protocol.encode({}) and protocol.PING_RESPONSE == protocol.encode({"ok": True})

@@ -10,6 +10,7 @@ import pytest
 from potluck.dht.records import Record, owner_marker
 from potluck.dht.storage import ENTRY_OVERHEAD_BYTES, SOURCE_QUOTA_DIVISOR, Storage, merge_records
 from potluck.net.identity import PeerID
+from potluck.net.origins import origin_of
 
 KEY = 1
 
@@ -133,17 +134,33 @@ def _check_books(s: Storage) -> None:
     biggest: dict = {}
     for b, _, p in s._largest:
         biggest[p] = max(biggest.get(p, 0), -b)
-    for source, state in s._sources.items():  # the largest-source heap never understates a source
-        assert biggest[source] >= state.bytes
+    by_subnet: dict = {}
+    for source, state in s._sources.items():
+        by_subnet.setdefault(state.subnet, []).append(source)
+    assert set(by_subnet) == set(s._subnets)  # a subnet that holds nothing has no entry at all
+    for subnet, group in s._subnets.items():  # the largest heaps never understate a subnet or a source
+        assert biggest[subnet] >= group.bytes == sum(s._sources[p].bytes for p in by_subnet[subnet])
+        assert group.sources == len(by_subnet[subnet])
+        largest: dict = {}
+        for b, _, p in group.largest:
+            largest[p] = max(largest.get(p, 0), -b)
+        assert all(largest[p] >= s._sources[p].bytes for p in by_subnet[subnet])
+    assert all(b <= s.max_subnet_bytes for subnet, b in s.bytes_by_subnet().items() if subnet is not None)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("max_bytes, max_source_bytes", [(40_000, 12_000), (15_000, 5_000), (20_000, 4_000)],
-                         ids=["roomy", "often-full", "often-over-quota"])
-def test_byte_accounting_stays_exact_under_random_operations(max_bytes, max_source_bytes):
+@pytest.mark.parametrize("max_bytes, max_source_bytes, max_subnet_bytes, origins",
+                         [(40_000, 12_000, None, False), (15_000, 5_000, None, False), (20_000, 4_000, None, False),
+                          (20_000, 6_000, 8_000, True), (12_000, 6_000, 6_000, True)],
+                         ids=["roomy", "often-full", "often-over-quota", "subnets", "subnets-often-full"])
+def test_byte_accounting_stays_exact_under_random_operations(max_bytes, max_source_bytes, max_subnet_bytes, origins):
     rng = random.Random(0)
-    peers = [PeerID(bytes([i + 1]) * 32) for i in range(4)]
-    s = Storage(max_bytes=max_bytes, max_key_bytes=5_000, max_source_bytes=max_source_bytes)
+    peers = [PeerID(bytes([i + 1]) * 32) for i in range(6)]
+    # with origins: the first three peers share a subnet (two of them an address), the others have their own
+    where = dict(zip(peers, [origin_of(ip) for ip in ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.1.1", "10.0.2.1",
+                                                      "10.0.3.1")], strict=True))
+    s = Storage(max_bytes=max_bytes, max_key_bytes=5_000, max_source_bytes=max_source_bytes,
+                max_subnet_bytes=max_subnet_bytes)
     now = 0.0
     for step in range(5000):
         now += rng.random() * 0.1
@@ -152,9 +169,9 @@ def test_byte_accounting_stays_exact_under_random_operations(max_bytes, max_sour
         sender = rng.choice([None, *peers])
         name = "k"
         if key % 3 == 0:  # owned keys: charged to their owner whoever sends them
-            name = f"k{owner_marker(peers[key % 4])}"
+            name = f"k{owner_marker(peers[key % 6])}"
         s.store(key, Record(name, sub, rng.randbytes(rng.randrange(200)), now + rng.random() * 50), now=now,
-                source=sender)
+                source=sender, origin=where[sender] if origins and sender is not None else None)
         if step % 100 == 0:
             s.remove_expired(now)
         _check_books(s)

@@ -45,6 +45,7 @@ def read_address(proc: subprocess.Popen, deadline: float) -> str:
     return data.split(b"--initial-peers", 1)[1].split(b"\n", 1)[0].strip().decode()
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(180)
 def test_sixteen_processes_store_get_subkeys_and_expiration_over_tcp():
     procs: list[subprocess.Popen] = []

@@ -19,8 +19,8 @@ from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
-from potluck.optim import Optimizer
-from potluck.optim.streaming import tensor_digest
+from potluck.optim import EpochEvent, Optimizer
+from potluck.optim.state import tensor_digest
 
 BATCH = 8
 COMPUTE_SECONDS = (0.02, 0.05)  # per batch: the second peer is 2.5x slower
@@ -51,12 +51,11 @@ async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dic
     outer: dict[int, dict[int, str]] = collections.defaultdict(dict)  # epoch -> peer -> outer digest
     for index, opt in enumerate(optimizers):
         await opt.astart()
-        advance = opt._advance_epoch
 
-        def recording(index: int = index, opt: Optimizer = opt, advance: Any = advance) -> None:
-            advance()
-            outer[opt.local_epoch][index] = tensor_digest(opt._outer_params + opt._outer_momentum)
-        opt._advance_epoch = recording
+        def recording(event: EpochEvent, index: int = index, opt: Optimizer = opt) -> None:
+            if event.how == "update":  # its own outer step
+                outer[event.epoch][index] = tensor_digest(opt.training.outer + opt.training.momentum)
+        opt.register_epoch_hook(recording)
     await asyncio.sleep(1)  # the peers see each other's progress: no first round alone
     steps = [0 for _ in peers]
 
@@ -75,7 +74,7 @@ async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dic
     try:
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 20)  # virtual seconds
         return {"outer": dict(outer), "steps": steps, "epochs": [o.local_epoch for o in optimizers],
-                "failed": [o._failed_rounds for o in optimizers]}
+                "failed": [o.context.failed_rounds for o in optimizers]}
     finally:
         for opt in optimizers:
             opt.shutdown()

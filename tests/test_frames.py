@@ -6,8 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.core.errors import MessageTooLarge, ProtocolError
-from potluck.net.frames import PREFIX, SCRATCH_SIZE, VERSION, Frame, FrameDecoder, Kind, encode
+from potluck.core.errors import MalformedMessage, MessageTooLarge, ProtocolError
+from potluck.net.address import Multiaddr
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
+from potluck.net.frames import (
+    MIN_MAX_FRAME_SIZE,
+    PREFIX,
+    SCRATCH_SIZE,
+    VERSION,
+    Frame,
+    FrameDecoder,
+    Hello,
+    Kind,
+    encode,
+)
+from potluck.net.identity import Identity
 
 
 def wire(frame: Frame) -> bytes:
@@ -107,3 +120,20 @@ def test_one_at_a_time_lets_the_caller_raise_the_limit_between_frames():
     assert second.body == b"y" * 20_000
     with pytest.raises(MessageTooLarge):
         FrameDecoder(4096).feed(big)
+
+
+def test_a_hello_keeps_its_keys_and_sends_no_more_addresses_than_a_receiver_reads():
+    me = Identity.generate().peer_id
+    hello = Hello(me, (Multiaddr.parse("/ip4/10.0.0.1/tcp/1"),), False, 2**20, True, None)
+    meta = hello.to_wire()
+    assert meta == {"id": me.to_bytes(), "addrs": ["/ip4/10.0.0.1/tcp/1"], "client": False, "max_frame": 2**20,
+                    "bulk": True, "token": None}
+    assert Hello.from_wire(meta) == hello
+    for change, key in [({"max_frame": MIN_MAX_FRAME_SIZE - 1}, "'max_frame'"), ({"bulk": None}, "'bulk'"),
+                        ({"id": str(me)}, "'id'"), ({"token": "text"}, "'token'")]:
+        with pytest.raises(MalformedMessage) as caught:
+            Hello.from_wire({**meta, **change})
+        assert caught.value.field.startswith(key)
+    many = tuple(Multiaddr.parse(f"/ip4/10.0.0.{i}/tcp/1") for i in range(MAX_ADDRESSES_PER_PEER + 3))
+    sent = Hello(me, many, False, 2**20, False, b"token").to_wire()
+    assert Hello.from_wire(sent).addresses == many[:MAX_ADDRESSES_PER_PEER]

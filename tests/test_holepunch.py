@@ -265,18 +265,18 @@ def test_remembered_punch_failures_are_capped_and_forgotten_once_long_over() -> 
         puncher = EmulatedNetwork().transport().puncher
         peers = [Identity.generate().peer_id for _ in range(MAX_REMEMBERED_FAILURES + 1)]
         for peer in peers:
-            puncher._failed(peer)
+            puncher._failed(peer, set())
         assert len(puncher._failures) == MAX_REMEMBERED_FAILURES and peers[0] not in puncher._failures
         assert "failed in a row" in (puncher._refusal(peers[-1]) or "")
         for _ in range(10):  # failing again and again: the backoff doubles up to its cap
             await asyncio.sleep(MAX_PUNCH_BACKOFF_SECONDS)
-            puncher._failed(peers[1])
+            puncher._failed(peers[1], set())
         loop = asyncio.get_running_loop()
         assert puncher._failures[peers[1]] == (11, loop.time() + MAX_PUNCH_BACKOFF_SECONDS)
         assert list(puncher._failures) == [peers[1]]  # the others' backoffs are long over: forgotten
         await asyncio.sleep(2 * MAX_PUNCH_BACKOFF_SECONDS)
         assert puncher._refusal(peers[1]) is None
-        puncher._failed(peers[1])  # long past its backoff: starts over
+        puncher._failed(peers[1], set())  # long past its backoff: starts over
         assert puncher._failures[peers[1]] == (1, loop.time() + PUNCH_BACKOFF_SECONDS)
 
     run_virtual(main())

@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
-from potluck.averaging.allreduce import POOL_GRANULE, AllReduceRun, AllReduceService, BufferPool
+from potluck.averaging.allreduce import AllReduceRun, AllReduceService, BufferPool
+from potluck.averaging.allreduce.buffers import POOL_GRANULE
 from potluck.averaging.matchmaking import Matchmaker
 from potluck.core.errors import AveragingError, PeerUnreachable
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
 from tests.conftest import LOOP_KINDS
@@ -128,10 +130,10 @@ async def watch_run(service: AllReduceService, gid: bytes) -> weakref.ref:
 
 async def rounds_leave_nothing(services, transports, crash=(), net=None, size=50_000) -> None:
     n = len(transports)
-    modes = ["node"] * n
+    roles = ["node"] * n
     for r in range(ROUNDS):
         gid = b"round%d" % r
-        group = make_group(transports, modes, size, gid=gid)
+        group = make_group(transports, roles, size, gid=gid)
         vectors = [torch.randn(size) for _ in range(n)]
         weights = [1.0 + i / n for i in range(n)]  # within 2x of each other: no weight is bounded
         survivors = [i for i in range(n) if i not in crash]
@@ -294,7 +296,7 @@ def test_matchmaking_formed_or_failed_leaves_no_cyclic_garbage_nor_gatherings():
     """Groups formed, and a gathering that fails (too few peers): nothing stays behind."""
     async def main():
         net, peers = await make_swarm(3)
-        makers = [Matchmaker(p.transport, p.dht, "life", "schema", 1000, min_group_size=2) for p in peers]
+        makers = [Matchmaker(p.transport, p.dht, RunNames("life").averager("tensors"), "schema", 1000, min_group_size=2) for p in peers]
         with gc_saving_garbage():
             for r in range(ROUNDS):
                 formed = await asyncio.gather(*(m.form_group(f"k{r}", 1.0, (1e6, 1e6)) for m in makers))

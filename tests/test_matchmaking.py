@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
-from potluck.averaging.allreduce import MAX_REASON_CHARS, Group
+from potluck.averaging.allreduce import Group
+from potluck.averaging.allreduce.group import MAX_GROUP_SIZE
+from potluck.averaging.allreduce.messages import MAX_REASON_CHARS
 from potluck.averaging.matchmaking import (
-    MAX_GROUP_SIZE,
+    JOIN_REPLY,
     MAX_METADATA_BYTES,
     MAX_SCHEMA_CHARS,
-    METHOD_JOIN,
     Declaration,
     FormedGroup,
     JoinAccepted,
@@ -24,9 +25,9 @@ from potluck.averaging.matchmaking import (
     JoinMoved,
     JoinRefused,
     JoinRequest,
-    parse_join_reply,
 )
 from potluck.core.errors import MalformedMessage, RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import own_subkey
 from potluck.net.identity import PeerID
@@ -45,12 +46,12 @@ def refuses(parse: Any, wire: Any, field: str) -> None:
 
 
 def test_join_request_refuses_malformed_fields_by_name():
-    good = JoinRequest("run.grads/epoch3.0/all", "schema", "node", 1e8, 5e7, {"samples": 3}, again=0.5)
+    good = JoinRequest("run.grads/epoch3.0/all", "schema", "node", (1e8, 5e7), {"samples": 3}, again=0.5)
     assert JoinRequest.from_wire(good.to_wire()) == good
     refuses(JoinRequest.from_wire, ["key"], "not a map")
     for key, value, field in (("key", 7, "'key'"), ("key", "k" * 513, "'key'"), ("schema", None, "'schema'"),
                               ("schema", "s" * (MAX_SCHEMA_CHARS + 1), "'schema'"),
-                              ("mode", "boss", "'mode'"), ("bw", [1.0], "'bw'"), ("bw", [1.0, float("inf")], "'bw'"),
+                              ("role", "boss", "'role'"), ("bw", [1.0], "'bw'"), ("bw", [1.0, float("inf")], "'bw'"),
                               ("bw", [0, 1.0], "'bw'"), ("bw", "fast", "'bw'"), ("again", -1, "'again'"),
                               ("again", True, "'again'"), ("meta", "x" * (MAX_METADATA_BYTES + 1), "'meta'")):
         refuses(JoinRequest.from_wire, {**good.to_wire(), key: value}, field)
@@ -73,34 +74,38 @@ def a_group(total: int = 100) -> tuple[FormedGroup, PeerID]:
 
 def test_group_announcement_refuses_malformed_fields_by_name():
     good, me = a_group()
-    assert FormedGroup.from_wire(good.to_wire(), me, 100) == good
+    assert FormedGroup.from_wire(good.to_wire(), me=me, total=100) == good
     wire = good.to_wire()
-    refuses(lambda w: FormedGroup.from_wire(w, me, 100), [wire], "not a map")
-    refuses(lambda w: FormedGroup.from_wire(w, peer_ids(1)[0], 100), wire, "'peers'")  # not a member
-    refuses(lambda w: FormedGroup.from_wire(w, me, 99), wire, "'parts'")  # other tensors than ours
-    peers = wire["peers"]
-    for key, value, field in (
+    parse = lambda w: FormedGroup.from_wire(w, me=me, total=100)  # noqa: E731
+    refuses(parse, [wire], "not a map")
+    refuses(lambda w: FormedGroup.from_wire(w, me=peer_ids(1)[0], total=100), wire, "'g': 'peers'")  # not a member
+    refuses(lambda w: FormedGroup.from_wire(w, me=me, total=99), wire, "'g': 'parts'")  # other tensors than ours
+    peers = wire["g"]["peers"]
+    for key, value, field in (  # the group's own fields
             ("id", "group", "'id'"), ("id", b"g" * 65, "'id'"),
             ("peers", None, "'peers'"), ("peers", [*peers[:2], b"short"], "'peers'"),
             ("peers", [peers[0], me.to_bytes(), peers[0]], "'peers'"),
             ("peers", [me.to_bytes()] + [os.urandom(32) for _ in range(MAX_GROUP_SIZE)], "'peers'"),
-            ("modes", ["node", "client"], "'modes'"), ("modes", ["node", "client", "boss"], "'modes'"),
+            ("roles", ["node", "client"], "'roles'"), ("roles", ["node", "client", "boss"], "'roles'"),
             ("parts", [60, 0], "'parts'"), ("parts", [60, 0, 30], "'parts'"), ("parts", [110, 0, -10], "'parts'"),
-            ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'"),  # a client cannot reduce
+            ("parts", [60, True, 39], "'parts'"), ("parts", [50, 10, 40], "'parts'")):  # a client cannot reduce
+        refuses(parse, {**wire, "g": {**wire["g"], key: value}}, f"'g': {field}")
+    for key, value, field in (
             ("meta", [None, None], "'meta'"), ("meta", [None, None, "x" * (MAX_METADATA_BYTES + 1)], "'meta'"),
             ("bw", [[1e6, 1e6]] * 2, "'bw'"), ("bw", [[1e6, 1e6], [1e6], [1e6, 1e6]], "'bw'"),
             ("bw", [[1e6, 1e6], [1e6, -1.0], [1e6, 1e6]], "'bw'")):
-        refuses(lambda w: FormedGroup.from_wire(w, me, 100), {**wire, key: value}, field)
+        refuses(parse, {**wire, key: value}, field)
 
 
 def test_join_reply_refuses_malformed_fields_by_name():
     formed, me = a_group()
     for reply in (JoinAccepted(formed), JoinFailed("only 1 peer(s) gathered"), JoinMoved(formed.group.peers[1]),
-                  JoinRefused("group is full or already formed", tuple(formed.group.peers)), JoinRefused("no")):
-        assert parse_join_reply(reply.to_wire(), me, 100) == reply
-    parse = lambda w: parse_join_reply(w, me, 100)  # noqa: E731
+                  JoinRefused("group is full or already formed", tuple(formed.group.peers)), JoinRefused("no", ())):
+        assert JOIN_REPLY.from_wire(reply.to_wire(), me=me, total=100) == reply
+    parse = lambda w: JOIN_REPLY.from_wire(w, me=me, total=100)  # noqa: E731
     refuses(parse, None, "not a map")
-    refuses(parse, {"group": {**formed.to_wire(), "id": None}}, "'id'")  # the group's own checks
+    wire = formed.to_wire()
+    refuses(parse, {"group": {**wire, "g": {**wire["g"], "id": None}}}, "'group': 'g': 'id'")  # the group's own checks
     refuses(parse, {"failed": 7}, "'failed'")
     refuses(parse, {"failed": "x" * (MAX_REASON_CHARS + 1)}, "'failed'")
     refuses(parse, {"moved": "someone"}, "'moved'")
@@ -120,11 +125,11 @@ def test_malformed_join_requests_get_a_clear_error_and_the_leader_still_forms_it
         steps = asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         await asyncio.sleep(0.3)  # the gathering is open now
         errors = []
-        for garbage in ("join me", {"key": "all", "schema": avgs[0].schema, "mode": "node", "bw": [1e8]},
-                        {**JoinRequest("all", avgs[0].schema, "node", 1e8, 1e8).to_wire(), "meta": "x" * 10**6}):
+        for garbage in ("join me", {"key": "all", "schema": avgs[0].schema, "role": "node", "bw": [1e8]},
+                        {**JoinRequest("all", avgs[0].schema, "node", (1e8, 1e8)).to_wire(), "meta": "x" * 10**6}):
             for p in peers[:3]:
                 with pytest.raises(RemoteError) as caught:
-                    await rogue.call(p.transport.peer_id, f"{METHOD_JOIN}.garbled", garbage, timeout=5)
+                    await rogue.call(p.transport.peer_id, RunNames("garbled").averager("tensors").join, garbage, timeout=5)
                 errors.append(str(caught.value))
         assert all("MalformedMessage" in e and "malformed join request" in e for e in errors)
         assert any("'bw'" in e for e in errors) and any("'meta'" in e for e in errors)
@@ -144,7 +149,7 @@ def test_a_malformed_declaration_in_the_dht_is_ignored():
         avgs = [Averager(p, [torch.full((8,), float(i))], "declared", matchmaking_time=1.0)
                 for i, p in enumerate(peers[:3])]
         bogus = {"schema": ["not a schema"] * 100}
-        assert await rogue.dht.astore("declared.match.all", bogus, rogue.dht.get_time() + 0.5,
+        assert await rogue.dht.astore(RunNames("declared").averager("tensors").declarations("all"), bogus, rogue.dht.get_time() + 0.5,
                                       subkey=own_subkey(rogue.transport.peer_id))
         results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         assert [r.group_size for r in results] == [3, 3, 3]
@@ -164,8 +169,8 @@ async def three_peers_and_a_hostile_leader(run_id: str, answer: Any) -> tuple[li
         asked.append(ctx.peer_id)
         return answer(ctx)
 
-    rogue.transport.add_handler(f"{METHOD_JOIN}.{run_id}", hostile)
-    assert await rogue.dht.astore(f"{run_id}.match.all", Declaration(avgs[0].schema).to_wire(),
+    rogue.transport.add_handler(RunNames(run_id).averager("tensors").join, hostile)
+    assert await rogue.dht.astore(RunNames(run_id).averager("tensors").declarations("all"), Declaration(avgs[0].schema).to_wire(),
                                   rogue.dht.get_time() + 0.9, subkey=own_subkey(rogue.transport.peer_id))
     return avgs, rogue, asked
 
@@ -175,12 +180,12 @@ def test_peers_skip_a_leader_that_answers_with_a_malformed_group(caplog):
     """A hostile peer declares itself first and answers every join with a broken group: each
     follower logs what was wrong, tries the next leader, and the honest peers still group."""
     async def main():
-        avgs, rogue, asked = await three_peers_and_a_hostile_leader("hostile", lambda ctx: {"group": {"id": "not bytes"}})
+        avgs, rogue, asked = await three_peers_and_a_hostile_leader("hostile", lambda ctx: {"group": {"g": {"id": "not bytes"}}})
         with caplog.at_level("WARNING", logger="potluck.averaging.matchmaking"):
             results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs))
         assert [r.group_size for r in results] == [3, 3, 3]
         assert asked, "nobody asked the hostile leader, so the test proves nothing"
-        assert any("malformed group: 'id'" in r.getMessage() for r in caplog.records)
+        assert any("malformed join reply: 'group': 'g': 'id'" in r.getMessage() for r in caplog.records)
     run_virtual(main())
 
 
@@ -251,14 +256,14 @@ def test_followers_handed_over_to_a_peer_that_refuses_them_regroup_without_it():
 
         async def refuse(request: Any, ctx: Any) -> dict:
             asked.append(ctx.peer_id)
-            return JoinRefused("not today").to_wire()
+            return JoinRefused("not today", ()).to_wire()
 
-        rogue.transport.add_handler(f"{METHOD_JOIN}.refusing", refuse)
+        rogue.transport.add_handler(RunNames("refusing").averager("tensors").join, refuse)
         expires = rogue.dht.get_time() + 0.9  # before every honest peer's window ends: it would lead
 
         async def declare_late() -> None:
             await asyncio.sleep(0.3)  # after the honest peers have grouped up
-            assert await rogue.dht.astore("refusing.match.all", Declaration(avgs[0].schema).to_wire(), expires,
+            assert await rogue.dht.astore(RunNames("refusing").averager("tensors").declarations("all"), Declaration(avgs[0].schema).to_wire(), expires,
                                           subkey=own_subkey(rogue.transport.peer_id))
 
         async def start(i: int) -> Any:

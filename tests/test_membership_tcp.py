@@ -6,6 +6,8 @@ Time is an injected clock (`Clock`), never sleeps: tokens expire when a test mov
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from potluck.core import compat
@@ -229,7 +231,7 @@ def test_the_configured_authority_address_is_dialed_and_checked(arun):
 
 
 @pytest.mark.timeout(60)
-def test_password_guessing_is_rate_limited_per_peer(arun):
+def test_password_guessing_is_rate_limited_per_name_and_origin(arun):
     async def main():
         clock = Clock()
         policy = Policy()
@@ -241,7 +243,7 @@ def test_password_guessing_is_rate_limited_per_peer(arun):
                 with pytest.raises(MembershipError, match="wrong user name or password"):
                     await guesser.fetch()
             guesser.credential = guesser.credential.__class__("password", "bob", "hunter22")
-            with pytest.raises(MembershipError, match="too many credential attempts"):
+            with pytest.raises(MembershipError, match="too many password attempts for this user name from 127.0.0.0/24"):
                 await guesser.fetch()
             clock.now += 61
             assert (await guesser.fetch()).name == "bob"
@@ -336,4 +338,46 @@ def test_an_authority_that_goes_down_does_not_stop_members_with_valid_tokens(aru
         finally:
             await a.transport.close()
             await b.transport.close()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_second_login_of_a_name_replaces_the_first_and_the_first_is_told_what_to_do(arun):
+    from potluck.membership import IdentityReplaced
+
+    async def main():
+        clock = Clock()
+        policy = Policy()
+        policy.add_user("bob", "hunter22")
+        auth_t, authority = await authority_with(policy, clock)
+        first, second = [await client_of(auth_t, clock, "password:bob:hunter22") for _ in range(2)]
+        try:
+            await first.fetch()
+            clock.now += 10
+            await second.fetch()  # bob's new machine: at most 1 live identity, so it replaces `first`
+            assert authority.gate.revocations.is_revoked(first.transport.peer_id)
+            assert not auth_t.is_connected(first.transport.peer_id)  # cut off at the authority at once
+            async with compat.timeout(10):
+                while first.transport.is_connected(auth_t.peer_id):  # until `first` sees the close
+                    await asyncio.sleep(0.01)
+            with pytest.raises(IdentityReplaced) as info:
+                await first.renew()
+            assert "\n" not in str(info.value)
+            assert "replaced by a newer login of 'bob'" in str(info.value) and "stop this peer" in str(info.value)
+            assert second.gate.update_revocations(authority.gate.revocations)  # as members read it from the DHT
+            with pytest.raises(MembershipRefused, match="was revoked"):
+                await first.transport.connect(second.transport.addresses[0], timeout=5)
+            # its owner may still take the place back on purpose, with the password
+            first.replaced = None
+            clock.now += 10
+            await first.fetch()
+            assert not authority.gate.revocations.is_revoked(first.transport.peer_id)
+            assert authority.gate.revocations.is_revoked(second.transport.peer_id)
+            assert await first.transport.call(auth_t.peer_id, "secret", 1, timeout=5) == 1
+            with pytest.raises(IdentityReplaced):
+                await second.renew()
+        finally:
+            for c in (first, second):
+                await c.transport.close()
+            await auth_t.close()
     arun(main())

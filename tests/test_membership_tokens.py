@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from potluck.core.errors import MalformedMessage, MembershipError, MembershipRefused
-from potluck.membership.authority import AttemptLimiter, TokenRequest
+from potluck.membership.authority import TokenRequest
 from potluck.membership.policy import Credential, Policy, PolicyError
 from potluck.net.identity import Identity
 from potluck.net.membership import (
@@ -102,7 +102,7 @@ def revocation_wire(**changes) -> bytes:
     (revocation_wire(revoked=b"x"), "'revoked'"),
     (revocation_wire(revoked=[b"x" * 31]), "'revoked'"),
     (revocation_wire(revoked=[MEMBER.peer_id.to_bytes()] * 2), "without repeats"),
-    (revocation_wire(revoked=[b"\1" * 32] * (MAX_REVOKED_PEERS + 1)), "not msgpack"),
+    (revocation_wire(revoked=[b"\1" * 32] * (MAX_REVOKED_PEERS + 1)), "'revoked'"),
     (revocation_wire(exp="soon"), "'exp'"),
 ])
 def test_malformed_revocation_fields_are_named(data, field):
@@ -184,7 +184,7 @@ def test_credential_strings():
 @pytest.mark.parametrize("request_obj, field", [
     ({}, "exactly one"),
     ({"cred": {}, "renew": b""}, "exactly one"),
-    ({"cred": {"kind": "root", "name": "", "secret": ""}}, "cred.kind"),
+    ({"cred": {"kind": "root", "name": "", "secret": ""}}, "'cred': 'kind'"),
     ({"cred": {"kind": "password", "name": "x" * 65, "secret": ""}}, "'cred': 'name'"),
     ({"cred": {"kind": "password", "name": "a", "secret": "s" * 257}}, "'cred': 'secret'"),
     ({"renew": "text"}, "'renew'"),
@@ -192,22 +192,6 @@ def test_credential_strings():
 def test_malformed_token_requests_are_named(request_obj, field):
     with pytest.raises(MalformedMessage, match=field):
         TokenRequest.from_wire(request_obj)
-
-
-def test_attempt_limiter_per_peer_and_total():
-    now = [0.0]
-    limiter = AttemptLimiter(lambda: now[0])
-    peer = MEMBER.peer_id
-    for _ in range(5):
-        limiter.attempt(peer)
-    with pytest.raises(MembershipError, match="too many credential attempts from this peer"):
-        limiter.attempt(peer)
-    now[0] += 61
-    limiter.attempt(peer)
-    for _ in range(119):
-        limiter.attempt(Identity.generate().peer_id)
-    with pytest.raises(MembershipError, match="too many credential attempts; retry"):
-        limiter.attempt(Identity.generate().peer_id)
 
 
 def _record(owner: Identity, token: MembershipToken | None, key: str = "progress"):

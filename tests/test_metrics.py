@@ -87,13 +87,13 @@ def test_averaging_rounds_and_failures_are_counted_per_peer() -> None:
             await lonely.astep()
         for p in peers[:3]:
             metrics = peer_metrics(p.transport)
-            assert metrics.round_seconds.count(run="job") == 1
-            assert parse(metrics.registry.exposition())['potluck_averaging_group_size_sum{run="job"}'] == 3
+            assert metrics.round_seconds.count(run="job", averager="tensors") == 1
+            assert parse(metrics.registry.exposition())['potluck_averaging_group_size_sum{run="job",averager="tensors"}'] == 3
         # Each peer keeps its own numbers: only the lonely one failed, in matchmaking.
         failed = peer_metrics(peers[3].transport)
-        assert failed.round_failures.value(run="alone", kind="matchmaking") == 1
-        assert failed.round_seconds.count(run="alone") == 0
-        assert peer_metrics(peers[0].transport).round_failures.value(run="alone", kind="matchmaking") == 0
+        assert failed.round_failures.value(run="alone", averager="tensors", kind="matchmaking") == 1
+        assert failed.round_seconds.count(run="alone", averager="tensors") == 0
+        assert peer_metrics(peers[0].transport).round_failures.value(run="alone", averager="tensors", kind="matchmaking") == 0
         # The DHT's requests were timed too (joining the swarm is a few finds).
         assert peer_metrics(peers[1].transport).dht_seconds.count(method="find") > 0
     run_virtual(main())

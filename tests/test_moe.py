@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import potluck
+from potluck.cli.expert_server import resumed_line
 from potluck.core.errors import MalformedMessage, RemoteError
 from potluck.core.virtual_time import run_virtual
 from potluck.moe import (
@@ -187,6 +188,8 @@ def test_a_restarted_server_resumes_its_experts_from_checkpoints(peers, tmp_path
     adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
     uids = ["ffn.0.0", "ffn.0.1"]
     server = grid_server(server_peer, uids, optimizer=adam, checkpoint_dir=tmp_path)
+    assert server.resumed == {}
+    assert resumed_line(server.resumed, 2, "d") == "no checkpoints in d: every expert starts from its initial weights"
     fresh = {n: p.clone() for n, p in server.experts["ffn.0.1"].module.state_dict().items()}
     remote = RemoteExpert(client, "ffn.0.1")
     for _ in range(3):
@@ -197,6 +200,8 @@ def test_a_restarted_server_resumes_its_experts_from_checkpoints(peers, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ffn.0.0.ckpt", "ffn.0.1.ckpt"]
     with grid_server(server_peer, uids, optimizer=adam, checkpoint_dir=tmp_path) as restarted:
         hosted = restarted.experts["ffn.0.1"]
+        assert restarted.resumed == {"ffn.0.0": 0, "ffn.0.1": 3}  # what the restarted server says it loaded
+        assert resumed_line(restarted.resumed, 2, "d") == "resumed from d: ffn.0.0 (0 updates), ffn.0.1 (3 updates)"
         for name, tensor in hosted.module.state_dict().items():
             torch.testing.assert_close(tensor, trained[name])
         assert hosted.stats.updates == 3
@@ -333,12 +338,12 @@ def _scaling_expert(host, uid: str, scale: float, slow_forward: float = 0.0, slo
     shapes = {uid: SimpleNamespace(input_schema=(TensorSchema((HIDDEN,)),), output_schema=(TensorSchema((HIDDEN,)),))}
 
     async def forward(msg, ctx):
-        request = ForwardRequest.from_wire(msg, shapes, 64)
+        request = ForwardRequest.from_wire(msg, experts=shapes, max_rows=64)
         await asyncio.sleep(slow_forward)
         return ForwardReply((request.inputs[0] * scale,), kept=True).to_wire()
 
     async def backward(msg, ctx):
-        request = BackwardRequest.from_wire(msg, shapes, 64)
+        request = BackwardRequest.from_wire(msg, experts=shapes, max_rows=64)
         await asyncio.sleep(slow_backward)
         return BackwardReply((request.grads[0] * scale,)).to_wire()
     host.transport.add_handler(METHOD_FORWARD, forward)

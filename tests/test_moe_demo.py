@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(120)
 def test_moe_demo_learns_digits_with_a_server_killed_and_writes_its_report(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")

@@ -58,11 +58,11 @@ def refused(parse, wire, field: str, kind: type[Exception] = MalformedMessage) -
 
 
 def parse_forward(wire):
-    return ForwardRequest.from_wire(wire, EXPERTS, MAX_ROWS)
+    return ForwardRequest.from_wire(wire, experts=EXPERTS, max_rows=MAX_ROWS)
 
 
 def parse_backward(wire):
-    return BackwardRequest.from_wire(wire, EXPERTS, MAX_ROWS)
+    return BackwardRequest.from_wire(wire, experts=EXPERTS, max_rows=MAX_ROWS)
 
 
 @pytest.mark.timeout(10)
@@ -76,12 +76,12 @@ def test_every_message_round_trips_through_its_wire_form():
     kept = parse_backward(backward(inputs=None))
     assert kept.inputs is None
     assert parse_forward({k: v for k, v in forward().items() if k != "grad"}).needs_grad == (True, True)
-    assert InfoRequest.from_wire(InfoRequest(UID).to_wire(), EXPERTS) == InfoRequest(UID)
+    assert InfoRequest.from_wire(InfoRequest(UID).to_wire(), experts=EXPERTS) == InfoRequest(UID)
     out = (torch.randn(ROWS, 3),)
-    reply = ForwardReply.from_wire(ForwardReply(out, True).to_wire(), ROWS, UID)
+    reply = ForwardReply.from_wire(ForwardReply(out, True).to_wire(), rows=ROWS, uid=UID)
     assert reply.kept and reply.outputs[0] is out[0]  # parsed as sent: no copy
     x = inputs()
-    grads = BackwardReply.from_wire(BackwardReply((torch.ones(ROWS, 8), None)).to_wire(), x, UID).grads
+    grads = BackwardReply.from_wire(BackwardReply((torch.ones(ROWS, 8), None)).to_wire(), inputs=x, uid=UID).grads
     assert torch.equal(grads[0], torch.ones(ROWS, 8)) and grads[1] is None
     info = ExpertInfo(EXPERTS[UID].input_schema, EXPERTS[UID].output_schema, MAX_ROWS, 3)
     assert ExpertInfo.from_wire(info.to_wire()) == info
@@ -89,7 +89,7 @@ def test_every_message_round_trips_through_its_wire_form():
     parsed = ExpertCheckpoint.from_wire(checkpoint.to_wire())
     assert (parsed.uid, parsed.version, parsed.updates, parsed.optimizer) == (UID, 2, 5, checkpoint.optimizer)
     peer = Identity.generate().peer_id
-    assert ExpertLocation.from_wire(UID, ExpertLocation(UID, peer).to_wire()) == ExpertLocation(UID, peer)
+    assert ExpertLocation.from_wire(ExpertLocation(UID, peer).to_wire(), uid=UID) == ExpertLocation(UID, peer)
 
 
 @pytest.mark.timeout(10)
@@ -130,13 +130,13 @@ def test_malformed_requests_are_refused_naming_the_field_and_the_expert():
     refused(parse_backward, backward(inputs=[x[0].fill_(float("inf")), x[1]]), "'inputs'[0] has non-finite",
             BadExpertRequest)
     refused(parse_backward, backward(call="7"), "'call'", BadExpertRequest)
-    refused(lambda w: InfoRequest.from_wire(w, EXPERTS), {"uid": None}, "'uid'", BadExpertRequest)
+    refused(lambda w: InfoRequest.from_wire(w, experts=EXPERTS), {"uid": None}, "'uid'", BadExpertRequest)
 
 
 @pytest.mark.timeout(10)
 def test_malformed_replies_and_records_are_refused_naming_the_field():
     def parse_forward_reply(wire):
-        return ForwardReply.from_wire(wire, ROWS, UID)
+        return ForwardReply.from_wire(wire, rows=ROWS, uid=UID)
     good = ForwardReply((torch.randn(ROWS, 3),), False).to_wire()
     refused(parse_forward_reply, {**good, "kept": 1}, "'kept'")
     refused(parse_forward_reply, {**good, "outputs": []}, "'outputs' must hold at least one")
@@ -148,7 +148,7 @@ def test_malformed_replies_and_records_are_refused_naming_the_field():
     x = inputs()
 
     def parse_backward_reply(wire):
-        return BackwardReply.from_wire(wire, x, UID)
+        return BackwardReply.from_wire(wire, inputs=x, uid=UID)
     refused(parse_backward_reply, {"grads": [torch.zeros(0)]}, "'grads' must be a list of 2")
     refused(parse_backward_reply, {"grads": [torch.zeros(ROWS, 7), torch.zeros(0)]}, "'grads'[0] must be a tensor")
     refused(parse_backward_reply, {"grads": [torch.zeros(ROWS, 8, dtype=torch.float64), torch.zeros(0)]},
@@ -169,5 +169,5 @@ def test_malformed_replies_and_records_are_refused_naming_the_field():
     refused(ExpertCheckpoint.from_wire, {**checkpoint, "version": "1"}, "'version'")
 
     for value in ({"peer": "not a peer id"}, {}, "garbage", None):
-        refused(lambda v: ExpertLocation.from_wire(UID, v), value, "'peer'" if isinstance(value, dict) else "not a")
+        refused(lambda v: ExpertLocation.from_wire(v, uid=UID), value, "'peer'" if isinstance(value, dict) else "not a")
         assert read_location(UID, value) is None

@@ -275,8 +275,9 @@ def test_names_come_from_membership_tokens_that_admit_their_publisher() -> None:
     assert names == {str(alice): "alice"}  # bob showed alice's token, a stranger signed carol's, dave's is junk
 
 
-async def local_update_swarm(mode: str) -> dict:
-    """Three peers in `mode` (moshpit or diloco) for a few rounds, followed by a monitor."""
+async def local_update_swarm(mode: str, every_trainer_a_witness: bool) -> dict:
+    """Three peers in `mode` (moshpit or diloco) for a few rounds, followed by a monitor that joined
+    through the first of them (its witness), or that names every trainer a witness."""
     network = EmulatedNetwork(latency=0.01, seed=3)
     peers: list[potluck.Peer] = []
     published: list[tuple[str, RoundRecord]] = []
@@ -291,7 +292,8 @@ async def local_update_swarm(mode: str) -> dict:
         record_published(opt, published)
         optimizers.append(opt)
     ledger = Ledger(":memory:", RUN)
-    follower = Follower(monitor, RUN, ledger, poll_interval=POLL)
+    witnesses = [p.peer_id for p in trainers] if every_trainer_a_witness else None
+    follower = Follower(monitor, RUN, ledger, poll_interval=POLL, witnesses=witnesses)
     following = asyncio.ensure_future(follower.run())
     try:
         for opt in optimizers:
@@ -299,14 +301,22 @@ async def local_update_swarm(mode: str) -> dict:
         await asyncio.wait_for(asyncio.gather(*(train_on_noise(o, i, 4) for i, o in enumerate(optimizers))), 120)
         await asyncio.sleep(2 * POLL)
         await follower.poll()
-        return {"published": published, "credits": _credits(ledger)}
+        return {"published": published, "credits": _credits(ledger), "witness": trainers[0].peer_id}
     finally:
         await stop_monitored(following, follower, ledger, optimizers, peers)
 
 
 @pytest.mark.parametrize("mode", ["moshpit", "diloco"])
-def test_local_update_modes_credit_the_samples_of_their_rounds_too(mode: str) -> None:
-    run = run_on_shared_runner(local_update_swarm(mode), timeout=300)
+@pytest.mark.parametrize("every_trainer_a_witness", [False, True])
+def test_local_update_modes_credit_the_samples_of_the_rounds_a_witness_averaged_in(
+        mode: str, every_trainer_a_witness: bool) -> None:
+    """Only rounds a witness recorded are credited (docs/security.md): all of them in DiLoCo, whose
+    rounds take everyone; in moshpit's small groups, the witness's own, unless the monitor names
+    more witnesses (here: every trainer, as an operator of all three machines would)."""
+    run = run_on_shared_runner(local_update_swarm(mode, every_trainer_a_witness), timeout=300)
     together = [(p, r) for p, r in run["published"] if len(r.samples) >= 2]  # averaged with someone
-    assert together and run["credits"] == truth(together)
+    witnessed = [(p, r) for p, r in together if every_trainer_a_witness or run["witness"] in dict(r.samples)]
+    assert witnessed and run["credits"] == truth(witnessed)
+    if mode == "diloco" or every_trainer_a_witness:
+        assert witnessed == together
     assert all(n % (4 * BATCH) == 0 for n in run["credits"].values())  # local_steps batches each round

@@ -19,6 +19,7 @@ import potluck
 from potluck.averaging.state_transfer import StateServer, download_state
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import ConnectionLost
+from potluck.core.names import RunNames
 from potluck.moe import ExpertServer
 from potluck.moe.expert import aforward, alocate
 from potluck.moe.experts import make_expert
@@ -31,6 +32,8 @@ from tests.emulated_swarm import run_on_shared_runner
 
 T = TypeVar("T")
 BATCH = 8
+# The averager whose state the NATed donor serves.
+STATE = RunNames("nat").averager("state")
 
 
 async def public_peers(network: EmulatedNetwork, n: int, relays: int) -> list[potluck.Peer]:
@@ -156,7 +159,7 @@ def test_a_relay_dies_mid_transfer_and_the_transfer_resumes_through_another():
         crashed = None
         try:
             donor.transport.add_stream_handler("numbered", numbered)
-            assert len(donor.transport.relay_reservations) == 2 and donor.transport.reachability == "relayed"
+            assert len(donor.transport.circuits.reservations) == 2 and donor.transport.reachability == "relayed"
             via = donor.transport.addresses[0]
             await reader.transport.connect(via)  # the shared connection runs through this relay
             n, got, resumed = 60, [], 0  # 60 x 64 KiB at 2 MB/s: about 2 s
@@ -174,11 +177,12 @@ def test_a_relay_dies_mid_transfer_and_the_transfer_resumes_through_another():
             assert got == [i % 256 for i in range(n)] and resumed == 1
             assert all(c.relayed for c in reader.transport.open_connections() if c.peer_id == donor.transport.peer_id)
             # The donor noticed the death and holds a reservation on the third relay instead.
+            reservations = donor.transport.circuits.reservations
             for _ in range(100):
-                if crashed not in donor.transport.relay_reservations and len(donor.transport.relay_reservations) == 2:
+                if crashed not in reservations and len(reservations) == 2:
                     break
                 await asyncio.sleep(0.1)
-            assert set(donor.transport.relay_reservations) == relays - {crashed}
+            assert set(reservations) == relays - {crashed}
             assert all(a.relay != crashed for a in donor.transport.addresses)
             # ... and republished its peer record with the new circuit addresses at once.
             await asyncio.sleep(1)
@@ -201,7 +205,7 @@ def test_a_state_download_from_a_natted_donor_resumes_through_another_relay_when
         peers.append(reader)
         generator = torch.Generator().manual_seed(0)
         state = [torch.randn(1024, 1024, generator=generator), torch.randn(77, generator=generator)]
-        StateServer(donor.transport, lambda: (3, {"epoch": 3}, state), "nat", chunk_bytes=256 * 2**10)
+        StateServer(donor.transport, lambda: (3, {"epoch": 3}, state), STATE, chunk_bytes=256 * 2**10)
         via = donor.transport.addresses[0]
         await reader.transport.connect(via)  # the first address the download dials: through this relay
         crashed: list[Any] = []
@@ -211,7 +215,7 @@ def test_a_state_download_from_a_natted_donor_resumes_through_another_relay_when
                 crashed.append(via.relay)
                 network.crash(via.relay)
         try:
-            version, metadata, tensors = await download_state(reader.transport, [donor.transport.peer_id], "nat",
+            version, metadata, tensors = await download_state(reader.transport, [donor.transport.peer_id], STATE,
                                                               timeout=30, progress=progress)
             assert crashed and version == 3 and metadata == {"epoch": 3}
             assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
@@ -244,7 +248,7 @@ def test_a_peer_whose_only_initial_peer_cannot_dial_it_is_relayed_and_re_checks_
             assert home.transport.reachability == "public", home.reachability_summary
             assert home.reachability_summary.startswith("Publicly reachable")
             assert home.transport.addresses == home.transport.listen_addresses
-            assert not home.transport.relay_reservations  # released: others dial it directly
+            assert not home.transport.circuits.reservations  # released: others dial it directly
             # A newcomer finds its (republished) record and dials it directly.
             newcomer = await potluck.Peer.create(peers[0].addresses, transport=network.transport(),
                                                  clock=event_loop_clock())
@@ -256,7 +260,7 @@ def test_a_peer_whose_only_initial_peer_cannot_dial_it_is_relayed_and_re_checks_
             home.transport.nat = "eim"  # the forward is gone again: the next check finds it private
             await asyncio.sleep(RECHECK_INTERVAL + DIALBACK_CALL_TIMEOUT + FIRST_RELAY_TIMEOUT)
             assert home.transport.reachability == "relayed", home.reachability_summary
-            assert all(a.is_circuit for a in home.transport.addresses) and home.transport.relay_reservations
+            assert all(a.is_circuit for a in home.transport.addresses) and home.transport.circuits.reservations
             assert "reachable through relay" in home.reachability_summary
         finally:
             await shutdown(peers)

@@ -58,9 +58,8 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
         opt.state_averager.astep = recording
     for opt, record in zip(optimizers, per_epoch, strict=True):
         await opt.astart()
-        advance = opt._advance_epoch
-        opt._advance_epoch = lambda opt=opt, record=record, advance=advance: (advance(),
-                                                                              record.append(opt.epoch_samples))
+        opt.register_epoch_hook(lambda event, record=record: record.append(event.samples)
+                                if event.how == "update" else None)
     start = loop.time()
     finished: list[float] = []
 

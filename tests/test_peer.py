@@ -123,22 +123,32 @@ def _potluck(*args: str, **kwargs) -> subprocess.Popen:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_potluck_peer_prints_addresses_and_exits_cleanly(sig):
-    first = _potluck("peer", "--host", "127.0.0.1", "--relay")
-    assert first.stdout.readline().startswith("peer id: ")
-    assert "join with" in first.stdout.readline()
-    address = first.stdout.readline().split("--initial-peers")[1].strip()
-    assert first.stdout.readline().startswith("No initial peers to check reachability with")
-    assert first.stdout.readline().startswith("relaying for peers behind NAT")
-    second = _potluck("peer", "--host", "127.0.0.1", "--initial-peers", address)
-    assert second.stdout.readline().startswith("peer id: ")
-    assert "join with" in second.stdout.readline() and "--initial-peers" in second.stdout.readline()
-    assert second.stdout.readline().startswith("Publicly reachable: 1 of 1 peers asked connected back")
-    for proc in (second, first):
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=20)
-        assert proc.returncode == 0, err
-        assert "stopped" in out
-        assert "Traceback" not in err
+    procs = [_potluck("peer", "--host", "127.0.0.1", "--relay")]
+    try:
+        first = procs[0]
+        assert first.stdout.readline().startswith("peer id: ")
+        assert "join with" in first.stdout.readline()
+        address = first.stdout.readline().split("--initial-peers")[1].strip()
+        assert first.stdout.readline().startswith("No initial peers to check reachability with")
+        assert first.stdout.readline().startswith("relaying for peers behind NAT")
+        second = _potluck("peer", "--host", "127.0.0.1", "--initial-peers", address)
+        procs.insert(0, second)
+        assert second.stdout.readline().startswith("peer id: ")
+        assert "join with" in second.stdout.readline()
+        joins = second.stdout.readline().split("--initial-peers")[1].strip()
+        # the public address: the one the first peer dialed back
+        assert second.stdout.readline().strip() == f"Publicly reachable at {joins}: 1 of 1 peers asked connected back."
+        for proc in procs:
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=20)
+            assert proc.returncode == 0, err
+            assert "stopped" in out
+            assert "Traceback" not in err
+    finally:
+        for proc in procs:  # a failed check leaves no peer running
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.mark.timeout(60)

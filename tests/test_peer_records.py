@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import potluck
-from potluck.core.errors import PeerUnreachable
+from potluck.core.errors import MalformedMessage, PeerUnreachable
 from potluck.core.serialization import dumps
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import DHT, DHTConfig, ExpirationTooFar, NotOwner, RecordRejected, event_loop_clock, protocol
@@ -24,7 +24,7 @@ from potluck.net.address import Multiaddr
 from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
-from potluck.net.peer_record import PeerRecord, PeerRecordError
+from potluck.net.peer_record import PeerRecord
 from potluck.net.transport import RESOLVE_RETRY_SECONDS, RESOLVE_TIMEOUT
 from tests.emulated_swarm import SimPeer, add_peer, make_swarm
 
@@ -40,26 +40,29 @@ def test_a_signed_record_round_trips_and_any_change_breaks_its_signature():
     me = Identity.generate()
     record = PeerRecord.sign(me, [f"{ADDR}/p2p/{me.peer_id}", "/emu/7"], 1000.0)
     assert [str(a) for a in record.addresses] == [ADDR, "/emu/7"]
-    assert PeerRecord.from_value(record.to_value()) == record
+    assert PeerRecord.from_wire(record.to_wire()) == record
     for field, value in (("addrs", ["/ip4/203.0.113.9/tcp/1"]), ("exp", 99999.0),
                          ("peer", Identity.generate().peer_id.to_bytes())):
-        tampered = dict(record.to_value(), **{field: value})
-        with pytest.raises(PeerRecordError, match="does not verify"):
-            PeerRecord.from_value(tampered)
+        tampered = dict(record.to_wire(), **{field: value})
+        with pytest.raises(MalformedMessage, match="does not verify"):
+            PeerRecord.from_wire(tampered)
 
 
 def test_a_record_signed_by_another_key_is_refused_at_parse_time():
     victim, stranger = Identity.generate(), Identity.generate()
-    forged = PeerRecord.sign(stranger, [ADDR], 1000.0).to_value()
+    forged = PeerRecord.sign(stranger, [ADDR], 1000.0).to_wire()
     forged["peer"] = victim.peer_id.to_bytes()  # claims the victim's id with the stranger's signature
-    with pytest.raises(PeerRecordError, match="forged, or signed by another key"):
-        PeerRecord.from_value(forged)
+    with pytest.raises(MalformedMessage, match="forged, or signed by another key"):
+        PeerRecord.from_wire(forged)
 
 
 @pytest.mark.parametrize(("value", "words"), [
     ({"peer": b"x", "addrs": [ADDR], "exp": 1.0, "sig": bytes(64)}, "'peer'"),
     ({"addrs": [ADDR], "exp": 1.0, "sig": bytes(64)}, "exactly"),
+    ({"peer": bytes(32), "addrs": [ADDR], "exp": 1.0, "sig": bytes(64), "note": "unsigned"}, "exactly"),
     ("text", "exactly"),
+    ({"peer": bytes(32), "addrs": [f"{ADDR}/p2p/{Identity.generate().peer_id}"], "exp": 1.0, "sig": bytes(64)},
+     "canonical"),
     ({"peer": bytes(32), "addrs": [ADDR] * 2, "exp": 1.0, "sig": bytes(64)}, "twice"),
     ({"peer": bytes(32), "addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(MAX_ADDRESSES_PER_PEER + 1)],
       "exp": 1.0, "sig": bytes(64)}, f"at most {MAX_ADDRESSES_PER_PEER}"),
@@ -69,8 +72,8 @@ def test_a_record_signed_by_another_key_is_refused_at_parse_time():
     ({"peer": bytes(32), "addrs": [ADDR], "exp": 1.0, "sig": b"short"}, "64 bytes"),
 ])
 def test_malformed_records_name_the_field_that_is_wrong(value, words):
-    with pytest.raises(PeerRecordError, match=words):
-        PeerRecord.from_value(value)
+    with pytest.raises(MalformedMessage, match=words):
+        PeerRecord.from_wire(value)
 
 
 def test_the_dht_refuses_forged_misplaced_or_long_lived_peer_records():
@@ -80,17 +83,17 @@ def test_the_dht_refuses_forged_misplaced_or_long_lived_peer_records():
     key = peer_record_key(victim.peer_id)
 
     def dht_record(signer: Identity, record: PeerRecord, key: str = key) -> Record:
-        return sign_record(Record(key, None, dumps(record.to_value()), record.expiration_time), signer)
+        return sign_record(Record(key, None, dumps(record.to_wire()), record.expiration_time), signer)
 
     good = PeerRecord.sign(victim, [ADDR], now + 60)
     check_record(dht_record(victim, good), Limits(), now, rules)
     with pytest.raises(NotOwner):  # the stranger cannot even write the victim's key
-        check_record(Record(key, None, dumps(good.to_value()), good.expiration_time,
+        check_record(Record(key, None, dumps(good.to_wire()), good.expiration_time,
                             stranger.sign(b"anything")), Limits(), now, rules)
     with pytest.raises(RecordRejected, match="not its owner's"):  # the victim's key, the stranger's record
         check_record(dht_record(victim, PeerRecord.sign(stranger, [ADDR], now + 60)), Limits(), now, rules)
     with pytest.raises(RecordRejected, match="must equal"):
-        check_record(sign_record(Record(key, None, dumps(good.to_value()), now + 30), victim), Limits(), now, rules)
+        check_record(sign_record(Record(key, None, dumps(good.to_wire()), now + 30), victim), Limits(), now, rules)
     with pytest.raises(ExpirationTooFar, match="peer records may live"):
         check_record(dht_record(victim, PeerRecord.sign(victim, [ADDR], now + 2 * MAX_PEER_RECORD_TTL)),
                      Limits(), now, rules)
@@ -101,16 +104,16 @@ def test_the_dht_refuses_forged_misplaced_or_long_lived_peer_records():
 def test_parsed_peer_records_are_remembered_by_their_bytes_and_forgeries_never():
     victim, stranger = Identity.generate(), Identity.generate()
     good = PeerRecord.sign(victim, [ADDR], 1000.0)
-    assert peer_record_from_bytes(dumps(good.to_value())) == good
-    assert peer_record_from_bytes(dumps(good.to_value())) == good  # remembered
-    forged = dict(good.to_value(), peer=stranger.peer_id.to_bytes())
-    moved = dict(good.to_value(), addrs=["/ip4/203.0.113.9/tcp/1"])
+    assert peer_record_from_bytes(dumps(good.to_wire())) == good
+    assert peer_record_from_bytes(dumps(good.to_wire())) == good  # remembered
+    forged = dict(good.to_wire(), peer=stranger.peer_id.to_bytes())
+    moved = dict(good.to_wire(), addrs=["/ip4/203.0.113.9/tcp/1"])
     for value in (forged, moved, forged):
         with pytest.raises(RecordRejected, match="does not verify"):
             peer_record_from_bytes(dumps(value))
     for i in range(PARSED_PEER_RECORDS + 10):  # bounded: the oldest are forgotten, and parse again
-        peer_record_from_bytes(dumps(PeerRecord.sign(victim, [ADDR], 2000.0 + i).to_value()))
-    assert peer_record_from_bytes(dumps(good.to_value())) == good
+        peer_record_from_bytes(dumps(PeerRecord.sign(victim, [ADDR], 2000.0 + i).to_wire()))
+    assert peer_record_from_bytes(dumps(good.to_wire())) == good
 
 
 # -- resolution on the emulated network --------------------------------------------------------------
@@ -282,10 +285,11 @@ def test_a_strangers_record_for_another_peer_is_refused_by_every_node():
         victim, node, stranger = peers
         key = peer_record_key(victim.transport.peer_id)
         fake = PeerRecord.sign(stranger.transport.identity, ["/emu/nowhere"], node.dht.get_time() + 60)
-        forged = Record(key, None, dumps(fake.to_value()), fake.expiration_time,
+        forged = Record(key, None, dumps(fake.to_wire()), fake.expiration_time,
                         stranger.transport.identity.sign(b"x" * 64))
-        answer = protocol.parse_store_response(await stranger.transport.call(
-            node.transport.peer_id, protocol.STORE, protocol.store_request([forged]), timeout=5), 1)
+        answer = protocol.read(protocol.StoreResponse, await stranger.transport.call(
+            node.transport.peer_id, protocol.STORE, protocol.write(protocol.StoreRequest([forged])), timeout=5),
+            n_records=1).results
         assert isinstance(answer[0], str) and "NotOwner" in answer[0]
         found = await stranger.dht.node.resolve_peer(victim.transport.peer_id, 5)
         assert found is not None and list(found[0].addresses) == [
@@ -330,13 +334,13 @@ def test_a_find_carries_only_its_callers_own_peer_record():
         net, peers = await make_swarm(3)
         victim, node, stranger = peers
         fake = PeerRecord.sign(stranger.transport.identity, ["/emu/nowhere"], node.dht.get_time() + 60)
-        wrong = sign_record(Record(peer_record_key(stranger.transport.peer_id), None, dumps(fake.to_value()),
+        wrong = sign_record(Record(peer_record_key(stranger.transport.peer_id), None, dumps(fake.to_wire()),
                                    fake.expiration_time), stranger.transport.identity)
         wrong = Record(peer_record_key(victim.transport.peer_id), None, wrong.value, wrong.expiration_time,
                        wrong.signature)  # the stranger's record, filed under the victim's key
-        answer = await stranger.transport.call(node.transport.peer_id, protocol.FIND, protocol.find_request(
-            [node.dht.node.node_id], False, own_record=wrong), timeout=5)
-        _, held = protocol.parse_find_response(answer, 1)
+        answer = await stranger.transport.call(node.transport.peer_id, protocol.FIND, protocol.write(
+            protocol.FindRequest([node.dht.node.node_id], False, False, own_record=wrong)), timeout=5)
+        held = protocol.read(protocol.FindResponse, answer, n_ids=1).held
         assert isinstance(held, str) and "only the caller's own peer record" in held
         found = await stranger.dht.node.resolve_peer(victim.transport.peer_id, 5, thorough=True)
         assert found is not None and list(found[0].addresses) == [

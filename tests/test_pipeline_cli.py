@@ -227,3 +227,41 @@ def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file_and_replans_f
     _wait(lambda: all(_trained_since(nodes, c, first, 10, None) for c in ("c0", "c1")), 60, nodes,
           "both clusters of version 2 to train")
 
+
+
+def wide_layers() -> list:
+    """tests.user_model:make_layers with twice the hidden units: a node started with the wrong --model."""
+    from torch import nn
+    hidden = 2 * user_model.HIDDEN
+    return [nn.Sequential(nn.Linear(user_model.FEATURES, hidden), nn.ReLU()),
+            nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()), nn.Linear(hidden, user_model.CLASSES)]
+
+
+# A node of another model must be told this soon after it joined the swarm (it prints its peer id).
+MISMATCH_DEADLINE = 10.0
+
+
+@pytest.mark.timeout(180)
+def test_a_node_of_another_model_stops_at_once_naming_the_tensor(swarm, tmp_path):
+    """Two nodes train the user's model; a third joins with a wider --model. Before, it waited for
+    profiles of its own kind (or, counted by the others, was planned in and handed layers it could
+    not hold); now it exits with one line naming the first tensor that differs, within
+    MISMATCH_DEADLINE of joining, and the run goes on without it."""
+    nodes = swarm(2, ["--run-id", "wrong", "--nodes", "2", *USER_MODEL])
+    _wait(lambda: _trained_since(nodes, "c0", -1, 5, None), 60, nodes, "the run to train")
+    wrong = Node(["--host", "127.0.0.1", "--flops", "1e6", "--memory", str(_memory_mib()), "--run-id", "wrong",
+                  "--nodes", "2", *USER_MODEL, "--model", "tests.test_pipeline_cli:wide_layers",
+                  "--initial-peers", nodes[0].find("address")["address"]], tmp_path / "wrong.log")
+    swarm.nodes.append(wrong)
+    _wait(lambda: wrong.find("peer_id") or wrong.proc.poll() is not None, 60, [wrong], "the node to join")
+    try:
+        code = wrong.proc.wait(MISMATCH_DEADLINE)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"not told within {MISMATCH_DEADLINE} s: {wrong.log.read_text()[-2000:]}") from None
+    errors = [line for line in wrong.log.read_text().splitlines() if line.startswith("potluck pipeline: error:")]
+    hidden = 2 * user_model.HIDDEN
+    assert code == 1 and len(errors) == 1, wrong.log.read_text()[-2000:]
+    assert (f"parameter 0 '0.0.weight': yours is float32 [{hidden}, {user_model.FEATURES}], the run's is "
+            f"float32 [{user_model.HIDDEN}, {user_model.FEATURES}]") in errors[0]
+    epoch = _epoch(nodes, "c0")
+    _wait(lambda: _trained_since(nodes, "c0", epoch - 1, 5, None), 60, nodes, "the run to train on")

@@ -206,3 +206,45 @@ def test_a_controller_steps_down_when_its_clusters_layout_is_newer_than_its_epoc
     old, newer, epoch = run_virtual(main())
     assert old._monitor is not None and old._monitor.done()  # closed, no longer pinging
     assert epoch > newer.epoch  # resumed from the newer layout, one epoch later
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_ends_takes_finished_nodes_for_finished_not_for_failures(caplog):
+    """Every node ends (`PipelineNode.end`, as `pipeline run --duration` does before its end), then
+    one stops: nobody recovers, re-plans or promotes the standby, and nothing is warned of."""
+    config = PipelineConfig("ending", staleness_bound=4, average_every=5, ring_timeout=20, message_timeout=5,
+                            emulate_compute=True)
+
+    async def main():
+        net, peers = await make_swarm(7, latency=0.002, bandwidth=None)
+        by_id = {str(p.transport.peer_id): p for p in peers}
+        ids = sorted(by_id)
+        plan = RunPlan(1, (tuple(ids[0:6:2]), tuple(ids[1:6:2])), (ids[6],))
+        nodes = {}
+        for peer_id in ids:
+            nodes[peer_id] = make_node(by_id[peer_id], config, plan, ids)
+            await nodes[peer_id].start()
+        workers = [nodes[p].worker for p in plan.clusters[0]]
+        await _until(lambda: all(w.route is not None for w in workers) and workers[0].stats.updates >= 10, 30,
+                     "cluster 0 trains")
+        caplog.clear()
+        for node in nodes.values():
+            node.end()
+        finished = max(plan.clusters[0])
+        await nodes[finished].close()
+        await by_id[finished].dht.ashutdown()
+        await by_id[finished].transport.close()
+        await asyncio.sleep(10)
+        events = [e for p, n in nodes.items() if p != finished for _, e in n.recoveries()]
+        standby = nodes[ids[6]].worker.route
+        for peer_id, node in nodes.items():
+            if peer_id != finished:
+                await node.close()
+                await by_id[peer_id].dht.ashutdown()
+                await by_id[peer_id].transport.close()
+        return events, standby, [n.plan for n in nodes.values()], plan
+
+    with caplog.at_level("WARNING", logger="potluck.pipeline"):
+        events, standby, plans, plan = run_virtual(main())
+    assert events == [] and standby is None and all(p == plan for p in plans)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("potluck.pipeline")] == []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from potluck.core.errors import MalformedMessage
+from potluck.core.names import RunNames
 from potluck.net.identity import Identity
 from potluck.pipeline.layout import Layout, Span
 from potluck.pipeline.messages import (
@@ -32,7 +33,7 @@ A, B, C = (str(Identity.generate().peer_id) for _ in range(3))
 
 def route(**changes) -> Route:
     base = Route(epoch=3, cluster="c0", stage=1, start=2, end=4, prev_peer=A, next_peer=B, in_shape=(16,),
-                 out_shape=(16,), controller=A, report_method="r.pipe.cluster.c0", compute_seconds=0.01,
+                 out_shape=(16,), controller=A, report_method=RunNames("r").pipeline.report("c0"), compute_seconds=0.01,
                  sources={2: (C,)})
     return Route(**{**base.__dict__, **changes})
 
@@ -57,7 +58,7 @@ def test_every_message_round_trips_through_its_wire_form():
     assert Ack.from_wire(Ack(False).to_wire()) == Ack(False)
     report = StageReport(busy_seconds=1.5, forwards=3, loss=0.25, stage=2)
     assert StageReport.from_wire(report.to_wire()) == report
-    states = LayerStates.from_wire(LayerStates({2: {"weight": torch.ones(2)}}).to_wire(), (2,))
+    states = LayerStates.from_wire(LayerStates({2: {"weight": torch.ones(2)}}).to_wire(), wanted=(2,))
     assert torch.equal(states.states[2]["weight"], torch.ones(2))
     assert ProbeRequest.from_wire(ProbeRequest(5).to_wire(), limit=10) == ProbeRequest(5)
     layout = Layout(4, (Span(A, 0, 2), Span(B, 2, 6)))
@@ -105,8 +106,8 @@ def test_layers_past_the_models_size_are_refused_when_parsed():
     for start, end, field in [(4, 7, "'end'"), (0, 64, "'end'"), (0, 200_000, "'end'"),
                               (196_000, 200_000, "'start'"), (6, 7, "'end'")]:
         wire = Configure(route(start=start, end=end, sources={})).to_wire()
-        refused(lambda m: parse_control(m, six), wire, field)
-        refused(lambda m: Route.from_wire(m["route"], six), wire, field)
+        refused(lambda m: parse_control(m, six), wire, f"'route': {field}")
+        refused(lambda m: Route.from_wire(m["route"], num_layers=six), wire, field)
     with pytest.raises(MalformedMessage, match="past the model's 6 layers"):
         parse_control(Configure(route(start=0, end=64, sources={})).to_wire(), six)
     refused(lambda m: parse_control(m, six), GetLayers((5, 6)).to_wire(), "'layers'")
@@ -117,7 +118,7 @@ def test_layers_past_the_models_size_are_refused_when_parsed():
 def test_malformed_control_data_and_report_fields_are_refused_by_name():
     refused(parse_control, ["op", "ping"], "not a map")
     refused(parse_control, {"op": "format_disk"}, "'op'")
-    refused(parse_control, {"op": "configure", "route": "x"}, "not a map")
+    refused(parse_control, {"op": "configure", "route": "x"}, "'route': not a map")
     refused(parse_control, {"op": "get_layers", "layers": list(range(MAX_STAGE_LAYERS + 1))}, "'layers'")
     refused(parse_control, {"op": "get_layers", "layers": [-1]}, "'layers'")
     refused(parse_control, {"op": "get_layers", "layers": ["0"]}, "'layers'")
@@ -134,18 +135,23 @@ def test_malformed_control_data_and_report_fields_are_refused_by_name():
     refused(Ack.from_wire, {"ok": 1}, "'ok'")
     refused(StageReport.from_wire, {**StageReport().to_wire(), "updates": -1}, "'updates'")
     refused(StageReport.from_wire, {**StageReport().to_wire(), "busy_seconds": "x"}, "'busy_seconds'")
-    refused(lambda m: LayerStates.from_wire(m, (2,)), {"state": {"3": {}}}, "'state'")
-    refused(lambda m: LayerStates.from_wire(m, (2,)), {"state": {"2": {"w": [1.0]}}}, "'state'")
+    refused(lambda m: LayerStates.from_wire(m, wanted=(2,)), {"state": {"3": {}}}, "'state'")
+    refused(lambda m: LayerStates.from_wire(m, wanted=(2,)), {"state": {"2": {"w": [1.0]}}}, "'state'")
     refused(lambda m: ProbeRequest.from_wire(m, limit=10), {"reply_bytes": 11}, "'reply_bytes'")
 
 
 @pytest.mark.timeout(10)
 def test_malformed_ring_layout_and_profile_fields_are_refused_by_name():
     part = RingPart(PartKey(1, 0, 2, 0, f"{A},{B}", 3, 4), torch.ones(5)).to_wire()
+    names = ("r", "a", "b", "t", "m", "s", "p")  # the part key's items, in their order on the wire
     for change, field in [({"r": -1}, "'r'"), ({"b": 0}, "'b'"), ({"t": 99}, "'t'"), ({"m": "x" * 10**5}, "'m'"),
-                          ({"s": 10**6}, "'s'"), ({"p": None}, "'p'"), ({"d": torch.ones(5, dtype=torch.int64)}, "'d'"),
-                          ({"d": torch.ones(2, 2)}, "'d'")]:
-        refused(parse_ring, {**part, **change}, field)
+                          ({"s": 10**6}, "'s'"), ({"p": None}, "'p'")]:
+        key = {**dict(zip(names, part["k"], strict=True)), **change}
+        refused(parse_ring, {**part, "k": [key[n] for n in names]}, f"'k': {field}")
+    for change in ({"d": torch.ones(5, dtype=torch.int64)}, {"d": torch.ones(2, 2)}):
+        refused(parse_ring, {**part, **change}, "'d'")
+    refused(parse_ring, {**part, "k": part["k"][:6]}, "'k': not a list of 7")
+    refused(parse_ring, {**part, "op": "format_disk"}, "'op'")
     refused(parse_ring, [1, 2], "not a map")
     refused(RingStatus.from_wire, {"round": "7"}, "'round'")
     layout = Layout(4, (Span(A, 0, 2),)).to_wire()

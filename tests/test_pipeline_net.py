@@ -11,10 +11,11 @@ from torch.func import functional_call
 
 from potluck.core import compat
 from potluck.core.errors import RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import launch_run
 from potluck.pipeline.layout import Span
-from potluck.pipeline.messages import Activation
+from potluck.pipeline.messages import Ack, Activation, Ping
 from potluck.pipeline.profiling import LayerCost
 from potluck.pipeline.ring import RingAllReduce, Segment, ring_segments
 from potluck.pipeline.stage import PipelineConfig
@@ -280,48 +281,49 @@ def test_bad_messages_get_clear_errors_and_the_stage_keeps_serving():
         # bad input from the peers allowed to send each method (strangers: tests/adversarial):
         # activations from the previous stage, gradients from the next, control from the controller
         attacker = run.worker_of(0, 2).transport
-        senders = {"pipe.fwd": run.worker_of(0, 0).transport, "pipe.bwd": attacker, "pipe.ctl": c0.transport}
+        names = RunNames("bad").pipeline
+        senders = {names.forward: run.worker_of(0, 0).transport, names.backward: attacker, names.control: c0.transport}
         pid = target.transport.peer_id
         epoch = target.route.epoch
         route = target.route.to_wire()
         errors = []
         # (method, request, what the error must say)
         bad = [
-            ("pipe.fwd", "not a dict", "activation: not a map"),
-            ("pipe.fwd", {"epoch": epoch, "mb": -1}, "'mb'"),
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"name": "none", "bogus": 1}, "y": torch.zeros(2)},
+            (names.forward, "not a dict", "activation: not a map"),
+            (names.forward, {"epoch": epoch, "mb": -1}, "'mb'"),
+            (names.forward, {"epoch": epoch, "mb": 10**9, "x": {"name": "none", "bogus": 1}, "y": torch.zeros(2)},
              "activation"),
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH + 1)},
+            (names.forward, {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH + 1)},
                           "y": torch.zeros(2)}, "shape"),  # wrong shape
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(5000, WIDTH)},
+            (names.forward, {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(5000, WIDTH)},
                           "y": torch.zeros(5000)}, "shape"),  # oversized micro-batch
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH, dtype=torch.int32)},
+            (names.forward, {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH, dtype=torch.int32)},
                           "y": torch.zeros(2)}, "floating"),  # wrong dtype
-            ("pipe.fwd", {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH)}, "y": [0, 1]},
+            (names.forward, {"epoch": epoch, "mb": 10**9, "x": {"data": torch.zeros(2, WIDTH)}, "y": [0, 1]},
              "'y'"),  # labels not a tensor
-            ("pipe.bwd", {"epoch": epoch, "mb": 10**9, "g": {"data": torch.zeros(2, WIDTH)}}, "not waiting"),
-            ("pipe.ctl", {"op": "format_disk"}, "'op'"),
-            ("pipe.ctl", {"op": "get_layers", "layers": [0]}, "does not hold"),  # stage 0's
-            ("pipe.ctl", {"op": "get_layers", "layers": [99]}, "'layers'"),  # past the model's 6
-            ("pipe.ctl", {"op": "configure", "route": dict(route, start=4, end=7)}, "past the model's 6 layers"),
-            ("pipe.ctl", {"op": "get_layers", "layers": list(range(5000))}, "'layers'"),
-            ("pipe.ctl", {"op": "configure", "route": dict(route, end=200000)}, "'end'"),  # builds no 200k layers
-            ("pipe.ctl", {"op": "configure", "route": dict(route, next="not a peer")}, "'next'"),
+            (names.backward, {"epoch": epoch, "mb": 10**9, "g": {"data": torch.zeros(2, WIDTH)}}, "not waiting"),
+            (names.control, {"op": "format_disk"}, "'op'"),
+            (names.control, {"op": "get_layers", "layers": [0]}, "does not hold"),  # stage 0's
+            (names.control, {"op": "get_layers", "layers": [99]}, "'layers'"),  # past the model's 6
+            (names.control, {"op": "configure", "route": dict(route, start=4, end=7)}, "past the model's 6 layers"),
+            (names.control, {"op": "get_layers", "layers": list(range(5000))}, "'layers'"),
+            (names.control, {"op": "configure", "route": dict(route, end=200000)}, "'end'"),  # builds no 200k layers
+            (names.control, {"op": "configure", "route": dict(route, next="not a peer")}, "'next'"),
         ]
         for method, request, _ in bad:
             with pytest.raises(RemoteError) as info:
-                await senders[method].call(pid, f"bad.{method}", request, timeout=5)
+                await senders[method].call(pid, method, request, timeout=5)
             errors.append(str(info.value))
         with pytest.raises(RemoteError) as info:  # the controller's method too
-            await attacker.call(c0.transport.peer_id, "bad.pipe.cluster.c0", {"op": "failure", "peer": 7}, timeout=5)
+            await attacker.call(c0.transport.peer_id, names.report("c0"), {"op": "failure", "peer": 7}, timeout=5)
         errors.append(str(info.value))
         # a report naming a live peer is checked and ignored
-        assert await attacker.call(c0.transport.peer_id, "bad.pipe.cluster.c0",
-                                   {"op": "failure", "peer": str(pid), "epoch": epoch}, timeout=5) == {"ok": True}
+        assert await attacker.call(c0.transport.peer_id, names.report("c0"),
+                                   {"op": "failure", "peer": str(pid), "epoch": epoch}, timeout=5) == Ack().to_wire()
         w0 = run.worker_of(0, 0)
         before = w0.stats.updates
         await until(run, lambda: w0.stats.updates >= before + 10, 30, "training goes on")
-        assert (await attacker.call(pid, "bad.pipe.ctl", {"op": "ping"}, timeout=5)) == {"ok": True}
+        assert Ack.from_wire(await attacker.call(pid, names.control, Ping().to_wire(), timeout=5)) == Ack()
         assert not c0.events  # nobody was declared dead
         assert target.route.end - target.route.start == 2  # the refused route was not taken
         await stop(peers, run)

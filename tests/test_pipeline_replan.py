@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from potluck.core.errors import RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.messages import Ack
 from potluck.pipeline.node import Claim
@@ -63,7 +64,7 @@ def test_a_standby_joins_the_first_cluster_that_claims_it():
         standby, c0, c1, stranger = peers
         plan = RunPlan(1, ((ids[1],), (ids[2],)), (ids[0],))
         node = make_node(standby, config, plan, ids, HALF)
-        method = f"{config.run_id}.pipe.claim"
+        method = RunNames(config.run_id).pipeline.claim
 
         async def claim(peer, version, cluster):
             reply = await peer.transport.call(standby.transport.peer_id, method, Claim(version, cluster).to_wire(),
@@ -181,7 +182,7 @@ def test_a_new_node_takes_a_published_plan_only_if_its_nodes_run():
             return Ack().to_wire()
 
         for peer in running:
-            peer.transport.add_handler("r.pipe.ctl", pong)
+            peer.transport.add_handler(RunNames("r").pipeline.control, pong)
         node = SimpleNamespace(transport=me.transport, peer_id=str(me.transport.peer_id))
         old = RunPlan(3, (tuple(sorted(gone)),), ())
         live = RunPlan(1, (tuple(sorted(ids)),), ())

@@ -137,6 +137,7 @@ def _potluck(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(160)
 def test_pipeline_demo_runs_recovers_and_writes_its_report(tmp_path):
     """Seven processes of `potluck pipeline run`, one killed with SIGKILL."""

@@ -187,14 +187,14 @@ def test_member_crashing_between_phases_leaves_survivors_consistent(victim, allo
     with their states untouched. A lost reducer or sender is repaired within phase 2; the
     phase-1 coordinator dying right after its commit can make phase 1 abort for the others
     (they never saw the commit), which must then be a clean failure everywhere."""
-    modes = ["node", "node", "node", "client"]
+    roles = ["node", "node", "node", "client"]
 
     async def main():
-        net, transports, services = await swarm(4, modes=modes)
-        group = make_group(transports, modes, sum(torch.Size(s).numel() for s in SHAPES))
+        net, transports, services = await swarm(4, roles=roles)
+        group = make_group(transports, roles, sum(torch.Size(s).numel() for s in SHAPES))
         grads = low_rank_grads(torch.Generator().manual_seed(5), 4)
         states = states_for(4, 3)
-        await round_(services, make_group(transports, modes, group.total, gid=b"warm-up"), states, grads)
+        await round_(services, make_group(transports, roles, group.total, gid=b"warm-up"), states, grads)
         before = snapshot(states)
         crash_before_phase2(net, services, victim)
         survivors = [i for i in range(4) if i != victim]
@@ -220,20 +220,20 @@ def test_member_crashing_between_phases_leaves_survivors_consistent(victim, allo
 @pytest.mark.timeout(60)
 def test_phase2_failure_raises_everywhere_and_leaves_states_and_grads_untouched():
     """The only reducer dies after phase 1: no phase 2 is possible, everyone fails, restartable."""
-    modes = ["node", "client", "client"]
+    roles = ["node", "client", "client"]
 
     async def main():
-        net, transports, services = await swarm(4, modes=modes + ["node"])  # 3 joins for the restart
+        net, transports, services = await swarm(4, roles=roles + ["node"])  # 3 joins for the restart
         size = sum(torch.Size(s).numel() for s in SHAPES)
         gen = torch.Generator().manual_seed(6)
         states = states_for(4, 2)
-        await round_(services[:3], make_group(transports[:3], modes, size, gid=b"warm-up"), states[:3],
+        await round_(services[:3], make_group(transports[:3], roles, size, gid=b"warm-up"), states[:3],
                      low_rank_grads(gen, 3))
         before = snapshot(states)
         grads = low_rank_grads(gen, 4)
         originals = [[g.clone() for g in gs] for gs in grads]
         crash_before_phase2(net, services, 0)
-        outcomes = await round_(services[:3], make_group(transports[:3], modes, size), states[:3], grads[:3],
+        outcomes = await round_(services[:3], make_group(transports[:3], roles, size), states[:3], grads[:3],
                                 timeout=30.0)
         assert isinstance(outcomes[0], asyncio.CancelledError)
         assert all(isinstance(o, AveragingError) for o in outcomes[1:]), outcomes

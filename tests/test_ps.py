@@ -1,4 +1,4 @@
-"""Parameter-server training (`potluck.ps`): every mode, staleness, failures and bad input.
+"""Parameter-server training (`potluck.ps`): every consistency model, staleness, failures and bad input.
 
 Swarms run on the emulated network under the virtual clock, so compute times (a 4x slower worker)
 and deadlines repeat exactly; one test runs real Peers over TCP on 127.0.0.1.
@@ -15,6 +15,7 @@ import torch
 import potluck
 from potluck.cli.tasks import accuracy, load_data
 from potluck.core.errors import MalformedMessage, MessageTooLarge, RemoteError
+from potluck.core.names import RunNames
 from potluck.core.serialization import dumps, loads
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
@@ -27,16 +28,18 @@ from potluck.ps import (
     start_parameter_servers,
 )
 from potluck.ps.messages import (
+    MAX_SERVED_RUNS,
     MAX_SERVERS_PER_SHARD,
     ParamsReply,
     PullRequest,
     PushRequest,
     ReplicaAck,
     ReplicaUpdate,
+    RunsQuery,
+    ServedRuns,
     ServerAnnouncement,
     ShardRole,
 )
-from potluck.ps.server import method_name
 from potluck.ps.simulation import PSSimulation
 
 X, Y, X_TEST, Y_TEST = load_data()
@@ -92,8 +95,8 @@ def reference_accuracy() -> float:
     return sum(results) / len(results)
 
 
-async def simulate(mode: str, compute_times: list[float], until, **options) -> PSSimulation:
-    config = ServerConfig(mode=mode, num_workers=len(compute_times),
+async def simulate(consistency: str, compute_times: list[float], until, **options) -> PSSimulation:
+    config = ServerConfig(consistency=consistency, num_workers=len(compute_times),
                           **{k: options.pop(k) for k in list(options) if k in ("staleness_bound", "backup_workers",
                                                                                "worker_timeout")})
     sim = await PSSimulation.start(make_mlp, adam, config, compute_times, offload=False, **options)
@@ -126,13 +129,17 @@ GOOD = {
     "layout": ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))).to_wire(),
     "announcement": ServerAnnouncement("ab" * 32, 2, (ShardRole(0, replica=PEERS[1], await_standby=True),
                                                       ShardRole(1, standby_of=PEERS[2]))).to_wire(),
+    "query": RunsQuery("mine").to_wire(),
+    "runs": ServedRuns(("mine", "r-2")).to_wire(),
 }
 PARSE = {
-    "push": lambda msg: PushRequest.from_wire(msg, SHARD, latest_step=3),
-    "reply": lambda msg: ParamsReply.from_wire(msg, SHARD),
-    "replica": lambda msg: ReplicaUpdate.from_wire(msg, SHARD),
+    "push": lambda msg: PushRequest.from_wire(msg, like=SHARD, latest_step=3),
+    "reply": lambda msg: ParamsReply.from_wire(msg, like=SHARD),
+    "replica": lambda msg: ReplicaUpdate.from_wire(msg, like=SHARD),
     "layout": ShardLayout.from_wire,
     "announcement": ServerAnnouncement.from_wire,
+    "query": RunsQuery.from_wire,
+    "runs": ServedRuns.from_wire,
 }
 
 
@@ -166,15 +173,24 @@ PARSE = {
     ("announcement", {"num_shards": 0}, "'num_shards'"),
     ("announcement", {"digest": "x" * 65}, "'digest'"),
     ("announcement", {"roles": [{"shard": 2, "standby_of": None, "replica": None, "await_standby": False}]},
-     "'shard'"),  # only 2 shards
+     "'roles': 'shard'"),  # only 2 shards
     ("announcement", {"roles": [{"shard": 0, "standby_of": "nobody", "replica": None, "await_standby": False}]},
-     "'standby_of'"),
+     "'roles': 'standby_of'"),
     ("layout", {"servers": []}, "'servers'"),
     ("layout", {"servers": [[]]}, "'servers'"),
     ("layout", {"servers": [[str(PEERS[0])] * (MAX_SERVERS_PER_SHARD + 1)]}, "'servers'"),
     ("layout", {"servers": [["nobody"]]}, "'servers'"),
     ("layout", {"assignment": [0, 2]}, "'assignment'"),  # shard 2 does not exist
     ("layout", {"assignment": "012"}, "'assignment'"),
+    ("query", {"run": ""}, "'run'"),
+    ("query", {"run": 7}, "'run'"),
+    ("query", {"run": "r" * 129}, "'run'"),  # longer than any run id
+    ("runs", {"runs": ["r"] * (MAX_SERVED_RUNS + 1)}, "'runs'"),
+    ("runs", {"runs": ["r" * 129]}, "'runs'"),
+    ("runs", {"runs": ["\x1b[2Jmine"]}, "'runs'"),  # printed in an error: no terminal control characters
+    ("runs", {"runs": ["two words"]}, "'runs'"),
+    ("runs", {"runs": "mine"}, "'runs'"),
+    ("runs", {"runs": ["mine", "mine"]}, "'runs'"),
 ])
 def test_malformed_messages_are_refused_naming_the_field(kind, changes, field):
     parse, good = PARSE[kind], GOOD[kind]
@@ -190,32 +206,43 @@ def test_malformed_messages_are_refused_naming_the_field(kind, changes, field):
 def test_messages_round_trip_through_the_wire():
     layout = ShardLayout.from_wire(loads(dumps(GOOD["layout"])))
     assert layout == ShardLayout((0, 1, 1), ((PEERS[0], PEERS[1]), (PEERS[2],))) and layout.indices(1) == [1, 2]
-    push = PushRequest.from_wire(loads(dumps(GOOD["push"])), SHARD, latest_step=2)
+    push = PushRequest.from_wire(loads(dumps(GOOD["push"])), like=SHARD, latest_step=2)
     assert push.step == 2 and all(torch.equal(g, torch.ones_like(p)) for g, p in zip(push.grads, SHARD))
-    reply = ParamsReply.from_wire(loads(dumps(GOOD["reply"])), SHARD)
+    reply = ParamsReply.from_wire(loads(dumps(GOOD["reply"])), like=SHARD)
     assert reply.step == 7 and reply.dropped
-    replica = ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), SHARD)
+    replica = ReplicaUpdate.from_wire(loads(dumps(GOOD["replica"])), like=SHARD)
     assert replica.workers == tuple(PEERS[:2]) and replica.last_push == {PEERS[0]: 6}
     assert torch.equal(replica.optimizer[0]["exp_avg"], torch.ones(4, 3)) and replica.optimizer[1] == {"count": 7}
     announcement = ServerAnnouncement.from_wire(loads(dumps(GOOD["announcement"])))
     assert announcement.roles == (ShardRole(0, replica=PEERS[1], await_standby=True), ShardRole(1, standby_of=PEERS[2]))
     assert PullRequest.from_wire(loads(dumps(PullRequest().to_wire()))) == PullRequest()
     assert ReplicaAck.from_wire(ReplicaAck(False).to_wire()) == ReplicaAck(False)
+    assert ServedRuns.from_wire(loads(dumps(GOOD["runs"]))).runs == ("mine", "r-2")
+    assert RunsQuery.from_wire(loads(dumps(GOOD["query"]))).run_id == "mine"
     with pytest.raises(MalformedMessage, match="'accepted'"):
         ReplicaAck.from_wire({"accepted": "yes"})
 
 
+@pytest.mark.timeout(10)
+def test_the_old_mode_keyword_still_sets_the_consistency_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="consistency"):
+        config = ServerConfig(mode="ssp", num_workers=2)
+    assert config.consistency == "ssp" and config == ServerConfig(consistency="ssp", num_workers=2)
+    with pytest.warns(DeprecationWarning, match="CONSISTENCY_MODELS"):
+        assert potluck.ps.MODES == potluck.ps.CONSISTENCY_MODELS
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode, options", [
+@pytest.mark.parametrize("consistency, options", [
     ("sync", {}), ("async", {}), ("ssp", {"staleness_bound": 2}), ("backup", {"backup_workers": 1}),
     ("sync", {"num_shards": 2}), ("async", {"decentralized": True})],
     ids=["sync", "async", "ssp", "backup", "sharded", "decentralized"])
-def test_each_mode_reaches_single_process_accuracy(mode, options):
+def test_each_consistency_model_reaches_single_process_accuracy(consistency, options):
     compute = [FAST, FAST, FAST, SLOW]
-    sim = run_virtual(simulate(mode, compute, lambda s: s.applied() >= APPLIED, **options))
+    sim = run_virtual(simulate(consistency, compute, lambda s: s.applied() >= APPLIED, **options))
     model = sim.models[0]  # it pulled the servers' final parameters
     reference = reference_accuracy()
-    assert accuracy(model, X_TEST, Y_TEST) >= reference - 0.02, (mode, options, reference)
+    assert accuracy(model, X_TEST, Y_TEST) >= reference - 0.02, (consistency, options, reference)
 
 
 @pytest.mark.timeout(60)
@@ -245,22 +272,22 @@ def test_ssp_never_lets_a_worker_run_more_than_its_bound_ahead_of_the_slowest():
 def test_backup_workers_step_at_the_speed_of_the_fastest_while_sync_waits_for_the_slowest():
     compute = [FAST, FAST, FAST, SLOW]
     rates = {}
-    for mode in ("sync", "backup"):
-        sim = run_virtual(simulate(mode, compute, lambda s: s.primary.step >= 100, backup_workers=1))
+    for consistency in ("sync", "backup"):
+        sim = run_virtual(simulate(consistency, compute, lambda s: s.primary.step >= 100, backup_workers=1))
         times = list(sim.primary.step_times)
-        rates[mode] = (len(times) - 1) / (times[-1] - times[0])  # steps per (virtual) second
-        if mode == "backup":
+        rates[consistency] = (len(times) - 1) / (times[-1] - times[0])  # steps per (virtual) second
+        if consistency == "backup":
             assert sim.primary.dropped_gradients > 0
     assert rates["backup"] > 0.8 / FAST, rates  # about 1 / FAST (plus transfer time)
     assert rates["sync"] < 1.05 / SLOW, rates  # held to the slow worker's pace
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["sync", "ssp", "backup"])
-def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_continues(mode):
+@pytest.mark.parametrize("consistency", ["sync", "ssp", "backup"])
+def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_continues(consistency):
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode=mode, num_workers=3, worker_timeout=2.0),
-                                       [FAST, FAST, FAST], offload=False)
+        config = ServerConfig(consistency=consistency, num_workers=3, worker_timeout=2.0)
+        sim = await PSSimulation.start(make_mlp, adam, config, [FAST, FAST, FAST], offload=False)
         try:
             killed = False
 
@@ -270,7 +297,7 @@ def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_contin
                     killed = True
                     sim.crash_worker(2)
                     steps_at_kill.append(sim.primary.step)
-                return sim.primary.step >= 400  # runs past the 2 s worker timeout in every mode
+                return sim.primary.step >= 400  # runs past the 2 s worker timeout in every consistency model
             steps_at_kill: list[int] = []
             await sim.run(batches, until)
         finally:
@@ -285,7 +312,7 @@ def test_worker_killed_mid_run_is_dropped_after_the_deadline_and_training_contin
 @pytest.mark.timeout(60)
 def test_dead_shard_server_is_a_clear_error():
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="sync", num_workers=2), [FAST, FAST],
                                        num_shards=2, offload=False)
         try:
             def until() -> bool:
@@ -302,8 +329,8 @@ def test_dead_shard_server_is_a_clear_error():
 @pytest.mark.timeout(60)
 def test_decentralized_shard_is_taken_over_from_its_replica_when_its_peer_dies():
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=4, worker_timeout=2.0),
-                                       [FAST] * 4, decentralized=True, offload=False)
+        config = ServerConfig(consistency="sync", num_workers=4, worker_timeout=2.0)
+        sim = await PSSimulation.start(make_mlp, adam, config, [FAST] * 4, decentralized=True, offload=False)
         try:
             state = {"killed_at": None}
 
@@ -326,10 +353,10 @@ def test_decentralized_shard_is_taken_over_from_its_replica_when_its_peer_dies()
 @pytest.mark.timeout(60)
 def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="async", num_workers=1), [FAST],
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="async", num_workers=1), [FAST],
                                        offload=False)
         client, server = sim.clients[0], sim.server_peers[0].transport.peer_id
-        push = method_name("sim", 0, "push")
+        push = RunNames("sim").ps_shard(0, "push")
         good = [torch.zeros_like(p) for p in sim.models[0].parameters()]
         bad = {
             "not a dict": [1, 2, 3],
@@ -363,12 +390,12 @@ def test_bad_pushes_get_clear_errors_and_the_server_keeps_serving():
 @pytest.mark.timeout(60)
 def test_standby_accepts_state_only_from_its_primary_and_checks_it():
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=3), [FAST] * 3,
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="sync", num_workers=3), [FAST] * 3,
                                        decentralized=True, offload=False)
         standby = next(s for s in sim.servers if s.standby and s.shard == 0)
         primary, stranger = sim.workers[0].transport, sim.workers[2].transport
         assert standby.peer is sim.workers[1]
-        method = method_name("sim", 0, "replicate")
+        method = RunNames("sim").ps_shard(0, "replicate")
         good = [p.detach().clone() for p in sim.servers[0].params]
         errors = []
         for sender, request in [(stranger, {"step": 5, "params": good, "workers": []}),
@@ -437,7 +464,7 @@ def sharded_run_with_standbys(steps: int, crash_at: int | None) -> tuple[list[to
     Adam; with `crash_at`, shard 0's primary dies once it has applied that many steps. Returns the
     parameters after `steps` rounds, and the servers."""
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="sync", num_workers=2), [FAST, FAST],
                                        num_shards=2, standbys=True, offload=False)
         crashed = []
         try:
@@ -468,7 +495,7 @@ def test_a_takeover_continues_with_the_primarys_optimizer_state_exactly():
 @pytest.mark.timeout(30)
 def test_a_push_the_primary_applied_and_the_worker_resends_to_the_standby_is_not_applied_twice():
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=1), [FAST],
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="sync", num_workers=1), [FAST],
                                        num_shards=2, standbys=True, offload=False)
         client = sim.clients[0]
         grads = [torch.ones_like(p) for p in sim.models[0].parameters()]
@@ -477,13 +504,13 @@ def test_a_push_the_primary_applied_and_the_worker_resends_to_the_standby_is_not
             await client.apush(grads)
         standby = next(s for s in sim.servers if s.shard == 0 and s.primary is not None)
         sim.crash_server(0)
-        push = method_name("sim", 0, "push")
+        push = RunNames("sim").ps_shard(0, "push")
         again = await client.transport.call(standby.transport.peer_id, push, PushRequest(2, tuple(shard0), seq=2).to_wire(),
                                             timeout=5)  # the third push again: the primary applied it
         step_after_retry = standby.step
         await client.apush(grads)
         await sim.close()
-        return ParamsReply.from_wire(again, shard0).step, step_after_retry, standby.step
+        return ParamsReply.from_wire(again, like=shard0).step, step_after_retry, standby.step
     replied, after_retry, after_next = run_virtual(scenario())
     assert (replied, after_retry, after_next) == (3, 3, 4)
 
@@ -493,7 +520,7 @@ def test_a_standby_knows_the_workers_before_the_first_step():
     """The primary copies its state to the standby when workers register, so one that dies
     before any step is taken over too (the standby serves only workers it was told of)."""
     async def scenario():
-        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(mode="sync", num_workers=2), [FAST, FAST],
+        sim = await PSSimulation.start(make_mlp, adam, ServerConfig(consistency="sync", num_workers=2), [FAST, FAST],
                                        num_shards=2, standbys=True, offload=False)
         sim.crash_server(0)
         await asyncio.gather(*(c.apush([torch.ones_like(p) for p in m.parameters()])

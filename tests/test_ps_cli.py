@@ -1,9 +1,10 @@
 """`potluck ps server` and `potluck ps worker` as real processes on 127.0.0.1, started through the
-CLI as a user would, on the user model of tests/user_model.py. Sync mode with fixed seeds makes a
-run's final parameters exact: every run is compared with the same training done in this process."""
+CLI as a user would, on the user model of tests/user_model.py. Sync consistency with fixed seeds
+makes a run's final parameters exact: every run is compared with the same training done in this process."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import queue
@@ -20,8 +21,10 @@ import pytest
 import torch
 from torch import nn
 
+from potluck.cli import ps as ps_command
 from potluck.cli.ps import params_digest
 from potluck.cli.spec import RunSpec
+from potluck.core.names import PS_RUNS, RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.dht.errors import RecordRejected
 from potluck.dht.records import own_subkey
@@ -29,15 +32,20 @@ from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.ps.discovery import (
     ANNOUNCE_INTERVAL,
+    LAYOUT_MISMATCH_GRACE,
     POLL_INTERVAL,
+    RUNS_QUERY_TIMEOUT,
+    LayoutNotFound,
+    RunNotFound,
     ShardHost,
     assemble_layout,
     discover_layout,
     find_primary,
+    foreign_layout,
     layout_digest,
-    servers_key,
 )
-from potluck.ps.messages import ServerAnnouncement, ShardRole
+from potluck.ps.messages import MAX_SERVED_RUNS, ServerAnnouncement, ShardRole
+from potluck.ps.runs import ask_served_runs, served_runs
 from potluck.ps.server import ParameterServer, split_by_size
 from potluck.ps.simulation import EmulatedPeer
 from tests import user_model
@@ -70,6 +78,13 @@ def dying_batches(rank: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Te
         if rank == DYING_RANK and epoch * user_model.EPOCH_BATCHES + i == DIES_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         yield batch
+
+
+def wide_layers() -> list[nn.Module]:
+    """tests.user_model:make_layers with twice the hidden units: a worker started with the wrong --model."""
+    hidden = 2 * user_model.HIDDEN
+    return [nn.Sequential(nn.Linear(user_model.FEATURES, hidden), nn.ReLU()),
+            nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()), nn.Linear(hidden, user_model.CLASSES)]
 
 
 def reference_digest(steps: int, order: list[int], rounds: dict[int, int] | None = None) -> str:
@@ -264,7 +279,7 @@ def test_servers_announce_in_their_own_names_and_a_late_standby_is_adopted():
             forged = ServerAnnouncement(digest, 2, (ShardRole(0),))
             for subkey in ("x", own_subkey(b.transport.peer_id), None):  # unsigned, in b's name, plain
                 with pytest.raises(RecordRejected):
-                    await mallory.dht.astore(servers_key("late"), forged.to_wire(), mallory.dht.get_time() + 30,
+                    await mallory.dht.astore(RunNames("late").ps_servers, forged.to_wire(), mallory.dht.get_time() + 30,
                                              subkey=subkey)
             before = await discover_layout(worker, "late", params, timeout=10)
             primary = await find_primary(c, "late", 0, digest, 2, timeout=10)
@@ -280,3 +295,142 @@ def test_servers_announce_in_their_own_names_and_a_late_standby_is_adopted():
     before, after, primary, replica, (a, b, c, _, _) = run_virtual(scenario())
     assert before.servers == ((a,), (b,)) and primary == a
     assert replica == c and after.servers == ((a, c), (b,))
+
+
+@pytest.mark.timeout(30)
+def test_the_old_mode_option_still_sets_the_consistency_hidden_from_help_and_says_it_is_going(capsys):
+    parser = argparse.ArgumentParser(prog="potluck")
+    ps_command.register(parser.add_subparsers())
+    base = ["ps", "server", "--shard", "0"]
+    assert ps_command._config(parser.parse_args(base)).consistency == "sync"
+    assert capsys.readouterr().err == ""
+    old = parser.parse_args([*base, "--mode", "ssp"])
+    assert ps_command._config(old).consistency == "ssp"
+    assert "--mode is deprecated, use --consistency" in capsys.readouterr().err
+    assert parser.parse_args([*base, "--consistency", "backup"]).consistency == "backup"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--help"])
+    shown = capsys.readouterr().out
+    assert "--consistency" in shown and not re.search(r"--mode\b", shown)
+
+
+# A worker of another model must be told this soon after it joined the swarm (it prints its peer id).
+MISMATCH_DEADLINE = 10.0
+
+
+def told_at_once(worker) -> tuple[int, list[str]]:
+    """A worker's exit code and error lines, once it has exited within MISMATCH_DEADLINE of joining."""
+    worker.wait_for(r"peer id: ")
+    try:
+        code = worker.proc.wait(MISMATCH_DEADLINE)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the worker was not told within {MISMATCH_DEADLINE} s: {worker.seen[-5:]}; "
+                             f"{worker.log.read_text()[-2000:]}") from None
+    return code, [line for line in worker.log.read_text().splitlines() if line.startswith("potluck ps: error:")]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_of_another_model_stops_at_once_naming_the_tensor(children):
+    """A server of the user's model, then a worker started with a wider --model. Before, the
+    worker refused the servers' layout and waited out its 120 s discovery timeout ("no complete
+    shard layout"); now it exits with one line naming the first tensor that differs, within
+    MISMATCH_DEADLINE of joining."""
+    server = children("server", "ps", "server", "--shard", "0", *common("wrong", None, n=1))
+    bootstrap = server.wait_for(r"--initial-peers (\S+)").group(1)
+    server.wait_for(r"serving shard 0")
+    worker = children("worker", "ps", "worker", "--steps", "3", *common("wrong", bootstrap, n=1),
+                      "--model", "tests.test_ps_cli:wide_layers")
+    code, errors = told_at_once(worker)
+    hidden = 2 * user_model.HIDDEN
+    assert code == 1 and len(errors) == 1, worker.log.read_text()[-2000:]
+    assert (f"parameter 0 '0.0.weight': yours is float32 [{hidden}, {user_model.FEATURES}], the servers' is "
+            f"float32 [{user_model.HIDDEN}, {user_model.FEATURES}]") in errors[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_of_another_run_id_stops_at_once_naming_the_servers_run(children):
+    """A server of run 'mine', then a worker of run 'other' joined through it. Before, the worker
+    found no announcement of its run and waited out its 120 s discovery timeout; now it asks the
+    peer it joined through which runs it serves and exits with one line naming 'mine', within
+    MISMATCH_DEADLINE of joining."""
+    server = children("server", "ps", "server", "--shard", "0", *common("mine", None, n=1))
+    bootstrap = server.wait_for(r"--initial-peers (\S+)").group(1)
+    server.wait_for(r"serving shard 0")
+    worker = children("worker", "ps", "worker", "--steps", "3", *common("other", bootstrap, n=1))
+    code, errors = told_at_once(worker)
+    assert code == 1 and len(errors) == 1, worker.log.read_text()[-2000:]
+    assert "Traceback" not in worker.log.read_text()
+    assert errors[0].startswith("potluck ps: error: run 'other': ") and \
+        "serves parameter-server run 'mine' only; give this worker the same --run-id" in errors[0], errors[0]
+
+
+def test_only_a_complete_layout_of_another_model_with_none_of_ours_is_foreign():
+    """`foreign_layout`: what makes a worker stop. A layout of another model counts only when it
+    is complete (every shard has a primary) and no other peer announces one of the worker's model;
+    the worker's own announcement (it serves a shard itself) does not count as one."""
+    params = [p for layer in user_model.make_layers() for p in layer.parameters()]
+    other = [p for layer in wide_layers() for p in layer.parameters()]
+    me, a, b = (Identity.generate().peer_id for _ in range(3))
+    ours, theirs = layout_digest(params, 2), layout_digest(other, 2)
+    half = {a: ServerAnnouncement(theirs, 2, (ShardRole(0),))}
+    whole = {**half, b: ServerAnnouncement(theirs, 2, (ShardRole(1),))}
+    assert foreign_layout(half, params, me) is None  # incomplete: its servers may still be starting
+    assert foreign_layout(whole, params, me) == whole[a]
+    assert foreign_layout({**whole, me: ServerAnnouncement(ours, 2, (ShardRole(0),))}, params, me) == whole[a]
+    assert foreign_layout({a: whole[a], b: ServerAnnouncement(ours, 2, (ShardRole(1),))}, params, me) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_asks_only_its_join_peers_which_runs_they_serve_and_ignores_bad_answers():
+    """On the emulated network (virtual clock). A peer serving shards of 'mine' lists its runs, the
+    asker's first; a worker of 'other' that asks it stops with RunNotFound soon after the grace.
+    Asking only a plain peer (no such method) and a hostile one (an oversized list) it waits out
+    its timeout as before, and so it does when an asked peer serves its run without announcing."""
+    async def scenario():
+        network = EmulatedNetwork(latency=0.001)
+        peers = [await EmulatedPeer.start(network, None, None)]
+        for _ in range(4):
+            peers.append(await EmulatedPeer.start(network, None, peers[0]))
+        a, b, plain, mallory, worker = peers
+        ids = [p.transport.peer_id for p in peers]
+        params = [p for layer in user_model.make_layers() for p in layer.parameters()]
+
+        async def oversized(request, ctx):
+            return {"runs": ["evil"] * (MAX_SERVED_RUNS + 1)}  # accepted, it would stop the worker
+        mallory.transport.add_handler(PS_RUNS, oversized)
+        optimizer = lambda ps: torch.optim.SGD(ps, 0.1)  # noqa: E731
+        mine = ParameterServer(a, "mine", params, optimizer, offload=False)
+        extra = ParameterServer(a, "aaa", params, optimizer, offload=False)
+        ParameterServer(b, "other", params, optimizer, offload=False)  # serves 'other', announces nothing
+        host = ShardHost(a, "mine", [mine], layout_digest(params, 1), 1)
+        task = asyncio.create_task(host.keep_announced())
+        loop = asyncio.get_running_loop()
+        try:
+            answers = [await ask_served_runs(worker.transport, ids[:4], "mine", RUNS_QUERY_TIMEOUT)]
+            extra.shutdown()
+            extra.shutdown()  # twice: nothing more happens
+            answers.append(await ask_served_runs(worker.transport, ids[:4], "aaa", RUNS_QUERY_TIMEOUT))
+            found = await discover_layout(worker, "mine", params, timeout=10, ask=ids[:4])
+            start = loop.time()
+            with pytest.raises(RunNotFound) as caught:
+                await discover_layout(worker, "other", params, timeout=30, ask=[ids[2], ids[3], ids[0]])
+            took = loop.time() - start
+            for ask in ([ids[2], ids[3]], [ids[0], ids[1]]):
+                with pytest.raises(LayoutNotFound) as waited:
+                    await discover_layout(worker, "other", params, timeout=8, ask=ask)
+                assert not isinstance(waited.value, RunNotFound), waited.value
+            mine.shutdown()
+            left = served_runs(a.transport).servers
+            return answers, found, caught.value, took, left, ids
+        finally:
+            task.cancel()
+            for peer in peers:
+                await peer.close()
+    answers, found, error, took, left, ids = run_virtual(scenario())
+    assert answers[0] == {ids[0]: ("mine", "aaa"), ids[1]: ("other",)}  # the plain and hostile peers: left out
+    assert answers[1] == {ids[0]: ("mine",), ids[1]: ("other",)}
+    assert found.servers == ((ids[0],),) and not left
+    assert took < LAYOUT_MISMATCH_GRACE + RUNS_QUERY_TIMEOUT + 2 * POLL_INTERVAL, took
+    assert str(error) == (f"run 'other': no shard server announces this run, and the peer {ids[0]} this worker "
+                          "joined through serves parameter-server run 'mine' only; give this worker the same "
+                          "--run-id as the servers")

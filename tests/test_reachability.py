@@ -179,10 +179,13 @@ def test_a_dial_back_request_with_too_many_addresses_is_refused():
 def test_a_tcp_peer_found_private_runs_as_a_client_and_says_what_to_do():
     port = closed_port()
     with Peer(host="127.0.0.1") as a, Peer(a.addresses, host="127.0.0.1") as b:
-        assert b.transport.reachability == "public" and b.reachability_summary.startswith("Publicly reachable")
+        assert b.transport.reachability == "public" and b.reachability_summary.startswith("Publicly reachable at ")
+        # the address others reached, whole: what a user gives another machine
+        assert f"at {b.transport.listen_addresses[0]}:" in b.reachability_summary
         with Peer([*a.addresses, *b.addresses], host="127.0.0.1", announce=[f"/ip4/127.0.0.1/tcp/{port}"]) as c:
             assert c.transport.reachability == "private" and c.addresses == [] and c.transport.client_mode
             assert f"open or forward TCP port {port}" in c.reachability_summary
             assert "potluck peer --relay" in c.reachability_summary
+            assert "others see this machine as 127.0.0.1" in c.reachability_summary
             assert c.dht.store("k", 1, c.dht.get_time() + 60)  # it works as a client
             assert a.dht.get("k").value == 1

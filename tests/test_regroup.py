@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.optim.progress import ProgressTracker
 from tests.emulated_swarm import add_peer, make_swarm
@@ -119,11 +120,11 @@ def test_only_members_of_the_last_group_may_ask_to_be_held_by_its_leader():
         first = await asyncio.gather(*(a.astep(group_key="e0") for a in avgs))
         leader = next(p for p in peers if str(p.transport.peer_id) == first[0].peers[0])
         stranger = peers[2]
-        request = {"key": "e1/all", "schema": avgs[0].schema, "mode": "node", "bw": [1e6, 1e6], "meta": None,
+        request = {"key": "e1/all", "schema": avgs[0].schema, "role": "node", "bw": [1e6, 1e6], "meta": None,
                    "again": 60.0}
         loop = asyncio.get_running_loop()
         started = loop.time()
-        reply = await stranger.transport.call(leader.transport.peer_id, "potluck.averaging.join.regroup", request)
+        reply = await stranger.transport.call(leader.transport.peer_id, RunNames("regroup").averager("tensors").join, request)
         assert "refused" in reply and "last group" in reply["refused"]
         assert loop.time() - started < 1.0  # answered at once, not held
     run_virtual(main())
@@ -142,11 +143,11 @@ def test_a_leader_gathering_another_key_turns_its_last_members_away_at_once():
         member = peers[1 - lead]
         gathering = asyncio.ensure_future(avgs[lead].astep(group_key="column3"))
         await asyncio.sleep(0.1 * WINDOW)  # it gathers under its own next key now
-        request = {"key": "row5/all", "schema": avgs[0].schema, "mode": "node", "bw": [1e6, 1e6], "meta": None,
+        request = {"key": "row5/all", "schema": avgs[0].schema, "role": "node", "bw": [1e6, 1e6], "meta": None,
                    "again": 60.0}
         loop = asyncio.get_running_loop()
         started = loop.time()
-        reply = await member.transport.call(peers[lead].transport.peer_id, "potluck.averaging.join.regroup", request)
+        reply = await member.transport.call(peers[lead].transport.peer_id, RunNames("regroup").averager("tensors").join, request)
         assert "refused" in reply and "not gathering" in reply["refused"]
         assert loop.time() - started < 0.1 * WINDOW  # answered at once, not held
         await asyncio.gather(gathering, return_exceptions=True)

@@ -16,7 +16,7 @@ from potluck.core.virtual_time import run_virtual
 from potluck.net.connection import CallContext, Stream
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
-from potluck.net.relay import RELAY_HOP, RELAY_STOP, RelayService, reserve
+from potluck.net.relay import RELAY_HOP, RELAY_STOP, RelayLimits, RelayService, reserve
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
 from tests.test_lifetimes import cyclic_garbage, free_port, gc_saving_garbage, open_and_close_many
@@ -178,6 +178,54 @@ def test_emulated_calls_streams_and_a_relay_crash_on_the_virtual_clock() -> None
         dialer.add_addresses(target.peer_id, await reserved_on(target, relay2))
         assert await dialer.call(target.peer_id, "echo", "again", timeout=PROMPT) == {"echo": "again", "relayed": True}
         for t in (dialer, target, relay2):
+            await t.close()
+
+    run_virtual(main())
+
+
+def test_emulated_a_limited_relay_carries_a_punchs_worth_for_a_short_while_and_says_why_it_ends() -> None:
+    async def main() -> None:
+        net = EmulatedNetwork(latency=0.01)
+        relay, dialer = net.transport(), net.transport()
+        target = serving(net.transport(client_mode=True))  # reachable only through the relay
+        for t in (relay, target, dialer):
+            await t.start()
+        limits = RelayLimits.limited()
+        RelayService(relay, limits).start()
+        dialer.add_addresses(target.peer_id, await reserved_on(target, relay))
+        assert await dialer.call(target.peer_id, "echo", "hi", timeout=PROMPT) == {"echo": "hi", "relayed": True}
+        # More than a circuit may carry each way: the circuit ends, with a reason that says what to do.
+        with pytest.raises(NetworkError, match="this relay is limited: a circuit carries 131072 bytes each way"):
+            await fetch(dialer, target.peer_id, 2, limits.circuit_bytes)
+        # A new circuit carries calls (keepalives keep it from idling) until its time is up.
+        assert await dialer.call(target.peer_id, "echo", "again", timeout=PROMPT) == {"echo": "again", "relayed": True}
+        relayed = [c for c in dialer.open_connections() if c.relayed and c.peer_id == target.peer_id]
+        await asyncio.sleep(limits.circuit_seconds / 2)
+        assert not any(c.closed for c in relayed)
+        await asyncio.sleep(limits.circuit_seconds / 2 + 1.0)
+        assert relayed and all(c.closed for c in relayed)
+        for t in (dialer, target, relay):
+            await t.close()
+
+    run_virtual(main())
+
+
+def test_emulated_dialers_of_one_subnet_share_its_byte_budget() -> None:
+    async def main() -> None:
+        net = EmulatedNetwork(latency=0.01)
+        relay = net.transport()
+        target = serving(net.transport(client_mode=True))
+        dialers = [net.transport(ip=f"198.51.100.{n}") for n in (1, 2)]  # two hosts of one /24
+        for t in (relay, target, *dialers):
+            await t.start()
+        RelayService(relay, RelayLimits(max_bytes_per_peer=4 * MiB, max_bytes_per_subnet=6 * MiB)).start()
+        address = await reserved_on(target, relay)
+        for d in dialers:
+            d.add_addresses(target.peer_id, address)
+        assert len(await fetch(dialers[0], target.peer_id, 3, MiB)) == 3  # its own 4 MiB would allow 3 more
+        with pytest.raises(NetworkError, match="the subnet 198.51.100.0/24 went over this relay's budget"):
+            await fetch(dialers[1], target.peer_id, 4, MiB)
+        for t in (*dialers, target, relay):
             await t.close()
 
     run_virtual(main())

@@ -10,10 +10,10 @@ import torch
 
 import potluck
 from potluck.averaging import Averager
-from potluck.averaging.allreduce import (
+from potluck.averaging.allreduce.messages import PartRequest
+from potluck.averaging.allreduce.reduction import (
     MAX_WEIGHT_OVER_MEDIAN,
     NAMED_WEIGHT_OVER_MEDIAN,
-    PartRequest,
     blatant_senders,
     bounded_weights,
 )
@@ -190,7 +190,7 @@ def test_the_optimizer_hands_its_aggregation_to_every_averager():
                         aggregation="trimmed_mean")
         try:
             await opt.astart()
-            assert opt.state_averager.aggregation == opt.grad_averager.aggregation == "trimmed_mean"
+            assert opt.state_averager.aggregation == opt.training.grad_averager.aggregation == "trimmed_mean"
         finally:
             opt.shutdown()
             await peer.ashutdown()

@@ -36,6 +36,7 @@ def soak_rows() -> dict[tuple[str, str | None], dict]:
     return {(r["metric"], r.get("peer")): r for r in rows}
 
 
+@pytest.mark.scenario
 @pytest.mark.timeout(TRAIN_SECONDS + 120)
 def test_two_peer_processes_keep_memory_flat_epochs_advancing_and_params_identical():
     rows = soak_rows()

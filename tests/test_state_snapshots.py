@@ -15,8 +15,10 @@ import asyncio
 import torch
 
 import potluck
-from potluck.averaging.state_transfer import SNAPSHOT_CLAIM_SECONDS, ManifestRequest, download_state
+from potluck.averaging.state_transfer import ManifestRequest, download_state
+from potluck.averaging.state_transfer.server import SNAPSHOT_CLAIM_SECONDS
 from potluck.core.dht_time import event_loop_clock
+from potluck.core.names import RunNames
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
@@ -54,10 +56,10 @@ async def two_peers_and_a_reader() -> None:
         server = donor.state_averager.state_server
         for epoch in (1, 2, 3):
             await asyncio.gather(train(0, epoch), train(1, epoch))
-            _, metadata, tensors = await download_state(reader.transport, [peers[0].transport.peer_id], "snap.state",
-                                                        5, like=donor._state_tensors())
-            assert metadata == {"epoch": epoch}
-            assert all(torch.equal(a, b) for a, b in zip(tensors, donor._state_tensors(), strict=True))
+            _, metadata, tensors = await download_state(reader.transport, [peers[0].transport.peer_id], RunNames("snap").averager("state"),
+                                                        5, like=donor.context.state.tensors())
+            assert metadata == donor.context.state.metadata(epoch) and metadata["epoch"] == epoch  # and the run schema
+            assert all(torch.equal(a, b) for a, b in zip(tensors, donor.context.state.tensors(), strict=True))
         # A manifest nobody streams holds its snapshot a while only; asking again does not extend it.
         loop = asyncio.get_running_loop()
         await server._manifest(ManifestRequest())
@@ -66,7 +68,7 @@ async def two_peers_and_a_reader() -> None:
         while loop.time() < until:
             await server._manifest(ManifestRequest())
             await asyncio.sleep(1)
-        assert (await server._manifest(ManifestRequest())).metadata == {"epoch": 4}
+        assert (await server._manifest(ManifestRequest())).metadata == donor.context.state.metadata(4)
     finally:
         for opt in optimizers:
             opt.shutdown()

@@ -11,30 +11,30 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
-from potluck.averaging.state_transfer import (
+from potluck.averaging.state_transfer import StateServer, download_state
+from potluck.averaging.state_transfer.messages import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     MAX_STATE_METADATA_BYTES,
     MAX_TENSORS,
     MIN_CHUNK_BYTES,
-    SNAPSHOT_IDLE_SECONDS,
     ChunkReply,
     ChunkRequest,
     ChunkStreamOpen,
     DonorRecord,
     Manifest,
     ManifestRequest,
-    StateServer,
-    download_state,
 )
+from potluck.averaging.state_transfer.server import SNAPSHOT_IDLE_SECONDS
 from potluck.core.errors import AveragingError, MalformedMessage, RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
 from potluck.net.emulated import EmulatedNetwork, EmulatedTransport
 from tests.emulated_swarm import make_swarm
 
 KiB, MiB = 2**10, 2**20
-PREFIX = "test_run"
+PREFIX = RunNames("test_run").averager("tensors")
 CHUNK = 256 * KiB
 # Donor upload cap on the emulated network: a few MB then take about a virtual second.
 DONOR_UPLOAD = 4 * MiB
@@ -201,6 +201,51 @@ def test_largest_group_of_agreeing_donors_wins_within_a_version() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_a_tie_goes_to_the_callers_first_donors_never_to_the_higher_version_claimed() -> None:
+    a, b = make_state(4), make_state(5)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(3, a), (9, b)])
+        version, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60)
+        assert version == 3
+        assert_exact(tensors, a)
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
+def test_the_callers_election_chooses_among_disagreeing_donors_or_refuses() -> None:
+    a, b = make_state(4), make_state(5)
+
+    async def main() -> None:
+        swarm = await Swarm.start([(9, a), (9, b), (9, b), (9, a)])
+        asked: list[list[list[str]]] = []
+
+        async def second(groups: list[list[Any]]) -> int:
+            asked.append(groups)
+            return len(groups) - 1
+        _, _, tensors = await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, elect=second)
+        assert_exact(tensors, b)
+        ids = swarm.donor_ids
+        assert asked == [[[ids[0], ids[3]], [ids[1], ids[2]]]]  # each state's holders, in the caller's order
+
+        async def none(groups: list[list[Any]]) -> None:
+            return None
+        with pytest.raises(AveragingError, match="2 different states"):
+            await download_state(swarm.newcomer, swarm.donor_ids, PREFIX, timeout=60, elect=none)
+        with pytest.raises(AveragingError, match="1 different states"):  # the caller may refuse even one
+            await download_state(swarm.newcomer, [ids[1], ids[2]], PREFIX, timeout=60, elect=none)
+        asked.clear()
+        agree = await download_state(swarm.newcomer, [ids[1], ids[2]], PREFIX, timeout=60, elect=second)
+        assert_exact(agree[2], b)
+        assert asked == [[[ids[1], ids[2]]]]  # ... and learns whose state it takes
+        await swarm.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.timeout(20)
 def test_lying_donor_is_caught_by_hash_and_state_is_still_exact(caplog: pytest.LogCaptureFixture) -> None:
     state = make_state(6)
     total = sum(t.numel() * t.element_size() for t in state)
@@ -351,9 +396,10 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving() -> None:
             finally:
                 stream.abort()
 
-        with pytest.raises(RemoteError, match="malformed manifest request: it takes no arguments"):
+        with pytest.raises(RemoteError, match="malformed manifest request: not a list of 0 items"):
             await client.call(donor, server.manifest_method, {"give": "me everything"}, timeout=10)
-        manifest = Manifest.from_wire(await client.call(donor, server.manifest_method, None, timeout=10))
+        manifest = Manifest.from_wire(await client.call(donor, server.manifest_method, ManifestRequest().to_wire(),
+                                                        timeout=10))
         snapshot = manifest.snapshot
         with pytest.raises(RemoteError, match="malformed chunk stream request: not a map"):
             await first_reply("garbage")
@@ -366,7 +412,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving() -> None:
                 await first_reply({"snapshot": snapshot}, bad)
         with pytest.raises(RemoteError, match="malformed chunk request: not a map"):
             await first_reply({"snapshot": snapshot}, [0])
-        reply = ChunkReply.from_wire(await first_reply({"snapshot": snapshot}, {"i": 0}), 0, CHUNK)
+        reply = ChunkReply.from_wire(await first_reply({"snapshot": snapshot}, {"i": 0}), index=0, size=CHUNK)
         assert reply.index == 0 and reply.data.numel() == CHUNK
 
         await asyncio.sleep(SNAPSHOT_IDLE_SECONDS + 1)  # virtual time: the snapshot expires
@@ -397,8 +443,8 @@ def test_newcomers_arriving_together_share_one_snapshot() -> None:
             t.add_addresses(donor.peer_id, donor.addresses)
         server = StateServer(donor, get_state, PREFIX)
         first, second = await asyncio.gather(
-            a.call(donor.peer_id, server.manifest_method, None, timeout=10),
-            b.call(donor.peer_id, server.manifest_method, None, timeout=10))
+            a.call(donor.peer_id, server.manifest_method, ManifestRequest().to_wire(), timeout=10),
+            b.call(donor.peer_id, server.manifest_method, ManifestRequest().to_wire(), timeout=10))
         assert Manifest.from_wire(first).snapshot == Manifest.from_wire(second).snapshot and len(calls) == 1
         for t in (donor, a, b):
             await t.close()
@@ -599,9 +645,9 @@ def test_averager_whose_download_failed_keeps_its_version_and_offers_no_torn_sta
         other = peers[2]
         ask = newcomer.state_server.manifest_method
         with pytest.raises(RemoteError, match="being replaced"):
-            await other.transport.call(peers[1].transport.peer_id, ask, None, timeout=10)
+            await other.transport.call(peers[1].transport.peer_id, ask, ManifestRequest().to_wire(), timeout=10)
         newcomer.round += 1  # its tensors are whole again (e.g. an averaging step overwrote them)
-        manifest = await other.transport.call(peers[1].transport.peer_id, ask, None, timeout=10)
+        manifest = await other.transport.call(peers[1].transport.peer_id, ask, ManifestRequest().to_wire(), timeout=10)
         assert manifest["version"] == 1
 
     run_virtual(main())
@@ -616,11 +662,13 @@ def refuses(parse: Callable[[Any], Any], wire: Any, field: str) -> None:
 
 
 def test_manifest_refuses_malformed_fields_by_name() -> None:
-    good = Manifest(3, {"epoch": 3}, (("float32", (10, 1000)), ("int8", ())), (40_000, 1), 16 * KiB,
-                    (b"\1" * 32, b"\2" * 32, b"\3" * 32), b"\0" * 16)
+    good = Manifest(3, (("float32", (10, 1000)), ("int8", ())), 16 * KiB, (b"\1" * 32, b"\2" * 32, b"\3" * 32),
+                    b"\0" * 16, {"epoch": 3})
+    assert good.sizes == (40_000, 1)
     assert Manifest.from_wire(good.to_wire()) == good
     assert ManifestRequest.from_wire(ManifestRequest().to_wire()) == ManifestRequest()
-    refuses(ManifestRequest.from_wire, {"give": "me everything"}, "it takes no arguments")
+    for anything in ({"give": "me everything"}, ["more"], None):
+        refuses(ManifestRequest.from_wire, anything, "not a list of 0 items")
     refuses(Manifest.from_wire, [good.to_wire()], "not a map")
     refuses(lambda w: Manifest.from_wire(w, max_bytes=40_000), good.to_wire(), "'specs'")
     for key, value, field in (
@@ -639,17 +687,17 @@ def test_chunk_messages_refuse_malformed_fields_by_name() -> None:
     assert ChunkStreamOpen.from_wire(ChunkStreamOpen(b"\7" * 16).to_wire()) == ChunkStreamOpen(b"\7" * 16)
     refuses(ChunkStreamOpen.from_wire, b"\7" * 16, "not a map")
     refuses(ChunkStreamOpen.from_wire, {"snapshot": b"\7" * 17}, "'snapshot'")
-    assert ChunkRequest.from_wire(ChunkRequest(4).to_wire(), 5) == ChunkRequest(4)
-    refuses(lambda w: ChunkRequest.from_wire(w, 5), 4, "not a map")
+    assert ChunkRequest.from_wire(ChunkRequest(4).to_wire(), num_chunks=5) == ChunkRequest(4)
+    refuses(lambda w: ChunkRequest.from_wire(w, num_chunks=5), 4, "not a map")
     for index in (5, -1, 2.0, None):
-        refuses(lambda w: ChunkRequest.from_wire(w, 5), {"i": index}, "'i'")
+        refuses(lambda w: ChunkRequest.from_wire(w, num_chunks=5), {"i": index}, "'i'")
     data = torch.zeros(100, dtype=torch.uint8)
-    reply = ChunkReply.from_wire(ChunkReply(3, data).to_wire(), 3, 100)
+    reply = ChunkReply.from_wire(ChunkReply(3, data).to_wire(), index=3, size=100)
     assert reply.index == 3 and reply.data is data
-    refuses(lambda w: ChunkReply.from_wire(w, 3, 100), None, "not a map")
-    refuses(lambda w: ChunkReply.from_wire(w, 3, 100), {"i": 2, "data": data}, "'i'")
+    refuses(lambda w: ChunkReply.from_wire(w, index=3, size=100), None, "not a map")
+    refuses(lambda w: ChunkReply.from_wire(w, index=3, size=100), {"i": 2, "data": data}, "'i'")
     for bad in (data[:99], data.float(), data.view(10, 10), b"\0" * 100, None):
-        refuses(lambda w: ChunkReply.from_wire(w, 3, 100), {"i": 3, "data": bad}, "'data'")
+        refuses(lambda w: ChunkReply.from_wire(w, index=3, size=100), {"i": 3, "data": bad}, "'data'")
 
 
 def test_donor_record_refuses_malformed_fields_by_name() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from potluck.core import compat
 from potluck.core.errors import MalformedMessage
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
 from potluck.ps import SweepError, SweepSpec, Trial, TrialResult, run_sweep
@@ -96,17 +97,17 @@ def test_malformed_trial_results_are_refused_naming_the_field(changes, field):
     trial = Trial(3, {"lr": 0.1})
     result = TrialResult(3, trial.params, {"acc": 0.5}, Identity.generate().peer_id, 1.25)
     good = result.to_wire()
-    assert TrialResult.from_wire(good, trial) == result  # the parameters come from the trial itself
+    assert TrialResult.from_wire(good, trial=trial) == result  # the parameters come from the trial itself
     with pytest.raises(MalformedMessage) as caught:
-        TrialResult.from_wire({**good, **changes}, trial)
+        TrialResult.from_wire({**good, **changes}, trial=trial)
     assert caught.value.field.startswith(field), caught.value
     with pytest.raises(MalformedMessage, match="not a map"):
-        TrialResult.from_wire([good], trial)
+        TrialResult.from_wire([good], trial=trial)
     with pytest.raises(MalformedMessage) as caught:
-        TrialLease.from_wire({"holder": 12345, "since": 0.0}, 10.0)
+        TrialLease.from_wire({"holder": 12345, "since": 0.0}, expires=10.0)
     assert caught.value.field.startswith("'holder'")
     with pytest.raises(MalformedMessage) as caught:
-        TrialLease.from_wire({"holder": str(Identity.generate().peer_id), "since": "now"}, 10.0)
+        TrialLease.from_wire({"holder": str(Identity.generate().peer_id), "since": "now"}, expires=10.0)
     assert caught.value.field.startswith("'since'")
 
 
@@ -146,14 +147,14 @@ def test_malformed_records_from_another_peer_are_ignored_and_the_trial_is_run():
     async def scenario():
         net, peers = await make_swarm(2)
         sweep = spec(space={"lr": [0.1, 0.2], "width": [1]})
-        key = f"sweep.{sweep.sweep_id}.results"
+        key = RunNames(sweep.run_id).sweep_results(sweep.trials_digest)
         now = peers[1].dht.get_time()
         other = peers[1].transport.peer_id
         await peers[1].dht.astore(key, "garbage", now + 1.0, subkey=trial_subkey(0, other))  # not a result
         await peers[1].dht.astore(key, {"metrics": {}}, now + 1.0, subkey=trial_subkey(99, other))  # no such trial
         await peers[1].dht.astore(key, {"metrics": {"a": 1.0}, "peer": "nobody", "seconds": 0.0, "error": None},
                                   now + 1.0, subkey=trial_subkey(1, other))  # not a peer id
-        await peers[1].dht.astore(f"sweep.{sweep.sweep_id}.leases", 12345, now + 1.0,
+        await peers[1].dht.astore(RunNames(sweep.run_id).sweep_leases(sweep.trials_digest), 12345, now + 1.0,
                                   subkey=trial_subkey(1, other))  # not a lease
         results = await run_sweep(peers[0], sweep, score, lease_seconds=LEASE)
         for p in peers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import ssl
@@ -21,15 +22,19 @@ from potluck.core.errors import (
     DeadlineExceeded,
     EndOfStream,
     HandshakeError,
+    MembershipRefused,
     MessageTooLarge,
     MethodNotFound,
     PeerUnreachable,
     RemoteError,
 )
 from potluck.net import Identity, Multiaddr, TCPTransport
+from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.connection import MAX_STREAM_QUEUE
 from potluck.net.frames import PREFIX, VERSION, Frame, FrameDecoder, Kind, encode
 from potluck.net.identity import PeerID
+from potluck.net.membership import MAX_TOKEN_BYTES
+from potluck.net.tcp import MAX_REFUSAL_CHARS, GoAway, goaway
 from tests.conftest import LOOP_KINDS
 
 MiB = 2**20
@@ -454,6 +459,72 @@ def test_garbage_truncated_and_oversized_frames_close_only_that_connection(arun,
     arun(main())
 
 
+def _hello(identity: Identity, **change) -> dict:
+    """A well-formed HELLO meta from `identity`, with `change` applied."""
+    return {"v": tcp_module.PROTOCOL_VERSION, "id": identity.peer_id.to_bytes(), "nonce": os.urandom(32),
+            "addrs": [], "client": True, "max_frame": MiB, "bulk": False, "token": None, **change}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("change", "key"), [
+    ({"addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(MAX_ADDRESSES_PER_PEER + 1)]}, "'addrs'"),
+    ({"addrs": ["/nonsense"]}, "'addrs'"),
+    ({"token": b"t" * (MAX_TOKEN_BYTES + 1)}, "'token'"),
+    ({"nonce": b"short"}, "'nonce'"),
+    ({"max_frame": 100}, "'max_frame'"),
+    ({"client": 1}, "'client'"),
+    ({"id": b"not a key"}, "'id'"),
+])
+def test_a_malformed_hello_is_refused_with_a_goaway_that_names_its_key(arun, change, key):
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=True)
+        server.add_handler("echo", echo)
+        await server.start()
+        reader, writer = await _raw_connect(server.addresses[0], tls=False)
+        writer.write(b"".join(bytes(b) for b in encode(Frame(Kind.HELLO, meta=_hello(Identity.generate(), **change)))))
+        refusal = GoAway.from_wire((await _read_frame(reader, FrameDecoder(), Kind.GOAWAY)).meta)
+        assert refusal.reason.startswith(f"malformed HELLO: {key}"), refusal
+        assert await _closed_by_server(reader)
+        writer.close()
+        client = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=True)
+        await client.start()
+        assert await client.call(await client.connect(server.addresses[0]), "echo", "still", timeout=5) == "still"
+        for t in (client, server):
+            await t.close()
+    arun(main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("meta", "error", "words"), [
+    ({"reason": "full"}, HandshakeError, "refused by the other side: full"),
+    ({}, HandshakeError, "refused by the other side: no reason given"),
+    ({"reason": "no token", "membership": True}, MembershipRefused, "refused this peer's membership: no token"),
+    ({"reason": "x" * (MAX_REFUSAL_CHARS + 1)}, HandshakeError,
+     "refused by the other side, with a malformed GOAWAY: 'reason' must be a string of at most"),
+])
+def test_a_dialer_refused_with_a_goaway_gets_a_handshake_error_that_says_why(arun, meta, error, words):
+    async def main():
+        async def refuse(reader, writer):
+            writer.write(b"".join(bytes(b) for b in encode(Frame(Kind.GOAWAY, meta=meta))))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+        client = TCPTransport(Identity.generate(), host="127.0.0.1", insecure=True)
+        await client.start()
+        with pytest.raises(error, match=re.escape(words)):
+            await client.connect(Multiaddr.tcp("127.0.0.1", server.sockets[0].getsockname()[1]), timeout=5)
+        server.close()
+        await client.close()
+    arun(main())
+
+
+def test_a_refusal_is_cut_to_what_its_receiver_reads():
+    frame, = FrameDecoder().feed(b"".join(bytes(b) for b in goaway("x" * 5 * MAX_REFUSAL_CHARS, membership=True)))
+    assert GoAway.from_wire(frame.meta) == GoAway("x" * MAX_REFUSAL_CHARS, membership=True)
+    assert GoAway("full").to_wire() == {"reason": "full"}  # the wire stays as compact as before
+
+
 async def _read_frame(reader: asyncio.StreamReader, decoder: FrameDecoder, want: Kind) -> Frame:
     """The next frame of kind `want` (skipping keepalive pings), with a deadline."""
     async with compat.timeout(5):
@@ -470,8 +541,7 @@ async def _raw_authenticated(addr: Multiaddr, tls: bool):
     """A hand-made connection that completes the real handshake, so its later bytes are ours."""
     identity, nonce, decoder = Identity.generate(), os.urandom(32), FrameDecoder()
     reader, writer = await _raw_connect(addr, tls)
-    hello = {"v": tcp_module.PROTOCOL_VERSION, "id": identity.peer_id.to_bytes(), "nonce": nonce,
-             "addrs": [], "client": True, "max_frame": MiB, "bulk": False, "token": None}
+    hello = _hello(identity, nonce=nonce)
     writer.write(b"".join(bytes(b) for b in encode(Frame(Kind.HELLO, meta=hello))))
     theirs = (await _read_frame(reader, decoder, Kind.HELLO)).meta
     message = tcp_module.TCPLink._auth_message(theirs["nonce"], nonce, identity.peer_id, PeerID(theirs["id"]))

@@ -183,12 +183,12 @@ class PeerMetrics:
         r = self.registry = Registry()
         self.round_seconds = r.histogram("potluck_averaging_round_seconds",
                                          "Duration of averaging rounds that succeeded (matchmaking + all-reduce)",
-                                         ROUND_SECONDS_BUCKETS, labels=("run",))
+                                         ROUND_SECONDS_BUCKETS, labels=("run", "averager"))
         self.group_size = r.histogram("potluck_averaging_group_size", "Members of each successful averaging round",
-                                      GROUP_SIZE_BUCKETS, labels=("run",))
+                                      GROUP_SIZE_BUCKETS, labels=("run", "averager"))
         self.round_failures = r.counter("potluck_averaging_failures_total",
                                         "Averaging rounds that failed, by kind (matchmaking, allreduce, timeout)",
-                                        labels=("run", "kind"))
+                                        labels=("run", "averager", "kind"))
         self.dht_seconds = r.histogram("potluck_dht_request_seconds", "Round-trip time of answered DHT requests",
                                        DHT_SECONDS_BUCKETS, labels=("method",))
         self.dht_failures = r.counter("potluck_dht_request_failures_total",

@@ -45,7 +45,7 @@ from potluck.net.reachability import (
     ReachabilityReport,
     check_reachability,
 )
-from potluck.net.relay import RelayService
+from potluck.net.relay import RelayLimits, RelayService
 from potluck.net.tcp import TCPTransport
 from potluck.net.transport import Transport
 
@@ -77,7 +77,9 @@ class Peer:
             can dial this peer, and run as a client if not (unless a relay is found). True: force
             client mode (never listen; only dial out). False: listen and announce without checking.
         relay: also serve as a relay for peers behind NAT (`net.relay.RelayService`), announced
-            in the DHT; only while this peer is publicly reachable.
+            in the DHT; only while this peer is publicly reachable. True: with the default caps
+            (`net.relay.RelayLimits`, a full relay); a `RelayLimits`: those, e.g.
+            `RelayLimits.limited()` for a relay that only carries what a hole punch needs.
         identity_path: key file; created on first use so the peer id survives restarts.
         insecure: plain TCP without TLS, for trusted clusters only (ids are still verified).
         announce: addresses to advertise instead of the listening ones (e.g. behind port forwarding).
@@ -103,7 +105,7 @@ class Peer:
                  transport: Transport | None = None, startup_timeout: float = BOOTSTRAP_TIMEOUT,
                  dht_config: DHTConfig | None = None, clock: Clock = get_dht_time,
                  authority: str | None = None, credential: str | Credential | None = None,
-                 relay: bool = False, metrics_port: int | None = None, **transport_options: Any):
+                 relay: bool | RelayLimits = False, metrics_port: int | None = None, **transport_options: Any):
         self._setup(initial_peers, host=host, port=port, client_mode=client_mode, identity_path=identity_path,
                     insecure=insecure, announce=announce, transport=transport, dht_config=dht_config,
                     clock=clock, authority=authority, credential=credential, relay=relay,
@@ -135,7 +137,8 @@ class Peer:
                client_mode: bool | None = None, identity_path: str | None = None, *, insecure: bool = False,
                announce: list[str] | None = None, transport: Transport | None = None,
                dht_config: DHTConfig | None = None, clock: Clock = get_dht_time, authority: str | None = None,
-               credential: str | Credential | None = None, relay: bool = False, metrics_port: int | None = None,
+               credential: str | Credential | None = None, relay: bool | RelayLimits = False,
+               metrics_port: int | None = None,
                **transport_options: Any) -> None:
         self.initial_peers = [Multiaddr.parse(a) if isinstance(a, str) else a for a in initial_peers]
         if authority is not None:  # refuse bad arguments before anything is started
@@ -253,7 +256,8 @@ class Peer:
 
     async def _start_relay(self) -> None:
         if self._relay_service is None:
-            self._relay_service = RelayService(self.transport)
+            limits = self._relay if isinstance(self._relay, RelayLimits) else RelayLimits()
+            self._relay_service = RelayService(self.transport, limits)
             self._relay_service.start()
             self._announcer = RelayAnnouncer(self.transport, self.dht)
             await self._announcer.start()
@@ -304,15 +308,19 @@ class Peer:
                     f"behind NAT, forward {port} to this machine.")
         asked = len(report.asked)
         if report.verdict == "public":
-            return f"Publicly reachable: {report.answers} of {asked} peers asked connected back to {shown}."
+            # what others reached is the address to give other machines (behind a port forward, not
+            # the one we listen at)
+            reached = ", ".join(str(a.with_peer_id(t.peer_id)) for a in report.reached[:2])
+            return f"Publicly reachable at {reached}: {report.answers} of {asked} peers asked connected back."
         if report.verdict == "unknown":
             return (f"Could not tell whether this peer is reachable ({report.answers} of {asked} peers asked "
                     f"answered the check): assuming others can connect to {shown}.")
+        seen = f"; others see this machine as {', '.join(report.observed_hosts[:2])}" if report.observed_hosts else ""
         if t.reachability == "relayed":
             relays = ", ".join(str(r) for r in self._reservations.relays) if self._reservations else ""
-            return (f"Behind NAT or a firewall (no peer could connect back to {shown}): reachable through "
+            return (f"Behind NAT or a firewall (no peer could connect back to {shown}{seen}): reachable through "
                     f"relay {relays}; for direct connections, open or forward {port} to this machine.")
-        return (f"Behind NAT or a firewall (no peer could connect back to {shown}) and no relay found, so this "
+        return (f"Behind NAT or a firewall (no peer could connect back to {shown}{seen}) and no relay found, so this "
                 f"peer runs in client mode (it can train but not serve): open or forward {port} to this "
                 "machine, or run a relay (`potluck peer --relay`) on a public machine.")
 
@@ -363,6 +371,12 @@ class Peer:
     def metrics_url(self) -> str | None:
         """Where this peer serves its Prometheus metrics (`metrics_port`); None if it does not."""
         return None if self._metrics_server is None else self._metrics_server.url
+
+    @property
+    def initial_peer_ids(self) -> list[PeerID]:
+        """The ids of the initial peers this peer reached when it started: those the user chose to
+        join through (a ps worker asks them which runs they serve)."""
+        return list(self._initial_ids)
 
     @property
     def peer_id(self) -> str:

@@ -19,7 +19,7 @@ from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import AveragingError
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
-from potluck.optim.optimizer import PROGRESS_INTERVAL
+from potluck.optim.context import PROGRESS_INTERVAL
 from potluck.optim.progress import PROGRESS_TTL
 from tests.emulated_swarm import make_swarm
 

@@ -65,7 +65,7 @@ def test_one_peer_id_cannot_open_unbounded_connections(arun):
             opened, refusals = [], []
             for _ in range(PER_PEER + 5):
                 try:
-                    opened.append(await asyncio.wait_for(attacker._dial(addr, server.peer_id, bulk=True), 10))
+                    opened.append(await asyncio.wait_for(attacker.dial(addr, server.peer_id, bulk=True), 10))
                 except HandshakeError as e:
                     refusals.append(str(e))
             assert len(opened) == PER_PEER, f"{len(opened)} connections accepted from one peer id"

@@ -79,9 +79,9 @@ async def _flood(attacker_transport, target: DHT, count: int, prefix: str, signe
                 records.append(sign_record(Record(f"{prefix}.{i}{marker}", None, FLOOD_VALUE, now + FLOOD_TTL), identity))
             else:
                 records.append(Record(f"{prefix}.{i}", None, FLOOD_VALUE, now + FLOOD_TTL))
-        answer = await attacker_transport.call(target.peer_id, protocol.STORE, protocol.store_request(records),
-                                               timeout=30)
-        answers.extend(protocol.parse_store_response(answer, len(records)))
+        answer = await attacker_transport.call(target.peer_id, protocol.STORE,
+                                               protocol.write(protocol.StoreRequest(records)), timeout=30)
+        answers.extend(protocol.read(protocol.StoreResponse, answer, n_records=len(records)).results)
     return answers
 
 

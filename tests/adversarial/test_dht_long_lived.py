@@ -14,6 +14,7 @@ import torch
 
 from potluck.averaging import Averager
 from potluck.averaging.matchmaking import Declaration
+from potluck.core.names import RunNames
 from potluck.core.serialization import dumps
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import protocol
@@ -27,8 +28,8 @@ DAY = 23 * 3600.0
 async def store_directly(attacker, node, record: Record) -> bool | str:
     """Send one record straight to `node`, as a hostile client would (no client-side checks)."""
     answer = await attacker.transport.call(node.transport.peer_id, protocol.STORE,
-                                           protocol.store_request([record]), timeout=5)
-    return protocol.parse_store_response(answer, 1)[0]
+                                           protocol.write(protocol.StoreRequest([record])), timeout=5)
+    return protocol.read(protocol.StoreResponse, answer, n_records=1).results[0]
 
 
 @pytest.mark.timeout(60)
@@ -38,7 +39,7 @@ def test_day_long_declarations_signed_by_the_squatter_itself_are_refused_and_gro
         honest, squatter = peers[:3], peers[3]
         avgs = [Averager(p, [torch.full((8,), float(i))], "match", matchmaking_time=1.0)
                 for i, p in enumerate(honest)]
-        key = "match.match.all"
+        key = RunNames("match").averager("tensors").declarations("all")
         me = squatter.transport.identity
         declared = dumps(Declaration(avgs[0].schema).to_wire())
         record = sign_record(Record(key, own_subkey(me.peer_id), declared, squatter.dht.get_time() + DAY), me)
@@ -51,8 +52,8 @@ def test_day_long_declarations_signed_by_the_squatter_itself_are_refused_and_gro
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("key", ["run.progress", "run.state", "run.pipeline.profiles", "run.pipeline.layout",
-                                 "sweep.s.leases"])
+@pytest.mark.parametrize("key", ["run.progress", "run.avg.state.donors", "run.pipeline.profiles", "run.pipeline.layout",
+                                 "run.sweep.s.leases"])
 def test_each_kind_of_potluck_key_refuses_a_day_long_record(key):
     async def main():
         net, peers = await make_swarm(2)
@@ -74,7 +75,7 @@ def test_a_plain_record_under_a_donor_key_is_refused_and_donors_keep_announcing(
     async def main():
         net, peers = await make_swarm(3)
         donor, squatter, newcomer = peers
-        key = "squat.state"
+        key = RunNames("squat").averager("tensors").donors
         plain = Record(key, None, dumps({"version": 10**9}), squatter.dht.get_time() + 3000)
         assert "only owner-signed entries" in await store_directly(squatter, donor, plain)
         assert "only owner-signed entries" in await store_directly(squatter, newcomer, plain)

@@ -17,6 +17,7 @@ import torch
 from potluck.averaging import Averager
 from potluck.averaging.matchmaking import Declaration
 from potluck.core.errors import AveragingError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import RecordRejected, owner_marker
 from potluck.dht.key_kinds import KEY_KINDS
@@ -44,7 +45,7 @@ def test_a_strangers_entry_under_a_donors_subkey_is_not_read_as_the_donor_and_ne
     async def main():
         net, peers = await make_swarm(3)
         donors, stranger = peers[:2], peers[2]
-        key = "squat.state"
+        key = RunNames("squat").averager("tensors").donors
         for donor in donors:
             donor_id = donor.transport.peer_id
             # unsigned, under the donor's plain id (the old subkey), claiming a newer state in a broken shape
@@ -81,8 +82,8 @@ def test_declarations_squatted_under_other_peers_ids_do_not_stop_a_group_from_fo
         declared = Declaration(avgs[0].schema).to_wire()
         for p in honest:
             victim = p.transport.peer_id
-            await squat(stranger, "match.match.all", declared, str(victim))
-            await squat(stranger, "match.match.all", declared, f"{victim}{owner_marker(stranger.transport.peer_id)}")
+            await squat(stranger, RunNames("match").averager("tensors").declarations("all"), declared, str(victim))
+            await squat(stranger, RunNames("match").averager("tensors").declarations("all"), declared, f"{victim}{owner_marker(stranger.transport.peer_id)}")
         results = await asyncio.gather(*(a.astep(timeout=20) for a in avgs), return_exceptions=True)
         assert [getattr(r, "group_size", r) for r in results] == [3, 3, 3]
         assert all(torch.equal(a._tensors[0], torch.full((8,), 1.0)) for a in avgs)
@@ -154,7 +155,7 @@ def test_a_stranger_can_neither_block_a_sweep_trial_with_a_day_long_lease_nor_pl
         net, peers = await make_swarm(2)
         honest, stranger = peers
         sweep = SweepSpec(run_id="squat", space={"lr": [0.1, 0.2]})
-        leases, results = f"sweep.{sweep.sweep_id}.leases", f"sweep.{sweep.sweep_id}.results"
+        leases, results = RunNames(sweep.run_id).sweep_leases(sweep.trials_digest), RunNames(sweep.run_id).sweep_results(sweep.trials_digest)
         mine = owner_marker(stranger.transport.peer_id)
         fake = {"metrics": {"test_accuracy": 99.0}, "peer": str(honest.transport.peer_id), "seconds": 0.0,
                 "error": None}
@@ -174,14 +175,15 @@ def test_a_stranger_can_neither_block_a_sweep_trial_with_a_day_long_lease_nor_pl
 
 @pytest.mark.timeout(60)
 def test_a_pipeline_profile_is_read_only_from_the_node_it_describes():
-    from potluck.pipeline.profiling import NodeProfile, fetch_profiles, profiles_key, publish_profile
+    from potluck.core.names import RunNames
+    from potluck.pipeline.profiling import NodeProfile, fetch_profiles, publish_profile
 
     async def main():
         net, peers = await make_swarm(3)
         victim, stranger, reader = peers
         victim_id = str(victim.transport.peer_id)
         fake = NodeProfile(victim_id, flops=1e18, memory=1).to_wire()  # "fast, but holds nothing"
-        key = profiles_key("run")
+        key = RunNames("run").pipeline.profiles
         for subkey in (victim_id, owner_marker(stranger.transport.peer_id)):  # unsigned; signed by the stranger
             await squat(stranger, key, fake, subkey)
         await publish_profile(victim, "run", NodeProfile(victim_id, flops=1e9, memory=2**30))

@@ -27,12 +27,12 @@ def test_a_caller_cannot_aim_a_dial_back_at_a_third_party():
             await t.start()
         DialbackService(server).start()
         dialed = []
-        dial = server._dial
+        dial = server.dial
 
-        async def recording(address, expected, bulk):
+        async def recording(address, expected, bulk, answer_within=None):
             dialed.append(address)
-            return await dial(address, expected, bulk)
-        server._dial = recording
+            return await dial(address, expected, bulk, answer_within)
+        server.dial = recording
         await attacker.connect(server.addresses[0])
         aimed = [victim.addresses[0], Multiaddr.circuit(relay.addresses[0], victim.peer_id),
                  Multiaddr.parse("/ip4/192.0.2.7/tcp/80"), attacker.addresses[0]]
@@ -50,12 +50,12 @@ def test_dial_backs_in_flight_are_capped_in_all_and_per_caller():
         server = network.transport()
         await server.start()
         DialbackService(server).start()
-        slow_dial = server._dial
+        slow_dial = server.dial
 
-        async def hanging(address, expected, bulk):  # every dial-back takes a second
+        async def hanging(address, expected, bulk, answer_within=None):  # every dial-back takes a second
             await asyncio.sleep(1)
-            return await slow_dial(address, expected, bulk)
-        server._dial = hanging
+            return await slow_dial(address, expected, bulk, answer_within)
+        server.dial = hanging
         callers = [network.transport() for _ in range(MAX_CONCURRENT_DIALBACKS + 4)]
         for c in callers:
             await c.start()

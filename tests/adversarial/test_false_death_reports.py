@@ -12,7 +12,8 @@ import logging
 import pytest
 import torch
 
-from potluck.averaging.allreduce import DEATH_PROBE_TIMEOUT, AllReduceRun, AllReduceService, Group
+from potluck.averaging.allreduce import AllReduceRun, AllReduceService, Group
+from potluck.averaging.allreduce.coordinator import DEATH_PROBE_TIMEOUT
 from potluck.core.errors import AveragingError, PeerUnreachable
 from potluck.core.virtual_time import run_virtual
 from tests.adversarial.members import N, group_of_four, step_together, warnings_naming

@@ -26,7 +26,7 @@ from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.optim import Optimizer
-from potluck.optim.optimizer import PROGRESS_INTERVAL
+from potluck.optim.context import PROGRESS_INTERVAL
 from potluck.optim.progress import (
     AVERAGED_SLACK,
     LIVE_SECONDS,
@@ -211,7 +211,7 @@ def test_training_peers_keep_their_epochs_beside_a_peer_claiming_epoch_ten_milli
     opts = run_on_shared_runner(train_beside_a_liar(3, epoch=10**7, done=10**7, sps=50.0), timeout=120)
     assert [o.local_epoch for o in opts] == [3, 3]
     assert all(TRAIN_TARGET <= o.epoch_samples for o in opts)  # the last epoch was a whole batch
-    assert all(torch.equal(a, b) for a, b in zip(opts[0]._params, opts[1]._params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(opts[0].context.state.params, opts[1].context.state.params, strict=True))
 
 
 def test_a_lone_peer_far_ahead_is_followed_only_if_it_averaged_with_us() -> None:
@@ -264,7 +264,7 @@ async def averaged_then_claimed(caplog: pytest.LogCaptureFixture, **claims: Any)
                                                            done=liar.local_epoch, **claims))
             for _ in range(100):
                 await asyncio.sleep(PROGRESS_INTERVAL)
-                if reader._reports.get(liar_id, None) is not None and reader._reports[liar_id].samples_per_second \
+                if reader.context.reports.get(liar_id, None) is not None and reader.context.reports[liar_id].samples_per_second \
                         == claims["sps"]:
                     break
             else:

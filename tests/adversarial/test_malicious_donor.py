@@ -1,6 +1,7 @@
-"""Issue 15, "Verified state": a newcomer's `Optimizer` takes the state that donors vouched for by
-its progress view agree on, refuses an epoch or version the view does not support, checks every
-chunk, and moves its scheduler to the downloaded epoch in one call.
+"""Issue 15, "Verified state": a newcomer's `Optimizer` counts only donors vouched for by its
+progress view, refuses an epoch or version the view does not support, checks every chunk, and
+moves its scheduler to the downloaded epoch in one call. (How it chooses among vouched donors that
+disagree, by what its witnesses recorded and never by their number: test_donor_votes.py.)
 
 Two honest peers hold the swarm's state at epoch `EPOCH` (identical parameters, as sync training
 leaves them) and publish progress; attackers serve other states under the same prefix, with
@@ -22,6 +23,7 @@ import torch
 
 import potluck
 from potluck.averaging.state_transfer import CHUNK_BYTES, DonorRecord, StateServer
+from potluck.core.names import RunNames
 from potluck.dht.records import own_subkey
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
@@ -74,8 +76,8 @@ class Swarm:
     async def add_honest(self, count: int, epoch: int = EPOCH) -> None:
         for _ in range(count):
             opt = await self.optimizer(1, load_state=False)
-            opt.local_epoch = epoch
-            opt._label_state(epoch)
+            opt.context.epoch = epoch
+            opt.context.state.label(epoch)
             await opt.astart()  # announces its state and starts publishing progress
             self.honest.append(opt)
 
@@ -84,10 +86,10 @@ class Swarm:
         """A donor serving `state()` under the run's state prefix, with its own signed donor record;
         with `progress_epoch`, it also publishes progress at that epoch (so it is a live peer)."""
         peer = await join(self.network, self.peers)
-        server = StateServer(peer.transport, state, f"{RUN}.state")
+        server = StateServer(peer.transport, state, RunNames(RUN).averager("state"))
         self.servers.append(server)
         version = state()[0]
-        await peer.dht.astore(f"{RUN}.state.state", DonorRecord(version).to_wire(), peer.dht.get_time() + 600,
+        await peer.dht.astore(RunNames(RUN).averager("state").donors, DonorRecord(version).to_wire(), peer.dht.get_time() + 600,
                               subkey=own_subkey(peer.transport.peer_id))
         if progress_epoch is not None:
             claims = keep_claiming(peer, RUN, epoch=progress_epoch, done=progress_epoch)
@@ -101,10 +103,10 @@ class Swarm:
         return opt
 
     def honest_state(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.honest[0]._state_tensors()]
+        return [t.clone() for t in self.honest[0].context.state.tensors()]
 
     def fake_state(self, version: int, metadata: Any) -> Callable[[], tuple[int, Any, list[torch.Tensor]]]:
-        tensors = [torch.full_like(t, 1e6) for t in self.honest[0]._state_tensors()]
+        tensors = [torch.full_like(t, 1e6) for t in self.honest[0].context.state.tensors()]
         return lambda: (version, metadata, tensors)
 
     async def close(self) -> None:
@@ -130,7 +132,7 @@ async def swarm(honest: int = 2, epoch: int = EPOCH, width: int = 16) -> AsyncIt
 
 def assert_honest(newcomer: Optimizer, honest: list[torch.Tensor], epoch: int = EPOCH) -> None:
     assert newcomer.local_epoch == epoch
-    for got, expected in zip(newcomer._state_tensors(), honest, strict=True):
+    for got, expected in zip(newcomer.context.state.tensors(), honest, strict=True):
         assert torch.equal(got, expected)
     newcomer.shutdown()
 
@@ -193,7 +195,8 @@ def test_a_donor_sending_a_corrupted_chunk_is_dropped_and_the_download_goes_on(
     async def main() -> None:
         async with swarm(width=8 * CHUNK_BYTES // 4096) as scene:
             honest = scene.honest_state()
-            liar = await scene.add_attacker(lambda: (EPOCH, {"epoch": EPOCH}, honest), progress_epoch=EPOCH)
+            metadata = scene.honest[0].context.state.metadata(EPOCH)  # the honest manifest's, run schema and all
+            liar = await scene.add_attacker(lambda: (EPOCH, metadata, honest), progress_epoch=EPOCH)
             total = sum(t.numel() * t.element_size() for t in honest)
             lies: list[int] = []
 

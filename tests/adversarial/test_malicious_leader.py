@@ -25,7 +25,7 @@ def test_a_leader_that_gives_itself_every_part_is_refused_and_the_honest_peers_a
 
         def greedy_close(gathering):  # every part to the leader, the rest of the group as it should be
             with monkeypatch.context() as m:
-                m.setattr(matchmaking, "balanced_parts", lambda total, modes, up, down: [total] + [0] * (len(modes) - 1))
+                m.setattr(matchmaking, "balanced_parts", lambda total, roles, up, down: [total] + [0] * (len(roles) - 1))
                 return honest_close(gathering)
         attacker.matchmaker._close = greedy_close
 

@@ -51,7 +51,7 @@ def gradient(model: torch.nn.Module, generator: torch.Generator, teacher: torch.
 def attacked_rounds(aggregation: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Each round's (honest gradients stacked, the server's aggregate), and the pushes refused."""
     async def scenario():
-        sim = await PSSimulation.start(make_model, sgd, ServerConfig(mode="sync", num_workers=WORKERS,
+        sim = await PSSimulation.start(make_model, sgd, ServerConfig(consistency="sync", num_workers=WORKERS,
                                                                      aggregation=aggregation),
                                        [0.01] * WORKERS, offload=False)
         try:
@@ -97,9 +97,9 @@ def test_a_lying_worker_steers_the_mean_but_not_a_robust_aggregation():
         assert torch.dot(step, mean) > 0
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_a_robust_aggregation_is_refused_where_pushes_are_applied_one_at_a_time(mode):
+@pytest.mark.parametrize("consistency", ["async", "ssp"])
+def test_a_robust_aggregation_is_refused_where_pushes_are_applied_one_at_a_time(consistency):
     with pytest.raises(ValueError, match="applies every push alone"):
-        ServerConfig(mode=mode, aggregation="trimmed_mean")
+        ServerConfig(consistency=consistency, aggregation="trimmed_mean")
     with pytest.raises(ValueError, match="aggregation must be one of"):
-        ServerConfig(mode="sync", aggregation="median")
+        ServerConfig(consistency="sync", aggregation="median")

@@ -12,9 +12,11 @@ import sys
 import pytest
 import torch
 
-from potluck.averaging import Averager, allreduce
+from potluck.averaging import Averager
 from potluck.averaging.accountability import ban_list
-from potluck.averaging.allreduce import AllReduceRun, AllReduceService, ShardReducer
+from potluck.averaging.allreduce import AllReduceRun, AllReduceService, reduction
+from potluck.averaging.allreduce.messages import ResultChunk, ResultFinal
+from potluck.averaging.allreduce.reducer import ShardReducer
 from potluck.compression import get_codec
 from potluck.core.virtual_time import run_virtual
 from tests.adversarial.members import N, assert_refused, group_of_four, step_together, warnings_naming
@@ -29,7 +31,7 @@ def reducing_on(transport) -> bool:
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, ShardReducer):
-            return owner._run().service.transport is transport
+            return owner.host.service.transport is transport
         frame = frame.f_back
     return False
 
@@ -47,13 +49,13 @@ def attacker_runs(monkeypatch: pytest.MonkeyPatch, attacker: Averager, method: s
 
 def reduce_to_1e6(monkeypatch: pytest.MonkeyPatch, attacker) -> None:
     """The reducer of the peer of transport `attacker` fills its shard with 1e6 (the same lie to all)."""
-    honest_chunk = allreduce._weighted_chunk
+    honest_chunk = reduction.weighted_chunk
 
     def lying_chunk(pieces, weights, senders, c, out, scratch):
         honest_chunk(pieces, weights, senders, c, out, scratch)
         if reducing_on(attacker):
             out.fill_(1e6)
-    monkeypatch.setattr(allreduce, "_weighted_chunk", lying_chunk)
+    monkeypatch.setattr(reduction, "weighted_chunk", lying_chunk)
 
 
 @pytest.mark.timeout(60)
@@ -139,20 +141,20 @@ def test_a_reducer_that_sends_one_member_another_result_is_caught_by_its_own_sig
         attacker, victim = avgs[3].transport, avgs[1].transport
 
         async def equivocating_write(self, outbox, channel):
-            run = self._run()
+            run = self.host
             if run is None or run.service.transport is not attacker or channel.peer_id != victim.peer_id:
                 return await honest_write(self, outbox, channel)
             sent = {}
             while True:
                 msg = await outbox.get()
-                if isinstance(msg, allreduce.ResultChunk):
-                    wrong = allreduce._decode(self.codec, msg.payload, self.size) + 1.0
+                if isinstance(msg, ResultChunk):
+                    wrong = reduction.decode_chunk(self.codec, msg.payload, self.size) + 1.0
                     sent[msg.chunk] = wrong
-                    msg = allreduce.ResultChunk(msg.chunk, allreduce._encode(self.codec, wrong))
+                    msg = ResultChunk(msg.chunk, reduction.encode_chunk(self.codec, wrong))
                 elif hasattr(msg, "signature"):  # sign what the victim receives
                     msg = dataclasses.replace(msg, signature=run.sign_final(self.shard, msg.senders, msg.version, sent))
                 await self.stats.send(channel, msg.to_wire())
-                if isinstance(msg, allreduce.ResultFinal):
+                if isinstance(msg, ResultFinal):
                     await channel.close()
                     return True
         monkeypatch.setattr(ShardReducer, "_write", equivocating_write)

@@ -41,7 +41,7 @@ def _held_by(server, peer_id) -> tuple[int, int, int]:
 
 
 async def _bulk_connections(attacker, server, n: int):
-    return [await asyncio.wait_for(attacker._dial(server.addresses[0], server.peer_id, bulk=True), 10)
+    return [await asyncio.wait_for(attacker.dial(server.addresses[0], server.peer_id, bulk=True), 10)
             for _ in range(n)]
 
 

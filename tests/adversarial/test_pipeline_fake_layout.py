@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from potluck.core.errors import RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import RecordRejected
 from potluck.pipeline.layout import LAYOUT_TTL, Layout, LayoutDirectory, Span
@@ -46,7 +47,7 @@ def test_a_strangers_layout_is_not_read_and_earns_it_no_weights():
         me = str(stranger.transport.peer_id)
         fake = Layout(10**6, (Span(me, 0, LAYERS),))
         dht = stranger.dht
-        key = f"{config.run_id}.pipeline.layout"
+        key = RunNames(config.run_id).pipeline.layout
         # the old form: a plain subkey named after the cluster, expiring after the controller's entry
         try:
             plain_stored = await dht.astore(key, {**fake.to_wire(), "plan": 1}, dht.get_time() + LAYOUT_TTL + 60,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from potluck.core.errors import RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import PipelineRun, launch_run
 from potluck.pipeline.messages import Activation, Configure, FailureReport, GetLayers, Gradient, Route
@@ -61,7 +62,7 @@ class Scene:
         self.peers, self.run, self.layers = peers, run, layers
         self.controller = run.controllers[0]
         self.stranger = peers[-1].transport
-        self.prefix = self.controller.config.run_id + ".pipe."
+        self.names = RunNames(self.controller.config.run_id).pipeline
 
     def stage(self, index: int):
         return self.run.worker_of(0, index)
@@ -113,7 +114,7 @@ def test_a_strangers_configure_is_refused_and_the_stage_is_unchanged():
         await s.trains(3)
         route, layers, built = target.route, dict(target.layers), len(s.layers.built)
         with pytest.raises(RemoteError, match="configure refused: .*controller") as refused:
-            await s.stranger.call(target.transport.peer_id, s.prefix + "ctl",
+            await s.stranger.call(target.transport.peer_id, s.names.control,
                                   Configure(evil_route(s, target)).to_wire(), timeout=10)
         # what the stage holds and obeys is what the controller gave it: same route, same layers
         assert target.route is route and target.layers == layers
@@ -141,7 +142,7 @@ def test_an_absurd_layer_range_is_refused_when_parsed_whoever_sends_it():
             bad = dict(target.route.to_wire(), epoch=target.route.epoch + 1, start=start, end=end, sources={})
             for caller in (honest, s.stranger):  # the controller itself cannot ask for it either
                 with pytest.raises(RemoteError, match="past the model's 6 layers") as refused:
-                    await caller.call(target.transport.peer_id, s.prefix + "ctl",
+                    await caller.call(target.transport.peer_id, s.names.control,
                                       {"op": "configure", "route": bad}, timeout=10)
                 errors.append(str(refused.value))
         assert len(s.layers.built) == built and max(s.layers.built) < LAYERS  # no layer past the model
@@ -169,11 +170,11 @@ def test_a_strangers_activations_and_gradients_are_refused_while_the_pipeline_tr
         await s.run.wait_until(lambda: all(w.idle for w in (first, middle, last)), 30)
         for stage in (middle, last):
             with pytest.raises(RemoteError, match="activation refused: .*previous stage"):
-                await s.stranger.call(stage.transport.peer_id, s.prefix + "fwd", activation, timeout=10)
+                await s.stranger.call(stage.transport.peer_id, s.names.forward, activation, timeout=10)
         # nor does it wait for an epoch the stage has not reached: that would hold the call open
         ahead = Activation(epoch + 1, EVIL_MB, {"data": torch.zeros(8, WIDTH)}, y).to_wire()
         with pytest.raises(RemoteError, match=f"epoch {epoch + 1} refused: .*newer epoch"):
-            await s.stranger.call(middle.transport.peer_id, s.prefix + "fwd", ahead, timeout=10)
+            await s.stranger.call(middle.transport.peer_id, s.names.forward, ahead, timeout=10)
         first.schedule.injection_paused = False
         first._wake.set()
         # a gradient for a micro-batch the first stage has sent on and awaits: only the next stage's counts
@@ -181,9 +182,9 @@ def test_a_strangers_activations_and_gradients_are_refused_while_the_pipeline_tr
         waiting = next(iter(first._saved))
         gradient = Gradient(epoch, waiting, {"data": torch.full((8, WIDTH), 1e6)}).to_wire()
         with pytest.raises(RemoteError, match="gradient refused: .*next stage"):
-            await s.stranger.call(first.transport.peer_id, s.prefix + "bwd", gradient, timeout=10)
+            await s.stranger.call(first.transport.peer_id, s.names.backward, gradient, timeout=10)
         with pytest.raises(RemoteError, match="gradient refused: .*next stage"):
-            await s.stranger.call(middle.transport.peer_id, s.prefix + "bwd", gradient, timeout=10)
+            await s.stranger.call(middle.transport.peer_id, s.names.backward, gradient, timeout=10)
         await s.trains(20)  # nothing honest was lost: every micro-batch of the honest stages went through
         stats = [(w.stats.expired, [t for t in w.trace if t[1] == EVIL_MB]) for w in (first, middle, last)]
         await s.close()
@@ -201,7 +202,7 @@ def test_a_stranger_cannot_read_a_stages_weights():
         await s.trains(3)
         held = tuple(sorted(target.layers))
         with pytest.raises(RemoteError, match="get_layers refused"):
-            await s.stranger.call(target.transport.peer_id, s.prefix + "ctl", GetLayers(held).to_wire(), timeout=10)
+            await s.stranger.call(target.transport.peer_id, s.names.control, GetLayers(held).to_wire(), timeout=10)
         await s.trains(5)
         await s.close()
 
@@ -217,12 +218,12 @@ def test_a_strangers_ring_data_and_failure_reports_are_refused():
         me, them = str(s.stranger.peer_id), str(target.transport.peer_id)
         part = RingPart(PartKey(target.ring.round, 2, 4, 0, f"{me},{them}", 0, 0), torch.zeros(1000)).to_wire()
         with pytest.raises(RemoteError, match="ring part refused"):
-            await s.stranger.call(target.transport.peer_id, s.prefix + "ring", part, timeout=10)
+            await s.stranger.call(target.transport.peer_id, s.names.ring, part, timeout=10)
         assert not target.ring._mailbox
         # a failure report naming a live member only costs a ping, but it is a member's call
         report = FailureReport(them, s.controller.epoch).to_wire()
         with pytest.raises(RemoteError, match="failure report refused"):
-            await s.stranger.call(s.controller.transport.peer_id, s.prefix + "cluster.c0", report, timeout=10)
+            await s.stranger.call(s.controller.transport.peer_id, s.names.report("c0"), report, timeout=10)
         await s.trains(5)
         assert not s.controller.events
         await s.close()

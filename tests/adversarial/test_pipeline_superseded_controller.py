@@ -25,7 +25,7 @@ def test_a_configure_older_than_the_stages_epoch_is_refused():
         await s.trains(3)
         old = target.route
         controller = s.controller.transport
-        method = s.prefix + "ctl"
+        method = s.names.control
         # the controller that took over configures the stage for a newer epoch ...
         await controller.call(target.transport.peer_id, method,
                               Configure(dataclasses.replace(old, epoch=old.epoch + 1)).to_wire(), timeout=10)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from potluck.core.errors import RemoteError
+from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.ps import PSClient, ServerConfig, start_parameter_servers
-from potluck.ps.server import method_name
 from potluck.ps.simulation import RUN_ID, EmulatedPeer, PSSimulation
 
 BATCH = 16
@@ -52,7 +52,7 @@ def unchanged(before: list[torch.Tensor], params) -> bool:
 
 async def refused(transport, server, verb: str, request) -> str:
     with pytest.raises(RemoteError) as info:
-        await transport.call(server, method_name(RUN_ID, 0, verb), request, timeout=5)
+        await transport.call(server, RunNames(RUN_ID).ps_shard(0, verb), request, timeout=5)
     assert info.value.remote_type in ("PSInputError", "MalformedMessage"), info.value
     return str(info.value)
 
@@ -60,7 +60,7 @@ async def refused(transport, server, verb: str, request) -> str:
 @pytest.mark.timeout(60)
 def test_a_strangers_push_is_refused_and_absurd_pushes_of_a_worker_too():
     async def scenario():
-        sim = await PSSimulation.start(make_model, sgd, ServerConfig(mode="async", num_workers=2), [0.01, 0.01],
+        sim = await PSSimulation.start(make_model, sgd, ServerConfig(consistency="async", num_workers=2), [0.01, 0.01],
                                        offload=False)
         stranger = await EmulatedPeer.start(sim.network, None, sim.workers[0])
         try:
@@ -128,7 +128,8 @@ def test_a_server_given_the_runs_workers_refuses_everyone_else_even_before_they_
             workers = [honest.transport.peer_id, late.transport.peer_id]
             servers, layout = start_parameter_servers(
                 [server_peer], RUN_ID, list(model.parameters()), sgd,
-                ServerConfig(mode="async", num_workers=2, registration_timeout=0.5), offload=False, workers=workers)
+                ServerConfig(consistency="async", num_workers=2, registration_timeout=0.5), offload=False,
+                workers=workers)
             ps, server = servers[0], server_peer.transport.peer_id
             errors = [await refused(stranger.transport, server, verb, {})
                       for verb in ("register", "pull")]  # a free seat would be there without the list

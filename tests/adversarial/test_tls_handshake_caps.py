@@ -91,7 +91,7 @@ def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handsha
             with pytest.raises(PeerUnreachable, match="could not connect"):
                 await dial
             assert all(n == 0 for _, n in results), "a stalled connection was sent TLS bytes"
-            assert server._pending_handshakes == PENDING_CAP
+            assert server.pending_handshakes == PENDING_CAP
 
             # A whole ClientHello over the cap: closed without a ServerHello (no TLS handshake's CPU).
             reader, writer = await asyncio.open_connection(addr.host, addr.port, local_addr=("127.0.0.200", 0))
@@ -108,7 +108,7 @@ def test_connections_stalled_before_tls_are_capped_and_refused_without_a_handsha
             assert all(closed for closed, _ in dropped)
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
-            assert server._pending_handshakes == 0
+            assert server.pending_handshakes == 0
 
     arun(main(), timeout=50)
 
@@ -133,7 +133,7 @@ def test_one_address_cannot_take_every_pending_handshake(arun, monkeypatch):
             assert held == PENDING_CAP, f"{held} stalled connections from one address are held"
             sid = await honest.connect(addr, timeout=ROUND_TRIP_BOUND)
             assert await honest.call(sid, "echo", "hi", timeout=ROUND_TRIP_BOUND) == "hi"
-            assert server._pending_handshakes == PENDING_CAP  # the stalled ones, still held
+            assert server.pending_handshakes == PENDING_CAP  # the stalled ones, still held
 
     arun(main(), timeout=50)
 
@@ -181,8 +181,8 @@ def test_connections_refused_failed_or_expired_before_tls_leave_no_cyclic_garbag
                         break
                     await asyncio.sleep(0.05)
                 assert not server._links
-                assert (server._accepted, server._pending_handshakes) == (0, 0)
-                assert not server._accepted_per_ip and not server._pending_per_ip
+                assert (server.accepted_connections, server.pending_handshakes) == (0, 0)
+                assert not server._connections.counted() and not server._handshakes.counted()
                 assert cyclic_garbage() == []
 
     arun(main(), timeout=50, kind=kind)

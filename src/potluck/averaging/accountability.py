@@ -6,7 +6,7 @@ could be a lie too); matchmaking neither joins nor admits them, for the rest of 
 
 Digests bind what was sent: a sender's piece of a shard is hashed chunk by chunk, the chunk
 hashes and its weight into one root; the coordinator's decision carries, per shard, one digest
-over the roots of the senders it averages (see allreduce.py). A member that later asks the
+over the roots of the senders it averages (see `allreduce`). A member that later asks the
 reducer for the pieces of one chunk can then tell whether they are the pieces the senders sent,
 and whether the reducer's result is what they average to.
 """
@@ -35,8 +35,8 @@ MAX_EVIDENCE_CHARS = 500
 DIGEST_BYTES = 32
 # Elements per digested block of a chunk (16 KiB of float32). A member that checks a reducer's
 # work under an elementwise aggregation fetches one block from every sender, not a whole chunk,
-# in the codec's form where exact (allreduce._wire_form): the check then costs (reducers - 1) x
-# senders x one block per member and step (~2 KiB under 4 bits), not a chunk.
+# in the codec's form where exact (allreduce.reduction.wire_form): the check then costs
+# (reducers - 1) x senders x one block per member and step (~2 KiB under 4 bits), not a chunk.
 VERIFY_BLOCK = 2**12
 
 
@@ -75,7 +75,7 @@ def ban_list(transport: Any) -> BanList:
 
 def block_digests(values: torch.Tensor) -> list[bytes]:
     """Digests of the float32 bits of `values`, one per VERIFY_BLOCK elements."""
-    data = memoryview(values.detach().reshape(-1).to(torch.float32).contiguous().numpy()).cast("B")
+    data = memoryview(values.detach().to("cpu", torch.float32).reshape(-1).contiguous().numpy()).cast("B")
     step = 4 * VERIFY_BLOCK
     return [hashlib.sha256(data[i:i + step]).digest() for i in range(0, max(len(data), 1), step)]
 

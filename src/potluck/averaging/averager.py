@@ -1,4 +1,4 @@
-"""`potluck.Averager`: average a set of tensors with whoever else averages under the same run_id.
+"""`potluck.Averager`: average a set of tensors with whoever else averages them in the same run.
 
 One `step()` = matchmaking through the DHT (optionally on a Moshpit grid), one fault-tolerant
 butterfly all-reduce in the group, and an atomic update of the local tensors (or an
@@ -20,17 +20,28 @@ from typing import Any
 
 import torch
 
+from potluck.averaging.accountability import ban_list
 from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import Matchmaker
 from potluck.averaging.robust import AGGREGATIONS
 from potluck.averaging.role import Role
-from potluck.averaging.state_transfer import DonorRecord, ManifestCheck, StateServer, download_state, read_donors
+from potluck.averaging.state_transfer import (
+    DonorRecord,
+    Election,
+    ManifestCheck,
+    StateServer,
+    download_state,
+    read_donors,
+)
+from potluck.averaging.suspicion import SuspicionLedger
 from potluck.compression import PowerSGD, get_codec
 from potluck.core import compat
 from potluck.core.errors import AveragingError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.core.staging import gather_into, scatter_from, wants_pinned
 from potluck.core.tensors import all_finite
 from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.dht.records import own_subkey
@@ -67,21 +78,38 @@ class StepResult:
 
 
 def _service(transport: Any) -> AllReduceService:
-    """One all-reduce service per transport: several averagers (run_ids) share its handlers."""
+    """One all-reduce service per transport: every averager of every run shares its handlers."""
     service = transport.services.get("allreduce")
     if service is None:
         service = transport.services["allreduce"] = AllReduceService(transport)
     return service
 
 
+
+def stateless_codec(compression: Any) -> Any:
+    """The codec `compression` names, or ValueError if it keeps state: a step encodes every chunk,
+    result and check with one instance, so a residual would leak from one chunk into the next (or
+    fail on a chunk of another size)."""
+    codec = get_codec(compression)
+    if codec.stateful:
+        raise ValueError(f"the Averager cannot carry {codec.name!r}'s state (its error feedback) between "
+                         "chunks: for top-k pseudo-gradients use Optimizer(mode='diloco', outer_compression="
+                         "{'name': 'topk', ...}) (Streaming DiLoCo keeps error feedback per fragment), or a "
+                         "stateless codec such as 'sparse' or 'blockwise4'")
+    return codec
+
 class Averager:
     """Averages `tensors` with other peers under `run_id`; see DESIGN.md section 3.
 
     Args:
         peer: a `potluck.Peer`; the async API (`astep`, ...) takes any `PeerLike`.
-        tensors: float tensors; the averager keeps its own copies (`get_tensors()`), unless
-            `copy=False`.
-        run_id: the name of this averaging job; peers with the same run_id average together.
+        tensors: float tensors of any float dtype, on any device; the averager keeps its own
+            copies (`get_tensors()`, on the same devices), unless `copy=False`. They are averaged
+            as float32 in host memory: each step copies them into a pooled host buffer (pinned
+            when they are on a CUDA device: the copies are queued together, asynchronously) and
+            the result back, rounded to their dtype.
+        run_id: the run (`potluck.core.names.RunNames`): peers average together whose averagers
+            have the same run_id and `name`.
         target_group_size: close a group once it has this many members (None: whoever shows up).
         min_group_size: fail the step when fewer peers are found.
         compression: a codec name or spec (`potluck.compression.known_codecs()`); stateless only
@@ -105,9 +133,13 @@ class Averager:
             "centered_clip" or "trimmed_mean" (robust to a minority of malicious members, at some
             cost in CPU; see `potluck.averaging.robust` and docs/security.md). Part of the
             schema: peers average only with peers that chose the same. Not with powersgd_rank.
+        name: which of the run's averagers this is (a word: letters, digits, '_', '-'); the
+            Optimizer's own are "state", "grads", "delta" and "delta<i>"/"outer<i>".
         copy: False: average `tensors` themselves, in place (no private copy: saves one model
             of memory). The caller then changes them only inside `get_tensors()`, so that a step
             or a newcomer's snapshot never sees them half-written.
+        fingerprint: what else peers must share to average together (the Optimizer's run schema,
+            `potluck.optim.schema`: parameter names, settings); part of the schema.
     """
 
     def __init__(self, peer: PeerLike, tensors: Sequence[torch.Tensor], run_id: str,
@@ -116,7 +148,8 @@ class Averager:
                  coordinates: Sequence[int] | None = None, matchmaking_time: float = 3.0,
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
-                 powersgd_rank: int | None = None, copy: bool = True, aggregation: str = "mean"):
+                 powersgd_rank: int | None = None, copy: bool = True, aggregation: str = "mean",
+                 name: str = "tensors", fingerprint: str | None = None):
         role = Role(role)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
@@ -132,22 +165,22 @@ class Averager:
         self.peer = peer
         self.transport = peer.transport
         self.run_id = run_id
+        self.names = RunNames(run_id).averager(name)
         self.role = Role.CLIENT if self.transport.client_mode and role == Role.NODE else role
         self._tensors = [t.detach().clone() if copy else t.detach() for t in tensors]
         self._lock = threading.Lock()
-        self.codec = get_codec(compression)
-        if self.codec.stateful:
-            # A step encodes every chunk, result and check with this one instance: a residual
-            # would leak from one chunk into the next (or fail on a chunk of another size).
-            raise ValueError(f"the Averager cannot carry {self.codec.name!r}'s state (its error feedback) between "
-                             "chunks: for top-k pseudo-gradients use Optimizer(mode='diloco', outer_compression="
-                             "{'name': 'topk', ...}) (Streaming DiLoCo keeps error feedback per fragment), or a "
-                             "stateless codec such as 'sparse' or 'blockwise4'")
+        self.codec = stateless_codec(compression)
         self.total = sum(t.numel() for t in self._tensors)
         self.powersgd = None if powersgd_rank is None else \
             [PowerSGD(t.shape, powersgd_rank, seed=k) for k, t in enumerate(self._tensors)]
         self.aggregation = aggregation
-        self.schema = _schema(self._tensors, {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation})
+        # Robust aggregations also remember how members deviated over steps, and leave out or ban
+        # the persistent ones (potluck.averaging.suspicion); the mean has no robust centre to keep.
+        self.suspicion = None if aggregation == "mean" else SuspicionLedger(ban_list(self.transport))
+        settings = {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation}
+        if fingerprint is not None:  # (left out otherwise: the schema of an Averager of the user's is unchanged)
+            settings["fingerprint"] = fingerprint
+        self.schema = _schema(self._tensors, settings)
         self.matchmaking_time = matchmaking_time
         self.allreduce_timeout = allreduce_timeout
         self.sender_timeout = sender_timeout
@@ -162,9 +195,11 @@ class Averager:
         self.bandwidth = bandwidth or DEFAULT_BANDWIDTH  # upload
         self.download_bandwidth = self.bandwidth
         self._configured = self._measured = self._measured_download = bandwidth is not None
-        self.matchmaker = Matchmaker(self.transport, peer.dht, run_id, self.schema, self.total, self.role.value,
+        self.matchmaker = Matchmaker(self.transport, peer.dht, self.names, self.schema, self.total, self.role.value,
                                      target_group_size, min_group_size)
         self.service = _service(self.transport)
+        if wants_pinned(self._tensors):
+            self.service.pool.pin_memory = True
         import scipy.optimize  # noqa: F401 - load it now, not on the event loop when we first lead a group
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
         self.state_server = None
@@ -172,7 +207,7 @@ class Averager:
             # The round alone does not name the state: the Optimizer relabels it with the epoch
             # (sync: the round that averaged epoch e's state is e + 1, and so is the label of the
             # step after it), so a snapshot from before that step was offered as current after it.
-            self.state_server = StateServer(self.transport, self._get_state, run_id, lock=self._lock,
+            self.state_server = StateServer(self.transport, self._get_state, self.names, lock=self._lock,
                                             current_version=lambda: (self.round, self.state_metadata))
 
     # -- the user's side ----------------------------------------------------------------------------
@@ -211,13 +246,13 @@ class Averager:
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
                 result = await self._step(weight, gather, group_key, target_group_size, known)
         except TimeoutError:
-            metrics.round_failures.inc(run=self.run_id, kind="timeout")
+            metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
         except Exception:
-            metrics.round_failures.inc(run=self.run_id, kind=self._phase)
+            metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind=self._phase)
             raise
-        metrics.round_seconds.observe(elapsed(), run=self.run_id)
-        metrics.group_size.observe(result.group_size, run=self.run_id)
+        metrics.round_seconds.observe(elapsed(), run=self.run_id, averager=self.names.name)
+        metrics.group_size.observe(result.group_size, run=self.run_id, averager=self.names.name)
         return result
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
@@ -239,12 +274,12 @@ class Averager:
         group = formed.group
         self._phase = "allreduce"
         me = group.peers.index(self.transport.peer_id)
-        vector = None if snapshot is None or group.modes[me] == "aux" else snapshot.result()
+        vector = None if snapshot is None or group.roles[me] == Role.AUX else snapshot.result()
         if self.powersgd is None:
             stats = TransferStats()
             result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
                                                           sender_timeout=self.sender_timeout, stats=stats,
-                                                          aggregation=self.aggregation)
+                                                          aggregation=self.aggregation, suspicion=self.suspicion)
             self._measure(stats)
             if result is not None:
                 await run_in_thread(self._assign, result)
@@ -274,37 +309,41 @@ class Averager:
             return  # nobody could dial us for it (client mode without a relay)
         record = DonorRecord(self.round)
         try:
-            await self.peer.dht.astore(f"{self.run_id}.state", record.to_wire(),
+            await self.peer.dht.astore(self.names.donors, record.to_wire(),
                                        self.peer.dht.get_time() + STATE_RECORD_TTL,
                                        subkey=own_subkey(self.transport.peer_id))
         except Exception as e:  # noqa: BLE001 - announcing is best effort; the next step retries
             logger.debug("could not announce state: %s", e)
 
     def load_state_from_peers(self, timeout: float | None = None, *, vouched: Collection[PeerID] | None = None,
-                              check: ManifestCheck | None = None) -> tuple[int, Any]:
+                              check: ManifestCheck | None = None, elect: Election | None = None) -> tuple[int, Any]:
         """Download the state most donors agree on (in parallel, verified by hash) into this
         averager's tensors; returns (version, metadata). Raises AveragingError if none can."""
         timeout = timeout or self.allreduce_timeout
-        return self.peer.run(self.aload_state_from_peers(timeout, vouched=vouched, check=check), timeout + 5)
+        return self.peer.run(self.aload_state_from_peers(timeout, vouched=vouched, check=check, elect=elect),
+                             timeout + 5)
 
     async def aload_state_from_peers(self, timeout: float | None = None, *,
                                      vouched: Collection[PeerID] | None = None,
-                                     check: ManifestCheck | None = None) -> tuple[int, Any]:
+                                     check: ManifestCheck | None = None,
+                                     elect: Election | None = None) -> tuple[int, Any]:
         """The async twin of `load_state_from_peers`. `timeout` covers reading the donors from the
         DHT and the download. Donors may lie (docs/security.md): `vouched`, if given, are the only
-        donors counted (e.g. the live peers of a progress view), and `check` refuses a donor's
-        manifest by raising ValueError (e.g. an epoch beyond what that view supports)."""
+        donors counted (e.g. the live peers of a progress view), `check` refuses a donor's
+        manifest by raising ValueError (e.g. an epoch beyond what that view supports), and `elect`
+        chooses among donors that disagree (or refuses to: the download then fails), e.g. by what
+        the caller can verify they contributed; without it, the state the most donors agree on."""
         timeout = timeout or self.allreduce_timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
             async with compat.timeout_at(deadline):
-                found = await self.peer.dht.aget(f"{self.run_id}.state", latest=True)
+                found = await self.peer.dht.aget(self.names.donors, latest=True)
         except TimeoutError:
-            raise AveragingError(f"could not read the donors of {self.run_id!r} within {timeout} s") from None
+            raise AveragingError(f"could not read the donors of {self.names.donors!r} within {timeout} s") from None
         donors = read_donors(found, self.transport.peer_id)
         if not donors:
-            raise AveragingError(f"no peer offers the state of {self.run_id!r} yet")
+            raise AveragingError(f"no peer offers the state of {self.names.donors!r} yet")
         left = deadline - loop.time()
         if left <= 0:
             raise AveragingError(f"no time left to download the state within {timeout} s")
@@ -312,9 +351,9 @@ class Averager:
         # A failed download leaves them partly overwritten, so meanwhile we offer them to nobody.
         with self.state_server.replacing() if self.state_server is not None else contextlib.nullcontext():
             newest_first = sorted(donors, key=lambda p: (-donors[p], str(p)))
-            version, metadata, _ = await download_state(self.transport, newest_first, self.run_id, left,
+            version, metadata, _ = await download_state(self.transport, newest_first, self.names, left,
                                                         into=self._tensors, lock=self._lock,
-                                                        vouched=vouched, check=check)
+                                                        vouched=vouched, check=check, elect=elect)
             for state in self.powersgd or ():
                 state.reset()  # its residual belonged to the tensors just replaced
             self.round, self.state_metadata = version, metadata
@@ -352,16 +391,16 @@ class Averager:
         self.round += 1
 
     def _flatten(self, vector: torch.Tensor) -> torch.Tensor:
-        """The local tensors as one float32 vector, written into `vector`; AveragingError if any
-        holds NaN or infinity (a non-finite contribution would be refused by every codec; better
-        not to join at all)."""
+        """The local tensors as one float32 host vector, written into `vector` (from any device,
+        any float dtype); AveragingError if any holds NaN or infinity (a non-finite contribution
+        would be refused by every codec; better not to join at all)."""
         with self._lock:
-            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors], out=vector)
+            gather_into(self._tensors, vector)
             # One pass: a finite sum proves every value finite; only a non-finite sum (NaN, inf,
             # or an overflow of huge finite values) needs the exact check.
             if not torch.isfinite(vector.sum()):
-                for i, t in enumerate(self._tensors):
-                    if not all_finite(t.detach().to(torch.float32)):
+                for i, part in enumerate(self._split(vector)):
+                    if not all_finite(part):
                         raise AveragingError(f"local tensor {i} holds NaN or infinity (or values beyond "
                                              f"float32); not averaging it")
         return vector
@@ -375,9 +414,10 @@ class Averager:
         return views
 
     def _assign(self, vector: torch.Tensor) -> None:
+        """Copy the averaged host vector into the tensors (on their device, in their dtype);
+        returns once `vector` may be reused."""
         with self._lock:
-            for t, part in zip(self._tensors, self._split(vector), strict=True):
-                t.copy_(part)
+            scatter_from(vector, self._tensors)
 
     def _measure(self, stats: TransferStats) -> None:
         """Update this peer's upload and download estimates from the step just done.

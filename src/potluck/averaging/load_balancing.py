@@ -2,7 +2,7 @@
 
 Every non-aux member sends its whole vector except its own share and receives the averaged rest;
 every reducer receives its share from every other sender and sends the result to every other
-receiver. With fractions x_i (sum 1, zero for client-mode peers) the time of member i is bounded
+receiver. With fractions x_i (sum 1, zero for client members) the time of member i is bounded
 by its upload and its download; we minimize the slowest member's time:
 
     minimize t  subject to  up_i(x) <= t * upload_i,  down_i(x) <= t * download_i
@@ -36,10 +36,10 @@ BANDWIDTH_SPREAD = 8.0
 SPLIT_SLACK = 0.05
 
 
-def optimal_fractions(modes: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
+def optimal_fractions(roles: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
     """Fraction of the vector each member reduces (0 for clients), minimizing the slowest member."""
-    n = len(modes)
-    if len(set(upload)) == 1 and (download is None or len(set(download)) == 1) and all(m == "node" for m in modes):
+    n = len(roles)
+    if len(set(upload)) == 1 and (download is None or len(set(download)) == 1) and all(r == "node" for r in roles):
         return [1.0 / n] * n  # equal nodes: the program's answer is the even split
     from scipy.optimize import linprog  # imported on first use: it costs half a second at start-up
 
@@ -48,10 +48,10 @@ def optimal_fractions(modes: list[str], upload: list[float], download: list[floa
     down = np.maximum(np.asarray(download, dtype=float), MIN_BANDWIDTH)
     scale = max(up.max(), down.max())  # times of order 1: solver tolerances are absolute
     up, down = up / scale, down / scale
-    can_reduce = np.array([m != "client" for m in modes])
+    can_reduce = np.array([r != "client" for r in roles])
     if not can_reduce.any():
-        raise ValueError("a group needs at least one member that is not in client mode")
-    sends = np.array([m != "aux" for m in modes], dtype=float)  # aux members neither send nor receive
+        raise ValueError("a group needs at least one member that is not a client")
+    sends = np.array([r != "aux" for r in roles], dtype=float)  # aux members neither send nor receive
     senders, receivers = sends.sum(), sends.sum()
     # Variables: x_0..x_{n-1}, per-member times t_0..t_{n-1}, and the slowest time T.
     # Volumes are in units of the whole vector:
@@ -81,7 +81,7 @@ def optimal_fractions(modes: list[str], upload: list[float], download: list[floa
                 row[n + i], row[2 * n] = 1.0, -1.0
                 a_ub.append(row)
                 b_ub.append(0.0)
-        bounds = ([(0.0, max_share(modes) if can_reduce[i] else 0.0) for i in range(n)]
+        bounds = ([(0.0, max_share(roles) if can_reduce[i] else 0.0) for i in range(n)]
                   + [(0.0, caps.get(i)) for i in range(n)] + [(0.0, None)])
         result = linprog(cost, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=np.array(a_eq), b_eq=[1.0],
                          bounds=bounds, method="highs")
@@ -100,9 +100,9 @@ def optimal_fractions(modes: list[str], upload: list[float], download: list[floa
     return [float(v) for v in x / x.sum()]
 
 
-def max_share(modes: list[str]) -> float:
+def max_share(roles: list[str]) -> float:
     """The largest fraction of the vector one member may reduce (see MAX_SHARE_FACTOR)."""
-    return min(1.0, MAX_SHARE_FACTOR / sum(m != "client" for m in modes))
+    return min(1.0, MAX_SHARE_FACTOR / sum(r != "client" for r in roles))
 
 
 def part_sizes(total: int, fractions: list[float], min_part: int = 1) -> list[int]:
@@ -132,30 +132,30 @@ def clamp_bandwidths(values: list[float]) -> list[float]:
     return [min(max(v, MIN_BANDWIDTH), ceiling) for v in values]
 
 
-def balanced_parts(total: int, modes: list[str], upload: list[float], download: list[float]) -> list[int]:
+def balanced_parts(total: int, roles: list[str], upload: list[float], download: list[float]) -> list[int]:
     """The split a leader decides from its members' declared bandwidths (clamped)."""
-    return part_sizes(total, optimal_fractions(modes, clamp_bandwidths(upload), clamp_bandwidths(download)))
+    return part_sizes(total, optimal_fractions(roles, clamp_bandwidths(upload), clamp_bandwidths(download)))
 
 
-def slowest_time(modes: list[str], upload: list[float], download: list[float], fractions: list[float]) -> float:
+def slowest_time(roles: list[str], upload: list[float], download: list[float], fractions: list[float]) -> float:
     """The time of the slowest member under a split (the program's objective), in vector units
     per byte/s, from clamped bandwidths."""
     up, down = clamp_bandwidths(upload), clamp_bandwidths(download)
-    sends = [m != "aux" for m in modes]
+    sends = [r != "aux" for r in roles]
     senders = receivers = sum(sends)
     times = [max((s * (1 - x) + x * (receivers - s)) / u, (x * (senders - s) + s * (1 - x)) / d)
              for s, x, u, d in zip(sends, fractions, up, down, strict=True)]
     return max(times)
 
 
-def fair_split(parts: list[int], modes: list[str], upload: list[float], download: list[float]) -> bool:
+def fair_split(parts: list[int], roles: list[str], upload: list[float], download: list[float]) -> bool:
     """Whether `parts` is a split the rule allows: no member above its maximal share, and the
     slowest member no slower (up to SPLIT_SLACK) than in the split computed here."""
     total = sum(parts)
     if total == 0:
         return True
-    if max(parts) > max_share(modes) * total * (1 + SPLIT_SLACK) + 1:
+    if max(parts) > max_share(roles) * total * (1 + SPLIT_SLACK) + 1:
         return False
-    mine = balanced_parts(total, modes, upload, download)
-    best = slowest_time(modes, upload, download, [p / total for p in mine])
-    return slowest_time(modes, upload, download, [p / total for p in parts]) <= best * (1 + SPLIT_SLACK)
+    mine = balanced_parts(total, roles, upload, download)
+    best = slowest_time(roles, upload, download, [p / total for p in mine])
+    return slowest_time(roles, upload, download, [p / total for p in parts]) <= best * (1 + SPLIT_SLACK)

@@ -6,7 +6,7 @@
     finish:  every tensor's estimate of the weighted mean, P (mean Q)^T (or the plain mean).
 
 Both phases are weighted means with the caller's weight, and each is fault tolerant on its own
-(see allreduce.py); each runs under a group id derived from the group's, so it never meets a plain
+(see `potluck.averaging.allreduce`); each runs under a group id derived from the group's, so it never meets a plain
 all-reduce of the same group. Both share one deadline, `timeout`, for the whole round.
 
 Who contributes (the rule):
@@ -44,6 +44,7 @@ import torch
 
 from potluck.averaging.allreduce import AllReduceService, Group
 from potluck.averaging.load_balancing import part_sizes
+from potluck.averaging.role import Role
 from potluck.compression.powersgd import PowerSGD
 from potluck.core.errors import AveragingError, CompressionError
 from potluck.core.runner import run_in_thread
@@ -82,7 +83,7 @@ async def powersgd_allreduce(service: AllReduceService, group: Group, states: Se
     `states` restartable and `grads` untouched, if either phase fails.
     """
     me = group.peers.index(service.transport.peer_id)
-    receives = group.modes[me] != "aux"
+    receives = group.roles[me] != Role.AUX
     if receives:
         if grads is None or len(grads) != len(states):
             raise ValueError("need one gradient per PowerSGD state")
@@ -136,7 +137,7 @@ async def powersgd_allreduce(service: AllReduceService, group: Group, states: Se
     except CompressionError as e:
         raise AveragingError(f"powersgd: {e}") from None
     mine = me in senders and not abstain
-    reducers = {j for j in group.shards if j in senders or group.modes[j] == "aux"}
+    reducers = {j for j in group.shards if j in senders or group.roles[j] == Role.AUX}
     phase2 = _phase_group(group, PHASE2_SUFFIX, q_size, reducers)
     mean_q, contributors = await service.run(phase2, q_vector if mine else None, weight, codec,
                                              max(0.1, deadline - loop.time()), **kwargs)

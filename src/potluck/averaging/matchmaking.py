@@ -6,7 +6,7 @@ first; later arrivals cannot take its place. Others ask it to join with a long-p
 returns the finished group. Declarations take a moment to spread, so a peer may have led its own
 group before it saw an earlier leader's record: it then hands its followers over (each is told to
 ask the earlier leader) and joins that one itself, so a key's peers end in one group whenever they
-can see each other. Peers in client mode never lead (nobody can dial them); they only join.
+can see each other. Client peers never lead (nobody can dial them); they only join.
 
 A group meets again without the DHT: a member asks the leader of its last group directly, and a
 leader whose caller knows that exactly that group's members take part (`members`) closes the
@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from potluck.averaging.accountability import ban_list
-from potluck.averaging.allreduce import MAX_GROUP_ID_BYTES, MAX_REASON_CHARS, MODES, Group
+from potluck.averaging.allreduce.group import MAX_GROUP_SIZE, ROLES, Group
+from potluck.averaging.allreduce.messages import MAX_REASON_CHARS
 from potluck.averaging.load_balancing import balanced_parts, fair_split
+from potluck.averaging.role import Role
 from potluck.core import compat
 from potluck.core.errors import (
     AveragingError,
@@ -42,29 +44,20 @@ from potluck.core.errors import (
     PotluckError,
     detached,
 )
-from potluck.core.wire import (
-    bytes_field,
-    encoded_value,
-    int_value,
-    list_field,
-    number_field,
-    number_value,
-    text_field,
-    wire_map,
-)
+from potluck.core.names import AveragerNames
+from potluck.core.wire import Choice, List, Message, Nested, Number, OneOf, Opaque, Text, Tuple
 from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
-from potluck.net.wire import peer_id_value
+from potluck.net.wire import PeerIdField
 
 __all__ = [
     "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinMoved", "JoinRefused",
-    "JoinRequest", "Matchmaker", "parse_join_reply",
+    "JOIN_REPLY", "JoinRequest", "Matchmaker",
 ]
 
 logger = logging.getLogger(__name__)
 
-METHOD_JOIN = "potluck.averaging.join"
 # Part of the window spent letting declarations spread before the first read of the group key.
 SETTLE_FRACTION = 0.05
 # How often a waiting peer re-reads the group key (fraction of the window, with a floor).
@@ -77,8 +70,6 @@ BEGIN_SLACK = 5.0
 MAX_METADATA_BYTES = 16 * 1024
 # Longest tensor schema a join request or declaration may name (ours are 32 hex digits of a digest).
 MAX_SCHEMA_CHARS = 64
-# A leader refuses groups larger than this whatever a follower asks (protects its memory/CPU).
-MAX_GROUP_SIZE = 1024
 # A returning member may ask before its leader has started gathering under the key; the leader
 # holds such a request this long at most (only members of its last group can ask: at most
 # MAX_GROUP_SIZE waiters, each a few hundred bytes).
@@ -86,7 +77,7 @@ REJOIN_WAIT = 5.0
 # A returning member asks to be held for this part of its window; a leader that has not started
 # gathering by then is late or gone, and the member uses the DHT in the rest of the window.
 REJOIN_FRACTION = 0.5
-# Longest group key a join request may name (ours are a prefix, an epoch and a grid cell).
+# Longest group key a join request may name (ours are an epoch, a part and a grid cell).
 MAX_KEY_CHARS = 512
 # Hand-overs a follower follows in one join: honest leaders hand over once each, to an earlier
 # leader (a chain as long as the key's leaders that saw each other late, a few at most); the cap
@@ -117,103 +108,55 @@ class Candidate:
 
 
 # -- messages ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Declaration:
+class Declaration(Message, what="group declaration"):
     """A peer's record under a group key in the DHT (subkey: `own_subkey(its peer id)`, owner-signed,
     so nobody can declare in another peer's name): it gathers peers whose tensors have this
     `schema` until the record expires. Its addresses are not here: the transport
     resolves the peer id through the peer's own signed record in the DHT."""
 
-    schema: str
-
-    def to_wire(self) -> dict:
-        return {"schema": self.schema}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Declaration:
-        what = "group declaration"
-        msg = wire_map(msg, what)
-        return cls(text_field(msg, "schema", what, MAX_SCHEMA_CHARS))
+    schema: str = Text("schema", MAX_SCHEMA_CHARS)
 
 
-@dataclass(frozen=True)
-class JoinRequest:
-    """Asks a leader to take us into its gathering under `key` (`again`: a member of its last
-    group rejoining, and how long it may be held before the leader gathers)."""
-
-    key: str
-    schema: str
-    role: str
-    upload: float
-    download: float
-    metadata: Any = None
-    again: float | None = None
-
-    def to_wire(self) -> dict:
-        wire = {"key": self.key, "schema": self.schema, "mode": self.role, "bw": [self.upload, self.download],
-                "meta": self.metadata}
-        if self.again is not None:
-            wire["again"] = self.again
-        return wire
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> JoinRequest:
-        what = "join request"
-        msg = wire_map(msg, what)
-        key = text_field(msg, "key", what, MAX_KEY_CHARS)
-        schema = text_field(msg, "schema", what, MAX_SCHEMA_CHARS)
-        role = msg.get("mode")
-        if role not in MODES:
-            raise MalformedMessage(what, f"'mode' must be one of {list(MODES)}")
-        upload, download = list_field(msg, "bw", what, 2, length=2,
-                                      each=lambda v: number_value(v, "bw", what, positive=True))
-        metadata = encoded_value(msg.get("meta"), "meta", what, MAX_METADATA_BYTES)
-        return cls(key, schema, role, upload, download, metadata, number_field(msg, "again", what, optional=True))
+def _bandwidth() -> Tuple:
+    """(upload, download) in bytes/s, as a member declared them."""
+    return Tuple(None, (Number(positive=True), Number(positive=True)))
 
 
-@dataclass(frozen=True)
-class FormedGroup:
+class JoinRequest(Message, what="join request"):
+    """Asks a leader to take us into its gathering under `key`, in `role`, with our `bandwidth`
+    (upload, download) and what we share with the group (`again`: a member of its last group
+    rejoining, and how long it may be held before the leader gathers)."""
+
+    key: str = Text("key", MAX_KEY_CHARS)
+    schema: str = Text("schema", MAX_SCHEMA_CHARS)
+    role: str = Choice("role", ROLES)
+    bandwidth: tuple[float, float] = Tuple("bw", (Number(positive=True), Number(positive=True)))
+    metadata: Any = Opaque("meta", MAX_METADATA_BYTES)
+    again: float | None = Number("again", default=None)
+
+
+class FormedGroup(Message, what="group"):
     """A group as every member receives it (the leader's announcement): the all-reduce plan plus
     everyone's metadata and declared (upload, download) bandwidths, from which every member
-    checks the load split (members are named by peer id; the transport resolves their addresses)."""
+    checks the load split (members are named by peer id; the transport resolves their addresses).
+    Checked against the receiver (context `me`: among its distinct members) and the `total`
+    elements it averages (the part sizes add up to it)."""
 
-    group: Group
-    metadata: tuple[Any, ...]
-    bandwidths: tuple[tuple[float, float], ...]
+    group: Group = Nested("g", Group)
+    metadata: tuple[Any, ...] = List("meta", Opaque(None, MAX_METADATA_BYTES), MAX_GROUP_SIZE)
+    bandwidths: tuple[tuple[float, float], ...] = List("bw", _bandwidth(), MAX_GROUP_SIZE)
 
-    def to_wire(self) -> dict:
-        g = self.group
-        return {"id": g.group_id, "peers": [p.to_bytes() for p in g.peers], "modes": list(g.modes),
-                "parts": list(g.part_sizes), "meta": list(self.metadata), "bw": [list(b) for b in self.bandwidths]}
-
-    @classmethod
-    def from_wire(cls, msg: Any, me: PeerID, total: int) -> FormedGroup:
-        """Check a leader's group: `me` among its distinct members, and part sizes that add up
-        to the `total` elements we average."""
-        what = "group"
-        msg = wire_map(msg, what)
-        group_id = bytes_field(msg, "id", what, MAX_GROUP_ID_BYTES)
-        peers = _peer_ids(msg, "peers", what)
-        if me not in peers or len(set(peers)) != len(peers):
-            raise MalformedMessage(what, "'peers' must be distinct and include the receiver")
-        n = len(peers)
-        modes = list_field(msg, "modes", what, n, length=n)
-        if any(m not in MODES for m in modes):
-            raise MalformedMessage(what, f"'modes' must be among {list(MODES)}")
-        parts = tuple(list_field(msg, "parts", what, n, length=n,
-                                 each=lambda v: int_value(v, "parts", what, 0, total + 1)))
-        if sum(parts) != total:
-            raise MalformedMessage(what, f"'parts' must add up to the {total} elements averaged")
-        metadata = tuple(list_field(msg, "meta", what, n, length=n,
-                                    each=lambda v: encoded_value(v, "meta", what, MAX_METADATA_BYTES)))
-        bandwidths = tuple(tuple(list_field({"bw": b}, "bw", what, 2, length=2,
-                                            each=lambda v: number_value(v, "bw", what, positive=True)))
-                           for b in list_field(msg, "bw", what, n, length=n))
-        try:
-            group = Group(group_id, peers, tuple(modes), parts)
-        except ValueError as e:
-            raise MalformedMessage(what, f"'parts': {e}") from None
-        return cls(group, metadata, bandwidths)
+    def validate(self, context: dict[str, Any]) -> None:
+        g, total = self.group, context["total"]
+        n = len(g.peers)
+        if context["me"] not in g.peers or len(set(g.peers)) != n:
+            raise self.refuse("'g': 'peers' must be distinct and include the receiver")
+        if sum(g.part_sizes) != total:
+            raise self.refuse(f"'g': 'parts' must add up to the {total} elements averaged")
+        if len(self.metadata) != n:
+            raise self.refuse(f"'meta' must be a list of {n} items")
+        if len(self.bandwidths) != n:
+            raise self.refuse(f"'bw' must be a list of {n} items")
 
     def unfair(self, leader: PeerID, me: Candidate) -> str | None:
         """Why this group breaks the rules a leader must follow, or None: it is led by `leader`,
@@ -224,77 +167,43 @@ class FormedGroup:
         i = g.peers.index(me.peer_id)
         if g.peers[0] != leader:
             return f"it is led by {g.peers[0]}, not by the peer that formed it"
-        if g.modes[i] != me.role or self.bandwidths[i] != (me.upload, me.download):
-            return (f"it states our role and bandwidths as {g.modes[i]}, {self.bandwidths[i]}, "
+        if g.roles[i] != me.role or self.bandwidths[i] != (me.upload, me.download):
+            return (f"it states our role and bandwidths as {g.roles[i]}, {self.bandwidths[i]}, "
                     f"not {me.role}, {(me.upload, me.download)}")
-        modes = list(g.modes)
-        if not fair_split(list(g.part_sizes), modes, [b[0] for b in self.bandwidths],
+        if not fair_split(list(g.part_sizes), list(g.roles), [b[0] for b in self.bandwidths],
                           [b[1] for b in self.bandwidths]):
             return f"its split {list(g.part_sizes)} breaks the load balancing rule for bandwidths {self.bandwidths}"
         return None
 
 
-@dataclass(frozen=True)
-class JoinAccepted:
+class JoinAccepted(Message, what="join reply"):
     """The leader's answer to a member once the group is formed."""
 
-    group: FormedGroup
-
-    def to_wire(self) -> dict:
-        return {"group": self.group.to_wire()}
+    group: FormedGroup = Nested("group", FormedGroup)
 
 
-@dataclass(frozen=True)
-class JoinRefused:
-    """The leader will not take us (a full group names its members: `taken`, to skip them all)."""
-
-    reason: str
-    taken: tuple[PeerID, ...] = ()
-
-    def to_wire(self) -> dict:
-        return {"refused": self.reason[:MAX_REASON_CHARS], "taken": [p.to_bytes() for p in self.taken]}
-
-
-@dataclass(frozen=True)
-class JoinFailed:
+class JoinFailed(Message, what="join reply"):
     """The leader took us, but no group formed (e.g. fewer than min_group_size peers came)."""
 
-    reason: str
-
-    def to_wire(self) -> dict:
-        return {"failed": self.reason[:MAX_REASON_CHARS]}
+    reason: str = Text("failed", MAX_REASON_CHARS)
 
 
-@dataclass(frozen=True)
-class JoinMoved:
+class JoinMoved(Message, what="join reply"):
     """The leader handed its gathering over to an earlier leader: ask `leader` instead."""
 
-    leader: PeerID
+    leader: PeerID = PeerIdField("moved", raw=True)
 
-    def to_wire(self) -> dict:
-        return {"moved": self.leader.to_bytes()}
+
+class JoinRefused(Message, what="join reply"):
+    """The leader will not take us (a full group names its members: `taken`, to skip them all)."""
+
+    reason: str = Text("refused", MAX_REASON_CHARS)
+    taken: tuple[PeerID, ...] = List("taken", PeerIdField(raw=True), MAX_GROUP_SIZE)
 
 
 JoinReply = JoinAccepted | JoinRefused | JoinFailed | JoinMoved
-
-
-def _peer_ids(msg: dict, key: str, what: str) -> tuple[PeerID, ...]:
-    """At most MAX_GROUP_SIZE peer ids, each as its raw key bytes."""
-    return tuple(list_field(msg, key, what, MAX_GROUP_SIZE, each=lambda v: peer_id_value(v, key, what, raw=True)))
-
-
-def parse_join_reply(msg: Any, me: PeerID, total: int) -> JoinReply:
-    """A leader's answer to our join request (see `FormedGroup.from_wire` for `me` and `total`)."""
-    what = "join reply"
-    msg = wire_map(msg, what)
-    if "group" in msg:
-        return JoinAccepted(FormedGroup.from_wire(msg.get("group"), me, total))
-    if "failed" in msg:
-        return JoinFailed(text_field(msg, "failed", what, MAX_REASON_CHARS))
-    if "moved" in msg:
-        return JoinMoved(peer_id_value(msg.get("moved"), "moved", what, raw=True))
-    return JoinRefused(text_field(msg, "refused", what, MAX_REASON_CHARS),
-                       _peer_ids(msg, "taken", what))
+# A leader's answer to our join request (context: `me` and `total`, see `FormedGroup`).
+JOIN_REPLY = OneOf("join reply", JoinAccepted, JoinFailed, JoinMoved, JoinRefused)
 
 
 @dataclass
@@ -322,35 +231,35 @@ class _Gathering:
 
 
 class Matchmaker:
-    """Forms groups for one averager (one prefix) on one peer."""
+    """Forms groups for one averager (its `names`) on one peer."""
 
-    def __init__(self, transport: Transport, dht: Any, prefix: str, schema: str, total: int, mode: str = "node",
-                 target_group_size: int | None = None, min_group_size: int = 2):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}")
+    def __init__(self, transport: Transport, dht: Any, names: AveragerNames, schema: str, total: int,
+                 role: str = "node", target_group_size: int | None = None, min_group_size: int = 2):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
         self.transport = transport
         self.dht = dht
-        self.prefix = prefix
+        self.names = names
         self.schema = schema
         self.total = total  # elements averaged: equal for every member, since schemas match
-        self.mode = mode
-        self.client = mode == "client" or transport.client_mode
+        self.role = role
+        self.client = role == Role.CLIENT or transport.client_mode
         self.target = min(target_group_size or MAX_GROUP_SIZE, MAX_GROUP_SIZE)
         self.min_group_size = min_group_size
         self._gatherings: dict[str, _Gathering] = {}
         self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
         self.last = LastGroup()
         self.banned = ban_list(transport)
-        transport.add_handler(f"{METHOD_JOIN}.{prefix}", self._on_join)
+        transport.add_handler(names.join, self._on_join)
 
     def close(self) -> None:
-        self.transport.remove_handler(f"{METHOD_JOIN}.{self.prefix}")
+        self.transport.remove_handler(self.names.join)
         for gathering in self._gatherings.values():
             if not gathering.done.done():
                 gathering.done.set_result("averager shut down")
 
     def _dht_key(self, group_key: str) -> str:
-        return f"{self.prefix}.match.{group_key}"
+        return self.names.declarations(group_key)
 
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
                          metadata: Any = None, target: int | None = None,
@@ -381,7 +290,8 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         upload, download = bandwidth
-        me = Candidate(self.transport.peer_id, "client" if self.client else self.mode, upload, download, metadata)
+        role = Role.CLIENT.value if self.client else self.role
+        me = Candidate(self.transport.peer_id, role, upload, download, metadata)
         leader = self.last.leader if self.last.leader != self.transport.peer_id else None
         if leader is not None:
             await _settle(0.0, ready)  # our own check first: a failing peer must not join
@@ -547,17 +457,17 @@ class Matchmaker:
         """Ask `leader` to take us; None if it refused (the caller tries another). A full group
         names its members, so we skip all of them at once; a leader that handed its gathering
         over names the leader to ask next."""
-        request = JoinRequest(group_key, self.schema, me.role, me.upload, me.download, me.metadata,
+        request = JoinRequest(group_key, self.schema, me.role, (me.upload, me.download), me.metadata,
                               again=rejoin_wait).to_wire()
         loop = asyncio.get_running_loop()
         try:
-            reply = await self.transport.call(leader, f"{METHOD_JOIN}.{self.prefix}", request,
+            reply = await self.transport.call(leader, self.names.join, request,
                                               timeout=max(0.1, give_up - loop.time()))
         except (NetworkError, PotluckError) as e:
             logger.debug("join %s failed: %s", leader, e)
             return None
         try:
-            answer = parse_join_reply(reply, self.transport.peer_id, self.total)
+            answer = JOIN_REPLY.from_wire(reply, me=self.transport.peer_id, total=self.total)
         except MalformedMessage as e:  # a broken or hostile leader: try another
             logger.warning("leader %s sent a %s; not joining it", leader, e)
             return None
@@ -589,24 +499,24 @@ class Matchmaker:
 
     async def _answer_join(self, join: JoinRequest, ctx: Any) -> JoinReply:
         if ctx.peer_id in self.banned:
-            return JoinRefused("this peer caught you lying earlier")
+            return JoinRefused("this peer caught you lying earlier", ())
         if join.again is not None and ctx.peer_id not in self.last.members:
-            return JoinRefused("not a member of our last group")
+            return JoinRefused("not a member of our last group", ())
         gathering = self._gatherings.get(join.key) if join.again is None else \
             await self._gathering_for(join.key, min(join.again, REJOIN_WAIT))
         if gathering is None:
-            return JoinRefused("not gathering a group under this key")
+            return JoinRefused("not gathering a group under this key", ())
         if join.again is not None and not gathering.keep:
-            return JoinRefused("open to newcomers: find the group through the DHT")
+            return JoinRefused("open to newcomers: find the group through the DHT", ())
         if join.schema != gathering.schema:
-            return JoinRefused("different tensor schema (shapes, dtypes or compression differ)")
+            return JoinRefused("different tensor schema (shapes, dtypes or compression differ)", ())
         # It cannot accept connections if it dialed us in client mode, whatever it says.
-        role = "client" if ctx.remote.client_mode else join.role
+        role = Role.CLIENT.value if ctx.remote.client_mode else join.role
         if gathering.ready is not None:
             try:
                 await asyncio.shield(gathering.ready)
             except Exception:  # noqa: BLE001 - the owner failed its own check: it forms no group
-                return JoinRefused("this peer is not averaging this round")
+                return JoinRefused("this peer is not averaging this round", ())
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.done.done() and isinstance(gathering.done.result(), JoinMoved):
             return gathering.done.result()
@@ -616,13 +526,13 @@ class Matchmaker:
                 taken = gathering.done.result().group.peers
             return JoinRefused("group is full or already formed", taken)
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
-            return JoinRefused("already a member")
-        gathering.members.append(Candidate(ctx.peer_id, role, join.upload, join.download, join.metadata))
+            return JoinRefused("already a member", ())
+        gathering.members.append(Candidate(ctx.peer_id, role, *join.bandwidth, join.metadata))
         if gathering.full:
             self._close(gathering)
         formed = await asyncio.shield(gathering.done)
         if isinstance(formed, str):
-            return JoinFailed(formed)
+            return JoinFailed(formed[:MAX_REASON_CHARS])
         if isinstance(formed, JoinMoved):
             return formed
         return JoinAccepted(formed)
@@ -639,9 +549,9 @@ class Matchmaker:
         # The leader first, then the others by id, not by when their requests came in: reducers
         # add parts in member order, so a group of the same peers averages to the same bits.
         members = [members[0], *sorted(members[1:], key=lambda m: m.peer_id.to_bytes())]
-        modes = [m.role for m in members]
-        parts = balanced_parts(self.total, modes, [m.upload for m in members], [m.download for m in members])
-        group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(modes), tuple(parts))
+        roles = [m.role for m in members]
+        parts = balanced_parts(self.total, roles, [m.upload for m in members], [m.download for m in members])
+        group = Group(os.urandom(16), tuple(m.peer_id for m in members), tuple(roles), tuple(parts))
         formed = FormedGroup(group, tuple(m.metadata for m in members), tuple((m.upload, m.download) for m in members))
         gathering.done.set_result(formed)
         return formed

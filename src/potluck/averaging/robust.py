@@ -9,7 +9,9 @@ average by 1e30 / n. These aggregators bound what a minority of senders can do:
   * `centered_clip` (Karimireddy, He, Jaggi 2021; the aggregator of BTARD, Gorbunov et al.):
     from the coordinate-wise median v, repeat v <- v + mean_i clip(x_i - v, tau), where clip
     scales a difference down to norm tau. A sender moves v by at most tau / n per iteration,
-    whatever it sends.
+    whatever it sends. tau follows the honest spread: CLIP_RADIUS times the median distance of
+    the pieces from the current v, so honest pieces lie within it at the fixed point (the
+    condition under which the result is within tau f / (n - f) of the honest mean).
 
 Both count senders, not their claims: each sender with a positive weight counts once (weights
 are the senders' own word; even bounded, a malicious sender claiming the most it may would hold
@@ -23,7 +25,7 @@ width), the median and the sort pick existing values, and the iteration count de
 those bits. When every piece equals x, both return x.
 
 Bounding a liar does not name it: `far_pieces` does, for a piece blatantly far from the rest
-(OUTLIER_FACTOR times the median distance from the robust centre; see allreduce.ShardReducer).
+(OUTLIER_FACTOR times the median distance from the robust centre; see allreduce.reducer.ShardReducer).
 """
 
 from __future__ import annotations
@@ -35,17 +37,20 @@ from typing import Any
 import torch
 
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
-# CenteredClip's radius tau: this many times the median distance of the pieces from their
-# coordinate-wise median. The median distance is an honest sender's typical distance while
-# fewer than half the senders lie, so the radius follows the honest spread (gradients of
-# different batches, parameters after local steps) without a per-model setting. A larger radius
-# gives attackers more pull (the bias grows as tau f / (n - f)); a smaller one leaves the result
-# nearer the coordinate-wise median. Tuned on benchmarks/byzantine.py's training (digits, 8 peers,
-# 1 or 2 sending sign-flipped, x100 or random gradients; docs/benchmarks.md): worst accuracy
-# under attack 97.2, 97.8, 97.5 and 97.2% for radii 0.25, 0.5, 1 and 2 (all honest: 98.1%).
-CLIP_RADIUS = 0.5
-# CenteredClip's iterations at most: each moves v by at most tau towards the honest centre; from
-# the median start a few suffice (the BTARD paper's experiments converge within about 10).
+# CenteredClip's radius tau: this many times the median distance of the pieces from the current
+# estimate v, recomputed at every iteration. While fewer than half the senders lie, that median is
+# an honest sender's distance, and in high dimensions honest pieces of one step all lie at about
+# the same distance from their mean (within a few percent, concentration of the norm). A radius of
+# 1.25 medians holds them unclipped at the fixed point, which is then the honest pieces' mean plus
+# the clipped liars' pull: at most tau f / n. A radius below 1 clips honest pieces too, and in
+# high dimensions their clipped pulls point apart while the liars' point one way, so a far liar
+# pulls a full tau every iteration (measured: 0.5 medians, measured from the coordinate-wise
+# median, gave 2 of 5 liars 0.75 honest spreads per round; benchmarks/byzantine.py, docs/security.md).
+CLIP_RADIUS = 1.25
+# CenteredClip's iterations at most: with the honest pieces unclipped, each iteration shrinks the
+# distance to the fixed point by a factor of at most f / n (the clipped liars' share), so from the
+# median start 10 leave it within 1e-3 of the radius even with f / n = 1/2 (the BTARD paper's
+# experiments converge within about 10).
 CLIP_ITERATIONS = 10
 # CenteredClip stops early once an iteration moves v by at most this fraction of tau.
 CLIP_TOLERANCE = 1e-3
@@ -121,15 +126,14 @@ def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> list[flo
     share = 1.0 / len(pieces)
     v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
     diff, term, step = torch.empty_like(x), torch.empty_like(v), torch.empty_like(v)
-    tau, distances = None, []
+    distances: list[float] = []
     for _ in range(CLIP_ITERATIONS):
         torch.sub(x, v, out=diff)
         norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
-        if tau is None:
-            distances = norms
-            tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
-            if not math.isfinite(tau):
-                break  # most pieces are beyond float32 of the median: keep the median
+        distances = distances or norms
+        tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
+        if not math.isfinite(tau):
+            break  # most pieces are beyond float32 of v: keep it
         coefficients = [share * (1.0 if d <= tau else tau / d) for d in norms]
         if not any(c * d > 0 for c, d in zip(coefficients, norms, strict=True)):
             break  # nothing would move (e.g. every piece equals v): v is exact

@@ -3,7 +3,8 @@
     potluck authority --run-id R --key FILE --policy FILE [--host H --port P]   # serve tokens
     potluck authority allow      --policy FILE PEER_ID [--name NAME]
     potluck authority add-invite --policy FILE --name NAME [--uses N]           # prints the code once
-    potluck authority add-user   --policy FILE NAME                             # password: prompt or $POTLUCK_PASSWORD
+    potluck authority add-user   --policy FILE NAME [--max-identities N]        # password: prompt or $POTLUCK_PASSWORD
+    potluck authority max-identities --policy FILE N [--user NAME]              # live peer ids per user name
     potluck authority revoke     --policy FILE PEER_ID
 
 The running authority re-reads the policy file when it changes, so `revoke` takes effect at once.
@@ -55,9 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     invite.add_argument("--uses", type=int, default=1, help="how many peers may use it (default: 1)")
     user = actions.add_parser("add-user", help="add or reset a user name and password (scrypt-hashed)")
     user.add_argument("name")
+    user.add_argument("--max-identities", type=int, metavar="N",
+                      help="live peer ids this user may hold at once (default: the run's, 1 unless set)")
+    limit = actions.add_parser("max-identities", help="how many live peer ids a user name may hold at once "
+                               "(a new login beyond it replaces the name's oldest identity)")
+    limit.add_argument("count", type=int)
+    limit.add_argument("--user", help="for this user only (default: for the run, every user without its own)")
     revoke = actions.add_parser("revoke", help="revoke a peer id: no more tokens, and members refuse it")
     revoke.add_argument("peer_id")
-    for sub_parser in (allow, invite, user, revoke):
+    for sub_parser in (allow, invite, user, limit, revoke):
         sub_parser.add_argument("--policy", metavar="FILE", required=True, help="the policy file")
 
 
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                if not value]
     if missing:
         raise MembershipError(f"to serve tokens, `potluck authority` needs {', '.join(missing)} "
-                              "(or a subcommand: allow, add-invite, add-user, revoke)")
+                              "(or a subcommand: allow, add-invite, add-user, max-identities, revoke)")
     policy_path = Path(args.policy)
     policy = Policy.load(policy_path)
     if not policy_path.exists():
@@ -117,8 +124,14 @@ def edit_policy(args: argparse.Namespace) -> int:
     elif args.action == "add-user":
         password = os.environ.get("POTLUCK_PASSWORD") or getpass.getpass(f"password for {args.name}: ")
         policy.add_user(args.name, password)
+        if args.max_identities is not None:
+            policy.set_max_identities(args.max_identities, args.name)
         print(f"added user {args.name}; they join with: --credential password:{args.name} "
               "and the password in $POTLUCK_PASSWORD")
+    elif args.action == "max-identities":
+        policy.set_max_identities(args.count, args.user)
+        print(f"{args.user or 'every user without its own setting'} may hold {args.count} live peer id(s) at once; "
+              "a new login beyond that replaces the oldest")
     elif args.action == "revoke":
         policy.revoke(args.peer_id)
         print(f"revoked {args.peer_id}; a running authority publishes it within {POLICY_POLL_INTERVAL:g} s")

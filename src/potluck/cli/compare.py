@@ -160,8 +160,9 @@ class Data:
 
 
 # -- parameter-server modes --------------------------------------------------------------------------
-PS_CONFIG = {"ps_sync": {"mode": "sync"}, "ps_async": {"mode": "async"},
-             "ssp": {"mode": "ssp", "staleness_bound": 3}, "backup": {"mode": "backup", "backup_workers": 1}}
+PS_CONFIG = {"ps_sync": {"consistency": "sync"}, "ps_async": {"consistency": "async"},
+             "ssp": {"consistency": "ssp", "staleness_bound": 3},
+             "backup": {"consistency": "backup", "backup_workers": 1}}
 # The parameter server drops a silent worker after this long: several slow steps, so that a slow
 # worker is never mistaken for a dead one.
 PS_WORKER_TIMEOUT = 2.0
@@ -337,7 +338,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("potluck compare: --duration and --step-seconds must be positive, --slow at least 1")
     scenario = Scenario(duration=args.duration, workers=args.workers, slow=args.slow,
                         step_seconds=args.step_seconds, failure=not args.no_failure)
-    results = compare(scenario, args.modes, progress=lambda line: print(line, flush=True))
+    library = logging.getLogger("potluck")
+    level = library.level
+    if not getattr(args, "verbose", 0):  # the scenario's slow and dying workers are meant: the table tells them,
+        library.setLevel(logging.ERROR)  # the library's warnings about them would only interleave with it
+    try:
+        results = compare(scenario, args.modes, progress=lambda line: print(line, flush=True))
+    finally:
+        library.setLevel(level)
     out = Path(args.out)
     report = write_report(out, scenario, results)
     print()

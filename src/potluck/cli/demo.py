@@ -20,13 +20,19 @@ from typing import Any
 from potluck.cli.demo_monitor import DemoMonitor, credit_table
 from potluck.cli.help import HelpFormatter
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
-from potluck.cli.tasks import accuracy, load_data, make_model
+from potluck.cli.tasks import accuracy, load_data, make_model, test_loss
 
-REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "wall_seconds", "epochs", "samples_per_peer",
-               "mode", "peers", "killed", "joined", "loss_curves", "monitor")
+REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "test_loss", "single_peer_test_loss", "verdict",
+               "wall_seconds", "epochs", "samples_per_peer", "mode", "peers", "killed", "joined", "loss_curves",
+               "started", "monitor", "model")
 LOCAL_BATCH = 32
 TARGET_BATCH = 1024
+# Local steps between two averaging rounds in the diloco and moshpit modes.
+LOCAL_STEPS = 20
 LEARNING_RATE = 6e-3
+# How long the parent waits for each process to be ready (imports, peer, optimizer) before the common
+# start: a minute and more on a loaded 2-core machine, where the processes start side by side.
+READY_TIMEOUT = 180.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,20 +83,29 @@ def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     import logging
     logging.getLogger("potluck.optim").setLevel(logging.INFO)  # the log file tells the story of each epoch
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    go, stop = threading.Event(), threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), go.set(), sys.stdin.readline(), stop.set()),
+                     daemon=True).start()
     x, y, x_test, y_test = load_data()
     model = make_model()
     emit = _emitter()
     if spec["role"] == "alone":
+        emit({"address": None, "ready": time.time()})
+        _start_together(go, stop, emit)
         return _train_alone(model, x, y, x_test, y_test, stop, emit)
+    if spec.get("late"):  # the newcomer: started with the others (imports, data), joins when told
+        _start_together(go, stop, lambda _: None)
+        if stop.is_set():
+            return 0
     initial = [spec["initial_peer"]] if spec.get("initial_peer") else []
     with potluck.Peer(initial_peers=initial, host="127.0.0.1", client_mode=spec["role"] == "client") as peer:
-        emit({"address": peer.addresses[0] if peer.addresses else None, "peer_id": peer.peer_id})
         opt = Optimizer(peer, "demo", model.parameters(), lambda p: torch.optim.Adam(p, LEARNING_RATE),
                         target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, mode=spec["mode"],
                         role=potluck.Role.CLIENT if spec["role"] == "client" else potluck.Role.NODE,
-                        local_steps=20, average_state_every=5, matchmaking_time=0.5, averaging_timeout=20.0)
+                        local_steps=LOCAL_STEPS, average_state_every=5, matchmaking_time=0.5, averaging_timeout=20.0)
+        emit({"address": peer.addresses[0] if peer.addresses else None, "peer_id": peer.peer_id,
+              "ready": time.time()})
+        _start_together(go, stop, emit)
         generator = torch.Generator().manual_seed(spec["seed"])
         loss_ema, samples, last = None, 0, 0.0
         while not stop.is_set():
@@ -108,10 +123,20 @@ def _worker(args: argparse.Namespace) -> int:
                 opt.report_metrics(loss=loss_ema)  # for the monitor's loss chart
                 emit({"epoch": opt.local_epoch, "loss": loss_ema, "sps": opt.samples_per_second,
                       "samples": samples, "time": time.time()})
-        emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "epoch": opt.local_epoch,
-              "samples": samples})
+        if spec.get("save"):
+            torch.save(model.state_dict(), spec["save"])
+        emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "loss": test_loss(model, x_test, y_test),
+              "epoch": opt.local_epoch, "samples": samples})
         opt.shutdown()
     return 0
+
+
+def _start_together(go: threading.Event, stop: threading.Event, emit: Any) -> None:
+    """Wait for the parent's word to start: it gives it to every process of the comparison at once,
+    once all are ready, so that none trains (and none's state is downloaded) before the others."""
+    while not go.wait(0.1) and not stop.is_set():
+        pass
+    emit({"started": time.time()})
 
 
 def _train_alone(model: Any, x: Any, y: Any, x_test: Any, y_test: Any, stop: threading.Event, emit: Any) -> int:
@@ -133,7 +158,8 @@ def _train_alone(model: Any, x: Any, y: Any, x_test: Any, y_test: Any, stop: thr
         if time.monotonic() - last > 0.5:
             last = time.monotonic()
             emit({"epoch": epoch, "loss": loss_ema, "sps": 0.0, "samples": samples, "time": time.time()})
-    emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "epoch": epoch, "samples": samples})
+    emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "loss": test_loss(model, x_test, y_test),
+          "epoch": epoch, "samples": samples})
     return 0
 
 
@@ -147,12 +173,21 @@ def _emitter() -> Any:
 
 
 # -- the parent: start, watch, churn, report ---------------------------------------------------------
-def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_dir: Path) -> WorkerProcess:
-    spec = json.dumps({"role": role, "mode": mode, "seed": seed, "initial_peer": initial})
-    worker = spawn(name, role, ["demo", "--worker", spec], log_dir)
-    if role == "alone":
-        worker.ready.set()
-    return worker
+def _start(name: str, role: str, mode: str, seed: int, initial: str | None, log_dir: Path,
+           save: Path | None = None, late: bool = False) -> WorkerProcess:
+    spec = json.dumps({"role": role, "mode": mode, "seed": seed, "initial_peer": initial,
+                       "save": str(save) if save else None, "late": late})
+    return spawn(name, role, ["demo", "--worker", spec], log_dir)
+
+
+def _say(worker: WorkerProcess, word: str) -> None:
+    """One line to the worker: the first starts its training, the second stops it."""
+    try:
+        if worker.proc.poll() is None:
+            worker.proc.stdin.write(f"{word}\n")
+            worker.proc.stdin.flush()
+    except BrokenPipeError:  # it died just now (the killed peer): nothing to tell it
+        pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,13 +215,13 @@ def run(args: argparse.Namespace) -> int:
     roles = ["node"] + ["slow", "client"] + ["node"] * (args.peers - 3)
     roles = roles[:args.peers]
     workers: list[WorkerProcess] = []
-    killed = joined = monitor = None
+    killed = joined = monitor = newcomer = None
     print(f"potluck demo: {args.peers} peers train a CNN on digits ({args.mode} mode, {args.duration:.0f} s); "
           f"logs in {out}/")
     try:
-        first = _start("peer-0", roles[0], args.mode, 0, None, out)
+        first = _start("peer-0", roles[0], args.mode, 0, None, out, save=out / "model.pt")
         workers.append(first)
-        if not first.ready.wait(60) or first.address is None:
+        if not first.ready.wait(READY_TIMEOUT) or first.address is None:
             raise RuntimeError(f"the first peer failed to start; see {out}/peer-0.log")
         if not args.no_monitor:
             monitor = DemoMonitor.start("demo", first.address, out, args.monitor_port)
@@ -194,8 +229,14 @@ def run(args: argparse.Namespace) -> int:
         for i, role in enumerate(roles[1:], start=1):
             workers.append(_start(f"peer-{i}", role, args.mode, i, first.address, out))
         workers.append(_start("alone", "alone", args.mode, 99, None, out))
+        if not args.no_churn:  # started now, so that it joins at once when told (no imports midway)
+            newcomer = _start(f"peer-{args.peers}", "node", args.mode, args.peers, first.address, out, late=True)
+            newcomer.role = "newcomer"
+        deadline = time.time() + READY_TIMEOUT
         for w in workers:
-            w.ready.wait(60)
+            w.ready.wait(max(0.0, deadline - time.time()))
+        for w in workers:  # a common start: none trains before every process of the comparison is ready
+            _say(w, "go")
         training_started = time.time()
         churn_at = (0.35 * args.duration, 0.5 * args.duration)
         with _Display(workers) as display:
@@ -205,23 +246,21 @@ def run(args: argparse.Namespace) -> int:
                     killed.proc.send_signal(signal.SIGKILL)
                     killed.status = "killed"
                 if not args.no_churn and joined is None and elapsed > churn_at[1]:
-                    joined = _start(f"peer-{args.peers}", "node", args.mode, args.peers, first.address, out)
-                    joined.role = "newcomer"
+                    joined = newcomer
+                    _say(joined, "go")  # it joins the swarm that is training now
                     workers.insert(-1, joined)
                 display.update()
                 time.sleep(0.25)
         if monitor is not None:
             monitor.stop()  # it has seen the rounds; it exits while the peers finish
         for w in workers:
-            if w.proc.poll() is None:
-                w.proc.stdin.write("stop\n")
-                w.proc.stdin.flush()
+            _say(w, "stop")
         deadline = time.time() + 60
         for w in workers:
             if w.status != "killed":
                 w.proc.wait(max(1.0, deadline - time.time()))
     finally:
-        for w in workers:
+        for w in workers + ([newcomer] if newcomer is not None and newcomer not in workers else []):
             if w.proc.poll() is None:
                 w.proc.kill()
         if monitor is not None:
@@ -241,9 +280,15 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
     late = [w.name for w in workers if w.role != "alone" and w.final and w not in swarm]
     if late:
         print(f"{', '.join(late)} never trained (started after the others stopped: a busy machine?)")
+    swarm_loss = sum(w.final["loss"] for w in swarm) / len(swarm)
     report = {
         "test_accuracy": round(sum(w.final["accuracy"] for w in swarm) / len(swarm), 4),
         "single_peer_test_accuracy": round(alone.final["accuracy"], 4),
+        "test_loss": round(swarm_loss, 4), "single_peer_test_loss": round(alone.final["loss"], 4),
+        "verdict": verdict(swarm_loss, alone.final["loss"]),
+        "started": {w.name: {"ready": w.hello.get("ready"), "started": w.hello.get("started")} for w in workers
+                    if w.hello.get("started") is not None},
+        "model": str(out / "model.pt") if (out / "model.pt").is_file() else None,
         "wall_seconds": round(time.time() - started, 1),
         "epochs": max(w.final["epoch"] for w in swarm),
         "single_peer_epochs": alone.final["epoch"],
@@ -257,11 +302,38 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(out / "loss.png", workers, started)
     print(f"\nswarm test accuracy {report['test_accuracy']:.1%} after {report['epochs']} epochs; "
-          f"one peer alone: {report['single_peer_test_accuracy']:.1%} after {report['single_peer_epochs']} epochs")
+          f"one peer alone: {report['single_peer_test_accuracy']:.1%} after {report['single_peer_epochs']} epochs "
+          f"(all started together, {args.duration:.0f} s each)")
+    print(report["verdict"])
+    if note := mode_note(args.mode):
+        print(note)
+    if report["model"]:
+        print(f"the swarm's model: {report['model']} (model.load_state_dict(torch.load(...)))")
     if monitor is not None:
         print(f"credit (the monitor's ledger, {monitor.db}):\n{credit_table(report['monitor']['contributors'])}")
     print(f"report: {out / 'report.json'}, plot: {out / 'loss.png'} ({report['wall_seconds']} s)")
     return 0
+
+
+def mode_note(mode: str) -> str | None:
+    """What a mode's figures above mean, where they are not what sync mode's would be."""
+    if mode == "diloco":
+        return (f"diloco: each peer took {LOCAL_STEPS} steps of its own between two averaging rounds, so the live "
+                "losses were each peer's own model on its own batches (they jump at each outer step); it "
+                "averages far less often than sync mode, which pays on slow links (docs/benchmarks.md, WAN), "
+                "not over this machine's loopback")
+    if mode == "moshpit":
+        return (f"moshpit: each peer took {LOCAL_STEPS} steps of its own between two rounds, averaging in small "
+                "groups that change every round; the live losses were each peer's own model")
+    return None
+
+
+def verdict(swarm: float, alone: float) -> str:
+    """The comparison in one line, on test loss (lower is better)."""
+    ahead = "swarm" if swarm <= alone else "one process"
+    margin = abs(alone - swarm) / max(alone, swarm, 1e-12)
+    return (f"swarm test loss {swarm:.4f} vs one process {alone:.4f} at equal wall time: "
+            f"{ahead} ahead by {margin:.0%}")
 
 
 def _plot(path: Path, workers: list[WorkerProcess], started: float) -> None:

@@ -9,7 +9,7 @@ import re
 import sys
 
 from potluck.cli.help import HelpFormatter
-from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.peer import add_peer_options, print_join_addresses, start_peer
 from potluck.cli.signals import StopSignal
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,16 @@ def expand_uids(patterns: list[str]) -> list[str]:
             raise ValueError(f"{pattern!r} expands to too many experts (limit {MAX_EXPERTS})")
         uids.extend(".".join(combo) for combo in itertools.product(*choices))
     return list(dict.fromkeys(uids))
+
+
+def resumed_line(resumed: dict[str, int], experts: int, directory: str) -> str:
+    """What a (re)started server loaded from --checkpoint-dir, in one line."""
+    if not resumed:
+        return f"no checkpoints in {directory}: every expert starts from its initial weights"
+    shown = ", ".join(f"{uid} ({n} updates)" for uid, n in sorted(resumed.items())[:4])
+    more = f", ... ({len(resumed)} in all)" if len(resumed) > 4 else ""
+    fresh = f"; {experts - len(resumed)} start from their initial weights" if len(resumed) < experts else ""
+    return f"resumed from {directory}: {shown}{more}{fresh}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -96,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
             announce_ttl=args.announce_ttl, device=args.device) as server:
         shown = ", ".join(uids[:4]) + (f", ... ({len(uids)} in all)" if len(uids) > 4 else "")
         print(f"serving {len(uids)} {args.expert_type} experts (hidden {args.hidden}): {shown}")
+        if args.checkpoint_dir:
+            print(resumed_line(server.resumed, len(uids), args.checkpoint_dir))
         print(f"peer id: {peer.peer_id}")
-        for addr in peer.addresses:
-            print(f"  --initial-peers {addr}")
+        print_join_addresses(peer, args.host)
         print("ready; press Ctrl-C to stop", flush=True)
         while not stop.wait(STATUS_INTERVAL):
             stats = server.stats.values()

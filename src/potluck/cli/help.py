@@ -1,10 +1,13 @@
-"""The help layout of every `potluck` command."""
+"""The help layout of every `potluck` command, and the old names of renamed options."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["HelpFormatter"]
+__all__ = ["HelpFormatter", "OldName"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -18,3 +21,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or (isinstance(default, (list, tuple)) and not default):
             return text
         return super()._get_help_string(action)
+
+
+class OldName(argparse.Action):
+    """The old name of a renamed option (`new`), kept for one release: it still parses into the
+    new option's value, is hidden from --help, and says on stderr that it is going."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **options: Any):
+        options.setdefault("help", argparse.SUPPRESS)
+        options.setdefault("default", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **options)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated, use {self.new} (the old name goes in the next "
+              "release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -20,9 +20,9 @@ from potluck.cli.help import HelpFormatter
 from potluck.cli.peer import add_identity_options
 from potluck.cli.signals import StopSignal
 from potluck.core.errors import PotluckError
-from potluck.monitor.follower import POLL_INTERVAL, POLL_TIMEOUT, Follower
+from potluck.monitor.follower import POLL_INTERVAL, POLL_TIMEOUT, FollowedRun, Follower
 from potluck.monitor.ledger import Ledger
-from potluck.monitor.views import Contributor, PeerState, SwarmNow
+from potluck.monitor.views import Contributor, MonitorView, PeerState, SwarmNow
 from potluck.peer import Peer
 
 # `monitor` prints a progress line this often (seconds); the dashboard shows the rest live.
@@ -88,7 +88,7 @@ def run_monitor(args: argparse.Namespace) -> int:
     try:
         with join(args) as peer:
             follower = Follower(peer, args.run_id, ledger)
-            server = _start_web(peer, ledger, args.host, args.port)
+            server = _start_web(peer, FollowedRun(ledger, follower), args.host, args.port)
             print(f"monitoring run {args.run_id!r} into {args.db} as peer {peer.peer_id}")
             print(f"dashboard: {server.url}")
             print("press Ctrl-C to stop", flush=True)
@@ -109,13 +109,13 @@ def run_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_web(peer: Peer, ledger: Ledger, host: str, port: int) -> Any:
+def _start_web(peer: Peer, view: MonitorView, host: str, port: int) -> Any:
     """The dashboard's server on the peer's event loop; its /metrics include the monitor peer's own."""
     from potluck.metrics import peer_metrics
     from potluck.monitor.web import start_web
 
     try:
-        return peer.run(start_web(ledger, host, port, registry=peer_metrics(peer.transport).registry), WEB_TIMEOUT)
+        return peer.run(start_web(view, host, port, registry=peer_metrics(peer.transport).registry), WEB_TIMEOUT)
     except OSError as e:
         raise PotluckError(f"cannot serve the dashboard on {host}:{port} ({e}): pick another --port") from None
 
@@ -143,15 +143,18 @@ def run_status(args: argparse.Namespace) -> int:
             raise PotluckError(f"could not read run {args.run_id!r} from the DHT: check --initial-peers")
         print(progress_line(now))
         peers = [p for p in ledger.peers() if p.online]
+        refused = follower.refused_peers()
         if not peers:
             print(f"no peer of run {args.run_id!r} is online (is --run-id the one the trainers use?)")
-            return 0
-        print(peers_table(peers))
+        else:
+            print(peers_table(peers))
+        for p in refused:
+            print(f"refused: {p.peer_id}: {p.refused}")
     return 0
 
 
 def peers_table(peers: list[PeerState]) -> str:
-    rows = [("peer", "name", "epoch", "samples/s", "mode")]
+    rows = [("peer", "name", "epoch", "samples/s", "role")]
     rows += [(p.peer_id, p.name or "-", str(p.epoch), f"{p.samples_per_second:.1f}",
               "client" if p.client_mode else "node") for p in peers]
     return _table(rows, right=(2, 3))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import re
+import socket
 
 from potluck.cli.signals import StopSignal
 from potluck.peer import Peer
@@ -55,6 +58,49 @@ def start_peer(args: argparse.Namespace) -> Peer:
                 metrics_port=args.metrics_port)
 
 
+# Addresses whose route this machine looks up (no packet is sent) to learn the address it would use
+# to reach another machine: documentation ranges (RFC 5737, RFC 3849), so nothing is ever dialed.
+ROUTE_PROBES = ("198.51.100.1", "2001:db8::1")
+
+
+def routable_hosts() -> list[str]:
+    """This machine's addresses that other machines route to (not loopback): the source address of
+    its default routes. gethostname() often resolves to loopback only."""
+    hosts = []
+    for probe in ROUTE_PROBES:
+        family = socket.AF_INET6 if ":" in probe else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))  # UDP connect: a route lookup, nothing is sent
+                host = s.getsockname()[0]
+        except OSError:  # no route of this family
+            continue
+        if not ipaddress.ip_address(host).is_loopback and host not in hosts:
+            hosts.append(host)
+    return hosts
+
+
+def join_addresses(addresses: list[str], hosts: list[str], listen_host: str) -> list[str]:
+    """`addresses` (the peer's own), plus one per routable host of this machine it does not name
+    yet, when the peer listens on every interface: what a user on another machine joins with."""
+    listen = ipaddress.ip_address(listen_host)
+    if not addresses or not listen.is_unspecified:
+        return list(addresses)
+    found = re.fullmatch(r"/ip([46])/([^/]+)(/tcp/\d+/p2p/\S+)", addresses[0])
+    if found is None:
+        return list(addresses)
+    named = {re.match(r"/ip[46]/([^/]+)", a).group(1) for a in addresses if a.startswith("/ip")}
+    extra = [f"/ip{listen.version}/{h}{found.group(3)}" for h in hosts
+             if h not in named and ipaddress.ip_address(h).version == listen.version]
+    return extra + list(addresses)
+
+
+def print_join_addresses(peer: Peer, listen_host: str) -> None:
+    """The lines a user copies to another machine, routable addresses first, loopback last."""
+    for addr in join_addresses(peer.addresses, routable_hosts(), listen_host):
+        print(f"  --initial-peers {addr}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "peer", help="run a long-lived peer (a bootstrap node for others)",
@@ -75,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"member {peer.membership.name!r} of run {peer.membership.run_id!r}")
         if peer.addresses:
             print("other peers can join with:")
-            for addr in peer.addresses:
-                print(f"  --initial-peers {addr}")
+            print_join_addresses(peer, args.host)
         print(peer.reachability_summary)
         if peer.metrics_url is not None:
             print(f"metrics: {peer.metrics_url}")

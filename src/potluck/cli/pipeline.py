@@ -62,6 +62,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_spec_options(plan)
     plan.set_defaults(run=run_plan)
     add_run_parser(commands)
+    export = commands.add_parser(
+        "export", help="assemble the layers a run's nodes saved (`pipeline run --save DIR`) into one model file",
+        description="Read the files `potluck pipeline run --save DIR` wrote (one per node: its layers and its "
+                    "cluster), take one cluster whose nodes together saved every layer (the clusters hold "
+                    "copies of the model, averaged every --average-every updates), and write one state dict of "
+                    "nn.Sequential(*your layers) to --out: load it with plain PyTorch, "
+                    "`model.load_state_dict(torch.load(FILE))`, or start a run from it with --resume FILE.")
+    export.add_argument("directory", metavar="DIR", help="the folder of the nodes' saved files")
+    export.add_argument("--out", required=True, metavar="FILE", help="the model file to write")
+    export.add_argument("--cluster", help="the cluster to take (default: the first complete one)")
+    export.set_defaults(run=run_export)
     parser.set_defaults(run=lambda args: (parser.print_help(), 2)[1])
 
 
@@ -184,4 +195,41 @@ def run_plan(args: argparse.Namespace) -> int:
     if plan["standby"]:
         print(f"standby ({len(plan['standby'])}): " + ", ".join(p[:12] for p in plan["standby"])
               + " (would not raise the slowest cluster; replaces a node that fails)")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import pickle
+
+    import torch
+    files = sorted(Path(args.directory).glob("*.pt"))
+    saved = []
+    for path in files:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:  # another file: go on
+            print(f"skipping {path.name}: not a saved pipeline node ({str(e).splitlines()[0][:80]})", file=sys.stderr)
+            continue
+        if isinstance(data, dict) and {"cluster", "layers", "total_layers"} <= data.keys():
+            saved.append((path, data))
+    clusters: dict[str, dict[int, Any]] = {}
+    totals: dict[str, int] = {}
+    for _, data in saved:
+        if data["cluster"] is not None:
+            clusters.setdefault(data["cluster"], {}).update(data["layers"])
+            totals[data["cluster"]] = int(data["total_layers"])
+    complete = sorted(c for c, layers in clusters.items() if sorted(layers) == list(range(totals[c])))
+    if args.cluster is not None:
+        complete = [c for c in complete if c == args.cluster]
+    if not complete:
+        have = ", ".join(f"{c}: layers {sorted(layers)} of {totals[c]}" for c, layers in sorted(clusters.items()))
+        raise SpecError(f"no {'cluster ' + repr(args.cluster) if args.cluster else 'cluster'} in {args.directory} "
+                        f"has every layer saved ({have or f'{len(saved)} saved nodes, none in a cluster'}): "
+                        "give every node of the run `--save` with this folder")
+    cluster = complete[0]
+    state = {f"{i}.{key}": value for i, layer in sorted(clusters[cluster].items()) for key, value in layer.items()}
+    out = Path(args.out)
+    torch.save(state, out)
+    print(f"{out}: layers 0-{totals[cluster] - 1} of cluster {cluster} ({len(state)} tensors); load with "
+          f"nn.Sequential(*layers).load_state_dict(torch.load({str(out)!r}))")
     return 0

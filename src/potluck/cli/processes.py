@@ -49,6 +49,8 @@ class WorkerProcess:
                 self.hello = message
                 self.status = "running"
                 self.ready.set()
+            elif "started" in message:  # the common start: when this process began training
+                self.hello["started"] = message["started"]
             elif message.get("final"):
                 self.final = message
             else:

@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from potluck.cli.peer import add_peer_options, start_peer
+from potluck.cli.help import OldName
+from potluck.cli.peer import add_peer_options, print_join_addresses, start_peer
 from potluck.cli.signals import StopSignal
 from potluck.cli.spec import RunSpec, add_spec_options
 
@@ -72,24 +73,33 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "shard K-1: the decentralized form (give every worker a different K, 0 to N-1)")
     worker.add_argument("--discovery-timeout", type=float, default=DISCOVERY_TIMEOUT,
                         help="seconds to wait for every shard to have a server (default: %(default)s)")
+    worker.add_argument("--save", metavar="FILE",
+                        help="at the end, save the final model (the servers' parameters) to FILE: a state dict "
+                             "of nn.Sequential(*your layers), for torch.load and load_state_dict")
     add_spec_options(worker)
     worker.set_defaults(run=run_worker)
     parser.set_defaults(run=lambda args: (parser.print_help(), 2)[1])
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    from potluck.ps.server import MODES, WORKER_TIMEOUT
-    parser.add_argument("--run-id", default="ps", help="the training run (default: %(default)s)")
+    from potluck.ps.server import CONSISTENCY_MODELS, WORKER_TIMEOUT
+    parser.add_argument("--run-id", default="ps",
+                        help="the training run: the same on every server and worker; name yours, so that two "
+                             "runs in one swarm stay apart (default: %(default)s)")
+    parser.add_argument("--resume", metavar="FILE",
+                        help="start from this model file (a state dict, as `ps worker --save` writes it) instead "
+                             "of --seed's initial parameters")
     parser.add_argument("--shards", type=int, default=1,
                         help="N, the shards the parameters are split into (servers, and workers with --serve-shard; "
                              "other workers read it from the servers' announcements) (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1,
                         help="workers of the run: servers wait for this many before the first step and serve no "
                              "more (default: %(default)s)")
-    parser.add_argument("--mode", choices=MODES, default="sync",
-                        help="sync: one step per round with every worker's gradient; async: each push applied "
-                             "alone; ssp: async within a staleness bound; backup: rounds without the slowest "
-                             "(default: %(default)s)")
+    parser.add_argument("--consistency", choices=CONSISTENCY_MODELS, default="sync",
+                        help="what a server waits for before it answers a push: sync: one step per round with "
+                             "every worker's gradient; async: each push applied alone; ssp: async within a "
+                             "staleness bound; backup: rounds without the slowest (default: %(default)s)")
+    parser.add_argument("--mode", dest="consistency", choices=CONSISTENCY_MODELS, action=OldName, new="--consistency")
     parser.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT,
                         help="seconds of silence after which a worker is dropped (default: %(default)s)")
 
@@ -102,9 +112,27 @@ def params_digest(params: Sequence[Any]) -> str:
     return h.hexdigest()
 
 
-def _model(spec: RunSpec) -> Any:
+def _model(spec: RunSpec, args: argparse.Namespace) -> Any:
+    """The model as nn.Sequential of the spec's layers, from --resume's file if given."""
+    import torch
     from torch import nn
-    return nn.Sequential(*spec.layers())
+
+    from potluck.cli.spec import SpecError
+    model = nn.Sequential(*spec.layers())
+    if args.resume:
+        try:
+            model.load_state_dict(torch.load(args.resume, map_location="cpu", weights_only=True))
+        except (RuntimeError, ValueError, KeyError, OSError) as e:
+            raise SpecError(f"--resume {args.resume}: not a model file of this --model: "
+                            f"{str(e).splitlines()[0]}") from None
+        print(f"resumed the model from {args.resume}", flush=True)
+    return model
+
+
+def _print_run(args: argparse.Namespace) -> None:
+    """Says which run this process joins: a default run id is said, never silent."""
+    default = " (the default: give --run-id to name your own)" if args.run_id == "ps" else ""
+    print(f"run {args.run_id!r}{default}", flush=True)
 
 
 def _check_shards(args: argparse.Namespace, shard: int) -> None:
@@ -116,19 +144,22 @@ def _check_shards(args: argparse.Namespace, shard: int) -> None:
 
 def _config(args: argparse.Namespace) -> Any:
     from potluck.ps.server import ServerConfig
-    return ServerConfig(mode=args.mode, num_workers=args.workers, worker_timeout=args.worker_timeout)
+    return ServerConfig(consistency=args.consistency, num_workers=args.workers, worker_timeout=args.worker_timeout)
 
 
-async def _serve(peer: Any, args: argparse.Namespace, spec: RunSpec, params: Sequence[Any],
+async def _serve(peer: Any, args: argparse.Namespace, spec: RunSpec, model: Any,
                  shards: list[tuple[int, str | None]], await_standby: bool) -> tuple[Any, asyncio.Task]:
     """Start one ParameterServer per (shard, standby_of) on this peer and keep them announced.
     Primaries first, so a standby waiting for its primary never waits for this very peer."""
     from potluck.net.identity import PeerID
+    from potluck.optim.schema import RunSchema
     from potluck.ps.discovery import ShardHost, find_primary, layout_digest
     from potluck.ps.server import ParameterServer, split_by_size
+    names, params = zip(*model.named_parameters(), strict=True)
     digest = layout_digest(params, args.shards)
     assignment = split_by_size([p.numel() for p in params], args.shards)
-    host = ShardHost(peer, args.run_id, [], digest, args.shards, await_standby=await_standby)
+    host = ShardHost(peer, args.run_id, [], digest, args.shards, await_standby=await_standby,
+                     schema=RunSchema.of(params, names))
     task = asyncio.create_task(host.keep_announced())
     for shard, standby_of in sorted(shards, key=lambda s: s[1] is not None):
         primary = None
@@ -170,20 +201,20 @@ class _Watcher:
                           + (f", standby {s.replica}" if s.replica else ""), flush=True)
 
 
-def _print_peer(peer: Any) -> None:
+def _print_peer(peer: Any, host: str) -> None:
     print(f"peer id: {peer.peer_id}")
-    for addr in peer.addresses:
-        print(f"  --initial-peers {addr}")
+    print_join_addresses(peer, host)
     print(peer.reachability_summary, flush=True)
 
 
 def run_server(args: argparse.Namespace) -> int:
     _check_shards(args, args.shard)
     spec = RunSpec.from_args(args)
-    params = list(_model(spec).parameters())
+    model = _model(spec, args)
     with start_peer(args) as peer:
-        _print_peer(peer)
-        host, task = peer.run(_serve(peer, args, spec, params, [(args.shard, args.standby_of)], args.await_standby),
+        _print_peer(peer, args.host)
+        _print_run(args)
+        host, task = peer.run(_serve(peer, args, spec, model, [(args.shard, args.standby_of)], args.await_standby),
                               DISCOVERY_TIMEOUT + 30)
         stop = StopSignal()  # from here Ctrl-C stops cleanly; before, it interrupts the wait at once
         watcher = _Watcher(host.servers)
@@ -211,24 +242,38 @@ async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
 
 
+def _save_model(model: Any, path: str) -> None:
+    """The model's state dict, written whole or not at all (a crash mid-write leaves the old file)."""
+    import os
+
+    import torch
+    tmp = f"{path}.tmp"
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
+    print(f"saved the model to {path} (load: model.load_state_dict(torch.load({path!r})))", flush=True)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     from potluck.ps.discovery import discover_layout
     from potluck.ps.worker import PSWorker
     if args.serve_shard is not None:
         _check_shards(args, args.serve_shard)
     spec = RunSpec.from_args(args)
-    model = _model(spec)
+    model = _model(spec, args)
     params = list(model.parameters())
     with start_peer(args) as peer:
-        _print_peer(peer)
+        _print_peer(peer, args.host)
+        _print_run(args)
         host = task = None
         if args.serve_shard is not None:
             k, n = args.serve_shard, args.shards
             roles = [(k, None)] + ([((k - 1) % n, "auto")] if n > 1 else [])
-            host, task = peer.run(_serve(peer, args, spec, params, roles, await_standby=n > 1),
+            host, task = peer.run(_serve(peer, args, spec, model, roles, await_standby=n > 1),
                                   DISCOVERY_TIMEOUT + 30)
         layout = peer.run(discover_layout(peer, args.run_id, params, args.discovery_timeout,
-                                          progress=lambda m: print(m, flush=True)), args.discovery_timeout + 30)
+                                          progress=lambda m: print(m, flush=True),
+                                          names=[n for n, _ in model.named_parameters()],
+                                          ask=peer.initial_peer_ids), args.discovery_timeout + 30)
         for k, servers in enumerate(layout.servers):
             print(f"shard {k}: server {servers[0]}" + (f", standby {servers[1]}" if len(servers) > 1 else ""),
                   flush=True)
@@ -245,12 +290,14 @@ def run_worker(args: argparse.Namespace) -> int:
             loss = loss_fn(model(x), y)
             loss.backward()
             worker.push()
-            print(f"step {step + 1}/{args.steps}: loss {float(loss):.4f}", flush=True)
+            print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}", flush=True)
             if watcher is not None:
                 watcher.check(time.monotonic())
         worker.pull()
         print(f"done: server steps {worker.client.steps}; final parameters sha256 {params_digest(params)}",
               flush=True)
+        if args.save:
+            _save_model(model, args.save)
         if host is not None:
             print("still serving for the other workers until they are done", flush=True)
             while not stop.wait(WATCH_SECONDS) and peer.run(_aidle(host.servers), 10) < LINGER_IDLE_SECONDS:

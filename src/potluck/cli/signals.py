@@ -25,6 +25,21 @@ class StopSignal:
 
     def _handle(self, *_: object) -> None:
         self.stopped = True
+        StopSignal.received = True
+
+    # Whether any stop signal has come (the command is ending because the user asked).
+    received = False
+
+    @staticmethod
+    def exiting() -> None:
+        """Called once the command has returned: if the user has asked it to stop, ignore further
+        stop signals. Python resets its handlers to the default while it shuts down (torch's
+        teardown and the threads take a moment), so an impatient second Ctrl-C then killed a
+        process that had saved its work and printed its final row, with exit status -2."""
+        if StopSignal.received:
+            StopSignal.received = False
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
     def is_set(self) -> bool:
         return self.stopped

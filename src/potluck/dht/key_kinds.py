@@ -12,9 +12,9 @@ and whether the key holds only owner-signed per-peer entries.
   record or an unsigned subkey is refused: a plain record expiring later than the dictionary
   would displace every entry and block the owners' re-stores for its whole lifetime.
 
-A kind matches the key's text (`re.search`): potluck's protocols name their keys
-`<run>.<kind>...`, so these are reserved suffixes and infixes of str keys; other keys keep the
-DHT-wide `Limits.max_ttl` and any shape. Peer records have their own rules (`dht.peer_records`).
+A kind matches the whole key's text: its pattern is built from the template that names those
+keys (`potluck.core.names`, where every key of a run is derived from its run id); other keys keep
+the DHT-wide `Limits.max_ttl` and any shape. Peer records have their own rules (`dht.peer_records`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from potluck.core import names
 from potluck.core.dht_time import Clock
+from potluck.core.names import pattern
 from potluck.dht.errors import ExpirationTooFar, RecordRejected
 from potluck.dht.records import Record, owners_of
 from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
@@ -69,17 +71,17 @@ ROUNDS_MAX_TTL = 600.0
 KINDS_OF_KEYS_CACHED = 4096
 
 KEY_KINDS: tuple[KeyKind, ...] = (
-    KeyKind("matchmaking declarations", re.compile(r"\.match\."), DECLARATION_MAX_TTL),
-    KeyKind("progress records", re.compile(r"\.progress\Z"), PROGRESS_MAX_TTL),
-    KeyKind("state donor records", re.compile(r"\.state\Z"), DONOR_MAX_TTL),
-    KeyKind("pipeline profiles", re.compile(r"\.pipeline\.profiles\Z"), PIPELINE_MAX_TTL),
-    KeyKind("pipeline layouts", re.compile(r"\.pipeline\.layout\Z"), PIPELINE_MAX_TTL),
-    KeyKind("pipeline plans", re.compile(r"\.pipeline\.plan\Z"), PIPELINE_MAX_TTL),
-    KeyKind("sweep leases", re.compile(r"\Asweep\..+\.leases\Z"), LEASE_MAX_TTL),
-    KeyKind("sweep results", re.compile(r"\Asweep\..+\.results\Z"), RESULT_MAX_TTL),
-    KeyKind("relay announcements", re.compile(r"\Anat\.relays\Z"), RELAY_MAX_TTL),
-    KeyKind("shard server announcements", re.compile(r"\.ps\.servers\Z"), PS_SERVERS_MAX_TTL),
-    KeyKind("round records", re.compile(r"\.rounds\Z"), ROUNDS_MAX_TTL),
+    KeyKind("matchmaking declarations", pattern(names.DECLARATIONS), DECLARATION_MAX_TTL),
+    KeyKind("progress records", pattern(names.PROGRESS), PROGRESS_MAX_TTL),
+    KeyKind("state donor records", pattern(names.DONORS), DONOR_MAX_TTL),
+    KeyKind("pipeline profiles", pattern(names.PIPELINE_PROFILES), PIPELINE_MAX_TTL),
+    KeyKind("pipeline layouts", pattern(names.PIPELINE_LAYOUT), PIPELINE_MAX_TTL),
+    KeyKind("pipeline plans", pattern(names.PIPELINE_PLAN), PIPELINE_MAX_TTL),
+    KeyKind("sweep leases", pattern(names.SWEEP_LEASES), LEASE_MAX_TTL),
+    KeyKind("sweep results", pattern(names.SWEEP_RESULTS), RESULT_MAX_TTL),
+    KeyKind("relay announcements", pattern(names.RELAYS), RELAY_MAX_TTL),
+    KeyKind("shard server announcements", pattern(names.PS_SERVERS), PS_SERVERS_MAX_TTL),
+    KeyKind("round records", pattern(names.ROUNDS), ROUNDS_MAX_TTL),
 )
 
 

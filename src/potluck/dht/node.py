@@ -63,6 +63,7 @@ from potluck.metrics import peer_metrics, stopwatch
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
+from potluck.net.origins import Origin
 from potluck.net.peer_record import PeerRecord
 from potluck.net.transport import Transport
 
@@ -180,7 +181,7 @@ class DHTNode:
         self._handoff_task: asyncio.Task | None = None
         # Addresses other nodes told us, by node id, handed to the transport only when we call
         # that peer: a lookup hears of hundreds of peers and calls a few dozen.
-        self._hearsay: dict[int, list[Multiaddr]] = {}
+        self._hearsay: dict[int, tuple[Multiaddr, ...]] = {}
         self._upkeep_task: asyncio.Task | None = None
         self._republish_task: asyncio.Task | None = None
         self._readdress_task: asyncio.Task | None = None
@@ -370,42 +371,44 @@ class DHTNode:
             self._learn(ctx.peer_id)
 
     async def _on_ping(self, request: Any, ctx: CallContext) -> bytes:
-        protocol.parse_ping(request)
+        protocol.read(protocol.Ping, request)
         self._caller(ctx)
         return protocol.PING_RESPONSE
 
     async def _on_find(self, request: Any, ctx: CallContext) -> bytes:
-        ids, values, stop, own = protocol.parse_find_request(request)
+        find = protocol.read(protocol.FindRequest, request)
         self._caller(ctx)
         now = self.now()
-        held = None if own is None else self._accept_own_record(own, ctx.peer_id, now)
-        peers: list[tuple[PeerID, list[Multiaddr]]] = []
+        held = None if find.own_record is None else self._accept_own_record(find.own_record, ctx, now)
+        peers: list[protocol.NearPeer] = []
         index: dict[PeerID, int] = {}
         results = []
-        for target in ids:
-            records = self.storage.get(target, now) if values else []
+        for target in find.ids:
+            records = self.storage.get(target, now) if find.values else []
             indices = []
-            if not (records and stop):
-                for peer, _ in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
+            if not (records and find.stop):
+                for peer, node_id in self.routing.nearest(target, self.config.bucket_size, exclude=(ctx.peer_id,)):
                     if peer not in index:
                         addrs = self.transport.vouched_addresses_of(peer)  # never pass hints on
                         if not addrs:
                             continue
                         index[peer] = len(peers)
-                        peers.append((peer, addrs))
+                        peers.append((peer, node_id, addrs))
                     indices.append(index[peer])
-            results.append((indices, records))
-        return protocol.find_response(peers, results, held)
+            results.append(protocol.FindResult(indices, records))
+        return protocol.write(protocol.FindResponse(peers, results, held))
 
     async def _on_store(self, request: Any, ctx: CallContext) -> bytes:
-        records = protocol.parse_store_request(request)
+        store = protocol.read(protocol.StoreRequest, request)
         self._caller(ctx)
         now = self.now()
-        return protocol.store_response([self._accept(record, now, ctx.peer_id) for record in records])
+        outcomes = [self._accept(record, now, ctx.peer_id, ctx.remote.origin) for record in store.records]
+        return protocol.write(protocol.StoreResponse(outcomes))
 
-    def _accept(self, record: Record, now: float, sender: PeerID) -> bool | str:
+    def _accept(self, record: Record, now: float, sender: PeerID, origin: Origin) -> bool | str:
         """Store a record another peer sent: True if held, False if a later one is, else why not.
-        The storage charges it to `sender` unless it has an owner (see `Storage`'s per-source quota)."""
+        The storage charges it to `sender` unless it has an owner (see `Storage`'s per-source quota),
+        under the subnet of `origin` (where `sender`'s connection comes from; `Storage`'s shares)."""
         key_id = key_id_of(record.key)
         if self.storage.holds(key_id, record, now):
             # Hand-offs and re-stores bring the same record from every replica: it passed
@@ -413,37 +416,39 @@ class DHTNode:
             return True
         try:
             check_record(record, self.limits, now, self.validators, skew=CLOCK_SKEW_ALLOWANCE)
-            return self.storage.store(key_id, record, now, sender)
+            return self.storage.store(key_id, record, now, sender, origin)
         except RecordRejected as e:
             return f"{type(e).__name__}: {e}"
 
-    def _accept_own_record(self, record: Record, caller: PeerID, now: float) -> bool | str:
+    def _accept_own_record(self, record: Record, ctx: CallContext, now: float) -> bool | str:
         """The caller's own peer record, sent along its joining lookup (see `protocol`)."""
-        if record.key != peer_record_key(caller) or record.subkey is not None:
+        if record.key != peer_record_key(ctx.peer_id) or record.subkey is not None:
             return "RecordRejected: a find request carries only the caller's own peer record"
-        return self._accept(record, now, caller)
+        return self._accept(record, now, ctx.peer_id, ctx.remote.origin)
 
     # -- lookups -------------------------------------------------------------------------------------
     async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool,
                     deadline: float, own: _OwnRecord | None = None) -> dict[int, Answer]:
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
-        request = protocol.find_request(ids, values, stop, None if own is None else own.record)
-        response = await self._request(peer, protocol.FIND, request, timeout)
-        parsed, held = protocol.parse_find_response(response, len(ids))
+        request = protocol.write(protocol.FindRequest(ids, values, stop, None if own is None else own.record))
+        answer = protocol.read(protocol.FindResponse, await self._request(peer, protocol.FIND, request, timeout),
+                               n_ids=len(ids))
         if own is not None:
-            own.answered(peer, held)
+            own.answered(peer, answer.held)
         now = self.now()
+        peers = answer.peers
         answers = {}
-        for target, (nearest, records) in zip(ids, parsed, strict=True):
+        for target, result in zip(ids, answer.results, strict=True):
             near = []
-            for other, other_id, addrs in nearest:
+            for i in result.nearest:
+                other, other_id, addrs = peers[i]
                 if other_id == self.node_id or not addrs:
                     continue
                 if other_id not in self._hearsay and not self.routing.has_node(other_id):
                     self._hearsay[other_id] = addrs
                 near.append((other, other_id))
-            answers[target] = Answer(near, [r for r in records if self._trust(r, target, now, peer)])
+            answers[target] = Answer(near, [r for r in result.records if self._trust(r, target, now, peer)])
         while len(self._hearsay) > MAX_HEARSAY:
             del self._hearsay[next(iter(self._hearsay))]
         return answers
@@ -607,8 +612,9 @@ class DHTNode:
                 timeout = max(0.0, min(timeout, deadline - self._mono()))
             try:
                 self._introduce(peer)
-                response = await self._request(peer, protocol.STORE, protocol.store_request(chunk), timeout)
-                answers.extend(protocol.parse_store_response(response, len(chunk)))
+                response = await self._request(peer, protocol.STORE, protocol.write(protocol.StoreRequest(chunk)),
+                                               timeout)
+                answers.extend(protocol.read(protocol.StoreResponse, response, n_records=len(chunk)).results)
             except (NetworkError, BadRequest, TimeoutError) as e:
                 logger.debug("store on %s failed: %s", peer, e)
                 self._peer_failed(peer)
@@ -648,7 +654,7 @@ class DHTNode:
         identity = self.transport.identity
         expiration = self.now() + self.config.peer_record_ttl
         signed = PeerRecord.sign(identity, self.transport.addresses, expiration)
-        record = sign_record(Record(peer_record_key(self.peer_id), None, dumps(signed.to_value()), expiration),
+        record = sign_record(Record(peer_record_key(self.peer_id), None, dumps(signed.to_wire()), expiration),
                              identity, self.membership_token())
         try:
             check_record(record, self.limits, self.now(), self.validators, skew=0.0)

@@ -17,12 +17,13 @@ import threading
 from typing import Any
 
 from potluck.core.dht_time import Clock
+from potluck.core.errors import MalformedMessage
 from potluck.core.serialization import loads
 from potluck.dht.errors import ExpirationTooFar, RecordRejected
 from potluck.dht.records import PEER_RECORD_PREFIX, Record, owner_marker, owners_of
 from potluck.dht.validation import CLOCK_SKEW_ALLOWANCE
 from potluck.net.identity import PeerID
-from potluck.net.peer_record import PeerRecord, PeerRecordError
+from potluck.net.peer_record import PeerRecord
 
 __all__ = ["MAX_PEER_RECORD_TTL", "PARSED_PEER_RECORDS", "PEER_RECORD_PREFIX", "PEER_RECORD_TTL",
            "PeerRecordValidator", "is_peer_record_key", "peer_record_from_bytes", "peer_record_key"]
@@ -71,16 +72,8 @@ class PeerRecordValidator:
             raise ExpirationTooFar(f"peer records may live at most {self.max_ttl:.0f} s; re-sign them instead")
 
 
-def parse_peer_record(value: Any) -> PeerRecord:
-    """`PeerRecord.from_value` with the DHT's error type."""
-    try:
-        return PeerRecord.from_value(value)
-    except PeerRecordError as e:
-        raise RecordRejected(str(e)) from None
-
-
 class _ParsedPeerRecords:
-    """`parse_peer_record(loads(value))` by a BLAKE2b digest of `value`, for values that parsed: the
+    """`PeerRecord.from_wire(loads(value))` by a BLAKE2b digest of `value`, for values that parsed: the
     same bytes always parse to the same record, and a peer record is checked each time it is stored
     on a node, returned by a lookup and resolved, always the same few hundred bytes. Oldest forgotten
     first past `max_entries`; what fails to parse is never remembered."""
@@ -94,7 +87,10 @@ class _ParsedPeerRecords:
         digest = hashlib.blake2b(value, digest_size=32).digest()
         parsed = self._parsed.get(digest)
         if parsed is None:
-            parsed = parse_peer_record(loads(value) if decoded is None else decoded)
+            try:
+                parsed = PeerRecord.from_wire(loads(value) if decoded is None else decoded)
+            except MalformedMessage as e:
+                raise RecordRejected(str(e)) from None
             with self._lock:
                 self._parsed[digest] = parsed
                 while len(self._parsed) > self.max_entries:

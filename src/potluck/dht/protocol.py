@@ -1,31 +1,36 @@
-"""The DHT's RPC messages: building them, and parsing what arrives with every field checked.
+"""The DHT's RPC messages, declared (`potluck.core.wire.Message`): every field checked as it arrives.
 
 Each request and response travels as one msgpack blob (`bytes`): a find answer names hundreds of
-small items, and msgpack's C codec handles them in one call. Messages (ids are 20-byte big-endian):
-- `dht.ping`  {}                                   -> {"ok": True}
-- `dht.find`  {"ids": [id...], "values": bool, "stop": bool[, "rec": record]}
-                -> {"peers": [[peer id bytes, [addr...]]...], "results": [[[peer index...], [record...]]...]
-                    [, "rec": True | False | "error"]}
+small items, and msgpack's C codec handles them in one call. `write(message)` makes the blob and
+`read(Message, blob, **context)` checks it, raising `BadRequest` (what a node answers a malformed
+request with, and what makes an asker drop a peer that answered one). Messages (ids are 20-byte
+big-endian):
+- `dht.ping`  `Ping` {}                                    -> `Pong` {"ok": True}
+- `dht.find`  `FindRequest` {"ids": [id...], "values": bool, "stop": bool[, "rec": record]}
+                -> `FindResponse` {"peers": [[peer id bytes, [addr...]]...],
+                                   "results": [[[peer index...], [record...]]...][, "rec": True | False | "error"]}
   one result per id: the peers closest to it that the node knows (indices into "peers"), and
   the records it holds for that key (only when "values" is true). With "stop" (the asker stops
   at the first value, Kademlia's FIND_VALUE), a node that holds records sends them instead of peers.
   "rec" is the asker's own peer record, sent along the lookup of its own id when it joins: that
   lookup visits the record's replicas (it sits at the asker's id), so storing it costs no extra
   calls; the answer says, as for a store, whether the node holds it;
-- `dht.store` {"records": [record...]}             -> {"results": [True | False | "error"...]}
+- `dht.store` `StoreRequest` {"records": [record...]}      -> `StoreResponse` {"results": [True | False | "error"...]}
   one result per record: held, refused by the later-expiration rule, or why it was refused.
-A record is `Record.to_wire()`. A malformed request is answered with a `BadRequest` error.
+A record is `Record.to_wire()`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 
-from potluck.core.errors import AddressError, IdentityError, SerializationError
+from potluck.core.errors import AddressError, IdentityError, MalformedMessage, SerializationError
 from potluck.core.serialization import unpackb_bounded
+from potluck.core.wire import Bool, Field, Int, List, Message, Nested, Raw
 from potluck.dht.errors import BadRequest
 from potluck.dht.records import Record
 from potluck.dht.routing import ID_BYTES, node_id_of
@@ -49,6 +54,17 @@ MAX_STORE_RECORDS = 256
 # Records one find answer may carry for one key (a dictionary of many subkeys).
 MAX_RECORDS_PER_KEY = 16_384
 
+# Peers (with their addresses) remembered parsed, per process: answers name the same peers again and
+# again, and parsing one takes ~10 us. An entry is ~300 bytes for a peer with one address (2.5 MiB
+# in all) and at most ~20 KB (MAX_ADDRESSES_PER_PEER addresses of MAX_ADDRESS_CHARS): 160 MiB, what
+# the per-address cache this replaced could be made to hold. An emulated swarm of more peers in one
+# process parses some again.
+NEAR_PEERS_CACHED = 8192
+
+M = TypeVar("M", bound=Message)
+# A peer a find answer names: its id, node id and addresses (a plain tuple: an answer names dozens).
+NearPeer = tuple[PeerID, int, tuple[Multiaddr, ...]]
+
 
 def encode(message: Any) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
@@ -68,144 +84,143 @@ def decode(blob: object, what: str) -> Any:
         raise BadRequest(f"a DHT {what} is not valid msgpack: {e}") from None
 
 
-@functools.lru_cache(maxsize=65536)
-def _peer(raw: bytes) -> tuple[PeerID, int]:
-    """A peer id and its node id, parsed once: answers name the same peers over and over."""
+def write(message: Message) -> bytes:
+    """The blob of a message."""
+    return msgpack.packb(message.to_wire(), use_bin_type=True)
+
+
+def read(kind: type[M], blob: object, **context: Any) -> M:
+    """The `kind` message inside a blob, every field checked (`context`: its bounds, e.g. how many
+    ids were asked); BadRequest names the first flaw."""
+    message = decode(blob, kind.WHAT)
+    try:
+        return kind.from_wire(message, **context) if context else kind.from_wire(message)
+    except MalformedMessage as e:
+        raise BadRequest(str(e)) from None
+
+
+@functools.lru_cache(maxsize=NEAR_PEERS_CACHED)
+def _near_peer(raw: bytes, *addresses: str) -> NearPeer:
+    """A peer an answer names, parsed once: answers name the same peers over and over."""
     peer_id = PeerID(raw)
-    return peer_id, node_id_of(peer_id)
+    return peer_id, node_id_of(peer_id), tuple(map(Multiaddr.parse, addresses))
 
 
-@functools.lru_cache(maxsize=65536)
-def _address(text: str) -> Multiaddr:
-    """Parse an address; the same few thousand addresses recur in every answer."""
-    return Multiaddr.parse(text)
+class NodeIdField(Field):
+    """A 160-bit id (a key's or a node's), on the wire as its big-endian bytes; read as an int."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> int:
+        if value.__class__ is not bytes or len(value) != ID_BYTES:
+            raise MalformedMessage(what, f"{key!r} must hold {ID_BYTES}-byte ids")
+        return int.from_bytes(value, "big")
+
+    def check_items(self, values: list, key: str, what: str, context: Mapping[str, Any]) -> tuple[int, ...]:
+        ids = [int.from_bytes(v, "big") for v in values if v.__class__ is bytes and len(v) == ID_BYTES]
+        return tuple(ids) if len(ids) == len(values) else super().check_items(values, key, what, context)
+
+    def encode(self, value: int) -> bytes:
+        return value.to_bytes(ID_BYTES, "big")
+
+    def encode_items(self, values: Sequence[int]) -> list[bytes]:
+        return [v.to_bytes(ID_BYTES, "big") for v in values]
 
 
-def _id_bytes(value: object, what: str) -> int:
-    if not isinstance(value, bytes) or len(value) != ID_BYTES:
-        raise BadRequest(f"{what} must be a {ID_BYTES}-byte id")
-    return int.from_bytes(value, "big")
+class NearPeersField(Field):
+    """The peers a find answer names, each [peer id bytes, [address...]] on the wire (its first
+    MAX_ADDRESSES_PER_PEER addresses are read); read as `NearPeer`s. One loop for the whole list,
+    each entry parsed once per process: the hottest field of the DHT."""
 
+    encodes = True
 
-def _field(message: object, name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(message, dict):
-        raise BadRequest(f"{what} must be a dict, got {type(message).__name__}")
-    value = message.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise BadRequest(f"{what}[{name!r}] is missing or has the wrong type")
-    return value
-
-
-# -- find ---------------------------------------------------------------------------------------
-def find_request(ids: list[int], values: bool, stop: bool = False, own_record: Record | None = None) -> bytes:
-    message: dict[str, Any] = {"ids": [i.to_bytes(ID_BYTES, "big") for i in ids], "values": values, "stop": stop}
-    if own_record is not None:
-        message["rec"] = own_record.to_wire()
-    return encode(message)
-
-
-def parse_find_request(blob: object) -> tuple[list[int], bool, bool, Record | None]:
-    """(ids, values, stop, the asker's own record or None) of a find request."""
-    message = decode(blob, "find request")
-    ids = _field(message, "ids", list, "find request")
-    if len(ids) > MAX_FIND_IDS:
-        raise BadRequest(f"a find request names at most {MAX_FIND_IDS} ids, got {len(ids)}")
-    values = _field(message, "values", bool, "find request")
-    stop = _field(message, "stop", bool, "find request")
-    own = Record.from_wire(message["rec"]) if "rec" in message else None
-    return [_id_bytes(i, "each id") for i in ids], values, stop, own
-
-
-def find_response(peers: list[tuple[PeerID, list[Multiaddr]]], results: list[tuple[list[int], list[Record]]],
-                  held: bool | str | None = None) -> bytes:
-    message: dict[str, Any] = {
-        "peers": [[p.to_bytes(), [str(a) for a in addrs]] for p, addrs in peers],
-        "results": [[indices, [r.to_wire() for r in records]] for indices, records in results]}
-    if held is not None:
-        message["rec"] = held
-    return encode(message)
-
-
-NearPeer = tuple[PeerID, int, list[Multiaddr]]  # peer id, node id, addresses
-FindResult = tuple[list[NearPeer], list[Record]]  # per asked id: nearest peers, records
-
-
-def parse_find_response(blob: object, n_ids: int) -> tuple[list[FindResult], bool | str | None]:
-    """Per asked id: (nearest peers as (peer id, node id, addresses), records); and whether the
-    node holds the asker's own record, if one was sent (None if not). Raises BadRequest on any
-    flaw; the caller treats that as a failed peer."""
-    message = decode(blob, "find response")
-    held = message.get("rec") if isinstance(message, dict) else None
-    if held is not None and not isinstance(held, (bool, str)):
-        raise BadRequest("find response: 'rec' is a bool or an error message")
-    raw_peers = _field(message, "peers", list, "find response")
-    results = _field(message, "results", list, "find response")
-    if len(raw_peers) > MAX_PEERS_PER_ANSWER:
-        raise BadRequest("find response names too many peers")
-    if len(results) != n_ids:
-        raise BadRequest(f"find response has {len(results)} results for {n_ids} ids")
-    peers = []
-    for item in raw_peers:
-        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
-            raise BadRequest("a peer entry is [peer id bytes, [address...]]")
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[NearPeer, ...]:
+        if value.__class__ is not list or len(value) > MAX_PEERS_PER_ANSWER:
+            raise MalformedMessage(what, f"{key!r} must be a list of at most {MAX_PEERS_PER_ANSWER} items")
+        peers: list[NearPeer] = []
+        append = peers.append
         try:
-            if not isinstance(item[0], bytes):
-                raise BadRequest("a peer id is 32 bytes")
-            peer_id, node_id = _peer(item[0])
-            addrs = [_address(a) for a in item[1][:MAX_ADDRESSES_PER_PEER]]
+            for item in value:
+                if item.__class__ is not list or len(item) != 2:
+                    raise TypeError("an entry is not a pair")
+                raw, texts = item
+                if raw.__class__ is not bytes or texts.__class__ is not list:
+                    raise TypeError("an entry is not [bytes, list]")
+                if len(texts) > MAX_ADDRESSES_PER_PEER:
+                    texts = texts[:MAX_ADDRESSES_PER_PEER]
+                append(_near_peer(raw, *texts))
         except (IdentityError, AddressError, TypeError) as e:
-            raise BadRequest(f"bad peer entry: {e}") from None
-        peers.append((peer_id, node_id, addrs))
-    parsed = []
-    for result in results:
-        if not isinstance(result, list) or len(result) != 2:
-            raise BadRequest("a find result is [[peer index...], [record...]]")
-        indices, records = result
-        if not isinstance(indices, list) or not isinstance(records, list):
-            raise BadRequest("a find result is [[peer index...], [record...]]")
-        if len(indices) > MAX_PEERS_PER_ID or len(records) > MAX_RECORDS_PER_KEY:
-            raise BadRequest("find result too long")
-        nearest = []
-        for index in indices:
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(peers):
-                raise BadRequest("peer index out of range")
-            nearest.append(peers[index])
-        parsed.append((nearest, [Record.from_wire(r) for r in records]))
-    return parsed, held
+            raise MalformedMessage(what, f"{key!r} entries must be [peer id bytes, [address...]]: {e}") from None
+        return tuple(peers)
+
+    def inline(self, v: str, names: dict[str, Any]) -> tuple[str, list[str]]:
+        return f"{v}.__class__ is list and not {v}", [f"{v} = ()"]  # (an answer that found records)
+
+    def encode(self, value: Any) -> list:
+        return [[peer_id.to_bytes(), [str(a) for a in addresses]] for peer_id, _, addresses in value]
+
+    def encoder(self, expr: str, names: dict[str, Any]) -> str:
+        return f"[[p.to_bytes(), [str(a) for a in addresses]] for p, _, addresses in {expr}]"
 
 
-# -- store --------------------------------------------------------------------------------------
-def store_request(records: list[Record]) -> bytes:
-    return encode({"records": [r.to_wire() for r in records]})
+def _outcome(key: str | None = None, **options: Any) -> Raw:
+    """What a node says of a record it was given: True (held), False (a later one is), or why it
+    refused it."""
+    return Raw(key, kind=(bool, str), kind_name="True, False or why a record was refused", **options)
 
 
-def store_response(results: list[bool | str]) -> bytes:
-    return encode({"results": results})
+class Ping(Message, what="ping", exact=True):
+    """Are you there? (an empty map)"""
 
 
-def parse_store_request(blob: object) -> list[Record]:
-    message = decode(blob, "store request")
-    records = _field(message, "records", list, "store request")
-    if len(records) > MAX_STORE_RECORDS:
-        raise BadRequest(f"a store request carries at most {MAX_STORE_RECORDS} records, got {len(records)}")
-    return [Record.from_wire(r) for r in records]
+class Pong(Message, what="ping answer"):
+    """Here ({"ok": True})."""
+
+    ok: bool = Bool()
 
 
-def parse_store_response(blob: object, n_records: int) -> list[bool | str]:
-    message = decode(blob, "store response")
-    results = _field(message, "results", list, "store response")
-    if len(results) != n_records:
-        raise BadRequest(f"store response has {len(results)} results for {n_records} records")
-    for r in results:
-        if not isinstance(r, (bool, str)):
-            raise BadRequest("each store result is a bool or an error message")
-    return results
+class FindRequest(Message, what="find request"):
+    """Who is near these ids (and, with `values`, what do you hold under them)? See the module
+    docstring for `stop` and `own_record`."""
+
+    ids: tuple[int, ...] = List("ids", NodeIdField(), MAX_FIND_IDS)
+    values: bool = Bool()
+    stop: bool = Bool()
+    own_record: Record | None = Nested("rec", Record, default=None)
 
 
-PING_REQUEST = encode({})
-PING_RESPONSE = encode({"ok": True})
+class FindResult(Message, what="find result", positional=True):
+    """One asked id's part of a find answer: indices into the answer's peers, and records."""
+
+    nearest: tuple[int, ...] = List(item=Int(None, 0, MAX_PEERS_PER_ANSWER), max_items=MAX_PEERS_PER_ID)
+    records: tuple[Record, ...] = List(item=Nested(None, Record), max_items=MAX_RECORDS_PER_KEY)
 
 
-def parse_ping(blob: object) -> None:
-    if decode(blob, "ping") != {}:
-        raise BadRequest("a ping carries an empty map")
+class FindResponse(Message, what="find response"):
+    """`from_wire(msg, n_ids=<ids asked>)`: one result per id."""
+
+    peers: tuple[NearPeer, ...] = NearPeersField()
+    results: tuple[FindResult, ...] = List(item=Nested(None, FindResult), length="n_ids")
+    held: bool | str | None = _outcome("rec", default=None)
+
+    def validate(self, context: Mapping[str, Any]) -> None:
+        named = len(self.peers)
+        for result in self.results:
+            if result.nearest and max(result.nearest) >= named:
+                raise self.refuse("'results' must name peers that 'peers' holds")
+
+
+class StoreRequest(Message, what="store request"):
+    """Hold these records."""
+
+    records: tuple[Record, ...] = List(item=Nested(None, Record), max_items=MAX_STORE_RECORDS)
+
+
+class StoreResponse(Message, what="store response"):
+    """`from_wire(msg, n_records=<records sent>)`: one outcome per record."""
+
+    results: tuple[bool | str, ...] = List(item=_outcome(), length="n_records")
+
+
+PING_REQUEST = write(Ping())
+PING_RESPONSE = write(Pong(ok=True))

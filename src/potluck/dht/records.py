@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgpack
 
-from potluck.core.errors import IdentityError
-from potluck.dht.errors import BadRequest, NotOwner
+from potluck.core.errors import IdentityError, MalformedMessage
+from potluck.core.wire import Bytes, Field, Message, Number
+from potluck.dht.errors import NotOwner
 from potluck.net.identity import PeerID
 
 __all__ = ["Key", "Record", "Subkey", "ValueWithExpiration", "key_id_of", "own_subkey", "owner_marker", "owners_of",
@@ -187,16 +187,54 @@ def _marked_peer(text: str) -> PeerID:
         raise NotOwner(f"the [owner:...] marker does not hold a valid peer id: {e}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One stored value: a plain value (subkey None) or one entry of a key's dictionary."""
+class Name(Field):
+    """A record's key (str or bytes) or, with `ints`, its subkey (str, bytes or a 64-bit int), of
+    at most MAX_KEY_BYTES (`name_size`)."""
 
-    key: Key
-    subkey: Subkey | None
-    value: bytes
-    expiration_time: float
-    signature: bytes | None = None
-    token: bytes | None = None  # the owner's membership token in an authority-governed run (`net.membership`)
+    def __init__(self, key: str | None = None, *, ints: bool = False, **options: Any):
+        super().__init__(key, **options)
+        self.kinds = (str, bytes, int) if ints else (str, bytes)
+        self.kinds_named = "str, bytes or int" if ints else "str or bytes"
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> Key | Subkey:
+        if value.__class__ is bool or not isinstance(value, self.kinds):
+            raise MalformedMessage(what, f"{key!r} must be {self.kinds_named}, got {type(value).__name__}")
+        if name_size(value) > MAX_KEY_BYTES:
+            raise MalformedMessage(what, f"{key!r} must take at most {MAX_KEY_BYTES} bytes")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise MalformedMessage(what, f"{key!r} must fit in 64 bits")
+        return value
+
+    def fast(self, v: str) -> str:
+        # A short str needs no size check: UTF-8 takes at most 4 bytes a character.
+        return f"{v}.__class__ is str and len({v}) <= {MAX_KEY_BYTES // 4}"
+
+
+class Value(Field):
+    """A record's value: bytes, of any size here (`validation` bounds it, per node)."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> bytes:
+        if not isinstance(value, bytes):
+            raise MalformedMessage(what, f"{key!r} must be bytes, got {type(value).__name__}")
+        return value
+
+    def fast(self, v: str) -> str:
+        return f"{v}.__class__ is bytes"
+
+
+class Record(Message, what="DHT record", positional=True):
+    """One stored value: a plain value (subkey None) or one entry of a key's dictionary. On the
+    wire `[key, subkey, value, expiration_time, signature, token]`; `from_wire` checks every
+    field's type and bound, and semantic rules (size limit, expiration, signature, schema) are
+    `validation`'s job."""
+
+    key: Key = Name()
+    subkey: Subkey | None = Name(ints=True, optional=True)
+    value: bytes = Value()
+    expiration_time: float = Number(signed=True)
+    signature: bytes | None = Bytes(max_bytes=SIGNATURE_BYTES, exact=True, default=None)
+    # The owner's membership token in an authority-governed run (`net.membership`).
+    token: bytes | None = Bytes(max_bytes=MAX_TOKEN_BYTES, default=None)
 
     def signed_bytes(self) -> bytes:
         """What an owner signs: key, subkey, value, expiration and its membership token (so a token
@@ -208,37 +246,3 @@ class Record:
         """Bytes this record costs a node (without bookkeeping overhead)."""
         return (len(self.value) + name_size(self.key) + name_size(self.subkey)
                 + len(self.signature or b"") + len(self.token or b""))
-
-    def to_wire(self) -> list:
-        return [self.key, self.subkey, self.value, self.expiration_time, self.signature, self.token]
-
-    @classmethod
-    def from_wire(cls, item: object) -> Record:
-        """Parse one wire record, checking every field's type and bound (BadRequest if wrong).
-        Semantic rules (size limit, expiration, signature, schema) are `validation`'s job."""
-        if not isinstance(item, list) or len(item) != 6:
-            raise BadRequest("a record is a list [key, subkey, value, expiration, signature, token]")
-        key, subkey, value, expiration, signature, token = item
-        if not isinstance(key, (str, bytes)):
-            raise BadRequest(f"record key must be str or bytes, got {type(key).__name__}")
-        if name_size(key) > MAX_KEY_BYTES:
-            raise BadRequest(f"record key is over {MAX_KEY_BYTES} bytes")
-        if subkey is not None:
-            if isinstance(subkey, bool) or not isinstance(subkey, (str, bytes, int)):
-                raise BadRequest(f"record subkey must be str, bytes or int, got {type(subkey).__name__}")
-            if name_size(subkey) > MAX_KEY_BYTES:
-                raise BadRequest(f"record subkey is over {MAX_KEY_BYTES} bytes")
-            if isinstance(subkey, int) and not -(2**63) <= subkey < 2**63:
-                raise BadRequest("integer subkeys must fit in 64 bits")
-        if not isinstance(value, bytes):
-            raise BadRequest(f"record value must be bytes, got {type(value).__name__}")
-        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)):
-            raise BadRequest(f"record expiration must be a number, got {type(expiration).__name__}")
-        expiration = float(expiration)
-        if not math.isfinite(expiration):
-            raise BadRequest("record expiration must be finite")
-        if signature is not None and (not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES):
-            raise BadRequest(f"record signature must be None or {SIGNATURE_BYTES} bytes")
-        if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES):
-            raise BadRequest(f"record token must be None or at most {MAX_TOKEN_BYTES} bytes")
-        return cls(key, subkey, value, expiration, signature, token)

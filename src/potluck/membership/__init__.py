@@ -10,12 +10,12 @@ Imports `core`, `net` and `dht` (the revocation list's key); nothing above.
 
 from potluck.membership.authority import TOKEN_METHOD, Authority, revocation_key
 from potluck.membership.client import MembershipClient, parse_authority
-from potluck.membership.policy import Credential, Policy, PolicyError
+from potluck.membership.policy import Credential, IdentityReplaced, Policy, PolicyError
 from potluck.membership.records import MembershipRecordValidator
 from potluck.net.membership import MembershipGate, MembershipToken, RevocationList
 
 __all__ = [
-    "TOKEN_METHOD", "Authority", "Credential", "MembershipClient", "MembershipGate", "MembershipRecordValidator",
-    "MembershipToken", "Policy",
-    "PolicyError", "RevocationList", "parse_authority", "revocation_key",
+    "TOKEN_METHOD", "Authority", "Credential", "IdentityReplaced", "MembershipClient", "MembershipGate",
+    "MembershipRecordValidator", "MembershipToken", "Policy", "PolicyError", "RevocationList", "parse_authority",
+    "revocation_key",
 ]

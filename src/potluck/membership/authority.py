@@ -3,11 +3,15 @@
 One unary method, `membership.token`. A request is `{"cred": {"kind", "name", "secret"}}` for a
 first token, or `{"renew": <token bytes>}` to renew a token that is still valid (the connection
 has already proved the caller's peer id, which the token must name). The answer is
-`{"token": <token bytes>}`; a refusal is a `MembershipError` the caller sees with its text.
+`{"token": <token bytes>}` (`TokenGrant`); a refusal is a `MembershipError` the caller sees with its text.
 
-Credential attempts are rate-limited per peer id and in total (a peer id costs nothing to make, so
-the total limit is what stops online password guessing); password checks run in a thread, one at a
-time, so a flood of them cannot stall the event loop or take all the memory.
+Only password attempts are rationed, per origin and per user name (`membership.admission`): an
+allowlisted key is proved by the connection itself and an invite code cannot be guessed, so
+neither is ever refused because strangers are guessing passwords, and renewals are checked by
+their token's signature. Password checks run in threads, a bounded number at a time, so a flood
+of them cannot stall the event loop or take all the memory. A password login of a new peer id
+beyond its user name's `max_identities` replaces the name's oldest identity (`Policy.take_identity`):
+the authority re-signs its revocation list at once.
 """
 
 from __future__ import annotations
@@ -15,20 +19,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any
 
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import MalformedMessage, MembershipError, PotluckError
-from potluck.core.wire import bytes_field, text_field, wire_map
+from potluck.core.names import RunNames, check_run_id
+from potluck.core.wire import Bytes, Message, Nested
 from potluck.dht.records import owner_marker
-from potluck.membership.policy import MAX_SECRET_CHARS, Credential, Policy
+from potluck.membership.admission import PasswordChecks, PasswordLimits
+from potluck.membership.policy import Credential, IdentityReplaced, Policy
 from potluck.membership.records import MembershipRecordValidator
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.net.membership import (
-    MAX_NAME_CHARS,
     MAX_TOKEN_BYTES,
     REVOCATION_LIFETIME,
     TOKEN_LIFETIME,
@@ -37,24 +40,16 @@ from potluck.net.membership import (
     MembershipToken,
     RevocationList,
 )
+from potluck.net.origins import Origin, origin_of
 from potluck.net.transport import Transport
 
-__all__ = ["Authority", "TOKEN_METHOD", "TokenRequest", "authority_gate", "revocation_key"]
+__all__ = [
+    "Authority", "TOKEN_METHOD", "TokenGrant", "TokenRequest", "authority_gate", "caller_origin", "revocation_key",
+]
 
 logger = logging.getLogger(__name__)
 
 TOKEN_METHOD = "membership.token"
-WHAT = "token request"
-# Credential checks one peer id may ask for per window: a person retyping a password needs a few;
-# a guesser gets 5 a minute from each id (and the total cap below across all ids).
-MAX_ATTEMPTS_PER_PEER = 5
-# Credential checks all peers together may ask for per window: 120 a minute is far more than a
-# run's members need (each renews about once an hour) and keeps online guessing to ~170,000 a day,
-# against scrypt-hashed passwords that must be longer than that to be worth anything.
-MAX_ATTEMPTS_TOTAL = 120
-ATTEMPT_WINDOW = 60.0
-# Peer ids whose recent attempts are remembered (oldest forgotten first): bounds the limiter's memory.
-MAX_TRACKED_PEERS = 10_000
 # How often the authority re-signs and re-publishes its revocation list (well within its lifetime,
 # so a list stays in the DHT while the authority is up and a revocation spreads within minutes).
 REVOCATION_REPUBLISH = 300.0
@@ -68,67 +63,33 @@ def authority_gate(authority: PeerID, run_id: str, clock: Clock = get_dht_time) 
 
 def revocation_key(run_id: str, authority: PeerID | str) -> str:
     """The DHT key of a run's revocation list; owner-marked, so only the authority can write it."""
-    return f"{run_id}.membership.revoked{owner_marker(authority)}"
+    return RunNames(run_id).revoked(owner_marker(authority))
 
 
-@dataclass(frozen=True)
-class TokenRequest:
-    """A first request (`credential`) or a renewal (`renew`: the caller's current token bytes)."""
+class TokenRequest(Message, what="token request"):
+    """A first request (`credential`) or a renewal (`renew`: the caller's current token bytes,
+    read by the authority, which says why it cannot renew them)."""
 
-    credential: Credential | None = None
-    renew: bytes | None = None
+    credential: Credential | None = Nested("cred", Credential, default=None)
+    renew: bytes | None = Bytes("renew", MAX_TOKEN_BYTES, default=None)
 
-    def to_wire(self) -> dict:
-        if self.renew is not None:
-            return {"renew": self.renew}
-        assert self.credential is not None
-        return {"cred": self.credential.to_wire()}
-
-    @classmethod
-    def from_wire(cls, obj: object) -> TokenRequest:
-        msg = wire_map(obj, WHAT)
-        if len(msg) != 1 or not ({"cred"} >= set(msg) or {"renew"} >= set(msg)):
-            raise MalformedMessage(WHAT, "a dict with exactly one of 'cred' or 'renew'")
-        if "renew" in msg:
-            return cls(renew=bytes_field(msg, "renew", WHAT, MAX_TOKEN_BYTES))
-        cred = wire_map(msg["cred"], WHAT)
-        if set(cred) != {"kind", "name", "secret"}:
-            raise MalformedMessage(WHAT, "'cred' must be a dict with 'kind', 'name' and 'secret'")
-        kind = cred["kind"]
-        if kind not in ("peer", "invite", "password"):
-            raise MalformedMessage(WHAT, "'cred.kind' must be 'peer', 'invite' or 'password'")
-        name = text_field(cred, "name", WHAT + " 'cred'", MAX_NAME_CHARS)
-        secret = text_field(cred, "secret", WHAT + " 'cred'", MAX_SECRET_CHARS)
-        return cls(credential=Credential(kind, name, secret))
+    def validate(self, context: Any) -> None:
+        if (self.credential is None) == (self.renew is None):
+            raise self.refuse("a dict with exactly one of 'cred' or 'renew'")
 
 
-class AttemptLimiter:
-    """Sliding-window counts of credential attempts, per peer id and in total."""
+class TokenGrant(Message, what="token answer"):
+    """The authority's answer: the caller's new token."""
 
-    def __init__(self, clock: Clock):
-        self.clock = clock
-        self._per_peer: OrderedDict[PeerID, deque[float]] = OrderedDict()
-        self._total: deque[float] = deque()
+    token: MembershipToken = Nested(message=MembershipToken)
 
-    def attempt(self, peer_id: PeerID) -> None:
-        """Count one attempt; MembershipError if the peer (or everybody) is over the limit."""
-        now = self.clock()
-        horizon = now - ATTEMPT_WINDOW
-        while self._total and self._total[0] <= horizon:
-            self._total.popleft()
-        times = self._per_peer.pop(peer_id, None) or deque()
-        while times and times[0] <= horizon:
-            times.popleft()
-        self._per_peer[peer_id] = times
-        while len(self._per_peer) > MAX_TRACKED_PEERS:
-            self._per_peer.popitem(last=False)
-        if len(times) >= MAX_ATTEMPTS_PER_PEER:
-            raise MembershipError(f"too many credential attempts from this peer id: at most {MAX_ATTEMPTS_PER_PEER} "
-                                  f"per {ATTEMPT_WINDOW:g} s; wait a minute and check the credential")
-        if len(self._total) >= MAX_ATTEMPTS_TOTAL:
-            raise MembershipError("the authority is receiving too many credential attempts; retry in a minute")
-        times.append(now)
-        self._total.append(now)
+
+def caller_origin(ctx: CallContext) -> Origin:
+    """Where a caller comes from (`net.origins`). A relayed caller counts under "relayed": the
+    connection does not say through which relay, and in a governed run relays serve members only."""
+    if ctx.remote is not None and ctx.remote.relayed:
+        return Origin.relayed("*")
+    return origin_of(None if ctx.remote is None else ctx.remote.observed)
 
 
 class Authority:
@@ -138,7 +99,10 @@ class Authority:
     def __init__(self, transport: Transport, run_id: str, policy: Policy, *,
                  policy_path: str | os.PathLike[str] | None = None, dht: Any = None,
                  clock: Clock = get_dht_time, token_lifetime: float = TOKEN_LIFETIME):
-        MembershipToken.issue(transport.identity, transport.peer_id, "check", run_id, 0.0)  # refuse a bad run id now
+        try:
+            check_run_id(run_id)  # it names the run's keys (`RunNames`) and is in every token
+        except ValueError as e:
+            raise MembershipError(f"an authority needs a valid run id: {e}") from None
         self.transport = transport
         self.identity = transport.identity
         self.run_id = run_id
@@ -147,9 +111,12 @@ class Authority:
         self.dht = dht
         self.clock = clock
         self.token_lifetime = token_lifetime
-        self.limiter = AttemptLimiter(clock)
-        self._kdf_lock = asyncio.Lock()  # one scrypt at a time: 16 MiB and ~50 ms each
+        self.limits = PasswordLimits(clock, known_name=lambda name: name in self.policy.users)
+        self.password_checks = PasswordChecks()
+        self._version = 0  # of the last revocation list signed: each one newer than the last
         self._publisher: asyncio.Task | None = None
+        self._store: asyncio.Task | None = None  # storing a changed revocation list in the DHT
+        self._store_again = False
         # Peers without a token may connect, but may only ask for one (`net.membership.GuestHandlers`).
         # A transport built with `authority_gate` (so it was guarded from its first connection) keeps it.
         gate = getattr(transport, "membership", None)
@@ -166,11 +133,13 @@ class Authority:
         return self.transport.peer_id
 
     def revocations(self) -> RevocationList:
-        """A freshly signed list of the policy's revoked peers; the version is the time in ms, so
-        it grows across restarts of the authority too."""
+        """A freshly signed list of the policy's revoked peers (and replaced identities whose tokens
+        have not expired); the version is the time in ms (so it grows across restarts of the
+        authority too), and always above the last one's."""
         now = self.clock()
-        return RevocationList.issue(self.identity, self.run_id, int(now * 1000), now + REVOCATION_LIFETIME,
-                                    self.policy.revoked_peers())
+        self._version = max(self._version + 1, int(now * 1000))
+        return RevocationList.issue(self.identity, self.run_id, self._version, now + REVOCATION_LIFETIME,
+                                    self.policy.revoked_peers(now))
 
     async def publish_revocations(self) -> RevocationList:
         """Sign the current list and store it in the DHT (if any); returns it."""
@@ -206,10 +175,35 @@ class Authority:
 
     async def stop(self) -> None:
         self.transport.remove_handler(TOKEN_METHOD)
-        if self._publisher is not None:
-            self._publisher.cancel()
-            await asyncio.gather(self._publisher, return_exceptions=True)
-            self._publisher = None
+        for task in (self._publisher, self._store):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._publisher = self._store = None
+
+    def _revocations_changed(self) -> None:
+        """Replaced identities: adopt the new list here at once (the authority's own handshakes and
+        renewals), close their connections, and store it in the DHT in the background (one store
+        at a time; a change during one is stored after it)."""
+        self.gate.update_revocations(self.revocations())
+        self.close_revoked()
+        if self.dht is None:
+            return
+        if self._store is not None and not self._store.done():
+            self._store_again = True
+            return
+        self._store = asyncio.ensure_future(self._store_revocations())
+
+    async def _store_revocations(self) -> None:
+        while True:
+            self._store_again = False
+            try:
+                await self.publish_revocations()
+            except PotluckError as e:
+                logger.warning("could not publish the revocation list (members read it at the next "
+                               "republish): %s", e)
+            if not self._store_again:
+                return
 
     async def _publish_forever(self) -> None:
         while True:
@@ -223,41 +217,79 @@ class Authority:
         if self.policy_path is not None:
             self.policy.save(self.policy_path)
 
-    def issue(self, peer_id: PeerID, name: str) -> MembershipToken:
-        return MembershipToken.issue(self.identity, peer_id, name, self.run_id, self.clock() + self.token_lifetime)
+    def issue(self, peer_id: PeerID, name: str, expires: float | None = None) -> MembershipToken:
+        """A token for `peer_id` as `name`, until `expires` (default: a token lifetime from now)."""
+        if expires is None:
+            expires = self.clock() + self.token_lifetime
+        return MembershipToken.issue(self.identity, peer_id, name, self.run_id, expires)
 
     async def _serve(self, request: object, ctx: CallContext) -> dict:
         parsed = TokenRequest.from_wire(request)
-        peer_id = ctx.peer_id
         if parsed.renew is not None:
-            try:
-                current = MembershipToken.from_wire(parsed.renew)
-            except MalformedMessage as e:
-                raise MembershipError(f"cannot renew: {e}; request a new token with a credential") from None
-            revoked = RevocationList.issue(self.identity, self.run_id, 0, self.clock() + 1, self.policy.revoked_peers())
-            current.verify(self.peer_id, peer_id, self.clock(), run_id=self.run_id, revocations=revoked)
-            token = self.issue(peer_id, current.name)
-            logger.info("renewed the token of %s (%s)", current.name, peer_id)
-            return self._answer(token, ctx)
-        assert parsed.credential is not None
-        self.limiter.attempt(peer_id)
+            return self._renew(parsed.renew, ctx)
+        credential = parsed.credential
+        assert credential is not None
+        peer_id = ctx.peer_id
         try:
-            if parsed.credential.kind == "password":
-                async with self._kdf_lock:
-                    name, changed = await asyncio.to_thread(self.policy.admit, peer_id, parsed.credential)
-            else:
-                name, changed = self.policy.admit(peer_id, parsed.credential)
+            if credential.kind == "password":
+                name = await self._check_password(credential, ctx)
+                now = self.clock()
+                expires = now + self.token_lifetime
+                listed = str(peer_id) in self.policy.replaced  # a replaced identity taking a place back
+                replaced = self.policy.take_identity(name, peer_id, expires, now)
+                self._save()
+                if replaced:
+                    logger.info("%s logged in as %s from a new peer id, which replaces %s", peer_id, name,
+                                ", ".join(replaced))
+            else:  # an allowlisted key or an invite: nothing to guess, a look-up to check
+                name, changed = self.policy.admit(peer_id, credential)
+                expires = self.clock() + self.token_lifetime
+                listed, replaced = self.policy.readmit(peer_id), []
+                if listed or changed:
+                    self._save()
+            if listed or replaced:
+                self._revocations_changed()
         except MembershipError as e:
             logger.info("refused a token to %s: %s", peer_id, e)
             raise
-        if changed:
-            self._save()
         logger.info("issued a token to %s (%s)", name, peer_id)
-        return self._answer(self.issue(peer_id, name), ctx)
+        return self._answer(self.issue(peer_id, name, expires), ctx)
+
+    async def _check_password(self, credential: Credential, ctx: CallContext) -> str:
+        """The user name the password proves; TooManyAttempts (before any scrypt) over a limit of
+        `membership.admission`, MembershipError if wrong."""
+        origin = caller_origin(ctx)
+        self.limits.check(origin, credential.name)
+        self.password_checks.claim(origin, ctx.peer_id)  # an attempt refused here costs nothing: not counted
+        self.limits.count(origin, credential.name)
+        name, _ = await self.password_checks.run(origin, ctx.peer_id, self.policy.admit, ctx.peer_id, credential)
+        self.limits.logged_in(name, origin)
+        return name
+
+    def _renew(self, wire: bytes, ctx: CallContext) -> dict:
+        """A new token for the caller's still valid one (not counted: the token's signature is the proof)."""
+        peer_id, now = ctx.peer_id, self.clock()
+        try:
+            current = MembershipToken.from_wire(wire)
+        except MalformedMessage as e:
+            raise MembershipError(f"cannot renew: {e}; request a new token with a credential") from None
+        current.verify(self.peer_id, peer_id, now, run_id=self.run_id)
+        if str(peer_id) in self.policy.revoked:
+            raise MembershipError(f"the membership of {current.name!r} ({peer_id}) was revoked by the authority; "
+                                  "ask the run's organizers to restore it")
+        expires = now + self.token_lifetime
+        try:
+            if self.policy.renew_identity(current.name, peer_id, expires, now):
+                self._save()
+        except IdentityReplaced as e:
+            logger.info("refused to renew the token of %s (%s): %s", current.name, peer_id, e)
+            raise
+        logger.info("renewed the token of %s (%s)", current.name, peer_id)
+        return self._answer(self.issue(peer_id, current.name, expires), ctx)
 
     def _answer(self, token: MembershipToken, ctx: CallContext) -> dict:
         """The token, after making the caller's connection a member's: it came as a guest."""
         self.gate.present(ctx.peer_id, token.to_wire())
         if isinstance(ctx.connection.handlers, GuestHandlers):
             ctx.connection.handlers = self.transport.handlers
-        return {"token": token.to_wire()}
+        return TokenGrant(token).to_wire()

@@ -2,7 +2,9 @@
 
 `MembershipClient.fetch()` asks the authority once (a clear MembershipError if it refuses);
 `run()` then renews the token RENEW_BEFORE its expiry (with the current token as the proof, so an
-invite is not needed twice) and reads the authority's revocation list from the DHT. `token` is
+invite is not needed twice) and reads the authority's revocation list from the DHT. If a newer
+login of the same user name replaced this identity (`IdentityReplaced`), it stops renewing and says
+so once: logging in again would only take the place back from the other peer of that name. `token` is
 the current token, what the transport shows in its HELLO through the `MembershipGate`.
 """
 
@@ -20,15 +22,15 @@ from potluck.core.errors import (
     PotluckError,
     RemoteError,
 )
-from potluck.membership.authority import TOKEN_METHOD, TokenRequest, revocation_key
-from potluck.membership.policy import Credential
+from potluck.membership.authority import TOKEN_METHOD, TokenGrant, TokenRequest, revocation_key
+from potluck.membership.policy import Credential, IdentityReplaced
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.net.membership import PRESENT_METHOD, MembershipGate, MembershipToken, RevocationList
 from potluck.net.transport import Transport
 
-__all__ = ["MembershipClient", "RENEW_BEFORE", "RETRY_INTERVAL", "parse_authority"]
+__all__ = ["AuthorityUnreachable", "MembershipClient", "RENEW_BEFORE", "RETRY_INTERVAL", "parse_authority"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ REQUEST_TIMEOUT = 20.0
 # How long showing a renewed token to one connected peer may take; a peer that does not answer
 # in time keeps our old token until it expires and then drops the connection (we redial).
 PRESENT_TIMEOUT = 10.0
+
+
+class AuthorityUnreachable(MembershipError):
+    """The authority could not be asked (down, or the connection to it failed): it refused nothing."""
 
 
 def parse_authority(authority: str | PeerID | Multiaddr) -> tuple[PeerID, Multiaddr | None]:
@@ -79,6 +85,10 @@ class MembershipClient:
         self.retry_interval = retry_interval
         self.revocation_refresh = revocation_refresh
         self.token: MembershipToken | None = None
+        # Why the authority will not renew this identity's token (a newer login of its name took
+        # its place); set once, after which renewals are not tried again.
+        self.replaced: IdentityReplaced | None = None
+        self._said_replaced = False
         self.gate = MembershipGate(self.authority, run_id, clock=clock, token=lambda: self.token)
         self._task: asyncio.Task | None = None
         self._next_revocation_read = 0.0
@@ -108,10 +118,20 @@ class MembershipClient:
                                   "(its full address, /ip4/.../tcp/.../p2p/<id>) and that it runs") from None
 
     async def renew(self) -> MembershipToken:
-        """Exchange the current (still valid) token for a fresh one; falls back to the credential."""
+        """Exchange the current (still valid) token for a fresh one; falls back to the credential if
+        the authority refuses the renewal, unless it says a newer login of our user name replaced
+        us (IdentityReplaced). If it cannot be reached, that is the error (the loop retries): a
+        credential login then could only take a place back that the renewal would have been refused."""
+        if self.replaced is not None:
+            raise self.replaced
         if self.token is not None and self.clock() < self.token.expires:
             try:
                 return await self._request(TokenRequest(renew=self.token.to_wire()))
+            except IdentityReplaced as e:
+                self.replaced = e
+                raise
+            except AuthorityUnreachable:
+                raise
             except MembershipError as e:
                 logger.info("renewal refused (%s); presenting the credential again", e)
         return await self._request(TokenRequest(credential=self.credential))
@@ -190,6 +210,10 @@ class MembershipClient:
                     self.renewed.set()
                 if self.token is not None:
                     wait = max(1.0, min(self.token.expires - self.renew_before - self.clock(), self.revocation_refresh))
+            except IdentityReplaced as e:
+                if not self._said_replaced:  # once, not at every retry
+                    self._said_replaced = True
+                    logger.error("the membership token will not be renewed: %s", e)
             except PotluckError as e:
                 left = (self.token.expires - self.clock()) if self.token else 0.0
                 logger.warning("could not renew the membership token (%.0f s left; retrying in %g s): %s",
@@ -207,18 +231,19 @@ class MembershipClient:
         try:
             answer = await self.transport.call(self.authority, TOKEN_METHOD, request.to_wire(), timeout=REQUEST_TIMEOUT)
         except RemoteError as e:
-            if e.remote_type in ("MembershipError", "PolicyError", "MalformedMessage"):
+            if e.remote_type == "IdentityReplaced":
+                raise IdentityReplaced(f"the authority {self.authority} will not renew this peer's token: "
+                                       f"{str(e).removeprefix('remote IdentityReplaced: ')}") from None
+            if e.remote_type in ("MembershipError", "PolicyError", "MalformedMessage", "TooManyAttempts"):
                 raise MembershipError(f"the authority {self.authority} refused a token: "
                                       f"{str(e).removeprefix(f'remote {e.remote_type}: ')}") from None
             raise MembershipError(f"the authority {self.authority} failed to issue a token: {e}") from None
         except NetworkError as e:
-            raise MembershipError(f"cannot reach the authority {self.authority} for a membership token: {e}; "
+            raise AuthorityUnreachable(f"cannot reach the authority {self.authority} for a membership token: {e}; "
                                   "check --authority (its full address, /ip4/.../tcp/.../p2p/<id>) and that it "
                                   "runs") from None
-        if not isinstance(answer, dict) or set(answer) != {"token"}:
-            raise MembershipError(f"the authority {self.authority} answered without a token")
         try:
-            token = MembershipToken.from_wire(answer["token"])
+            token = TokenGrant.from_wire(answer).token
         except MalformedMessage as e:
             raise MembershipError(f"the authority sent an unreadable token: {e}") from None
         token.verify(self.authority, self.transport.peer_id, self.clock(), run_id=self.gate.run_id)

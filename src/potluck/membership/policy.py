@@ -9,13 +9,24 @@ changes (an invite is used, a peer is revoked, `potluck authority add-user` ...)
       "invites": {"<sha256 hex of the code>": {"name": "<name>", "uses_left": 1}},
       "users":   {"<user name>": {"kdf": "scrypt", "n": 16384, "r": 8, "p": 1,
                                   "salt": "<hex>", "hash": "<hex>"}},
-      "revoked": ["<peer id>", ...]
+      "revoked": ["<peer id>", ...],
+      "max_identities": 1,                                        # optional; also per user
+      "identities": {"<user name>": {"<peer id>": <token expiry>}},  # kept by the authority
+      "replaced":   {"<peer id>": {"name": "<user name>", "until": <token expiry>}}
     }
 
 Invite codes are random 128-bit strings, so a plain SHA-256 of them is as good as a slow hash;
 passwords are chosen by people, so they get scrypt (memory-hard; standard library). A peer that
 redeems an invite is added to "allow" under the invite's name, so it can come back later without
 the code (a single-use invite binds the first peer id that uses it).
+
+A user name holds at most `max_identities` live identities (peer ids with an unexpired token from a
+password login; default 1, for the run or per user). A login of a new peer id beyond that *replaces*
+the name's oldest identity: its peer id goes on the revocation list until its token expires, so
+every member drops it, and its renewals are refused with `IdentityReplaced`. The authority records
+these in "identities" and "replaced", so a restart keeps them. A name replaces at most
+MAX_REPLACED_PER_NAME identities per token lifetime (see docs/security.md for why replace rather
+than refuse).
 """
 
 from __future__ import annotations
@@ -31,10 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.core.errors import IdentityError, MembershipError
+from potluck.core.wire import Choice, Message, Text
 from potluck.net.identity import PeerID
-from potluck.net.membership import MAX_NAME_CHARS
+from potluck.net.membership import MAX_NAME_CHARS, MAX_REVOKED_PEERS
 
-__all__ = ["Credential", "Policy", "PolicyError", "SCRYPT_N", "SCRYPT_P", "SCRYPT_R"]
+__all__ = [
+    "DEFAULT_MAX_IDENTITIES", "MAX_REPLACED_PER_NAME", "Credential", "IdentityReplaced", "Policy", "PolicyError",
+    "SCRYPT_N", "SCRYPT_P", "SCRYPT_R",
+]
 
 POLICY_FORMAT = "potluck-membership-policy/1"
 # scrypt parameters for new password entries (each entry records its own, so they can be raised
@@ -53,12 +68,38 @@ MAX_SCRYPT_MEMORY = 256 * 2**20
 INVITE_BYTES = 16
 # A credential's secret (password or invite code): long passphrases fit; more is not a password.
 MAX_SECRET_CHARS = 256
+# What a credential may be (see `Credential`).
+CREDENTIAL_KINDS = ("peer", "invite", "password")
 # The policy file is a list of members, not data: refuse to read something absurdly large.
 MAX_POLICY_BYTES = 16 * 2**20
+# Live identities (peer ids with unexpired tokens) one user name may hold through password logins,
+# unless the policy says otherwise for the run or the user: one person, one peer. Every identity
+# counts as a separate peer wherever potluck counts peers (robust aggregation's f, state votes), so
+# this is what keeps one password from raising those counts at will. Raise it per user for someone
+# who runs several machines (`potluck authority max-identities N --user NAME`).
+DEFAULT_MAX_IDENTITIES = 1
+# The largest max_identities the policy accepts: a person with more machines than this should
+# have them allowlisted one by one (each then is accountable to its own entry).
+MAX_IDENTITIES_LIMIT = 1024
+# Identities one user name may have replaced (and so put on the revocation list) within a token
+# lifetime: a person restarting a peer with a fresh identity each time may do it 8 times an hour;
+# a member logging in in a loop cannot grow the revocation list (at most MAX_REVOKED_PEERS entries,
+# manual revocations included) by more than 8 per user name.
+MAX_REPLACED_PER_NAME = 8
+# A renewal moves a password identity's recorded expiry; the policy file is rewritten only when it
+# moved by more than this, so a member renewing in a loop cannot make the authority write its file
+# more than once a minute (an honest member renews once per token lifetime).
+RENEWAL_SAVE_STEP = 60.0
 
 
 class PolicyError(MembershipError):
     """The policy file is unreadable or malformed, or a change to it is invalid."""
+
+
+class IdentityReplaced(MembershipError):
+    """This peer id no longer holds a place of its user name: a newer login of the name took it
+    (or the name already holds all its places). Its token is not renewed; logging in again with the
+    password would only take the place from the other identity, so a client stops instead."""
 
 
 def _hash_invite(code: str) -> str:
@@ -70,20 +111,32 @@ def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
                           maxmem=MAX_SCRYPT_MEMORY + 2**20, dklen=SCRYPT_HASH_BYTES)
 
 
+def _identities(count: int) -> str:
+    return "1 live identity" if count == 1 else f"{count} live identities"
+
+
+def _check_limit(count: object) -> int:
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_IDENTITIES_LIMIT:
+        raise PolicyError(f"max_identities is a whole number from 1 to {MAX_IDENTITIES_LIMIT}, got {count!r:.40}")
+    return count
+
+
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
         raise PolicyError(f"a member name is 1 to {MAX_NAME_CHARS} printable characters, got {name!r:.80}")
     return name
 
 
-@dataclass(frozen=True)
-class Credential:
+class Credential(Message, what="credential"):
     """What a peer presents to the authority: `kind` is "peer" (its allowlisted key alone),
     "invite" (`secret` is the code) or "password" (`name` and `secret`)."""
 
-    kind: str = "peer"
-    name: str = ""
-    secret: str = field(default="", repr=False)
+    kind: str = Choice(choices=CREDENTIAL_KINDS, default="peer")
+    name: str = Text(max_chars=MAX_NAME_CHARS, default="")
+    secret: str = Text(max_chars=MAX_SECRET_CHARS, default="")
+
+    def __repr__(self) -> str:  # never the secret
+        return f"Credential(kind={self.kind!r}, name={self.name!r})"
 
     @classmethod
     def parse(cls, text: str | None) -> Credential:
@@ -105,9 +158,6 @@ class Credential:
         raise MembershipError(f"cannot read credential {text.split(':')[0]!r}...: use 'peer' (an allowlisted key), "
                               "'invite:CODE' or 'password:NAME[:PASSWORD]'")
 
-    def to_wire(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "secret": self.secret}
-
 
 @dataclass
 class Policy:
@@ -117,6 +167,9 @@ class Policy:
     invites: dict[str, dict] = field(default_factory=dict)
     users: dict[str, dict] = field(default_factory=dict)
     revoked: list[str] = field(default_factory=list)
+    max_identities: int = DEFAULT_MAX_IDENTITIES
+    identities: dict[str, dict[str, float]] = field(default_factory=dict)  # user -> {peer id: token expiry}
+    replaced: dict[str, dict] = field(default_factory=dict)  # peer id -> {"name": user, "until": token expiry}
 
     # -- file -------------------------------------------------------------------------------------
     @classmethod
@@ -140,7 +193,8 @@ class Policy:
             raise PolicyError(f"policy file {path} lacks \"format\": \"{POLICY_FORMAT}\"; create it with "
                               "`potluck authority allow|add-invite|add-user --policy FILE`")
         policy = cls(dict(obj.get("allow", {})), dict(obj.get("invites", {})), dict(obj.get("users", {})),
-                     list(obj.get("revoked", [])))
+                     list(obj.get("revoked", [])), obj.get("max_identities", DEFAULT_MAX_IDENTITIES),
+                     dict(obj.get("identities", {})), dict(obj.get("replaced", {})))
         policy._validate(path)
         return policy
 
@@ -165,6 +219,17 @@ class Policy:
                     raise PolicyError(f"user {user!r}: scrypt parameters n={n} r={r} p={p} are out of range")
                 bytes.fromhex(entry["salt"])
                 bytes.fromhex(entry["hash"])
+                _check_limit(entry.get("max_identities", DEFAULT_MAX_IDENTITIES))
+            _check_limit(self.max_identities)
+            for user, held in self.identities.items():
+                _check_name(user)
+                for peer, expires in held.items():
+                    PeerID.from_string(peer)
+                    float(expires)
+            for peer, entry in self.replaced.items():
+                PeerID.from_string(peer)
+                _check_name(entry["name"])
+                float(entry["until"])
         except (IdentityError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise PolicyError(f"policy file {path}: {e}") from None
 
@@ -172,7 +237,9 @@ class Policy:
         """Write atomically with mode 0600: the file holds password hashes."""
         path = Path(path)
         data = json.dumps({"format": POLICY_FORMAT, "allow": self.allow, "invites": self.invites,
-                           "users": self.users, "revoked": self.revoked}, indent=2, sort_keys=True) + "\n"
+                           "users": self.users, "revoked": self.revoked, "max_identities": self.max_identities,
+                           "identities": self.identities, "replaced": self.replaced},
+                          indent=2, sort_keys=True) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
@@ -208,8 +275,9 @@ class Policy:
             raise PolicyError(f"a password is 1 to {MAX_SECRET_CHARS} characters")
         salt = os.urandom(SCRYPT_SALT_BYTES)
         digest = _scrypt(password, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
+        kept = {k: v for k, v in self.users.get(name, {}).items() if k == "max_identities"}  # a reset keeps it
         self.users[_check_name(name)] = {"kdf": "scrypt", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P,
-                                         "salt": salt.hex(), "hash": digest.hex()}
+                                         "salt": salt.hex(), "hash": digest.hex(), **kept}
 
     def revoke(self, peer_id: str) -> None:
         try:
@@ -219,8 +287,96 @@ class Policy:
         if peer_id not in self.revoked:
             self.revoked.append(peer_id)
 
-    def revoked_peers(self) -> list[PeerID]:
-        return [PeerID.from_string(p) for p in self.revoked]
+    def set_max_identities(self, count: int, user: str | None = None) -> None:
+        """How many live identities a user name may hold: for `user`, or for the run (every user
+        without a setting of its own)."""
+        count = _check_limit(count)
+        if user is None:
+            self.max_identities = count
+        elif user not in self.users:
+            raise PolicyError(f"no user {user!r} in the policy; add it first with `potluck authority add-user`")
+        else:
+            self.users[user]["max_identities"] = count
+
+    def identity_limit(self, user: str) -> int:
+        entry = self.users.get(user)
+        return (entry or {}).get("max_identities", self.max_identities)
+
+    def revoked_peers(self, now: float | None = None) -> list[PeerID]:
+        """The peers whose tokens are void: those revoked by hand, and the replaced identities
+        whose tokens have not expired at `now` (all of them if None)."""
+        replaced = [p for p, entry in self.replaced.items() if now is None or entry["until"] > now]
+        return [PeerID.from_string(p) for p in [*self.revoked, *replaced]]
+
+    # -- identities of user names ------------------------------------------------------------------
+    def take_identity(self, user: str, peer_id: PeerID, expires: float, now: float) -> list[str]:
+        """`peer_id` logged in as `user` with its password and gets a token until `expires`: record
+        it, replacing the name's oldest identities beyond its limit; returns the replaced peer ids.
+        MembershipError (nothing changed) if the name replaced too many within a token lifetime,
+        or the revocation list has no room."""
+        self._forget_expired(now)
+        peer = str(peer_id)
+        held = self.identities.get(user, {})
+        limit = self.identity_limit(user)
+        others = sorted((p for p in held if p != peer), key=lambda p: (held[p], p))
+        victims = others[:max(0, len(others) + 1 - limit)]
+        if victims:
+            already = [e for p, e in self.replaced.items() if e["name"] == user and p != peer]
+            if len(already) + len(victims) > MAX_REPLACED_PER_NAME:
+                minutes = max(1, round((min(e["until"] for e in already) - now) / 60)) if already else 1
+                raise MembershipError(
+                    f"user {user!r} replaced {len(already)} of its identities within a token's lifetime (at most "
+                    f"{MAX_REPLACED_PER_NAME}; it may hold {_identities(limit)} at once): restart the peer with the "
+                    f"same identity (--identity FILE) rather than a new one, or retry in {minutes} min")
+            listed = len(self.revoked) + len(self.replaced) - (peer in self.replaced)
+            if listed + len(victims) > MAX_REVOKED_PEERS:
+                raise MembershipError(f"the authority's revocation list is full ({MAX_REVOKED_PEERS} peers), so "
+                                      f"{user!r} cannot replace an identity now; retry within the hour, or stop "
+                                      "one of its peers first")
+        self.replaced.pop(peer, None)
+        held = self.identities.setdefault(user, {})
+        for victim in victims:
+            self.replaced[victim] = {"name": user, "until": held.pop(victim)}
+        held[peer] = expires
+        return victims
+
+    def renew_identity(self, user: str, peer_id: PeerID, expires: float, now: float) -> bool:
+        """`peer_id`, holding a valid token named `user`, renews it until `expires`. IdentityReplaced
+        if a newer login took its place; if `user` is a password user (and the peer is not
+        allowlisted under that name), the identity must hold one of the name's places, or get a free
+        one. Returns whether the stored expiry moved by more than a minute (worth saving)."""
+        self._forget_expired(now)
+        peer = str(peer_id)
+        limit = self.identity_limit(user)
+        if peer in self.replaced:
+            raise IdentityReplaced(f"this peer's identity was replaced by a newer login of {user!r} (which may hold "
+                                   f"{_identities(limit)} at once): stop this peer, or ask the organizers to raise "
+                                   f"max_identities for {user!r}")
+        if user not in self.users or self.allow.get(peer) == user:
+            return False  # an allowlisted or invited peer: bounded by the allowlist itself
+        held = self.identities.setdefault(user, {})
+        if peer not in held and len(held) >= limit:
+            raise IdentityReplaced(f"user {user!r} already holds its {_identities(limit)}, and this is not one "
+                                   f"of them: stop this peer, or ask the organizers to raise max_identities for "
+                                   f"{user!r}")
+        moved = expires - held.get(peer, 0.0) > RENEWAL_SAVE_STEP
+        held[peer] = expires
+        return moved
+
+    def readmit(self, peer_id: PeerID) -> bool:
+        """`peer_id` was admitted again by its key or an invite: it is no longer a replaced
+        identity. Returns whether that changed anything."""
+        return self.replaced.pop(str(peer_id), None) is not None
+
+    def _forget_expired(self, now: float) -> None:
+        for user in list(self.identities):
+            held = {p: e for p, e in self.identities[user].items() if e > now}
+            if held:
+                self.identities[user] = held
+            else:
+                del self.identities[user]
+        for peer in [p for p, e in self.replaced.items() if e["until"] <= now]:
+            del self.replaced[peer]
 
     # -- checks -----------------------------------------------------------------------------------
     def admit(self, peer_id: PeerID, credential: Credential) -> tuple[str, bool]:

@@ -30,7 +30,8 @@ from potluck.moe.messages import (
 )
 from potluck.moe.server import METHOD_BACKWARD, METHOD_FORWARD, METHOD_INFO, CallerRateLimited
 
-__all__ = ["DEFAULT_TIMEOUT", "ForwardReply", "RemoteExpert", "abackward", "aforward", "ainfo", "new_call_id"]
+__all__ = ["AUTOGRAD_ANCHOR", "DEFAULT_TIMEOUT", "ForwardReply", "RemoteExpert", "abackward", "aforward", "ainfo",
+           "new_call_id"]
 
 # Seconds a forward or backward call may take when the caller sets no timeout (the server may be
 # batching other clients' work first, so this is generous).
@@ -76,7 +77,7 @@ async def aforward(transport: Any, location: ExpertLocation, call_id: int, input
     flags = tuple(bool(n) for n in needs_grad) if needs_grad is not None else (True,) * len(inputs)
     reply = await _call(transport, location, METHOD_FORWARD, ForwardRequest(location.uid, call_id, inputs, flags),
                         timeout)
-    return ForwardReply.from_wire(reply, inputs[0].shape[0] if inputs and inputs[0].dim() else 0, location.uid)
+    return ForwardReply.from_wire(reply, rows=inputs[0].shape[0] if inputs and inputs[0].dim() else 0, uid=location.uid)
 
 
 async def abackward(transport: Any, location: ExpertLocation, call_id: int, inputs: Sequence[torch.Tensor],
@@ -95,14 +96,14 @@ async def abackward(transport: Any, location: ExpertLocation, call_id: int, inpu
         reply = await _call(transport, location, METHOD_BACKWARD, request, timeout)
     except StashMissing:
         reply = await _call(transport, location, METHOD_BACKWARD, dataclasses.replace(request, inputs=inputs), timeout)
-    return list(BackwardReply.from_wire(reply, inputs, location.uid).grads)
+    return list(BackwardReply.from_wire(reply, inputs=inputs, uid=location.uid).grads)
 
 
 async def ainfo(transport: Any, location: ExpertLocation, timeout: float = DEFAULT_TIMEOUT) -> ExpertInfo:
     """The expert's declared inputs and outputs (batch dim excluded), its server's rows per call and
     its optimizer steps."""
     return ExpertInfo.from_wire(await _call(transport, location, METHOD_INFO, InfoRequest(location.uid), timeout),
-                                location.uid)
+                                uid=location.uid)
 
 
 async def alocate(dht: Any, uid: str, timeout: float = LOOKUP_TIMEOUT) -> ExpertLocation:
@@ -117,21 +118,15 @@ async def alocate(dht: Any, uid: str, timeout: float = LOOKUP_TIMEOUT) -> Expert
 
 # A tensor that requires grad, passed to every remote call so autograd calls backward even when no
 # input requires grad (the expert's own weights live on the server).
-_DUMMY = torch.empty(0, requires_grad=True)
+AUTOGRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 class _RemoteCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, anchor: torch.Tensor, expert: RemoteExpert,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         call_id = new_call_id()
-        try:
-            reply = expert._run(aforward(expert._transport, expert.location, call_id, inputs,
-                                         expert.forward_timeout, ctx.needs_input_grad[2:]), expert.forward_timeout)
-        except BadExpertRequest:
-            raise  # our request was wrong, not the location
-        except (NetworkError, ExpertNotFound):
-            expert._forget_location()  # the expert may have moved to another server: look it up again next time
-            raise
+        reply = expert.call_forward(call_id, inputs, ctx.needs_input_grad[2:])
         ctx.expert, ctx.call_id, ctx.needs, ctx.kept = expert, call_id, ctx.needs_input_grad[2:], reply.kept
         ctx.save_for_backward(*inputs)
         return tuple(reply.outputs)
@@ -139,9 +134,7 @@ class _RemoteCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         expert: RemoteExpert = ctx.expert
-        inputs = ctx.saved_tensors
-        grads = expert._run(abackward(expert._transport, expert.location, ctx.call_id, inputs, grad_outputs,
-                                      expert.backward_timeout, ctx.needs, ctx.kept), expert.backward_timeout * 2)
+        grads = expert.call_backward(ctx.call_id, ctx.saved_tensors, grad_outputs, ctx.needs, ctx.kept)
         return (None, None, *grads)
 
 
@@ -165,10 +158,6 @@ class RemoteExpert(nn.Module):
         self.forward_timeout = forward_timeout or DEFAULT_TIMEOUT
         self.backward_timeout = backward_timeout or DEFAULT_TIMEOUT
 
-    @property
-    def _transport(self) -> Any:
-        return self.peer.transport
-
     def _run(self, coro: Any, timeout: float) -> Any:
         return self.peer.run(coro, timeout + 5)
 
@@ -184,11 +173,29 @@ class RemoteExpert(nn.Module):
 
     def info(self) -> ExpertInfo:
         """The expert's declared inputs/outputs and the server's limits."""
-        return self._run(ainfo(self._transport, self.location, self.forward_timeout), self.forward_timeout)
+        return self._run(ainfo(self.peer.transport, self.location, self.forward_timeout), self.forward_timeout)
+
+    def call_forward(self, call_id: int, inputs: Sequence[torch.Tensor], needs_grad: Sequence[bool]) -> ForwardReply:
+        """The forward call `call_id` on the expert's server (`aforward`), from this thread. A
+        location that fails is looked up again next time (the expert may have moved)."""
+        try:
+            return self._run(aforward(self.peer.transport, self.location, call_id, inputs, self.forward_timeout,
+                                      needs_grad), self.forward_timeout)
+        except BadExpertRequest:
+            raise  # our request was wrong, not the location
+        except (NetworkError, ExpertNotFound):
+            self._forget_location()
+            raise
+
+    def call_backward(self, call_id: int, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                      needs_grad: Sequence[bool], kept: bool) -> list[torch.Tensor | None]:
+        """The backward call of forward call `call_id` (`abackward`), from this thread."""
+        return self._run(abackward(self.peer.transport, self.location, call_id, inputs, grad_outputs,
+                                   self.backward_timeout, needs_grad, kept), self.backward_timeout * 2)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         self.location  # noqa: B018 - look it up before autograd starts
-        outputs = _RemoteCall.apply(_DUMMY, self, *inputs)
+        outputs = _RemoteCall.apply(AUTOGRAD_ANCHOR, self, *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:

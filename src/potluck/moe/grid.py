@@ -21,15 +21,13 @@ import heapq
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from potluck.core.errors import MalformedMessage
-from potluck.core.wire import wire_map
+from potluck.core.wire import FromContext, Message
 from potluck.dht import DHT, ValueWithExpiration
 from potluck.dht.records import own_subkey, owner_marker, subkey_owner
 from potluck.net.identity import PeerID
-from potluck.net.wire import peer_id_value
+from potluck.net.wire import PeerIdField
 
 __all__ = ["ExpertLocation", "GridDirectory", "announce_experts", "beam_search", "cell_subkey", "grid_prefix",
            "locate", "parse_cell", "parse_uid", "read_location"]
@@ -48,31 +46,22 @@ ANNOUNCE_HORIZON = 3600.0
 MAX_LOGGED_UID = 200
 
 
-@dataclass(frozen=True)
-class ExpertLocation:
+class ExpertLocation(Message, what="expert record"):
     """Where one expert is served: the serving peer's id. Its addresses come from the peer's own
     signed record, which the transport looks up when it dials (`potluck.net.peer_record`).
 
-    Its wire form is the DHT record a server stores under the uid and under the last grid prefix."""
+    Its wire form is the DHT record a server stores under the uid and under the last grid prefix;
+    the uid is the key it was found under (`uid=` when read)."""
 
-    uid: str
-    peer_id: PeerID
-
-    def to_wire(self) -> dict:
-        return {"peer": str(self.peer_id)}
-
-    @classmethod
-    def from_wire(cls, uid: str, msg: Any) -> ExpertLocation:
-        """The record found under `uid` (or under its grid prefix); MalformedMessage if it is not one."""
-        what = "expert record"
-        return cls(uid, peer_id_value(wire_map(msg, what).get("peer"), "peer", what))
+    uid: str = FromContext("uid")
+    peer_id: PeerID = PeerIdField("peer")
 
 
 def read_location(uid: str, value: object) -> ExpertLocation | None:
     """A DHT value as an `ExpertLocation`; None (and a debug log) if it is malformed: anyone can
     write to the DHT, so garbage is skipped, not raised."""
     try:
-        return ExpertLocation.from_wire(uid, value)
+        return ExpertLocation.from_wire(value, uid=uid)
     except MalformedMessage as e:
         logger.debug("skipping the expert record of %s: %s", uid[:MAX_LOGGED_UID], e)
         return None

@@ -22,7 +22,15 @@ from torch import nn
 
 from potluck.core.peer_like import PeerLike
 from potluck.moe.errors import NotEnoughExperts
-from potluck.moe.expert import _DUMMY, DEFAULT_TIMEOUT, LOOKUP_TIMEOUT, ForwardReply, abackward, aforward, new_call_id
+from potluck.moe.expert import (
+    AUTOGRAD_ANCHOR,
+    DEFAULT_TIMEOUT,
+    LOOKUP_TIMEOUT,
+    ForwardReply,
+    abackward,
+    aforward,
+    new_call_id,
+)
 from potluck.moe.grid import Children, ExpertLocation, GridDirectory, beam_search, parse_uid
 
 __all__ = ["RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts"]
@@ -59,11 +67,11 @@ class _MixtureCall(torch.autograd.Function):
     """Every expert call of one batch, forward and backward, as one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, x: torch.Tensor, layer: _RemoteMixtureBase,
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor, layer: _RemoteMixtureBase,
                 dispatches: list[_Dispatch], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         for d in dispatches:
             d.needs_grad = ctx.needs_input_grad[1]
-        results = layer._run(layer._forward_all(x, dispatches), layer.forward_timeout)
+        results = layer.call_forward(x, dispatches)
         out_shape = next((r.outputs[0].shape[1:] for r in results if not isinstance(r, BaseException)), None)
         mask = torch.zeros(x.shape[0], k, dtype=torch.bool)
         if out_shape is None:
@@ -90,7 +98,7 @@ class _MixtureCall(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         layer: _RemoteMixtureBase = ctx.layer
         done = [d for d in ctx.dispatches if d.ok]
-        results = layer._run(layer._backward_all(x, grad_outputs, done), layer.backward_timeout * 2)
+        results = layer.call_backward(x, grad_outputs, done)
         grad_x = torch.zeros_like(x)
         for d, result in zip(done, results, strict=True):
             if isinstance(result, BaseException):
@@ -163,6 +171,15 @@ class _RemoteMixtureBase(nn.Module):
     def _run(self, coro: Any, timeout: float) -> Any:
         return self.peer.run(coro, timeout + LOOKUP_TIMEOUT + 5)
 
+    def call_forward(self, x: torch.Tensor, dispatches: list[_Dispatch]) -> list[Any]:
+        """Every dispatch's forward call, from this thread: each one's reply or exception."""
+        return self._run(self._forward_all(x, dispatches), self.forward_timeout)
+
+    def call_backward(self, x: torch.Tensor, grad_outputs: torch.Tensor, dispatches: list[_Dispatch]) -> list[Any]:
+        """The backward calls of `dispatches` (forward calls that answered): each one's input
+        gradients or exception."""
+        return self._run(self._backward_all(x, grad_outputs, dispatches), self.backward_timeout * 2)
+
     # -- on the event loop --------------------------------------------------------------------------
     async def _search(self, scores: list[list[list[float]]], k: int) -> list[list[tuple[float, ExpertLocation]]]:
         now = time.monotonic()
@@ -220,7 +237,7 @@ class _RemoteMixtureBase(nn.Module):
         return list(by_uid.values()), coords
 
     def _call(self, flat: torch.Tensor, dispatches: list[_Dispatch], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _MixtureCall.apply(_DUMMY, flat, self, dispatches, k)
+        return _MixtureCall.apply(AUTOGRAD_ANCHOR, flat, self, dispatches, k)
 
     def _check_answers(self, mask: torch.Tensor, need: int, what: str) -> None:
         answered = mask.sum(1)

@@ -1,16 +1,19 @@
-"""Every message of the mixture-of-experts protocol, as typed values checked once, at parse time.
+"""Every message of the mixture-of-experts protocol, declared once (`potluck.core.wire.Message`).
 
-Each class has `to_wire()` (plain msgpack-able data) and `from_wire()`, which checks types, sizes
-and ranges with the shared checks (`potluck.core.wire`) and raises `MalformedMessage` naming the
-field; the expert server's handlers and the client only ever see these classes.
+Each class gets `to_wire()` (plain msgpack-able data) and `from_wire(msg, **context)`, which
+checks types, sizes and ranges with the shared checks (`potluck.core.wire`) and raises
+`MalformedMessage` naming the field; the expert server's handlers and the client only ever see
+these classes.
 
-Requests are checked against the expert they address: exactly its declared number of tensors,
+Requests are checked against the expert they address (`experts=` and `max_rows=` in the context:
+the experts the server hosts and its rows per call): exactly its declared number of tensors,
 each of its declared dtype and per-sample shape, 1 to `max_rows` rows, and finite (a NaN or
 infinite input or gradient would end up in the expert's weights at its next optimizer step). So
 a request's tensors hold at most `max_rows` times the declared elements per sample. A refused
 request raises `BadExpertRequest` (a `MalformedMessage`) that also names the expert; an unknown
-uid raises `ExpertNotFound`. Replies are checked by the client against what it sent (rows, input
-shapes) and must be finite too, so a broken server's answer is dropped like a failed call.
+uid raises `ExpertNotFound`. Replies are checked by the client against what it sent (`rows=`,
+`inputs=`) and must be finite too, so a broken server's answer is dropped like a failed call;
+their errors name the expert (`uid=`).
 
 The checks cost a few comparisons per tensor and one min/max pass over its values; nothing is
 copied. The DHT records of the expert grid are `ExpertLocation` (in `grid`); the on-disk
@@ -19,15 +22,14 @@ checkpoint of an expert is `ExpertCheckpoint`, parsed with the same checks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from potluck.core.errors import MalformedMessage
 from potluck.core.tensors import all_finite
-from potluck.core.wire import bool_field, int_field, int_value, list_field, list_value, text_field, wire_map
+from potluck.core.wire import Bool, Field, Int, List, Message, Raw, Text, int_value, list_value
 from potluck.moe.errors import BadExpertRequest, ExpertNotFound
 from potluck.moe.experts import TensorSchema
 
@@ -68,276 +70,265 @@ class ExpertShapes(Protocol):
     output_schema: tuple[TensorSchema, ...]
 
 
-# -- field checks of the MoE's own shapes (the generic ones are potluck.core.wire's) ----------------
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _schema_tensors(msg: Mapping, key: str, what: str, schema: Sequence[TensorSchema], max_rows: int,
-                    ) -> tuple[tuple[torch.Tensor, ...], int]:
-    """`msg[key]`: one tensor per entry of `schema`, each of its dtype and per-sample shape, all
-    with the same number of rows, 1 to `max_rows` of them, and finite; and that number of rows."""
-    values = msg.get(key)
-    if not isinstance(values, (list, tuple)) or len(values) != len(schema):
-        got = f"{len(values)}" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-        raise MalformedMessage(what, f"{key!r} must hold {len(schema)} tensor(s) "
-                                     f"({', '.join(s.describe() for s in schema)}); got {got}")
-    rows = -1
-    for i, (t, s) in enumerate(zip(values, schema, strict=True)):
-        if not isinstance(t, torch.Tensor):
-            raise MalformedMessage(what, f"{key!r}[{i}] must be a tensor, got {type(t).__name__}")
-        if t.dtype != s.dtype:
-            raise MalformedMessage(what, f"{key!r}[{i}] has dtype {_dtype_name(t.dtype)}; expected {s.describe()}")
-        if t.dim() != len(s.shape) + 1 or t.shape[1:] != s.shape:
-            raise MalformedMessage(what, f"{key!r}[{i}] has shape {list(t.shape)}; expected {s.describe()}")
-        if rows >= 0 and t.shape[0] != rows:
-            raise MalformedMessage(what, f"{key!r}[{i}] has {t.shape[0]} rows; {key!r}[0] has {rows}")
-        rows = t.shape[0]
-    if not 0 < rows <= max_rows:
-        raise MalformedMessage(what, f"{key!r} has {max(rows, 0)} rows; this server takes 1 to {max_rows} rows "
-                                     "per call (split larger batches)")
-    for i, t in enumerate(values):  # after the cheap checks: this one reads every value
-        if not all_finite(t):
-            raise MalformedMessage(what, f"{key!r}[{i}] has non-finite values (NaN or infinity)")
-    return tuple(values), rows
+# -- field types of the MoE's own shapes (the generic ones are potluck.core.wire's) ----------------
+class ExpertUid(Text):
+    """The uid of an expert this server hosts (`experts` in the context; ExpertNotFound if it
+    hosts no such expert). The fields after it are checked against that expert, which it puts in
+    the context as `expert`."""
+
+    def __init__(self) -> None:
+        super().__init__("uid", MAX_UID_CHARS)
+
+    def check(self, value: Any, key: str, what: str, context: dict[str, Any]) -> str:
+        uid = super().check(value, key, what, context)
+        expert = context["experts"].get(uid)
+        if expert is None:
+            raise ExpertNotFound(f"expert {uid[:200]!r} is not served by this peer")
+        context["expert"] = expert
+        return uid
+
+    def fast(self, v: str) -> str | None:
+        return None  # the check also finds the expert
 
 
-def _needs_grad(msg: Mapping, what: str, count: int) -> tuple[bool, ...]:
-    """Which inputs the caller wants gradients for ("grad"; absent: all), so the server skips work
-    that local autograd would skip too (e.g. the gradient of a batch of raw data)."""
-    if msg.get("grad") is None:
-        return (True,) * count
+class SchemaTensors(Field):
+    """One tensor per entry of the addressed expert's `schema` ("input_schema" or "output_schema"),
+    each of its dtype and per-sample shape, all with the same number of rows, 1 to `max_rows` (in
+    the context) of them, and finite."""
 
-    def flag(value: Any) -> bool:
-        if value is not True and value is not False:
-            raise MalformedMessage(what, f"'grad' must be a list of {count} booleans, one per input")
-        return value
-    return tuple(list_field(msg, "grad", what, count, length=count, each=flag))
+    def __init__(self, key: str, schema: str, **options: Any):
+        super().__init__(key, **options)
+        self.schema = schema
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+        schema: Sequence[TensorSchema] = getattr(context["expert"], self.schema)
+        if not isinstance(value, (list, tuple)) or len(value) != len(schema):
+            got = f"{len(value)}" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+            raise MalformedMessage(what, f"{key!r} must hold {len(schema)} tensor(s) "
+                                         f"({', '.join(s.describe() for s in schema)}); got {got}")
+        rows = -1
+        for i, (t, s) in enumerate(zip(value, schema, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise MalformedMessage(what, f"{key!r}[{i}] must be a tensor, got {type(t).__name__}")
+            if t.dtype != s.dtype:
+                raise MalformedMessage(what, f"{key!r}[{i}] has dtype {_dtype_name(t.dtype)}; expected {s.describe()}")
+            if t.dim() != len(s.shape) + 1 or t.shape[1:] != s.shape:
+                raise MalformedMessage(what, f"{key!r}[{i}] has shape {list(t.shape)}; expected {s.describe()}")
+            if rows >= 0 and t.shape[0] != rows:
+                raise MalformedMessage(what, f"{key!r}[{i}] has {t.shape[0]} rows; {key!r}[0] has {rows}")
+            rows = t.shape[0]
+        max_rows = context["max_rows"]
+        if not 0 < rows <= max_rows:
+            raise MalformedMessage(what, f"{key!r} has {max(rows, 0)} rows; this server takes 1 to {max_rows} rows "
+                                         "per call (split larger batches)")
+        for i, t in enumerate(value):  # after the cheap checks: this one reads every value
+            if not all_finite(t):
+                raise MalformedMessage(what, f"{key!r}[{i}] has non-finite values (NaN or infinity)")
+        return tuple(value)
 
 
-def _expert(msg: Any, what: str, experts: Mapping[str, ExpertShapes]) -> tuple[Mapping, str, ExpertShapes]:
-    """The request as a map, its uid and the expert it addresses (ExpertNotFound if not served)."""
-    try:
-        msg = wire_map(msg, what)
-        uid = text_field(msg, "uid", what, MAX_UID_CHARS)
-    except MalformedMessage as e:
-        raise BadExpertRequest(what, e.field) from None
-    expert = experts.get(uid)
-    if expert is None:
-        raise ExpertNotFound(f"expert {uid[:200]!r} is not served by this peer")
-    return msg, uid, expert
+class NeedsGrad(Field):
+    """Which of the addressed expert's inputs the caller wants gradients for (absent: all), so the
+    server skips work that local autograd would skip too (e.g. the gradient of a batch of raw data)."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[bool, ...]:
+        count = len(context["expert"].input_schema)
+        if value is None:
+            return (True,) * count
+        if not isinstance(value, (list, tuple)) or len(value) != count or not all(
+                v is True or v is False for v in value):
+            raise MalformedMessage(what, f"{key!r} must be a list of {count} booleans, one per input")
+        return tuple(value)
 
 
-def _schema_list(schema: Sequence[TensorSchema]) -> list:
-    return [[_dtype_name(s.dtype), list(s.shape)] for s in schema]
+class RowTensors(Field):
+    """1 to MAX_EXPERT_TENSORS finite tensors of `rows` rows (in the context: the rows sent)."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+        rows = context["rows"]
+        outputs = list_value(value, key, what, MAX_EXPERT_TENSORS)
+        if not outputs:
+            raise MalformedMessage(what, f"{key!r} must hold at least one tensor")
+        for i, t in enumerate(outputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
+                raise MalformedMessage(what, f"{key!r}[{i}] must be a tensor of {rows} rows")
+            if not all_finite(t):
+                raise MalformedMessage(what, f"{key!r}[{i}] has non-finite values (NaN or infinity)")
+        return tuple(outputs)
 
 
-def _schema_field(msg: Mapping, key: str, what: str) -> tuple[TensorSchema, ...]:
-    def one(entry: Any) -> TensorSchema:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] not in _DTYPES:
+class InputGradients(Field):
+    """One gradient per input sent (`inputs` in the context), of its shape and dtype, or empty (the
+    caller wanted none: read as None); finite."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[torch.Tensor | None, ...]:
+        inputs: Sequence[torch.Tensor] = context["inputs"]
+        values = list_value(value, key, what, len(inputs), length=len(inputs))
+        grads: list[torch.Tensor | None] = []
+        for i, (g, x) in enumerate(zip(values, inputs, strict=True)):
+            if not isinstance(g, torch.Tensor) or (g.numel() and (g.shape != x.shape or g.dtype != x.dtype)):
+                raise MalformedMessage(what, f"{key!r}[{i}] must be a tensor of shape {list(x.shape)} "
+                                             f"and dtype {_dtype_name(x.dtype)}, or empty")
+            if not all_finite(g):
+                raise MalformedMessage(what, f"{key!r}[{i}] has non-finite values (NaN or infinity)")
+            grads.append(g if g.numel() or not x.numel() else None)
+        return tuple(grads)
+
+    def encode(self, value: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        return [_NO_GRADIENT if g is None else g for g in value]
+
+
+class SchemaEntry(Field):
+    """A `TensorSchema` on the wire: [dtype name, per-sample shape]."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> TensorSchema:
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] not in _DTYPES:
             raise MalformedMessage(what, f"{key!r} entries must be [dtype, shape] with a known torch dtype")
-        shape = list_value(entry[1], key, what, MAX_SHAPE_DIMS, each=lambda d: int_value(d, key, what, 0, MAX_DIM))
-        return TensorSchema(tuple(shape), _DTYPES[entry[0]])
-    return tuple(list_field(msg, key, what, MAX_EXPERT_TENSORS, each=one))
+        shape = list_value(value[1], key, what, MAX_SHAPE_DIMS, each=lambda d: int_value(d, key, what, 0, MAX_DIM))
+        return TensorSchema(tuple(shape), _DTYPES[value[0]])
+
+    def encode(self, value: TensorSchema) -> list:
+        return [_dtype_name(value.dtype), list(value.shape)]
 
 
-def _reply_what(kind: str, uid: str) -> str:
-    return f"{kind} from expert {uid!r}" if uid else kind
+class StateDict(Field):
+    """A module's state: at most MAX_STATE_TENSORS names mapped to tensors (`load_state_dict`
+    checks that they fit)."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if not isinstance(value, Mapping) or len(value) > MAX_STATE_TENSORS or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()):
+            raise MalformedMessage(what, f"{key!r} must map at most {MAX_STATE_TENSORS} names to tensors")
+        return dict(value)
+
+    def encode(self, value: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(value)
+
+
+# -- whose refusals name the expert ----------------------------------------------------------------
+Parse = Callable[..., Any]
+
+
+def _naming_the_expert(parse: Parse, what: str, request: bool) -> Parse:
+    """`parse` (a generated `from_wire`) whose refusals name the expert: a request's are
+    `BadExpertRequest`s naming it if this server hosts the uid it gives; a reply's name the uid
+    the caller gives (`uid` in the context)."""
+    def parse_naming_the_expert(cls: type, msg: Any, **context: Any) -> Any:
+        try:
+            return parse(cls, msg, **context)
+        except MalformedMessage as e:
+            if not request:
+                uid = context.get("uid")
+                if not uid:
+                    raise
+                raise MalformedMessage(f"{what} from expert {uid!r}", e.field) from None
+            uid = msg.get("uid") if isinstance(msg, Mapping) else None
+            if isinstance(uid, str) and uid in context["experts"]:
+                raise BadExpertRequest(f"{what} to expert {uid!r}", e.field, uid) from None
+            raise BadExpertRequest(what, e.field) from None
+    return parse_naming_the_expert
+
+
+class ExpertRequest(Message):
+    """A request to one expert (`uid`); refused as a `BadExpertRequest` (see `_naming_the_expert`)."""
+
+    def __init_subclass__(cls, **options: Any):
+        super().__init_subclass__(**options)
+        cls.from_wire = classmethod(_naming_the_expert(cls.from_wire.__func__, cls.WHAT, request=True))
+
+
+class ExpertReply(Message):
+    """An expert's answer; a refusal names the expert (`uid` in the context)."""
+
+    def __init_subclass__(cls, **options: Any):
+        super().__init_subclass__(**options)
+        cls.from_wire = classmethod(_naming_the_expert(cls.from_wire.__func__, cls.WHAT, request=False))
 
 
 # -- client -> server ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ForwardRequest:
+class ForwardRequest(ExpertRequest, what="forward request"):
     """Run expert `uid` on `inputs` (batch first); `call_id` pairs it with the backward call, and
     `needs_grad` says which inputs will want gradients."""
 
-    uid: str
-    call_id: int
-    inputs: tuple[torch.Tensor, ...]
-    needs_grad: tuple[bool, ...]
+    uid: str = ExpertUid()
+    call_id: int = Int("call", 0, MAX_CALL_ID)
+    inputs: tuple[torch.Tensor, ...] = SchemaTensors("inputs", "input_schema")
+    needs_grad: tuple[bool, ...] = NeedsGrad("grad")
 
     @property
     def rows(self) -> int:
         return self.inputs[0].shape[0] if self.inputs else 0
 
-    def to_wire(self) -> dict:
-        return {"uid": self.uid, "call": self.call_id, "inputs": list(self.inputs), "grad": list(self.needs_grad)}
 
-    @classmethod
-    def from_wire(cls, msg: Any, experts: Mapping[str, ExpertShapes], max_rows: int) -> ForwardRequest:
-        """Checked against the addressed expert's input schema (`experts[uid]`) and the server's
-        rows per call; BadExpertRequest naming the field, or ExpertNotFound."""
-        msg, uid, expert = _expert(msg, "forward request", experts)
-        what = f"forward request to expert {uid!r}"
-        try:
-            call_id = int_field(msg, "call", what, 0, MAX_CALL_ID)
-            inputs, _ = _schema_tensors(msg, "inputs", what, expert.input_schema, max_rows)
-            return cls(uid, call_id, inputs, _needs_grad(msg, what, len(inputs)))
-        except MalformedMessage as e:
-            raise BadExpertRequest(what, e.field, uid) from None
+class BackwardRequest(ExpertRequest, what="backward request"):
+    """The gradients of call `call_id`'s outputs (checked against the expert's outputs); `inputs`
+    again (else None) if the server did not keep the forward graph, so it can recompute it."""
 
-
-@dataclass(frozen=True)
-class BackwardRequest:
-    """The gradients of call `call_id`'s outputs; `inputs` again (else None) if the server did not
-    keep the forward graph, so it can recompute it."""
-
-    uid: str
-    call_id: int
-    grads: tuple[torch.Tensor, ...]
-    inputs: tuple[torch.Tensor, ...] | None
-    needs_grad: tuple[bool, ...]
+    uid: str = ExpertUid()
+    call_id: int = Int("call", 0, MAX_CALL_ID)
+    grads: tuple[torch.Tensor, ...] = SchemaTensors("grads", "output_schema")
+    inputs: tuple[torch.Tensor, ...] | None = SchemaTensors("inputs", "input_schema", optional=True)
+    needs_grad: tuple[bool, ...] = NeedsGrad("grad")
 
     @property
     def rows(self) -> int:
         return self.grads[0].shape[0] if self.grads else 0
 
-    def to_wire(self) -> dict:
-        wire = {"uid": self.uid, "call": self.call_id, "grads": list(self.grads), "grad": list(self.needs_grad)}
-        if self.inputs is not None:
-            wire["inputs"] = list(self.inputs)
-        return wire
-
-    @classmethod
-    def from_wire(cls, msg: Any, experts: Mapping[str, ExpertShapes], max_rows: int) -> BackwardRequest:
-        """Gradients checked against the expert's output schema, inputs (if sent) against its input
-        schema, both with the same rows; BadExpertRequest naming the field, or ExpertNotFound."""
-        msg, uid, expert = _expert(msg, "backward request", experts)
-        what = f"backward request to expert {uid!r}"
-        try:
-            call_id = int_field(msg, "call", what, 0, MAX_CALL_ID)
-            grads, rows = _schema_tensors(msg, "grads", what, expert.output_schema, max_rows)
-            inputs = None
-            if msg.get("inputs") is not None:
-                inputs, input_rows = _schema_tensors(msg, "inputs", what, expert.input_schema, max_rows)
-                if input_rows != rows:
-                    raise MalformedMessage(what, f"'inputs' has {input_rows} rows; 'grads' has {rows}")
-            return cls(uid, call_id, grads, inputs, _needs_grad(msg, what, len(expert.input_schema)))
-        except MalformedMessage as e:
-            raise BadExpertRequest(what, e.field, uid) from None
+    def validate(self, context: Mapping[str, Any]) -> None:
+        if self.inputs is not None and self.inputs[0].shape[0] != self.rows:
+            raise self.refuse(f"'inputs' has {self.inputs[0].shape[0]} rows; 'grads' has {self.rows}")
 
 
-@dataclass(frozen=True)
-class InfoRequest:
+class InfoRequest(ExpertRequest, what="info request"):
     """Ask for expert `uid`'s `ExpertInfo`."""
 
-    uid: str
-
-    def to_wire(self) -> dict:
-        return {"uid": self.uid}
-
-    @classmethod
-    def from_wire(cls, msg: Any, experts: Mapping[str, ExpertShapes]) -> InfoRequest:
-        return cls(_expert(msg, "info request", experts)[1])
+    uid: str = ExpertUid()
 
 
 # -- server -> client ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ForwardReply:
-    """The expert's outputs for a forward call; `kept`: the server kept the forward graph, so the
-    backward call need not resend the inputs."""
+class ForwardReply(ExpertReply, what="forward reply"):
+    """The expert's outputs for a forward call (as many rows as sent: `rows=`); `kept`: the server
+    kept the forward graph, so the backward call need not resend the inputs."""
 
-    outputs: tuple[torch.Tensor, ...]
-    kept: bool
-
-    def to_wire(self) -> dict:
-        return {"outputs": list(self.outputs), "kept": self.kept}
-
-    @classmethod
-    def from_wire(cls, msg: Any, rows: int, uid: str = "") -> ForwardReply:
-        """Checked against the `rows` sent: 1 to MAX_EXPERT_TENSORS finite tensors of that many rows."""
-        what = _reply_what("forward reply", uid)
-        msg = wire_map(msg, what)
-        kept = bool_field(msg, "kept", what)
-        outputs = list_field(msg, "outputs", what, MAX_EXPERT_TENSORS)
-        if not outputs:
-            raise MalformedMessage(what, "'outputs' must hold at least one tensor")
-        for i, t in enumerate(outputs):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
-                raise MalformedMessage(what, f"'outputs'[{i}] must be a tensor of {rows} rows")
-            if not all_finite(t):
-                raise MalformedMessage(what, f"'outputs'[{i}] has non-finite values (NaN or infinity)")
-        return cls(tuple(outputs), kept)
+    outputs: tuple[torch.Tensor, ...] = RowTensors("outputs")
+    kept: bool = Bool("kept")
 
 
-@dataclass(frozen=True)
-class BackwardReply:
-    """The gradients of a backward call's inputs, None where the caller wanted none."""
+class BackwardReply(ExpertReply, what="backward reply"):
+    """The gradients of a backward call's inputs (`inputs=`: those sent), None where the caller
+    wanted none."""
 
-    grads: tuple[torch.Tensor | None, ...]
-
-    def to_wire(self) -> dict:
-        return {"grads": [_NO_GRADIENT if g is None else g for g in self.grads]}
-
-    @classmethod
-    def from_wire(cls, msg: Any, inputs: Sequence[torch.Tensor], uid: str = "") -> BackwardReply:
-        """Checked against the `inputs` sent: one gradient each, of its shape and dtype (or empty:
-        none), finite."""
-        what = _reply_what("backward reply", uid)
-        values = list_field(wire_map(msg, what), "grads", what, len(inputs), length=len(inputs))
-        grads: list[torch.Tensor | None] = []
-        for i, (g, x) in enumerate(zip(values, inputs, strict=True)):
-            if not isinstance(g, torch.Tensor) or (g.numel() and (g.shape != x.shape or g.dtype != x.dtype)):
-                raise MalformedMessage(what, f"'grads'[{i}] must be a tensor of shape {list(x.shape)} "
-                                             f"and dtype {_dtype_name(x.dtype)}, or empty")
-            if not all_finite(g):
-                raise MalformedMessage(what, f"'grads'[{i}] has non-finite values (NaN or infinity)")
-            grads.append(g if g.numel() or not x.numel() else None)
-        return cls(tuple(grads))
+    grads: tuple[torch.Tensor | None, ...] = InputGradients("grads")
 
 
-@dataclass(frozen=True)
-class ExpertInfo:
+class ExpertInfo(ExpertReply, what="info reply"):
     """An expert's declared inputs and outputs (per sample, batch dim excluded), the rows per call
     its server takes and the optimizer steps it has made."""
 
-    inputs: tuple[TensorSchema, ...]
-    outputs: tuple[TensorSchema, ...]
-    max_batch_size: int
-    updates: int
-
-    def to_wire(self) -> dict:
-        return {"inputs": _schema_list(self.inputs), "outputs": _schema_list(self.outputs),
-                "max_batch_size": self.max_batch_size, "updates": self.updates}
-
-    @classmethod
-    def from_wire(cls, msg: Any, uid: str = "") -> ExpertInfo:
-        what = _reply_what("info reply", uid)
-        msg = wire_map(msg, what)
-        return cls(_schema_field(msg, "inputs", what), _schema_field(msg, "outputs", what),
-                   int_field(msg, "max_batch_size", what, 1, MAX_COUNTER),
-                   int_field(msg, "updates", what, 0, MAX_COUNTER))
+    inputs: tuple[TensorSchema, ...] = List("inputs", SchemaEntry(), MAX_EXPERT_TENSORS)
+    outputs: tuple[TensorSchema, ...] = List("outputs", SchemaEntry(), MAX_EXPERT_TENSORS)
+    max_batch_size: int = Int("max_batch_size", 1, MAX_COUNTER)
+    updates: int = Int("updates", 0, MAX_COUNTER)
 
 
 # -- on disk ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertCheckpoint:
+class ExpertCheckpoint(Message, what="expert checkpoint"):
     """One expert's weights, optimizer state and counters, as `ExpertServer` saves them (safe
     format, no pickle). The optimizer state is torch's own nested dict: its shape is checked by
     `load_state_dict`."""
 
-    uid: str
-    version: int
-    updates: int
-    model: Mapping[str, torch.Tensor]
-    optimizer: Mapping[str, Any] | None = None
-
-    def to_wire(self) -> dict:
-        wire: dict = {"uid": self.uid, "version": self.version, "updates": self.updates, "model": dict(self.model)}
-        if self.optimizer is not None:
-            wire["optimizer"] = self.optimizer
-        return wire
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> ExpertCheckpoint:
-        what = "expert checkpoint"
-        msg = wire_map(msg, what)
-        model = msg.get("model")
-        if not isinstance(model, Mapping) or len(model) > MAX_STATE_TENSORS or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
-            raise MalformedMessage(what, f"'model' must map at most {MAX_STATE_TENSORS} names to tensors")
-        optimizer = msg.get("optimizer")
-        if optimizer is not None and not isinstance(optimizer, Mapping):
-            raise MalformedMessage(what, "'optimizer' must be a torch optimizer state dict")
-        return cls(text_field(msg, "uid", what, MAX_UID_CHARS), int_field(msg, "version", what, 0, MAX_COUNTER),
-                   int_field(msg, "updates", what, 0, MAX_COUNTER), dict(model), optimizer)
+    uid: str = Text("uid", MAX_UID_CHARS)
+    version: int = Int("version", 0, MAX_COUNTER)
+    updates: int = Int("updates", 0, MAX_COUNTER)
+    model: Mapping[str, torch.Tensor] = StateDict("model")
+    optimizer: Mapping[str, Any] | None = Raw("optimizer", Mapping, "a torch optimizer state dict", default=None)

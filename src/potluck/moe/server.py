@@ -9,13 +9,15 @@ graph was evicted (memory bound, age) or the weights changed since, the client r
 and the server recomputes. After each backward batch the expert's optimizer steps.
 
 Callers share the server fairly (issue 14: eight forward calls of a stranger evicted an honest
-caller's stashed graph). The stash is shared between the callers that hold graphs in it: when it
-is full, the caller holding the most graphs loses its own oldest one, so a caller flooding it
-evicts its own graphs and every caller keeps at least its share (`stash_calls` / callers with
-graphs stashed). Each caller (by the transport's authenticated peer id) has a token bucket of
-calls, `caller_rate` per second with bursts of `caller_burst`: past it a call is refused at once
-with `CallerRateLimited` ("slow down") while other callers are served. The buckets are an LRU of
-at most `MAX_RATE_CALLERS` callers, so many identities cannot grow the table. Requests are also
+caller's stashed graph). The stash is shared between the subnets (`net.origins`) and the callers
+that hold graphs in it: when it is full, the subnet holding the most graphs loses the oldest
+graph of its caller holding the most, so a caller flooding it evicts its own graphs, made-up ids
+of one host evict each other's (issue 29: eight of them kept every new caller's graph out), and
+every subnet keeps at least its share (`stash_calls` / subnets with graphs stashed). Each caller
+(by the transport's authenticated peer id) has a token bucket of calls, `caller_rate` per second
+with bursts of `caller_burst`: past it a call is refused at once with `CallerRateLimited` ("slow
+down") while other callers are served. The buckets are an LRU of at most `MAX_RATE_CALLERS`
+callers, so many identities cannot grow the table. Requests are also
 bounded by the expert's declared shapes and `max_batch_size` rows, and must be finite (`messages`).
 """
 
@@ -139,6 +141,7 @@ class _Task:
     future: asyncio.Future
     needs_grad: tuple[bool, ...] = ()  # per input: does the caller want its gradient
     seq: int = 0  # arrival order, for fairness between queues
+    subnet: str | None = None  # where the caller's connection comes from (its stash share)
 
 
 class CallerRateLimited(ExpertError):
@@ -154,18 +157,24 @@ class _Stashed:
 
 
 class _Stash:
-    """Forward graphs kept for backward calls, keyed (caller, call id), shared fairly between callers.
+    """Forward graphs kept for backward calls, keyed (caller, call id), shared fairly between the
+    subnets (`net.origins`) and the callers that hold them.
 
     At most `capacity` graphs and none older than STASH_SECONDS. When a new graph makes it full,
-    the caller that holds the most graphs (the newcomer itself on a tie) loses its oldest: a flood
-    evicts the flooder's own graphs, and every caller keeps at least capacity / (callers holding
-    graphs). Only graphs are counted per caller, so the table of counts is as bounded as the stash.
+    the subnet holding the most graphs (the newcomer's own on a tie), and within it the caller
+    holding the most (the newcomer itself on a tie), loses its oldest: a flood evicts the flooder's
+    own graphs, and one host's made-up ids share one subnet's place, so every subnet keeps at least
+    capacity / (subnets holding graphs), and every caller of a subnet its share of that. A caller
+    is counted under the subnet of its first stashed graph while it holds any (no subnet: one of
+    its own). Only graphs are counted, so the tables of counts are as bounded as the stash.
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, int], _Stashed] = OrderedDict()  # oldest first
         self._held: dict[str, int] = {}  # graphs per caller (callers with none are not in it)
+        self._subnet: dict[str, str] = {}  # each caller's subnet, while it holds graphs
+        self._held_by_subnet: dict[str, int] = {}  # graphs per subnet (subnets with none are not in it)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -173,35 +182,52 @@ class _Stash:
     def held(self, caller: str) -> int:
         return self._held.get(caller, 0)
 
-    def put(self, key: tuple[str, int], entry: _Stashed) -> bool:
-        """Keep `entry`; False if it was evicted at once (every caller holds its share already,
-        and so does this one: it is the one that gives a graph up)."""
+    def held_by_subnet(self, subnet: str) -> int:
+        return self._held_by_subnet.get(subnet, 0)
+
+    def put(self, key: tuple[str, int], entry: _Stashed, subnet: str | None = None) -> bool:
+        """Keep `entry` (the caller `key[0]`'s, from `subnet`); False if it was evicted at once
+        (every subnet and caller holds its share already, and so does this one: it gives a graph up)."""
         self.pop(key)  # a reused call id replaces its graph
+        caller = key[0]
+        mine = self._subnet.setdefault(caller, f"caller:{caller}" if subnet is None else subnet)
         self._entries[key] = entry
-        self._held[key[0]] = self._held.get(key[0], 0) + 1
+        self._held[caller] = self._held.get(caller, 0) + 1
+        self._held_by_subnet[mine] = self._held_by_subnet.get(mine, 0) + 1
         now = time.monotonic()
         while self._entries and now - next(iter(self._entries.values())).created > STASH_SECONDS:
             self.pop(next(iter(self._entries)))  # abandoned by its client, most likely
         while len(self._entries) > self.capacity:
-            most = max(self._held.values())
-            caller = key[0] if self._held[key[0]] == most else next(
-                k[0] for k in self._entries if self._held[k[0]] == most)
-            self.pop(next(k for k in self._entries if k[0] == caller))  # its oldest graph
+            most = max(self._held_by_subnet.values())
+            loser = mine if self._held_by_subnet[mine] == most else next(
+                self._subnet[k[0]] for k in self._entries if self._held_by_subnet[self._subnet[k[0]]] == most)
+            within = [c for c in self._held if self._subnet[c] == loser]
+            most = max(self._held[c] for c in within)
+            victim = caller if self._subnet[caller] == loser and self._held[caller] == most else next(
+                k[0] for k in self._entries if self._subnet[k[0]] == loser and self._held[k[0]] == most)
+            self.pop(next(k for k in self._entries if k[0] == victim))  # its oldest graph
         return key in self._entries
 
     def pop(self, key: tuple[str, int]) -> _Stashed | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            left = self._held[key[0]] - 1
-            if left:
-                self._held[key[0]] = left
-            else:
-                del self._held[key[0]]
+            caller = key[0]
+            subnet = self._subnet[caller]
+            for counts, name in ((self._held, caller), (self._held_by_subnet, subnet)):
+                left = counts[name] - 1
+                if left:
+                    counts[name] = left
+                else:
+                    del counts[name]
+            if caller not in self._held:
+                del self._subnet[caller]
         return entry
 
     def clear(self) -> None:
         self._entries.clear()
         self._held.clear()
+        self._subnet.clear()
+        self._held_by_subnet.clear()
 
 
 class _CallerBuckets:
@@ -285,7 +311,7 @@ class HostedExpert:
             with torch.enable_grad():
                 outputs = _as_tuple(self.module(*leaves))
             stashed = _Stashed(self.version, time.monotonic(), leaves, outputs)
-            kept = self._stash.put((task.caller, task.call_id), stashed)
+            kept = self._stash.put((task.caller, task.call_id), stashed, task.subnet)
             return [ForwardReply(tuple(o.detach() for o in outputs), kept=kept)]
         inputs = [torch.cat(parts).to(self.device) for parts in zip(*(t.inputs for t in tasks), strict=True)]
         with torch.no_grad():
@@ -453,11 +479,15 @@ class ExpertServer:
                 module.to(device)
             opt = optimizer([p for p in module.parameters() if p.requires_grad]) if optimizer else None
             self.experts[uid] = HostedExpert(uid, module, schema, opt, stash_calls)
+        # uid -> the updates its checkpoint held, for each expert resumed from `checkpoint_dir` (what
+        # a restarted server tells its user it loaded; the others start from their initial weights).
+        self.resumed: dict[str, int] = {}
         if self.checkpoint_dir is not None:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             for uid, hosted in self.experts.items():
                 if (path := self._checkpoint_path(uid)).exists():
                     hosted.load(path)
+                    self.resumed[uid] = hosted.stats.updates
                     logger.info("expert %s resumed from %s (%d updates)", uid, path, hosted.stats.updates)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="potluck-experts")
         self._queues: dict[tuple[str, str], deque[_Task]] = {}
@@ -588,26 +618,26 @@ class ExpertServer:
 
     async def _serve_info(self, msg: object, ctx: CallContext) -> dict:
         self._check_rate(ctx)
-        hosted = self.experts[InfoRequest.from_wire(msg, self.experts).uid]
+        hosted = self.experts[InfoRequest.from_wire(msg, experts=self.experts).uid]
         return ExpertInfo(hosted.input_schema, hosted.output_schema, self.max_batch_size,
                           hosted.stats.updates).to_wire()
 
     async def _serve_forward(self, msg: object, ctx: CallContext) -> dict:
         caller = self._check_rate(ctx)
         try:
-            request = ForwardRequest.from_wire(msg, self.experts, self.max_batch_size)
+            request = ForwardRequest.from_wire(msg, experts=self.experts, max_rows=self.max_batch_size)
         except BadExpertRequest as e:
             self._refused(e)
             raise
         task = _Task("forward", caller, request.call_id, request.inputs, None, request.rows,
-                     asyncio.get_running_loop().create_future(), request.needs_grad)
+                     asyncio.get_running_loop().create_future(), request.needs_grad, subnet=ctx.remote.origin.subnet)
         reply: ForwardReply = await self._enqueue(self.experts[request.uid], task)
         return reply.to_wire()
 
     async def _serve_backward(self, msg: object, ctx: CallContext) -> dict:
         caller = self._check_rate(ctx)
         try:
-            request = BackwardRequest.from_wire(msg, self.experts, self.max_batch_size)
+            request = BackwardRequest.from_wire(msg, experts=self.experts, max_rows=self.max_batch_size)
         except BadExpertRequest as e:
             self._refused(e)
             raise

@@ -5,17 +5,25 @@ the peers' progress records and their round records (`potluck.optim.progress.Rou
 ledger keeps peers, their credit per epoch, epochs, metrics and the swarm's history, and answers
 the `MonitorView` queries of the dashboard and the CLI.
 
-**Credit.** A peer is credited for an epoch with the samples it was really averaged with, as the
-*other* members of its group recorded them (the samples its round note gave the group, which
-scaled the group's update): the lower median of their records and its own (which counts as one
-vote), never more than the highest of theirs nor than its own. Only members that list each other
-count (when the peer published a record of that round; if it did not, at least
-MIN_WITNESSES_WITHOUT_RECORD others must record it). A claim nobody else confirms earns nothing,
-so a peer's own round records and progress claims earn it nothing, and one member recording
-another's samples too low is outvoted by the others and the peer itself. A short round's samples
-(sync mode: the round did not fill the batch) are credited to their members, and taken off the
-member that carried their sum into the epoch's next round (its note there includes them).
-docs/security.md says what this does not stop.
+**Credit.** A peer is credited for an epoch with the samples it was really averaged with, as its
+group's members recorded them (the samples its round note gave the group, which scaled the
+group's update), never with what it says of itself. Records are free to make up (two identities
+that record each other look like an honest pair), so the monitor credits what its *witnesses*
+recorded (`witnesses`: by default the peers it joined through, `potluck.monitor.follower`): only
+rounds a witness recorded count, each member with the samples the witnesses' records give it,
+and a short round's keeper is the one they name. An identity is then credited only for rounds it
+averaged in with a witness, with what its note gave that group. docs/security.md states the bound.
+
+Without witnesses (a ledger given none), every member's records count, one vote each: a peer is
+credited with the lower median of the *other* members' records of it and its own, never more
+than the highest of theirs nor than its own; only members that list each other count (when the
+peer published a record of that round; if it did not, at least MIN_WITNESSES_WITHOUT_RECORD
+others must record it). A claim nobody else confirms earns nothing, but identities that record
+each other credit each other anything. Either way, a short round's samples (sync mode: the round
+did not fill the batch) are credited to their members and taken off the member that carried
+their sum into the epoch's next round (its note there includes them): its *keeper*, a confirmed
+member that a strict majority of the round's confirmed members name, or that names itself
+(against its own interest); one liar naming another member takes nothing from it.
 
 Rounds are told apart by epoch, part and the id their members record them under (moshpit
 members meet whatever their epochs, and record the group's median). Writes are idempotent (keyed
@@ -29,7 +37,7 @@ import json
 import sqlite3
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,36 +112,73 @@ class Round:
     members: Mapping[str, int]
 
 
-def credit_epoch(rounds: Iterable[Round]) -> dict[str, int]:
-    """Each peer's credit for one epoch from its members' records (see the module docstring):
-    in each round, the lower median of the others' records of it and its own (one vote), at most
-    the highest other record and its own."""
+def credit_epoch(rounds: Iterable[Round], witnesses: Collection[str] | None = None) -> dict[str, int]:
+    """Each peer's credit for one epoch from its members' records (see the module docstring).
+    With `witnesses`: only rounds a witness recorded count, each member credited with what the
+    witnesses recorded for it. Without: in each round, the lower median of the others' records of
+    it and its own (one vote), at most the highest other record and its own."""
     by_round: dict[tuple[int, str], dict[str, Round]] = defaultdict(dict)
     for r in rounds:
         by_round[r.part, r.round][r.reporter] = r
     credit: dict[str, int] = defaultdict(int)
     for records in by_round.values():
-        confirmed = {}
-        for peer in {m for r in records.values() for m in r.members}:
-            own = records.get(peer)
-            claim = None if own is None else own.members.get(peer)
-            witnesses = [r.members[peer] for reporter, r in records.items()
-                         if reporter != peer and peer in r.members and (own is None or reporter in own.members)]
-            if not witnesses or (own is None and len(witnesses) < MIN_WITNESSES_WITHOUT_RECORD):
-                continue  # nobody else confirms it
-            votes = witnesses if claim is None else [*witnesses, claim]
-            most = max(witnesses) if claim is None else min(max(witnesses), claim)
-            confirmed[peer] = min(_lower_median(votes), most)
+        if witnesses is None:
+            confirmed = _confirmed(records)
+            keeper = _keeper(records, confirmed)
+        else:
+            told = [r for reporter, r in records.items() if reporter in witnesses]
+            confirmed = {peer: _lower_median([r.members[peer] for r in told if peer in r.members])
+                         for peer in {m for r in told for m in r.members}}
+            keeper = _most_said([r.keeper for r in told], confirmed)
         for peer, samples in confirmed.items():
             credit[peer] += samples
-        keepers = Counter(r.keeper for r in records.values() if r.keeper is not None).most_common(1)
-        if keepers:  # a short round: its keeper's next note includes all of it
-            credit[keepers[0][0]] -= sum(confirmed.values())
+        if keeper is not None:  # a short round: its keeper's next note includes all of it
+            credit[keeper] -= sum(confirmed.values())
     return {peer: max(0, samples) for peer, samples in credit.items()}
 
 
-def group_sizes(rounds: Iterable[Round]) -> list[int]:
-    """The sizes of the groups of an epoch's rounds that at least two of their members recorded alike."""
+def _confirmed(records: Mapping[str, Round]) -> dict[str, int]:
+    """A round's members that others confirm, each with its credit (the rule without witnesses)."""
+    confirmed = {}
+    for peer in {m for r in records.values() for m in r.members}:
+        own = records.get(peer)
+        claim = None if own is None else own.members.get(peer)
+        votes = [r.members[peer] for reporter, r in records.items()
+                 if reporter != peer and peer in r.members and (own is None or reporter in own.members)]
+        if not votes or (own is None and len(votes) < MIN_WITNESSES_WITHOUT_RECORD):
+            continue  # nobody else confirms it
+        most = max(votes) if claim is None else min(max(votes), claim)
+        confirmed[peer] = min(_lower_median(votes if claim is None else [*votes, claim]), most)
+    return confirmed
+
+
+def _keeper(records: Mapping[str, Round], confirmed: Mapping[str, int]) -> str | None:
+    """A short round's keeper, the member whose credit its samples are taken off: a confirmed
+    member that a strict majority of the confirmed members' records name, else one whose own
+    record names itself (against its own interest: never another's word alone). None if neither."""
+    said = [records[peer].keeper for peer in confirmed if peer in records]
+    keeper = _most_said(said, confirmed)
+    if keeper is not None:
+        return keeper
+    own = [peer for peer in confirmed if peer in records and records[peer].keeper == peer]
+    return own[0] if len(own) == 1 else None
+
+
+def _most_said(said: list[str | None], members: Collection[str]) -> str | None:
+    """The keeper a strict majority of `said` names, if it is one of `members`."""
+    for keeper in set(said) - {None}:
+        if 2 * said.count(keeper) > len(said) and keeper in members:
+            return keeper
+    return None
+
+
+def group_sizes(rounds: Iterable[Round], witnesses: Collection[str] | None = None) -> list[int]:
+    """The sizes of the groups of an epoch's rounds: those a witness recorded (with `witnesses`),
+    else those that at least two of their members recorded alike."""
+    rounds = list(rounds)
+    if witnesses is not None:
+        told = {(r.part, r.round): frozenset(r.members) for r in rounds if r.reporter in witnesses}
+        return sorted((len(members) for members in told.values()), reverse=True)
     groups = Counter((r.part, r.round, frozenset(r.members)) for r in rounds if r.reporter in r.members)
     return sorted((len(members) for (_, _, members), count in groups.items() if count >= 2), reverse=True)
 
@@ -147,9 +192,12 @@ class Ledger:
     """The monitor's database at `path` (":memory:" for a throwaway one, as `potluck status` uses).
     Implements `potluck.monitor.views.MonitorView`; safe to call from several threads."""
 
-    def __init__(self, path: str | Path, run_id: str | None = None, history_interval: float = HISTORY_INTERVAL):
+    def __init__(self, path: str | Path, run_id: str | None = None, history_interval: float = HISTORY_INTERVAL,
+                 witnesses: Collection[str] | None = None):
         self.path = str(path)
         self.history_interval = history_interval
+        # Whose round records are the truth (see credit_epoch); None: every member's, each one vote.
+        self.witnesses = None if witnesses is None else frozenset(witnesses)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False)
         try:
@@ -197,10 +245,14 @@ class Ledger:
 
     # -- writes (one transaction per poll) ----------------------------------------------------------
     def observe(self, now: float, reports: Mapping[str, PeerProgress], rounds: Mapping[str, Iterable[RoundRecord]],
-                swarm: SwarmNow | None = None, names: Mapping[str, str] | None = None) -> None:
+                swarm: SwarmNow | None = None, names: Mapping[str, str] | None = None,
+                witnesses: Collection[str] | None = None) -> None:
         """One poll: the current progress `reports` (by peer), the round records each peer
-        published (by signer), the swarm's view then, and the members' verified `names`."""
+        published (by signer), the swarm's view then, the members' verified `names`, and the
+        `witnesses` whose records are the truth from now on (None: those given before)."""
         names = names or {}
+        if witnesses is not None:
+            self.witnesses = frozenset(witnesses)
         with self._lock, self._db:
             db = self._db
             for peer, r in reports.items():
@@ -267,14 +319,14 @@ class Ledger:
         rounds = [Round(reporter, part, round_id, keeper, members[reporter, part, round_id])
                   for reporter, part, round_id, keeper in
                   db.execute("SELECT reporter, part, round, keeper FROM rounds WHERE epoch = ?", (epoch,))]
-        credit = credit_epoch(rounds)
+        credit = credit_epoch(rounds, self.witnesses)
         db.execute("DELETE FROM credits WHERE epoch = ?", (epoch,))
         db.executemany("INSERT INTO credits VALUES (?, ?, ?)", [(p, epoch, n) for p, n in credit.items()])
         db.executemany("INSERT OR IGNORE INTO peers (peer_id, first_seen, last_seen) VALUES (?, ?, ?)",
                        [(p, now, now) for p in credit])
         db.execute("INSERT OR IGNORE INTO epochs (epoch, time) VALUES (?, ?)", (epoch, now))
         db.execute("UPDATE epochs SET samples = ?, group_sizes = ? WHERE epoch = ?",
-                   (sum(credit.values()), json.dumps(group_sizes(rounds)), epoch))
+                   (sum(credit.values()), json.dumps(group_sizes(rounds, self.witnesses)), epoch))
 
     # -- MonitorView ------------------------------------------------------------------------------------
     def swarm_now(self) -> SwarmNow:

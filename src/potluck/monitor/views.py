@@ -30,7 +30,9 @@ class SwarmNow:
 
 @dataclass(frozen=True)
 class PeerState:
-    """One peer the monitor has seen."""
+    """One peer the monitor has seen. A refused peer (`refused`: why) trains another model or
+    with other settings than the run's peers (`potluck.optim.schema`): it is never online, never
+    counted in the swarm and never credited."""
 
     peer_id: str
     name: str | None  # from its membership token, if the run has an authority
@@ -40,6 +42,7 @@ class PeerState:
     client_mode: bool
     first_seen: float  # unix time
     last_seen: float
+    refused: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

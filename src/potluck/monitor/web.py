@@ -8,7 +8,9 @@ Routes (GET only; anything else is answered 405):
 - `/`: the dashboard (static files under `static/`: HTML, CSS and hand-written JavaScript that
   draws its charts as SVG; nothing is fetched from elsewhere).
 - `/api/swarm`, `/api/peers`, `/api/contributors`, `/api/epochs?limit=N`, `/api/history?since=T`:
-  the view's rows as JSON (`to_json()`; NaN and infinities become null).
+  the view's rows as JSON (`to_json()`; NaN and infinities become null). A peer row's `refused`
+  says why a peer is not counted (another model or settings than the run's), else null; the
+  dashboard shows such a peer as "refused", with the reason on hover.
 - `/api/events`: Server-Sent Events, one every EVENT_INTERVAL: the swarm now, peers,
   contributors, recent epochs, and the history points since the client's last event (all of them
   in the first; a reconnecting browser sends `Last-Event-ID` and gets only what it missed).
@@ -80,6 +82,23 @@ class WebServer:
             app.router.add_get(path, handler)
         app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
         return app
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen at http://host:port/ (port 0 picks one) on the running event loop; sets `port`
+        and `url`."""
+        runner = web.AppRunner(self.app(), access_log=None, logger=QuietBadRequests(__name__),
+                               shutdown_timeout=CLOSE_GRACE, max_line_size=MAX_REQUEST_LINE,
+                               max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        self.url = f"http://{shown}:{self.port}/"
 
     async def close(self) -> None:
         """Stop: live streams end at once, other requests get CLOSE_GRACE to finish."""
@@ -164,19 +183,7 @@ async def start_web(view: MonitorView, host: str, port: int, registry: Registry 
     running event loop; `registry` (the monitor peer's, `potluck.metrics.peer_metrics`) is added to
     /metrics."""
     server = WebServer(view, registry)
-    runner = web.AppRunner(server.app(), access_log=None, logger=QuietBadRequests(__name__),
-                           shutdown_timeout=CLOSE_GRACE, max_line_size=MAX_REQUEST_LINE,
-                           max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    server._runner = runner
-    server.port = runner.addresses[0][1]
-    shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    server.url = f"http://{shown}:{server.port}/"
+    await server.start(host, port)
     return server
 
 

@@ -18,12 +18,12 @@ import asyncio
 import logging
 import random
 
-from potluck.core import compat
+from potluck.core import compat, names
 from potluck.core.errors import MalformedMessage, NetworkError
 from potluck.dht import DHT, DHTError, own_subkey, owned_entries
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
-from potluck.net.relay import Reservation, reserve
+from potluck.net.relay import Reservation, release, reserve
 from potluck.net.transport import Transport
 from potluck.net.wire import addresses_to_wire, addresses_value
 
@@ -32,7 +32,7 @@ __all__ = ["RELAYS_KEY", "RelayAnnouncer", "RelayReservations", "read_relays"]
 logger = logging.getLogger(__name__)
 
 # The DHT key every peer knows: one owner-signed entry per relay.
-RELAYS_KEY = "nat.relays"
+RELAYS_KEY = names.RELAYS
 # A relay's entry lives this long and is re-stored every third of it: a dead relay drops out of
 # the list within minutes, and a live one costs one DHT store every few minutes.
 RELAY_ENTRY_TTL = 600.0
@@ -165,7 +165,7 @@ class RelayReservations:
     def _drop(self, relay: PeerID) -> None:
         self.held.pop(relay, None)
         self._renew_at.pop(relay, None)
-        self.transport.relay_reservations.pop(relay, None)
+        release(self.transport, relay)
         self._publish()
 
     def _publish(self) -> None:

@@ -28,6 +28,7 @@ from potluck.core.errors import (
 from potluck.net.address import Multiaddr
 from potluck.net.frames import Frame, Kind
 from potluck.net.identity import PeerID
+from potluck.net.origins import UNKNOWN_ORIGIN, Origin
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class RemoteInfo:
     # its router's public address. What the reachability check compares dial-back requests with.
     observed: Multiaddr | None = None
     relayed: bool = False  # the connection runs through a relay (net.relay), end to end
+    # The network origin the peer's bytes come from (its IP and subnet; `Origin.relayed(relay)`
+    # through a relay): what fair shares per origin count it under (`net.origins`).
+    origin: Origin = UNKNOWN_ORIGIN
 
 
 @dataclass

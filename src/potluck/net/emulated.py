@@ -39,13 +39,16 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from potluck.core import compat
 from potluck.core.errors import ConnectionLost, HandshakeError, MembershipRefused, PeerUnreachable
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, RemoteInfo, Stream
-from potluck.net.frames import Frame, FrameDecoder, Kind, encode
+from potluck.net.frames import Frame, FrameDecoder, Hello, Kind, encode
+from potluck.net.holepunch import HolePuncher
 from potluck.net.identity import Identity, PeerID
 from potluck.net.membership import GuestHandlers, MembershipGate
-from potluck.net.relay import StreamPipe, accept_stop, dial_circuit
+from potluck.net.origins import Origin, origin_of
+from potluck.net.relay import Circuits, StreamPipe, accept_stop
 from potluck.net.transport import Transport
 
 __all__ = ["EmulatedNetwork", "EmulatedTransport"]
@@ -77,14 +80,17 @@ class EmulatedNetwork:
 
     def transport(self, identity: Identity | None = None, *, upload: float | None = None,
                   download: float | None = None, client_mode: bool = False, nat: str | None = None,
-                  **transport_kwargs: Any) -> EmulatedTransport:
+                  ip: str | None = None, **transport_kwargs: Any) -> EmulatedTransport:
         """A new peer on this network (not started yet); bandwidths in bytes/s, None = unlimited;
-        `nat`: None (public), or behind a NAT of a kind in NAT_KINDS (see the module docstring)."""
+        `nat`: None (public), or behind a NAT of a kind in NAT_KINDS (see the module docstring);
+        `ip`: the IP address others see its connections come from (`RemoteInfo.origin`), so that
+        several peers can share a host or a subnet (made-up identities on one machine); None: a
+        host of its own, named after the peer."""
         if identity is None:
             key = Ed25519PrivateKey.from_private_bytes(self._rng.randbytes(_KEY_BYTES))
             identity = Identity(key)
         return EmulatedTransport(self, identity, upload=upload, download=download,
-                                 client_mode=client_mode, nat=nat, **transport_kwargs)
+                                 client_mode=client_mode, nat=nat, ip=ip, **transport_kwargs)
 
     def set_latency(self, a: PeerID, b: PeerID, seconds: float) -> None:
         """One-way latency between `a` and `b`, both directions (default: the network's)."""
@@ -102,7 +108,7 @@ class EmulatedNetwork:
         if peer is None:
             raise KeyError(f"no emulated peer {peer_id} on this network")
         peer._crashed = True
-        peer._close_loopback("this peer crashed")
+        peer.close_loopback("this peer crashed")
         if not silent and self._listeners.get(peer._name) is peer:
             del self._listeners[peer._name]
         for end in list(peer._links):
@@ -167,7 +173,7 @@ class EmulatedTransport(Transport):
     def __init__(self, network: EmulatedNetwork, identity: Identity, *,
                  upload: float | None = None, download: float | None = None,
                  client_mode: bool = False, membership: MembershipGate | None = None, nat: str | None = None,
-                 **transport_kwargs: Any):
+                 ip: str | None = None, **transport_kwargs: Any):
         if nat is not None and nat not in NAT_KINDS:
             raise ValueError(f"nat must be None or one of {NAT_KINDS}, got {nat!r}")
         super().__init__(identity, client_mode=client_mode, **transport_kwargs)
@@ -180,10 +186,17 @@ class EmulatedTransport(Transport):
         self.upload = _bandwidth("upload", upload)
         self.download = _bandwidth("download", download)
         self._name = str(next(network._names))
+        # Where others see this peer's connections come from: its IP if given, else its own name.
+        self.origin = origin_of(self._name if ip is None else ip)
+        if ip is not None and self.origin.ip == ip and self.origin.subnet == ip:
+            raise ValueError(f"ip must be an IP address, got {ip!r}")
         self._crashed = False
         self._upload_free = -math.inf  # loop time when the upload is next idle
         self._download_free = -math.inf
         self._links: dict[_LinkEnd, None] = {}  # a dict, not a set: ordered, so runs repeat
+        # Relayed connections and hole punching (`net.relay`, `net.holepunch`), as on TCP.
+        self.circuits = Circuits(self)
+        self.puncher = HolePuncher(self)
         network._peers[self.peer_id] = self
 
     @property
@@ -202,17 +215,24 @@ class EmulatedTransport(Transport):
         if self.network._listeners.get(self._name) is self:
             del self.network._listeners[self._name]
 
-    async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
+    async def dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool,
+                   answer_within: float | None = None) -> Connection:
         if self._crashed:
             raise PeerUnreachable("this emulated peer has crashed")
-        if address.is_circuit:
-            return await dial_circuit(self, address, expected, bulk)
+        return await super().dial(address, expected, bulk, answer_within)
+
+    async def _dial_direct(self, address: Multiaddr, expected: PeerID | None, bulk: bool,
+                           answer_within: float | None = None) -> Connection:
         if address.kind != "emu":
             raise PeerUnreachable(f"{address} is not an emulated address")
-        listener = await self._reach(address)
         loop = asyncio.get_running_loop()
-        await _sleep_until(loop, loop.time() + 2 * self.network.latency_between(
-            self.peer_id, listener.peer_id))
+        try:
+            async with compat.timeout(answer_within):
+                listener = await self._reach(address)
+                await _sleep_until(loop, loop.time() + 2 * self.network.latency_between(
+                    self.peer_id, listener.peer_id))
+        except TimeoutError:
+            raise PeerUnreachable(f"{address} did not answer within {answer_within:g} s") from None
         if await self._reach(address) is not listener or self._crashed:
             raise PeerUnreachable(f"{address} went away during the handshake")
         if listener.nat is not None and self.peer_id not in listener._nat_open:
@@ -221,13 +241,13 @@ class EmulatedTransport(Transport):
             raise HandshakeError(f"{address} is {listener.peer_id}, not the expected {expected}")
         return self._join(listener, bulk)
 
-    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
-                                expected: PeerID, bulk: bool) -> Connection:
+    async def link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                               expected: PeerID, bulk: bool) -> Connection:
         """Frames over the relayed bytes; the first is each side's trusted hello (the relay
         vouches for the dialer's id, the dialer named the target's)."""
         if not initiator:
             await accept_stop(stream)
-        link = _RelayedLink(self, initiator, expected, bulk)
+        link = _RelayedLink(self, initiator, expected, bulk, relay)
         pipe = StreamPipe(stream, relay)
         pipe.begin(link)
         link.connection_made(pipe)
@@ -266,11 +286,11 @@ class EmulatedTransport(Transport):
         accepted = acceptor._connection(mine_hello, initiator=False, handlers=their_handlers)
         mine.attach(conn)
         theirs.attach(accepted)
-        acceptor._register(accepted)
+        acceptor.add_connection(accepted)
         if accepted.closed:
             conn.close("the other side refused the connection")
             raise PeerUnreachable(f"{acceptor.peer_id} refused the connection (shutting down)")
-        self._register(conn)
+        self.add_connection(conn)
         return conn
 
     def _admit(self, remote: PeerID, token: bytes | None, accepting: bool) -> Any:
@@ -292,13 +312,13 @@ class EmulatedTransport(Transport):
     def _connection(self, remote: RemoteInfo, initiator: bool, handlers: Any = None) -> Connection:
         return Connection(self.handlers if handlers is None else handlers, remote, initiator,
                           keepalive_interval=self.keepalive_interval,
-                          keepalive_timeout=self.keepalive_timeout, on_close=self._unregister)
+                          keepalive_timeout=self.keepalive_timeout, on_close=self.connection_closed)
 
     def _hello(self, bulk: bool) -> RemoteInfo:
         """What this peer's side of the handshake tells the other side."""
         return RemoteInfo(self.peer_id, tuple(self.addresses), self.client_mode, self.max_frame_size, bulk,
                           token=self.membership.own_token() if self.membership is not None else None,
-                          observed=Multiaddr("emu", self._name))
+                          observed=Multiaddr("emu", self._name), origin=self.origin)
 
     def punch_endpoint(self) -> EmulatedPunch:
         """One hole punch try (`net.holepunch`), as the NAT model allows it."""
@@ -307,10 +327,11 @@ class EmulatedTransport(Transport):
 
 class _RelayedLink(asyncio.Protocol):
     """A `FrameLink` over a relayed byte pipe (`net.relay.StreamPipe`): encoded frames out,
-    decoded frames in; the first frame each way is a HELLO carrying the sender's `_hello`."""
+    decoded frames in; the first frame each way is a HELLO (`Hello`) carrying the sender's `_hello`."""
 
-    def __init__(self, owner: EmulatedTransport, initiator: bool, expected: PeerID, bulk: bool):
+    def __init__(self, owner: EmulatedTransport, initiator: bool, expected: PeerID, bulk: bool, relay: PeerID):
         self.owner, self.initiator, self.expected, self.bulk = owner, initiator, expected, bulk
+        self.relay = relay
         loop = asyncio.get_running_loop()
         # None once the connection is made (not the connection: it holds this link, a cycle).
         self.handshake: asyncio.Future[None] = loop.create_future()
@@ -324,11 +345,9 @@ class _RelayedLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._pipe = transport  # type: ignore[assignment]
-        hello = self.owner._hello(self.bulk)
-        meta = {"id": hello.peer_id.to_bytes(), "addrs": [str(a) for a in hello.addresses],
-                "client": hello.client_mode, "max_frame": hello.max_frame_size, "bulk": hello.bulk,
-                "token": hello.token}
-        self._write(Frame(Kind.HELLO, meta=meta))
+        mine = self.owner._hello(self.bulk)
+        hello = Hello(mine.peer_id, mine.addresses, mine.client_mode, mine.max_frame_size, mine.bulk, mine.token)
+        self._write(Frame(Kind.HELLO, meta=hello.to_wire()))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -343,18 +362,18 @@ class _RelayedLink(asyncio.Protocol):
             self.close(f"bad relayed frame: {e}")
 
     def _on_hello(self, frame: Frame) -> None:
-        meta = frame.meta or {}
-        if frame.kind is not Kind.HELLO or PeerID(meta["id"]) != self.expected:
+        hello = Hello.from_wire(frame.meta) if frame.kind is Kind.HELLO else None
+        if hello is None or hello.peer_id != self.expected:
             raise HandshakeError(f"expected a HELLO from {self.expected}")
-        remote = RemoteInfo(self.expected, tuple(Multiaddr.parse(a) for a in meta["addrs"]), bool(meta["client"]),
-                            int(meta["max_frame"]), bool(meta["bulk"]) if not self.initiator else self.bulk,
-                            token=meta["token"], relayed=True)
+        remote = RemoteInfo(self.expected, hello.addresses, hello.client_mode, hello.max_frame_size,
+                            hello.bulk if not self.initiator else self.bulk, token=hello.token, relayed=True,
+                            origin=Origin.relayed(str(self.relay)))
         handlers = self.owner._admit(self.expected, remote.token, accepting=not self.initiator)
         self._remote_max = remote.max_frame_size
         conn = self.owner._connection(remote, self.initiator, handlers)
         conn.attach(self)
         self.connection = conn
-        self.owner._register(conn)
+        self.owner.add_connection(conn)
         if not self.handshake.done():
             self.handshake.set_result(None)
 
@@ -542,7 +561,7 @@ class EmulatedPunch:
             if target is None:
                 raise PeerUnreachable(f"{expected} gave no emulated address to punch to")
             owner.network.open_nat(expected, owner.peer_id)
-            conn = await owner._dial(target, expected, bulk=False)
+            conn = await owner.dial(target, expected, bulk=False)
             accepted = other._punches.setdefault(owner.peer_id, loop.create_future())
             if not accepted.done():
                 accepted.set_result(conn.link.peer.connection)

@@ -8,6 +8,7 @@ A frame is a 16-byte prefix, a msgpack header and a raw payload:
 
 `FrameDecoder` tells its caller where the next received bytes should go (`get_buffer`), so a
 large tensor payload is received straight into the tensor that will be handed to the user.
+`Hello` is the meta of the first frame each side of a connection sends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import msgpack
 
 from potluck.core import serialization
 from potluck.core.errors import MessageTooLarge, ProtocolError, SerializationError
+from potluck.core.wire import Bool, Bytes, Int, Message
+from potluck.net.address import Multiaddr
+from potluck.net.identity import PeerID
+from potluck.net.membership import MAX_TOKEN_BYTES
+from potluck.net.wire import AddressesField, PeerIdField
 
 VERSION = 1
 PREFIX = struct.Struct("<BBHIQ")
@@ -34,6 +40,9 @@ DEFAULT_MAX_FRAME_SIZE = 64 * 2**20
 # scratch grows (doubling) only as bytes arrive: what a frame's prefix announces is never allocated
 # ahead of its bytes, so 16 bytes announcing a 64 MiB header cost nothing until 64 MiB are sent.
 SCRATCH_SIZE = 256 * 2**10
+
+# The smallest frame limit a peer may announce: below 1 KiB it could not take an ordinary call.
+MIN_MAX_FRAME_SIZE = 1024
 
 
 class Kind(IntEnum):
@@ -61,6 +70,20 @@ class Frame:
     meta: dict[str, Any] | None = None
     body: Any = None
     size: int = 0  # bytes on the wire; set by encode() and by the decoder
+
+
+class Hello(Message, what="HELLO"):
+    """The meta of a HELLO, the first frame each way: who the sender is and how to talk to it (its
+    addresses, at most MAX_ADDRESSES_PER_PEER; whether it is in client mode; the largest frame it
+    takes; whether this connection is for one bulk stream; its membership token, if any). A
+    relayed emulated link's whole handshake; `net.tcp` adds what proves the id."""
+
+    peer_id: PeerID = PeerIdField("id", raw=True)
+    addresses: tuple[Multiaddr, ...] = AddressesField("addrs", parsed=True)
+    client_mode: bool = Bool("client")
+    max_frame_size: int = Int("max_frame", MIN_MAX_FRAME_SIZE, 2**64)
+    bulk: bool = Bool()
+    token: bytes | None = Bytes(max_bytes=MAX_TOKEN_BYTES, optional=True)
 
 
 def encode(frame: Frame, max_frame_size: int | None = None) -> list[bytes | memoryview]:

@@ -11,8 +11,9 @@ Two peers that share a relayed connection use it to signal, on a `holepunch` str
      usual HELLO/AUTH handshake expecting the id they know from the relayed connection.
 Up to MAX_ATTEMPTS tries, each from fresh sockets. On success the direct connection goes first in
 the transport's shared pool and the relayed one is closed once idle; on failure the relayed one
-keeps working. The transport provides one attempt (`punch_endpoint()`, a `PunchEndpoint`): TCP
-binds a fresh port, the emulated network follows its NAT model.
+keeps working. The transport provides one attempt (`punch_endpoint()`, a `transport.PunchEndpoint`):
+TCP binds a fresh port (`net.tcp_punch`), the emulated network follows its NAT model. A
+`HolePuncher` is the transport's `Punching`, plugged in by whoever builds the transport.
 
 A peer's CONNECT is untrusted: its candidates are capped (MAX_CANDIDATES), must be plain IP or
 emulated addresses (no names to resolve, no circuits), and are dialed only with the identity check.
@@ -21,8 +22,15 @@ Only relayed connections are punched, and MAX_CONCURRENT_PUNCHES at a time.
 A punch that failed every try is remembered: no new one with that peer starts for
 PUNCH_BACKOFF_SECONDS, doubled after each further failure up to MAX_PUNCH_BACKOFF_SECONDS (a
 symmetric NAT defeats every punch, and each costs ~15 s of tries); a success forgets the failures.
-A bulk stream to a peer reached only through relays waits up to BULK_WAIT_SECONDS for a punch in
-flight (`outcome`), so that it runs on the direct connection rather than a relayed one of its own.
+This holds for punches we serve as for those we start (issue 29: only started ones counted, so a
+peer could open punch after punch, each making us dial an address of its choice 3 times). And since
+identities are free, the subnets we dialed in a failed punch back off the same way: no punch (with
+any peer) dials a candidate there until it ends, and at most MAX_PUNCHES_PER_TARGET_SUBNET punches
+dial one subnet at a time, so made-up ids that all point us at one third party get a few dials
+there, not three each. Served punches take at most MAX_SERVED_PUNCHES of the slots, so the ones
+we start (for the relayed connections we accept) always have room.
+A bulk stream to a peer reached only through relays waits up to `transport.BULK_WAIT_SECONDS` for
+a punch in flight (`outcome`), so that it runs on the direct connection rather than a relayed one.
 """
 
 from __future__ import annotations
@@ -32,8 +40,7 @@ import contextlib
 import ipaddress
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any
 
 from potluck.core import compat
 from potluck.core.errors import (
@@ -44,16 +51,14 @@ from potluck.core.errors import (
     NetworkError,
     PeerUnreachable,
 )
-from potluck.core.wire import list_field, wire_map
+from potluck.core.wire import Field, List, Message
 from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
 from potluck.net.connection import CallContext, Connection, Stream
 from potluck.net.identity import PeerID
+from potluck.net.origins import origin_of
+from potluck.net.transport import PunchEndpoint, Transport
 
-if TYPE_CHECKING:
-    from potluck.net.transport import Transport
-
-__all__ = ["BULK_WAIT_SECONDS", "MAX_ATTEMPTS", "PUNCH_BACKOFF_SECONDS", "PUNCH_METHOD", "Connect", "HolePuncher",
-           "PunchEndpoint", "Sync"]
+__all__ = ["MAX_ATTEMPTS", "MAX_CANDIDATES", "PUNCH_BACKOFF_SECONDS", "PUNCH_METHOD", "Connect", "HolePuncher", "Sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,13 @@ PUNCH_SECONDS = MAX_ATTEMPTS * (3 * SIGNAL_TIMEOUT + PUNCH_TIMEOUT)
 # socket and a few dials; a peer behind NAT has a handful of relayed connections at a time, and
 # a flood of CONNECTs must not make us dial (or bind) without end.
 MAX_CONCURRENT_PUNCHES = 8
+# Of those, punches other peers start and we serve: half, so that a flood of them (each a relayed
+# connection from a new made-up id) never keeps us from punching the relayed connections we accept.
+MAX_SERVED_PUNCHES = MAX_CONCURRENT_PUNCHES // 2
+# Punches that may dial candidates in one subnet (/24, /48) at once: two NATed peers behind one
+# router punching us together, while made-up ids aiming us at one third party get two punches'
+# dials there before its backoff (below) stops them.
+MAX_PUNCHES_PER_TARGET_SUBNET = 2
 # After a punch with a peer failed every try, none with it starts for this long, doubled after each
 # further failure: a NAT that defeated three tries (a symmetric one, a new port per destination)
 # defeats the next, and each punch costs ~15 s of tries and a bound port per try. A few minutes
@@ -89,87 +101,46 @@ MAX_PUNCH_BACKOFF_SECONDS = 3600.0
 # Peers whose failures are remembered (oldest dropped first): far more than one peer talks to
 # through relays, and a bound on what a flood of relayed connections from new ids can make us keep.
 MAX_REMEMBERED_FAILURES = 1024
-# How long a bulk stream to a peer reached only through relays waits for a punch in flight before
-# taking a relayed connection of its own: a punch that works is done within a few round trips
-# through the relay and a handshake (well under a second); a relayed bulk connection runs at
-# ~0.3x the direct throughput for the whole transfer, and a punch still going after this is
-# likely failing (a failed try takes PUNCH_TIMEOUT).
-BULK_WAIT_SECONDS = 3.0
 # How often a relayed connection replaced by a direct one is checked for idleness (then closed):
 # calls and streams already on it finish there; new ones take the direct connection.
 IDLE_CHECK_SECONDS = 1.0
 
 
-class PunchEndpoint(Protocol):
-    """One try, from the transport: our candidate addresses (bound before CONNECT is sent), and
-    the dial to the other side's. `client`: we are the TLS client (we dialed the relayed connection)."""
-
-    candidates: list[Multiaddr]
-
-    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
-        """The authenticated direct connection with `expected`, registered in the transport;
-        raises NetworkError or OSError (the caller's deadline bounds it)."""
-
-    def close(self) -> None:
-        """Release the try's sockets (the connection made, if any, stays)."""
-
-
 # -- messages -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Connect:
+class Candidate(Field):
+    """A dialable address from a peer: an IP literal with a port, or an emulated name; never a
+    name we would resolve for it, a circuit, or an address no host answers (any, multicast).
+    Read as a `Multiaddr` without its /p2p/ part."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> Multiaddr:
+        if not isinstance(value, str) or len(value) > MAX_ADDRESS_CHARS:
+            raise MalformedMessage(what, f"{key!r} must hold strings of at most {MAX_ADDRESS_CHARS} characters")
+        try:
+            addr = Multiaddr.parse(value)
+        except (AddressError, IdentityError) as e:
+            raise MalformedMessage(what, f"{key!r} must hold addresses: {e}") from None
+        if addr.is_circuit or addr.kind not in ("ip4", "ip6", "emu"):
+            raise MalformedMessage(what, f"{key!r} must hold IP or emulated addresses, not {addr}")
+        if addr.kind != "emu":
+            ip = ipaddress.ip_address(addr.host)
+            if not addr.port or ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+                raise MalformedMessage(what, f"{key!r} holds an address no single host answers: {addr}")
+        return addr.without_peer_id()
+
+    def encode(self, value: Multiaddr) -> str:
+        return str(value)
+
+
+class Connect(Message, what="hole punch CONNECT", tag=("op", "connect")):
     """Where the sender can be dialed for this try (its bound port on each public host)."""
 
-    addresses: tuple[Multiaddr, ...]
-    TAG: ClassVar[str] = "connect"
-
-    def to_wire(self) -> dict:
-        return {"op": self.TAG, "addrs": [str(a) for a in self.addresses]}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Connect:
-        msg = _tagged(msg, cls.TAG)
-        return cls(tuple(list_field(msg, "addrs", "hole punch CONNECT", MAX_CANDIDATES, each=_candidate)))
+    addresses: tuple[Multiaddr, ...] = List("addrs", Candidate(), MAX_CANDIDATES)
 
 
-@dataclass(frozen=True)
-class Sync:
+class Sync(Message, what="hole punch SYNC", tag=("op", "sync")):
     """Dial now (the initiator dials RTT/2 after sending it)."""
-
-    TAG: ClassVar[str] = "sync"
-
-    def to_wire(self) -> dict:
-        return {"op": self.TAG}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Sync:
-        _tagged(msg, cls.TAG)
-        return cls()
-
-
-def _tagged(msg: Any, tag: str) -> Mapping:
-    msg = wire_map(msg, f"hole punch {tag.upper()}")
-    if msg.get("op") != tag:
-        raise MalformedMessage(f"hole punch {tag.upper()}", f"'op' must be {tag!r}")
-    return msg
-
-
-def _candidate(value: Any) -> Multiaddr:
-    """A dialable address from a peer: an IP literal with a port, or an emulated name; never a
-    name we would resolve for it, a circuit, or an address no host answers (any, multicast)."""
-    what = "hole punch CONNECT"
-    if not isinstance(value, str) or len(value) > MAX_ADDRESS_CHARS:
-        raise MalformedMessage(what, f"'addrs' must hold strings of at most {MAX_ADDRESS_CHARS} characters")
-    try:
-        addr = Multiaddr.parse(value)
-    except (AddressError, IdentityError) as e:
-        raise MalformedMessage(what, f"'addrs' must hold addresses: {e}") from None
-    if addr.is_circuit or addr.kind not in ("ip4", "ip6", "emu"):
-        raise MalformedMessage(what, f"'addrs' must hold IP or emulated addresses, not {addr}")
-    if addr.kind != "emu":
-        ip = ipaddress.ip_address(addr.host)
-        if not addr.port or ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
-            raise MalformedMessage(what, f"'addrs' holds an address no single host answers: {addr}")
-    return addr.without_peer_id()
 
 
 # -- the protocol -------------------------------------------------------------------------------------
@@ -182,8 +153,11 @@ class HolePuncher:
         self.auto = True
         # Peers with a punch in progress (either role) -> set once its outcome is known (see `outcome`).
         self._active: dict[PeerID, asyncio.Event] = {}
-        # Peers whose last punch failed every try -> (failures in a row, loop time the backoff ends).
-        self._failures: dict[PeerID, tuple[int, float]] = {}
+        # Peers whose last punch failed every try -> (failures in a row, loop time the backoff ends);
+        # and the same for the subnets that punch dialed (keys "subnet:<subnet>").
+        self._failures: dict[PeerID | str, tuple[int, float]] = {}
+        self._serving: set[PeerID] = set()  # peers whose punch we serve now
+        self._dialing: dict[str, int] = {}  # punches that dial candidates in a subnet, by subnet
         self._tasks: set[asyncio.Task] = set()  # background punches and idle checks, ended by close()
         transport.add_stream_handler(PUNCH_METHOD, self._serve, max_seconds=PUNCH_SECONDS)
 
@@ -201,6 +175,8 @@ class HolePuncher:
             raise PeerUnreachable(f"no hole punch with {peer}: {refusal}")
         self._active[peer] = asyncio.Event()
         errors: list[str] = []
+        dialed: set[str] = set()  # the subnets this punch holds (see `_targets`)
+        refused_only = True  # every try's candidates were ones we would not dial (not their failure)
         try:
             stream = await relayed.open_stream(PUNCH_METHOD, None, timeout=PUNCH_SECONDS)
             try:
@@ -213,7 +189,9 @@ class HolePuncher:
                         rtt = loop.time() - sent
                         await stream.send(Sync().to_wire(), SIGNAL_TIMEOUT)
                         await asyncio.sleep(rtt / 2)
-                        direct = await self._dial(endpoint, theirs.addresses, relayed, errors)
+                        targets = self._targets(theirs.addresses, dialed, errors)
+                        refused_only = refused_only and bool(theirs.addresses) and not targets
+                        direct = await self._dial(endpoint, targets, relayed, errors)
                     finally:
                         endpoint.close()
                     if direct is not None:
@@ -226,7 +204,9 @@ class HolePuncher:
             await stream.close()
         finally:
             self._active.pop(peer).set()
-        self._failed(peer)
+            self._release(dialed)
+        if not refused_only:
+            self._failed(peer, dialed)
         raise PeerUnreachable(f"hole punch to {peer} failed {MAX_ATTEMPTS} times: " + "; ".join(errors))
 
     async def _serve(self, stream: Stream, ctx: CallContext) -> None:
@@ -235,10 +215,15 @@ class HolePuncher:
         if not relayed.relayed:
             raise PeerUnreachable("hole punching is for relayed connections only")
         refusal = self._refusal(peer)
+        if refusal is None and len(self._serving) >= MAX_SERVED_PUNCHES:
+            refusal = f"{MAX_SERVED_PUNCHES} punches other peers started are being served (the limit)"
         if refusal is not None:
             raise PeerUnreachable(f"no hole punch: {refusal}")
         self._active[peer] = asyncio.Event()
+        self._serving.add(peer)
         errors: list[str] = []
+        dialed: set[str] = set()
+        punched, refused_only, tries = False, True, 0
         try:
             for _ in range(MAX_ATTEMPTS):
                 try:
@@ -249,19 +234,59 @@ class HolePuncher:
                 try:
                     await stream.send(Connect(tuple(endpoint.candidates)).to_wire(), SIGNAL_TIMEOUT)
                     Sync.from_wire(await stream.recv(SIGNAL_TIMEOUT))
-                    direct = await self._dial(endpoint, theirs.addresses, relayed, errors)
+                    targets = self._targets(theirs.addresses, dialed, errors)
+                    refused_only = refused_only and bool(theirs.addresses) and not targets
+                    tries += 1
+                    direct = await self._dial(endpoint, targets, relayed, errors)
                 finally:
                     endpoint.close()
                 if direct is not None:  # the initiator ends the stream, or tries again if its side failed
+                    punched = True
                     self._prefer(direct, relayed)
         finally:
             self._active.pop(peer).set()
+            self._serving.discard(peer)
+            self._release(dialed)
+            if tries and not punched and not refused_only:  # a served punch failed: as one we started
+                self._failed(peer, dialed)
             if errors:
                 logger.debug("hole punch tries with %s that failed here: %s", peer, "; ".join(errors))
 
-    async def _dial(self, endpoint: PunchEndpoint, remote: tuple[Multiaddr, ...], relayed: Connection,
+    def _targets(self, candidates: tuple[Multiaddr, ...], held: set[str], errors: list[str]) -> list[Multiaddr]:
+        """The candidates this try may dial: none in a subnet whose punches failed recently, nor in
+        one that MAX_PUNCHES_PER_TARGET_SUBNET other punches are dialing. Subnets newly taken are
+        added to `held` (the punch's; released when it ends)."""
+        now = asyncio.get_running_loop().time()
+        allowed = []
+        for address in candidates:
+            subnet = origin_of(address).subnet
+            if subnet not in held:
+                failed = self._failures.get(f"subnet:{subnet}")
+                if failed is not None and now < failed[1]:
+                    errors.append(f"not dialing {address}: punches to {subnet} failed recently "
+                                  f"(next in {failed[1] - now:.0f} s)")
+                    continue
+                if self._dialing.get(subnet, 0) >= MAX_PUNCHES_PER_TARGET_SUBNET:
+                    errors.append(f"not dialing {address}: {MAX_PUNCHES_PER_TARGET_SUBNET} punches dial {subnet} now")
+                    continue
+                held.add(subnet)
+                self._dialing[subnet] = self._dialing.get(subnet, 0) + 1
+            allowed.append(address)
+        return allowed
+
+    def _release(self, held: set[str]) -> None:
+        for subnet in held:
+            left = self._dialing.get(subnet, 0) - 1
+            if left > 0:
+                self._dialing[subnet] = left
+            else:
+                self._dialing.pop(subnet, None)
+
+    async def _dial(self, endpoint: PunchEndpoint, remote: list[Multiaddr], relayed: Connection,
                     errors: list[str]) -> Connection | None:
         """One try's dial within PUNCH_TIMEOUT; None (and why, in `errors`) if it failed."""
+        if not remote:
+            return None  # no candidate may be dialed (`_targets` said why)
         try:
             async with compat.timeout(PUNCH_TIMEOUT):
                 return await endpoint.connect(list(remote), relayed.peer_id, client=relayed.initiator)
@@ -273,8 +298,10 @@ class HolePuncher:
 
     def _prefer(self, direct: Connection, relayed: Connection) -> None:
         """Calls take `direct` from now on; `relayed` closes once what runs on it is over."""
-        self.transport._prefer(direct)
+        self.transport.prefer(direct)
         self._failures.pop(direct.peer_id, None)
+        if direct.remote.origin.subnet:
+            self._failures.pop(f"subnet:{direct.remote.origin.subnet}", None)
         self._active[direct.peer_id].set()  # bulk streams waiting in `outcome` may go
         self._spawn(self._close_when_idle(relayed, direct))
 
@@ -312,7 +339,7 @@ class HolePuncher:
             return "one is already running"
         if len(self._active) >= MAX_CONCURRENT_PUNCHES:
             return f"{MAX_CONCURRENT_PUNCHES} are running (the limit)"
-        if any(not c.closed and not c.relayed for c in self.transport._shared.get(peer, ())):
+        if self.transport.is_connected_directly(peer):
             return "already connected directly"
         failed = self._failures.get(peer)
         now = asyncio.get_running_loop().time()
@@ -320,14 +347,16 @@ class HolePuncher:
             return f"{failed[0]} failed in a row; the next may start in {failed[1] - now:.0f} s"
         return None
 
-    def _failed(self, peer: PeerID) -> None:
-        """Remember that a punch with `peer` failed every try: back off (see PUNCH_BACKOFF_SECONDS)."""
+    def _failed(self, peer: PeerID, subnets: set[str]) -> None:
+        """Remember that a punch with `peer` failed every try, dialing in `subnets`: back off with
+        the peer and with those subnets (see PUNCH_BACKOFF_SECONDS)."""
         now = asyncio.get_running_loop().time()
-        count, until = self._failures.pop(peer, (0, now))
-        if now >= until + MAX_PUNCH_BACKOFF_SECONDS:  # long past its backoff: start over
-            count = 0
-        backoff = min(PUNCH_BACKOFF_SECONDS * 2 ** min(count, 32), MAX_PUNCH_BACKOFF_SECONDS)
-        self._failures[peer] = (count + 1, now + backoff)
+        for key in (peer, *(f"subnet:{subnet}" for subnet in sorted(subnets))):
+            count, until = self._failures.pop(key, (0, now))
+            if now >= until + MAX_PUNCH_BACKOFF_SECONDS:  # long past its backoff: start over
+                count = 0
+            backoff = min(PUNCH_BACKOFF_SECONDS * 2 ** min(count, 32), MAX_PUNCH_BACKOFF_SECONDS)
+            self._failures[key] = (count + 1, now + backoff)
         for old, (_, ends) in list(self._failures.items()):  # oldest first: forget those long over
             if len(self._failures) <= MAX_REMEMBERED_FAILURES and now < ends + MAX_PUNCH_BACKOFF_SECONDS:
                 break

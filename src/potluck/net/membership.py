@@ -9,28 +9,31 @@ A run's authority is a peer whose Ed25519 key (its peer id) signs two kinds of s
   before they expire. The authority publishes it in the DHT; a higher version replaces a lower one.
 
 `MembershipGate` is what a transport consults in its handshake. This module knows nothing of the
-DHT or of how tokens are obtained (`potluck.membership`); it imports only `core` and `net.identity`.
+DHT or of how tokens are obtained (`potluck.membership`); it imports only `core`, `net.identity` and
+`net.wire`.
 
-Wire forms are msgpack maps with exactly the keys below; each signature covers a label (so a token
-signature can never pass for a handshake, record or revocation one) and every other field.
+Both statements are packed `core.wire.Message`s: bytes of a msgpack map with exactly the declared
+keys, carried and stored as they were made. Each signature covers a label (so a token signature
+can never pass for a handshake, record or revocation one) and every other field.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgpack
 
-from potluck.core.errors import IdentityError, MalformedMessage, MembershipError, MembershipRefused
-from potluck.net.identity import PEER_ID_BYTES, SIGNATURE_BYTES, Identity, PeerID
+from potluck.core.errors import MalformedMessage, MembershipError, MembershipRefused
+from potluck.core.names import MAX_RUN_ID_CHARS
+from potluck.core.wire import Bytes, Field, Int, Message, Number, list_value
+from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID
+from potluck.net.wire import PeerIdField, peer_id_value
 
 __all__ = [
-    "MAX_NAME_CHARS", "MAX_REVOKED_PEERS", "MAX_RUN_ID_CHARS", "MAX_TOKEN_BYTES", "PRESENT_METHOD",
-    "GuestHandlers", "MembershipGate",
-    "MembershipToken", "RevocationList", "TOKEN_LIFETIME",
+    "MAX_NAME_CHARS", "MAX_REVOKED_PEERS", "MAX_TOKEN_BYTES", "PRESENT_METHOD", "GuestHandlers", "MembershipGate",
+    "MembershipToken", "RevocationList", "TOKEN_LIFETIME", "require_member",
 ]
 
 # The method a member calls on its connected peers to show a renewed token.
@@ -43,8 +46,6 @@ REVOCATION_LABEL = "potluck/revocation-list/1"
 MAX_TOKEN_BYTES = 1024
 # A member's display name (a user name, or what the allowlist calls it): a label for logs.
 MAX_NAME_CHARS = 64
-# Run ids name runs in DHT keys too (`<run_id>.progress` etc.); 128 characters is plenty.
-MAX_RUN_ID_CHARS = 128
 # Peer ids one revocation list may hold: 1024 x 32 bytes is 32 KiB, so the whole signed list fits
 # in one DHT value (at most 64 KiB, `dht.validation.DEFAULT_MAX_VALUE_BYTES`). A run that revokes
 # more should rotate its authority key.
@@ -61,73 +62,49 @@ TOKEN_LIFETIME = 3600.0
 # How long a published revocation list is valid; the authority re-signs it well before.
 REVOCATION_LIFETIME = 3600.0
 
-_TOKEN_KEYS = frozenset({"peer", "name", "run", "exp", "sig"})
-_REVOCATION_KEYS = frozenset({"run", "ver", "exp", "revoked", "sig"})
+
+class Label(Field):
+    """Text a person reads (a member's name, a run id): 1 to `max_chars` printable characters."""
+
+    def __init__(self, key: str | None = None, max_chars: int = MAX_NAME_CHARS, **options: Any):
+        super().__init__(key, **options)
+        self.max_chars = max_chars
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> str:
+        if not isinstance(value, str):
+            raise MalformedMessage(what, f"{key!r} must be a string")
+        if not value or len(value) > self.max_chars or not value.isprintable():
+            raise MalformedMessage(what, f"{key!r} must be 1 to {self.max_chars} printable characters")
+        return value
 
 
-class MalformedToken(MalformedMessage):
-    """Token bytes that are not a well-formed token; `field` names the part that was wrong."""
+class RevokedPeers(Field):
+    """At most MAX_REVOKED_PEERS peer ids (their key bytes), sorted and without repeats (so a set
+    has one wire form, the one signed); read as a frozenset."""
 
-    def __init__(self, field: str):
-        super().__init__("membership token", field)
+    encodes = True
 
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> frozenset[PeerID]:
+        raw = list_value(value, key, what, MAX_REVOKED_PEERS)
+        peers = frozenset(peer_id_value(item, key, what, raw=True) for item in raw)
+        if len(peers) != len(raw) or raw != sorted(raw):
+            raise MalformedMessage(what, f"{key!r} must be sorted and without repeats (as `issue` writes it)")
+        return peers
 
-class MalformedRevocationList(MalformedMessage):
-    """Bytes that are not a well-formed revocation list; `field` names the part that was wrong."""
-
-    def __init__(self, field: str):
-        super().__init__("revocation list", field)
-
-
-def _unpack(data: object, limit: int, error: Callable[[str], MalformedMessage], what: str) -> dict:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise error(f"a {what} is bytes, got {type(data).__name__}")
-    if len(data) > limit:
-        raise error(f"{len(data)} bytes, more than the {limit} a {what} may take")
-    try:
-        # The size is bounded above, so these caps only stop absurd element counts early.
-        obj = msgpack.unpackb(bytes(data), raw=False, max_str_len=limit, max_bin_len=limit,
-                              max_array_len=MAX_REVOKED_PEERS, max_map_len=8, max_ext_len=0)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several types for garbage
-        raise error(f"not msgpack ({type(e).__name__})") from None
-    if not isinstance(obj, dict):
-        raise error(f"a {what} is a msgpack map")
-    return obj
+    def encode(self, value: Iterable[PeerID]) -> list[bytes]:
+        return sorted(p.to_bytes() for p in value)
 
 
-def _check_text(value: object, field: str, limit: int, error: Callable[[str], MalformedMessage]) -> str:
-    if not isinstance(value, str):
-        raise error(f"'{field}' must be a string")
-    if not value or len(value) > limit or not value.isprintable():
-        raise error(f"'{field}' must be 1 to {limit} printable characters")
-    return value
-
-
-def _check_time(value: object, field: str, error: Callable[[str], MalformedMessage]) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise error(f"'{field}' must be a finite number (seconds since the epoch)")
-    return float(value)
-
-
-def _check_peer(value: object, field: str, error: Callable[[str], MalformedMessage]) -> PeerID:
-    if not isinstance(value, bytes) or len(value) != PEER_ID_BYTES:
-        raise error(f"'{field}' must be a {PEER_ID_BYTES}-byte peer id")
-    try:
-        return PeerID(value)
-    except IdentityError as e:
-        raise error(f"'{field}': {e}") from None
-
-
-@dataclass(frozen=True)
-class MembershipToken:
+class MembershipToken(Message, what="membership token", packed=MAX_TOKEN_BYTES):
     """The authority's signed statement that `peer_id` (known as `name`) may take part in
-    `run_id` until `expires` (seconds since the epoch, the DHT clock)."""
+    `run_id` until `expires` (seconds since the epoch, the DHT clock). `from_wire` checks types
+    and sizes only; `verify` checks the rest."""
 
-    peer_id: PeerID
-    name: str
-    run_id: str
-    expires: float
-    signature: bytes
+    peer_id: PeerID = PeerIdField("peer", raw=True)
+    name: str = Label()
+    run_id: str = Label("run", MAX_RUN_ID_CHARS)
+    expires: float = Number("exp", signed=True)
+    signature: bytes = Bytes("sig", SIGNATURE_BYTES, exact=True)
 
     @staticmethod
     def _signed_bytes(peer_id: PeerID, name: str, run_id: str, expires: float) -> bytes:
@@ -136,30 +113,10 @@ class MembershipToken:
     @classmethod
     def issue(cls, authority: Identity, peer_id: PeerID, name: str, run_id: str, expires: float) -> MembershipToken:
         """Sign a token (the authority's side); refuses fields another peer would refuse."""
-        _check_text(name, "name", MAX_NAME_CHARS, MalformedToken)
-        _check_text(run_id, "run", MAX_RUN_ID_CHARS, MalformedToken)
-        expires = _check_time(expires, "exp", MalformedToken)
-        signature = authority.sign(cls._signed_bytes(peer_id, name, run_id, expires))
-        return cls(peer_id, name, run_id, expires, signature)
-
-    def to_wire(self) -> bytes:
-        return msgpack.packb({"peer": self.peer_id.to_bytes(), "name": self.name, "run": self.run_id,
-                              "exp": self.expires, "sig": self.signature}, use_bin_type=True)
-
-    @classmethod
-    def from_wire(cls, data: object) -> MembershipToken:
-        """Parse token bytes from another peer (types and sizes only; `verify` checks the rest)."""
-        obj = _unpack(data, MAX_TOKEN_BYTES, MalformedToken, "token")
-        if set(obj) != _TOKEN_KEYS:
-            raise MalformedToken(f"a token has exactly the keys {sorted(_TOKEN_KEYS)}")
-        peer_id = _check_peer(obj["peer"], "peer", MalformedToken)
-        name = _check_text(obj["name"], "name", MAX_NAME_CHARS, MalformedToken)
-        run_id = _check_text(obj["run"], "run", MAX_RUN_ID_CHARS, MalformedToken)
-        expires = _check_time(obj["exp"], "exp", MalformedToken)
-        signature = obj["sig"]
-        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-            raise MalformedToken(f"'sig' must be {SIGNATURE_BYTES} bytes")
-        return cls(peer_id, name, run_id, expires, signature)
+        unsigned = cls.from_wire(cls(peer_id, name, run_id, expires, bytes(SIGNATURE_BYTES)).to_wire())
+        signature = authority.sign(cls._signed_bytes(unsigned.peer_id, unsigned.name, unsigned.run_id,
+                                                     unsigned.expires))
+        return dataclasses.replace(unsigned, signature=signature)
 
     def verify(self, authority: PeerID, peer_id: PeerID, now: float, *, run_id: str | None = None,
                revocations: RevocationList | None = None) -> None:
@@ -182,22 +139,23 @@ class MembershipToken:
                                   "are both clocks right?)")
         if revocations is not None and revocations.is_revoked(self.peer_id):
             raise MembershipError(f"the membership of {self.name!r} ({self.peer_id}) was revoked by the "
-                                  "authority; ask the run's organizers to restore it")
+                                  "authority (by the organizers, or replaced by a newer login of that user name): "
+                                  "stop this peer if another of that name runs, else ask the run's organizers")
 
     def __repr__(self) -> str:
         return f"MembershipToken({self.name!r}, {self.peer_id!r}, run={self.run_id!r}, expires={self.expires:.0f})"
 
 
-@dataclass(frozen=True)
-class RevocationList:
+class RevocationList(Message, what="revocation list", packed=MAX_REVOCATION_BYTES):
     """The authority's signed list of peers whose tokens are void, version `version`, valid until
-    `expires`. A peer keeps the highest valid version it has seen."""
+    `expires`. A peer keeps the highest valid version it has seen. `from_wire` checks types and
+    sizes; `verify` checks the signature and validity."""
 
-    run_id: str
-    version: int
-    expires: float
-    revoked: frozenset[PeerID]
-    signature: bytes
+    run_id: str = Label("run", MAX_RUN_ID_CHARS)
+    version: int = Int("ver", 0, 2**63)
+    expires: float = Number("exp", signed=True)
+    revoked: frozenset[PeerID] = RevokedPeers()
+    signature: bytes = Bytes("sig", SIGNATURE_BYTES, exact=True)
 
     @staticmethod
     def _signed_bytes(run_id: str, version: int, expires: float, revoked: list[bytes]) -> bytes:
@@ -212,41 +170,15 @@ class RevocationList:
               revoked: Iterable[PeerID]) -> RevocationList:
         revoked = frozenset(revoked)
         if len(revoked) > MAX_REVOKED_PEERS:
-            raise MalformedRevocationList(f"'revoked' lists {len(revoked)} peers; at most {MAX_REVOKED_PEERS} "
-                                          "(rotate the authority key to start a fresh run)")
-        _check_text(run_id, "run", MAX_RUN_ID_CHARS, MalformedRevocationList)
-        expires = _check_time(expires, "exp", MalformedRevocationList)
-        signature = authority.sign(cls._signed_bytes(run_id, int(version), expires, cls._ordered(revoked)))
-        return cls(run_id, int(version), expires, revoked, signature)
+            raise cls.refuse(f"'revoked' lists {len(revoked)} peers; at most {MAX_REVOKED_PEERS} "
+                             "(rotate the authority key to start a fresh run)")
+        unsigned = cls.from_wire(cls(run_id, int(version), expires, revoked, bytes(SIGNATURE_BYTES)).to_wire())
+        signature = authority.sign(cls._signed_bytes(unsigned.run_id, unsigned.version, unsigned.expires,
+                                                     cls._ordered(revoked)))
+        return dataclasses.replace(unsigned, signature=signature)
 
     def is_revoked(self, peer_id: PeerID) -> bool:
         return peer_id in self.revoked
-
-    def to_wire(self) -> bytes:
-        return msgpack.packb({"run": self.run_id, "ver": self.version, "exp": self.expires,
-                              "revoked": self._ordered(self.revoked), "sig": self.signature}, use_bin_type=True)
-
-    @classmethod
-    def from_wire(cls, data: object) -> RevocationList:
-        """Parse a list from the DHT (types and sizes; `verify` checks signature and validity)."""
-        obj = _unpack(data, MAX_REVOCATION_BYTES, MalformedRevocationList, "revocation list")
-        if set(obj) != _REVOCATION_KEYS:
-            raise MalformedRevocationList(f"a revocation list has exactly the keys {sorted(_REVOCATION_KEYS)}")
-        run_id = _check_text(obj["run"], "run", MAX_RUN_ID_CHARS, MalformedRevocationList)
-        version = obj["ver"]
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
-            raise MalformedRevocationList("'ver' must be a non-negative 64-bit integer")
-        expires = _check_time(obj["exp"], "exp", MalformedRevocationList)
-        raw = obj["revoked"]
-        if not isinstance(raw, list) or len(raw) > MAX_REVOKED_PEERS:
-            raise MalformedRevocationList(f"'revoked' must be a list of at most {MAX_REVOKED_PEERS} peer ids")
-        revoked = [_check_peer(item, "revoked", MalformedRevocationList) for item in raw]
-        if raw != sorted(raw) or len(set(raw)) != len(raw):
-            raise MalformedRevocationList("'revoked' must be sorted and without repeats (as `issue` writes it)")
-        signature = obj["sig"]
-        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-            raise MalformedRevocationList(f"'sig' must be {SIGNATURE_BYTES} bytes")
-        return cls(run_id, version, expires, frozenset(revoked), signature)
 
     def verify(self, authority: PeerID, run_id: str | None, now: float) -> None:
         """Raise MembershipError unless `authority` signed this list for `run_id` and it is current."""
@@ -352,6 +284,19 @@ class MembershipGate:
         except MembershipError as e:
             return str(e)
         return None
+
+
+def require_member(gate: MembershipGate | None, peer: PeerID, handshake_token: object, service: str) -> None:
+    """In an authority-governed run (`gate` set), refuse `peer` unless the newest token it showed
+    (in its handshake, or presented since) still admits it: the services that spend this peer's
+    resources on others (a relay's reservations and circuits, dial-backs) serve members only,
+    whatever admitted the connection (a guest of the authority, a token that has since expired or
+    been revoked). Raises MembershipError saying so."""
+    if gate is None:
+        return
+    why = gate.still_admitted(peer, handshake_token)
+    if why is not None:
+        raise MembershipError(f"{service} serves members of this run only: {why}")
 
 
 class GuestHandlers:

@@ -5,7 +5,7 @@ the peer id), so anyone holding it can check it without asking anybody, and nobo
 peer can make one. Protocols name peers by id only; a transport that has no address for an id
 fetches this record (from the DHT, through a `PeerResolver`) and dials what it says.
 
-Wire form (a plain dict, so it travels as any DHT value does)::
+Wire form (`to_wire()`: a plain dict, so it travels as any DHT value does; exactly these keys)::
 
     {"peer": <32-byte peer id>, "addrs": ["/ip4/.../tcp/...", ...], "exp": <DHT time>, "sig": <64 bytes>}
 
@@ -16,105 +16,95 @@ expiration doubles as the sequence number.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import msgpack
 
 from potluck.core.errors import AddressError, IdentityError, MalformedMessage
+from potluck.core.wire import Bytes, Field, Message, Number
 from potluck.net.address import MAX_ADDRESS_CHARS, Multiaddr
 from potluck.net.address_book import MAX_ADDRESSES_PER_PEER
 from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID
+from potluck.net.wire import PeerIdField
 
-__all__ = ["PEER_RECORD_LABEL", "PeerRecord", "PeerRecordError", "PeerResolver"]
+__all__ = ["PEER_RECORD_LABEL", "PeerRecord", "PeerResolver"]
 
 # Domain separation: a peer-record signature can never pass for a DHT-record or handshake one.
 PEER_RECORD_LABEL = "potluck/peer-record/1"
 
 
-class PeerRecordError(MalformedMessage):
-    """A peer record failed validation (bad field, too many addresses, or a bad signature)."""
-
-    def __init__(self, field: str):
-        super().__init__("peer record", field)
+def _signed_bytes(peer_id: PeerID, addresses: Iterable[str], expiration_time: float) -> bytes:
+    return msgpack.packb([PEER_RECORD_LABEL, peer_id.to_bytes(), list(addresses), float(expiration_time)],
+                         use_bin_type=True)
 
 
-@dataclass(frozen=True)
-class PeerRecord:
+class CanonicalAddresses(Field):
+    """A record's addresses: 1 to MAX_ADDRESSES_PER_PEER distinct address strings as `sign` writes
+    them (each parses and prints back the same, without /p2p/); read as `Multiaddr`s. The caps
+    apply before any parsing work."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> tuple[Multiaddr, ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
+            raise MalformedMessage(what, f"{key!r} must be a list of address strings")
+        if not value:
+            raise MalformedMessage(what, f"{key!r} is empty: a peer that cannot be dialed publishes no record")
+        if len(value) > MAX_ADDRESSES_PER_PEER:  # a record lists no more than the address book keeps
+            raise MalformedMessage(what, f"{key!r} lists {len(value)} addresses; at most {MAX_ADDRESSES_PER_PEER}")
+        if any(len(text) > MAX_ADDRESS_CHARS for text in value):
+            raise MalformedMessage(what, f"{key!r}: an address is longer than {MAX_ADDRESS_CHARS} characters")
+        addresses: list[Multiaddr] = []
+        for text in value:
+            try:
+                address = Multiaddr.parse(text)
+            except (AddressError, IdentityError) as e:
+                raise MalformedMessage(what, f"{key!r}: {e}") from None
+            if address.peer_id is not None or str(address) != text:
+                raise MalformedMessage(what, f"{key!r} must be canonical and without /p2p/ (as `sign` writes them)")
+            if address in addresses:
+                raise MalformedMessage(what, f"{key!r} lists an address twice")
+            addresses.append(address)
+        return tuple(addresses)
+
+    def encode(self, value: tuple[Multiaddr, ...]) -> list[str]:
+        return [str(a) for a in value]
+
+
+class PeerRecord(Message, what="peer record", exact=True):
     """A verified (or self-made) signed statement: `peer_id` listens at `addresses` until
-    `expiration_time` (DHT time). Instances come only from `sign` or a checked `from_value`."""
+    `expiration_time` (DHT time). Instances come only from `sign` or a checked `from_wire`, which
+    refuses a map with any other key than these (nothing unsigned rides along) and a signature
+    that does not verify (`MalformedMessage` naming the key)."""
 
-    peer_id: PeerID
-    addresses: tuple[Multiaddr, ...]
-    expiration_time: float
-    signature: bytes
-
-    @staticmethod
-    def _signed_bytes(peer_id: PeerID, addresses: Iterable[str], expiration_time: float) -> bytes:
-        return msgpack.packb([PEER_RECORD_LABEL, peer_id.to_bytes(), list(addresses), float(expiration_time)],
-                             use_bin_type=True)
+    peer_id: PeerID = PeerIdField("peer", raw=True)
+    addresses: tuple[Multiaddr, ...] = CanonicalAddresses("addrs")
+    expiration_time: float = Number("exp", signed=True)
+    signature: bytes = Bytes("sig", SIGNATURE_BYTES, exact=True)
 
     @classmethod
     def sign(cls, identity: Identity, addresses: Iterable[Multiaddr | str], expiration_time: float) -> PeerRecord:
-        """Our own record; raises PeerRecordError if it would not pass `from_value` elsewhere."""
-        addrs = _canonical(identity.peer_id, [str(a) for a in addresses])
+        """Our own record (our /p2p/ suffixes dropped); raises MalformedMessage if it would not pass
+        `from_wire` elsewhere (it is checked as any other peer would)."""
+        texts = []
+        for address in addresses:
+            try:
+                parsed = address if isinstance(address, Multiaddr) else Multiaddr.parse(address)
+            except (AddressError, IdentityError) as e:
+                raise cls.refuse(f"'addrs': {e}") from None
+            if parsed.peer_id is not None and parsed.peer_id != identity.peer_id:
+                raise cls.refuse(f"'addrs': {str(address)[:120]!r} names another peer")
+            texts.append(str(parsed.without_peer_id()))
         expiration_time = float(expiration_time)
-        signature = identity.sign(cls._signed_bytes(identity.peer_id, [str(a) for a in addrs], expiration_time))
-        return cls(identity.peer_id, addrs, expiration_time, signature)
+        signature = identity.sign(_signed_bytes(identity.peer_id, texts, expiration_time))
+        return cls.from_wire({"peer": identity.peer_id.to_bytes(), "addrs": texts, "exp": expiration_time,
+                              "sig": signature})
 
-    def to_value(self) -> dict:
-        return {"peer": self.peer_id.to_bytes(), "addrs": [str(a) for a in self.addresses],
-                "exp": self.expiration_time, "sig": self.signature}
-
-    @classmethod
-    def from_value(cls, value: object) -> PeerRecord:
-        """Parse and verify a record from another peer; PeerRecordError names what is wrong."""
-        if not isinstance(value, dict) or set(value) != {"peer", "addrs", "exp", "sig"}:
-            raise PeerRecordError("a peer record is a dict with exactly 'peer', 'addrs', 'exp' and 'sig'")
-        raw_peer, addrs, expiration, signature = value["peer"], value["addrs"], value["exp"], value["sig"]
-        if not isinstance(raw_peer, bytes):
-            raise PeerRecordError("'peer' must be the 32-byte peer id")
-        try:
-            peer_id = PeerID(raw_peer)
-        except IdentityError as e:
-            raise PeerRecordError(f"'peer': {e}") from None
-        if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
-            raise PeerRecordError("'addrs' must be a list of address strings")
-        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
-            raise PeerRecordError("'exp' must be a finite number (DHT time)")
-        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-            raise PeerRecordError(f"'sig' must be {SIGNATURE_BYTES} bytes")
-        parsed = _canonical(peer_id, addrs)
-        if [str(a) for a in parsed] != addrs:
-            raise PeerRecordError("'addrs' must be canonical, distinct and without /p2p/ (as `sign` writes them)")
-        if not peer_id.verify(signature, cls._signed_bytes(peer_id, addrs, float(expiration))):
-            raise PeerRecordError("'sig' does not verify with the record's peer id (forged, or signed by another key)")
-        return cls(peer_id, parsed, float(expiration), signature)
-
-
-def _canonical(peer_id: PeerID, addrs: list[str]) -> tuple[Multiaddr, ...]:
-    """Parse, check and strip the `/p2p/` suffix; the caps apply before any parsing work."""
-    if not addrs:
-        raise PeerRecordError("'addrs' is empty: a peer that cannot be dialed publishes no record")
-    if len(addrs) > MAX_ADDRESSES_PER_PEER:  # a record lists no more than the address book keeps
-        raise PeerRecordError(f"'addrs' lists {len(addrs)} addresses; at most {MAX_ADDRESSES_PER_PEER}")
-    out: list[Multiaddr] = []
-    for text in addrs:
-        if len(text) > MAX_ADDRESS_CHARS:
-            raise PeerRecordError(f"an address is longer than {MAX_ADDRESS_CHARS} characters")
-        try:
-            addr = Multiaddr.parse(text)
-        except AddressError as e:
-            raise PeerRecordError(f"'addrs': {e}") from None
-        if addr.peer_id is not None and addr.peer_id != peer_id:
-            raise PeerRecordError(f"'addrs': {text[:120]!r} names another peer")
-        addr = addr.without_peer_id()
-        if addr in out:
-            raise PeerRecordError("'addrs' lists an address twice")
-        out.append(addr)
-    return tuple(out)
+    def validate(self, context: Mapping[str, Any]) -> None:
+        signed = _signed_bytes(self.peer_id, [str(a) for a in self.addresses], self.expiration_time)
+        if not self.peer_id.verify(self.signature, signed):
+            raise self.refuse("'sig' does not verify with the record's peer id (forged, or signed by another key)")
 
 
 class PeerResolver(Protocol):

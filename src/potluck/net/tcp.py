@@ -4,15 +4,15 @@ potluck accepts plain TCP connections itself: the connection caps below are appl
 soon as it is accepted, and only then does TLS start on it (so a connection over a cap costs no
 TLS handshake, and one stalled in the TLS handshake counts as a pending handshake). Handshake,
 after TLS (or directly on TCP with `insecure=True`):
-  1. both sides send HELLO {id, nonce, addrs, client, max_frame, bulk, token} (token: the sender's
-     membership token in an authority-governed run, else None);
+  1. both sides send HELLO (`TCPHello`: {v, id, nonce, addrs, client, max_frame, bulk, token}; token:
+     the sender's membership token in an authority-governed run, else None);
   2. the dialer checks that the TLS certificate's key is the id in HELLO and the id it dialed;
-  3. the dialer sends AUTH: a signature over (label, the other's nonce, own nonce, own id, other
-     id); the acceptor checks it and answers with its own AUTH, so a dialer's handshake succeeds
+  3. the dialer sends AUTH (`Auth`): a signature over (label, the other's nonce, own nonce, own id,
+     other id); the acceptor checks it and answers with its own AUTH, so a dialer's handshake succeeds
      only once the acceptor has accepted it. Nobody can answer for a peer id without its key, and
      a signature cannot be replayed on another connection or relayed to another peer.
   4. in an authority-governed run (`membership` set), each side checks the other's token once the
-     other has proved its id, and refuses with a GOAWAY that says why (the dialer raises
+     other has proved its id, and refuses with a GOAWAY (`GoAway`) that says why (the dialer raises
      MembershipRefused). The authority admits peers without a token as guests that may only ask
      for one (`net.membership.GuestHandlers`).
 Without TLS the ids are still proven, but the channel is neither private nor tamper-proof.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import ipaddress
 import logging
 import os
@@ -32,9 +31,11 @@ import sys
 from asyncio import sslproto
 from typing import Any
 
+from potluck.core import compat
 from potluck.core.errors import (
     ConnectionLost,
     HandshakeError,
+    MalformedMessage,
     MembershipRefused,
     MessageTooLarge,
     NetworkError,
@@ -42,19 +43,25 @@ from potluck.core.errors import (
     ProtocolError,
     detached,
 )
+from potluck.core.wire import Bool, Bytes, Int, Message, Text
 from potluck.net.address import Multiaddr
 from potluck.net.connection import Connection, PeerLoad, RemoteInfo, Stream
-from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Kind, encode
-from potluck.net.holepunch import MAX_CANDIDATES
-from potluck.net.identity import Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
-from potluck.net.membership import MAX_TOKEN_BYTES, GuestHandlers, MembershipGate
-from potluck.net.relay import RelayRefused, StreamPipe, accept_stop, dial_circuit
+from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Hello, Kind, encode
+from potluck.net.holepunch import HolePuncher
+from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
+from potluck.net.membership import GuestHandlers, MembershipGate
+from potluck.net.origins import UNKNOWN_ORIGIN, Origin, Shares, origin_of
+from potluck.net.relay import Circuits, RelayRefused, StreamPipe, accept_stop
+from potluck.net.tcp_punch import TCPPunch
+from potluck.net.tcp_sockets import announceable_hosts, listening_sockets
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 AUTH_LABEL = b"potluck-auth-v1"
+# Each side's fresh nonce, which the other side signs (256 bits: never repeated, never guessed).
+NONCE_BYTES = 32
 
 # A peer that has not finished the handshake by then is dropped (slowloris guard). For an accepted
 # connection it counts from the TCP accept and covers the TLS handshake too.
@@ -69,8 +76,6 @@ WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 8 * 2**20
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
-# Pending connections the OS queues for us to accept (asyncio's create_server uses 100).
-LISTEN_BACKLOG = 1024
 # After accept() fails for want of file descriptors or memory, wait this long before the next try
 # (asyncio's own servers wait 1 s); the queued connections wait in the backlog meanwhile.
 ACCEPT_RETRY_SECONDS = 1.0
@@ -99,6 +104,12 @@ MAX_CONNECTIONS = 768
 # up to MAX_IDLE_BULK_CONNECTIONS + a few active bulk ones: 256 serves ~40 such peers per address.
 # Raise it (TCPTransport(max_connections_per_ip=...)) for a larger swarm behind one address.
 MAX_CONNECTIONS_PER_IP = 256
+# Accepted connections from one subnet (/24 of IPv4, /48 of IPv6, `net.origins`): half of
+# MAX_CONNECTIONS. One party holds a whole /24 as easily as one address (a provider's block, a
+# cloud tenant's), so the per-IP cap alone let three addresses of one subnet take every slot; with
+# this one, whatever one subnet does, the other half stays for everyone else (as libp2p's resource
+# manager scopes connection limits by IP and by subnet).
+MAX_CONNECTIONS_PER_SUBNET = 384
 # Authenticated connections with one peer id (both directions): one shared connection (two for a
 # moment when both dial at once), up to MAX_IDLE_BULK_CONNECTIONS idle bulk ones and a bulk one
 # per concurrent stream. Past 32 a peer is opening connections rather than using them.
@@ -112,10 +123,42 @@ MAX_PENDING_HANDSHAKES = 128
 # leaves the other half to everyone else, who can still connect while it is held. A test swarm on
 # 127.0.0.1 dialing one peer at once stays far below 64 handshakes in flight.
 MAX_PENDING_HANDSHAKES_PER_IP = 64
-# Connections a hole punch's listener queues (`TCPPunch`): it waits for one, from one peer.
-PUNCH_BACKLOG = 4
-# Ports shared by a punch's listener and its dial need SO_REUSEPORT (Linux, macOS, BSDs).
-_REUSE_PORT = hasattr(socket, "SO_REUSEPORT")
+# Of those, from one subnet: the same half. Stalled handshakes from many addresses of one /24 (each
+# under its per-IP cap) took all 128 before; now they leave the other half too.
+MAX_PENDING_HANDSHAKES_PER_SUBNET = 64
+
+
+class TCPHello(Hello, what="HELLO"):
+    """The HELLO over TCP: the frames' `Hello`, the protocol version, and the nonce the other side
+    signs in its AUTH."""
+
+    version: int = Int("v", 0, 2**31)
+    nonce: bytes = Bytes(max_bytes=NONCE_BYTES, exact=True)
+
+
+class Auth(Message, what="AUTH"):
+    """The sender's proof of its id: its signature of `TCPLink._auth_message`."""
+
+    signature: bytes = Bytes("sig", SIGNATURE_BYTES, exact=True)
+
+
+class GoAway(Message, what="GOAWAY"):
+    """Why the sender refuses (or ends) the connection, for the user; `membership`: because of the
+    receiver's membership token (the dialer raises MembershipRefused)."""
+
+    reason: str = Text(max_chars=MAX_REFUSAL_CHARS, default="no reason given")
+    membership: bool = Bool(default=False)
+
+
+def goaway(reason: str, membership: bool = False) -> list[bytes | memoryview]:
+    """A GOAWAY frame's buffers (the reason cut to what a receiver reads)."""
+    return encode(Frame(Kind.GOAWAY, meta=GoAway(reason[:MAX_REFUSAL_CHARS], membership).to_wire()))
+
+
+def _cap(shares: str, limit: str) -> property:
+    """A limit of one of a transport's `Shares`, read and set as a plain attribute."""
+    return property(lambda self: getattr(getattr(self, shares), limit),
+                    lambda self, n: setattr(getattr(self, shares), limit, n))
 
 
 class TCPTransport(Transport):
@@ -133,7 +176,9 @@ class TCPTransport(Transport):
                  max_connections_per_ip: int = MAX_CONNECTIONS_PER_IP,
                  max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
                  max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
-                 max_pending_handshakes_per_ip: int = MAX_PENDING_HANDSHAKES_PER_IP):
+                 max_pending_handshakes_per_ip: int = MAX_PENDING_HANDSHAKES_PER_IP,
+                 max_connections_per_subnet: int = MAX_CONNECTIONS_PER_SUBNET,
+                 max_pending_handshakes_per_subnet: int = MAX_PENDING_HANDSHAKES_PER_SUBNET):
         super().__init__(identity, client_mode=client_mode, max_frame_size=max_frame_size,
                          dial_timeout=dial_timeout, keepalive_interval=keepalive_interval,
                          keepalive_timeout=keepalive_timeout)
@@ -147,45 +192,61 @@ class TCPTransport(Transport):
         self._links: set[TCPLink] = set()
         # The run's membership check (None: anyone who proves a peer id is admitted, as before).
         self.membership = membership
-        self.max_connections = max_connections
-        self.max_connections_per_ip = max_connections_per_ip
+        # Accepted links, open, and those still in their handshake: each counted per IP and subnet
+        # (`net.origins.Shares`; an entry only while an origin holds one). The caps are the
+        # `max_*` properties below, which a test or an operator may change on a live transport.
+        self._connections = Shares.fitted("connections", max_connections, per_subnet=max_connections_per_subnet,
+                                          per_ip=max_connections_per_ip, per_peer=1)
+        self._handshakes = Shares.fitted("handshakes in progress", max_pending_handshakes,
+                                         per_subnet=max_pending_handshakes_per_subnet,
+                                         per_ip=max_pending_handshakes_per_ip, per_peer=1)
         self.max_connections_per_peer = max_connections_per_peer
-        self.max_pending_handshakes = max_pending_handshakes
-        self.max_pending_handshakes_per_ip = max_pending_handshakes_per_ip
-        self._accepted = 0  # accepted links, open
-        self._accepted_per_ip: dict[str, int] = {}  # an entry per address with an open accepted link
-        self._pending_handshakes = 0  # accepted links not yet authenticated
-        self._pending_per_ip: dict[str, int] = {}  # an entry per address with a pending one
         # What each authenticated peer's requests hold over all its connections (connection.PeerLoad):
         # an entry only while the peer has an open connection or a running handler.
         self._peer_loads: dict[PeerID, PeerLoad] = {}
         # Authenticated links per peer id (for MAX_CONNECTIONS_PER_PEER), an entry while it has one.
         self._links_per_peer: dict[PeerID, int] = {}
+        # Relayed connections and hole punching (`net.relay`, `net.holepunch`).
+        self.circuits = Circuits(self)
+        self.puncher = HolePuncher(self)
 
-    def _accept(self, ip: str) -> str | None:
-        """Count a newly accepted connection, or say why it is refused (one of the caps above)."""
-        if self._accepted >= self.max_connections:
-            return f"this peer has too many connections (limit {self.max_connections})"
-        if self._accepted_per_ip.get(ip, 0) >= self.max_connections_per_ip:
-            return f"too many connections from {ip} (limit {self.max_connections_per_ip} per address)"
-        if self._pending_handshakes >= self.max_pending_handshakes:
-            return f"too many handshakes in progress (limit {self.max_pending_handshakes}); try again"
-        if self._pending_per_ip.get(ip, 0) >= self.max_pending_handshakes_per_ip:
-            return (f"too many handshakes in progress from {ip} "
-                    f"(limit {self.max_pending_handshakes_per_ip} per address); try again")
-        self._accepted += 1
-        self._accepted_per_ip[ip] = self._accepted_per_ip.get(ip, 0) + 1
-        self._pending_handshakes += 1
-        self._pending_per_ip[ip] = self._pending_per_ip.get(ip, 0) + 1
+    # -- the caps on accepted connections (see the module constants) ------------------------------
+    max_connections = _cap("_connections", "total")
+    max_connections_per_subnet = _cap("_connections", "per_subnet")
+    max_connections_per_ip = _cap("_connections", "per_ip")
+    max_pending_handshakes = _cap("_handshakes", "total")
+    max_pending_handshakes_per_subnet = _cap("_handshakes", "per_subnet")
+    max_pending_handshakes_per_ip = _cap("_handshakes", "per_ip")
+
+    @property
+    def accepted_connections(self) -> int:
+        """Connections others opened to us that are open now (handshakes in progress included)."""
+        return self._connections.held
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Accepted connections whose peer has not proven its id yet."""
+        return self._handshakes.held
+
+    def _accept(self, origin: Origin) -> str | None:
+        """Count a newly accepted connection from `origin`, or say why it is refused (one of the
+        caps above: in all, per subnet, per IP; for connections and handshakes in progress)."""
+        refusal = self._connections.refusal(origin)
+        if refusal is None:
+            refusal = self._handshakes.refusal(origin)
+            if refusal is not None:
+                refusal += "; try again in a few seconds"
+        if refusal is not None:
+            return f"this peer refuses the connection: {refusal}"
+        self._connections.claim(origin)
+        self._handshakes.claim(origin)
         return None
 
-    def _handshake_over(self, ip: str) -> None:
-        self._pending_handshakes -= 1
-        _decrement(self._pending_per_ip, ip)
+    def _handshake_over(self, origin: Origin) -> None:
+        self._handshakes.release(origin)
 
-    def _release(self, ip: str) -> None:
-        self._accepted -= 1
-        _decrement(self._accepted_per_ip, ip)
+    def _release(self, origin: Origin) -> None:
+        self._connections.release(origin)
 
     def _connections_with(self, peer_id: PeerID) -> int:
         return self._links_per_peer.get(peer_id, 0)
@@ -200,10 +261,10 @@ class TCPTransport(Transport):
         loop = asyncio.get_running_loop()
         # Our own accept loop rather than loop.create_server: asyncio would run the TLS handshake
         # of every connection before we see it, over any cap.
-        self._listeners = await _listening_sockets(self.host, self.port)
+        self._listeners = await listening_sockets(self.host, self.port)
         for sock in self._listeners:
             host, port = sock.getsockname()[:2]
-            for h in _announceable_hosts(host):
+            for h in announceable_hosts(host):
                 self._listen.append(Multiaddr.tcp(h, port))
             loop.add_reader(sock.fileno(), self._accept_ready, sock)
         del self._listen[MAX_ADDRESSES_PER_PEER:]
@@ -238,57 +299,75 @@ class TCPTransport(Transport):
 
     def _accepted_socket(self, sock: socket.socket, peer: Any) -> None:
         """Apply the caps to a new TCP connection, before TLS; hand it to a link if they allow."""
-        ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        refusal = self._accept(ip)
+        origin = origin_of(str(peer[0])) if isinstance(peer, tuple) and peer else UNKNOWN_ORIGIN
+        refusal = self._accept(origin)
         if refusal is not None:
             # Refused before a byte of it is read. Without TLS, a GOAWAY says why; with TLS only a
             # close can (the dialer expects a TLS handshake, and answering it is what this saves).
-            logger.info("refusing a connection from %s: %s", ip, refusal)
+            logger.info("refusing a connection from %s: %s", origin.ip, refusal)
             if self._server_ctx is None:
-                goaway = b"".join(bytes(b) for b in encode(Frame(Kind.GOAWAY, meta={"reason": refusal})))
                 with contextlib.suppress(OSError):
-                    sock.send(goaway)  # a few hundred bytes into an empty socket buffer
+                    sock.send(b"".join(bytes(b) for b in goaway(refusal)))  # a few hundred bytes, an empty buffer
             sock.close()
             return
         sock.setblocking(False)
-        TCPLink(self, initiator=False).adopt(sock, peer, ip)
+        TCPLink(self, initiator=False).adopt(sock, peer, origin)
 
-    async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
-        if address.is_circuit:
-            return await dial_circuit(self, address, expected, bulk)
+    def _tls_client(self) -> dict[str, Any]:
+        """What `loop.create_connection` takes to run TLS as the client (nothing if insecure)."""
+        if self._client_ctx is None:
+            return {}
+        return {"ssl": self._client_ctx, "server_hostname": "", "ssl_handshake_timeout": HANDSHAKE_TIMEOUT,
+                **_TLS_SHUTDOWN}
+
+    async def _dial_direct(self, address: Multiaddr, expected: PeerID | None, bulk: bool,
+                           answer_within: float | None = None) -> Connection:
         if address.kind == "emu" or address.port is None:
             raise PeerUnreachable(f"{address} is not a TCP address")
-        loop = asyncio.get_running_loop()
         link = TCPLink(self, initiator=True, expected=expected, bulk=bulk)
-        kwargs: dict[str, Any] = {}
-        if self._client_ctx is not None:
-            kwargs.update(ssl=self._client_ctx, server_hostname="", ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-                          **_TLS_SHUTDOWN)
         try:
-            await loop.create_connection(lambda: link, address.host, address.port, **kwargs)
+            async with compat.timeout(answer_within):
+                await asyncio.get_running_loop().create_connection(lambda: link, address.host, address.port,
+                                                                   **self._source(address), **self._tls_client())
+        except TimeoutError:
+            link.close("no answer")
+            raise PeerUnreachable(f"{address} did not answer (TCP and TLS) within {answer_within:g} s") from None
         except (OSError, ssl.SSLError) as e:
             raise PeerUnreachable(f"could not connect to {address}: {e}") from None
         return await link.authenticated(str(address))
 
-    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
-                                expected: PeerID, bulk: bool) -> Connection:
+    def _source(self, address: Multiaddr) -> dict[str, Any]:
+        """Where a dial to `address` leaves from: a peer listening on one loopback address dials
+        other loopback addresses from it, so that peers on 127.x.y.z (every such address is this
+        machine) look like separate hosts to each other, as on a network; otherwise the system's
+        choice."""
+        try:
+            here, there = ipaddress.ip_address(self.host), ipaddress.ip_address(address.host)
+        except ValueError:
+            return {}
+        if here.is_loopback and there.is_loopback and here.version == there.version:
+            return {"local_addr": (self.host, 0)}
+        return {}
+
+    async def link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                               expected: PeerID, bulk: bool) -> Connection:
         """A relayed connection: TLS (dialer = TLS client) and the usual handshake over the
         relayed bytes, so the relay sees only ciphertext. Accepted ones count in the caps under
         `relay:<relay id>` in place of an IP address."""
         link = TCPLink(self, initiator=initiator, expected=expected, bulk=bulk, relay=relay)
         pipe = StreamPipe(stream, relay)
         if not initiator:
-            key = f"relay:{relay}"
-            refusal = self._accept(key)
+            origin = Origin.relayed(str(relay))
+            refusal = self._accept(origin)
             if refusal is not None:
                 raise RelayRefused(refusal)
             try:
                 await accept_stop(stream)
             except BaseException:
-                self._handshake_over(key)
-                self._release(key)
+                self._handshake_over(origin)
+                self._release(origin)
                 raise
-            link.adopt_relayed(pipe, key)
+            link.adopt_relayed(pipe, origin)
             return await link.authenticated(f"a connection relayed by {relay}")
         pipe.begin(link)
         if self._client_ctx is None:
@@ -323,8 +402,28 @@ class TCPTransport(Transport):
                 link.abort()
 
     def punch_endpoint(self) -> TCPPunch:
-        """One hole punch try (`net.holepunch`): a fresh port, and the dial from it."""
-        return TCPPunch(self)
+        """One hole punch try (`net.holepunch`): a fresh port, and the dial from it. Candidates: our
+        port on each host others saw us at (a port-preserving NAT keeps it), else on our listening hosts."""
+        return TCPPunch(self.host, self.observed_hosts or [a.host for a in self.listen_addresses], self._link_punched)
+
+    async def _link_punched(self, sock: socket.socket, peer: Any, expected: PeerID, client: bool) -> Connection:
+        """A connection over a hole punch's socket: TLS client and a dialing link if `client`, else
+        TLS server and an accepting link, counted in the caps like any accepted connection."""
+        if client:
+            link = TCPLink(self, initiator=True, expected=expected)
+            try:
+                await asyncio.get_running_loop().create_connection(lambda: link, sock=sock, **self._tls_client())
+            except (OSError, ssl.SSLError) as e:
+                raise PeerUnreachable(f"TLS with {expected} on the punched connection failed: {e}") from None
+        else:
+            origin = origin_of(str(peer[0]))
+            refusal = self._accept(origin)
+            if refusal is not None:
+                sock.close()
+                raise PeerUnreachable(f"refusing the punched connection from {origin.ip}: {refusal}")
+            link = TCPLink(self, initiator=False, expected=expected)
+            link.adopt(sock, peer, origin)
+        return await link.authenticated(f"{expected} on the punched connection")
 
 
 class TCPLink(asyncio.BufferedProtocol):
@@ -348,10 +447,10 @@ class TCPLink(asyncio.BufferedProtocol):
         # buffer_updated), and a scratch that small.
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME, scratch_size=HANDSHAKE_MAX_FRAME)
         self._decoder.one_at_a_time = True
-        self._accepted_ip: str | None = None  # counted in the owner's caps while set
+        self._accepted: Origin | None = None  # counted in the owner's caps (under this origin) while set
         self._handshaking = False  # counted as a pending handshake while set
-        self._nonce = os.urandom(32)
-        self._hello: dict | None = None
+        self._nonce = os.urandom(NONCE_BYTES)
+        self._hello: TCPHello | None = None
         self._remote_max: int | None = None
         self._write_lock = asyncio.Lock()
         self._control: list[list[bytes | memoryview]] = []
@@ -379,9 +478,9 @@ class TCPLink(asyncio.BufferedProtocol):
             raise PeerUnreachable(f"{name} closed the connection right after the handshake")
         return self.connection
 
-    def adopt_relayed(self, pipe: StreamPipe, key: str) -> None:
-        """Serve a relayed connection we accepted (counted under `key`), as `adopt` a socket."""
-        self._accepted_ip, self._handshaking, self._peername = key, True, key
+    def adopt_relayed(self, pipe: StreamPipe, origin: Origin) -> None:
+        """Serve a relayed connection we accepted (counted under `origin`), as `adopt` a socket."""
+        self._accepted, self._handshaking, self._peername = origin, True, origin.ip
         self.owner._links.add(self)
         self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
         self._opening = self._loop.create_task(self._open_relayed(pipe))
@@ -401,10 +500,10 @@ class TCPLink(asyncio.BufferedProtocol):
         self._opening = None
         self.connection_made(tls)
 
-    def adopt(self, sock: socket.socket, peer: Any, ip: str) -> None:
-        """Serve a connection we accepted (and counted, under `ip`): it is a pending handshake from
-        now until the peer proves its id, and the handshake deadline covers TLS too."""
-        self._accepted_ip, self._handshaking, self._peername = ip, True, peer
+    def adopt(self, sock: socket.socket, peer: Any, origin: Origin) -> None:
+        """Serve a connection we accepted (and counted, under `origin`): it is a pending handshake
+        from now until the peer proves its id, and the handshake deadline covers TLS too."""
+        self._accepted, self._handshaking, self._peername = origin, True, peer
         self.owner._links.add(self)
         self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
         self._opening = self._loop.create_task(self._open(sock))
@@ -447,14 +546,11 @@ class TCPLink(asyncio.BufferedProtocol):
             self.owner._links.add(self)
             self._handshake_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
-        hello = {
-            "v": PROTOCOL_VERSION, "id": self.owner.peer_id.to_bytes(), "nonce": self._nonce,
-            "addrs": [str(a.without_peer_id()) for a in self.owner.addresses[:MAX_ADDRESSES_PER_PEER]],
-            "client": self.owner.client_mode, "max_frame": self.owner.max_frame_size,
-            "bulk": self.bulk,
-            "token": self.owner.membership.own_token() if self.owner.membership is not None else None,
-        }
-        self._write_now(encode(Frame(Kind.HELLO, meta=hello)))
+        hello = TCPHello(self.owner.peer_id, tuple(a.without_peer_id() for a in self.owner.addresses),
+                         self.owner.client_mode, self.owner.max_frame_size, self.bulk,
+                         self.owner.membership.own_token() if self.owner.membership is not None else None,
+                         PROTOCOL_VERSION, self._nonce)
+        self._write_now(encode(Frame(Kind.HELLO, meta=hello.to_wire())))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer()
@@ -485,9 +581,9 @@ class TCPLink(asyncio.BufferedProtocol):
             logger.info("dropping connection from %s: %s", self._peer_name(), e)
             self._fail_handshake(e)
             if isinstance(e, MembershipRefused):
-                self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": str(e), "membership": True})))
+                self._write_now(goaway(str(e), membership=True))
             elif not isinstance(e, HandshakeError):
-                self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": str(e)})))
+                self._write_now(goaway(str(e)))
             self.close(str(e))
 
     def eof_received(self) -> bool:
@@ -499,9 +595,9 @@ class TCPLink(asyncio.BufferedProtocol):
         self._gone = True
         self.owner._links.discard(self)
         self._end_pending_handshake()
-        if self._accepted_ip is not None:
-            self.owner._release(self._accepted_ip)
-            self._accepted_ip = None
+        if self._accepted is not None:
+            self.owner._release(self._accepted)
+            self._accepted = None
         self._transport = None  # asyncio's (TLS) transport holds our methods: drop the cycle
         reason = self._closing_reason or (f"{exc}" if exc else "the other side closed the connection")
         if self._handshake_timer is not None:
@@ -533,31 +629,21 @@ class TCPLink(asyncio.BufferedProtocol):
         elif frame.kind is Kind.AUTH and self._hello is not None:
             self._on_auth(meta)
         elif frame.kind is Kind.GOAWAY:
-            reason = meta.get("reason")
-            reason = reason[:MAX_REFUSAL_CHARS] if isinstance(reason, str) else "no reason given"
-            if meta.get("membership") is True:
-                raise MembershipRefused(f"{self._peer_name()} refused this peer's membership: {reason}")
-            raise HandshakeError(f"refused by the other side: {reason}")
+            try:
+                refusal = GoAway.from_wire(meta)
+            except MalformedMessage as e:  # a refusal all the same
+                raise HandshakeError(f"refused by the other side, with a {e}") from None
+            if refusal.membership:
+                raise MembershipRefused(f"{self._peer_name()} refused this peer's membership: {refusal.reason}")
+            raise HandshakeError(f"refused by the other side: {refusal.reason}")
         else:
             raise ProtocolError(f"expected a handshake frame, got {frame.kind.name}")
 
     def _on_hello(self, meta: dict) -> None:
         if meta.get("v") != PROTOCOL_VERSION:
             raise ProtocolError(f"unsupported protocol version {meta.get('v')!r}")
-        try:
-            remote_id = PeerID(meta["id"])
-            nonce = meta["nonce"]
-            if not isinstance(nonce, bytes) or len(nonce) != 32:
-                raise ValueError("bad nonce")
-            max_frame = meta.get("max_frame")
-            if not isinstance(max_frame, int) or max_frame < 1024:
-                raise ValueError("bad max_frame")
-            addrs = [Multiaddr.parse(a) for a in list(meta.get("addrs") or [])[:MAX_ADDRESSES_PER_PEER]]
-            token = meta.get("token")
-            if token is not None and (not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES):
-                raise ValueError(f"bad token: None or at most {MAX_TOKEN_BYTES} bytes")
-        except (KeyError, TypeError, ValueError, NetworkError, Exception) as e:
-            raise ProtocolError(f"malformed HELLO: {e}") from None
+        hello = TCPHello.from_wire(meta)  # MalformedMessage, a ProtocolError: "malformed HELLO: '<key>' ..."
+        remote_id = hello.peer_id
         if self.expected is not None and remote_id != self.expected:
             raise HandshakeError(f"dialed {self.expected} but the peer there is {remote_id}")
         if remote_id == self.owner.peer_id:
@@ -567,10 +653,8 @@ class TCPLink(asyncio.BufferedProtocol):
             cert_id = peer_id_from_certificate(ssl_object.getpeercert(binary_form=True))
             if cert_id != remote_id:
                 raise HandshakeError(f"TLS certificate belongs to {cert_id}, not to {remote_id}")
-        self._hello = {"id": remote_id, "nonce": nonce, "addrs": tuple(addrs),
-                       "client": bool(meta.get("client")), "bulk": bool(meta.get("bulk")),
-                       "token": token}
-        self._remote_max = max_frame
+        self._hello = hello
+        self._remote_max = hello.max_frame_size
         if self.initiator:  # the acceptor proves itself only after checking the dialer's proof
             self._send_auth()
 
@@ -578,21 +662,24 @@ class TCPLink(asyncio.BufferedProtocol):
         hello = self._hello
         assert hello is not None
         signature = self.owner.identity.sign(self._auth_message(
-            hello["nonce"], self._nonce, self.owner.peer_id, hello["id"]))
-        self._write_now(encode(Frame(Kind.AUTH, meta={"sig": signature})))
+            hello.nonce, self._nonce, self.owner.peer_id, hello.peer_id))
+        self._write_now(encode(Frame(Kind.AUTH, meta=Auth(signature).to_wire())))
 
     def _on_auth(self, meta: dict) -> None:
         hello = self._hello
         assert hello is not None
-        signature = meta.get("sig")
-        message = self._auth_message(self._nonce, hello["nonce"], hello["id"], self.owner.peer_id)
-        if not isinstance(signature, bytes) or not hello["id"].verify(signature, message):
-            raise HandshakeError(f"the peer could not prove it holds the key of {hello['id']}")
-        handlers = self._admit(hello["id"], hello["token"])
-        if self.owner._connections_with(hello["id"]) >= self.owner.max_connections_per_peer:
-            reason = (f"too many connections with {hello['id']} "
+        message = self._auth_message(self._nonce, hello.nonce, hello.peer_id, self.owner.peer_id)
+        try:
+            proven = hello.peer_id.verify(Auth.from_wire(meta).signature, message)
+        except MalformedMessage:
+            proven = False
+        if not proven:
+            raise HandshakeError(f"the peer could not prove it holds the key of {hello.peer_id}")
+        handlers = self._admit(hello.peer_id, hello.token)
+        if self.owner._connections_with(hello.peer_id) >= self.owner.max_connections_per_peer:
+            reason = (f"too many connections with {hello.peer_id} "
                       f"(limit {self.owner.max_connections_per_peer} per peer)")
-            self._write_now(encode(Frame(Kind.GOAWAY, meta={"reason": reason})))
+            self._write_now(goaway(reason))
             raise HandshakeError(reason)
         if not self.initiator:
             self._send_auth()
@@ -603,17 +690,18 @@ class TCPLink(asyncio.BufferedProtocol):
         self._decoder.max_frame_size = self.owner.max_frame_size
         self._decoder.one_at_a_time = False
         self._decoder.grow_scratch(SCRATCH_SIZE)
-        remote = RemoteInfo(hello["id"], hello["addrs"], hello["client"], self._remote_max,
-                            bulk=hello["bulk"] if not self.initiator else self.bulk,
-                            token=hello["token"], observed=None if self.relay else _observed(self._peername),
-                            relayed=self.relay is not None)
+        remote = RemoteInfo(hello.peer_id, hello.addresses, hello.client_mode, self._remote_max,
+                            bulk=hello.bulk if not self.initiator else self.bulk,
+                            token=hello.token, observed=None if self.relay else _observed(self._peername),
+                            relayed=self.relay is not None, origin=self._origin())
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
-                          on_close=self.owner._unregister, load=PeerLoad.of(self.owner._peer_loads, hello["id"]))
+                          on_close=self.owner.connection_closed,
+                          load=PeerLoad.of(self.owner._peer_loads, hello.peer_id))
         conn.attach(self)
         self.connection = conn
         self.owner._links_per_peer[conn.peer_id] = self.owner._links_per_peer.get(conn.peer_id, 0) + 1
-        self.owner._register(conn)
+        self.owner.add_connection(conn)
         if not self.handshake.done():
             self.handshake.set_result(None)
 
@@ -636,10 +724,19 @@ class TCPLink(asyncio.BufferedProtocol):
     def _auth_message(verifier_nonce: bytes, signer_nonce: bytes, signer: PeerID, verifier: PeerID) -> bytes:
         return AUTH_LABEL + verifier_nonce + signer_nonce + signer.to_bytes() + verifier.to_bytes()
 
+    def _origin(self) -> Origin:
+        """Where the peer's bytes come from: the relay for a relayed link, else its IP."""
+        if self.relay is not None:
+            return Origin.relayed(str(self.relay))
+        if self._accepted is not None:
+            return self._accepted
+        observed = _observed(self._peername)
+        return origin_of(observed) if observed is not None else UNKNOWN_ORIGIN
+
     def _end_pending_handshake(self) -> None:
-        if self._handshaking:
+        if self._handshaking and self._accepted is not None:
             self._handshaking = False
-            self.owner._handshake_over(self._accepted_ip or "?")
+            self.owner._handshake_over(self._accepted)
 
     def _handshake_expired(self) -> None:
         if self.connection is None:
@@ -722,170 +819,8 @@ class TCPLink(asyncio.BufferedProtocol):
 
     def _peer_name(self) -> str:
         if self._hello is not None:
-            return str(self._hello["id"])
+            return str(self._hello.peer_id)
         return str(self._peername)
-
-
-class TCPPunch:
-    """One hole punch try on TCP (`net.holepunch`): a socket listening on a fresh port, and a dial
-    from that same port to the other side's first candidate of our address family (one address
-    each, so both sides' dials are one TCP connection). The connection is our dial if our SYN
-    crossed theirs (a simultaneous open through both NATs), or the one we accepted (where nothing
-    drops their SYN before ours leaves: no NAT on our side, or loopback). Candidates: our port on
-    each host others saw us at (a port-preserving NAT keeps it), else on our listening hosts. The listener and the
-    dial share the port through SO_REUSEADDR and SO_REUSEPORT; where SO_REUSEPORT is missing there
-    is no listener, and only a simultaneous open connects."""
-
-    def __init__(self, owner: TCPTransport):
-        self.owner = owner
-        self._family = socket.AF_INET6 if ":" in owner.host else socket.AF_INET
-        self._kind = "ip6" if self._family == socket.AF_INET6 else "ip4"
-        self._listener: socket.socket | None = _punch_socket(self._family, (owner.host, 0))
-        port = self._listener.getsockname()[1]
-        self._local = (owner.host, port)
-        if _REUSE_PORT:
-            self._listener.listen(PUNCH_BACKLOG)
-        hosts = owner.observed_hosts or [a.host for a in owner.listen_addresses]
-        self.candidates: list[Multiaddr] = []
-        for host in dict.fromkeys(hosts):
-            with contextlib.suppress(ValueError):  # not an address: skipped
-                addr = Multiaddr.tcp(host, port)
-                if addr.kind == self._kind:
-                    self.candidates.append(addr)
-        del self.candidates[MAX_CANDIDATES:]
-
-    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
-        """The direct connection with `expected`: TLS client and dialing TCPLink if `client`, else
-        TLS server and accepting one, counted in the caps like any accepted connection."""
-        target = next((a for a in remote if a.kind == self._kind and a.port), None)
-        if target is None:
-            raise PeerUnreachable(f"{expected} gave no {self._kind} address to punch to")
-        loop = asyncio.get_running_loop()
-        if not _REUSE_PORT and self._listener is not None:
-            self._listener.close()  # frees the port for the dial (there is no listener)
-            self._listener = None
-        tries = [loop.create_task(self._dial(target))]
-        if self._listener is not None:
-            tries.append(loop.create_task(self._accept(target.host)))
-        sock, peer = await _first_socket(tries)
-        self.close()
-        if client:
-            link = TCPLink(self.owner, initiator=True, expected=expected)
-            kwargs: dict[str, Any] = {}
-            if self.owner._client_ctx is not None:
-                kwargs.update(ssl=self.owner._client_ctx, server_hostname="",
-                              ssl_handshake_timeout=HANDSHAKE_TIMEOUT, **_TLS_SHUTDOWN)
-            try:
-                await loop.create_connection(lambda: link, sock=sock, **kwargs)
-            except (OSError, ssl.SSLError) as e:
-                raise PeerUnreachable(f"TLS with {expected} on the punched connection failed: {e}") from None
-        else:
-            ip = str(peer[0])
-            refusal = self.owner._accept(ip)
-            if refusal is not None:
-                sock.close()
-                raise PeerUnreachable(f"refusing the punched connection from {ip}: {refusal}")
-            link = TCPLink(self.owner, initiator=False, expected=expected)
-            link.adopt(sock, peer, ip)
-        return await link.authenticated(f"{expected} on the punched connection")
-
-    async def _dial(self, target: Multiaddr) -> tuple[socket.socket, Any]:
-        sock = _punch_socket(self._family, self._local)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, (target.host, target.port))
-        except BaseException:
-            sock.close()
-            raise
-        return sock, sock.getpeername()
-
-    async def _accept(self, host: str) -> tuple[socket.socket, Any]:
-        """The first connection from `host` (others are strangers: closed)."""
-        assert self._listener is not None
-        while True:
-            sock, peer = await asyncio.get_running_loop().sock_accept(self._listener)
-            if str(peer[0]) == host:
-                sock.setblocking(False)
-                return sock, peer
-            sock.close()
-
-    def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
-
-def _punch_socket(family: int, address: tuple[str, int]) -> socket.socket:
-    """A TCP socket bound to `address`, whose port other punch sockets may share."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, True)
-        if _REUSE_PORT:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, True)
-        sock.bind(address)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def _first_socket(tries: list[asyncio.Task]) -> tuple[socket.socket, Any]:
-    """The socket of the first of `tries` that connects; the others are cancelled (or closed)."""
-    errors: list[str] = []
-    pending = set(tries)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.exception() is None:
-                    for other in done - {task}:
-                        if other.exception() is None:
-                            other.result()[0].close()
-                    return task.result()
-                errors.append(str(task.exception()) or type(task.exception()).__name__)
-    finally:
-        for task in pending:
-            task.cancel()
-            task.add_done_callback(_close_socket)
-    raise PeerUnreachable("punch dial failed: " + "; ".join(errors))
-
-
-def _close_socket(task: asyncio.Task) -> None:
-    """A try that connected after another had won (or after the deadline): close its socket."""
-    if not task.cancelled() and task.exception() is None:
-        task.result()[0].close()
-
-
-async def _listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound, listening, non-blocking sockets for `host` (each of its addresses), as
-    loop.create_server(host, port, reuse_address=True) makes them."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    sockets: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError:  # e.g. no IPv6 on this host
-                continue
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, True)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, True)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                raise OSError(e.errno, f"error while attempting to bind on address {address!r}: "
-                                       f"{e.strerror.lower() if e.strerror else e}") from None
-            sock.listen(LISTEN_BACKLOG)
-            sock.setblocking(False)
-        if not sockets:
-            raise OSError(errno.EADDRNOTAVAIL, f"no address to listen on for {host!r}")
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 def _observed(peername: Any) -> Multiaddr | None:
@@ -938,21 +873,3 @@ def _decrement(counts: dict[Any, int], key: Any) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
-
-
-def _announceable_hosts(bound: str) -> list[str]:
-    """The hosts to advertise for a listening socket: wildcard binds expand to local addresses."""
-    ip = ipaddress.ip_address(bound)
-    if not ip.is_unspecified:
-        return [bound]
-    hosts = []
-    try:
-        family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
-        for info in socket.getaddrinfo(socket.gethostname(), None, family=family):
-            host = info[4][0]
-            if host not in hosts and not ipaddress.ip_address(host).is_loopback:
-                hosts.append(host)
-    except OSError:
-        pass
-    loopback = "127.0.0.1" if ip.version == 4 else "::1"
-    return hosts + [loopback]

@@ -8,6 +8,16 @@ Callers name peers by id. A dial tries the address book (`net.address_book`: wha
 vouched for first, third-party hints after); when that has nothing that works, it asks the
 registered `PeerResolver` (the DHT) for the peer's signed record (`net.peer_record`) and dials what
 the record says. Concurrent dials share one lookup; results are cached until the record expires.
+
+Relays and hole punching plug in through interfaces declared here, which whoever builds the
+transport wires in (`net.tcp`, `net.emulated`): a `CircuitDialer` (`net.relay.Circuits`) dials
+circuit addresses, and a `Punching` (`net.holepunch.HolePuncher`) turns relayed connections into
+direct ones, one `PunchEndpoint` try at a time. This module imports neither.
+
+What subclasses, their links and the plug-ins need from the transport is public and marked so:
+`add_connection` / `connection_closed` (a link's connection is authenticated / closed),
+`close_loopback`, `link_over_stream` (a connection over a relayed stream), `prefer` and
+`is_connected_directly` (hole punching), `dial` (a fresh connection to one address).
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from potluck.core import compat
 from potluck.core.errors import ConnectionLost, NetworkError, PeerUnreachable, detached
@@ -26,7 +36,6 @@ from potluck.net.connection import (
     DEFAULT_STREAM_TIMEOUT,
     MAX_HANDLER_SECONDS,
     MAX_STREAM_HANDLER_SECONDS,
-    CallContext,
     Connection,
     Handlers,
     RemoteInfo,
@@ -36,13 +45,13 @@ from potluck.net.connection import (
     UnaryHandler,
 )
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE
-from potluck.net.holepunch import BULK_WAIT_SECONDS, HolePuncher, PunchEndpoint
 from potluck.net.identity import Identity, PeerID
 from potluck.net.loopback import LoopbackLink
+from potluck.net.origins import UNKNOWN_ORIGIN, Origin, origin_of
 from potluck.net.peer_record import PeerRecord, PeerResolver
-from potluck.net.relay import RELAY_STOP, Reservation, serve_stop
 
-__all__ = ["MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "Reachability", "Transport"]
+__all__ = ["BULK_WAIT_SECONDS", "MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "CircuitDialer",
+           "PunchEndpoint", "Punching", "Reachability", "Transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +76,48 @@ RESOLVE_RETRY_SECONDS = 10.0
 # Resolved records cached per transport (oldest dropped first): far more peers than one peer
 # talks to, and a bound on what a flood of distinct ids can make us keep.
 MAX_CACHED_RECORDS = 4096
+# How long a bulk stream to a peer reached only through relays waits for a hole punch in flight
+# before taking a relayed connection of its own: a punch that works is done within a few round
+# trips through the relay and a handshake (well under a second); a relayed bulk connection runs
+# at ~0.3x the direct throughput for the whole transfer, and a punch still going after this is
+# likely failing (a failed try takes `net.holepunch.PUNCH_TIMEOUT`).
+BULK_WAIT_SECONDS = 3.0
+
+
+class CircuitDialer(Protocol):
+    """How the transport dials a circuit address (`.../p2p-circuit/p2p/<id>`): `net.relay.Circuits`."""
+
+    async def dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
+        """A relayed connection with `expected` through the relay `address` names, registered in the
+        transport; raises PeerUnreachable (or another NetworkError)."""
+
+
+class Punching(Protocol):
+    """How the transport drives hole punching: `net.holepunch.HolePuncher`."""
+
+    def start(self, relayed: Connection) -> None:
+        """Try, in the background, to replace `relayed` (a relayed connection we accepted) by a direct one."""
+
+    async def outcome(self, peer: PeerID, within: float) -> None:
+        """Wait, at most `within` seconds, until a punch with `peer` in flight has ended (at once if none)."""
+
+    def close(self) -> None:
+        """Stop every punch (the transport is closing)."""
+
+
+class PunchEndpoint(Protocol):
+    """One hole punch try, as a transport provides it (`Transport.punch_endpoint`): our candidate
+    addresses (bound before they are sent), and the dial to the other side's. `client`: we are the
+    TLS client (we dialed the relayed connection)."""
+
+    candidates: list[Multiaddr]
+
+    async def connect(self, remote: list[Multiaddr], expected: PeerID, client: bool) -> Connection:
+        """The authenticated direct connection with `expected`, registered in the transport;
+        raises NetworkError or OSError (the caller's deadline bounds it)."""
+
+    def close(self) -> None:
+        """Release the try's sockets (the connection made, if any, stays)."""
 
 
 class Transport:
@@ -114,11 +165,12 @@ class Transport:
         # Protocol services that exist once per transport (they own a set of handlers); kept
         # here so they live exactly as long as the transport.
         self.services: dict[str, Any] = {}
-        # Relays we hold a reservation with (net.relay.reserve): only they may pipe a connection to us.
-        self.relay_reservations: dict[PeerID, Reservation] = {}
-        self.add_stream_handler(RELAY_STOP, self._relay_stop)
-        # Hole punching (net.holepunch): serves punches, and starts one on each relayed connection we accept.
-        self.puncher = HolePuncher(self)
+        # The plug-ins (see the module docstring); None: no circuits, no hole punching.
+        self.circuits: CircuitDialer | None = None
+        self.puncher: Punching | None = None
+        # The run's membership check (`net.membership.MembershipGate`) in an authority-governed
+        # run, which the handshakes of subclasses apply; None: anyone who proves a peer id is admitted.
+        self.membership: Any = None
 
     # -- reachability ---------------------------------------------------------------------------
     @property
@@ -180,20 +232,22 @@ class Transport:
     async def start(self) -> None:
         raise NotImplementedError
 
-    async def _dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool) -> Connection:
-        """Open, handshake and attach a connection; raise PeerUnreachable / HandshakeError.
-        A circuit address goes to `net.relay.dial_circuit`."""
+    async def _dial_direct(self, address: Multiaddr, expected: PeerID | None, bulk: bool,
+                           answer_within: float | None = None) -> Connection:
+        """Open, handshake and register a connection to `address` (not a circuit); raise
+        PeerUnreachable / HandshakeError. `answer_within`: see `dial`."""
         raise NotImplementedError
 
-    async def _link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
-                                expected: PeerID, bulk: bool) -> Connection:
-        """Run a connection with `expected` over a relayed byte stream (`net.relay`): handshake,
+    async def link_over_stream(self, stream: Stream, relay: PeerID, initiator: bool,
+                               expected: PeerID, bulk: bool) -> Connection:
+        """Run a connection with `expected` over a relayed byte stream (for `net.relay`): handshake,
         attach and register it, and return it once authenticated. The accepting side first checks
         its caps and then tells the relay it accepts (`net.relay.accept_stop`)."""
         raise NotImplementedError
 
-    async def _relay_stop(self, stream: Stream, ctx: CallContext) -> None:
-        await serve_stop(self, stream, ctx)
+    def punch_endpoint(self) -> PunchEndpoint:
+        """One hole punch try (for `net.holepunch`): our candidates, and the dial to the other side's."""
+        raise NotImplementedError
 
     async def _stop_listening(self) -> None:
         raise NotImplementedError
@@ -258,6 +312,23 @@ class Transport:
     def is_connected(self, peer_id: PeerID) -> bool:
         return any(not c.closed for c in self._shared.get(peer_id, ()))
 
+    def peer_origin(self, peer_id: PeerID) -> Origin:
+        """Where `peer_id` is on the network, as best we know: the origin of an open connection
+        with it, else of the first address it vouched for (a circuit: its relay's), else unknown."""
+        for conn in self._shared.get(peer_id, ()):
+            if not conn.closed:
+                return conn.remote.origin
+        for address in self._book.vouched(peer_id):
+            if address.is_circuit and address.relay is not None:
+                return Origin.relayed(str(address.relay))
+            if address.kind in ("ip4", "ip6", "emu"):
+                return origin_of(address)
+        return UNKNOWN_ORIGIN
+
+    def is_connected_directly(self, peer_id: PeerID) -> bool:
+        """Whether we share an open connection with `peer_id` that no relay carries."""
+        return any(not c.closed and not c.relayed for c in self._shared.get(peer_id, ()))
+
     def connected_peers(self) -> list[PeerID]:
         return [p for p, conns in self._shared.items() if any(not c.closed for c in conns)]
 
@@ -275,14 +346,29 @@ class Transport:
         timeout = self.dial_timeout if timeout is None else timeout
         try:
             async with compat.timeout(timeout):
-                conn = await self._dial(addr.without_peer_id(), addr.peer_id, bulk=False)
+                conn = await self.dial(addr.without_peer_id(), addr.peer_id, bulk=False)
         except TimeoutError:
             raise PeerUnreachable(f"could not reach {addr} within {timeout} s") from None
         self._vouch(conn.peer_id, [addr])  # the peer proved its id at this address
         return conn.peer_id
 
-    def _register(self, conn: Connection) -> None:
-        """Called by subclasses once a connection is authenticated (either direction)."""
+    async def dial(self, address: Multiaddr, expected: PeerID | None, bulk: bool,
+                   answer_within: float | None = None) -> Connection:
+        """A new connection to `address` (a circuit goes through its relay), authenticated as
+        `expected` if given; `bulk`: a dedicated one, not pooled for calls (the caller closes it).
+        `answer_within`: a direct dial fails unless the other end answers (TCP and TLS, before the
+        identity handshake) within this many seconds: a listener that accepts and then says
+        nothing is given up on early."""
+        if not address.is_circuit:
+            if answer_within is None:
+                return await self._dial_direct(address, expected, bulk)
+            return await self._dial_direct(address, expected, bulk, answer_within)
+        if self.circuits is None:
+            raise PeerUnreachable(f"{address}: this transport dials no circuit addresses")
+        return await self.circuits.dial(address, expected, bulk)
+
+    def add_connection(self, conn: Connection) -> None:
+        """A link's connection is authenticated (either direction): pool it (for subclasses' links)."""
         if self._closed:
             conn.close("transport is shutting down")
             return
@@ -293,10 +379,11 @@ class Transport:
             self._vouch(conn.peer_id, conn.remote.addresses)
         if not conn.remote.bulk:
             self._shared.setdefault(conn.peer_id, []).append(conn)
-            if conn.relayed and not conn.initiator:  # we are the NATed side: it punches, as in DCUtR
+            # We accepted a relayed connection, so we are the NATed side: it punches, as in DCUtR.
+            if conn.relayed and not conn.initiator and self.puncher is not None:
                 self.puncher.start(conn)
 
-    def _prefer(self, conn: Connection) -> None:
+    def prefer(self, conn: Connection) -> None:
         """Put `conn` first in its peer's shared pool: calls take it (a punched direct connection
         over the relayed one it replaces)."""
         pool = self._shared.get(conn.peer_id, [])
@@ -315,11 +402,8 @@ class Transport:
         """Whether `peer_id` can be dialed only through relays (every known address a circuit)."""
         return all(a.is_circuit for a in self._book.dial_order(peer_id))
 
-    def punch_endpoint(self) -> PunchEndpoint:
-        """One hole punch try (`net.holepunch`): our candidates, and the dial to the other side's."""
-        raise NotImplementedError
-
-    def _unregister(self, conn: Connection) -> None:
+    def connection_closed(self, conn: Connection) -> None:
+        """A connection's `on_close`: forget it, and tell the disconnect watchers if it was lost."""
         self._all.pop(conn, None)
         timer = self._idle_timers.pop(conn, None)
         if timer is not None:
@@ -386,7 +470,7 @@ class Transport:
         for addr in addresses:
             try:
                 async with compat.timeout(self.dial_timeout):
-                    conn = await self._dial(addr, peer_id, bulk=bulk)
+                    conn = await self.dial(addr, peer_id, bulk=bulk)
             except (NetworkError, OSError, TimeoutError) as e:
                 errors.append(f"{addr}: {str(e) or type(e).__name__}")
             else:
@@ -470,7 +554,8 @@ class Transport:
         if self._loopback is conn:
             self._loopback = None
 
-    def _close_loopback(self, reason: str) -> None:
+    def close_loopback(self, reason: str) -> None:
+        """End the in-memory connection to ourselves (calls on it fail; the next call makes a new one)."""
         if self._loopback is not None:
             self._loopback.close(reason)
 
@@ -506,7 +591,8 @@ class Transport:
                         await self._resolve(peer_id)
                 except TimeoutError:
                     raise PeerUnreachable(f"could not find {peer_id}'s address within {timeout} s") from None
-            if self._relayed_only(peer_id):  # a punch in flight may soon give a direct connection to share
+            if self.puncher is not None and self._relayed_only(peer_id):
+                # A punch in flight may soon give a direct connection to share.
                 left = BULK_WAIT_SECONDS if deadline is None else min(BULK_WAIT_SECONDS, deadline - loop.time())
                 await self.puncher.outcome(peer_id, left)
             dedicated = (peer_id in self._book or bool(self._bulk_idle.get(peer_id))) and not self._punched(peer_id)
@@ -562,9 +648,10 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        self.puncher.close()
+        if self.puncher is not None:
+            self.puncher.close()
         await self._stop_listening()
-        self._close_loopback("peer is shutting down")
+        self.close_loopback("peer is shutting down")
         for conn in list(self._all):
             conn.close("peer is shutting down")
         for fut in [*self._dialing.values(), *self._resolving.values()]:

@@ -1,12 +1,23 @@
-"""Collaborative training: the `Optimizer` (DeDLOC sync mode, Moshpit SGD, DiLoCo), progress
-tracking through the DHT, and large-batch tools (LAMB, LARS, linear scaling with warmup).
+"""Collaborative training: the `Optimizer` (a torch front over one training mode: DeDLOC sync,
+Moshpit SGD, DiLoCo, Streaming DiLoCo), the run context the modes share, progress tracking
+through the DHT, and large-batch tools (LAMB, LARS, linear scaling with warmup).
 
-Imports from `potluck.core`, `potluck.net`, `potluck.dht` and `potluck.averaging` only.
+Layers inside: `machine` (a machine's local ranks as one peer: `MachineOptimizer`) ->
+`optimizer` (the front) -> the modes (`sync`, `moshpit`, `diloco`, `streaming`) ->
+`modes` (their options and interface) -> `context` (the run) -> `vouching` (whose word counts when
+donors disagree), `state` (the model's state) and `progress` (progress records, round
+notes) -> `schema` (the run schema and its fingerprint, which parameter servers and pipelines use
+too). Imports from `potluck.core`, `potluck.net`, `potluck.dht` and `potluck.averaging` only.
 """
 
+from potluck.optim.context import EpochEvent
 from potluck.optim.large_batch import LAMB, LARS, linear_scaling, warmup_linear_scaling
+from potluck.optim.machine import LocalGroupLost, MachineOptimizer
+from potluck.optim.modes import DiLoCo, Moshpit, Sync
 from potluck.optim.optimizer import Optimizer
 from potluck.optim.progress import GlobalProgress, ProgressTracker
+from potluck.optim.schema import ModelMismatch, RunSchema
 
-__all__ = ["LAMB", "LARS", "GlobalProgress", "Optimizer", "ProgressTracker", "linear_scaling",
+__all__ = ["LAMB", "LARS", "DiLoCo", "EpochEvent", "GlobalProgress", "LocalGroupLost", "MachineOptimizer",
+           "ModelMismatch", "Moshpit", "Optimizer", "ProgressTracker", "RunSchema", "Sync", "linear_scaling",
            "warmup_linear_scaling"]

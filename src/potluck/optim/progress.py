@@ -38,19 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
-from potluck.core.wire import (
-    bytes_field,
-    int_field,
-    int_value,
-    list_field,
-    number_field,
-    number_value,
-    text_field,
-    wire_map,
-)
+from potluck.core.names import RunNames
+from potluck.core.wire import Bool, Bytes, Dict, Int, List, Message, Nested, Number, Text, Tuple, number_value
 from potluck.dht.records import own_subkey, owned_entries, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.membership import MAX_TOKEN_BYTES
+from potluck.optim.schema import FINGERPRINT_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +54,10 @@ PROGRESS_TTL = 3.0
 # report every 0.1 s (the Optimizer's PROGRESS_INTERVAL); extrapolating a view much older than
 # that counts samples of a peer that has meanwhile entered the round and ends rounds short.
 MAX_EXTRAPOLATION = 0.25
+# A report time at most this far ahead of ours is counted from now without a warning: clocks of
+# machines kept by NTP differ by milliseconds, and a record stored while we read the DHT is a
+# moment ahead of the time we started reading at. Further ahead, the skew is real and said once.
+CLOCK_TOLERANCE = 1.0
 # Records that claim absurd values are ignored (they come from other peers).
 MAX_SAMPLES_PER_SECOND = 1e9
 # Bounds a round member's claim of samples (it comes from the network): more than any batch.
@@ -71,6 +68,12 @@ MAX_DIGEST_CHARS = 128
 # update, or its delayed round started, a moment before theirs). A report further ahead than this
 # of the second-highest epoch reported is ignored: it takes two peers to move the epoch.
 MAX_EPOCH_LEAD = 1
+# A peer we follow (`ProgressTracker.followed`: one we joined through, or whose state we took) is
+# believed up to this many epochs past the second-highest epoch. A run starts with one peer: the
+# peers that join it take its state, and while their downloads run it trains on alone, an epoch or
+# more per download over slow links; the lead is bounded so that even a peer we trusted once
+# cannot move our epoch by orders of magnitude.
+MAX_FOLLOWED_LEAD = 8
 # A peer's reported speed and samples count at most this many times the median peer's. Volunteers'
 # hardware differs by about an order of magnitude (a laptop CPU next to a datacenter GPU), so
 # honest peers stay within it; one record claiming more would fill the global batch on its own.
@@ -94,7 +97,6 @@ NAMED_OVER_BOUND = 8.0
 # departed peer thus stops holding others back within one matchmaking window, long before its
 # record expires (PROGRESS_TTL).
 LIVE_SECONDS = 1.0
-METHOD_PROGRESS = "potluck.optim.progress"
 # Reports are sent straight to at most this many members of the last group (each report costs
 # one call per neighbor); in bigger groups the rest are seen through the DHT.
 MAX_NEIGHBORS = 32
@@ -144,6 +146,7 @@ class PeerProgress:
     target: int = 0  # the run's target batch size, as this peer was given it (0: not said)
     metrics: tuple[tuple[str, float], ...] = ()  # what it chose to publish (report_metrics)
     metrics_time: float = 0.0  # DHT time the metrics were reported
+    fingerprint: str | None = None  # of its run schema (potluck.optim.schema); None: it does not say
 
     def live(self, now: float) -> bool:
         """It reported recently: still there."""
@@ -172,22 +175,32 @@ class ProgressTracker:
     """Publishes this peer's progress and reads everyone's (async; the Optimizer drives it)."""
 
     def __init__(self, dht: Any, transport: Any, run_id: str, peer_id: str, target_batch_size: int,
-                 client_mode: bool = False):
+                 client_mode: bool = False, fingerprint: str | None = None):
         self.dht = dht
         self.transport = transport
-        self.key = f"{run_id}.progress"
-        self.rounds_key = rounds_key(run_id)
+        names = RunNames(run_id)
+        self.key = names.progress
+        self.rounds_key = names.rounds
         self.subkey = own_subkey(peer_id)
         self.peer_id = peer_id
         self.target = target_batch_size
         self.client_mode = client_mode
-        self.method = f"{METHOD_PROGRESS}.{run_id}"
+        # Our run schema's fingerprint: records that name another are read apart (`strangers`),
+        # never counted. None (a monitor): every record counts.
+        self.fingerprint = fingerprint
+        # Peers whose latest record (in the last read of the DHT) names another fingerprint.
+        self.strangers: dict[str, PeerProgress] = {}
+        self.method = names.progress_push
         self._neighbors: dict[str, Any] = {}  # peer id string -> PeerID
+        # Peers whose epoch counts up to MAX_FOLLOWED_LEAD past the others' (see `_bounded`): the
+        # Optimizer's witnesses (the peers its user joined through) and the donors of its state.
+        self.followed: frozenset[str] = frozenset()
         # Reports sent to us by neighbors, stamped with our clock on arrival; replaced, never
         # changed in place (the training thread reads it while the loop writes it).
         self.pushed: dict[str, PeerProgress] = {}
         # Peers whose report time was in the future: peer -> (that time, our time when first read).
         self._future: dict[str, tuple[float, float]] = {}
+        self._skewed: set[str] = set()  # peers of `_future` further ahead than CLOCK_TOLERANCE (warned once each)
         self._ignored: set[str] = set()  # peers whose reports are ignored now (logged once each)
         self._capped: set[str] = set()  # peers whose claims are far over the bounds now (named once each)
         # peer -> (samples it averaged with, their samples per second, DHT time of the round) in our
@@ -215,11 +228,8 @@ class ProgressTracker:
         our failed rounds so far and the latest `metrics` (DHT time reported, values).
         Without `store`, only to the neighbors."""
         now = self.dht.get_time()
-        record = {"epoch": epoch, "samples": samples, "sps": samples_per_second, "time": now,
-                  "client": self.client_mode, "done": done, "averaging": averaging, "idle": idle, "part": part,
-                  "failed": failed, "target": self.target}
-        if metrics is not None:
-            record["mtime"], record["metrics"] = metrics
+        record = ProgressRecord(epoch, samples, samples_per_second, now, self.client_mode, done, averaging, idle,
+                                part, failed, self.target, *(metrics or (None, None)), self.fingerprint).to_wire()
         sends = [self._send(name, peer, record) for name, peer in self._neighbors.items()]
         if store:
             sends.append(self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey))
@@ -235,9 +245,7 @@ class ProgressTracker:
         while len(rounds) > 1 and sum(len(r.samples) for r in rounds) > MAX_RECORDED_MEMBERS:
             rounds.pop(0)
         self._rounds = rounds
-        value: dict[str, Any] = {"rounds": [r.to_wire() for r in self._rounds]}
-        if token is not None:
-            value["token"] = token
+        value = PublishedRounds(tuple(self._rounds), token, self.fingerprint).to_wire()
         now = self.dht.get_time()
         try:
             await self.dht.astore(self.rounds_key, value, now + ROUNDS_TTL, subkey=self.subkey)
@@ -256,6 +264,14 @@ class ProgressTracker:
                 self._averaged[peer] = (n, n / duration, now)
         for peer in list(self._averaged)[:max(0, len(self._averaged) - MAX_AVERAGED_PEERS)]:
             del self._averaged[peer]
+
+    @property
+    def rounds(self) -> tuple[RoundRecord, ...]:
+        """Our latest rounds, as published (`record_round`)."""
+        return tuple(self._rounds)
+
+    def is_neighbor(self, peer: str) -> bool:
+        return peer in self._neighbors
 
     @property
     def has_neighbors(self) -> bool:
@@ -277,8 +293,13 @@ class ProgressTracker:
         if sender not in self._neighbors:
             return
         report = _parse(sender, request, self.dht.get_time())
-        if report is not None:
+        if report is not None and self.counts(report):
             self.pushed = {**self.pushed, sender: report}
+
+    def counts(self, report: PeerProgress) -> bool:
+        """Whether `report` counts in our view: it names our fingerprint, or none (a record of an
+        older potluck, or ours is not known: a monitor)."""
+        return self.fingerprint is None or report.fingerprint is None or report.fingerprint == self.fingerprint
 
     def merged(self, reports: dict[str, PeerProgress]) -> dict[str, PeerProgress]:
         """`reports` read from the DHT, with the neighbors' newer ones sent to us instead."""
@@ -298,6 +319,7 @@ class ProgressTracker:
         peer believe it is alone)."""
         now = self.dht.get_time()
         reports: dict[str, PeerProgress] = {}
+        strangers: dict[str, PeerProgress] = {}
         try:
             found = await self.dht.aget(self.key, latest=True)
         except PotluckError as e:
@@ -308,8 +330,11 @@ class ProgressTracker:
                 owner = subkey_owner(subkey)  # the signer: a record is only ever its signer's progress
                 report = None if owner is None else _parse(str(owner), entry.value)
                 if report is not None and entry.expiration_time > now:
-                    reports[report.peer_id] = dataclasses.replace(report, time=self._clamp(report, now))
-        self._future = {peer: seen for peer, seen in self._future.items() if peer in reports}
+                    report = dataclasses.replace(report, time=self._clamp(report, now))
+                    (reports if self.counts(report) else strangers)[report.peer_id] = report
+        self._future = {peer: seen for peer, seen in self._future.items() if peer in reports or peer in strangers}
+        self._skewed &= self._future.keys()
+        self.strangers = strangers
         return reports
 
     def _clamp(self, report: PeerProgress, now: float) -> float:
@@ -319,9 +344,10 @@ class ProgressTracker:
             return report.time
         first = self._future.get(report.peer_id)
         if first is None or first[0] != report.time:
-            if first is None:
-                logger.warning("progress: %s reports a time %.1f s in the future; counting it from now",
-                               report.peer_id, report.time - now)
+            if report.time - now > CLOCK_TOLERANCE and report.peer_id not in self._skewed:
+                self._skewed.add(report.peer_id)
+                logger.warning("progress: %s reports a time %.1f s in the future (its clock is ahead of ours); "
+                               "counting it from now", report.peer_id, report.time - now)
             first = self._future[report.peer_id] = (report.time, now)
         return first[1]
 
@@ -348,15 +374,19 @@ class ProgressTracker:
 
     def _bounded(self, others: list[PeerProgress], local: PeerProgress) -> list[PeerProgress]:
         """Others' reports as far as the swarm supports them: none more than MAX_EPOCH_LEAD
-        epochs ahead of the second-highest epoch, speeds and samples at most MAX_SPEED_RATIO
-        times the median peer's (ours included). Our own epoch counts once we have trained or
-        loaded a state (a newcomer's 0 is no evidence: to it a lone other peer is the swarm),
-        except against a lone other peer that was in our last group (we fell behind it). Then
-        each peer we averaged with recently at most what it averaged with (`_within_averaged`)."""
+        epochs ahead of the second-highest epoch (or of a peer we follow, if that is higher: at
+        most MAX_FOLLOWED_LEAD past it), speeds and samples at most MAX_SPEED_RATIO times the
+        median peer's (ours included). An epoch counts once its peer has trained or loaded a
+        state (a newcomer's 0 is no evidence: to it a lone other peer is the swarm), ours except
+        against a lone other peer that was in our last group (we fell behind it). Then each peer
+        we averaged with recently at most what it averaged with (`_within_averaged`)."""
         lone_neighbor = len(others) == 1 and others[0].peer_id in self._neighbors
-        ours = [local.epoch] if (local.samples or local.done) and not lone_neighbor else []
-        epochs = sorted([*ours, *(r.epoch for r in others)], reverse=True)
+        ours = [local.epoch] if _started(local) and not lone_neighbor else []
+        epochs = sorted([*ours, *(r.epoch for r in others if _started(r))], reverse=True)
         supported = epochs[min(1, len(epochs) - 1)] if epochs else 0
+        followed = [r.epoch for r in others if r.peer_id in self.followed]
+        if followed:
+            supported = max(supported, min(max(followed), supported + MAX_FOLLOWED_LEAD))
         kept = [r for r in others if r.epoch <= supported + MAX_EPOCH_LEAD]
         ignored = {r.peer_id: r.epoch for r in others if r.epoch > supported + MAX_EPOCH_LEAD}
         for peer in ignored.keys() - self._ignored:
@@ -407,76 +437,83 @@ class ProgressTracker:
         return bounded
 
 
-@dataclass(frozen=True)
-class RoundRecord:
+def _started(report: PeerProgress) -> bool:
+    """Whether the peer has trained or taken a state: only then is its epoch evidence of the run's."""
+    return bool(report.samples or report.done)
+
+
+class RoundRecord(Message, what="round record"):
     """A completed averaging round as one member saw it: who contributed and the samples each
     one's round note gave the group (what scaled the group's update). A short round (sync mode: it
     did not fill the batch) names the member that carries its sum on into the epoch's next part."""
 
-    epoch: int
-    part: int
-    samples: tuple[tuple[str, int], ...]  # (contributor's peer id, its samples), at most MAX_ROUND_MEMBERS
-    keeper: str | None = None  # a short round's keeper; None when the round closed the epoch
-    time: float = 0.0  # DHT time the round ended
-    round: str = ""  # an id every member of the round records alike (a digest of their notes)
-
-    def to_wire(self) -> dict:
-        msg: dict[str, Any] = {"epoch": self.epoch, "part": self.part, "time": self.time,
-                               "samples": [[p, n] for p, n in self.samples[:MAX_ROUND_MEMBERS]]}
-        if self.keeper is not None:
-            msg["keeper"] = self.keeper
-        if self.round:
-            msg["round"] = self.round
-        return msg
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> RoundRecord:
-        what = "round record"
-        msg = wire_map(msg, what)
-
-        def member(item: Any) -> tuple[str, int]:
-            if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str) \
-                    or len(item[0]) > MAX_PEER_ID_CHARS:
-                raise MalformedMessage(what, "a member must be [peer id, samples]")
-            return item[0], int_value(item[1], "samples", what, 0, MAX_RECORDED_COUNT)
-
-        members = list_field(msg, "samples", what, MAX_ROUND_MEMBERS, each=member)
-        keeper = text_field(msg, "keeper", what, MAX_PEER_ID_CHARS, optional=True)
-        return cls(int_field(msg, "epoch", what, 0, MAX_RECORDED_COUNT), int_field(msg, "part", what, 0,
-                   MAX_RECORDED_COUNT), tuple(dict(members).items()), keeper,
-                   number_field(msg, "time", what, default=0.0),
-                   text_field(msg, "round", what, MAX_ROUND_ID_CHARS, optional=True) or "")
+    epoch: int = Int("epoch", 0, MAX_RECORDED_COUNT)
+    part: int = Int("part", 0, MAX_RECORDED_COUNT)
+    # (contributor's peer id, its samples), at most MAX_ROUND_MEMBERS
+    samples: tuple[tuple[str, int], ...] = List("samples", Tuple(items=(Text(max_chars=MAX_PEER_ID_CHARS),
+                                                                       Int(None, 0, MAX_RECORDED_COUNT))),
+                                                MAX_ROUND_MEMBERS)
+    keeper: str | None = Text("keeper", MAX_PEER_ID_CHARS, default=None)  # a short round's; None: it closed the epoch
+    time: float = Number("time", default=0.0)  # DHT time the round ended
+    round: str = Text("round", MAX_ROUND_ID_CHARS, default="")  # an id every member records alike (digest of notes)
 
 
-def rounds_key(run_id: str) -> str:
-    """The DHT key of a run's round records (one owner-signed entry per peer)."""
-    return f"{run_id}.rounds"
+class PublishedRounds(Message, what="round records"):
+    """A peer's entry under the run's round records key: its latest rounds, in an
+    authority-governed run its membership token, and its run schema's fingerprint."""
+
+    rounds: tuple[RoundRecord, ...] = List("rounds", Nested(message=RoundRecord), MAX_RECORDED_ROUNDS)
+    token: bytes | None = Bytes("token", MAX_TOKEN_BYTES, default=None)
+    fingerprint: str | None = Text("fp", FINGERPRINT_CHARS, default=None)
 
 
 async def fetch_rounds(dht: Any, run_id: str) -> dict[str, tuple[list[RoundRecord], bytes | None]] | None:
     """Every peer's published round records and membership token bytes, by signer (a malformed
-    round is skipped, a malformed token read as none); None if the DHT could not be read."""
+    entry is skipped: it is its signer's only); None if the DHT could not be read."""
+    published = await fetch_published_rounds(dht, run_id)
+    return None if published is None else {p: (list(e.rounds), e.token) for p, e in published.items()}
+
+
+async def fetch_published_rounds(dht: Any, run_id: str) -> dict[str, PublishedRounds] | None:
+    """Every peer's entry under the run's round records, by signer (malformed ones skipped);
+    None if the DHT could not be read."""
     try:
-        found = await dht.aget(rounds_key(run_id), latest=True)
+        found = await dht.aget(RunNames(run_id).rounds, latest=True)
     except PotluckError as e:
         logger.debug("could not read round records: %s", e)
         return None
-    published: dict[str, tuple[list[RoundRecord], bytes | None]] = {}
+    published: dict[str, PublishedRounds] = {}
     for owner, value in owned_entries(found):
-        if not isinstance(value, dict) or not isinstance(value.get("rounds"), list):
-            continue
-        rounds = []
-        for msg in value["rounds"][:MAX_RECORDED_ROUNDS]:
-            try:
-                rounds.append(RoundRecord.from_wire(msg))
-            except MalformedMessage:
-                continue
         try:
-            token = bytes_field(value, "token", "round record", MAX_TOKEN_BYTES) if "token" in value else None
-        except MalformedMessage:
-            token = None
-        published[str(owner)] = (rounds, token)
+            published[str(owner)] = PublishedRounds.from_wire(value)
+        except MalformedMessage as e:
+            logger.debug("ignoring the round records of %s: %s", owner, e)
     return published
+
+
+def confirmed_runs(published: dict[str, PublishedRounds], live: dict[str, str | None]) -> dict[str, set[str]]:
+    """The fingerprints that peers completed rounds under, and those peers: a round counts when
+    two of its members each publish it (the same epoch, part and id, each listing the other as a
+    contributor) under the same fingerprint, and both are live (`live`: peer -> the fingerprint
+    of its progress record) under that one too. Records are their signers' own, so it takes two
+    identities that ran, or pretend to have run, a round together: never a count of records."""
+    seen: dict[tuple[str, int, int, str], dict[str, frozenset[str]]] = {}
+    for peer, entry in published.items():
+        fingerprint = entry.fingerprint
+        if fingerprint is None or live.get(peer) != fingerprint:
+            continue
+        for record in entry.rounds:
+            members = frozenset(p for p, _ in record.samples)
+            if peer in members:
+                seen.setdefault((fingerprint, record.epoch, record.part, record.round), {})[peer] = members
+    runs: dict[str, set[str]] = {}
+    for (fingerprint, *_), recorders in seen.items():
+        for peer, members in recorders.items():
+            partners = [other for other, theirs in recorders.items() if other != peer and other in members
+                        and peer in theirs]
+            if partners:
+                runs.setdefault(fingerprint, set()).update([peer, *partners])
+    return runs
 
 
 def checked_metrics(values: dict[str, Any]) -> dict[str, float]:
@@ -505,80 +542,61 @@ def _lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+class ProgressRecord(Message, what="progress record"):
+    """A peer's progress as it publishes it (`ProgressTracker.report`): under its own subkey in
+    the DHT, and straight to its neighbors. See `PeerProgress` for the fields."""
+
+    epoch: int = Int("epoch", 0, MAX_RECORDED_COUNT)
+    samples: int = Int("samples", 0, MAX_RECORDED_COUNT)
+    samples_per_second: float = Number("sps")
+    time: float = Number("time", signed=True)
+    client_mode: bool = Bool("client", default=False)
+    done: int | None = Int("done", 0, MAX_RECORDED_COUNT, default=None)  # None: the epoch
+    averaging: bool = Bool("averaging", default=False)
+    idle: bool = Bool("idle", default=False)
+    part: int = Int("part", 0, MAX_RECORDED_COUNT, default=0)
+    failed: int = Int("failed", 0, MAX_RECORDED_COUNT, default=0)
+    target: int = Int("target", 0, MAX_RECORDED_COUNT, default=0)
+    metrics_time: float | None = Number("mtime", default=None)
+    metrics: dict[str, float] | None = Dict("metrics", Text(max_chars=MAX_METRIC_NAME_CHARS), Number(signed=True),
+                                            MAX_METRICS, pairs=False, default=None, default_factory=None)
+    fingerprint: str | None = Text("fp", FINGERPRINT_CHARS, default=None)  # of its run schema
+
+    def validate(self, context: dict[str, Any]) -> None:
+        if self.samples_per_second > MAX_SAMPLES_PER_SECOND:
+            raise self.refuse(f"'sps' must be at most {MAX_SAMPLES_PER_SECOND:g}")
+        if self.done is not None and self.done > self.epoch:
+            raise self.refuse("'done' must be at most 'epoch'")
+
+
 def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress | None:
     """`peer`'s progress record from the DHT (`peer`: the signer of its subkey) or sent to us by
     `peer` at `received` (our clock), or None if it is malformed."""
-    if not isinstance(value, dict):
-        return None
     try:
-        epoch, samples = int(value["epoch"]), int(value["samples"])
-        sps = float(value["sps"])
-        time = float(value["time"]) if received is None else received
-        done = int(value.get("done", epoch))
-        part = int(value.get("part", 0))
-        failed = int(value.get("failed", 0))
-        target = int(value.get("target", 0))
-    except (KeyError, TypeError, ValueError):
+        record = ProgressRecord.from_wire(value)
+    except MalformedMessage:
         return None
-    if epoch < 0 or samples < 0 or not 0 <= sps <= MAX_SAMPLES_PER_SECOND or not 0 <= done <= epoch or part < 0 \
-            or not 0 <= failed < MAX_RECORDED_COUNT or not 0 <= target < MAX_RECORDED_COUNT:
-        return None
-    metrics, metrics_time = _parse_metrics(value)
-    return PeerProgress(peer, epoch, samples, sps, time, bool(value.get("client")), done,
-                        bool(value.get("averaging")), bool(value.get("idle")), part, failed, target,
-                        metrics, metrics_time)
+    return PeerProgress(peer, record.epoch, record.samples, record.samples_per_second,
+                        record.time if received is None else received, record.client_mode,
+                        record.epoch if record.done is None else record.done, record.averaging, record.idle,
+                        record.part, record.failed, record.target,
+                        *(((), 0.0) if record.metrics is None or record.metrics_time is None
+                          else (tuple(record.metrics.items()), record.metrics_time)), record.fingerprint)
 
 
-def _parse_metrics(value: dict) -> tuple[tuple[tuple[str, float], ...], float]:
-    """A progress record's metrics and their time, or none if they are malformed (the progress
-    itself still counts)."""
-    if "metrics" not in value:
-        return (), 0.0
-    try:
-        metrics = checked_metrics(wire_map(value["metrics"], "metrics"))
-        mtime = number_field(value, "mtime", "metrics")
-    except (ValueError, MalformedMessage):
-        return (), 0.0
-    return tuple(metrics.items()), mtime
-
-
-@dataclass(frozen=True)
-class RoundNote:
+class RoundNote(Message, what="round note"):
     """What a member tells its group in a round: the samples behind its gradients or change, its
     speed (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco
     and each fragment of Streaming DiLoCo). Members record each other's samples for monitors.
     An aux peer says `aux`: it holds no state. Moshpit members say their `epoch` (they meet
-    whatever their epochs): the round is recorded under the group's median (see _record_round)."""
+    whatever their epochs): the round is recorded under the group's median (see record_round)."""
 
-    samples: int = 0
-    speed: float = 0.0
-    state: str | None = None
-    aux: bool = False
-    outer: str | None = None
-    epoch: int | None = None
-
-    def to_wire(self) -> dict:
-        msg: dict[str, Any] = {"samples": self.samples, "sps": self.speed}
-        if self.epoch is not None:
-            msg["epoch"] = self.epoch
-        if self.state is not None:
-            msg["state"] = self.state
-        if self.outer is not None:
-            msg["outer"] = self.outer
-        if self.aux:
-            msg["aux"] = True
-        return msg
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> RoundNote:
-        what = "round note"
-        msg = wire_map(msg, what)
-        return cls(int_field(msg, "samples", what, 0, MAX_CLAIMED_SAMPLES + 1),
-                   min(number_field(msg, "sps", what, default=0.0), MAX_SAMPLES_PER_SECOND),
-                   text_field(msg, "state", what, MAX_DIGEST_CHARS, optional=True),
-                   msg.get("aux") is True,
-                   text_field(msg, "outer", what, MAX_DIGEST_CHARS, optional=True),
-                   None if msg.get("epoch") is None else int_value(msg["epoch"], "epoch", what, 0, MAX_CLAIMED_SAMPLES))
+    samples: int = Int("samples", 0, MAX_CLAIMED_SAMPLES + 1, default=0)
+    speed: float = Number("sps", most=MAX_SAMPLES_PER_SECOND, default=0.0)
+    state: str | None = Text("state", MAX_DIGEST_CHARS, default=None)
+    aux: bool = Bool("aux", default=False)
+    outer: str | None = Text("outer", MAX_DIGEST_CHARS, default=None)
+    epoch: int | None = Int("epoch", 0, MAX_CLAIMED_SAMPLES, default=None)
 
     @classmethod
     def read(cls, msg: Any) -> RoundNote:

@@ -9,10 +9,10 @@ Every `local_steps / fragments` inner steps one fragment's outer round starts (f
    fragment's delta buffers; with a top-k codec only the largest values are kept there, and what
    was left out is added to that fragment's next pseudo-gradient (error feedback);
 2. the fragment's averager averages it with the group in the background, the wire codec
-   (`outer_compression`) compressing it, while the inner steps go on for `delay` more steps;
+   (`outer_compression`) compressing it, while the inner steps go on for `outer_delay` more steps;
 3. the averaged pseudo-gradient moves the fragment's outer parameters (Nesterov, as DiLoCo), and
    the local parameters take `mixing * local + (1 - mixing) * outer` (the paper's rule: with
-   `delay` > 0 the local ones have moved on since the round began; with `delay` = 0 they are the
+   `outer_delay` > 0 the local ones have moved on since the round began; with 0 they are the
    outer ones, as in DiLoCo).
 The outer parameters and momentum of a fragment are what stay identical across a round's group:
 each member applies the same averaged pseudo-gradient to them. Members whose outer points differ
@@ -28,7 +28,6 @@ averager's flat buffers of one fragment.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,61 +36,23 @@ from typing import Any
 import torch
 
 from potluck.averaging.averager import Averager, StepResult
-from potluck.compression import Codec, TopK, get_codec
+from potluck.compression import TopK, get_codec
 from potluck.core.errors import AveragingError
 from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.optim.context import RunContext
+from potluck.optim.diloco import round_begun
+from potluck.optim.modes import DiLoCo, TrainingMode
+from potluck.optim.moshpit import place_on_grid
 from potluck.optim.progress import RoundNote
+from potluck.optim.state import tensor_digest
 
-__all__ = ["MAX_FRAGMENTS", "ErrorFeedback", "StreamingConfig", "StreamingDiLoCo", "split_fragments",
-           "tensor_digest"]
+__all__ = ["ErrorFeedback", "StreamingDiLoCo", "split_fragments"]
 
 logger = logging.getLogger(__name__)
 
-# Each fragment runs two averagers (a matchmaking key and a round per epoch each); the paper's
-# models use a few to a few dozen fragments (one per few layers). More is a misconfiguration.
-MAX_FRAGMENTS = 64
 # A peer this many fragment rounds behind the swarm moves on to its round without downloading
 # its state: the fragment of a missed round is repaired in its next round (see `_rejoin`).
 MAX_ROUNDS_REJOINED = 1
-
-
-@dataclass(frozen=True)
-class StreamingConfig:
-    """The Optimizer's Streaming DiLoCo options (see the module docstring)."""
-
-    fragments: int = 1
-    delay: int = 0
-    mixing: float = 0.5
-    compression: Any = "none"
-
-    @property
-    def streaming(self) -> bool:
-        """Anything beyond plain DiLoCo (which the Optimizer runs as before)."""
-        return self.fragments > 1 or self.delay > 0 or get_codec(self.compression).name != "none"
-
-    def check(self, local_steps: int, parameters: int) -> None:
-        """ValueError (or CompressionError for the codec) on options that cannot work."""
-        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) \
-                or not 1 <= self.fragments <= min(MAX_FRAGMENTS, max(parameters, 1)):
-            raise ValueError(f"fragments must be an int in 1..{min(MAX_FRAGMENTS, parameters)} "
-                             f"(at most one per parameter tensor), got {self.fragments!r}")
-        if local_steps % self.fragments:
-            raise ValueError(f"local_steps ({local_steps}) must be a multiple of fragments ({self.fragments}): "
-                             "a fragment's round starts every local_steps / fragments steps")
-        interval = local_steps // self.fragments
-        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < interval:
-            raise ValueError(f"delay must be an int in 0..{interval - 1} (less than local_steps / fragments: "
-                             f"one fragment's round in flight at a time), got {self.delay!r}")
-        if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)) or not 0 <= self.mixing <= 1:
-            raise ValueError(f"mixing must be a number in [0, 1], got {self.mixing!r}")
-        get_codec(self.compression)  # parsed (and refused) now, not at the first round
-
-    def wire_codec(self) -> Codec:
-        """What the averagers send pseudo-gradients with: a top-k thins them before the round
-        (with error feedback), and its chunks and averages travel as `sparse`, which loses
-        nothing (a top-k per chunk would cut them again, without feedback)."""
-        codec = get_codec(self.compression)
-        return get_codec("sparse") if isinstance(codec, TopK) else codec
 
 
 def split_fragments(sizes: Sequence[int], fragments: int) -> list[range]:
@@ -138,10 +99,13 @@ class ErrorFeedback:
 
 
 @dataclass
-class _Fragment:
+class Fragment:
+    """One fragment of the model: its parameters, its slices of the outer parameters and
+    momentum (views of the mode's own lists: one set of tensors), and its two averagers."""
+
     index: int
     params: list[torch.Tensor]
-    outer: list[torch.Tensor]  # views of the Optimizer's own lists: one set of tensors
+    outer: list[torch.Tensor]
     momentum: list[torch.Tensor]
     averager: Averager  # over the delta buffers: the pseudo-gradients
     outer_averager: Averager  # over outer + momentum: repairs members that differ
@@ -149,119 +113,128 @@ class _Fragment:
 
 
 @dataclass
-class _Flight:
+class Flight:
     """A fragment's round under way in the background."""
 
-    fragment: _Fragment
+    fragment: Fragment
     epoch: int
     task: asyncio.Future | None  # None: nobody else trains (the local change is applied)
     steps_left: int  # inner steps until it is applied
     samples: int  # behind its change (since the last round began): the others record them
 
 
-class StreamingDiLoCo:
-    """The fragment schedule of an `Optimizer` in diloco mode (see the module docstring). The
-    optimizer calls `after_step()` after every inner step; progress, catching up and epochs stay
-    the optimizer's (an epoch is one fragment round: local_steps / fragments inner steps)."""
+class StreamingDiLoCo(TrainingMode):
+    """Streaming DiLoCo's fragment schedule (see the module docstring); progress, catching up and
+    epochs are the run's (an epoch is one fragment round: local_steps / fragments inner steps)."""
 
-    def __init__(self, opt: Any, config: StreamingConfig):
-        self.opt, self.config = opt, config
-        self.interval = opt.local_steps // config.fragments
+    def __init__(self, context: RunContext, options: DiLoCo):
+        super().__init__(context)
+        self.options = options
+        self.interval = options.local_steps // options.fragments
         self.steps = 0  # inner steps since the last round started
-        self.fragments: list[_Fragment] = []
-        self.flight: _Flight | None = None
-        self.grid: tuple[int, ...] | None = None  # Moshpit groups for the rounds (see start)
+        self.momentum = context.state.extra  # the outer momentum, part of the state
+        self.outer: list[torch.Tensor] = []  # the outer parameters (see start)
+        self.fragments: list[Fragment] = []
+        self.flight: Flight | None = None
+        # Moshpit groups for the rounds, placed at each round (see `_launch`); a repair meets
+        # exactly the round's group.
+        self.grid: tuple[int, ...] | None = None if options.grid is None else tuple(options.grid)
 
-    async def start(self, outer: list[torch.Tensor], options: dict[str, Any], grid: Any) -> None:
-        """Build each fragment's buffers and averagers over the optimizer's outer parameters and
-        momentum (`outer`, `opt._outer_momentum`): one set of tensors, so downloads reach them.
-        `options`: the optimizer's averaging options (aggregation, role, timeouts, codec)."""
-        opt, config = self.opt, self.config
-        params, momentum = opt._params, opt._outer_momentum
-        # Moshpit groups (`grid`) for the rounds, placed at each round (see `_launch`); a repair
-        # meets exactly the round's group.
-        self.grid = None if grid is None else tuple(grid)
-        wire = {**options, "compression": self.config.wire_codec().spec, "grid": self.grid}
-        spec = get_codec(config.compression)
-        for i, span in enumerate(split_fragments([p.numel() for p in params], config.fragments)):
+    async def start(self) -> None:
+        """Build each fragment's buffers and averagers over the outer parameters and momentum:
+        one set of tensors, so downloads reach them."""
+        context, options = self.context, self.options
+        params, momentum = context.state.params, self.momentum
+        self.outer = outer = await run_in_thread(lambda: [p.detach().clone() for p in params])
+        averaging = context.settings.averaging()
+        wire = {**averaging, "compression": options.wire_codec().spec, "grid": self.grid}
+        spec = get_codec(options.outer_compression)
+        for i, span in enumerate(split_fragments([p.numel() for p in params], options.fragments)):
             deltas = await run_in_thread(lambda span=span: [torch.zeros_like(params[k]) for k in span])
-            self.fragments.append(_Fragment(
+            self.fragments.append(Fragment(
                 i, [params[k] for k in span], [outer[k] for k in span], [momentum[k] for k in span],
-                Averager(opt.peer, deltas, f"{opt.run_id}.delta{i}", allow_state_sharing=False, **wire),
-                Averager(opt.peer, [outer[k] for k in span] + [momentum[k] for k in span],
-                         f"{opt.run_id}.outer{i}", allow_state_sharing=False, **options),
-                ErrorFeedback(config.compression, len(span)) if isinstance(spec, TopK) else None))
+                Averager(context.peer, deltas, context.run_id, name=f"delta{i}", allow_state_sharing=False, **wire),
+                Averager(context.peer, [outer[k] for k in span] + [momentum[k] for k in span], context.run_id,
+                         name=f"outer{i}", allow_state_sharing=False, **averaging),
+                ErrorFeedback(options.outer_compression, len(span)) if isinstance(spec, TopK) else None))
         # The fragments' rounds meet the same peers: one memory of the last group for all, so a
         # later fragment's first round asks the last leader directly, as a repeated round does
         # (no DHT declaration, no matchmaking window: once per run, not once per fragment).
         for fragment in self.fragments[1:]:
             fragment.averager.matchmaker.last = self.fragments[0].averager.matchmaker.last
 
-    async def after_step(self) -> None:
-        """Count one inner step: apply the round in flight when its delay is over, and start the
-        next fragment's round when it is due."""
+    async def step(self) -> None:
+        """One inner step: apply the round in flight when its delay is over, and start the next
+        fragment's round when it is due."""
+        await self.context.inner_step()
         self.steps += 1
         if self.flight is not None:
             self.flight.steps_left -= 1
             if self.flight.steps_left <= 0:
                 await self._land()
-        if self.steps >= self.interval or (self.flight is None and self.opt.round_begun(self.steps, self.interval)):
+        if self.steps >= self.interval or (self.flight is None and round_begun(self.context, self.steps,
+                                                                               self.interval)):
             self.steps = 0
             await self._launch()
 
+    async def restart(self) -> None:
+        """Start the next inner steps from the state just downloaded."""
+        await run_in_thread(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
+
     async def _launch(self) -> None:
-        opt = self.opt
-        opt.steps = 0
-        swarm_epoch = opt.progress().epoch
-        if swarm_epoch > opt.local_epoch:  # the others are ahead: rejoin them
+        context, tally = self.context, self.context.tally
+        swarm_epoch = context.progress().epoch
+        if swarm_epoch > context.epoch:  # the others are ahead: rejoin them
             await self._rejoin(swarm_epoch)
             return
-        fragment = self.fragments[opt.local_epoch % len(self.fragments)]
+        fragment = self.fragments[context.epoch % len(self.fragments)]
         await run_in_thread(self._take_change, fragment)
         task = None
-        if opt._anyone_else():
+        if context.anyone_else():
             # With a grid, the peers' cells come from their ranks, as in moshpit mode (random cells
             # left most peers alone); without, a stable group meets again without the DHT.
-            expected = None if self.grid is None else opt._place_on_grid(fragment.averager, self.grid)
-            members = opt._members(opt.progress().reports) if self.grid is None else None
+            expected = None if self.grid is None else place_on_grid(context, fragment.averager, self.grid)
+            members = context.members(context.progress().reports) if self.grid is None else None
             digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
+            settings = context.settings
             task = asyncio.ensure_future(fragment.averager.astep(
-                weight=float(opt.batch_size_per_step * opt.local_steps),
-                gather=RoundNote(opt.samples, outer=digest).to_wire(),
-                group_key=f"outer{opt.local_epoch}", target_group_size=expected, members=members))
-            opt._in_round = True  # slower peers see it and join now (Optimizer.round_begun)
-            opt._publish()
-        self.flight = _Flight(fragment, opt.local_epoch, task, self.config.delay, opt.samples)
-        if self.config.delay == 0:
+                weight=float(settings.batch_size_per_step * self.options.local_steps),
+                gather=RoundNote(tally.samples, outer=digest).to_wire(),
+                group_key=f"outer{context.epoch}", target_group_size=expected, members=members))
+            tally.in_round = True  # slower peers see it and join now (round_begun)
+            context.publish()
+        self.flight = Flight(fragment, context.epoch, task, self.options.outer_delay, tally.samples)
+        if self.options.outer_delay == 0:
             await self._land()
 
     async def _land(self) -> None:
         """Apply the round in flight (waiting for it if it is not over yet)."""
-        opt, flight = self.opt, self.flight
+        context, flight = self.context, self.flight
         self.flight = None
         fragment, result = flight.fragment, None
         if flight.task is not None:
             if not flight.task.done():
-                opt._waited = True
+                context.waited = True
             try:
-                await opt._wait_for_round(flight.task, fragment.averager, flight.epoch)
+                await context.wait_for_round(flight.task, fragment.averager, flight.epoch)
             finally:
-                opt._in_round = False
+                context.tally.in_round = False
             if flight.task.cancelled():  # the others' round is over without us: rejoin them
                 if fragment.feedback is not None:
                     fragment.feedback.reset()
-                await self._rejoin(max(r.done for r in opt.tracker.merged(opt._reports).values()))
+                await self._rejoin(max(r.done for r in context.tracker.merged(context.reports).values()))
                 return
             try:
                 result = flight.task.result()
-                opt.tracker.set_neighbors(result.peers)  # they hear our progress at once
-                opt._record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
-                                  result.contributors)
+                context.tracker.set_neighbors(result.peers)  # they hear our progress at once
+                context.record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
+                                     result.contributors)
             except AveragingError as e:
                 logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
         await run_in_thread(self._outer_step, fragment)
-        opt.samples = max(0, opt.samples - flight.samples)  # those since it began go to the next round
-        opt._advance_epoch()
+        # those since it began go to the next round
+        context.tally.samples = max(0, context.tally.samples - flight.samples)
+        context.advance_epoch()
         if result is not None and len({RoundNote.read(m).outer for m in result.gathered.values()}) > 1:
             await self._repair(fragment, result)
 
@@ -271,16 +244,15 @@ class StreamingDiLoCo:
         point, which its next round's digests reveal and average away. Further behind: download
         the swarm's state (as DiLoCo does). Downloading for one round would never end when rounds
         are shorter than a download: the swarm is a round further on by the time it finishes."""
-        opt = self.opt
-        opt.samples = 0
-        if epoch - opt.local_epoch > MAX_ROUNDS_REJOINED:
-            await opt._catch_up(epoch)
+        context = self.context
+        context.tally.samples = 0
+        if epoch - context.epoch > MAX_ROUNDS_REJOINED:
+            await context.catch_up(epoch, restart=self.restart)
             return
-        logger.info("fragment round %d went on without us; rejoining the swarm at round %d", opt.local_epoch, epoch)
-        opt._move_to(epoch)
-        opt._publish()
+        logger.info("fragment round %d went on without us; rejoining the swarm at round %d", context.epoch, epoch)
+        context.rejoin(epoch)
 
-    def _take_change(self, fragment: _Fragment) -> None:
+    def _take_change(self, fragment: Fragment) -> None:
         """The fragment's pseudo-gradient into its delta buffers, thinned if top-k (worker thread)."""
         with fragment.averager.get_tensors() as deltas, torch.no_grad():
             torch._foreach_copy_(deltas, fragment.outer)
@@ -288,39 +260,39 @@ class StreamingDiLoCo:
             if fragment.feedback is not None:
                 fragment.feedback.thin(deltas)
 
-    def _outer_step(self, fragment: _Fragment) -> None:
+    def _outer_step(self, fragment: Fragment) -> None:
         """The averaged pseudo-gradient moves the outer parameters (Nesterov, as DiLoCo's outer
         step); the local ones take them, mixed with themselves if they moved on meanwhile."""
-        opt = self.opt
-        with fragment.averager.get_tensors() as deltas, opt.state_averager.get_tensors(), torch.no_grad():
-            opt._state_generation += 1
-            torch._foreach_mul_(fragment.momentum, opt.outer_momentum)
+        options, state = self.options, self.context.state
+        with fragment.averager.get_tensors() as deltas, state.lock(), torch.no_grad():
+            state.generation += 1
+            torch._foreach_mul_(fragment.momentum, options.outer_momentum)
             torch._foreach_add_(fragment.momentum, deltas)
-            torch._foreach_add_(deltas, fragment.momentum, alpha=opt.outer_momentum)
-            torch._foreach_add_(fragment.outer, deltas, alpha=-opt.outer_lr)
-            if self.config.delay == 0:
+            torch._foreach_add_(deltas, fragment.momentum, alpha=options.outer_momentum)
+            torch._foreach_add_(fragment.outer, deltas, alpha=-options.outer_lr)
+            if options.outer_delay == 0:
                 torch._foreach_copy_(fragment.params, fragment.outer)
             else:  # mixing * local + (1 - mixing) * outer
-                torch._foreach_lerp_(fragment.params, fragment.outer, 1.0 - self.config.mixing)
+                torch._foreach_lerp_(fragment.params, fragment.outer, 1.0 - options.mixing)
 
-    async def _repair(self, fragment: _Fragment, result: StepResult) -> None:
+    async def _repair(self, fragment: Fragment, result: StepResult) -> None:
         """The group's outer points differed: average them (and the momentum) with the group;
         the local parameters move with their outer point."""
-        opt = self.opt
         logger.info("fragment %d: the group's outer parameters differ; averaging them", fragment.index)
         before = await run_in_thread(lambda: [t.clone() for t in fragment.outer])
         try:
-            await fragment.outer_averager.astep(group_key=f"outer-state{opt.local_epoch}",
+            await fragment.outer_averager.astep(group_key=f"outer-state{self.context.epoch}",
                                                 target_group_size=len(result.peers), members=frozenset(result.peers))
         except AveragingError as e:
             logger.warning("fragment %d: averaging the outer parameters failed (%s)", fragment.index, e)
             return
         await run_in_thread(self._follow, fragment, before)
 
-    def _follow(self, fragment: _Fragment, before: list[torch.Tensor]) -> None:
-        with self.opt.state_averager.get_tensors(), torch.no_grad():
-            self.opt._state_generation += 1
-            if self.config.delay == 0:
+    def _follow(self, fragment: Fragment, before: list[torch.Tensor]) -> None:
+        state = self.context.state
+        with state.lock(), torch.no_grad():
+            state.generation += 1
+            if self.options.outer_delay == 0:
                 torch._foreach_copy_(fragment.params, fragment.outer)
             else:
                 torch._foreach_sub_(before, fragment.outer)
@@ -339,11 +311,3 @@ class StreamingDiLoCo:
 def _drop(task: asyncio.Future) -> None:
     task.cancel()
     task.add_done_callback(retrieve_exception)
-
-
-def tensor_digest(tensors: list[torch.Tensor]) -> str:
-    """BLAKE2b of the tensors' bytes: equal only if they are equal to the bit."""
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()

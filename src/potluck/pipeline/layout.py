@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from potluck.core.errors import MalformedMessage
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
-from potluck.core.wire import int_field, int_value, list_field, wire_map
+from potluck.core.wire import Field, Int, List, Message, int_value
 from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
-from potluck.pipeline.messages import (
-    MAX_CLUSTERS,
-    MAX_COUNTER,
-    MAX_LAYER_INDEX,
-    MAX_STAGES,
-    peer_text,
-)
+from potluck.net.wire import PeerIdField
+from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, MAX_LAYER_INDEX, MAX_STAGES
 
 __all__ = ["Accept", "Layout", "LayoutDirectory", "Span"]
 
@@ -53,31 +48,30 @@ class Span(NamedTuple):
     end: int
 
 
-@dataclass(frozen=True)
-class Layout:
+class SpanField(Field):
+    """A `Span` on the wire: [peer id, start, end], a non-empty range of layers."""
+
+    encodes = True
+    peer = PeerIdField(text=True)
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> Span:
+        if not isinstance(value, (list, tuple)) or len(value) != 3:
+            raise MalformedMessage(what, f"{key!r} entries must be [peer id, start, end]")
+        peer, start, end = value
+        start = int_value(start, key, what, 0, MAX_LAYER_INDEX)
+        return Span(self.peer.check(peer, key, what, context), start, int_value(end, key, what, start + 1,
+                                                                                 MAX_LAYER_INDEX + 1))
+
+    def encode(self, value: Span) -> list:
+        return list(value)
+
+
+class Layout(Message, what="layout"):
     """One cluster's stages in `epoch`, under version `plan` of the run's plan."""
 
-    epoch: int
-    stages: tuple[Span, ...]
-    plan: int = 1
-
-    def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "stages": [list(s) for s in self.stages], "plan": self.plan}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Layout:
-        what = "layout"
-        msg = wire_map(msg, what)
-        stages = []
-        for entry in list_field(msg, "stages", what, MAX_STAGES):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-                raise MalformedMessage(what, "'stages' entries must be [peer id, start, end]")
-            peer, start, end = entry
-            start = int_value(start, "stages", what, 0, MAX_LAYER_INDEX)
-            stages.append(Span(peer_text(peer, "stages", what), start,
-                               int_value(end, "stages", what, start + 1, MAX_LAYER_INDEX + 1)))
-        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), tuple(stages),
-                   int_field(msg, "plan", what, 1, MAX_COUNTER))
+    epoch: int = Int("epoch", 0, MAX_COUNTER)
+    stages: tuple[Span, ...] = List("stages", SpanField(), MAX_STAGES)
+    plan: int = Int("plan", 1, MAX_COUNTER, default=1)
 
 
 # Whether a reader takes `layout` of cluster `cluster`, written by `owner` (peer id text).
@@ -103,7 +97,7 @@ class LayoutDirectory:
         """`accept`: which signed layouts to read (None: all); `potluck pipeline run` sets it to its plan's rule."""
         self.peer = peer
         self.dht = peer.dht
-        self.key = f"{run_id}.pipeline.layout"
+        self.key = RunNames(run_id).pipeline.layout
         self.accept = accept
         self._listed: frozenset[PeerID] = frozenset()  # every peer of the newest layouts read
         self._started = 0  # reads of the layouts started so far

@@ -1,36 +1,29 @@
-"""Every message of the pipeline protocol, as typed values checked once, at parse time.
+"""Every message of the pipeline protocol, declared once (`potluck.core.wire.Message`).
 
-Each class has `to_wire()` (plain msgpack-able data, short keys) and `from_wire()`, which checks
-types, sizes and ranges and raises `MalformedMessage` naming the field; handlers only ever see
-these classes. Control calls share one method per stage, so their tag is read from one table
-(`CONTROL_MESSAGES`) in `parse_control`. The DHT records (layouts, profiles) live with their
-directories (`layout`, `profiling`) and use the same checks.
+Each class gets `to_wire()` (plain msgpack-able data, short keys) and `from_wire(msg, **context)`,
+which checks types, sizes and ranges and raises `MalformedMessage` naming the field; handlers only
+ever see these classes. A stage that knows its model's size parses with `num_layers=` in the
+context, so a layer past the model is refused before anything is built or read. Control calls
+share one method per stage and are told apart by their tag (`parse_control`). The DHT records
+(layouts, profiles, plans) live with their directories (`layout`, `profiling`, `planning`) and are
+declared the same way, with the field types of this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from potluck.core.errors import MalformedMessage
-from potluck.core.wire import (
-    bool_field,
-    int_field,
-    int_value,
-    list_field,
-    list_value,
-    number_field,
-    text_field,
-    wire_map,
-)
-from potluck.net.wire import peer_id_value
+from potluck.core.wire import Bool, Dict, Field, Int, List, Message, Nested, Number, OneOf, Text
+from potluck.net.wire import PeerIdField
 
 __all__ = [
-    "Ack", "Activation", "CONTROL_MESSAGES", "Configure", "ControlMessage", "FailureReport", "GetLayers", "GetStats",
-    "Gradient", "LayerStates", "Ping", "ProbeRequest", "Route", "StageReport", "parse_control",
+    "Ack", "Activation", "CONTROL", "Configure", "ControlMessage", "FailureReport", "GetLayers", "GetStats",
+    "Gradient", "LayerKey", "LayerStates", "Payload", "Ping", "ProbeRequest", "Route", "StageReport",
+    "TensorField", "parse_control",
 ]
 
 # Counters (epochs, micro-batch ids, ring rounds) never wrap in a run and must fit msgpack's int64.
@@ -54,70 +47,112 @@ MAX_NAME_CHARS = 256
 MAX_TENSORS_PER_LAYER = 4096
 
 
-# -- field checks of the pipeline's own shapes (the generic ones are potluck.core.wire's) ----------
-def peer_text(value: Any, key: str, what: str, *, optional: bool = False) -> str | None:
-    """A peer id kept in its text form (routes and layouts name peers as text), parsed so a later
-    dial cannot fail on it; None if None and `optional`."""
-    if value is None and optional:
-        return None
-    peer_id_value(value, key, what)
-    return value
+# -- field types of the pipeline's own shapes (the generic ones are potluck.core.wire's) -----------
+class TensorField(Field):
+    """A tensor (its values are checked by whoever uses it: labels by the loss)."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise MalformedMessage(what, f"{key!r} must be a tensor")
+        return value
 
 
-def shape_field(msg: Mapping, key: str, what: str) -> tuple[int, ...]:
-    return tuple(list_field(msg, key, what, MAX_SHAPE_DIMS, each=lambda d: int_value(d, key, what, 1, MAX_DIM)))
+class Payload(Field):
+    """A codec payload, passed on as a map: its contents are checked when decoded (`Codec.decode`)."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> Mapping:
+        if not isinstance(value, Mapping):
+            raise MalformedMessage(what, f"{key!r} must be a codec payload (a map)")
+        return value
+
+    def fast(self, v: str) -> str | None:
+        return f"{v}.__class__ is dict"
 
 
-def _tensor(msg: Mapping, key: str, what: str) -> torch.Tensor:
-    value = msg.get(key)
-    if not isinstance(value, torch.Tensor):
-        raise MalformedMessage(what, f"'{key}' must be a tensor")
-    return value
+class LayerKey(Field):
+    """A layer index as a map key: its decimal text on the wire (msgpack and JSON maps alike)."""
+
+    encodes = True
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> int:
+        if not isinstance(value, str) or not value.isascii() or not value.isdigit() or len(value) > 7:
+            raise MalformedMessage(what, f"{key!r} keys must be layer numbers")
+        return int(value)
+
+    def encode(self, value: int) -> str:
+        return str(value)
 
 
-def _payload(msg: Mapping, key: str, what: str) -> Mapping:
-    """A codec payload: its contents are checked when decoded (`Codec.decode`)."""
-    value = msg.get(key)
-    if not isinstance(value, Mapping):
-        raise MalformedMessage(what, f"'{key}' must be a codec payload (a map)")
-    return value
+class TensorMap(Field):
+    """At most `max_items` names mapped to tensors (a state dict: `load_state_dict` checks the rest)."""
+
+    def __init__(self, key: str | None = None, max_items: int = MAX_TENSORS_PER_LAYER, **options: Any):
+        super().__init__(key, **options)
+        self.max_items = max_items
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if not isinstance(value, Mapping) or len(value) > self.max_items or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()):
+            raise MalformedMessage(what, f"{key!r} entries must map at most {self.max_items} names to tensors")
+        return dict(value)
+
+
+def model_layers(context: Mapping[str, Any]) -> int:
+    """The layers a message may name: the model's (`num_layers` in the context, if the reader
+    knows it), at most MAX_LAYER_INDEX."""
+    num_layers = context.get("num_layers")
+    return MAX_LAYER_INDEX if num_layers is None else min(num_layers, MAX_LAYER_INDEX)
+
+
+class LayerBound(Int):
+    """A stage's first layer or end, at most the model's size; past it is refused saying so."""
+
+    def __init__(self, key: str, low: int):
+        super().__init__(key, low, lambda context: model_layers(context) + 1)
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> int:
+        num_layers = context.get("num_layers")
+        if num_layers is not None and value.__class__ is int and value > num_layers:
+            raise MalformedMessage(what, f"{key!r} is {value}, past the model's {num_layers} layers")
+        return super().check(value, key, what, context)
+
+
+def shape(key: str) -> List:
+    """A per-sample shape (batch aside)."""
+    return List(key, Int(None, 1, MAX_DIM), MAX_SHAPE_DIMS)
 
 
 # -- replies and the route -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Ack:
+class Ack(Message, what="ack"):
     """The reply to a message that needs no answer: `ok` False if it was dropped (old epoch)."""
 
-    ok: bool = True
-
-    def to_wire(self) -> dict:
-        return {"ok": self.ok}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Ack:
-        return cls(bool_field(wire_map(msg, "ack"), "ok", "ack"))
+    ok: bool = Bool("ok", default=True)
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(Message, what="route"):
     """What a stage is told to be: layers [start, end) of cluster `cluster` in `epoch`, its
     neighbours (None at the ends), the per-sample shapes it receives and sends, who to report
     failures to and where to fetch layers it lacks. Peers are named by id only: the transport
-    finds their addresses through their signed peer records in the DHT."""
+    finds their addresses through their signed peer records in the DHT. With `num_layers` in the
+    context (the model's size), layers past it are refused too."""
 
-    epoch: int
-    cluster: str
-    stage: int
-    start: int
-    end: int
-    prev_peer: str | None
-    next_peer: str | None
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    controller: str | None = None
-    report_method: str | None = None
-    compute_seconds: float = 0.0  # profiled seconds per sample, forward + backward (emulate_compute)
-    sources: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # layer -> holders elsewhere
+    epoch: int = Int("epoch", 0, MAX_COUNTER)
+    cluster: str = Text("cluster", MAX_NAME_CHARS)
+    stage: int = Int("stage", 0, MAX_STAGES)
+    start: int = LayerBound("start", 0)
+    end: int = LayerBound("end", 1)
+    prev_peer: str | None = PeerIdField("prev", text=True, optional=True)
+    next_peer: str | None = PeerIdField("next", text=True, optional=True)
+    in_shape: tuple[int, ...] = shape("in_shape")
+    out_shape: tuple[int, ...] = shape("out_shape")
+    controller: str | None = PeerIdField("controller", text=True, default=None)
+    report_method: str | None = Text("report_method", MAX_NAME_CHARS, default=None)
+    # profiled seconds per sample, forward + backward (emulate_compute)
+    compute_seconds: float = Number("compute_seconds", default=0.0)
+    # layer -> holders elsewhere
+    sources: Mapping[int, tuple[str, ...]] = Dict("sources", LayerKey(),
+                                                  List(None, PeerIdField(text=True), MAX_CLUSTERS + 1),
+                                                  MAX_STAGE_LAYERS, pairs=False)
 
     @property
     def first(self) -> bool:
@@ -127,251 +162,100 @@ class Route:
     def last(self) -> bool:
         return self.next_peer is None
 
-    def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "cluster": self.cluster, "stage": self.stage, "start": self.start,
-                "end": self.end, "prev": self.prev_peer, "next": self.next_peer, "in_shape": list(self.in_shape),
-                "out_shape": list(self.out_shape), "controller": self.controller,
-                "report_method": self.report_method, "compute_seconds": self.compute_seconds,
-                "sources": {str(i): list(p) for i, p in self.sources.items()}}
-
-    @classmethod
-    def from_wire(cls, msg: Any, num_layers: int | None = None) -> Route:
-        """Parsed and checked; with `num_layers` (the model's size), layers past it are refused too."""
-        what = "route"
-        msg = wire_map(msg, what)
-        model_end = MAX_LAYER_INDEX if num_layers is None else min(num_layers, MAX_LAYER_INDEX)
-        for key in ("start", "end"):
-            value = msg.get(key)
-            if num_layers is not None and isinstance(value, int) and value > num_layers:
-                raise MalformedMessage(what, f"{key!r} is {value}, past the model's {num_layers} layers")
-        start = int_field(msg, "start", what, 0, model_end)
-        end = int_field(msg, "end", what, start + 1, min(start + MAX_STAGE_LAYERS, model_end) + 1)
-        raw_sources = msg.get("sources", {})
-        if not isinstance(raw_sources, Mapping) or len(raw_sources) > end - start:
-            raise MalformedMessage(what, "'sources' must map at most one entry per layer of the stage")
-        sources = {}
-        for layer, holders in raw_sources.items():
-            if not isinstance(layer, str) or not layer.isdigit() or not start <= int(layer) < end:
-                raise MalformedMessage(what, f"'sources' keys must be layers in [{start}, {end})")
-            sources[int(layer)] = tuple(list_value(holders, "sources", what, MAX_CLUSTERS + 1,
-                                                   each=lambda p: peer_text(p, "sources", what)))
-        return cls(epoch=int_field(msg, "epoch", what, 0, MAX_COUNTER),
-                   cluster=text_field(msg, "cluster", what, MAX_NAME_CHARS),
-                   stage=int_field(msg, "stage", what, 0, MAX_STAGES), start=start, end=end,
-                   prev_peer=peer_text(msg.get("prev"), "prev", what, optional=True),
-                   next_peer=peer_text(msg.get("next"), "next", what, optional=True),
-                   in_shape=shape_field(msg, "in_shape", what), out_shape=shape_field(msg, "out_shape", what),
-                   controller=peer_text(msg.get("controller"), "controller", what, optional=True),
-                   report_method=text_field(msg, "report_method", what, MAX_NAME_CHARS, optional=True),
-                   compute_seconds=number_field(msg, "compute_seconds", what, default=0.0), sources=sources)
+    def validate(self, context: Mapping[str, Any]) -> None:
+        last = min(self.start + MAX_STAGE_LAYERS, model_layers(context))
+        if not self.start < self.end <= last:
+            raise self.refuse(f"'end' must be an integer in [{self.start + 1}, {last + 1})")
+        if not all(self.start <= layer < self.end for layer in self.sources):
+            raise self.refuse(f"'sources' keys must be layers in [{self.start}, {self.end})")
 
 
-@dataclass(frozen=True)
-class StageReport:
+class StageReport(Message, what="stage report"):
     """A stage's counters, as `stats` returns them (busy seconds, updates, staleness...)."""
 
-    busy_seconds: float = 0.0
-    forwards: int = 0
-    backwards: int = 0
-    updates: int = 0
-    max_in_flight: int = 0
-    max_version_lag: int = 0
-    rounds: int = 0
-    rounds_applied: int = 0
-    loss: float | None = None  # mean of the last losses (last stage only)
-    stage: int | None = None
-
-    def to_wire(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> StageReport:
-        what = "stage report"
-        msg = wire_map(msg, what)
-        counts = {k: int_field(msg, k, what, 0, MAX_COUNTER) for k in
-                  ("forwards", "backwards", "updates", "max_in_flight", "max_version_lag", "rounds",
-                   "rounds_applied")}
-        loss = number_field(msg, "loss", what, optional=True, signed=True)
-        stage = None if msg.get("stage") is None else int_field(msg, "stage", what, 0, MAX_STAGES)
-        return cls(busy_seconds=number_field(msg, "busy_seconds", what), loss=loss, stage=stage, **counts)
+    busy_seconds: float = Number("busy_seconds", default=0.0)
+    forwards: int = Int("forwards", 0, MAX_COUNTER, default=0)
+    backwards: int = Int("backwards", 0, MAX_COUNTER, default=0)
+    updates: int = Int("updates", 0, MAX_COUNTER, default=0)
+    max_in_flight: int = Int("max_in_flight", 0, MAX_COUNTER, default=0)
+    max_version_lag: int = Int("max_version_lag", 0, MAX_COUNTER, default=0)
+    rounds: int = Int("rounds", 0, MAX_COUNTER, default=0)
+    rounds_applied: int = Int("rounds_applied", 0, MAX_COUNTER, default=0)
+    loss: float | None = Number("loss", signed=True, default=None)  # mean of the last losses (last stage only)
+    stage: int | None = Int("stage", 0, MAX_STAGES, default=None)
 
 
-@dataclass(frozen=True)
-class LayerStates:
-    """The reply to `GetLayers`: each layer's state dict (checked strictly again by `load_state_dict`)."""
+class LayerStates(Message, what="layer states"):
+    """The reply to `GetLayers`: each layer's state dict (checked strictly again by
+    `load_state_dict`); parsed with `wanted=` (the layers asked for) in the context."""
 
-    states: Mapping[int, Mapping[str, torch.Tensor]]
+    states: Mapping[int, Mapping[str, torch.Tensor]] = Dict(
+        "state", LayerKey(), TensorMap(), lambda context: len(context["wanted"]), pairs=False)
 
-    def to_wire(self) -> dict:
-        return {"state": {str(i): dict(s) for i, s in self.states.items()}}
-
-    @classmethod
-    def from_wire(cls, msg: Any, wanted: tuple[int, ...]) -> LayerStates:
-        what = "layer states"
-        state = wire_map(msg, what).get("state")
-        if not isinstance(state, Mapping) or set(state) != {str(i) for i in wanted}:
-            raise MalformedMessage(what, f"'state' must hold exactly layers {list(wanted)}")
-        out = {}
-        for i in wanted:
-            tensors = state[str(i)]
-            if not isinstance(tensors, Mapping) or len(tensors) > MAX_TENSORS_PER_LAYER or not all(
-                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
-                raise MalformedMessage(what, f"'state' of layer {i} must map at most {MAX_TENSORS_PER_LAYER} "
-                                             "names to tensors")
-            out[i] = dict(tensors)
-        return cls(out)
+    def validate(self, context: Mapping[str, Any]) -> None:
+        if set(self.states) != set(context["wanted"]):
+            raise self.refuse(f"'state' must hold exactly layers {list(context['wanted'])}")
 
 
 # -- control: one method per stage, a tag per message ----------------------------------------------
-@dataclass(frozen=True)
-class Ping:
+class Ping(Message, what="ping", tag=("op", "ping")):
     """Are you alive? (heartbeats, ring members checking a silent neighbour)."""
 
-    TAG: ClassVar[str] = "ping"
 
-    def to_wire(self) -> dict:
-        return {"op": self.TAG}
-
-    @classmethod
-    def from_wire(cls, msg: Mapping) -> Ping:
-        return cls()
-
-
-@dataclass(frozen=True)
-class GetStats:
+class GetStats(Message, what="stats request", tag=("op", "stats")):
     """Ask for the stage's `StageReport`."""
 
-    TAG: ClassVar[str] = "stats"
 
-    def to_wire(self) -> dict:
-        return {"op": self.TAG}
-
-    @classmethod
-    def from_wire(cls, msg: Mapping) -> GetStats:
-        return cls()
-
-
-@dataclass(frozen=True)
-class Configure:
+class Configure(Message, what="configure", tag=("op", "configure")):
     """Take the stage `route` describes (from the cluster's controller)."""
 
-    route: Route
-    TAG: ClassVar[str] = "configure"
-
-    def to_wire(self) -> dict:
-        return {"op": self.TAG, "route": self.route.to_wire()}
-
-    @classmethod
-    def from_wire(cls, msg: Mapping, num_layers: int | None = None) -> Configure:
-        return cls(Route.from_wire(msg.get("route"), num_layers))
+    route: Route = Nested("route", Route)
 
 
-@dataclass(frozen=True)
-class GetLayers:
+class GetLayers(Message, what="get_layers", tag=("op", "get_layers")):
     """Send me these layers' weights (a stage taking over layers this node holds or held)."""
 
-    layers: tuple[int, ...]
-    TAG: ClassVar[str] = "get_layers"
-
-    def to_wire(self) -> dict:
-        return {"op": self.TAG, "layers": list(self.layers)}
-
-    @classmethod
-    def from_wire(cls, msg: Mapping, num_layers: int | None = None) -> GetLayers:
-        what = "get_layers"
-        end = MAX_LAYER_INDEX if num_layers is None else min(num_layers, MAX_LAYER_INDEX)
-        return cls(tuple(list_field(msg, "layers", what, MAX_STAGE_LAYERS,
-                                    each=lambda i: int_value(i, "layers", what, 0, end))))
+    layers: tuple[int, ...] = List("layers", Int(None, 0, model_layers), MAX_STAGE_LAYERS)
 
 
 ControlMessage = Ping | GetStats | Configure | GetLayers
-# The wire tag of each control message: the one place a tag is compared.
-CONTROL_MESSAGES: dict[str, type[ControlMessage]] = {c.TAG: c for c in (Ping, GetStats, Configure, GetLayers)}
+CONTROL = OneOf("control message", Ping, GetStats, Configure, GetLayers)
 
 
 def parse_control(msg: Any, num_layers: int | None = None) -> ControlMessage:
     """The control message `msg` is; with `num_layers` (the model's size), a `Configure` or
     `GetLayers` naming a layer past the model is refused here, before anything is built or read."""
-    op = wire_map(msg, "control message").get("op")
-    kind = CONTROL_MESSAGES.get(op) if isinstance(op, str) else None
-    if kind is None:
-        raise MalformedMessage("control message", f"'op' must be one of {sorted(CONTROL_MESSAGES)}")
-    if kind is Configure or kind is GetLayers:
-        return kind.from_wire(msg, num_layers)
-    return kind.from_wire(msg)
+    return CONTROL.from_wire(msg, num_layers=num_layers)
 
 
 # -- the pipeline's data ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Activation:
+class Activation(Message, what="activation"):
     """Micro-batch `micro_batch`'s activation (a codec payload) and labels, sent to the next stage."""
 
-    epoch: int
-    micro_batch: int
-    payload: Mapping[str, Any]
-    labels: torch.Tensor
-
-    def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "mb": self.micro_batch, "x": self.payload, "y": self.labels}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Activation:
-        what = "activation"
-        msg = wire_map(msg, what)
-        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
-                   _payload(msg, "x", what), _tensor(msg, "y", what))
+    epoch: int = Int("epoch", 0, MAX_COUNTER)
+    micro_batch: int = Int("mb", 0, MAX_COUNTER)
+    payload: Mapping[str, Any] = Payload("x")
+    labels: torch.Tensor = TensorField("y")
 
 
-@dataclass(frozen=True)
-class Gradient:
+class Gradient(Message, what="gradient"):
     """The gradient of micro-batch `micro_batch`'s activation (a codec payload), sent back."""
 
-    epoch: int
-    micro_batch: int
-    payload: Mapping[str, Any]
-
-    def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "mb": self.micro_batch, "g": self.payload}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Gradient:
-        what = "gradient"
-        msg = wire_map(msg, what)
-        return cls(int_field(msg, "epoch", what, 0, MAX_COUNTER), int_field(msg, "mb", what, 0, MAX_COUNTER),
-                   _payload(msg, "g", what))
+    epoch: int = Int("epoch", 0, MAX_COUNTER)
+    micro_batch: int = Int("mb", 0, MAX_COUNTER)
+    payload: Mapping[str, Any] = Payload("g")
 
 
-@dataclass(frozen=True)
-class FailureReport:
+class FailureReport(Message, what="cluster report", tag=("op", "failure")):
     """A stage tells its controller that sending to `peer` failed in `epoch`."""
 
-    peer: str
-    epoch: int
-    TAG: ClassVar[str] = "failure"
-
-    def to_wire(self) -> dict:
-        return {"op": self.TAG, "peer": self.peer, "epoch": self.epoch}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> FailureReport:
-        what = "cluster report"
-        msg = wire_map(msg, what)
-        if msg.get("op") != cls.TAG:
-            raise MalformedMessage(what, f"'op' must be {cls.TAG!r}")
-        return cls(peer_text(msg.get("peer"), "peer", what), int_field(msg, "epoch", what, 0, MAX_COUNTER))
+    peer: str = PeerIdField("peer", text=True)
+    epoch: int = Int("epoch", 0, MAX_COUNTER)
 
 
 # -- profiling probes -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProbeRequest:
-    """A bandwidth / latency probe: answer with `reply_bytes` bytes (capped by the caller's limit)."""
+class ProbeRequest(Message, what="probe"):
+    """A bandwidth / latency probe: answer with `reply_bytes` bytes (at most the `limit` the
+    answering node gives in the context)."""
 
-    reply_bytes: int = 0
-
-    def to_wire(self) -> dict:
-        return {"reply_bytes": self.reply_bytes} if self.reply_bytes else {}
-
-    @classmethod
-    def from_wire(cls, msg: Any, limit: int) -> ProbeRequest:
-        msg = wire_map(msg, "probe")
-        return cls(int_field(msg, "reply_bytes", "probe", 0, limit + 1) if "reply_bytes" in msg else 0)
+    reply_bytes: int = Int("reply_bytes", 0, lambda context: context["limit"] + 1, default=0)

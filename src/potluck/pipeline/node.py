@@ -35,17 +35,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from potluck.core import compat
-from potluck.core.errors import MalformedMessage, NetworkError
+from potluck.core.errors import NetworkError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import run_in_thread
-from potluck.core.wire import int_field, text_field, wire_map
+from potluck.core.wire import Int, Message, Text
 from potluck.net.identity import PeerID
 from potluck.pipeline.clustering import ModelDemand
 from potluck.pipeline.layout import Layout
@@ -92,25 +92,16 @@ MAX_PAST_RECOVERIES = 100
 MAX_JUDGED_PLANS = 64
 
 
-@dataclass(frozen=True)
-class Claim:
+class Claim(Message, what="standby claim"):
     """A controller asks a standby to join `cluster` under plan `version`; `Ack.ok` says whether it
     agreed (it agrees to one cluster per plan version)."""
 
-    version: int
-    cluster: str
+    version: int = Int("version", 1, MAX_COUNTER)
+    cluster: str = Text("cluster", MAX_CLUSTER_ID_CHARS)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "cluster": self.cluster}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Claim:
-        what = "standby claim"
-        msg = wire_map(msg, what)
-        cluster = text_field(msg, "cluster", what, MAX_CLUSTER_ID_CHARS)
-        if cluster_index(cluster) is None:
-            raise MalformedMessage(what, "'cluster' must name a cluster (c0, c1, ...)")
-        return cls(int_field(msg, "version", what, 1, MAX_COUNTER), cluster)
+    def validate(self, context: Mapping[str, Any]) -> None:
+        if cluster_index(self.cluster) is None:
+            raise self.refuse("'cluster' must name a cluster (c0, c1, ...)")
 
 
 class PipelineNode:
@@ -148,9 +139,10 @@ class PipelineNode:
         self._missed: dict[str, int] = {}  # the planner's count of rounds each node did not answer
         self._judged: dict[str, bool] = {}  # published plans (as JSON) checked already: passed or not
         self._considered: tuple[Any, ...] | None = None  # what the planner's last `replan` call saw
-        self._claim_method = f"{config.run_id}.pipe.claim"
+        self._claim_method = RunNames(config.run_id).pipeline.claim
         peer.transport.add_handler(self._claim_method, self._on_claim)
         self._task: asyncio.Task | None = None
+        self.ending = False  # see `end`
 
     def _source(self, mb: int) -> Any:
         cluster = self.worker.route.cluster
@@ -182,6 +174,17 @@ class PipelineNode:
         """Start the worker, wait for the plan's nodes to answer, then keep applying the rule."""
         self.worker.start()
         self._task = asyncio.ensure_future(self._run())
+
+    def end(self) -> None:
+        """The run is ending (every node was given the same --duration, and ends within moments of
+        this one): from now on a node that stops answering has finished, not failed. No more
+        elections, re-plans or recoveries; no standby is promoted or claimed; the stages train on
+        and say nothing of neighbors that leave. Call on the event loop; `close` still ends it."""
+        if self._task is not None:
+            self._task.cancel()
+        self.ending = self.worker.ending = True
+        for controller in self.controllers.values():
+            controller.ending = True
 
     async def close(self) -> None:
         self.peer.transport.remove_handler(self._claim_method)
@@ -286,7 +289,7 @@ class PipelineNode:
 
     async def _late_profiles(self) -> list[NodeProfile]:
         """Profiles in the DHT of nodes that are not in the plan (they joined after it)."""
-        late = [p for p in await fetch_profiles(self.peer, self.config.run_id)
+        late = [p for p in await fetch_profiles(self.peer, self.config.run_id, self.config.model)
                 if p.peer_id not in self.plan.nodes][:MAX_LATE_NODES]
         self.profiles.update({p.peer_id: p for p in late})
         return late
@@ -313,6 +316,8 @@ class PipelineNode:
     async def _on_claim(self, request: Any, ctx: Any) -> Any:
         """Agree to join the first cluster that claims this node under the current plan version."""
         claim = Claim.from_wire(request)
+        if self.ending:
+            return Ack(False).to_wire()  # a standby is not promoted while the run ends
         if str(ctx.peer_id) not in self.plan.nodes:
             raise PipelineError(f"standby claim refused: only the plan's nodes may claim this node, not {ctx.peer_id}")
         mine = self.plan.cluster_of(self.me)
@@ -361,7 +366,8 @@ class PipelineNode:
             if key not in self._judged:
                 missing = [p for p in plan.nodes if p not in self.profiles]
                 if missing:
-                    self.profiles.update({p.peer_id: p for p in await fetch_profiles(self.peer, self.config.run_id)
+                    self.profiles.update({p.peer_id: p for p in await fetch_profiles(self.peer, self.config.run_id,
+                                                                                     self.config.model)
                                           if p.peer_id in missing})
                 if len(self._judged) >= MAX_JUDGED_PLANS:
                     del self._judged[next(iter(self._judged))]

@@ -5,7 +5,7 @@ and once the run's nodes are in, every node computes the plan itself by one dete
 `form_clusters` over the profiles sorted by peer id, with layer costs every node derives alike from
 the model (`model_costs`: FLOPs and bytes counted, not timed, since timings differ between
 machines). Each node publishes the plan it computed (a `RunPlan` with a version) under its own
-signed subkey of `{run_id}.pipeline.plan`, so anyone can check that the nodes agree (`disagreeing`).
+signed subkey of `RunNames(run_id).pipeline.plan`, so anyone can check that the nodes agree (`disagreeing`).
 
 Re-planning (`replan`): when a cluster still names a member that has been dead for a while (its
 controller could not replace it: no standby left, or every member died), or when the nodes in no
@@ -17,19 +17,20 @@ version v+1 is `plan_run` over the live nodes' profiles. Whoever computes it, an
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from potluck.core.errors import MalformedMessage
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
-from potluck.core.wire import int_field, list_field, list_value, wire_map
+from potluck.core.wire import Int, List, Message
 from potluck.dht.records import own_subkey, owned_entries
+from potluck.net.wire import PeerIdField
 from potluck.pipeline.clustering import ClusteringError, ModelDemand, form_clusters
-from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, peer_text
+from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER
 from potluck.pipeline.partition import STATE_FACTOR
 from potluck.pipeline.profiling import LayerCost, NodeProfile
 
@@ -59,13 +60,13 @@ def cluster_index(name: str) -> int | None:
     return int(digits)
 
 
-@dataclass(frozen=True)
-class RunPlan:
+class RunPlan(Message, what="run plan"):
     """Clusters (peer ids, sorted) and standby nodes of a run; `version` grows with each re-plan."""
 
-    version: int
-    clusters: tuple[tuple[str, ...], ...]
-    standby: tuple[str, ...]
+    version: int = Int("version", 0, MAX_COUNTER)
+    clusters: tuple[tuple[str, ...], ...] = List("clusters", List(None, PeerIdField(text=True), MAX_PLAN_NODES),
+                                                  MAX_CLUSTERS)
+    standby: tuple[str, ...] = List("standby", PeerIdField(text=True), MAX_PLAN_NODES)
 
     @property
     def nodes(self) -> list[str]:
@@ -74,20 +75,10 @@ class RunPlan:
     def cluster_of(self, peer: str) -> int | None:
         return next((c for c, members in enumerate(self.clusters) if peer in members), None)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "clusters": [list(c) for c in self.clusters], "standby": list(self.standby)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> RunPlan:
-        what = "run plan"
-        msg = wire_map(msg, what)
-        clusters = tuple(tuple(peer_text(p, "clusters", what) for p in list_value(c, "clusters", what, MAX_PLAN_NODES))
-                         for c in list_field(msg, "clusters", what, MAX_CLUSTERS))
-        standby = tuple(peer_text(p, "standby", what) for p in list_field(msg, "standby", what, MAX_PLAN_NODES))
-        nodes = [*(m for c in clusters for m in c), *standby]
-        if len(set(nodes)) != len(nodes) or not all(clusters):
-            raise MalformedMessage(what, "every node must appear once, and every cluster must have a node")
-        return cls(int_field(msg, "version", what, 0, MAX_COUNTER), clusters, standby)
+    def validate(self, context: Mapping[str, Any]) -> None:
+        nodes = self.nodes
+        if len(set(nodes)) != len(nodes) or not all(self.clusters):
+            raise self.refuse("every node must appear once, and every cluster must have a node")
 
 
 def model_costs(layers: Sequence[nn.Module], sample: torch.Tensor) -> list[LayerCost]:
@@ -163,20 +154,16 @@ def checks(plan: RunPlan, profiles: dict[str, NodeProfile], demand: ModelDemand,
     return False
 
 
-def _key(run_id: str) -> str:
-    return f"{run_id}.pipeline.plan"
-
-
 async def publish_plan(peer: PeerLike, run_id: str, plan: RunPlan, ttl: float = PLAN_TTL) -> bool:
     """Publish the plan this node computed, under its own signed subkey."""
     dht = peer.dht
-    return await dht.astore(_key(run_id), plan.to_wire(), dht.get_time() + ttl,
+    return await dht.astore(RunNames(run_id).pipeline.plan, plan.to_wire(), dht.get_time() + ttl,
                             subkey=own_subkey(peer.transport.peer_id))
 
 
 async def fetch_plans(peer: PeerLike, run_id: str) -> dict[str, RunPlan]:
     """{peer id: the plan it published}; unsigned and malformed entries skipped."""
-    found = await peer.dht.aget(_key(run_id), latest=True)
+    found = await peer.dht.aget(RunNames(run_id).pipeline.plan, latest=True)
     plans: dict[str, RunPlan] = {}
     for owner, value in owned_entries(found)[:MAX_PLAN_NODES]:
         try:

@@ -2,9 +2,13 @@
 
 A `NodeProfile` carries achieved matmul FLOP/s, free memory, and bandwidth / latency to other
 nodes (probes over the transport). Profiles are published in the DHT under
-`{run_id}.pipeline.profiles` (one subkey per peer: `own_subkey(its peer id)`, owner-signed, and a
+`RunNames(run_id).pipeline.profiles` (one subkey per peer: `own_subkey(its peer id)`, owner-signed, and a
 profile is read only if it is about its signer) so every node sees the same inputs to clustering
 and partitioning. Any field may be overridden (e.g. `--memory`), nothing has to be.
+
+A profile also names the node's model (`model`: its schema's fingerprint, and the schema where it
+fits, `potluck.optim.schema`): `fetch_profiles(model=...)` leaves out nodes of another model, so
+they are never planned in, taken as standbys or handed layers.
 """
 
 from __future__ import annotations
@@ -13,18 +17,19 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from potluck.core.errors import MalformedMessage
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
-from potluck.core.wire import int_field, number_field, text_field, wire_map
+from potluck.core.wire import Field, Int, Message, Nested, Number, Text, number_value
 from potluck.dht.records import own_subkey, owned_entries
 from potluck.net.identity import PeerID
+from potluck.optim.schema import ModelSignature
 from potluck.pipeline.messages import MAX_COUNTER, MAX_NAME_CHARS, ProbeRequest
 
 __all__ = ["LayerCost", "NodeProfile", "measure_flops", "free_memory_bytes", "profile_layers",
@@ -51,45 +56,37 @@ MAX_PROFILE_LINKS = 1024
 MAX_PROFILES = 4096
 
 
-@dataclass
-class NodeProfile:
-    """What clustering and partitioning need to know about one node."""
+class Links(Field):
+    """{node id: measure} of a profile: bounded, every measure finite and non-negative (a bad one
+    is named by its node id)."""
 
-    peer_id: str
-    flops: float                      # achieved FLOP/s (matmul)
-    memory: int                       # bytes free for model state
-    bandwidth: dict[str, float] = field(default_factory=dict)  # peer id -> bytes/s measured
-    latency: dict[str, float] = field(default_factory=dict)    # peer id -> seconds one way
-    default_bandwidth: float = 100e6  # assumed for links never probed
+    def __init__(self, key: str):
+        super().__init__(key, default_factory=dict)
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> dict[str, float]:
+        if not isinstance(value, dict) or len(value) > MAX_PROFILE_LINKS:
+            raise MalformedMessage(what, f"{key!r} must map at most {MAX_PROFILE_LINKS} node ids to numbers")
+        for peer in value:
+            if not isinstance(peer, str) or len(peer) > MAX_NAME_CHARS:
+                raise MalformedMessage(what, f"{key!r} keys must be node ids")
+        return {peer: number_value(measure, peer, what) for peer, measure in value.items()}
+
+
+class NodeProfile(Message, what="node profile", frozen=False):
+    """What clustering and partitioning need to know about one node. In the DHT or a plan file,
+    node ids may be any label (plans of imagined nodes), so they are bounded but not parsed as
+    peer ids."""
+
+    peer_id: str = Text("peer_id", MAX_NAME_CHARS)
+    flops: float = Number("flops", positive=True)  # achieved FLOP/s (matmul)
+    memory: int = Int("memory", 0, MAX_COUNTER)  # bytes free for model state
+    bandwidth: dict[str, float] = Links("bandwidth")  # peer id -> bytes/s measured
+    latency: dict[str, float] = Links("latency")  # peer id -> seconds one way
+    default_bandwidth: float = Number("default_bandwidth", default=100e6)  # assumed for links never probed
+    model: ModelSignature | None = Nested("model", ModelSignature, default=None)  # the model it trains
 
     def bandwidth_to(self, other: str) -> float:
         return self.bandwidth.get(other, self.default_bandwidth)
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any) -> NodeProfile:
-        """A profile from the DHT or a plan file; node ids there may be any label (plans of
-        imagined nodes), so they are bounded but not parsed as peer ids."""
-        what = "node profile"
-        data = wire_map(data, what)
-        memory = int_field(data, "memory", what, 0, MAX_COUNTER)
-        flops = number_field(data, "flops", what, positive=True)
-        return cls(peer_id=text_field(data, "peer_id", what, MAX_NAME_CHARS), flops=flops, memory=memory,
-                   bandwidth=_links(data, "bandwidth", what), latency=_links(data, "latency", what),
-                   default_bandwidth=number_field(data, "default_bandwidth", what, default=100e6))
-
-
-def _links(data: dict, key: str, what: str) -> dict[str, float]:
-    """{node id: measure} of a profile: bounded, every measure finite and non-negative."""
-    links = data.get(key, {})
-    if not isinstance(links, dict) or len(links) > MAX_PROFILE_LINKS:
-        raise MalformedMessage(what, f"'{key}' must map at most {MAX_PROFILE_LINKS} node ids to numbers")
-    for peer in links:
-        if not isinstance(peer, str) or len(peer) > MAX_NAME_CHARS:
-            raise MalformedMessage(what, f"'{key}' keys must be node ids")
-    return {peer: number_field(links, peer, what) for peer in links}
 
 
 def measure_flops(size: int = MATMUL_SIZE, seconds: float = 0.2) -> float:
@@ -119,24 +116,14 @@ def free_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-@dataclass
-class LayerCost:
-    """Measured cost of one layer for one sample: what partitioning balances."""
+class LayerCost(Message, what="layer cost", frozen=False):
+    """Measured cost of one layer for one sample: what partitioning balances (also read from a
+    plan's costs file, `potluck pipeline plan --layer-costs`)."""
 
-    seconds: float          # forward + backward time per sample on the measuring node
-    param_bytes: int        # weights
-    activation_bytes: int   # output per sample (what crosses a stage boundary after this layer)
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any) -> LayerCost:
-        """A layer's cost from a plan's costs file (`potluck pipeline plan --layer-costs`)."""
-        what = "layer cost"
-        data = wire_map(data, what)
-        return cls(number_field(data, "seconds", what), int_field(data, "param_bytes", what, 0, MAX_COUNTER),
-                   int_field(data, "activation_bytes", what, 0, MAX_COUNTER))
+    seconds: float = Number("seconds")  # forward + backward time per sample on the measuring node
+    param_bytes: int = Int("param_bytes", 0, MAX_COUNTER)  # weights
+    # output per sample (what crosses a stage boundary after this layer)
+    activation_bytes: int = Int("activation_bytes", 0, MAX_COUNTER)
 
 
 def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[LayerCost]:
@@ -162,7 +149,7 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
 def serve_probes(peer: PeerLike) -> None:
     """Answer bandwidth / latency probes from other nodes (the reply is only timed, never read)."""
     async def probe(request: Any, ctx: Any) -> Any:
-        size = ProbeRequest.from_wire(request, MAX_PROBE_BYTES).reply_bytes
+        size = ProbeRequest.from_wire(request, limit=MAX_PROBE_BYTES).reply_bytes
         return {"data": torch.zeros(size, dtype=torch.uint8)} if size else {}
     peer.transport.add_handler(PROBE_METHOD, probe)
 
@@ -198,10 +185,6 @@ async def profile_node(peer: PeerLike, others: Sequence[PeerID], *, flops: float
     return profile
 
 
-def profiles_key(run_id: str) -> str:
-    return f"{run_id}.pipeline.profiles"
-
-
 async def publish_profile(peer: PeerLike, run_id: str, profile: NodeProfile, ttl: float = PROFILE_TTL) -> bool:
     """Store `profile` in the DHT under this peer's own signed subkey; it must be this peer's."""
     me = peer.transport.peer_id
@@ -209,14 +192,16 @@ async def publish_profile(peer: PeerLike, run_id: str, profile: NodeProfile, ttl
         raise ValueError(f"a peer publishes only its own profile (this is {me}, the profile is {profile.peer_id}'s): "
                          "others would refuse it")
     dht = peer.dht
-    return await dht.astore(profiles_key(run_id), profile.to_wire(), dht.get_time() + ttl, subkey=own_subkey(me))
+    return await dht.astore(RunNames(run_id).pipeline.profiles, profile.to_wire(), dht.get_time() + ttl,
+                            subkey=own_subkey(me))
 
 
-async def fetch_profiles(peer: PeerLike, run_id: str) -> list[NodeProfile]:
+async def fetch_profiles(peer: PeerLike, run_id: str, model: str | None = None) -> list[NodeProfile]:
     """Every live profile of the run, sorted by peer id. Skipped: malformed ones, and any not
     stored by the peer it describes (a subkey that is not its signer's own, or a profile naming
-    another peer), so nobody can publish a profile in another node's name."""
-    found = await peer.dht.aget(profiles_key(run_id), latest=True)
+    another peer), so nobody can publish a profile in another node's name; with `model` (a
+    fingerprint), those of nodes that name another model."""
+    found = await peer.dht.aget(RunNames(run_id).pipeline.profiles, latest=True)
     profiles = []
     if found is not None and isinstance(found.value, dict):
         owned = owned_entries(found)
@@ -231,5 +216,7 @@ async def fetch_profiles(peer: PeerLike, run_id: str) -> list[NodeProfile]:
             if profile.peer_id != str(owner):
                 logger.warning("skipping a profile of %s stored by %s", profile.peer_id[:64], owner)
                 continue
+            if model is not None and profile.model is not None and profile.model.fingerprint != model:
+                continue  # another model's node: not of this run
             profiles.append(profile)
     return sorted(profiles, key=lambda p: p.peer_id)

@@ -33,6 +33,7 @@ from typing import Any
 
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
 from potluck.pipeline.layout import LAYOUT_TTL, Accept, Layout, LayoutDirectory, Span
 from potluck.pipeline.messages import (
@@ -104,9 +105,13 @@ class ClusterController:
         self._lock = asyncio.Lock()
         self._monitor: asyncio.Task | None = None
         self._recoveries: set[asyncio.Task] = set()
-        self._ctl = f"{config.run_id}.pipe.ctl"
+        # The run is ending (`PipelineNode.end`): members that stop answering have finished, and
+        # no standby is promoted for them.
+        self.ending = False
+        names = RunNames(config.run_id).pipeline
+        self._ctl = names.control
         # one controller per cluster; several may share a node, so the method names the cluster
-        self._report_method = f"{config.run_id}.pipe.cluster.{cluster_id}"
+        self._report_method = names.report(cluster_id)
         transport.add_handler(self._report_method, self._on_report)
 
     @property
@@ -214,7 +219,7 @@ class ClusterController:
             members = list(self.members)
             alive = await asyncio.gather(*(self._alive(m) for m in members))
             dead = [m for m, ok in zip(members, alive, strict=True) if not ok]
-            if dead:
+            if dead and not self.ending:
                 await self._recover_logged(dead, loop.time())
             elif loop.time() - published > LAYOUT_TTL / 2:
                 published = loop.time()
@@ -225,7 +230,8 @@ class ClusterController:
         if str(ctx.peer_id) not in self.members:
             raise PipelineError(f"failure report refused: cluster {self.cluster_id} takes reports only from its "
                                 f"members, not from {ctx.peer_id}")
-        if report.epoch == self.epoch and report.peer in self.members and not await self._alive(report.peer):
+        if (not self.ending and report.epoch == self.epoch and report.peer in self.members
+                and not await self._alive(report.peer)):
             # recovery outlives this call (it re-configures the reporter too): the controller owns it
             task = asyncio.ensure_future(self._recover_logged([report.peer], asyncio.get_running_loop().time()))
             self._recoveries.add(task)

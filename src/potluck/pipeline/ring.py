@@ -29,16 +29,17 @@ import torch
 
 from potluck.core import compat
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
-from potluck.core.wire import int_field, text_field, wire_map
+from potluck.core.wire import Field, Int, Message, Nested, OneOf, Text
 from potluck.net.identity import PEER_ID_MAX_CHARS, PeerID
 from potluck.pipeline.messages import MAX_CLUSTERS, MAX_COUNTER, MAX_LAYER_INDEX, Ack, Ping
 
 if TYPE_CHECKING:
     from potluck.pipeline.layout import Span
 
-__all__ = ["MemberGone", "PartKey", "RingAllReduce", "RingError", "RingPart", "RingStatus", "RingStatusQuery",
-           "RoundSkipped", "Segment", "parse_ring", "ring_segments"]
+__all__ = ["MemberGone", "PartKey", "RING_MESSAGES", "RingAllReduce", "RingError", "RingPart", "RingStatus",
+           "RingStatusQuery", "RoundSkipped", "Segment", "parse_ring", "ring_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,73 +71,56 @@ MAX_MEMBERS_CHARS = MAX_CLUSTERS * (PEER_ID_MAX_CHARS + 1)
 MAX_PARTS = 2**31
 
 
-@dataclass(frozen=True)
-class PartKey:
+class PartKey(Message, what="ring part key", positional=True):
     """Which piece a ring message is: round, ring (layers [start, end)), attempt and its members
-    (so pieces of a re-formed ring never mix with the old one's), step and part of the step."""
+    (so pieces of a re-formed ring never mix with the old one's), step and part of the step. On
+    the wire a list in this order; the keys name the items in errors."""
 
-    round: int
-    start: int
-    end: int
-    attempt: int
-    members: str
-    step: int
-    part: int
+    round: int = Int("r", 0, MAX_COUNTER)
+    start: int = Int("a", 0, MAX_LAYER_INDEX)
+    end: int = Int("b", 1, MAX_LAYER_INDEX + 1)
+    attempt: int = Int("t", 0, MAX_ATTEMPTS)
+    members: str = Text("m", MAX_MEMBERS_CHARS)
+    step: int = Int("s", 0, 2 * MAX_CLUSTERS)
+    part: int = Int("p", 0, MAX_PARTS)
+
+    def validate(self, context: Mapping[str, Any]) -> None:
+        if self.end <= self.start:
+            raise self.refuse(f"'b' must be an integer in [{self.start + 1}, {MAX_LAYER_INDEX + 1})")
 
 
-@dataclass(frozen=True)
-class RingPart:
+class RingData(Field):
+    """A piece of the vector a ring averages: a 1-d float32 tensor."""
+
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.dim() != 1:
+            raise MalformedMessage(what, f"{key!r} must be a 1-d float32 tensor")
+        return value
+
+
+class RingPart(Message, what="ring part", tag=("op", "part")):
     """One piece of a chunk, sent to the right-hand neighbour."""
 
-    key: PartKey
-    data: torch.Tensor
-
-    def to_wire(self) -> dict:
-        k = self.key
-        return {"r": k.round, "a": k.start, "b": k.end, "t": k.attempt, "m": k.members, "s": k.step, "p": k.part,
-                "d": self.data}
-
-    @classmethod
-    def from_wire(cls, msg: Mapping) -> RingPart:
-        what = "ring part"
-        start = int_field(msg, "a", what, 0, MAX_LAYER_INDEX)
-        key = PartKey(int_field(msg, "r", what, 0, MAX_COUNTER), start,
-                      int_field(msg, "b", what, start + 1, MAX_LAYER_INDEX + 1),
-                      int_field(msg, "t", what, 0, MAX_ATTEMPTS), text_field(msg, "m", what, MAX_MEMBERS_CHARS),
-                      int_field(msg, "s", what, 0, 2 * MAX_CLUSTERS), int_field(msg, "p", what, 0, MAX_PARTS))
-        data = msg.get("d")
-        if not isinstance(data, torch.Tensor) or data.dtype != torch.float32 or data.dim() != 1:
-            raise MalformedMessage(what, "'d' must be a 1-d float32 tensor")
-        return cls(key, data)
+    key: PartKey = Nested("k", PartKey)
+    data: torch.Tensor = RingData("d")
 
 
-@dataclass(frozen=True)
-class RingStatusQuery:
+class RingStatusQuery(Message, what="ring status query", tag=("op", "status")):
     """Which round are you at? (asked of a neighbour that has sent nothing for a while)."""
 
-    def to_wire(self) -> dict:
-        return {"status": True}
 
-
-@dataclass(frozen=True)
-class RingStatus:
+class RingStatus(Message, what="ring status"):
     """The lowest round a member still accepts."""
 
-    round: int
+    round: int = Int("round", 0, MAX_COUNTER)
 
-    def to_wire(self) -> dict:
-        return {"round": self.round}
 
-    @classmethod
-    def from_wire(cls, msg: Any) -> RingStatus:
-        return cls(int_field(wire_map(msg, "ring status"), "round", "ring status", 0, MAX_COUNTER))
+# The messages of a ring's method, told apart by their tag.
+RING_MESSAGES = OneOf("ring message", RingPart, RingStatusQuery)
 
 
 def parse_ring(msg: Any) -> RingPart | RingStatusQuery:
-    msg = wire_map(msg, "ring message")
-    if msg.get("status") is True:
-        return RingStatusQuery()
-    return RingPart.from_wire(msg)
+    return RING_MESSAGES.from_wire(msg)
 
 
 class RingError(PotluckError):
@@ -209,7 +193,7 @@ class RingAllReduce:
         self.allowed = allowed
         self.part_bytes = part_bytes
         self.parts_in_flight = parts_in_flight
-        self.method = f"{run_id}.pipe.ring"
+        self.method = RunNames(run_id).pipeline.ring
         self.ping_method = ping_method
         self.round = 0  # the lowest round still accepted
         self._mailbox: dict[tuple[PartKey, str], torch.Tensor] = {}  # (key, sender) -> data

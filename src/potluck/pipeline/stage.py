@@ -7,9 +7,13 @@ streams activations forward and gradients backward as unary calls (optionally co
 `update_frequency` backwards, and, every `average_every` updates, averages its layers with the
 nodes holding them in other clusters (`ring.RingAllReduce`) in the background, without pausing the pipeline.
 
-Methods served (prefix `{run_id}.pipe.`): `fwd` (`Activation`), `bwd` (`Gradient`), `ctl`
-(`Ping`, `Configure`, `GetLayers`, `GetStats`; see `messages`). Malformed or mis-shaped input is
+Methods served (`RunNames(run_id).pipeline`): `forward` (`Activation`), `backward` (`Gradient`),
+`control` (`Ping`, `Configure`, `GetLayers`, `GetStats`; see `messages`). Malformed or mis-shaped input is
 refused with a clear error and the worker goes on serving.
+
+Layers may live on any device and in any float dtype (`make_layers` puts them there): what crosses
+the wire (activations, gradients, labels, weights, ring vectors) is copied to host memory in the
+compute thread, and what arrives goes to the device and dtype of the stage's first parameter.
 
 Who may call what (the caller is the peer id the transport's handshake proved): `Configure` and
 `GetStats` only the controllers the worker was created with (one peer, or every node that may be
@@ -36,8 +40,10 @@ from torch.func import functional_call
 from potluck.compression import get_codec
 from potluck.core import compat
 from potluck.core.errors import CompressionError, NetworkError, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import run_in_thread
+from potluck.core.staging import gather_into, module_place, to_host
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
 from potluck.pipeline.layout import LayoutDirectory
@@ -103,6 +109,7 @@ class PipelineConfig:
     flush_every: int = 0            # >0: synchronous GPipe-style baseline, flush every this many micro-batches
     emulate_compute: bool = False   # also wait the stage's profiled compute time (benchmarks on virtual time)
     micro_batch_timeout: float = 120.0  # a micro-batch whose gradient has not come back by then is dropped
+    model: str | None = None        # the model's fingerprint (optim.schema): nodes of another are not the run's
 
 
 @dataclass
@@ -178,6 +185,7 @@ class StageWorker:
         self.schedule: StageSchedule | None = None
         self.stash: StashedWeights | None = None
         self.module: nn.Module | None = None
+        self.place: tuple[torch.device, torch.dtype] = (torch.device("cpu"), torch.float32)  # the module's
         self.opt: torch.optim.Optimizer | None = None
         self._saved: dict[int, InFlight] = {}
         self._wake = asyncio.Event()
@@ -192,8 +200,11 @@ class StageWorker:
         self._last_batch = 0
         self.on_version: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None  # test hook
         self.trace: list[tuple[str, int, int]] | None = None  # (kind, micro-batch, version) if enabled
-        prefix = f"{config.run_id}.pipe."
-        self.fwd_method, self.bwd_method, self.ctl_method = prefix + "fwd", prefix + "bwd", prefix + "ctl"
+        # The run is ending (`PipelineNode.end`): a neighbor that stops answering has finished, not
+        # failed; it is neither reported nor warned of.
+        self.ending = False
+        names = RunNames(config.run_id).pipeline
+        self.fwd_method, self.bwd_method, self.ctl_method = names.forward, names.backward, names.control
         transport.add_handler(self.fwd_method, self._on_forward)
         transport.add_handler(self.bwd_method, self._on_backward)
         transport.add_handler(self.ctl_method, self._on_control)
@@ -248,6 +259,7 @@ class StageWorker:
             self._retired = {i: layer for i, layer in self.layers.items() if i not in needed}
             self.layers = {i: self.layers[i] if i in self.layers else built[i] for i in needed}
             self.module = nn.Sequential(*(self.layers[i] for i in needed))
+            self.place = module_place(self.module)
             self.opt = self.optimizer_factory(list(self.module.parameters()))
             if self.scheduler_factory is not None:
                 self.lr_scheduler = self.scheduler_factory(self.opt)
@@ -278,7 +290,7 @@ class StageWorker:
                                        self.config.message_timeout)
                     layer = self.make_layers([i])[0]
                     # strict: names, shapes and dtypes must match (RuntimeError otherwise)
-                    layer.load_state_dict(LayerStates.from_wire(reply, (i,)).states[i])
+                    layer.load_state_dict(LayerStates.from_wire(reply, wanted=(i,)).states[i])
                     got[i] = layer
                     break
                 except (NetworkError, RuntimeError) as e:  # MalformedMessage is a NetworkError
@@ -397,8 +409,9 @@ class StageWorker:
                 if missing:
                     raise PipelineError(f"this node does not hold layers {missing[:8]}")
                 async with self._compute_lock:
-                    return LayerStates({i: {k: v.detach().clone() for k, v in held[i].state_dict().items()}
-                                        for i in wanted}).to_wire()
+                    states = {i: held[i].state_dict() for i in wanted}
+                    copies = iter(to_host([v for i in wanted for v in states[i].values()], copy=True))
+                    return LayerStates({i: {k: next(copies) for k in states[i]} for i in wanted}).to_wire()
 
     @property
     def idle(self) -> bool:
@@ -458,8 +471,9 @@ class StageWorker:
             if entry is not None and entry.forwarded:
                 self.stash.release(entry.version)
             self.stats.expired += 1
-            logger.warning("%s: micro-batch %d expired: no gradient within %.0f s", self.peer_id[:8], mb,
-                           self.config.micro_batch_timeout)
+            logger.log(logging.DEBUG if self.ending else logging.WARNING,
+                       "%s: micro-batch %d expired: no gradient within %.0f s", self.peer_id[:8], mb,
+                       self.config.micro_batch_timeout)
 
     def _emulated_seconds(self, kind: str, route: Route) -> float:
         """The profiled time of this task on this node: forward 1/3, backward 2/3 of forward+backward."""
@@ -469,12 +483,13 @@ class StageWorker:
         return total / 3 if kind == "forward" else 2 * total / 3
 
     def _forward(self, mb: int, route: Route) -> tuple[str, Activation | Gradient] | None:
+        device, dtype = self.place
         if route.first:
             x, y = self.source(mb)
-            x = x.float()
+            x = x.to(device, dtype)
         else:
             saved = self._saved[mb]
-            x, y = saved.x.requires_grad_(), saved.labels
+            x, y = saved.x.to(device, dtype).requires_grad_(), saved.labels
         self._last_batch = x.shape[0]
         version, params = self.stash.acquire()
         out = functional_call(self.module, params, (x,))
@@ -484,10 +499,10 @@ class StageWorker:
             self.trace.append(("forward", mb, version))
         self._saved[mb] = InFlight(x, y, out, version)
         if route.last:
-            loss = self.loss_fn(out, y)
+            loss = self.loss_fn(out, y.to(out.device))
             self.stats.losses.append(loss.item())
             return self._backward(mb, route, loss)
-        return "next", Activation(route.epoch, mb, self.codec.encode(out.detach()), y)
+        return "next", Activation(route.epoch, mb, self._encode(out), *to_host([y]))
 
     def _backward(self, mb: int, route: Route, loss: torch.Tensor | None = None) -> tuple[str, Gradient] | None:
         saved = self._saved.pop(mb)
@@ -498,7 +513,7 @@ class StageWorker:
         if loss is not None:
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
-            grads = torch.autograd.grad(out, inputs, saved.grad, allow_unused=True)
+            grads = torch.autograd.grad(out, inputs, saved.grad.to(out.device, out.dtype), allow_unused=True)
         scale = 1.0 / self.config.update_frequency
         master = dict(self.module.named_parameters())
         for name, g in zip(names, grads, strict=False):
@@ -521,7 +536,13 @@ class StageWorker:
                 self.on_version(route.epoch, new, self.stash.weights(new))
         if route.first:
             return None
-        return "prev", Gradient(route.epoch, mb, self.codec.encode(grads[-1]))
+        return "prev", Gradient(route.epoch, mb, self._encode(grads[-1]))
+
+    def _encode(self, t: torch.Tensor) -> dict[str, Any]:
+        """`t` encoded by the codec where it lives (a GPU quantizes faster), its payload in host memory."""
+        payload = self.codec.encode(t.detach())
+        keys = [k for k, v in payload.items() if isinstance(v, torch.Tensor)]
+        return {**payload, **dict(zip(keys, to_host([payload[k] for k in keys]), strict=True))}
 
     async def _sender(self, direction: str) -> None:
         """Send queued messages without waiting for each reply before the next (a reply costs a round
@@ -549,7 +570,9 @@ class StageWorker:
         try:
             await call(self.transport, target, method, message, self.config.message_timeout)
         except (NetworkError, TimeoutError) as e:
-            if route is self.route:
+            if route is self.route and self.ending:
+                logger.debug("%s: %s stage %s has finished: %s", self.peer_id[:8], direction, target[:8], e)
+            elif route is self.route:
                 logger.warning("%s: %s stage %s failed: %s", self.peer_id[:8], direction, target[:8], e)
                 await self._report_failure(route, target)
 
@@ -586,8 +609,8 @@ class StageWorker:
             async with self._compute_lock:
                 snapshots = {s: [p.detach().clone() for i in range(s.start, s.end)
                                  for p in self.layers[i].parameters()] for s in mine}
-            vectors = {s: torch.cat([t.reshape(-1) for t in snaps]) if snaps else torch.zeros(0)
-                       for s, snaps in snapshots.items()}
+            vectors = {s: gather_into(snaps, torch.empty(sum(t.numel() for t in snaps)))
+                       for s, snaps in snapshots.items()}  # float32, in host memory
             results = await asyncio.gather(*(self.ring.allreduce(round_id, s, vectors[s], self.config.ring_timeout)
                                              for s in mine), return_exceptions=True)
             skipped = [r.round for r in results if isinstance(r, RoundSkipped)]
@@ -609,7 +632,7 @@ class StageWorker:
                     params = [p for i in range(s.start, s.end) for p in self.layers[i].parameters()]
                     with torch.no_grad():
                         for p, snap in zip(params, snapshots[s], strict=True):
-                            target = mean[offset:offset + p.numel()].view_as(p)
+                            target = mean[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
                             if self.config.outer_lr == 1.0:  # the mean, plus any update made meanwhile
                                 p.copy_(target + (p - snap))
                             else:
@@ -623,7 +646,7 @@ class StageWorker:
             return applied
         except (RingError, NetworkError, TimeoutError, PotluckError) as e:
             self.stats.ring_failures += 1
-            logger.warning("averaging round %d failed: %s", round_id, e)
+            logger.log(logging.DEBUG if self.ending else logging.WARNING, "averaging round %d failed: %s", round_id, e)
             return False
         finally:
             self.ring.finish_round(round_id)

@@ -1,7 +1,7 @@
 """A parameter server (or one shard of one) on any potluck peer, over TCP or the emulated network.
 
 Workers push gradients and get fresh parameters back in the reply; what the server waits for
-before it answers is the mode:
+before it answers is its consistency model (`ServerConfig.consistency`):
 - `sync`: one step per round, with the average gradient of every live worker;
 - `async`: every gradient is applied as it arrives; its staleness (server steps since the
   parameters it was computed on) is recorded;
@@ -42,9 +42,10 @@ import asyncio
 import logging
 import math
 import statistics
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -53,7 +54,9 @@ from potluck.averaging.allreduce import CHUNK_ELEMENTS
 from potluck.averaging.robust import AGGREGATIONS, aggregate
 from potluck.core import compat
 from potluck.core.errors import NetworkError, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
+from potluck.core.staging import to_host
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.ps.messages import (
@@ -65,10 +68,12 @@ from potluck.ps.messages import (
     ReplicaAck,
     ReplicaUpdate,
 )
+from potluck.ps.runs import served_runs
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync", "async", "ssp", "backup")
+# What a server waits for before it answers a push (see the module docstring).
+CONSISTENCY_MODELS = ("sync", "async", "ssp", "backup")
 
 # A worker that has not called for this long, and is not waiting in a call, is dropped: sync
 # rounds stop waiting for it and SSP stops holding the others back for it. It must exceed the
@@ -108,9 +113,10 @@ class PSInputError(PotluckError, ValueError):
 
 @dataclass
 class ServerConfig:
-    """How a parameter server steps; see the module docstring for the modes."""
+    """How a parameter server steps: its consistency model (see the module docstring) and limits.
+    `mode` is the old name of `consistency`, accepted (with a DeprecationWarning) for one release."""
 
-    mode: str = "sync"
+    consistency: str = "sync"
     num_workers: int = 1  # expected at start: the registration barrier waits for this many
     staleness_bound: int = 2  # ssp: how many pushes a worker may be ahead of the slowest
     backup_workers: int = 1  # backup: a step uses the first (live workers - backup_workers) gradients
@@ -124,15 +130,21 @@ class ServerConfig:
     # How a sync or backup round combines its gradients: "mean", or "centered_clip" or
     # "trimmed_mean" (bounded pull of a minority of lying workers; see `potluck.averaging.robust`).
     aggregation: str = "mean"
+    mode: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+    def __post_init__(self, mode: str | None) -> None:
+        if mode is not None:
+            warnings.warn("ServerConfig(mode=...) is deprecated: it is called consistency now "
+                          "(ServerConfig(consistency=...)); mode= goes in the next release",
+                          DeprecationWarning, stacklevel=3)
+            self.consistency = mode
+        if self.consistency not in CONSISTENCY_MODELS:
+            raise ValueError(f"consistency must be one of {CONSISTENCY_MODELS}, not {self.consistency!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
-        if self.aggregation != "mean" and self.mode not in ("sync", "backup"):
-            raise ValueError(f"aggregation={self.aggregation!r} needs mode 'sync' or 'backup': mode {self.mode!r} "
-                             "applies every push alone, so there are no gradients to aggregate")
+        if self.aggregation != "mean" and self.consistency not in ("sync", "backup"):
+            raise ValueError(f"aggregation={self.aggregation!r} needs consistency 'sync' or 'backup': "
+                             f"{self.consistency!r} applies every push alone, so there are no gradients to aggregate")
         if self.num_workers < 1 or self.staleness_bound < 0 or self.backup_workers < 0:
             raise ValueError("num_workers must be >= 1; staleness_bound and backup_workers >= 0")
         if self.worker_timeout <= 0 or self.registration_timeout < 0:
@@ -158,11 +170,6 @@ def split_by_size(sizes: Sequence[int], num_shards: int) -> list[int]:
     return assignment
 
 
-def method_name(run_id: str, shard: int, verb: str) -> str:
-    """The RPC method of one shard's server: several shards (and standbys) can share a peer."""
-    return f"ps.{run_id}.{shard}.{verb}"
-
-
 @dataclass
 class _WorkerState:
     last_seen: float
@@ -179,9 +186,10 @@ class ParameterServer:
     Args:
         peer: a started peer (a `potluck.Peer`, or an emulated one); the server answers on its transport.
         run_id: the training run; several runs can share a peer.
-        params: this shard's initial parameters (copied; the server owns its copy).
+        params: this shard's initial parameters, on any device (copied to host memory: the server
+            owns its copy, and its optimizer steps there).
         optimizer: a callable `params -> torch.optim.Optimizer` (any optimizer).
-        config: the mode and its limits.
+        config: the consistency model and its limits.
         shard: this shard's index (it is part of the method names).
         replica: the peer that keeps a standby copy of this shard (decentralized form).
         standby_of: the shard's primary: start as its standby, take copies of the state from it
@@ -203,9 +211,11 @@ class ParameterServer:
         self.transport = peer.transport
         self.offload = offload
         self.run_id = run_id
+        self.names = RunNames(run_id)
         self.shard = shard
         self.config = config or ServerConfig()
-        self.params = [p.detach().clone().requires_grad_(True) for p in params]
+        # the shard's own copy, in host memory whatever device `params` are on: pushes arrive there
+        self.params = [t.requires_grad_(True) for t in to_host(params, copy=True)]
         self.optimizer = optimizer(self.params)
         self.replica = replica
         self.primary = standby_of
@@ -233,15 +243,17 @@ class ParameterServer:
         self._registered = asyncio.Event()
         self._serve("register", RegisterRequest.from_wire, self._on_register, caller=self._check_registering)
         self._serve("pull", PullRequest.from_wire, self._on_pull, caller=self._check_worker)
-        self._serve("push", lambda msg: PushRequest.from_wire(msg, self.params, self.step), self._on_push,
-                    caller=self._check_worker)
-        self._serve("replicate", lambda msg: ReplicaUpdate.from_wire(msg, self.params), self._on_replicate,
+        self._serve("push", lambda msg: PushRequest.from_wire(msg, like=self.params, latest_step=self.step),
+                    self._on_push, caller=self._check_worker)
+        self._serve("replicate", lambda msg: ReplicaUpdate.from_wire(msg, like=self.params), self._on_replicate,
                     caller=self._check_primary)
+        served_runs(self.transport).add(self, run_id)  # a worker of a wrong --run-id asks (ps.runs)
 
     def shutdown(self) -> None:
         """Stop serving (pending calls end with the connection or their deadline)."""
         for verb in ("register", "push", "pull", "replicate"):
-            self.transport.remove_handler(method_name(self.run_id, self.shard, verb))
+            self.transport.remove_handler(self.names.ps_shard(self.shard, verb))
+        served_runs(self.transport).remove(self)
 
     def _serve(self, verb: str, parse: Callable[[Any], Message],
                serve: Callable[[Message, PeerID], Awaitable[ParamsReply | ReplicaAck]],
@@ -253,7 +265,7 @@ class ParameterServer:
                 caller(ctx.peer_id)
             reply = await serve(parse(request), ctx.peer_id)
             return reply.to_wire()
-        self.transport.add_handler(method_name(self.run_id, self.shard, verb), handler)
+        self.transport.add_handler(self.names.ps_shard(self.shard, verb), handler)
 
     # -- handlers ---------------------------------------------------------------------------------
     async def _on_pull(self, request: PullRequest, worker: PeerID) -> ParamsReply:
@@ -285,18 +297,18 @@ class ParameterServer:
         self._check_norm(request.grads, worker)
         self._activate()
         base_step, grads = request.step, request.grads
-        self._drop_expired()  # modes that never wait (async, backup) still drop the dead
+        self._drop_expired()  # consistency models that never wait (async, backup) still drop the dead
         self._enter(worker)
         try:
             seq = request.seq
             if seq is not None and seq <= self._last_push.get(worker, -1):
                 async with self._lock:  # applied before (by the primary this standby took over from)
                     return self._reply()
-            mode = self.config.mode
-            if mode in ("sync", "backup"):
+            consistency = self.config.consistency
+            if consistency in ("sync", "backup"):
                 return await self._push_round(worker, base_step, grads, seq)
             state = self.workers[worker]
-            if mode == "ssp":
+            if consistency == "ssp":
                 self.clock_gaps.append(state.clock - self._min_clock())
             state.clock += 1
             async with self._lock:
@@ -304,7 +316,7 @@ class ParameterServer:
                     self._last_push[worker] = seq
                 await self._apply([grads], [self.step - base_step])
                 reply = self._reply()
-            if mode == "ssp":
+            if consistency == "ssp":
                 bound = self.config.staleness_bound
                 await self._wait_until(lambda: worker not in self.workers
                                        or self.workers[worker].clock - self._min_clock() <= bound)
@@ -405,7 +417,7 @@ class ParameterServer:
     async def _push_round(self, worker: PeerID, base_step: int, grads: tuple[torch.Tensor, ...],
                           seq: int | None) -> ParamsReply:
         async with self._lock:  # not while a step is being applied: the push belongs to the next round
-            if self.config.mode == "backup" and base_step < self.step:
+            if self.config.consistency == "backup" and base_step < self.step:
                 self.dropped_gradients += 1  # computed on parameters a finished round has replaced
                 return self._reply(dropped=True)
             target = self.step + 1
@@ -419,9 +431,9 @@ class ParameterServer:
             return self._reply()
 
     def _round_ready(self) -> bool:
-        if not self._round or self.config.mode not in ("sync", "backup"):
+        if not self._round or self.config.consistency not in ("sync", "backup"):
             return False
-        if self.config.mode == "sync":
+        if self.config.consistency == "sync":
             return all(w in self._round for w in self.workers)
         return len(self._round) >= max(1, len(self.workers) - self.config.backup_workers)
 
@@ -483,7 +495,7 @@ class ParameterServer:
                                tuple(self.members | set(self.workers)), optimizer, dict(self._last_push))
         self._copied_workers = frozenset(update.workers)
         try:
-            reply = await self.transport.call(self.replica, method_name(self.run_id, self.shard, "replicate"),
+            reply = await self.transport.call(self.replica, self.names.ps_shard(self.shard, "replicate"),
                                               update.to_wire(), timeout=REPLICATE_TIMEOUT)
             accepted = ReplicaAck.from_wire(reply).accepted
         except NetworkError as e:  # MalformedMessage is a ProtocolError, so one too

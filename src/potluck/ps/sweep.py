@@ -17,8 +17,8 @@ latest, so an unsigned shared subkey could be held for a day by one store).
   result; the table still has one row per trial: the result that expires first (stored first),
   then the smaller peer id.
 Readers take the peer from the subkey's owner marker (the DHT checked the signature) and skip any
-entry of another form, or whose holder/peer is not its signer. Both are parsed by `from_wire`; a
-malformed record is logged and ignored (its trial is re-run).
+entry of another form, or whose holder/peer is not its signer. Both are declared messages
+(`potluck.core.wire`); a malformed record is logged and ignored (its trial is re-run).
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from potluck.core import compat
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
-from potluck.core.wire import number_field, text_field, wire_map
+from potluck.core.wire import Field, FromContext, Message, Number, Text
 from potluck.dht import DHT, owner_marker, subkey_owner
 from potluck.net.identity import PeerID
-from potluck.net.wire import peer_id_value
+from potluck.net.wire import PeerIdField
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +185,17 @@ class SweepSpec:
         return [Trial(i, {**self.fixed, **p}) for i, p in enumerate(points)]
 
     @property
-    def sweep_id(self) -> str:
-        """The DHT name of this sweep: its run id and a digest of its trials, so peers that were
-        given different configs under one run id do not mix their results."""
+    def trials_digest(self) -> str:
+        """A digest of the trials: part of the sweep's DHT keys, so peers that were given
+        different configs under one run id do not mix their results."""
         digest = hashlib.sha256(json.dumps([t.params for t in self.trial_list()], sort_keys=True).encode())
-        return f"{self.run_id}.{digest.hexdigest()[:12]}"
+        return digest.hexdigest()[:12]
+
+    @property
+    def sweep_id(self) -> str:
+        """This sweep's name in reports: its run id and its trials' digest (not a DHT key: those
+        are `RunNames.sweep_leases` and `sweep_results`)."""
+        return f"{self.run_id}/{self.trials_digest}"
 
 
 def _draw(rng: random.Random, values: list | Range) -> Any:
@@ -215,56 +222,39 @@ def parse_trial_subkey(subkey: Any, trials: int) -> tuple[int, PeerID] | None:
     return index, peer
 
 
-@dataclass(frozen=True)
-class TrialLease:
-    """Who runs a trial, until when (the DHT entry's expiration), claimed at `since` (DHT time):
-    renewed while the trial runs."""
+class TrialLease(Message, what="trial lease"):
+    """Who runs a trial, until when (the DHT entry's expiration: `expires=` when read), claimed
+    at `since` (DHT time): renewed while the trial runs."""
 
-    holder: PeerID
-    expires: float
-    since: float = 0.0
-
-    def to_wire(self) -> dict:
-        return {"holder": str(self.holder), "since": self.since}
-
-    @classmethod
-    def from_wire(cls, value: Any, expires: float) -> TrialLease:
-        what = "trial lease"
-        msg = wire_map(value, what)
-        return cls(peer_id_value(msg.get("holder"), "holder", what), expires,
-                   number_field(msg, "since", what, signed=True))
+    holder: PeerID = PeerIdField("holder")
+    expires: float = FromContext("expires")
+    since: float = Number("since", signed=True, default=0.0)
 
 
-@dataclass(frozen=True)
-class TrialResult:
-    """One trial's outcome: its metrics (empty if it failed, with `error` saying why), the peer
-    that ran it and how long the objective took."""
+class Metrics(Field):
+    """What an objective reports: at most MAX_METRICS names mapped to numbers (any: a diverged
+    loss is a result too), read as floats."""
 
-    index: int
-    params: dict[str, Any]
-    metrics: dict[str, float]
-    peer: PeerID
-    seconds: float
-    error: str | None = None
-
-    def to_wire(self) -> dict:
-        return {"metrics": self.metrics, "peer": str(self.peer), "seconds": self.seconds, "error": self.error}
-
-    @classmethod
-    def from_wire(cls, msg: Any, trial: Trial) -> TrialResult:
-        """A result stored under `trial`'s subkey; its parameters are the trial's own."""
-        what = "trial result"
-        msg = wire_map(msg, what)
-        metrics = msg.get("metrics")
-        if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
+    def check(self, value: Any, key: str, what: str, context: Mapping[str, Any]) -> dict[str, float]:
+        if not isinstance(value, dict) or len(value) > MAX_METRICS or not all(
                 isinstance(k, str) and len(k) <= MAX_METRIC_CHARS and isinstance(v, (int, float))
-                and not isinstance(v, bool) for k, v in metrics.items()):
-            raise MalformedMessage(what, f"'metrics' must map at most {MAX_METRICS} names of at most "
+                and not isinstance(v, bool) for k, v in value.items()):
+            raise MalformedMessage(what, f"{key!r} must map at most {MAX_METRICS} names of at most "
                                          f"{MAX_METRIC_CHARS} characters to numbers")
-        seconds = number_field(msg, "seconds", what)
-        error = text_field(msg, "error", what, MAX_ERROR_CHARS, optional=True)
-        return cls(trial.index, trial.params, {k: float(v) for k, v in metrics.items()},
-                   peer_id_value(msg.get("peer"), "peer", what), seconds, error)
+        return {k: float(v) for k, v in value.items()}
+
+
+class TrialResult(Message, what="trial result"):
+    """One trial's outcome: its metrics (empty if it failed, with `error` saying why), the peer
+    that ran it and how long the objective took. Stored under the trial's subkey, and read with
+    `trial=` (the trial it belongs to): its index and parameters are the trial's own, not sent."""
+
+    index: int = FromContext(lambda context: context["trial"].index)
+    params: dict[str, Any] = FromContext(lambda context: context["trial"].params)
+    metrics: dict[str, float] = Metrics("metrics")
+    peer: PeerID = PeerIdField("peer")
+    seconds: float = Number("seconds")
+    error: str | None = Text("error", MAX_ERROR_CHARS, default=None)
 
     def to_record(self) -> dict[str, Any]:
         """The row written to results.json: index, params, metrics, peer, seconds (and error)."""
@@ -296,7 +286,8 @@ async def run_sweep(peer: PeerLike, spec: SweepSpec, objective: Objective, *, le
     dht = peer.dht
     trials = spec.trial_list()
     me = dht.peer_id
-    keys = (f"sweep.{spec.sweep_id}.results", f"sweep.{spec.sweep_id}.leases")
+    names = RunNames(spec.run_id)
+    keys = (names.sweep_results(spec.trials_digest), names.sweep_leases(spec.trials_digest))
     # Each peer starts its search at a different place in the list, so peers that start together
     # rarely claim the same trial.
     offset = int.from_bytes(hashlib.sha256(str(me).encode()).digest()[:4], "big")
@@ -336,7 +327,7 @@ def _results(found: Any, trials: list[Trial]) -> dict[int, TrialResult]:
             continue
         index, writer = cell
         try:
-            result = TrialResult.from_wire(item.value, trials[index])
+            result = TrialResult.from_wire(item.value, trial=trials[index])
         except MalformedMessage as e:
             logger.warning("sweep: ignoring %s's result of trial %d (it will be re-run): %s", writer, index, e)
             continue
@@ -362,7 +353,7 @@ def _leases(found: Any, trials: int, now: float, lease_seconds: float) -> dict[i
             continue
         index, writer = cell
         try:
-            lease = TrialLease.from_wire(item.value, item.expiration_time)
+            lease = TrialLease.from_wire(item.value, expires=item.expiration_time)
         except MalformedMessage as e:
             logger.debug("sweep: ignoring %s's lease of trial %d: %s", writer, index, e)
             continue

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from potluck.core.errors import ConnectionLost, DeadlineExceeded, PeerUnreachable, PotluckError
+from potluck.core.names import RunNames
 from potluck.core.peer_like import PeerLike
+from potluck.core.staging import devices_of, synchronize, to_host
 from potluck.net.identity import PeerID
 from potluck.ps.messages import ParamsReply, PullRequest, PushRequest, RegisterRequest, ShardLayout
-from potluck.ps.server import ParameterServer, ServerConfig, method_name, split_by_size
+from potluck.ps.server import ParameterServer, ServerConfig, split_by_size
 
 if TYPE_CHECKING:
     from potluck.peer import Peer
@@ -53,7 +55,8 @@ class PSClient:
         peer: the worker's started peer (a `potluck.Peer`, or an emulated one), in the servers' swarm.
         run_id: the training run.
         layout: which server holds which parameters (`ShardLayout`, by peer id).
-        params: the model's parameters; replies are copied into them.
+        params: the model's parameters, on any device; gradients go out from host copies and
+            replies are copied into them.
         timeout: deadline of one push or registration, in seconds.
     """
 
@@ -62,6 +65,7 @@ class PSClient:
         self.peer = peer
         self.transport = peer.transport
         self.run_id = run_id
+        self.names = RunNames(run_id)
         self.layout = layout
         self.params = list(params)
         if len(self.params) != len(layout.assignment):
@@ -72,7 +76,7 @@ class PSClient:
         self.steps = [0] * layout.num_shards  # server step of the parameters held, per shard
         self.pushes = 0
         self._seq = 0  # numbers every push, answered or not: one cancelled after the server applied it is not reused
-        self.dropped = 0  # pushes a backup-mode server did not use
+        self.dropped = 0  # pushes a server of backup consistency did not use
 
     async def aregister(self) -> None:
         """Join the run: wait for the servers' start barrier and load their parameters."""
@@ -82,7 +86,7 @@ class PSClient:
         """Send gradients (default: each parameter's `.grad`) and load the parameters of the reply."""
         if grads is None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        grads = [g.detach() for g in grads]
+        grads = to_host(grads)
         seq, self._seq = self._seq, self._seq + 1
         await asyncio.gather(*(
             self._call(k, "push", PushRequest(self.steps[k], tuple(grads[i] for i in indices), seq))
@@ -100,7 +104,7 @@ class PSClient:
             try:
                 if server == self.transport.peer_id:  # this worker serves the shard itself (loopback)
                     request = _copied(request)
-                reply = await self.transport.call(server, method_name(self.run_id, shard, verb), request.to_wire(),
+                reply = await self.transport.call(server, self.names.ps_shard(shard, verb), request.to_wire(),
                                                   timeout=self.timeout)
                 break
             except _SERVER_GONE as e:
@@ -116,10 +120,11 @@ class PSClient:
 
     def _load(self, shard: int, wire: Any) -> None:
         indices = self._indices[shard]
-        reply = ParamsReply.from_wire(wire, [self.params[i] for i in indices])
+        reply = ParamsReply.from_wire(wire, like=[self.params[i] for i in indices])
         with torch.no_grad():
             for i, value in zip(indices, reply.params, strict=True):
-                self.params[i].copy_(value)
+                self.params[i].copy_(value, non_blocking=True)
+        synchronize(devices_of(self.params[i] for i in indices))
         self.steps[shard] = reply.step
         self.dropped += reply.dropped
 

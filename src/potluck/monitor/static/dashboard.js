@@ -57,9 +57,10 @@ function drawPeers(peers, now) {
     const row = document.createElement("tr");
     row.dataset.peer = peer.peer_id;
     row.dataset.online = peer.online;
-    if (!peer.online) row.className = "offline";
+    if (!peer.online) row.className = peer.refused ? "offline refused" : "offline";
     peerCell(row, peer);
-    cell(row, peer.online ? "online" : "offline", "state");
+    cell(row, peer.refused ? "refused" : peer.online ? "online" : "offline", "state");
+    if (peer.refused) row.title = peer.refused;  // why: another model or settings than the run's
     cell(row, peer.epoch, "epoch");
     cell(row, fmt(peer.samples_per_second), "samples_per_second");
     cell(row, peer.client_mode ? "client" : "full", "mode");

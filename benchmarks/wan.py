@@ -1,0 +1,365 @@
+"""potluck's all-reduce over emulated WAN links: peers in Linux network namespaces (run as root).
+
+Each peer runs in its own namespace (named PREFIX + index), attached by a TAP device to one
+user-space switch (scripts/netns/wan_switch.py) that shapes every port like a WAN link; the kernel
+here has no sch_netem, so delay and loss cannot be done with tc. Profiles (per peer):
+
+  wan    50 ms round trip between any two peers, 100 Mbit/s up and down
+  home   80 ms round trip, 20 Mbit/s up, 100 Mbit/s down
+  lossy  wan, and 0.5% of frames dropped
+
+Every peer holds --floats float32 values and averages them with the others (`potluck.Averager`,
+a butterfly all-reduce: the primitive of the sync mode) once as a warm-up, then --rounds times,
+each round started together (the parent's barrier), with each --compression codec. Reported: the
+median round's all-reduce time (the slowest member's step minus its matchmaking) against the
+bandwidth bound 2(N-1)/N x size / uplink (an 8-bit codec: a quarter of the size), the whole
+step (`step_s`), bytes each peer sent per round, and the switch's CPU time and dropped frames
+(it shares the machine with the peers; a full port queue drops frames as a router's does).
+Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
+
+Then each of --systems (potluck's sync, sync 8-bit, DiLoCo and Streaming DiLoCo; torchft and
+hivemind from the python of .venv-torchft and .venv-hivemind where they exist, else reported as
+not installed) trains the digits task from a common start on the same links until --target test
+accuracy or --cap seconds: time to target, and each system's ratio to potluck's sync (above 1:
+sync is faster). torchft 0.2.0 as benchmarks/torchft_compare.py runs it (lighthouse on peer 0,
+one flat all-reduce of the gradients per step over Gloo, bound to the namespace's TAP device by
+GLOO_SOCKET_IFNAME; its servers advertise the namespace's address); hivemind 1.1.12 with
+`hivemind.Optimizer` and potluck sync's settings, its DHT and daemon on the namespace's address.
+
+Prints one JSON object per line, e.g.
+  {"metric": "allreduce_seconds", "profile": "wan", "compression": "none", "value": 0.9, "unit": "s",
+   "bound_s": 0.48, "over_bound": 1.9, "step_s": 1.3, "bytes_sent_per_peer": 6000000, ...}
+  {"metric": "time_to_accuracy", "system": "torchft", "profile": "wan", "value": 23.5, "unit": "s", ...}
+  {"metric": "time_to_accuracy_ratio", "unit": "torchft/sync", "profile": "wan", "value": 0.94}
+
+Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
+           [--floats 1M] [--rounds 5] [--compression none,uniform8] [--short]
+           [--systems sync,sync_8bit,diloco,streaming_diloco,torchft,hivemind] [--target 0.95] [--cap 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "netns"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PREFIX = "potluck-wan-"  # every namespace of this benchmark; leftovers with it are removed first
+SUBNET = "10.77.0"
+MBIT = 1e6 / 8  # bytes/s
+PROFILES = {  # up, down (bytes/s), one-way delay per port (s: two ports per path), loss
+    "wan": (100 * MBIT, 100 * MBIT, 0.0125, 0.0),
+    "home": (20 * MBIT, 100 * MBIT, 0.02, 0.0),
+    "lossy": (100 * MBIT, 100 * MBIT, 0.0125, 0.005),
+}
+COMMAND_TIMEOUT = 20.0
+WORKER_TIMEOUT = 300.0  # one profile's workers, start to finish
+STEP_TIMEOUT = 60.0  # one averaging round (6.57M floats take ~5 s on the wan profile)
+RUN_ID = "wan"
+
+
+def sh(*args: str) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def sweep() -> None:
+    """Kill what runs in our namespaces (this run's or a crashed one's) and delete them."""
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith(PREFIX):
+            for pid in sh("ip", "netns", "pids", name).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+
+
+def build(peers: int, profile: str):
+    """Namespaces with one TAP each, on a shaping switch; returns the switch."""
+    from wan_switch import MTU, Port, Switch, open_tap
+    up, down, delay, loss = PROFILES[profile]
+    ports = []
+    for i in range(peers):
+        name, tap = f"{PREFIX}{i}", f"pwan{i}"
+        sh("ip", "netns", "add", name)
+        fd = open_tap(tap)  # the fd stays ours after the device moves into the namespace
+        sh("ip", "link", "set", tap, "netns", name)
+        sh("ip", "-n", name, "link", "set", tap, "mtu", str(MTU))
+        sh("ip", "-n", name, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", tap)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+        sh("ip", "-n", name, "link", "set", tap, "up")
+        ports.append(Port(tap, fd, up, down, delay, loss))
+    return Switch(ports)
+
+
+def run_profile(args: argparse.Namespace, profile: str, compression: str) -> dict:
+    sweep()
+    switch = build(args.peers, profile)
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + WORKER_TIMEOUT
+
+    def line(proc: subprocess.Popen) -> dict:
+        text = proc.stdout.readline()
+        if not text:
+            raise RuntimeError(f"a worker exited (status {proc.wait(timeout=COMMAND_TIMEOUT)}); see its stderr above")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the workers did not finish within {WORKER_TIMEOUT} s")
+        return json.loads(text)
+
+    try:
+        def spawn(rank: int, initial: str) -> subprocess.Popen:
+            command = ["ip", "netns", "exec", f"{PREFIX}{rank}", sys.executable, __file__, "--worker",
+                       "--rank", str(rank), "--peers", str(args.peers), "--floats", str(args.floats),
+                       "--rounds", str(args.rounds), "--initial", initial, "--compression", compression]
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(spawn(0, ""))
+        first = line(procs[0])["address"]
+        procs += [spawn(rank, first) for rank in range(1, args.peers)]
+        for proc in procs[1:]:
+            line(proc)  # its Averager is up
+        steps: list[list[dict]] = []
+        for _ in range(args.rounds + 1):  # a warm-up round, then the timed ones
+            for proc in procs:  # a common start: nobody averages before everyone is ready
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            steps.append([line(proc) for proc in procs])
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=COMMAND_TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        switch.close()
+        sweep()
+    up, _, delay, loss = PROFILES[profile]
+    size = 4 * args.floats / (4 if compression != "none" else 1)  # 8-bit codes: a quarter of float32
+    bound = 2 * (args.peers - 1) / args.peers * size / up
+    timed = steps[1:]
+    ok = [step for step in timed if all(r["error"] is None for r in step)]
+    step_s = [max(r["seconds"] for r in step) for step in ok]  # a round's time is its slowest member's
+    reduce_s = [max(r["seconds"] - r["matchmaking"] for r in step) for step in ok]
+    median = statistics.median(reduce_s) if reduce_s else float("nan")
+    return {"metric": "allreduce_seconds", "profile": profile, "compression": compression,
+            "value": round(median, 3), "unit": "s", "bound_s": round(bound, 3), "over_bound": round(median / bound, 2),
+            "step_s": round(statistics.median(step_s), 3) if step_s else None,
+            "bytes_sent_per_peer": int(statistics.median(r["bytes_sent"] for step in ok for r in step)) if ok else None,
+            "failed_rounds": len(timed) - len(ok), "peers": args.peers, "floats": args.floats, "rounds": args.rounds,
+            "rtt_ms": round(4000 * delay), "up_mbit": up / MBIT, "loss": loss,
+            "switch_cpu_s": round(switch.cpu_seconds, 2), "switch_dropped_frames": switch.dropped}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One peer: join, then at each "go" on stdin average its values once and print how long it
+    took (`seconds`, of which `matchmaking`), and the bytes it sent."""
+    import torch
+
+    import potluck
+    torch.set_num_threads(1)
+    peer = potluck.Peer(host=f"{SUBNET}.{args.rank + 1}", initial_peers=[args.initial] if args.initial else [])
+    mine = torch.full((args.floats,), float(args.rank))
+    avg = potluck.Averager(peer, [mine], RUN_ID, target_group_size=args.peers, min_group_size=args.peers,
+                           compression=args.compression)
+    form_group = avg.matchmaker.form_group
+    matchmaking: list[float] = []
+
+    async def timed_form_group(*a, **k):
+        start = time.monotonic()
+        try:
+            return await form_group(*a, **k)
+        finally:
+            matchmaking.append(time.monotonic() - start)
+    avg.matchmaker.form_group = timed_form_group
+    print(json.dumps({"address": peer.addresses[0]}), flush=True)
+    while sys.stdin.readline():  # the parent's go: everyone is ready
+        with avg.get_tensors() as tensors:
+            tensors[0].copy_(mine)
+        matchmaking.clear()
+        sent, start, error = peer.transport.stats.bytes_sent, time.monotonic(), None
+        try:
+            avg.step(timeout=STEP_TIMEOUT)
+        except potluck.AveragingError as e:
+            error = str(e)
+        print(json.dumps({"seconds": time.monotonic() - start, "matchmaking": sum(matchmaking), "error": error,
+                          "bytes_sent": peer.transport.stats.bytes_sent - sent}), flush=True)
+    avg.shutdown()
+    peer.shutdown()
+
+
+# -- time to target: the training modes on the digits workload ------------------------------------------
+# potluck's Optimizer options per system (the rest as benchmarks/torchft_compare.py's: Adam 3e-3, a
+# global batch of 256, 32 per step, state averaged every 5 epochs, one peer 2x slower, 0.5 s
+# matchmaking). 8-bit is the gradients' codec; the state is averaged losslessly (`Optimizer`'s
+# `compression`: Adam's statistics in 8 bits, tiny second moments rounded to 0, wrecked the model).
+SYSTEMS = {
+    "sync": {},
+    "sync_8bit": {"compression": "blockwise8"},
+    "diloco": {"mode": "diloco", "local_steps": 8},
+    "streaming_diloco": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 1},
+}
+OTHERS = {"torchft": ".venv-torchft", "hivemind": ".venv-hivemind"}  # the python of each one's venv
+
+
+def train_worker(args: argparse.Namespace) -> None:
+    """One training peer (benchmarks/training.py's loop: ready, go, train and evaluate, stop).
+
+    torchft as benchmarks/torchft_compare.py runs it (a replica group of one process, the global
+    batch split over the peers, one flat all-reduce of the gradients per step), its servers and
+    Gloo on this namespace's address; hivemind with `hivemind.Optimizer` and potluck sync's
+    settings (as benchmarks/training.py runs it), its Go daemon listening on this address."""
+    host = f"{SUBNET}.{args.rank + 1}"
+    if args.train == "torchft":
+        os.environ["GLOO_SOCKET_IFNAME"] = f"pwan{args.rank}"  # else Gloo binds to what "vm" is: 127.0.0.1
+    import torch
+    import torchft_compare as base
+    from training import say, train_until_stopped
+
+    from potluck.cli.tasks import make_model
+    torch.set_num_threads(1)
+    data = torch.load(args.data)
+    model = make_model()
+    slowdown = base.SLOWDOWN if args.rank == base.SLOW_RANK else 1.0
+    if args.train == "torchft":
+        address, opt, closers = base.torchft_peer(args, model, host=host)
+        say(event="ready", address=address, version=None)
+        train_until_stopped(args, model, opt, opt.zero_grad, closers, data,
+                            local_batch=base.GLOBAL_BATCH // args.peers, slowdown=slowdown)
+        return
+    if args.train == "hivemind":
+        import hivemind
+        dht = hivemind.DHT(start=True, initial_peers=[args.initial] if args.initial else None,
+                           host_maddrs=[f"/ip4/{host}/tcp/0"])
+        opt = hivemind.Optimizer(dht=dht, run_id=RUN_ID, params=model.parameters(),
+                                 optimizer=lambda p: torch.optim.Adam(p, base.LR), target_batch_size=base.GLOBAL_BATCH,
+                                 batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
+                                 average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=base.MATCHMAKING_TIME,
+                                 averaging_timeout=base.AVERAGING_TIMEOUT, verbose=False)
+        say(event="ready", address=str(dht.get_visible_maddrs()[0]), version=hivemind.__version__)
+        # hivemind's documented loop calls zero_grad (it accumulates into its own buffers)
+        train_until_stopped(args, model, opt, opt.zero_grad, [opt.shutdown, dht.shutdown], data,
+                            local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown)
+        return
+    import potluck
+    peer = potluck.Peer(host=host, initial_peers=[args.initial] if args.initial else [])
+    options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": base.MATCHMAKING_TIME,
+               "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
+    opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, base.LR),
+                            target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
+                            **options)
+    say(event="ready", address=peer.addresses[0], version=None)
+    train_until_stopped(args, model, opt, None, [opt.shutdown, peer.shutdown], data,
+                        local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown)
+
+
+def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
+    """Each of --systems from a common start on this profile's links, until the target or the cap."""
+    from training import rows_for, run_swarm
+    sweep()
+    switch = build(args.peers, profile)
+    figures: dict[str, float | None] = {}
+    try:
+        for system in args.systems.split(","):
+            params = {"profile": profile, "target": args.target, "cap_s": args.cap,
+                      "date": datetime.date.today().isoformat(),
+                      "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
+            python = str(ROOT / OTHERS[system] / "bin" / "python") if system in OTHERS else sys.executable
+            if not Path(python).exists():
+                print(json.dumps({"metric": "time_to_accuracy", "system": system, "value": None, "unit": "s",
+                                  **params, "error": f"not installed ({OTHERS[system]})"}), flush=True)
+                continue
+
+            def command(rank: int, initial: str | None, system: str = system, python: str = python) -> list[str]:
+                return ["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
+                        "--rank", str(rank), "--peers", str(args.peers), "--data", data,
+                        "--target", str(args.target), *(["--initial", initial] if initial else [])]
+            try:
+                raw = run_swarm(command, args.peers, args.cap)
+            except Exception as e:  # noqa: BLE001 - reported, and the other systems run
+                print(json.dumps({"metric": "time_to_accuracy", "system": system, "value": None, "unit": "s",
+                                  **params, "error": f"{type(e).__name__}: {e}"[-2000:]}), flush=True)
+                continue
+            rows, figures[system] = rows_for(system, args.peers, raw, params)
+            print(json.dumps(rows[0]), flush=True)
+        for system, seconds in figures.items():  # above 1: potluck's sync is faster
+            if system != "sync" and "sync" in figures:
+                row = {"metric": "time_to_accuracy_ratio", "unit": f"{system}/sync", "profile": profile,
+                       "value": round(seconds / figures["sync"], 2) if seconds and figures["sync"] else None}
+                if figures["sync"] and not seconds:
+                    row["at_least"] = round(args.cap / figures["sync"], 2)
+                print(json.dumps(row), flush=True)
+    finally:
+        switch.close()
+        sweep()
+        print(json.dumps({"metric": "switch_cpu_seconds", "profile": profile, "value": round(switch.cpu_seconds, 2),
+                          "unit": "s", "dropped_frames": switch.dropped}), flush=True)
+
+
+def parse_count(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="wan,home,lossy")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--floats", type=parse_count, default=parse_count("1M"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compression", default="none,uniform8",
+                        help="codecs to run, comma-separated (none: float32; uniform8: 8-bit)")
+    parser.add_argument("--short", "--quick", action="store_true",
+                        help="the wan profile, 1M floats, 3 rounds, both codecs (under two minutes)")
+    parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
+                        help="training systems for time to target ('' for none)")
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (digits)")
+    parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per system at most")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.train:
+        train_worker(args)
+        return
+    if os.geteuid() != 0:
+        sys.exit("wan.py needs root (network namespaces)")
+    profiles = ["wan"] if args.short else args.profile.split(",")
+    if args.short:
+        args.rounds, args.floats, args.systems, args.target, args.cap = 3, parse_count("1M"), "sync_8bit", 0.9, 30.0
+    import torch
+
+    from potluck.cli.tasks import load_data
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = str(Path(tmp) / "digits.pt")
+            torch.save(load_data(), data)
+            os.chmod(tmp, 0o755)
+            for profile in profiles:
+                for compression in [c for c in args.compression.split(",") if c]:
+                    print(json.dumps(run_profile(args, profile, compression)), flush=True)
+                if args.systems:
+                    train_profile(args, profile, data)
+    finally:
+        sweep()
+
+
+if __name__ == "__main__":
+    main()

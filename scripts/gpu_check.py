@@ -1,0 +1,383 @@
+"""Check potluck on a GPU: train, average and serve experts on `--device` (default cuda) and
+compare with the same work on the CPU. Prints one JSON object per line (metric, value, unit).
+
+    python scripts/gpu_check.py               # on a machine with CUDA
+    python scripts/gpu_check.py --device cpu  # the same checks on the CPU (tests the script)
+
+Checks: the demo's CNN with the Optimizer in sync mode and a small GPT in DiLoCo mode (two peers
+in this process; they must end identical and learn as on the CPU), the Averager with 8-bit
+compression on device tensors, an expert server on the device against a CPU copy, a pipeline of
+two stages and a parameter-server worker with their models on the device against the same run on
+the CPU (emulated network, in this process), the time the
+staged device-to-host and host-to-device copies hide by being queued together, and the step
+time of the Optimizer over plain PyTorch on the same device. Exits 1 if a check fails, 2
+(with one line) if the device is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import torch  # noqa: E402
+
+import potluck  # noqa: E402
+from potluck.core.staging import gather_into, scatter_from, synchronize  # noqa: E402
+from potluck.optim import Optimizer  # noqa: E402
+from potluck.optim.state import tensor_digest  # noqa: E402
+
+FAILED: list[str] = []
+
+
+def emit(metric: str, value: float | str | bool, unit: str = "", **extra) -> None:
+    print(json.dumps({"metric": metric, "value": value, "unit": unit, **extra}), flush=True)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        FAILED.append(what)
+
+
+def swarm_train(device: str, make, batch, steps_to: int, **options) -> tuple[list[torch.nn.Module], float]:
+    """Two peers in this process train `make()` on `device` until local epoch `steps_to`;
+    returns their models and the seconds it took."""
+    peers, models, opts = [], [], []
+    try:
+        for i in range(2):
+            peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
+            models.append(make().to(device))
+            opts.append(Optimizer(peers[i], f"gpu-check-{options.get('mode', 'sync')}", models[i].parameters(),
+                                  lambda p: torch.optim.Adam(p, 3e-3), load_state=False, matchmaking_time=0.5,
+                                  **options))
+        started = time.perf_counter()
+
+        def train(i: int) -> None:
+            g = torch.Generator().manual_seed(i)
+            while opts[i].local_epoch < steps_to:
+                x, y = batch(g)
+                loss = models[i].loss(x.to(device), y.to(device)) if hasattr(models[i], "loss") else \
+                    torch.nn.functional.cross_entropy(models[i](x.to(device)), y.to(device))
+                loss.backward()
+                opts[i].step()
+        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        return models, time.perf_counter() - started
+    finally:
+        for o in opts:
+            o.shutdown()
+        for p in peers:
+            p.shutdown()
+
+
+def demo_cnn(device: str, epochs: int) -> None:
+    from potluck.cli.tasks import accuracy, load_data, make_model
+    x, y, x_test, y_test = load_data()
+
+    def batch(g):
+        index = torch.randint(0, len(y), (32,), generator=g)
+        return x[index], y[index]
+    results = {}
+    for where in dict.fromkeys([device, "cpu"]):
+        models, seconds = swarm_train(where, make_model, batch, epochs, target_batch_size=256, batch_size_per_step=32)
+        same = tensor_digest(list(models[0].parameters())) == tensor_digest(list(models[1].parameters()))
+        results[where] = accuracy(models[0].cpu(), x_test, y_test)
+        check(same, f"sync on {where}: peers differ")
+        emit("sync_cnn_accuracy", round(results[where], 4), "fraction", device=where, epochs=epochs,
+             seconds=round(seconds, 2), peers_identical=same)
+    check(abs(results[device] - results["cpu"]) < 0.05, "sync CNN learns differently on the device")
+
+
+def small_gpt(device: str, epochs: int) -> None:
+    from potluck.workloads.lm import LMConfig, lm_loss, make_lm
+    config = LMConfig(d_model=64, layers=2, heads=4, context=32)
+    text = torch.tensor(list(Path(torch.__file__).read_bytes()[:200_000]), dtype=torch.long)
+
+    def make():
+        model = make_lm(config)
+        model.loss = lambda x, y, m=model: lm_loss(m, x, y)
+        return model
+
+    def batch(g):
+        starts = torch.randint(0, len(text) - config.context - 1, (16,), generator=g)
+        x = torch.stack([text[s:s + config.context] for s in starts.tolist()])
+        return x, torch.stack([text[s + 1:s + config.context + 1] for s in starts.tolist()])
+    sample = batch(torch.Generator().manual_seed(99))
+    losses = {}
+    for where in dict.fromkeys([device, "cpu"]):
+        models, seconds = swarm_train(where, make, batch, epochs, target_batch_size=64, batch_size_per_step=16,
+                                      mode="diloco", local_steps=4)
+        same = tensor_digest(list(models[0].parameters())) == tensor_digest(list(models[1].parameters()))
+        with torch.no_grad():
+            losses[where] = float(lm_loss(models[0], sample[0].to(where), sample[1].to(where)))
+        check(same, f"diloco on {where}: peers differ after the outer step")
+        emit("diloco_gpt_loss", round(losses[where], 4), "nats/byte", device=where, epochs=epochs,
+             seconds=round(seconds, 2), peers_identical=same)
+    check(abs(losses[device] - losses["cpu"]) < 0.5, "DiLoCo GPT learns differently on the device")
+
+
+def averager_8bit(device: str, numel: int) -> None:
+    from potluck.averaging import Averager
+    peers = []
+    try:
+        for _ in range(2):
+            peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
+        values = [torch.randn(numel, device=device) for _ in peers]
+        avgs = [Averager(p, [v], "gpu-check-avg", compression="blockwise8", matchmaking_time=0.5)
+                for p, v in zip(peers, values, strict=True)]
+        results, threads = [None, None], []
+        started = time.perf_counter()
+        for i, a in enumerate(avgs):
+            threads.append(threading.Thread(target=lambda i=i, a=a: results.__setitem__(i, a.step()), daemon=True))
+            threads[-1].start()
+        for t in threads:
+            t.join(120)
+        seconds = time.perf_counter() - started
+        mean = (values[0] + values[1]) / 2
+        with avgs[0].get_tensors() as got:
+            error = float((got[0] - mean).abs().max() / mean.abs().max())
+            check(got[0].device.type == torch.device(device).type, "averaged tensors left the device")
+        check(error < 0.02, f"8-bit averaging error {error}")
+        emit("averager_blockwise8_max_error", round(error, 5), "fraction of max", device=device, numel=numel,
+             seconds=round(seconds, 2))
+    finally:
+        for p in peers:
+            p.shutdown()
+
+
+def copy_overlap(device: str, numel: int, parts: int) -> None:
+    """Seconds of the staged copies of `parts` tensors when each is waited for, and when all are
+    queued and waited for once (what the Averager does): the difference is hidden."""
+    tensors = [torch.randn(numel // parts, device=device) for _ in range(parts)]
+    pinned = torch.cuda.is_available() and device.startswith("cuda")
+    vector = torch.empty(numel, pin_memory=pinned)
+    devices = {t.device for t in tensors}
+    for name, forward in (("d2h", True), ("h2d", False)):
+        def one_by_one(forward=forward):
+            offset = 0
+            for t in tensors:
+                part = vector[offset:offset + t.numel()]
+                (part.copy_(t) if forward else t.copy_(part))
+                synchronize(devices)
+                offset += t.numel()
+        queued = (lambda: gather_into(tensors, vector)) if forward else (lambda: scatter_from(vector, tensors))
+        timings = {}
+        for label, fn in (("waited_each", one_by_one), ("queued", queued)):
+            fn()
+            started = time.perf_counter()
+            for _ in range(5):
+                fn()
+            timings[label] = (time.perf_counter() - started) / 5
+        hidden = 1 - timings["queued"] / timings["waited_each"]
+        emit(f"{name}_time_hidden", round(hidden, 3), "fraction", device=device, pinned=pinned, parts=parts,
+             numel=numel, queued_gbps=round(numel * 4 / timings["queued"] / 1e9, 2),
+             waited_each_gbps=round(numel * 4 / timings["waited_each"] / 1e9, 2))
+
+
+def expert_server(device: str) -> None:
+    from potluck.moe import ExpertServer, RemoteExpert, make_expert
+    torch.manual_seed(1)
+    module, schema = make_expert("ffn", 64)
+    local = make_expert("ffn", 64)[0]
+    local.load_state_dict(module.state_dict())
+    server_peer = potluck.Peer(host="127.0.0.1")
+    client = potluck.Peer(host="127.0.0.1", initial_peers=server_peer.addresses)
+    try:
+        with ExpertServer(server_peer, {"ffn.0.0": module}, lambda p: torch.optim.SGD(p, lr=0.1),
+                          input_schema=schema, device=device):
+            remote = RemoteExpert(client, "ffn.0.0")
+            x = torch.randn(8, 64, requires_grad=True)
+            x_local = x.detach().clone().requires_grad_(True)
+            out, out_local = remote(x), local(x_local)
+            error = float((out - out_local).detach().abs().max())
+            out.pow(2).sum().backward()
+            out_local.pow(2).sum().backward()
+            error = max(error, float((x.grad - x_local.grad).abs().max()))
+            check(error < 1e-3, f"expert on {device} differs from the CPU copy by {error}")
+            emit("expert_server_max_error", error, "abs", device=device)
+    finally:
+        client.shutdown()
+        server_peer.shutdown()
+
+
+async def _emulated_peers(n: int) -> list:
+    """`n` peers (transport + DHT) on one in-process emulated network, as the pipeline and ps take."""
+    from types import SimpleNamespace
+
+    from potluck.dht import DHT, event_loop_clock
+    from potluck.net.emulated import EmulatedNetwork
+    net, peers = EmulatedNetwork(latency=0.001), []
+    for _ in range(n):
+        transport = net.transport(upload=None, download=None)
+        await transport.start()
+        dht = DHT(transport, initial_peers=[peers[0].transport.addresses[0]] if peers else [], clock=event_loop_clock())
+        await dht.astart()
+        peers.append(SimpleNamespace(transport=transport, dht=dht))
+    return peers
+
+
+async def _close_peers(peers: list) -> None:
+    for p in peers:
+        await p.dht.ashutdown()
+        await p.transport.close()
+
+
+def _mlp_layers(device: str, width: int):
+    def make_layers(indices):
+        out = []
+        for i in indices:
+            torch.manual_seed(100 + i)
+            out.append(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()).to(device))
+        return out
+    return make_layers
+
+
+def pipeline_stage(device: str, updates: int) -> None:
+    """Two stages of a 4-layer MLP, one micro-batch in flight (so the run is sequential SGD):
+    the stages' weights after `updates` updates on the device against the same run on the CPU."""
+    import asyncio
+
+    from potluck.pipeline.harness import launch_run
+    from potluck.pipeline.profiling import LayerCost
+    from potluck.pipeline.stage import PipelineConfig
+    width, layers = 64, 4
+    data_x = torch.randn(256, width, generator=torch.Generator().manual_seed(3))
+    data_y = torch.randint(0, width, (256,), generator=torch.Generator().manual_seed(4))
+
+    async def run_on(where: str) -> tuple[list[torch.Tensor], float]:
+        peers = await _emulated_peers(2)
+        snapshots = {}
+
+        def source(mb: int):
+            idx = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(mb))
+            return data_x[idx].to(where), data_y[idx].to(where)
+
+        def prepare(worker):
+            def on_version(epoch, version, weights, worker=worker):
+                if version == updates:
+                    snapshots[worker.route.start] = [w.detach().cpu() for w in weights.values()]
+            worker.on_version = on_version
+        started = time.perf_counter()
+        run = await launch_run(peers, [[0, 1]], PipelineConfig(f"gpu-check-pipe-{where}", staleness_bound=1),
+                               _mlp_layers(where, width), layers, lambda p: torch.optim.SGD(p, 0.05),
+                               sample=data_x[:2], sources=[source], costs=[LayerCost(1e-3, 4096, 512)] * layers,
+                               prepare=prepare)
+        try:
+            await run.wait_until(lambda: len(snapshots) == 2, 300)
+        finally:
+            seconds = time.perf_counter() - started
+            await run.close()
+            await _close_peers(peers)
+        return [t for start in sorted(snapshots) for t in snapshots[start]], seconds
+
+    results = {where: asyncio.run(run_on(where)) for where in dict.fromkeys([device, "cpu"])}
+    error = max(float((a - b).abs().max()) for a, b in zip(results[device][0], results["cpu"][0], strict=True))
+    check(error < 1e-3, f"pipeline stages on {device} differ from the CPU run by {error}")
+    emit("pipeline_stage_max_error", error, "abs", device=device, updates=updates,
+         seconds=round(results[device][1], 2), cpu_seconds=round(results["cpu"][1], 2))
+
+
+def ps_worker(device: str, steps: int) -> None:
+    """A worker whose model is on the device, behind a shard server on the host (sync): its model
+    after `steps` pushes against the same run with the model on the CPU."""
+    import asyncio
+
+    from potluck.ps import ServerConfig, start_parameter_servers
+    from potluck.ps.worker import PSClient, train_worker
+    width = 64
+    data_x = torch.randn(256, width, generator=torch.Generator().manual_seed(5))
+    data_y = torch.randint(0, width, (256,), generator=torch.Generator().manual_seed(6))
+
+    async def run_on(where: str) -> list[torch.Tensor]:
+        peers = await _emulated_peers(2)
+        model = torch.nn.Sequential(*_mlp_layers(where, width)(range(3)))
+        servers, layout = start_parameter_servers(peers[:1], f"gpu-check-ps-{where}", list(model.parameters()),
+                                                  lambda p: torch.optim.SGD(p, 0.05), ServerConfig(), offload=False)
+        g = torch.Generator().manual_seed(7)
+
+        def batch():
+            idx = torch.randint(0, 256, (32,), generator=g)
+            return data_x[idx].to(where), data_y[idx].to(where)
+        try:
+            client = PSClient(peers[1], f"gpu-check-ps-{where}", layout, model.parameters(), timeout=60)
+            await client.aregister()
+            await train_worker(client, model, batch, steps, offload=False)
+        finally:
+            for server in servers:
+                server.shutdown()
+            await _close_peers(peers)
+        return [p.detach().cpu() for p in model.parameters()]
+
+    results = {where: asyncio.run(run_on(where)) for where in dict.fromkeys([device, "cpu"])}
+    error = max(float((a - b).abs().max()) for a, b in zip(results[device], results["cpu"], strict=True))
+    check(error < 1e-3, f"ps worker on {device} differs from the CPU run by {error}")
+    emit("ps_worker_max_error", error, "abs", device=device, steps=steps)
+
+
+def step_overhead(device: str, steps: int) -> None:
+    """Seconds per step of the demo's CNN with plain torch.optim.Adam and with a lone peer's
+    Optimizer over it (an epoch every 8 steps, no one to average with)."""
+    from potluck.cli.tasks import load_data, make_model
+    x, y, _, _ = load_data()
+    x, y = x[:64].to(device), y[:64].to(device)
+    timings = {}
+    with potluck.Peer(host="127.0.0.1") as peer:
+        for label in ("torch", "potluck"):
+            model = make_model().to(device)
+            if label == "torch":
+                opt = torch.optim.Adam(model.parameters(), 3e-3)
+            else:
+                opt = Optimizer(peer, "gpu-check-overhead", model.parameters(), lambda p: torch.optim.Adam(p, 3e-3),
+                                target_batch_size=512, batch_size_per_step=64, load_state=False)
+            for k in range(steps + 5):
+                if k == 5:
+                    synchronize({torch.device(device)})
+                    started = time.perf_counter()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            synchronize({torch.device(device)})
+            timings[label] = (time.perf_counter() - started) / steps
+            if label == "potluck":
+                opt.shutdown()
+    emit("step_overhead", round(timings["potluck"] / timings["torch"] - 1, 3), "fraction", device=device,
+         torch_ms=round(timings["torch"] * 1e3, 3), potluck_ms=round(timings["potluck"] * 1e3, 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="device to check (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="fewer epochs and smaller tensors")
+    args = parser.parse_args()
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}, built with CUDA "
+              f"{torch.version.cuda or 'none'}); use --device cpu to run the checks on the CPU", file=sys.stderr)
+        sys.exit(2)
+    torch.zeros(1, device=device)  # a missing device fails here, not halfway
+    emit("device", torch.cuda.get_device_name(device) if device.startswith("cuda") else device, "",
+         torch=torch.__version__)
+    demo_cnn(device, 3 if args.quick else 10)
+    small_gpt(device, 2 if args.quick else 6)
+    averager_8bit(device, 1_000_000 if args.quick else 16_000_000)
+    copy_overlap(device, 4_000_000 if args.quick else 64_000_000, 64)
+    expert_server(device)
+    pipeline_stage(device, 10 if args.quick else 50)
+    ps_worker(device, 10 if args.quick else 50)
+    step_overhead(device, 20 if args.quick else 200)
+    if FAILED:
+        print("gpu_check: FAILED: " + "; ".join(FAILED), file=sys.stderr)
+        sys.exit(1)
+    emit("all_checks_passed", True)
+
+
+if __name__ == "__main__":
+    main()

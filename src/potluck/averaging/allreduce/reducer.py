@@ -1,0 +1,326 @@
+"""`ShardReducer`: one shard's reduction on the member that reduces it.
+
+It reads each sender's stream of pieces, averages a chunk as soon as every expected sender's
+piece of it is in, and streams the results back on the same streams; once told the decided
+senders, it recomputes what was reduced over others and sends FINAL. It reports to the member
+it runs on through `ReducerHost`, which that member implements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import weakref
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from potluck.averaging.allreduce.buffers import BufferPool
+from potluck.averaging.allreduce.group import Group
+from potluck.averaging.allreduce.messages import ResultChunk, ResultFinal
+from potluck.averaging.allreduce.reduction import blatant_senders, decode_chunk, encode_chunk, reduce_chunk
+from potluck.averaging.allreduce.transfer_stats import TransferStats
+from potluck.averaging.suspicion import SuspicionLedger
+from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError
+
+__all__ = ["ReducerHost", "ShardReducer", "drain_quietly"]
+
+logger = logging.getLogger(__name__)
+
+
+class ReducerHost(Protocol):
+    """What a reducer tells the member it runs on."""
+
+    def mark_dead(self, member: int) -> None:
+        """`member` failed as a sender here in a way that shows it is gone (or never came)."""
+
+    def on_report(self, shard: int, complete: list[int]) -> None:
+        """Every expected sender of `shard` is settled: these delivered their whole piece."""
+
+    def on_repair_failed(self, shard: int, missing: list[int]) -> None:
+        """`shard` cannot be reduced over the decided senders: these did not deliver."""
+
+    def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
+                   results: Mapping[int, torch.Tensor]) -> bytes:
+        """The member's signature of this result of `shard` (see accountability.final_message)."""
+
+
+class ShardReducer:
+    """Reduces one shard: collects pieces, averages chunks, streams results back to senders.
+
+    It is owned by its member's run and reaches back to it (`host`) through a weak reference (it
+    only reports to it), so a finished run is freed by reference counting, never left in a cycle
+    for the GC. `exact`: set for a replacement reducer, which reduces over exactly these senders.
+    `suspicion`: the averager's record of its members' deviations over steps (robust aggregations):
+    once every piece is in, the reducer adds them to it and reports the members it suspects or
+    banned as not delivered, so the step averages the others (see `potluck.averaging.suspicion`).
+    """
+
+    def __init__(self, host: ReducerHost, group: Group, shard: int, exact: tuple[int, ...] | None, *, codec: Any,
+                 aggregation: str, chunk: int, sender_timeout: float, stats: TransferStats, pool: BufferPool,
+                 suspicion: SuspicionLedger | None = None):
+        self._host = weakref.ref(host)
+        self.group = group
+        self.shard = shard
+        self.codec = codec
+        self.aggregation = aggregation
+        self.chunk = chunk
+        self.sender_timeout = sender_timeout
+        self.stats = stats
+        self.pool = pool
+        start, end = group.bounds(shard)
+        self.size = end - start
+        self.chunks = max(1, math.ceil(self.size / chunk))
+        self.exact = exact
+        self.expected = set(exact) if exact is not None else set(group.receivers)
+        self.pieces: dict[int, list[torch.Tensor]] = {}  # sender -> its chunks, as received
+        self.weights: dict[int, float] = {}
+        self.received: dict[int, int] = {}  # sender -> chunks received
+        self.complete: set[int] = set()
+        self.failed: set[int] = set()
+        self.reduced_with: dict[int, tuple[int, ...]] = {}
+        self.named: dict[int, str] = {}  # sender -> why it is blatantly not honest (warned once per step)
+        self.suspicion = suspicion
+        self.left_out: dict[int, str] = {}  # complete senders reported as not delivered, and why
+        self.results: dict[int, torch.Tensor] = {}
+        self.outboxes: dict[int, asyncio.Queue] = {}
+        self.reported = False
+        self.final_senders: tuple[int, ...] | None = None
+        self.final_version = 0
+        self.final_signature = b""
+        self.closed = False
+        self.changed = asyncio.Event()
+        self._serving: dict[int, tuple[Any, asyncio.Task]] = {}  # sender -> (channel, writer)
+        # Pooled memory: the reduced shard (results are slices of it) and one chunk of scratch.
+        self._buffers = [pool.take(self.size), pool.take(chunk)]
+        self.reduced, self.scratch = self._buffers[0][:self.size], self._buffers[1]
+        self._absent_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            sender_timeout, self._expire_absent)
+
+    @property
+    def host(self) -> ReducerHost | None:
+        """The member this reducer reports to (None once its run is freed)."""
+        return self._host()
+
+    def _mark_dead(self, member: int) -> None:
+        host = self._host()
+        if host is not None:
+            host.mark_dead(member)
+
+    def _expire_absent(self) -> None:
+        """Senders that never connected are excluded like stalled ones."""
+        self._absent_timer = None  # a fired handle still holds this bound method: drop the cycle
+        for s in sorted(self.expected - set(self.received) - self.failed - self.complete):
+            self._fail(s, "never connected")
+            self._mark_dead(s)
+
+    def _stop_timer(self) -> None:
+        if self._absent_timer is not None:
+            self._absent_timer.cancel()
+            self._absent_timer = None
+
+    def close(self) -> None:
+        """The run is over: stop serving and let go of every buffer."""
+        self.closed = True
+        self._stop_timer()
+        for channel, writer in list(self._serving.values()):
+            writer.cancel()
+            channel.abort("the averaging step is over here")
+        self._serving.clear()
+        self.outboxes.clear()
+        self.pieces.clear()
+        self.results.clear()
+        for buffer in self._buffers:
+            self.pool.give(buffer)
+        self._buffers.clear()
+
+    def _live(self) -> list[int]:
+        return sorted(self.expected - self.failed)
+
+    def chunk_range(self, c: int) -> tuple[int, int]:
+        """Where chunk `c` lies in the shard."""
+        return c * self.chunk, min(self.size, (c + 1) * self.chunk)
+
+    async def serve(self, sender: int, weight: float, abstain: bool, channel: Any) -> None:
+        """Handle one sender's stream: read its pieces, and send it results until FINAL."""
+        if self.closed:
+            raise AveragingError("the averaging step is over here")
+        outbox: asyncio.Queue = asyncio.Queue()
+        self.outboxes[sender] = outbox
+        for c in sorted(self.results):  # a late receiver gets what was already reduced
+            outbox.put_nowait(ResultChunk(c, encode_chunk(self.codec, self.results[c])))
+        if self.final_senders is not None:
+            outbox.put_nowait(ResultFinal(self.final_senders, self.final_version, self.final_signature))
+        writer = asyncio.ensure_future(self._write(outbox, channel))
+        self._serving[sender] = (channel, writer)
+        try:
+            if abstain or sender not in self.expected or sender in self.received:
+                if sender not in self.received:
+                    self._fail(sender, "abstains" if abstain else "not expected")
+                await drain_quietly(channel)
+            else:
+                await self._read(sender, weight, channel)
+            await writer
+        finally:
+            writer.cancel()
+            self._serving.pop(sender, None)
+            self.outboxes.pop(sender, None)
+            if sender in self.expected and sender not in self.complete and sender not in self.failed:
+                self._fail(sender, "its connection was closed")  # the handler task was cancelled
+            if not (writer.done() and not writer.cancelled() and writer.result()):
+                self._mark_dead(sender)  # it never got FINAL: the coordinator must not wait for it
+
+    async def _read(self, sender: int, weight: float, channel: Any) -> None:
+        self.weights[sender] = weight
+        self.pieces[sender] = []
+        self.received[sender] = 0
+        last = None  # when its previous chunk arrived (for our download estimate)
+        try:
+            while True:
+                msg = await channel.recv(timeout=self.sender_timeout)
+                if self.closed:
+                    return
+                c = self.received[sender]
+                if c >= self.chunks:
+                    raise AveragingError("sent more chunks than the shard has")
+                lo, hi = self.chunk_range(c)
+                self.pieces[sender].append(decode_chunk(self.codec, msg, hi - lo))
+                last = self.stats.received(channel, last, 4 * (hi - lo))
+                self.received[sender] = c + 1
+                self._try_reduce(c)
+        except EndOfStream:
+            if self.received[sender] == self.chunks:
+                self.complete.add(sender)
+                self._progress()
+            else:
+                self._fail(sender, f"ended after {self.received[sender]} of {self.chunks} chunks")
+        except (NetworkError, PotluckError) as e:
+            self._fail(sender, str(e))
+            if isinstance(e, NetworkError):
+                self._mark_dead(sender)
+
+    async def _write(self, outbox: asyncio.Queue, channel: Any) -> bool:
+        """Send results to one receiver; True once its FINAL is sent."""
+        try:
+            while True:
+                msg = await outbox.get()
+                await self.stats.send(channel, msg.to_wire())
+                if isinstance(msg, ResultFinal):
+                    await channel.close()
+                    return True
+        except (NetworkError, PotluckError):
+            return False
+
+    def sender_died(self, sender: int) -> None:
+        if sender in self.expected and sender not in self.complete:
+            self._fail(sender, "it died")
+
+    def _fail(self, sender: int, reason: str) -> None:
+        if sender in self.failed or sender in self.complete or self.closed:
+            return
+        logger.debug("shard %d excludes sender %d: %s", self.shard, sender, reason)
+        self.failed.add(sender)
+        for c in range(self.chunks):
+            self._try_reduce(c)
+        self._progress()
+
+    def _try_reduce(self, c: int) -> None:
+        """Provisionally average chunk `c` once every live sender's piece of it is in."""
+        if self.exact is not None or c in self.reduced_with or self.final_senders is not None:
+            return  # a replacement reducer only ever reduces over the decided senders
+        live = tuple(self._live())
+        if not all(self.received.get(s, 0) > c for s in live):
+            return
+        lo, hi = self.chunk_range(c)
+        result = self.reduced[lo:hi]
+        self._reduce(live, c, result)
+        self.reduced_with[c] = live
+        self.results[c] = result
+        payload = ResultChunk(c, encode_chunk(self.codec, result))
+        for box in self.outboxes.values():
+            box.put_nowait(payload)
+
+    def _reduce(self, senders: tuple[int, ...], c: int, out: torch.Tensor) -> None:
+        """Write chunk `c` reduced over `senders` into `out` (see `reduce_chunk`), and name the
+        senders whose contribution is blatantly not honest (`blatant_senders`). Named, not banned:
+        a ban is for a lie proven by a member's own signatures; this is a statistic, and an honest
+        peer that is broken or far behind (stale parameters) could meet it. The result already
+        bounds what the sender does (bounded weights, robust aggregation)."""
+        distances = reduce_chunk(self.aggregation, self.pieces, self.weights, senders, c, out, self.scratch,
+                                 measure=True)
+        named = blatant_senders(self.weights, distances, senders)
+        for s in sorted(named.keys() - self.named.keys()):
+            self.named[s] = named[s]
+            logger.warning("reducer of shard %d: sender %d (%s) is not an honest member: %s (chunk %d; "
+                           "its contribution is bounded, it is not banned)",
+                           self.shard, s, self.group.peers[s], named[s], c)
+
+    def _progress(self) -> None:
+        """Report to the member once every expected sender is settled."""
+        self.changed.set()
+        if not self.reported and self.expected <= (self.complete | self.failed):
+            self.reported = True
+            self._judge()
+            host = self._host()
+            if host is not None:
+                host.on_report(self.shard, sorted(self.complete - self.left_out.keys()))
+
+    def _judge(self) -> None:
+        """Add this step's pieces to the averager's record of deviations, and leave out the
+        senders it suspects or banned: never half of them or more (with fewer than half the
+        senders lying, more suspects means a broken record, not a step to throw away)."""
+        if self.suspicion is None or self.closed or not self.complete:
+            return
+        # a weight of 0 means "leave me out" (a peer with nothing to add this step): its piece
+        # counts for nothing, so it is no evidence either way
+        senders = sorted(s for s in self.complete if self.weights.get(s, 0) > 0)
+        if not senders:
+            return
+        peers = [self.group.peers[s] for s in senders]
+        pieces = [torch.cat(self.pieces[s]) if len(self.pieces[s]) > 1 else self.pieces[s][0] for s in senders]
+        start, _ = self.group.bounds(self.shard)
+        self.suspicion.record(start, peers, pieces, [self.group.peers[s] for s in senders if s in self.named])
+        left = self.suspicion.left_out(peers)
+        if 2 * len(left) < len(senders):
+            self.left_out = {s: left[p] for s, p in zip(senders, peers, strict=True) if p in left}
+        for s, why in self.left_out.items():
+            logger.info("reducer of shard %d leaves sender %d (%s) out of this step: %s",
+                        self.shard, s, self.group.peers[s], why)
+
+    def finalize(self, senders: tuple[int, ...], version: int) -> None:
+        """Recompute chunks not reduced over exactly `senders`, then send FINAL."""
+        if self.final_senders is not None or self.closed:
+            return
+        missing = [s for s in senders if s not in self.complete]
+        if missing:
+            host = self._host()
+            if host is not None:
+                host.on_repair_failed(self.shard, missing)
+            return
+        for c in range(self.chunks):
+            if self.reduced_with.get(c) != senders:
+                lo, hi = self.chunk_range(c)
+                self.results[c] = self.reduced[lo:hi]
+                self._reduce(senders, c, self.results[c])
+                self.reduced_with[c] = senders
+                payload = ResultChunk(c, encode_chunk(self.codec, self.results[c]))
+                for box in self.outboxes.values():
+                    box.put_nowait(payload)
+        host = self._host()
+        if host is not None:
+            self.final_signature = host.sign_final(self.shard, senders, version, self.results)
+        self.final_senders, self.final_version = senders, version
+        for box in self.outboxes.values():
+            box.put_nowait(ResultFinal(senders, version, self.final_signature))
+        self._stop_timer()
+
+
+async def drain_quietly(channel: Any) -> None:
+    """Read a stream to its end, ignoring what comes and how it ends."""
+    try:
+        async for _ in channel:
+            pass
+    except (NetworkError, PotluckError):
+        pass

@@ -1,0 +1,221 @@
+"""Consequences over time: members whose pieces keep deviating the same way are left out, then banned.
+
+Robust aggregation bounds what a minority does to one step, not to many: a liar that pushes a
+little in the same direction every step adds up (benchmarks/byzantine.py). What tells it apart is
+that its deviation persists. Honest pieces differ from each other by noise that is new at every
+step (batches), so the running sum of the difference between two honest members' pieces grows
+like the square root of the steps; between a patient liar and an honest member it grows like the
+steps. A reducer tests that, pair by pair, over its shard:
+
+    d_ij,t = x_i,t - x_j,t   (two senders' pieces at step t),   S_ij,t = sum of d_ij before t
+    Z_ij = sum_t <S_ij,t, d_ij,t> / sqrt(sum_t sum_k S_ij,t,k^2 d_ij,t,k^2)
+
+a self-normalized martingale: while honest noise is independent across steps and symmetric, and
+independent across coordinates, Z_ij has about a standard normal tail, exp(-z^2 / 2), whatever
+the coordinates' scales; a consistent difference makes it grow like the steps times the square
+root of the shard's dimension. A member's score is the lower median of its Z_ij over the other
+senders: with fewer than half the senders lying, an honest member's median pairs it with an
+honest one, whose difference liars cannot touch (the test uses no centre that liars could move).
+Noise correlated across coordinates (low-rank gradient noise) or persistent (members' data that
+differ) widens every honest pair's Z alike; the thresholds count in units of that width. Rules, per
+averager and at each of this peer's reducers:
+
+  * score >= SUSPECT_Z x sigma (sigma: the honest scores' width, at least 1, see
+    WIDTH_PER_SIGMA; honest members whose noise is correlated or whose data differ
+    persistently all score wide alike, and are not singled out): the member is left out of the
+    next steps while it stays there (its reducer reports it as not delivered, so the step averages
+    the others and it still receives the result);
+  * score >= BAN_Z x sigma, or named blatantly not honest (far from the robust centre, or a
+    huge weight: `allreduce.reduction.blatant_senders`) in FAR_STRIKES steps: banned for the run
+    (`accountability.BanList`: matchmaking neither joins nor admits it).
+
+The statistics restart when a sender joins the shard's senders (the pairs' histories must cover the
+same steps) and survive when one leaves; they are the reducer's own observations, never another
+peer's word. docs/security.md states the rates and the limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from potluck.averaging.accountability import BanList
+from potluck.net.identity import PeerID
+
+__all__ = ["BAN_Z", "FAR_STRIKES", "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
+
+logger = logging.getLogger(__name__)
+
+# Score at which a member is left out of steps. Under independent symmetric honest noise a pair's
+# score exceeds z with probability about exp(-z^2 / 2) at each look: 1.5e-8 at 6, so a run of
+# 1,000 steps in groups of 16 leaves an honest member out by chance with probability about 1e-3
+# at most (a member needs the median of its pairs above, which is rarer still).
+SUSPECT_Z = 6.0
+# Score at which a member is banned for the run: exp(-50) = 2e-22 per look.
+BAN_Z = 10.0
+# The width of honest scores: thresholds count in units of sigma = max(1, w / WIDTH_PER_SIGMA),
+# w the median over members of their lower median |Z_ij|. With i.i.d. noise w is 0.67 (the median
+# of |N(0, 1)|) when all of a member's pairs are honest and up to about 1.1 when some are with
+# liars (its median pair is then the larger of its honest ones): dividing by 1 keeps the
+# thresholds where they are with i.i.d. noise, attacked or not. Honest noise correlated across
+# coordinates (gradient noise of a real network is) or persistent (data that differ between
+# members) widens every honest member's scores alike (benchmarks/byzantine.py's CNN: w about 5),
+# and sigma with it, to within 0.7-1.1 of their own scale; a liar must stand out of them. With
+# fewer than half the senders lying, every honest member's median pair is honest, so liars cannot
+# widen w.
+WIDTH_PER_SIGMA = 1.0
+# Steps in which a reducer named a member blatantly not honest (a piece OUTLIER_FACTOR x the median
+# distance away, or a huge weight) before it is banned: once could be a broken step (stale
+# parameters after a restart), three are a habit. A named member is left out of that step.
+FAR_STRIKES = 3
+# Senders of a shard beyond which the statistics are not kept: each step costs n^2 / 2 passes
+# over the shard (the pairs), and the memory one running sum per sender.
+MAX_TRACKED_SENDERS = 32
+# Fewer coordinates than this give the test too little to average over (a tiny shard): not kept.
+MIN_TRACKED_ELEMENTS = 64
+# Shards (coordinate ranges) whose statistics one averager keeps at once: its own shard and a
+# replacement's, across a change of the load split.
+MAX_COHORTS = 4
+# Members whose far namings are remembered (oldest forgotten first).
+MAX_REMEMBERED = 1024
+
+
+@dataclass
+class _Cohort:
+    """Statistics of the pairs of one shard's senders over the steps they all took part in."""
+
+    peers: tuple[PeerID, ...]
+    sums: torch.Tensor  # [n, size]: each sender's pieces summed, less each step's mean
+    cross: torch.Tensor  # [n, n] float64: sum_t <S_ij,t, d_ij,t>
+    variance: torch.Tensor  # [n, n] float64: sum_t sum_k S_ij,t,k^2 d_ij,t,k^2
+    steps: int = 0
+
+    def keep(self, peers: tuple[PeerID, ...]) -> _Cohort:
+        rows = torch.tensor([self.peers.index(p) for p in peers])
+        return _Cohort(peers, self.sums[rows].clone(), self.cross[rows][:, rows].clone(),
+                       self.variance[rows][:, rows].clone(), self.steps)
+
+
+@dataclass
+class SuspicionLedger:
+    """One averager's record of its members' deviations at this peer's reducers (see the module)."""
+
+    banned: BanList
+    suspects: dict[PeerID, str] = field(default_factory=dict)  # left out of the next steps, and why
+    _cohorts: OrderedDict = field(default_factory=OrderedDict)  # (start, end) -> _Cohort
+    _far: OrderedDict = field(default_factory=OrderedDict)  # peer -> steps named far
+
+    def left_out(self, peers: Sequence[PeerID]) -> dict[PeerID, str]:
+        """Which of a step's `peers` a reducer leaves out, and why: banned or suspected."""
+        out = {}
+        for p in peers:
+            if p in self.banned:
+                out[p] = f"banned: {self.banned.evidence(p)}"
+            elif p in self.suspects:
+                out[p] = self.suspects[p]
+        return out
+
+    def scores(self, start: int, end: int) -> dict[PeerID, float]:
+        """Each tracked sender's score over the shard [start, end) (empty if not tracked)."""
+        cohort = self._cohorts.get((start, end))
+        return {} if cohort is None else dict(zip(cohort.peers, _scores(cohort), strict=True))
+
+    def record(self, start: int, peers: Sequence[PeerID], pieces: Sequence[torch.Tensor],
+               named_far: Sequence[PeerID] = ()) -> None:
+        """One step of a shard starting at `start`: each sender's piece (flat, the shard's size);
+        `named_far`: senders named blatantly not honest in it (`blatant_senders`: a piece far from the
+        robust centre, or a huge claimed weight). Updates the scores, then who is suspected
+        and who is banned: a reducer records a step's pieces as soon as they are all in, so a
+        member found out leaves the very step that gave it away (`left_out`)."""
+        for p in named_far:
+            strikes = self._far.pop(p, 0) + 1
+            self._far[p] = strikes
+            while len(self._far) > MAX_REMEMBERED:
+                self._far.popitem(last=False)
+            why = f"named blatantly not honest (far from the robust centre, or a huge weight) in {strikes} step(s)"
+            if strikes >= FAR_STRIKES:
+                self._ban(p, why)
+            else:
+                self.suspects[p] = why
+        named = set(named_far)
+        for p in peers:  # a single far naming leaves a member out of one step only
+            if p not in named and self.suspects.get(p, "").startswith("named blatantly"):
+                del self.suspects[p]
+        size = pieces[0].numel() if pieces else 0
+        if not 2 < len(peers) <= MAX_TRACKED_SENDERS or size < MIN_TRACKED_ELEMENTS:
+            return
+        cohort = self._cohort(start, start + size, tuple(peers))
+        # Only differences between pieces matter; taking out the step's mean keeps the running
+        # sums small (parameters summed over 1,000 steps would drown their differences in float32).
+        deviations = torch.stack([p.reshape(-1) for p in pieces])
+        deviations.sub_(deviations.mean(dim=0))
+        _update(cohort, deviations)
+        self._judge(cohort)
+
+    def _cohort(self, start: int, end: int, peers: tuple[PeerID, ...]) -> _Cohort:
+        key = (start, end)
+        old = self._cohorts.pop(key, None)
+        if old is not None and set(peers) <= set(old.peers):
+            cohort = old if peers == old.peers else old.keep(peers)
+        else:  # a newcomer (or a new range): pairs with it have no common history yet
+            n = len(peers)
+            cohort = _Cohort(peers, torch.zeros(n, end - start), torch.zeros(n, n, dtype=torch.float64),
+                             torch.zeros(n, n, dtype=torch.float64))
+        self._cohorts[key] = cohort
+        while len(self._cohorts) > MAX_COHORTS:
+            self._cohorts.popitem(last=False)
+        return cohort
+
+    def _judge(self, cohort: _Cohort) -> None:
+        scores, spreads = _scores(cohort), _scores(cohort, absolute=True)
+        sigma = max(1.0, sorted(spreads)[(len(spreads) - 1) // 2] / WIDTH_PER_SIGMA)
+        for p, z in zip(cohort.peers, scores, strict=True):
+            why = (f"its pieces keep deviating the same way: score {z:.1f} over {cohort.steps} steps, "
+                   f"{z / sigma:.1f} x the honest width {sigma:.1f}")
+            if z >= BAN_Z * sigma:
+                self._ban(p, why)
+            elif z >= SUSPECT_Z * sigma:
+                if p not in self.suspects:
+                    logger.warning("leaving %s out of averaging while %s", p, why)
+                self.suspects[p] = why
+            elif p in self.suspects and self.suspects[p].startswith("its pieces"):
+                del self.suspects[p]
+
+    def _ban(self, peer: PeerID, why: str) -> None:
+        self.suspects.pop(peer, None)
+        self.banned.ban(peer, why)
+
+
+def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
+    """Add one step's deviations ([n, size]) to the pairs' statistics."""
+    sums = cohort.sums
+    gram = (sums.double() @ deviations.double().T)  # <S_i, d_j>
+    diag = gram.diagonal()
+    cohort.cross += diag[:, None] + diag[None, :] - gram - gram.T
+    n = len(cohort.peers)
+    for i in range(n):
+        s = sums[i + 1:] - sums[i]
+        d = deviations[i + 1:] - deviations[i]
+        v = (s.double().square_() * d.double().square_()).sum(dim=1)
+        cohort.variance[i, i + 1:] += v
+        cohort.variance[i + 1:, i] += v
+    sums += deviations
+    cohort.steps += 1
+
+
+def _scores(cohort: _Cohort, absolute: bool = False) -> list[float]:
+    """Each sender's lower median over the others of the pair statistic Z_ij (of |Z_ij|: how
+    far honest pairs stray either way, the scale of the relative condition)."""
+    n = len(cohort.peers)
+    out = []
+    for i in range(n):
+        z = [float(cohort.cross[i, j]) / math.sqrt(float(cohort.variance[i, j])) if cohort.variance[i, j] > 0 else 0.0
+             for j in range(n) if j != i]
+        z = [abs(v) for v in z] if absolute else z
+        out.append(sorted(z)[(len(z) - 1) // 2])
+    return out

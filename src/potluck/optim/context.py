@@ -1,0 +1,540 @@
+"""What a run's training modes share (`RunContext`): the model's state, this peer's epoch and its
+own progress, the swarm's progress as this peer sees it, catching up with the swarm, round records
+for monitors, and the hooks a user registers on epochs.
+
+A training mode (`potluck.optim.modes`) decides when to average what; everything it needs of the
+run goes through this object's public members, and nothing here knows which mode runs.
+
+The run schema (`potluck.optim.schema`): records of peers with another fingerprint are read
+apart and never counted; a peer that finds itself the odd one (`check_model`: no live peer of its
+own kind, no round completed, and peers of another fingerprint completing rounds together) stops
+publishing, and its next `step()` raises `ModelMismatch` naming the first difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import warnings
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from potluck.averaging.averager import Averager
+from potluck.averaging.role import Role
+from potluck.averaging.state_transfer import Manifest, ManifestRequest
+from potluck.core import compat
+from potluck.core.errors import AveragingError, NetworkError, PotluckError
+from potluck.core.peer_like import PeerLike
+from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.net.identity import PeerID
+from potluck.optim.progress import (
+    GlobalProgress,
+    PeerProgress,
+    ProgressTracker,
+    RoundNote,
+    RoundRecord,
+    confirmed_runs,
+    fetch_published_rounds,
+)
+from potluck.optim.schema import ModelMismatch, RunSchema
+from potluck.optim.state import ModelState
+from potluck.optim.vouching import DonorElection, witnesses_of
+
+__all__ = ["EpochEvent", "RunContext", "RunSettings", "Tally"]
+
+logger = logging.getLogger(__name__)
+
+# How often progress is published and read (seconds): often enough that peers enter an averaging
+# round within a fraction of the matchmaking window of each other.
+PROGRESS_INTERVAL = 0.1
+# With neighbors (the last group's members, who hear from us directly at every change), progress
+# goes through the DHT only every this many intervals: it is for newcomers and for noticing them.
+# While a live peer outside our neighbors trains (a newcomer, a straggler catching up), every
+# interval: over slow links a DHT round trip takes a good part of an interval, and a view of it
+# that many intervals old left it out of our stable group's rounds, round after round.
+DHT_EVERY_WITH_NEIGHBORS = 4
+# Weight of the newest measurement in the samples-per-second estimate.
+SPEED_SMOOTHING = 0.3
+# A peer further behind than this many epochs drops its accumulated gradients when it catches up.
+MAX_STALE_EPOCHS = 1
+# A peer that has not called step() for this many of its own step intervals (and at least
+# IDLE_FLOOR_SECONDS) reports itself idle: others stop waiting for it (e.g. it finished its work
+# but stays online), and it catches up when it trains again. The floor is long: a busy machine
+# can starve a training thread for a second, and a peer wrongly left out of the expected group
+# size can split the swarm's round in two.
+IDLE_STEP_INTERVALS = 4
+IDLE_FLOOR_SECONDS = 5.0
+# Epochs a downloaded state's scheduler may be moved on by replaying its steps one by one, when it
+# is not a torch scheduler whose learning rate at any epoch has a closed form (those move in one
+# call): about 3 us a step, so at most a tenth of a second.
+MAX_REPLAYED_SCHEDULER_STEPS = 30_000
+# A donor's state may be this many epochs ahead of the epoch our progress view supports. The view
+# lags the donors by up to a report's life (LIVE_SECONDS), and a swarm with sub-second epochs (small
+# models, the tests) moves several epochs meanwhile: honest donors at epoch view + 2 were refused,
+# and the peer that needed them never caught up. The cap is against jumps of orders of magnitude
+# (epoch 10^7 spins a scheduler; 10^9 moves every later epoch); a smaller one still needs most of
+# the vouched donors to agree on the state.
+MAX_STATE_EPOCH_LEAD = 8
+# A peer that sees only peers of another fingerprint looks at the run's round records this often
+# (one DHT read each; only such a peer reads them): the odd one out learns it within a few seconds.
+MODEL_CHECK_INTERVAL = 1.0
+# Asking a peer of the run for its schema (its state manifest) takes at most this.
+SCHEMA_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings every training mode of a run shares (see `Optimizer`)."""
+
+    target_batch_size: int
+    batch_size_per_step: int
+    role: Role
+    compression: Any
+    aggregation: str
+    matchmaking_time: float
+    averaging_timeout: float
+    fingerprint: str | None = None  # of the run schema: peers with another are never grouped
+
+    def averaging(self) -> dict[str, Any]:
+        """The options of every averager of the run (each averages tensors that exist anyway)."""
+        return dict(compression=self.compression, role=self.role, matchmaking_time=self.matchmaking_time,
+                    allreduce_timeout=self.averaging_timeout, copy=False, aggregation=self.aggregation,
+                    fingerprint=self.fingerprint)
+
+
+@dataclass
+class Tally:
+    """This peer's own progress in its current epoch, as it reports it."""
+
+    samples: int = 0  # accumulated towards the current epoch
+    round_samples: int = 0  # ours in the round step() waits for: still counted while they are frozen
+    in_round: bool = False  # step() waits for a round: our samples are frozen
+    part: int = 0  # short rounds of this epoch so far (see PeerProgress.part)
+    ahead: bool = False  # a delayed update is averaging: new samples count towards the next epoch
+
+
+@dataclass(frozen=True)
+class EpochEvent:
+    """This peer's epoch changed: by an update it took part in (`"update"`; `samples`: the swarm's
+    samples behind it), by catching up with a swarm it fell behind (`"caught_up"`: its state was
+    downloaded, or kept if none could be), or by rejoining a round that went on without it
+    (`"rejoined"`, Streaming DiLoCo)."""
+
+    epoch: int
+    how: Literal["update", "caught_up", "rejoined"]
+    samples: int = 0
+
+
+class RunContext:
+    """One peer's part in a run: see the module docstring."""
+
+    def __init__(self, peer: PeerLike, run_id: str, state: ModelState, scheduler: Any, settings: RunSettings,
+                 schema: RunSchema | None = None):
+        self.peer = peer
+        self.run_id = run_id
+        self.state = state
+        self.scheduler = scheduler
+        self.settings = settings
+        self.epoch = 0  # our local epoch: updates applied (or taken over from the swarm)
+        self.epoch_samples = 0  # samples of the whole swarm behind the last epoch applied
+        self.tally = Tally()
+        self.samples_per_second = 0.0
+        self.samples_processed = 0  # local samples behind every step() so far (bytes_per_sample)
+        self.failed_rounds = 0  # failed averaging tries since we started (published for monitors)
+        self.catch_ups = 0  # times we fell behind the swarm and downloaded its state (benchmarks read it)
+        self.schema = schema  # what peers of the run must share (None: anyone counts)
+        self.rounds_completed = 0  # averaging rounds we completed and recorded
+        self.mismatch: ModelMismatch | None = None  # we are not of this run: why (check_model)
+        self._next_model_check = 0.0  # loop time of the next look at the run's round records
+        self._checking_model = False
+        self.metrics: tuple[float, dict[str, float]] | None = None  # report_metrics: (DHT time, values)
+        self.stepping = False  # inside step(): never idle
+        self.waited = False  # this step() waited for the network (rounds, downloads)
+        self.last_step_time: float | None = None
+        # loop time our current epoch (or part of it) began: the members' samples in its round
+        # accumulated since about then (see ProgressTracker.averaged)
+        self.epoch_began: float | None = None
+        client_mode = settings.role == Role.CLIENT or peer.transport.client_mode
+        self.tracker = ProgressTracker(peer.dht, peer.transport, run_id, peer.peer_id, settings.target_batch_size,
+                                       client_mode, None if schema is None else schema.fingerprint)
+        # We follow the epoch of the peers we joined through and of those whose state we took last
+        # (progress.MAX_FOLLOWED_LEAD): a run's first peer trains on alone while we download.
+        self.witnesses = witnesses_of(peer)
+        self.tracker.followed = self.witnesses - {str(peer.peer_id)}
+        self.reports: dict[str, PeerProgress] = {}  # others' latest reports, refreshed in the background
+        self._progress_task: asyncio.Future | None = None
+        self._background: set[asyncio.Future] = set()  # reports under way (see publish)
+        # (an OrderedDict: RemovableHandle holds it by weak reference)
+        self._epoch_hooks: OrderedDict[int, Callable[[EpochEvent], None]] = OrderedDict()
+
+    # -- time and speed -----------------------------------------------------------------------------
+    def now(self) -> float:
+        """The peer's loop time: virtual under `potluck.core.virtual_time`, so tests are exact."""
+        return asyncio.get_running_loop().time()
+
+    def measure_speed(self) -> None:
+        """A step() began: one more batch behind us, at the speed since the last one."""
+        now = self.now()
+        if self.last_step_time is not None and now > self.last_step_time:
+            speed = self.settings.batch_size_per_step / (now - self.last_step_time)
+            self.samples_per_second = speed if not self.samples_per_second else (
+                (1 - SPEED_SMOOTHING) * self.samples_per_second + SPEED_SMOOTHING * speed)
+        self.last_step_time = now
+        self.samples_processed += self.settings.batch_size_per_step
+
+    def idle(self) -> bool:
+        """We have stopped calling step() (a peer that never stepped is still starting)."""
+        last, speed = self.last_step_time, self.samples_per_second
+        if self.stepping or last is None or speed <= 0:
+            return False
+        idle_after = max(IDLE_FLOOR_SECONDS, IDLE_STEP_INTERVALS * self.settings.batch_size_per_step / speed)
+        return self.now() - last > idle_after
+
+    # -- progress -----------------------------------------------------------------------------------
+    @property
+    def accumulating_epoch(self) -> int:
+        """The epoch our new samples count towards: one ahead while a delayed update is running."""
+        return self.epoch + self.tally.ahead
+
+    def progress(self) -> GlobalProgress:
+        """The collaboration's progress as this peer estimates it now."""
+        tally = self.tally
+        local = PeerProgress(self.peer.peer_id, self.accumulating_epoch, tally.samples, self.samples_per_second,
+                             self.peer.dht.get_time(), self.tracker.client_mode, self.epoch, tally.in_round,
+                             False, 0 if tally.ahead else tally.part)
+        return self.tracker.estimate(self.tracker.merged(self.reports), local)
+
+    async def report(self, store: bool = True) -> None:
+        """Publish our progress. While step() waits for the epoch's round, the samples in it still
+        count, so that a peer whose view lags still sees the batch full and joins the round
+        instead of missing it. Without `store`: to our neighbors only (see ProgressTracker)."""
+        tally = self.tally
+        await self.tracker.report(self.accumulating_epoch, tally.samples + tally.round_samples,
+                                  self.samples_per_second, self.epoch, tally.in_round, self.idle(),
+                                  0 if tally.ahead else tally.part, store=store, failed=self.failed_rounds,
+                                  metrics=self.metrics)
+
+    def publish(self) -> None:
+        """Report a change of state (a new epoch, a round ended) without waiting: the report
+        reads our state when it runs, so it is never older than the change. Neighbors hear it
+        at once; the DHT then hears it from the progress loop."""
+        self.spawn(self.report(store=not self.tracker.has_neighbors))
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run `work` in the background, held until done (the loop keeps only weak references)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(retrieve_exception)
+
+    def start_progress(self) -> None:
+        self.epoch_began = self.now()
+        self._progress_task = asyncio.ensure_future(self._progress_loop())
+
+    async def _progress_loop(self) -> None:
+        tick = 0
+        while self.mismatch is None:  # (a peer not of this run stops publishing)
+            through_dht = not self.tracker.has_neighbors or tick % DHT_EVERY_WITH_NEIGHBORS == 0 \
+                or self._outsiders()
+            await self.report(store=through_dht)
+            if through_dht:
+                reports = await self.tracker.fetch()
+                if reports is not None:
+                    self.reports = reports
+                    if self._may_be_odd() and not self._checking_model and self.now() >= self._next_model_check:
+                        self._next_model_check = self.now() + MODEL_CHECK_INTERVAL
+                        self.spawn(self._check_model())
+            tick += 1
+            await asyncio.sleep(PROGRESS_INTERVAL)
+
+    def _outsiders(self) -> bool:
+        """A live peer that trains, other than us, is not among our neighbors."""
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return any(p != me and not r.idle and r.live(now) and not self.tracker.is_neighbor(p)
+                   for p, r in self.reports.items())
+
+    # -- the run's schema -----------------------------------------------------------------------------
+    def check_model(self) -> None:
+        """Raise ModelMismatch if we found that our model or settings are not the run's."""
+        if self.mismatch is not None:
+            raise ModelMismatch(str(self.mismatch))
+
+    def _may_be_odd(self) -> bool:
+        """Whether we might be the odd one out: peers of another fingerprint are live, none of
+        ours is, and we never completed a round (a peer that trained with peers of its kind is of
+        a run, whatever others publish)."""
+        if self.schema is None or self.rounds_completed or not self.tracker.strangers:
+            return False
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return not any(r.live(now) for p, r in self.reports.items() if p != me) \
+            and any(r.live(now) for r in self.tracker.strangers.values())
+
+    async def _check_model(self) -> None:
+        """Decide whether we are the odd one out (`_may_be_odd`, and two live peers of another
+        fingerprint published a round they completed together: `confirmed_runs`); if so, learn
+        the run's schema from one of them and keep why in `mismatch`."""
+        self._checking_model = True
+        try:
+            published = await fetch_published_rounds(self.peer.dht, self.run_id)
+            now = self.peer.dht.get_time()
+            live = {p: r.fingerprint for p, r in self.tracker.strangers.items() if r.live(now)}
+            runs = {} if published is None or not self._may_be_odd() else confirmed_runs(published, live)
+            if not runs or self.rounds_completed:
+                return
+            fingerprint, peers = min(runs.items(), key=lambda run: (-len(run[1]), run[0]))
+            schema = await self._run_schema(fingerprint, sorted(peers))
+            assert self.schema is not None
+            difference = self.schema.difference(schema) if schema is not None else None
+            self.mismatch = ModelMismatch(
+                f"this peer's model or settings do not match run {self.run_id!r}: "
+                + (difference or f"your schema has fingerprint {self.schema.fingerprint}, the run's {fingerprint} "
+                                  "(no peer of the run gave its schema)")
+                + "; train the run's model with its settings (the same code and options as its peers), "
+                  "or use another run id")
+            logger.error("%s", self.mismatch)
+        finally:
+            self._checking_model = False
+
+    async def _run_schema(self, fingerprint: str, peers: list[str]) -> RunSchema | None:
+        """The schema of fingerprint `fingerprint`, from the state manifest of one of `peers`
+        (None if none of them gives one that has it)."""
+        method = self.state.averager.names.manifest
+        for peer in peers:
+            try:
+                reply = await self.peer.transport.call(PeerID.from_string(peer), method, ManifestRequest().to_wire(),
+                                                       timeout=SCHEMA_TIMEOUT)
+                metadata = Manifest.from_wire(reply).metadata
+                schema = RunSchema.from_wire(metadata.get("schema")) if isinstance(metadata, dict) else None
+            except (NetworkError, PotluckError) as e:
+                logger.debug("no run schema from %s: %s", peer, e)
+                continue
+            if schema is not None and schema.fingerprint == fingerprint:
+                return schema
+        return None
+
+    async def fresh_reports(self) -> list[PeerProgress]:
+        """Everyone's progress read from the DHT now (the background view may be a moment old)."""
+        try:
+            reports = await asyncio.wait_for(self.tracker.fetch(), self.settings.averaging_timeout)
+        except TimeoutError:
+            reports = None
+        return list(self.tracker.merged(self.reports if reports is None else reports).values())
+
+    def members(self, reports: Iterable[PeerProgress]) -> frozenset[str]:
+        """Every peer that may take part in a round now: us and every live peer that is not
+        idle, on any epoch. If they are exactly the last round's group, it meets again without
+        the DHT; anyone else (a newcomer, a peer catching up) opens the round to everyone."""
+        now = self.peer.dht.get_time()
+        return frozenset([self.peer.peer_id, *(r.peer_id for r in reports if r.live(now) and not r.idle)])
+
+    def anyone_else(self) -> bool:
+        """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""
+        return any(r.peer_id != self.peer.peer_id and not r.idle for r in self.progress().reports)
+
+    def round_is_over(self, epoch: int) -> bool:
+        """Another peer has applied `epoch`'s update: its round ended (without us, if we are
+        still looking for a group). Waiting out the matchmaking window for a group that will not
+        come would also hold back the others, who count us into their next round."""
+        return any(r.done > epoch for r in self.progress().reports if r.peer_id != self.peer.peer_id)
+
+    async def wait_for_round(self, task: asyncio.Future, averager: Averager, epoch: int) -> None:
+        """Wait for `epoch`'s round; cancel it if we have no group yet and the round is over."""
+        while not task.done():
+            await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
+            if not task.done() and averager.forming and self.round_is_over(epoch):
+                task.cancel()
+                await asyncio.wait([task])
+
+    def record_round(self, epoch: int, notes: dict[str, RoundNote], contributors: list[str],
+                     keeper: str | None = None) -> None:
+        """Publish, for monitors, a round we completed: each contributor's samples as its note
+        gave them to the group (a monitor credits a peer with what the others record for it),
+        and our membership token (our name) if the run has an authority. Every member records it
+        alike: under the same epoch (the lower median of the epochs in the notes, if they say
+        theirs) and id (a digest of the notes: the same members may meet twice in an epoch)."""
+        said = sorted(n.epoch for n in notes.values() if n.epoch is not None)
+        epoch = said[(len(said) - 1) // 2] if said else epoch
+        wire = json.dumps(sorted((p, notes[p].to_wire()) for p in contributors if p in notes)).encode()
+        record = RoundRecord(epoch, self.tally.part, tuple((p, notes[p].samples) for p in contributors
+                                                           if p in notes and not notes[p].aux),
+                             keeper, self.peer.dht.get_time(), hashlib.blake2b(wire, digest_size=8).hexdigest())
+        self.rounds_completed += 1
+        token = getattr(self.peer, "membership", None)
+        self.spawn(self.tracker.record_round(record, None if token is None else token.to_wire()))
+
+    # -- epochs ---------------------------------------------------------------------------------------
+    def register_epoch_hook(self, hook: Callable[[EpochEvent], None]) -> RemovableHandle:
+        handle = RemovableHandle(self._epoch_hooks)
+        self._epoch_hooks[handle.id] = hook
+        return handle
+
+    def _epoch_changed(self, how: Literal["update", "caught_up", "rejoined"]) -> None:
+        event = EpochEvent(self.epoch, how, self.epoch_samples if how == "update" else 0)
+        for hook in list(self._epoch_hooks.values()):
+            hook(event)
+
+    def advance_epoch(self) -> None:
+        """Our update of this epoch is applied: the next epoch begins (scheduler, label, report)."""
+        self.epoch += 1
+        self.waited, self.tally.part = True, 0
+        self.epoch_began = self.now()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.state.label(self.epoch)
+        self.publish()
+        self._epoch_changed("update")
+
+    def move_to(self, epoch: int) -> None:
+        """Take the swarm's `epoch` as ours (never an older one), the scheduler with it in one call."""
+        if epoch > self.epoch:
+            if self.scheduler is not None:
+                _advance_scheduler(self.scheduler, epoch - self.epoch)
+            self.epoch = epoch
+        self.state.averager.state_metadata = self.state.metadata(self.epoch)
+
+    def rejoin(self, epoch: int) -> None:
+        """Move on to the swarm's `epoch` without its state (its next rounds repair ours)."""
+        self.move_to(epoch)
+        self.publish()
+        self._epoch_changed("rejoined")
+
+    async def catch_up(self, epoch: int, *, drop: Callable[[], Awaitable[None]] | None = None,
+                       restart: Callable[[], Awaitable[None]] | None = None) -> None:
+        """We fell behind the swarm (at `epoch`): take its state; recent work counts towards the
+        next epoch unless we were more than MAX_STALE_EPOCHS behind: then `drop` clears what the
+        mode accumulated. `restart`: what the mode derives from the state, redone after a download."""
+        behind = epoch - self.epoch
+        self.waited, self.tally.part = True, 0
+        self.epoch_began = self.now()
+        self.catch_ups += 1
+        if behind <= MAX_STALE_EPOCHS and self.epoch > 0:
+            # One round missed, with a state of the run: rejoin at once, and the next state
+            # averaging repairs ours. A download (round trips, then the state) would take most of
+            # an epoch over a slow link, and miss the next round too.
+            logger.info("missed the swarm's round of epoch %d: rejoining at epoch %d", self.epoch, epoch)
+            self.move_to(epoch)
+            self._epoch_changed("caught_up")
+            return
+        logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
+        await self.try_load_state(self.settings.averaging_timeout, restart)
+        # The swarm's epoch now, with the state we got (or ours, if none came): the next state
+        # averaging repairs the difference. Waiting for a state of the very epoch instead, a peer
+        # whose download takes an epoch or more (a slow link) would download forever, a round late.
+        self.move_to(max(epoch, self.progress().epoch))
+        if behind > MAX_STALE_EPOCHS:
+            if drop is not None:
+                await drop()
+            self.tally.samples = 0
+        self._epoch_changed("caught_up")
+
+    async def try_load_state(self, timeout: float, restart: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """Download the swarm's state (`download_state`) and take its epoch; False if none came."""
+        try:
+            self.state.generation += 1  # written even if the download fails part-way
+            epoch = await self.download_state(timeout)  # into our tensors
+        except AveragingError as e:
+            logger.info("no state downloaded (%s); starting from local parameters", e)
+            return False
+        self.move_to(epoch)
+        if restart is not None:
+            await restart()
+        logger.info("downloaded the swarm's state at epoch %d", self.epoch)
+        return True
+
+    async def download_state(self, timeout: float) -> int:
+        """Download the swarm's state into the state's tensors; returns its epoch. Donors count
+        only if they are live peers in our progress view (identities we never heard from do not),
+        and a state whose epoch or version is ahead of what the view supports
+        (`MAX_STATE_EPOCH_LEAD`) is refused: one donor cannot set our parameters or our epoch.
+        Where the donors disagree, each state weighs what our witnesses verified of its holders
+        (`potluck.optim.vouching`), never their number or what they claim; a tie takes none."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with compat.timeout_at(deadline):
+                reports = await self.tracker.fetch()
+        except TimeoutError:
+            raise AveragingError(f"could not read the swarm's progress within {timeout} s") from None
+        if reports is not None:
+            self.reports = reports
+        progress, now = self.progress(), self.peer.dht.get_time()
+        vouched = {PeerID.from_string(r.peer_id) for r in progress.reports
+                   if r.peer_id != self.peer.peer_id and r.live(now)}
+        limit = progress.epoch + MAX_STATE_EPOCH_LEAD
+        left = deadline - loop.time()
+        if left <= 0:
+            raise AveragingError(f"no time left to download the state within {timeout} s")
+        fingerprint = None if self.schema is None else self.schema.fingerprint
+        election = DonorElection(self.peer.dht, self.run_id, self.witnesses, self.tracker.rounds,
+                                 getattr(self.peer.transport, "membership", None), self.tracker.followed)
+        _, metadata = await self.state.averager.aload_state_from_peers(
+            left, vouched=vouched, check=lambda manifest: _check_epoch(manifest, limit, fingerprint), elect=election)
+        self.tracker.followed = self.witnesses.union(map(str, election.taken)) - {str(self.peer.peer_id)}
+        return metadata["epoch"]
+
+    async def average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
+        """Average parameters and statistics in place with a group (untouched if the round fails)."""
+        self.tally.in_round = True
+        try:
+            await self.state.averager.astep(group_key=key, target_group_size=expected, members=members)
+        except AveragingError as e:
+            logger.warning("averaging parameters failed (%s); keeping local ones", e)
+        finally:
+            self.tally.in_round = False
+            self.state.generation += 1
+        self.publish()  # computing again: others may extrapolate us
+
+    async def inner_step(self) -> None:
+        """The wrapped optimizer's step on the batch's gradients (local-update modes)."""
+        await run_in_thread(self.state.inner_step)
+        self.tally.samples += self.settings.batch_size_per_step
+
+    def stop(self) -> None:
+        """Stop publishing progress (from any thread); the peer itself stays up."""
+        loop = None if self._progress_task is None else self._progress_task.get_loop()
+        if loop is not None and not loop.is_closed():  # (a closed loop cancelled it already)
+            loop.call_soon_threadsafe(self._progress_task.cancel)
+        self.tracker.close()
+        self.state.averager.shutdown()
+
+
+def _check_epoch(manifest: Manifest, limit: int, fingerprint: str | None = None) -> None:
+    """Refuse (ValueError) a donor's state unless it says which epoch it is, and neither that
+    epoch nor its version is beyond `limit`; and one whose run schema has another fingerprint
+    than ours (`fingerprint`; a state that names none, of an older potluck, is not refused)."""
+    metadata = manifest.metadata
+    theirs = metadata.get("fp") if isinstance(metadata, dict) else None
+    if fingerprint is not None and theirs is not None and theirs != fingerprint:
+        raise ValueError(f"its model or settings differ from ours (fingerprint {theirs!r:.40}, ours {fingerprint})")
+    epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"its metadata names no epoch: {metadata!r:.100}")
+    if max(epoch, manifest.version) > limit:
+        raise ValueError(f"it claims epoch {epoch} (version {manifest.version}), beyond the {limit} "
+                         f"that the swarm's progress supports")
+
+
+def _advance_scheduler(scheduler: Any, epochs: int) -> None:
+    """Move a learning-rate scheduler `epochs` epochs on, as many `step()` calls would: in one call
+    for a torch scheduler with a closed form, else by replaying at most MAX_REPLAYED_SCHEDULER_STEPS
+    steps (a scheduler further behind is left there, and logged)."""
+    schedulers = torch.optim.lr_scheduler
+    if isinstance(scheduler, schedulers.LRScheduler) and (
+            hasattr(scheduler, "_get_closed_form_lr")
+            or isinstance(scheduler, (schedulers.LambdaLR, schedulers.OneCycleLR, schedulers.CyclicLR))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # step(epoch) is deprecated, yet torch's only way to jump
+            scheduler.step(scheduler.last_epoch + epochs)
+        return
+    for _ in range(min(epochs, MAX_REPLAYED_SCHEDULER_STEPS)):
+        scheduler.step()
+    if epochs > MAX_REPLAYED_SCHEDULER_STEPS:
+        logger.warning("the learning-rate scheduler was moved on %d of the %d epochs downloaded (it has no closed "
+                       "form); its rate is that of an earlier epoch", MAX_REPLAYED_SCHEDULER_STEPS, epochs)

@@ -1,0 +1,95 @@
+"""The averaging record of deviations over steps (potluck.averaging.suspicion): honest members are
+never singled out, a patient one is left out within a few steps and banned, and members named
+blatantly far are banned after FAR_STRIKES steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from potluck.averaging.accountability import BanList
+from potluck.averaging.suspicion import BAN_Z, FAR_STRIKES, SuspicionLedger
+
+SIZE = 512
+PEERS = [f"peer{i}" for i in range(5)]
+
+
+def steps(ledger: SuspicionLedger, rounds: int, offsets: torch.Tensor, seed: int = 0) -> list[set[str]]:
+    """`rounds` steps of members whose pieces are mu + offsets[i] + N(0, I); who is left out after each."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(SIZE, generator=g)
+    left = []
+    for _ in range(rounds):
+        pieces = [mu + offsets[i] + torch.randn(SIZE, generator=g) for i in range(len(PEERS))]
+        ledger.record(0, PEERS, pieces)
+        left.append(set(ledger.left_out(PEERS)))
+    return left
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("heterogeneity", [0.0, 0.5])
+def test_honest_members_are_never_left_out_over_200_steps(heterogeneity):
+    """I.i.d. noise, and data that differ persistently between members (each its own offset of
+    `heterogeneity` noise scales per coordinate): nobody is left out or banned."""
+    ledger = SuspicionLedger(BanList())
+    offsets = heterogeneity * torch.randn(len(PEERS), SIZE, generator=torch.Generator().manual_seed(1))
+    left = steps(ledger, 200, offsets)
+    assert not any(left) and len(ledger.banned) == 0
+    if not heterogeneity:  # all score high together otherwise (about 100 here), none stands out
+        assert max(ledger.scores(0, SIZE).values()) < BAN_Z / 2
+
+
+@pytest.mark.timeout(30)
+def test_honest_noise_correlated_across_coordinates_leaves_nobody_out():
+    """Low-rank noise (each member's piece moves along one shared direction by its own random
+    amount, on top of small i.i.d. noise): every pair's statistic is wide, none stands out."""
+    ledger = SuspicionLedger(BanList())
+    g = torch.Generator().manual_seed(2)
+    direction = torch.randn(SIZE, generator=g)
+    for _ in range(200):
+        pieces = [torch.randn(1, generator=g) * direction + 0.1 * torch.randn(SIZE, generator=g) for _ in PEERS]
+        ledger.record(0, PEERS, pieces)
+        assert not ledger.left_out(PEERS)
+    assert len(ledger.banned) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_patient_member_is_left_out_within_a_few_steps_then_banned():
+    """A member adding 0.3 noise scales per coordinate, in the same direction every step: each step
+    moves a mean by 0.06 noise scales, 6 over 100 steps. Its pairs' differences add up like the
+    steps, the others' like their square root: left out from the 13th step (0.7 noise
+    scales moved by then), banned from about the 19th (this seed)."""
+    ledger = SuspicionLedger(BanList())
+    offsets = torch.zeros(len(PEERS), SIZE)
+    offsets[0] = 0.3
+    left = steps(ledger, 24, offsets)
+    first = next(t for t, out in enumerate(left) if out)
+    assert first <= 16 and all(out == {"peer0"} for out in left[first:])
+    assert "peer0" in ledger.banned and len(ledger.banned) == 1
+    assert "keep deviating" in ledger.banned.evidence("peer0")
+
+
+@pytest.mark.timeout(30)
+def test_a_member_named_far_is_left_out_of_that_step_and_banned_after_its_strikes():
+    ledger = SuspicionLedger(BanList())
+    g = torch.Generator().manual_seed(0)
+    for strike in range(1, FAR_STRIKES + 1):
+        pieces = [torch.randn(SIZE, generator=g) for _ in PEERS]
+        ledger.record(0, PEERS, pieces, named_far=["peer3"])
+        assert set(ledger.left_out(PEERS)) == {"peer3"}
+        assert ("peer3" in ledger.banned) == (strike == FAR_STRIKES)
+    ledger.record(0, PEERS[:3] + PEERS[4:], [torch.randn(SIZE, generator=g) for _ in range(4)])
+    assert set(ledger.left_out(PEERS)) == {"peer3"}  # banned: out for the run
+
+
+@pytest.mark.timeout(30)
+def test_statistics_survive_a_member_leaving_and_restart_for_a_newcomer():
+    ledger = SuspicionLedger(BanList())
+    offsets = torch.zeros(len(PEERS), SIZE)
+    offsets[1] = 0.3
+    steps(ledger, 2, offsets)
+    before = ledger.scores(0, SIZE)
+    ledger.record(0, PEERS[1:], [torch.randn(SIZE) + offsets[1] * (i == 0) for i in range(4)])
+    assert set(ledger.scores(0, SIZE)) == set(PEERS[1:]) and ledger.scores(0, SIZE)["peer1"] >= before["peer1"] - 3
+    ledger.record(0, [*PEERS[1:], "newcomer"], [torch.randn(SIZE) for _ in range(5)])
+    assert all(z == 0.0 for z in ledger.scores(0, SIZE).values())  # one step: no pair history yet
