@@ -79,6 +79,9 @@ def main() -> None:
         if peer is not None:
             opt.shutdown()
             peer.shutdown()
+        # torch's rule for every process-group script: without it, Gloo's worker threads can
+        # abort the exit ("terminate called without an active exception", SIGABRT): CI saw it once.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ class MachineOptimizer:
                 p.grad.zero_()
 
     def shutdown(self) -> None:
-        """Leave the run (rank 0); the process group stays the caller's."""
+        """Leave the run (rank 0). The process group stays the caller's: destroy it
+        (`dist.destroy_process_group()`) before the process exits, as torch asks."""
         if self.optimizer is not None:
             self.optimizer.shutdown()
 
