@@ -33,7 +33,7 @@ Prints one JSON object per line, e.g.
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/sync", "profile": "wan", "value": 0.94}
 
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
-           [--floats 1M] [--rounds 5] [--compression none,uniform8] [--short]
+           [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--short]
            [--systems sync,sync_8bit,diloco,streaming_diloco,torchft,hivemind] [--target 0.95] [--cap 90]
 """
 
@@ -319,8 +319,8 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--floats", type=parse_count, default=parse_count("1M"))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--compression", default="none,uniform8",
-                        help="codecs to run, comma-separated (none: float32; uniform8: 8-bit)")
+    parser.add_argument("--compression", default="none,blockwise8",
+                        help="codecs to run, comma-separated (none: float32; blockwise8: 8-bit)")
     parser.add_argument("--short", "--quick", action="store_true",
                         help="the wan profile, 1M floats, 3 rounds, both codecs (under two minutes)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),

@@ -432,3 +432,29 @@ def test_a_matchmaking_time_longer_than_the_dht_keeps_declarations_is_refused_at
 
     with pytest.raises(ValueError, match="matchmaking_time must be in"):
         Averager(None, [torch.zeros(2)], "long", matchmaking_time=DECLARATION_MAX_TTL + 1)
+
+
+@pytest.mark.timeout(120)
+def test_an_8_bit_all_reduce_sends_about_a_quarter_of_a_float32_one_checks_included():
+    """Bytes each peer sent for one step of 4 peers over 2^19 floats (one chunk per shard), every
+    member checking every reducer. blockwise8: a check fetches one 4096-value block, so the step
+    costs about a quarter of float32's. uniform8 scales a whole chunk, so a check needs the whole
+    chunk of every sender: it travels as the payload the reducer received (before, re-encoding
+    failed and it went as float32: 1.8x float32's bytes in all)."""
+    async def one(compression):
+        net, peers = await make_swarm(4)
+        generator = torch.Generator().manual_seed(11)
+        avgs = [Averager(p, [torch.randn(1 << 19, generator=generator)], "bytes", compression=compression,
+                         target_group_size=4, matchmaking_time=1.0) for p in peers]
+        await asyncio.sleep(1)
+        before = [p.transport.stats.bytes_sent for p in peers]
+        await asyncio.gather(*(a.astep() for a in avgs))
+        sent = sum(p.transport.stats.bytes_sent - b for p, b in zip(peers, before, strict=True)) / 4
+        for a in avgs:
+            a.shutdown()
+        return sent
+
+    sent = {c: run_virtual(one(c)) for c in ("none", "blockwise8", "uniform8")}
+    assert sent["none"] > 2 * 4 * (1 << 19) * 3 / 4, sent  # each peer sends 3/4 of its vector twice
+    assert sent["blockwise8"] < 0.3 * sent["none"], sent
+    assert sent["uniform8"] < 0.8 * sent["none"], sent

@@ -29,11 +29,16 @@ N = 400  # elements each member averages: 4 shards of 100
 
 
 # -- averaging groups --------------------------------------------------------------------------------
-async def group_of_four(tag: str, matchmaking_time: float, **options: Any) -> tuple[list[Averager], list[torch.Tensor]]:
-    """Four averagers under `tag` (with Averager `options`), member i holding N copies of i (the
-    test picks the attacker); returns them and their starting vectors."""
+async def group_of_four(tag: str, matchmaking_time: float, spread: bool = False,
+                        **options: Any) -> tuple[list[Averager], list[torch.Tensor]]:
+    """Four averagers under `tag` (with Averager `options`), member i holding N copies of i, or
+    with `spread` N values drawn around i (a codec then rounds them); the test picks the
+    attacker. Returns them and their starting vectors."""
     _, peers = await make_swarm(4)
     vectors = [torch.full((N,), float(i)) for i in range(4)]
+    if spread:
+        generator = torch.Generator().manual_seed(5)
+        vectors = [v + torch.randn(N, generator=generator) for v in vectors]
     avgs = [Averager(p, [v], tag, target_group_size=4, matchmaking_time=matchmaking_time, sender_timeout=1.0,
                      **options) for p, v in zip(peers, vectors, strict=True)]
     return avgs, vectors

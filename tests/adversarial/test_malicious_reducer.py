@@ -97,34 +97,40 @@ def test_a_reducer_that_returns_a_wrong_aggregate_is_caught_by_every_honest_peer
 
 
 @pytest.mark.timeout(60)
-def test_a_reducer_that_forges_the_4bit_pieces_a_check_fetches_is_caught_by_every_honest_peer(monkeypatch, caplog):
-    """Under a 4-bit codec a check fetches each sender's block in its 4-bit form (a check then
-    costs what the round sent, issue 19). The attacker reduces its shard to 1e6 and answers every
-    check with well-formed 4-bit pieces that say 1e6 too (a constant encodes exactly), so that
-    they reduce to its lie. Bound: they do not decode to the values the senders' digests bind:
-    every honest peer keeps its tensors and bans the attacker."""
+@pytest.mark.parametrize("compression", ["blockwise4", "uniform8"])
+def test_a_reducer_that_forges_the_coded_pieces_a_check_fetches_is_caught_by_every_honest_peer(
+        monkeypatch, caplog, compression):
+    """Under a lossy codec a check fetches each sender's block in the codec's form (a check then
+    costs what the round sent, issue 19): a block of a blockwise code, or, where the codec scales
+    a whole chunk (uniform8), the sender's payload of that chunk as the reducer received it (before,
+    float32: an 8-bit all-reduce sent 1.8x a float32 one's bytes). The attacker reduces its shard
+    to 1e6 and answers every check with well-formed coded pieces that say 1e6 too (a constant
+    encodes exactly), so that they reduce to its lie. Bound: they do not decode to the values the
+    senders' digests bind: every honest peer keeps its tensors and bans the attacker."""
     honest_verify = AllReduceService._on_verify
-    codec = get_codec("blockwise4")
-    attacker = None
+    codec = get_codec(compression)
+    attacker, coded = None, []
 
     async def forging_verify(self, request, ctx):
         reply = await honest_verify(self, request, ctx)
         if self.transport is attacker:
             for entry in reply["p"]:
-                assert entry[5], "the check's answer travels in the codec's 4-bit form"
-                entry[4] = codec.encode(torch.full_like(codec.decode(entry[4]), 1e6))
+                coded.append(entry[5])  # whether the check's answer travels in the codec's form
+                if entry[5]:
+                    entry[4] = codec.encode(torch.full_like(codec.decode(entry[4]), 1e6))
         return reply
     monkeypatch.setattr(AllReduceService, "_on_verify", forging_verify)  # before the services bind it
 
     async def main():
         nonlocal attacker
-        avgs, vectors = await group_of_four("forged-4bit-pieces", matchmaking_time=1.0, compression="blockwise4")
+        avgs, vectors = await group_of_four("forged-pieces", matchmaking_time=1.0, spread=True, compression=compression)
         attacker = avgs[3].transport
         reduce_to_1e6(monkeypatch, attacker)
         with caplog.at_level(logging.WARNING):
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
         assert warnings_naming(caplog, attacker.peer_id, "do not match their digests") == 3
+        assert coded and all(coded), coded
     run_virtual(main())
 
 

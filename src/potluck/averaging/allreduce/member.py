@@ -437,9 +437,13 @@ class AllReduceRun:
             raise AveragingError("this member checked that result already")  # one check each: no amplification
         self.checked_by.add(checked)
         values = slice(first * VERIFY_BLOCK, (first + count) * VERIFY_BLOCK)
+        whole = red.payloads is not None and first == 0 and count == blocks  # the sender's own payload
+
+        def form(s: int) -> tuple[Any, bool]:
+            return (red.payloads[s][c], True) if whole else wire_form(self.codec, red.pieces[s][c][values])
         return PiecesReply(tuple(
             PieceBlock(s, red.weights[s], tuple(self.chunk_digests(red, s)), tuple(block_digests(red.pieces[s][c])),
-                       *wire_form(self.codec, red.pieces[s][c][values])) for s in red.final_senders))
+                       *form(s)) for s in red.final_senders))
 
     def on_repair_failed(self, shard: int, missing: list[int]) -> None:
         self.repair_failed = f"shard {shard} lost senders {missing} during repair"

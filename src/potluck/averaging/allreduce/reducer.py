@@ -20,7 +20,13 @@ import torch
 from potluck.averaging.allreduce.buffers import BufferPool
 from potluck.averaging.allreduce.group import Group
 from potluck.averaging.allreduce.messages import ResultChunk, ResultFinal
-from potluck.averaging.allreduce.reduction import blatant_senders, decode_chunk, encode_chunk, reduce_chunk
+from potluck.averaging.allreduce.reduction import (
+    blatant_senders,
+    decode_chunk,
+    encode_chunk,
+    encodes_blocks_alone,
+    reduce_chunk,
+)
 from potluck.averaging.allreduce.transfer_stats import TransferStats
 from potluck.averaging.suspicion import SuspicionLedger
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError
@@ -76,6 +82,14 @@ class ShardReducer:
         self.exact = exact
         self.expected = set(exact) if exact is not None else set(group.receivers)
         self.pieces: dict[int, list[torch.Tensor]] = {}  # sender -> its chunks, as received
+        # sender -> its chunks' payloads as they came, kept where the codec scales a whole chunk
+        # (uniform8, quantile8, scaled_fp16): a member that checks us needs the whole chunk, and
+        # re-encoding the decoded values does not give them back exactly, so it would get them as
+        # float32: 4x what the sender sent, from every sender (an 8-bit all-reduce sent 1.8x the
+        # bytes of a float32 one). A payload is a quarter of the decoded chunk under 8 bits.
+        self.payloads: dict[int, list[Any]] | None = \
+            None if getattr(codec, "name", None) == "none" or encodes_blocks_alone(codec) \
+            or getattr(codec, "stateful", False) else {}
         self.weights: dict[int, float] = {}
         self.received: dict[int, int] = {}  # sender -> chunks received
         self.complete: set[int] = set()
@@ -131,6 +145,8 @@ class ShardReducer:
         self._serving.clear()
         self.outboxes.clear()
         self.pieces.clear()
+        if self.payloads is not None:
+            self.payloads.clear()
         self.results.clear()
         for buffer in self._buffers:
             self.pool.give(buffer)
@@ -175,6 +191,8 @@ class ShardReducer:
     async def _read(self, sender: int, weight: float, channel: Any) -> None:
         self.weights[sender] = weight
         self.pieces[sender] = []
+        if self.payloads is not None:
+            self.payloads[sender] = []
         self.received[sender] = 0
         last = None  # when its previous chunk arrived (for our download estimate)
         try:
@@ -187,6 +205,8 @@ class ShardReducer:
                     raise AveragingError("sent more chunks than the shard has")
                 lo, hi = self.chunk_range(c)
                 self.pieces[sender].append(decode_chunk(self.codec, msg, hi - lo))
+                if self.payloads is not None:
+                    self.payloads[sender].append(msg)
                 last = self.stats.received(channel, last, 4 * (hi - lo))
                 self.received[sender] = c + 1
                 self._try_reduce(c)
