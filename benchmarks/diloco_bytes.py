@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -62,13 +64,39 @@ def batch(generator: torch.Generator, size: int = BATCH) -> tuple[torch.Tensor, 
     return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] * x[:, 2] > 0).long()
 
 
-async def swarm(peers: int, width: int, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def emulated_peers(count: int) -> AsyncIterator[list[potluck.Peer]]:
+    """`count` peers on one emulated network (10 ms, 100 MB/s each way), the first the others'
+    bootstrap; shut down on the way out. (benchmarks/diloco_settings.py uses it too.)"""
     network = EmulatedNetwork(latency=0.01, seed=1)
     nodes: list[potluck.Peer] = []
-    for _ in range(peers):
-        nodes.append(await potluck.Peer.create(nodes[0].addresses if nodes else [],
-                                               transport=network.transport(upload=100e6, download=100e6),
-                                               clock=event_loop_clock()))
+    try:
+        for _ in range(count):
+            nodes.append(await potluck.Peer.create(nodes[0].addresses if nodes else [],
+                                                   transport=network.transport(upload=100e6, download=100e6),
+                                                   clock=event_loop_clock()))
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.ashutdown()
+
+
+def run_in_virtual_time(coroutine: Any) -> Any:
+    """Run `coroutine` on the shared runner's virtual-time loop (tensor math costs no virtual time)."""
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        return runner.run(coroutine, timeout=3600)
+    finally:
+        release_runner()
+
+
+async def swarm(peers: int, width: int, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    async with emulated_peers(peers) as nodes:
+        return await train_swarm(nodes, width, steps, options)
+
+
+async def train_swarm(nodes: list[potluck.Peer], width: int, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    peers = len(nodes)
     models = [make_model(width) for _ in nodes]
     options = {"target_batch_size": peers * BATCH * 2, **options}
     optimizers = [Optimizer(peer, "bytes", model.parameters(), lambda p: torch.optim.Adam(p, 1e-3),
@@ -101,8 +129,6 @@ async def swarm(peers: int, width: int, steps: int, options: dict[str, Any]) -> 
     finally:
         for opt in optimizers:
             opt.shutdown()
-        for node in nodes:
-            await node.ashutdown()
 
 
 def main() -> None:
@@ -118,11 +144,7 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     table = modes(args.local_steps, args.fragments, args.delay, args.peers)
     for mode in args.modes.split(","):
-        runner = acquire_runner(virtual_time_loop)
-        try:
-            result = runner.run(swarm(args.peers, args.width, args.steps, table[mode]), timeout=3600)
-        finally:
-            release_runner()
+        result = run_in_virtual_time(swarm(args.peers, args.width, args.steps, table[mode]))
         print(json.dumps({"mode": mode, "peers": args.peers, "steps": args.steps, "batch": BATCH,
                           "local_steps": args.local_steps, **({"fragments": args.fragments, "delay": args.delay}
                                                               if mode.startswith("streaming") else {}),

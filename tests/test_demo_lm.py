@@ -33,3 +33,4 @@ def test_lm_demo_learns_below_the_unigram_entropy_and_writes_its_report(tmp_path
         assert [p["samples"] for p in curve] == sorted(p["samples"] for p in curve)
     assert (tmp_path / "lm.png").stat().st_size > 10_000
     assert "bits/byte" in proc.stdout
+    assert report["verdict"] in proc.stdout and "at equal wall time" in report["verdict"]  # one line
