@@ -92,6 +92,7 @@ def test_the_demos_diloco_settings_make_valid_modes_and_the_verdict_names_its_lo
     """The demos' DiLoCo options (the plain average, rounds in the background) are accepted as a
     mode, each round's delay shorter than its inner steps; the verdict line names the loss."""
     from potluck.cli import demo, demo_lm
+    from potluck.cli.processes import verdict
     from potluck.optim.modes import mode_options
     for options in (demo_lm.optimizer_options("diloco"),
                     {"mode": "diloco", "local_steps": demo.LOCAL_STEPS, **demo.DILOCO_OUTER}):
@@ -99,5 +100,5 @@ def test_the_demos_diloco_settings_make_valid_modes_and_the_verdict_names_its_lo
                                                   ("local_steps", "outer_lr", "outer_momentum", "outer_delay")})
         assert (mode.outer_lr, mode.outer_momentum) == (1.0, 0.0) and 0 < mode.outer_delay < mode.local_steps
     assert "outer_delay" not in demo_lm.optimizer_options("moshpit")  # a diloco-only option
-    line = demo.verdict(1.5, 2.0, "validation loss")
+    line = verdict(1.5, 2.0, "validation loss")
     assert line.startswith("swarm validation loss 1.5000 vs one process 2.0000") and line.endswith("swarm ahead by 25%")

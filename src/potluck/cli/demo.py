@@ -19,7 +19,7 @@ from typing import Any
 
 from potluck.cli.demo_monitor import DemoMonitor, credit_table
 from potluck.cli.help import HelpFormatter
-from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
+from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn, verdict
 from potluck.cli.tasks import accuracy, load_data, make_model, test_loss
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "test_loss", "single_peer_test_loss", "verdict",
@@ -333,14 +333,6 @@ def mode_note(mode: str) -> str | None:
         return (f"moshpit: each peer took {LOCAL_STEPS} steps of its own between two rounds, averaging in small "
                 "groups that change every round; the live losses were each peer's own model")
     return None
-
-
-def verdict(swarm: float, alone: float, loss: str = "test loss") -> str:
-    """The comparison in one line, on a loss (lower is better)."""
-    ahead = "swarm" if swarm <= alone else "one process"
-    margin = abs(alone - swarm) / max(alone, swarm, 1e-12)
-    return (f"swarm {loss} {swarm:.4f} vs one process {alone:.4f} at equal wall time: "
-            f"{ahead} ahead by {margin:.0%}")
 
 
 def _plot(path: Path, workers: list[WorkerProcess], started: float) -> None:

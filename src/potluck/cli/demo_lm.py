@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn
+from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn, verdict
 
 REPORT_KEYS = ("val_loss", "bits_per_byte", "single_peer_val_loss", "single_peer_bits_per_byte", "verdict",
                "unigram_bits_per_byte", "at_equal_samples", "samples", "single_peer_samples", "wall_seconds",
@@ -249,7 +249,6 @@ def _at_samples(curve: list[dict], samples: int) -> float | None:
 
 def _report(args: argparse.Namespace, mode: str, duration: float, out: Path, workers: list[WorkerProcess],
             history: list[tuple[float, dict[str, int]]], started: float, training_started: float) -> int:
-    from potluck.cli.demo import verdict
     from potluck.workloads import lm
     swarm = [w for w in workers if w.role != "alone" and w.final]
     alone = workers[-1] if workers and workers[-1].role == "alone" else None

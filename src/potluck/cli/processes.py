@@ -72,3 +72,11 @@ def spawn(name: str, role: str, argv: list[str], log_dir: Path, needs_final: boo
     worker = WorkerProcess(name, role, proc, needs_final)
     threading.Thread(target=worker.read, daemon=True).start()
     return worker
+
+
+def verdict(swarm: float, alone: float, loss: str = "test loss") -> str:
+    """A demo's comparison in one line, on a loss (lower is better)."""
+    ahead = "swarm" if swarm <= alone else "one process"
+    margin = abs(alone - swarm) / max(alone, swarm, 1e-12)
+    return (f"swarm {loss} {swarm:.4f} vs one process {alone:.4f} at equal wall time: "
+            f"{ahead} ahead by {margin:.0%}")
