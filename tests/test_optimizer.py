@@ -531,3 +531,28 @@ def test_an_8_bit_codec_for_gradients_leaves_the_state_averaged_losslessly(swarm
     train(members, 40, within=200)
     assert all(m.opt.local_epoch == 40 for m in members)
     assert min(accuracy(m.model, X_TEST, Y_TEST) for m in members) > 0.7
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 4},
+                                     {"mode": "diloco", "local_steps": 4, "outer_delay": 2},
+                                     {"mode": "moshpit", "local_steps": 4}], ids=["diloco", "streaming", "moshpit"])
+def test_local_update_modes_take_the_inner_step_in_the_callers_thread(swarm, options):
+    """`step()` of a local-update mode runs the wrapped optimizer's step in the thread that called
+    it, under the state's lock, and hands only the rest to the event loop: no round trip to a
+    worker thread per step (a third of a demo peer's main thread went waiting on those hops)."""
+    members = swarm(2, f"caller-thread-{options['mode']}{len(options)}", matchmaking_time=0.5, **options)
+    threads: dict[int, set[int]] = {m.index: set() for m in members}
+    for m in members:
+        inner = m.opt.context.state.inner
+        original = inner.step
+
+        def recording(*args, _original=original, _seen=threads[m.index], **kwargs):
+            _seen.add(threading.get_ident())
+            return _original(*args, **kwargs)
+        inner.step = recording
+    train(members, 6, within=100)
+    for m in members:
+        assert threads[m.index] == {m.thread.ident}, (threads, m.thread.ident)
+        assert m.opt.context.inner_taken is False
+    assert all(m.opt.local_epoch >= 6 for m in members)

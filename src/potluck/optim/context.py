@@ -157,6 +157,7 @@ class RunContext:
         self.metrics: tuple[float, dict[str, float]] | None = None  # report_metrics: (DHT time, values)
         self.stepping = False  # inside step(): never idle
         self.waited = False  # this step() waited for the network (rounds, downloads)
+        self.inner_taken = False  # Optimizer.step() took this step's inner step in its caller's thread
         self.last_step_time: float | None = None
         # loop time our current epoch (or part of it) began: the members' samples in its round
         # accumulated since about then (see ProgressTracker.averaged)
@@ -492,8 +493,12 @@ class RunContext:
         self.publish()  # computing again: others may extrapolate us
 
     async def inner_step(self) -> None:
-        """The wrapped optimizer's step on the batch's gradients (local-update modes)."""
-        await run_in_thread(self.state.inner_step)
+        """The wrapped optimizer's step on the batch's gradients (local-update modes), unless the
+        caller's thread took it already (`Optimizer.step()`: `inner_taken`)."""
+        if self.inner_taken:
+            self.inner_taken = False
+        else:
+            await run_in_thread(self.state.inner_step)
         self.tally.samples += self.settings.batch_size_per_step
 
     def stop(self) -> None:

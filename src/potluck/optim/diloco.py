@@ -44,6 +44,8 @@ JOIN_WINDOW_FRACTION = 0.5
 class DiLoCoTraining(TrainingMode):
     """Plain DiLoCo's outer rounds (see the module docstring)."""
 
+    inner_step_first = True
+
     def __init__(self, context: RunContext, options: DiLoCo):
         super().__init__(context)
         self.options = options

@@ -38,6 +38,11 @@ class TrainingMode(ABC):
     `Optimizer` calls `start()` once it has the swarm's state, `step()` after every local batch
     (its gradients in the parameters' `.grad`), and `shutdown()` at the end."""
 
+    # Whether every step() begins with the wrapped optimizer's step (`context.inner_step()`): the
+    # local-update modes. `Optimizer.step()` then takes it in the caller's thread before handing
+    # the rest to the event loop, which saves a round trip to a worker thread per step.
+    inner_step_first = False
+
     def __init__(self, context: RunContext):
         self.context = context
 

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 class MoshpitTraining(TrainingMode):
     """Moshpit rounds of the state averager every `local_steps` local steps."""
 
+    inner_step_first = True
+
     def __init__(self, context: RunContext, options: Moshpit):
         super().__init__(context)
         self.options = options

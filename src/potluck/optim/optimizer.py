@@ -155,6 +155,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        context = self.context
+        if self.training.inner_step_first and self._started and not context.stepping:
+            context.state.inner_step()  # here, under the state's lock: no hop to a worker thread
+            context.inner_taken = True
         self.peer.run(self.astep())
         return loss
 
@@ -171,7 +175,7 @@ class Optimizer(torch.optim.Optimizer):
         try:
             await self.training.step()
         finally:
-            context.stepping = False
+            context.stepping, context.inner_taken = False, False
             if context.waited:  # time spent in rounds or downloads is not computing time
                 context.last_step_time = context.now()
 

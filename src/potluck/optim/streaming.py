@@ -127,6 +127,8 @@ class StreamingDiLoCo(TrainingMode):
     """Streaming DiLoCo's fragment schedule (see the module docstring); progress, catching up and
     epochs are the run's (an epoch is one fragment round: local_steps / fragments inner steps)."""
 
+    inner_step_first = True
+
     def __init__(self, context: RunContext, options: DiLoCo):
         super().__init__(context)
         self.options = options
