@@ -25,10 +25,11 @@ async def echo(request, ctx):
     return request
 
 
-async def start_authority(net: EmulatedNetwork, policy: Policy) -> tuple[Authority, DHT]:
+async def start_authority(net: EmulatedNetwork, policy: Policy, run: str = RUN) -> tuple[Authority, DHT]:
+    """An authority of `run` on its own emulated peer, publishing its records."""
     transport = net.transport()
     dht = DHT(transport, clock=event_loop_clock())
-    authority = Authority(transport, RUN, policy, dht=dht, clock=event_loop_clock())
+    authority = Authority(transport, run, policy, dht=dht, clock=event_loop_clock())
     await transport.start()
     await dht.astart()
     authority.start_publishing()

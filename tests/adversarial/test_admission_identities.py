@@ -29,20 +29,11 @@ from potluck.membership import Authority, MembershipClient, MembershipRecordVali
 from potluck.membership.authority import TOKEN_METHOD, TokenRequest
 from potluck.membership.policy import Credential
 from potluck.net.emulated import EmulatedNetwork
+from tests.test_membership_emulated import start_authority
 
 RUN = "one-person-one-peer"
 PASSWORD = "correct horse"
 LOGINS = 30  # new peer ids logging in as alice, one after the other
-
-
-async def start_authority(net: EmulatedNetwork, policy: Policy) -> tuple[Authority, DHT]:
-    transport = net.transport()
-    dht = DHT(transport, clock=event_loop_clock())
-    authority = Authority(transport, RUN, policy, dht=dht, clock=event_loop_clock())
-    await transport.start()
-    await dht.astart()
-    authority.start_publishing()
-    return authority, dht
 
 
 async def start_client(net: EmulatedNetwork, authority: Authority, credential: str | None,
@@ -75,7 +66,7 @@ def test_one_password_holds_at_most_its_bound_of_live_identities(bound):
         policy.add_user("alice", PASSWORD)
         if bound is not None:
             policy.set_max_identities(bound, "alice")
-        authority, auth_dht = await start_authority(net, policy)
+        authority, auth_dht = await start_authority(net, policy, RUN)
         member, m_dht = await start_client(net, authority, None, with_dht=True)
         policy.allow_peer(str(member.transport.peer_id), "honest")
         await member.fetch()
@@ -140,7 +131,7 @@ def test_guessing_from_many_origins_slows_only_password_logins_from_new_places()
         policy = Policy()
         policy.add_user("alice", PASSWORD)
         code = policy.add_invite("newcomer")
-        authority, auth_dht = await start_authority(net, policy)
+        authority, auth_dht = await start_authority(net, policy, RUN)
         alice, _ = await start_client(net, authority, f"password:alice:{PASSWORD}")
         member, _ = await start_client(net, authority, None)
         restarting, _ = await start_client(net, authority, None)

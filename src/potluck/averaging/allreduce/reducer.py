@@ -85,7 +85,7 @@ class ShardReducer:
         # sender -> its chunks' payloads as they came, kept where the codec scales a whole chunk
         # (uniform8, quantile8, scaled_fp16): a member that checks us needs the whole chunk, and
         # re-encoding the decoded values does not give them back exactly, so it would get them as
-        # float32: 4x what the sender sent, from every sender (an 8-bit all-reduce sent 1.8x the
+        # float32: 4x what the sender sent, from every sender (an 8-bit all-reduce sent 1.9x the
         # bytes of a float32 one). A payload is a quarter of the decoded chunk under 8 bits.
         self.payloads: dict[int, list[Any]] | None = \
             None if getattr(codec, "name", None) == "none" or encodes_blocks_alone(codec) \
