@@ -14,7 +14,7 @@ import pytest
 
 import potluck
 from potluck.core.errors import DeadlineExceeded, PeerUnreachable
-from potluck.core.runner import LoopRunner, acquire_runner, release_runner
+from potluck.core.runner import CallerThread, LoopRunner, acquire_runner, release_runner
 from tests.conftest import ROOT
 
 
@@ -76,6 +76,42 @@ def test_client_mode_peer_has_no_addresses_but_works():
             return f"hello {request}"
         client.transport.add_handler("hello", hello)
         assert server.call(client.peer_id, "hello", "client") == "hello client"
+
+
+@pytest.mark.timeout(30)
+def test_a_call_lends_its_waiting_thread_to_its_work_and_only_while_it_waits():
+    """`CallerThread`: work a call hands over runs in the thread blocked in that call; an error
+    reaches the coroutine; work handed after the call returned (a background task's) runs in the
+    pool instead of waiting for a thread that has gone; a deadline still holds."""
+    runner = LoopRunner()
+    caller = CallerThread()
+    me = threading.get_ident()
+    later: list[asyncio.Future] = []
+
+    async def call():
+        here = await caller.run(threading.get_ident)
+        with pytest.raises(ZeroDivisionError):
+            await caller.run(lambda: 1 / 0)
+
+        async def afterwards():
+            await asyncio.sleep(0.2)  # the call has returned by now
+            return await caller.run(threading.get_ident)
+        later.append(asyncio.ensure_future(afterwards()))
+        return here
+    assert runner.run(call(), caller=caller) == me
+
+    async def background():
+        return await later[0]
+    there = runner.run(background(), timeout=5)
+    assert there not in (me, runner._thread.ident)
+
+    async def never():
+        await asyncio.sleep(30)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        runner.run(never(), timeout=0.3, caller=CallerThread())
+    assert time.monotonic() - started < 5
+    runner.shutdown()
 
 
 @pytest.mark.timeout(30)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import MembershipError, MembershipRefused, PeerUnreachable
-from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.runner import CallerThread, acquire_runner, release_runner
 from potluck.dht import DHT, DHTConfig
 from potluck.membership import Credential, MembershipClient, MembershipToken, parse_authority
 from potluck.membership.records import MembershipRecordValidator
@@ -397,9 +397,10 @@ class Peer:
         """Start a coroutine on the peer's event loop without waiting (background work)."""
         return self._runner.submit(coro)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a coroutine on the peer's event loop and wait for it (the synchronous facade)."""
-        return self._runner.run(coro, timeout)
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, caller: CallerThread | None = None) -> T:
+        """Run a coroutine on the peer's event loop and wait for it (the synchronous facade);
+        `caller`: lend the waiting thread to the coroutine's blocking work (`CallerThread`)."""
+        return self._runner.run(coro, timeout, caller)
 
     def call(self, peer_id: str | PeerID, method: str, request: Any = None, timeout: float = 30.0) -> Any:
         """Call `method` on another peer and return the response."""

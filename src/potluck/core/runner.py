@@ -11,7 +11,9 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -76,8 +78,10 @@ class LoopRunner:
             raise RuntimeError("the potluck event loop was shut down; create a new Peer")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
+            caller: CallerThread | None = None) -> T:
         """Run `coro` on the loop and wait for its result; on timeout cancel it and raise.
+        `caller`: lend this thread, while it waits, to the blocking work `coro` hands to it.
 
         Calling this from the loop thread itself would deadlock, so it is refused: code running on
         the loop must await the async twin instead.
@@ -88,7 +92,9 @@ class LoopRunner:
                                "await the async method (e.g. `await dht.aget(...)`) instead")
         future = self.submit(coro)
         try:
-            return future.result(timeout)
+            if caller is not None:
+                caller.serve(future, timeout)
+            return future.result(timeout if caller is None else 0)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DeadlineExceeded(f"the operation did not finish within {timeout} s") from None
@@ -175,3 +181,92 @@ def retrieve_exception(future: asyncio.Future) -> None:
 async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run blocking work (tensor math, file I/O) in the default thread pool, off the loop."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+class CallerThread:
+    """The thread blocked in a synchronous call (`LoopRunner.run(..., caller=)`), lent to the
+    blocking work of that call: `await caller.run(fn)` runs `fn` there instead of in the pool.
+
+    Why: a training thread waiting in `Optimizer.step()` has nothing else to do, and tensor math
+    of model size runs slower in a pool thread. glibc's malloc gives each thread its own arena,
+    and a pool thread's arena maps and unmaps every large temporary, so each step pays page
+    faults the main thread's heap does not: the wrapped Adam step of a 100M-parameter model took
+    1.1-1.3x as long in a pool thread as in the main thread, in one process, alternating.
+    Work handed over once the call has returned runs in the pool, as before.
+    """
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._open = True
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the lent thread while it waits, else in the pool (from the loop)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            lent = self._open
+            if lent:
+                self._work.put((fn, args, done, loop))
+        if not lent:
+            return await run_in_thread(fn, *args)
+        return await done
+
+    def serve(self, call: concurrent.futures.Future, timeout: float | None = None) -> None:
+        """Run handed work in this thread until `call` is done (or `timeout` passes)."""
+        call.add_done_callback(lambda _: self._work.put(None))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    item = self._work.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    return
+                if item is None:
+                    return
+                _do(*item)
+        finally:
+            with self._lock:
+                self._open = False
+            while True:  # handed over as the call ended (by its background tasks): to the pool
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    _call_soon(item[3], _to_pool, *item)
+
+
+def _do(fn: Callable[..., Any], args: tuple, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        result = fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+        _call_soon(loop, _settle, done, None, e)
+    except BaseException:  # Ctrl-C in the lent thread, amid the work: the call is cancelled with it
+        _call_soon(loop, done.cancel)
+        raise
+    else:
+        _call_soon(loop, _settle, done, result, None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop was closed: nobody awaits the work any more
+        pass
+
+
+def _to_pool(fn: Callable[..., Any], args: tuple, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    if done.done():
+        return
+    ran = loop.run_in_executor(None, fn, *args)
+    ran.add_done_callback(lambda f: done.cancel() if f.cancelled() else _settle(done, None, f.exception())
+                          if f.exception() is not None else _settle(done, f.result(), None))
+
+
+def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not done.done():
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)

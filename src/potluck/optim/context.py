@@ -32,7 +32,7 @@ from potluck.averaging.state_transfer import Manifest, ManifestRequest
 from potluck.core import compat
 from potluck.core.errors import AveragingError, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
-from potluck.core.runner import retrieve_exception, run_in_thread
+from potluck.core.runner import CallerThread, retrieve_exception, run_in_thread
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
     GlobalProgress,
@@ -158,6 +158,7 @@ class RunContext:
         self.stepping = False  # inside step(): never idle
         self.waited = False  # this step() waited for the network (rounds, downloads)
         self.inner_taken = False  # Optimizer.step() took this step's inner step in its caller's thread
+        self.caller: CallerThread | None = None  # the thread waiting in Optimizer.step(), lent to `compute`
         self.last_step_time: float | None = None
         # loop time our current epoch (or part of it) began: the members' samples in its round
         # accumulated since about then (see ProgressTracker.averaged)
@@ -492,13 +493,19 @@ class RunContext:
             self.state.generation += 1
         self.publish()  # computing again: others may extrapolate us
 
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A step's model-sized tensor math: in the thread waiting in `Optimizer.step()` if there
+        is one (`CallerThread` says why), else in the pool."""
+        caller = self.caller
+        return await (run_in_thread(fn, *args) if caller is None else caller.run(fn, *args))
+
     async def inner_step(self) -> None:
         """The wrapped optimizer's step on the batch's gradients (local-update modes), unless the
         caller's thread took it already (`Optimizer.step()`: `inner_taken`)."""
         if self.inner_taken:
             self.inner_taken = False
         else:
-            await run_in_thread(self.state.inner_step)
+            await self.compute(self.state.inner_step)
         self.tally.samples += self.settings.batch_size_per_step
 
     def stop(self) -> None:

@@ -74,7 +74,7 @@ class DiLoCoTraining(TrainingMode):
 
     async def restart(self) -> None:
         """Start the next inner steps from the state just downloaded."""
-        await run_in_thread(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
+        await self.context.compute(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
 
     async def _round(self) -> None:
         """Outer step: average the parameter change of the last `local_steps` steps, then apply
@@ -86,7 +86,7 @@ class DiLoCoTraining(TrainingMode):
             tally.samples = 0
             await context.catch_up(swarm_epoch, restart=self.restart)
             return
-        await run_in_thread(self._take_change)
+        await self.context.compute(self._take_change)
         result = None
         try:
             if context.anyone_else():
@@ -115,7 +115,7 @@ class DiLoCoTraining(TrainingMode):
         except AveragingError as e:
             context.failed_rounds += 1
             logger.warning("diloco averaging failed (%s); using the local change", e)
-        await run_in_thread(self._outer_step)
+        await self.context.compute(self._outer_step)
         tally.samples = 0
         context.advance_epoch()
         gathered = result.gathered.values() if result is not None else ()

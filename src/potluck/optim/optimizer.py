@@ -37,6 +37,7 @@ from potluck.averaging.role import Role
 from potluck.core import serialization
 from potluck.core.errors import SerializationError
 from potluck.core.peer_like import PeerLike
+from potluck.core.runner import CallerThread
 from potluck.optim.context import EpochEvent, RunContext, RunSettings
 from potluck.optim.diloco import DiLoCoTraining
 from potluck.optim.modes import DiLoCo, ModeOptions, Moshpit, Sync, TrainingMode, mode_options, run_schema
@@ -159,7 +160,13 @@ class Optimizer(torch.optim.Optimizer):
         if self.training.inner_step_first and self._started and not context.stepping:
             context.state.inner_step()  # here, under the state's lock: no hop to a worker thread
             context.inner_taken = True
-        self.peer.run(self.astep())
+        caller = CallerThread()  # the rest of the step's tensor math runs here too (RunContext.compute)
+        context.caller = caller
+        try:
+            self.peer.run(self.astep(), caller=caller)
+        finally:
+            if context.caller is caller:
+                context.caller = None
         return loss
 
     async def astep(self) -> None:

@@ -181,7 +181,7 @@ class StreamingDiLoCo(TrainingMode):
 
     async def restart(self) -> None:
         """Start the next inner steps from the state just downloaded."""
-        await run_in_thread(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
+        await self.context.compute(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
 
     async def _launch(self) -> None:
         context, tally = self.context, self.context.tally
@@ -190,7 +190,7 @@ class StreamingDiLoCo(TrainingMode):
             await self._rejoin(swarm_epoch)
             return
         fragment = self.fragments[context.epoch % len(self.fragments)]
-        await run_in_thread(self._take_change, fragment)
+        await self.context.compute(self._take_change, fragment)
         task = None
         if context.anyone_else():
             # With a grid, the peers' cells come from their ranks, as in moshpit mode (random cells
@@ -233,7 +233,7 @@ class StreamingDiLoCo(TrainingMode):
                                      result.contributors)
             except AveragingError as e:
                 logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
-        await run_in_thread(self._outer_step, fragment)
+        await self.context.compute(self._outer_step, fragment)
         # those since it began go to the next round
         context.tally.samples = max(0, context.tally.samples - flight.samples)
         context.advance_epoch()
@@ -281,14 +281,14 @@ class StreamingDiLoCo(TrainingMode):
         """The group's outer points differed: average them (and the momentum) with the group;
         the local parameters move with their outer point."""
         logger.info("fragment %d: the group's outer parameters differ; averaging them", fragment.index)
-        before = await run_in_thread(lambda: [t.clone() for t in fragment.outer])
+        before = await self.context.compute(lambda: [t.clone() for t in fragment.outer])
         try:
             await fragment.outer_averager.astep(group_key=f"outer-state{self.context.epoch}",
                                                 target_group_size=len(result.peers), members=frozenset(result.peers))
         except AveragingError as e:
             logger.warning("fragment %d: averaging the outer parameters failed (%s)", fragment.index, e)
             return
-        await run_in_thread(self._follow, fragment, before)
+        await self.context.compute(self._follow, fragment, before)
 
     def _follow(self, fragment: Fragment, before: list[torch.Tensor]) -> None:
         state = self.context.state

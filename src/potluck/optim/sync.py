@@ -96,7 +96,7 @@ class SyncTraining(TrainingMode):
 
     async def step(self) -> None:
         context, tally = self.context, self.context.tally
-        if not await run_in_thread(self._take_batch):
+        if not await self.context.compute(self._take_batch):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
         if self.pending is not None:
             if not self.pending.task.done():
@@ -192,7 +192,7 @@ class SyncTraining(TrainingMode):
         context, tally = self.context, self.context.tally
         samples, epoch = tally.samples, context.epoch
         tally.samples, self.part_due = 0, None
-        await run_in_thread(self._clear_now)
+        await self.context.compute(self._clear_now)
         # Close the group once everyone training has joined; overestimating only costs the rest
         # of the matchmaking window, underestimating would split the swarm in two.
         others = self._training_peers(progress.reports, epoch, live=False)
@@ -251,7 +251,7 @@ class SyncTraining(TrainingMode):
                 if speed > 0:
                     self.part_due = context.now() + (target - total) / speed
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total, target)
-                await run_in_thread(self._carry_over, len(result.contributors) if keeper else 0.0)
+                await self.context.compute(self._carry_over, len(result.contributors) if keeper else 0.0)
                 tally.samples += total if keeper else 0
                 tally.part += 1
                 context.epoch_began = context.now()
@@ -271,7 +271,7 @@ class SyncTraining(TrainingMode):
             others = [r for r in await context.fresh_reports() if r.peer_id != me]
         if any(r.done > epoch for r in others):
             logger.info("epoch %d: missed the swarm's round (%s); catching up", epoch, error)
-            await run_in_thread(self._carry_over, 0.0)
+            await self.context.compute(self._carry_over, 0.0)
             await self._catch_up(max(r.done for r in others))
             return
         self.attempt += 1
@@ -280,7 +280,7 @@ class SyncTraining(TrainingMode):
         if waiting and self.attempt < MAX_ROUND_ATTEMPTS:
             logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
                         epoch, error, len(waiting))
-            await run_in_thread(self._carry_over, 1.0)
+            await self.context.compute(self._carry_over, 1.0)
             tally.samples += pending.samples
             return
         if waiting:
@@ -295,7 +295,7 @@ class SyncTraining(TrainingMode):
         averaged after it if due, unless every member of the round held the same state before
         it (`same_state`): the same step on the same state leaves them all alike."""
         context = self.context
-        await run_in_thread(self._step_on_average, per_sample)
+        await self.context.compute(self._step_on_average, per_sample)
         context.epoch_samples = samples
         average_state = self._averages_state_after(context.epoch) and not same_state \
             and not self._alone()  # alone, there is nobody to average with
@@ -327,7 +327,7 @@ class SyncTraining(TrainingMode):
     async def _catch_up(self, epoch: int) -> None:
         """We are a straggler: take the swarm's state (gradients older than the last epoch are dropped)."""
         self.attempt, self.part_due = 0, None
-        await self.context.catch_up(epoch, drop=lambda: run_in_thread(self._carry_over, 0.0))
+        await self.context.catch_up(epoch, drop=lambda: self.context.compute(self._carry_over, 0.0))
 
     def _alone(self) -> bool:
         """No other peer's progress report in view: no round to average the state or carry its digest."""
