@@ -180,7 +180,7 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
         plain += honest.mean(0)
         distances.append(((params - reference).norm() / dim ** 0.5).item())
     at = {f"drift_after_{r}": round(distances[r - 1], 3) for r in (1, 20, 50, 100) if r <= rounds}
-    honest_banned = sorted({p for ledger in ledgers.values() for p in peers[f:] if p in ledger.banned})
+    honest_banned = sorted({p for ledger in ledgers.values() for p in peers[f:] if p in ledger.excluded})
     return {"value": round(max(distances), 3), **at, "drift_last": round(distances[-1], 3),
             "left_out_from_round": left_from, "honest_banned": len(honest_banned),
             "honest_only_from_mean": round(((reference - plain).norm() / dim ** 0.5).item(), 3)}

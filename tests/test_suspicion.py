@@ -34,7 +34,7 @@ def test_honest_members_are_never_left_out_over_200_steps(heterogeneity):
     ledger = SuspicionLedger(BanList())
     offsets = heterogeneity * torch.randn(len(PEERS), SIZE, generator=torch.Generator().manual_seed(1))
     left = steps(ledger, 200, offsets)
-    assert not any(left) and len(ledger.banned) == 0
+    assert not any(left) and len(ledger.excluded) == 0
     if not heterogeneity:  # all score high together otherwise (about 100 here), none stands out
         assert max(ledger.scores(0, SIZE).values()) < BAN_Z / 2
 
@@ -50,7 +50,7 @@ def test_honest_noise_correlated_across_coordinates_leaves_nobody_out():
         pieces = [torch.randn(1, generator=g) * direction + 0.1 * torch.randn(SIZE, generator=g) for _ in PEERS]
         ledger.record(0, PEERS, pieces)
         assert not ledger.left_out(PEERS)
-    assert len(ledger.banned) == 0
+    assert len(ledger.excluded) == 0
 
 
 @pytest.mark.timeout(30)
@@ -65,8 +65,8 @@ def test_a_patient_member_is_left_out_within_a_few_steps_then_banned():
     left = steps(ledger, 24, offsets)
     first = next(t for t, out in enumerate(left) if out)
     assert first <= 16 and all(out == {"peer0"} for out in left[first:])
-    assert "peer0" in ledger.banned and len(ledger.banned) == 1
-    assert "keep deviating" in ledger.banned.evidence("peer0")
+    assert "peer0" in ledger.excluded and len(ledger.excluded) == 1
+    assert "keep deviating" in ledger.excluded.evidence("peer0")
 
 
 @pytest.mark.timeout(30)
@@ -77,7 +77,7 @@ def test_a_member_named_far_is_left_out_of_that_step_and_banned_after_its_strike
         pieces = [torch.randn(SIZE, generator=g) for _ in PEERS]
         ledger.record(0, PEERS, pieces, named_far=["peer3"])
         assert set(ledger.left_out(PEERS)) == {"peer3"}
-        assert ("peer3" in ledger.banned) == (strike == FAR_STRIKES)
+        assert ("peer3" in ledger.excluded) == (strike == FAR_STRIKES)
     ledger.record(0, PEERS[:3] + PEERS[4:], [torch.randn(SIZE, generator=g) for _ in range(4)])
     assert set(ledger.left_out(PEERS)) == {"peer3"}  # banned: out for the run
 

@@ -2,7 +2,13 @@
 that let a member check a reducer's work.
 
 A peer's ban list holds the members it caught lying itself (never on another peer's word, which
-could be a lie too); matchmaking neither joins nor admits them, for the rest of the run.
+could be a lie too); matchmaking neither joins nor admits them, for the rest of the run. Its
+exclusions hold the members whose pieces its reducers found statistically not honest
+(`averaging.suspicion`): they stay in its groups, but no step it reduces a shard of counts their
+pieces. A statistic can be wrong about an honest member, and refusing groups with one would split
+the honest peers (a member that excluded it would meet only those that had not); leaving its
+pieces out costs the step one contribution, and the member that judged it keeps averaging with
+everyone else.
 
 Digests bind what was sent: a sender's piece of a shard is hashed chunk by chunk, the chunk
 hashes and its weight into one root; the coordinator's decision carries, per shard, one digest
@@ -41,15 +47,17 @@ VERIFY_BLOCK = 2**12
 
 
 class BanList:
-    """Peers this peer caught lying, with what it saw; shared by its averagers (see `ban_list`)."""
+    """Peers this peer holds to account, with what it saw; shared by its averagers (`ban_list`:
+    caught lying, `exclusions`: found not honest by its reducers' statistics)."""
 
-    def __init__(self, cap: int = MAX_BANNED):
+    def __init__(self, cap: int = MAX_BANNED, consequence: str = "from averaging"):
         self.cap = cap
+        self.consequence = consequence
         self._banned: dict[PeerID, str] = {}
 
     def ban(self, peer: PeerID, evidence: str) -> None:
         if peer not in self._banned:
-            logger.warning("excluding %s from averaging for the rest of the run: %s", peer, evidence)
+            logger.warning("excluding %s %s for the rest of the run: %s", peer, self.consequence, evidence)
         self._banned.pop(peer, None)
         self._banned[peer] = evidence[:MAX_EVIDENCE_CHARS]
         while len(self._banned) > self.cap:
@@ -71,6 +79,15 @@ def ban_list(transport: Any) -> BanList:
     if banned is None:
         banned = transport.services["banned"] = BanList()
     return banned
+
+
+def exclusions(transport: Any) -> BanList:
+    """The members whose pieces the reducers of the peer behind `transport` no longer count
+    (statistical verdicts: they stay in its groups; see the module)."""
+    excluded = transport.services.get("excluded")
+    if excluded is None:
+        excluded = transport.services["excluded"] = BanList(consequence="from the averages this peer reduces")
+    return excluded
 
 
 def block_digests(values: torch.Tensor) -> list[bytes]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.accountability import ban_list
+from potluck.averaging.accountability import ban_list, exclusions
 from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import Matchmaker
@@ -176,7 +176,8 @@ class Averager:
         self.aggregation = aggregation
         # Robust aggregations also remember how members deviated over steps, and leave out or ban
         # the persistent ones (potluck.averaging.suspicion); the mean has no robust centre to keep.
-        self.suspicion = None if aggregation == "mean" else SuspicionLedger(ban_list(self.transport))
+        self.suspicion = None if aggregation == "mean" else SuspicionLedger(exclusions(self.transport),
+                                                                             ban_list(self.transport))
         settings = {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation}
         if fingerprint is not None:  # (left out otherwise: the schema of an Averager of the user's is unchanged)
             settings["fingerprint"] = fingerprint

@@ -1,4 +1,4 @@
-"""Consequences over time: members whose pieces keep deviating the same way are left out, then banned.
+"""Consequences over time: members whose pieces keep deviating the same way are left out, then excluded.
 
 Robust aggregation bounds what a minority does to one step, not to many: a liar that pushes a
 little in the same direction every step adds up (benchmarks/byzantine.py). What tells it apart is
@@ -26,8 +26,9 @@ averager and at each of this peer's reducers:
     next steps while it stays there (its reducer reports it as not delivered, so the step averages
     the others and it still receives the result);
   * score >= BAN_Z x sigma, or named blatantly not honest (far from the robust centre, or a
-    huge weight: `allreduce.reduction.blatant_senders`) in FAR_STRIKES steps: banned for the run
-    (`accountability.BanList`: matchmaking neither joins nor admits it).
+    huge weight: `allreduce.reduction.blatant_senders`) in FAR_STRIKES steps: excluded for the run
+    (`accountability.exclusions`: this peer's reducers never count its pieces again; it stays in
+    groups, so a wrong verdict on an honest member never splits the honest peers).
 
 The statistics restart when a sender joins the shard's senders (the pairs' histories must cover the
 same steps) and survive when one leaves; they are the reducer's own observations, never another
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 # 1,000 steps in groups of 16 leaves an honest member out by chance with probability about 1e-3
 # at most (a member needs the median of its pairs above, which is rarer still).
 SUSPECT_Z = 6.0
-# Score at which a member is banned for the run: exp(-50) = 2e-22 per look.
+# Score at which a member is excluded for the run: exp(-50) = 2e-22 per look.
 BAN_Z = 10.0
 # The width of honest scores: thresholds count in units of sigma = max(1, w / WIDTH_PER_SIGMA),
 # w the median over members of their lower median |Z_ij|. With i.i.d. noise w is 0.67 (the median
@@ -70,7 +71,7 @@ BAN_Z = 10.0
 # widen w.
 WIDTH_PER_SIGMA = 1.0
 # Steps in which a reducer named a member blatantly not honest (a piece OUTLIER_FACTOR x the median
-# distance away, or a huge weight) before it is banned: once could be a broken step (stale
+# distance away, or a huge weight) before it is excluded: once could be a broken step (stale
 # parameters after a restart), three are a habit. A named member is left out of that step.
 FAR_STRIKES = 3
 # Senders of a shard beyond which the statistics are not kept: each step costs n^2 / 2 passes
@@ -103,19 +104,24 @@ class _Cohort:
 
 @dataclass
 class SuspicionLedger:
-    """One averager's record of its members' deviations at this peer's reducers (see the module)."""
+    """One averager's record of its members' deviations at this peer's reducers (see the module).
+    `excluded`: this peer's statistical verdicts (shared by its averagers); `caught`: the members
+    it caught lying (`accountability.ban_list`), left out too should one still be in a group."""
 
-    banned: BanList
+    excluded: BanList
+    caught: BanList = field(default_factory=BanList)
     suspects: dict[PeerID, str] = field(default_factory=dict)  # left out of the next steps, and why
     _cohorts: OrderedDict = field(default_factory=OrderedDict)  # (start, end) -> _Cohort
     _far: OrderedDict = field(default_factory=OrderedDict)  # peer -> steps named far
 
     def left_out(self, peers: Sequence[PeerID]) -> dict[PeerID, str]:
-        """Which of a step's `peers` a reducer leaves out, and why: banned or suspected."""
+        """Which of a step's `peers` a reducer leaves out, and why: caught, excluded or suspected."""
         out = {}
         for p in peers:
-            if p in self.banned:
-                out[p] = f"banned: {self.banned.evidence(p)}"
+            if p in self.caught:
+                out[p] = f"caught lying: {self.caught.evidence(p)}"
+            elif p in self.excluded:
+                out[p] = f"excluded: {self.excluded.evidence(p)}"
             elif p in self.suspects:
                 out[p] = self.suspects[p]
         return out
@@ -130,7 +136,7 @@ class SuspicionLedger:
         """One step of a shard starting at `start`: each sender's piece (flat, the shard's size);
         `named_far`: senders named blatantly not honest in it (`blatant_senders`: a piece far from the
         robust centre, or a huge claimed weight). Updates the scores, then who is suspected
-        and who is banned: a reducer records a step's pieces as soon as they are all in, so a
+        and who is excluded: a reducer records a step's pieces as soon as they are all in, so a
         member found out leaves the very step that gave it away (`left_out`)."""
         for p in named_far:
             strikes = self._far.pop(p, 0) + 1
@@ -188,7 +194,7 @@ class SuspicionLedger:
 
     def _ban(self, peer: PeerID, why: str) -> None:
         self.suspects.pop(peer, None)
-        self.banned.ban(peer, why)
+        self.excluded.ban(peer, why)
 
 
 def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:

@@ -60,8 +60,8 @@ class ShardReducer:
     only reports to it), so a finished run is freed by reference counting, never left in a cycle
     for the GC. `exact`: set for a replacement reducer, which reduces over exactly these senders.
     `suspicion`: the averager's record of its members' deviations over steps (robust aggregations):
-    once every piece is in, the reducer adds them to it and reports the members it suspects or
-    banned as not delivered, so the step averages the others (see `potluck.averaging.suspicion`).
+    once every piece is in, the reducer adds them to it and reports the members it suspects,
+    excluded or caught lying as not delivered, so the step averages the others (see `potluck.averaging.suspicion`).
     """
 
     def __init__(self, host: ReducerHost, group: Group, shard: int, exact: tuple[int, ...] | None, *, codec: Any,
@@ -274,7 +274,7 @@ class ShardReducer:
         for s in sorted(named.keys() - self.named.keys()):
             self.named[s] = named[s]
             logger.warning("reducer of shard %d: sender %d (%s) is not an honest member: %s (chunk %d; "
-                           "its contribution is bounded, it is not banned)",
+                           "its contribution is bounded)",
                            self.shard, s, self.group.peers[s], named[s], c)
 
     def _progress(self) -> None:
@@ -289,7 +289,7 @@ class ShardReducer:
 
     def _judge(self) -> None:
         """Add this step's pieces to the averager's record of deviations, and leave out the
-        senders it suspects or banned: never half of them or more (with fewer than half the
+        senders it suspects or excluded: never half of them or more (with fewer than half the
         senders lying, more suspects means a broken record, not a step to throw away)."""
         if self.suspicion is None or self.closed or not self.complete:
             return
