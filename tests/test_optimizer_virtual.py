@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import potluck
+from potluck.averaging.accountability import exclusions
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
@@ -33,7 +34,8 @@ def digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
-async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS) -> dict:
+async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
+                aggregation: str = "mean") -> dict:
     """Train len(compute) peers for `epochs` epochs; what each ended with, and when."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
@@ -45,7 +47,8 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
     options = dict(mode=mode, local_steps=4) if mode != "sync" else {}
     optimizers = [Optimizer(peer, "virtual", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
                             target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
-                            start=False, **options) for peer, model in zip(peers, models, strict=True)]
+                            start=False, aggregation=aggregation, **options)
+                  for peer, model in zip(peers, models, strict=True)]
     per_epoch: list[list[int]] = [[] for _ in optimizers]  # the swarm's samples behind each epoch applied
     groups: list[int] = []  # sizes of the state averager's groups (moshpit)
     for opt in optimizers:
@@ -78,7 +81,11 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
         return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
                 "seconds": sorted(finished), "samples": per_epoch, "groups": groups,
-                "grids": [o.state_averager.grid for o in optimizers]}
+                "grids": [o.state_averager.grid for o in optimizers],
+                "excluded": [str(e) for p in peers for e in exclusions(p.transport)],
+                "suspects": [str(e) for o in optimizers for a in (o.state_averager, getattr(o.training, "grad_averager",
+                             getattr(o.training, "delta_averager", None))) if a is not None and a.suspicion
+                             for e in a.suspicion.suspects]}
     finally:
         for opt in optimizers:
             opt.shutdown()
@@ -87,11 +94,11 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
 
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
-        compute: tuple[float, ...] = COMPUTE_SECONDS) -> dict:
+        compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean") -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(swarm(seed, epochs, mode, target, compute), timeout=300)
+        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation), timeout=300)
     finally:
         release_runner()
 
@@ -110,6 +117,20 @@ def test_sync_swarm_on_virtual_time_is_identical_and_repeats_exactly():
     assert_repeats(again, first)
     other = run(seed=4)
     assert other["digests"] != first["digests"]
+
+
+@pytest.mark.timeout(300)
+def test_a_robust_sync_swarm_of_unequal_speeds_leaves_no_honest_peer_out():
+    """Peers of different speeds under CenteredClip. Each used to send its samples' share of the
+    global batch's sum (weight 1): the fast peers' pieces were persistently 2.5x the slow one's,
+    CenteredClip pulled the step towards the slow peer, and the record of deviations read the
+    persistent difference as a patient liar and excluded honest peers. Now each sends its mean
+    gradient, so honest pieces differ by noise only: nobody is suspected or excluded, and the
+    peers end identical."""
+    result = run(seed=3, epochs=12, aggregation="centered_clip")
+    assert result["epochs"] == [12, 12, 12] and len(set(result["digests"])) == 1, result
+    assert result["excluded"] == [] and result["suspects"] == [], result
+    assert all(TARGET <= s <= 1.25 * TARGET for record in result["samples"] for s in record), result
 
 
 def assert_repeats(again: dict, first: dict) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,9 @@ class BanList:
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._banned
+
+    def __iter__(self) -> Iterator[PeerID]:
+        return iter(list(self._banned))
 
     def evidence(self, peer: PeerID) -> str | None:
         return self._banned.get(peer)

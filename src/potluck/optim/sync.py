@@ -54,6 +54,7 @@ class _Round:
     samples: int  # our samples behind the averaged gradients (in the accumulator)
     members: frozenset[str] = frozenset()  # every live peer we knew of (see RunContext.members)
     duration: float = 0.0  # seconds the samples behind it accumulated (0: unknown)
+    scale: float = 1.0  # what the accumulator was multiplied by for the round (`_share_of`)
 
 
 class SyncTraining(TrainingMode):
@@ -149,6 +150,22 @@ class SyncTraining(TrainingMode):
                                     [g for g in grads if g is not None], alpha=scale)
         self.context.tally.samples += settings.batch_size_per_step
 
+    def _share_of(self, samples: int, aux: bool) -> tuple[float, float]:
+        """How the accumulator goes into a round: (factor, weight). The mean adds up shares: each
+        peer's accumulator holds its samples' share of the global batch's sum, weight 1. A robust
+        aggregation counts each sender once, so pieces must be alike but for noise: each peer
+        sends its mean gradient (the sum x target / its samples); a peer with nothing of its own
+        (aux, or no samples) asks to be left out (weight 0) instead of sending zeros."""
+        if self.context.settings.aggregation == "mean":
+            return 1.0, 1.0
+        if aux or samples <= 0:
+            return 1.0, 0.0
+        return self.context.settings.target_batch_size / samples, 1.0
+
+    def _scale_sums(self, factor: float) -> None:
+        with self.grad_averager.get_tensors() as sums, torch.no_grad():
+            torch._foreach_mul_(sums, factor)
+
     def _carry_over(self, keep: float) -> None:
         """After a round: keep `keep` x the accumulator (0: clear it) and add the spare one (what
         was accumulated meanwhile)."""
@@ -210,11 +227,14 @@ class SyncTraining(TrainingMode):
         aux = context.settings.role == Role.AUX
         state = await self.digest_now() if not aux and self._averages_state_after(epoch) else None
         gather = RoundNote(samples, context.samples_per_second, state, aux=aux).to_wire()
+        scale, weight = self._share_of(samples, aux)
+        if scale != 1.0:
+            await self.context.compute(self._scale_sums, scale)
         task = asyncio.ensure_future(self.grad_averager.astep(
-            weight=1.0, gather=gather,
+            weight=weight, gather=gather,
             group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected, members=members))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
-        pending = _Round(task, epoch, expected, samples, members, duration)
+        pending = _Round(task, epoch, expected, samples, members, duration, scale)
         if self.options.delay_updates:
             self.pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -251,7 +271,8 @@ class SyncTraining(TrainingMode):
                 if speed > 0:
                     self.part_due = context.now() + (target - total) / speed
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total, target)
-                await self.context.compute(self._carry_over, len(result.contributors) if keeper else 0.0)
+                kept = len(result.contributors) if pending.scale == 1.0 else total / target  # the sum's share
+                await self.context.compute(self._carry_over, kept if keeper else 0.0)
                 tally.samples += total if keeper else 0
                 tally.part += 1
                 context.epoch_began = context.now()
@@ -262,8 +283,8 @@ class SyncTraining(TrainingMode):
             context.tracker.averaged(averaged, pending.duration, context.peer.dht.get_time())
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
-            await self._apply_gradients(len(result.contributors) / total, total, pending.expected,
-                                        pending.members, same_state=same)
+            per_sample = len(result.contributors) / total if pending.scale == 1.0 else 1 / target
+            await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same)
             return
         me = context.peer.peer_id
         others = [r for r in context.progress().reports if r.peer_id != me]
@@ -280,13 +301,13 @@ class SyncTraining(TrainingMode):
         if waiting and self.attempt < MAX_ROUND_ATTEMPTS:
             logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
                         epoch, error, len(waiting))
-            await self.context.compute(self._carry_over, 1.0)
+            await self.context.compute(self._carry_over, 1 / pending.scale)
             tally.samples += pending.samples
             return
         if waiting:
             logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
                            epoch, self.attempt, error)
-        await self._apply_gradients(1 / max(pending.samples, 1), pending.samples, pending.expected)
+        await self._apply_gradients(1 / (max(pending.samples, 1) * pending.scale), pending.samples, pending.expected)
 
     async def _apply_gradients(self, per_sample: float, samples: int, expected: int,
                                members: frozenset[str] | None = None, same_state: bool = False) -> None:
