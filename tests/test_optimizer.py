@@ -133,6 +133,20 @@ def test_four_peers_end_every_epoch_identical_and_match_single_process_accuracy(
     assert swarm_accuracy >= reference - 0.01, (swarm_accuracy, reference)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aggregation", ["centered_clip", "trimmed_mean"])
+def test_four_peers_under_a_robust_aggregation_end_every_epoch_identical(swarm, aggregation):
+    """Under a robust aggregation each peer sends its mean gradient, and the result is a mean
+    gradient too. A peer whose own samples happened to equal the global batch (its scale factor
+    1.0, common in the first round, when each peer counts only itself) took the result for a
+    share of the sum, stepped on the mean x contributors / samples, and left the swarm for good."""
+    epochs = 20
+    members = swarm(4, f"robust-{aggregation}", aggregation=aggregation)
+    train(members, epochs, within=100)
+    for epoch in range(1, epochs + 1):
+        assert len({m.digests.get(epoch) for m in members}) == 1, f"peers differ after epoch {epoch}"
+
+
 @pytest.mark.timeout(240)
 def test_peer_killed_and_newcomer_joining_training_continues(swarm):
     members = swarm(3, "churn")

@@ -55,6 +55,7 @@ class _Round:
     members: frozenset[str] = frozenset()  # every live peer we knew of (see RunContext.members)
     duration: float = 0.0  # seconds the samples behind it accumulated (0: unknown)
     scale: float = 1.0  # what the accumulator was multiplied by for the round (`_share_of`)
+    means: bool = False  # pieces were mean gradients (a robust aggregation), not shares of a sum
 
 
 class SyncTraining(TrainingMode):
@@ -234,7 +235,8 @@ class SyncTraining(TrainingMode):
             weight=weight, gather=gather,
             group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected, members=members))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
-        pending = _Round(task, epoch, expected, samples, members, duration, scale)
+        pending = _Round(task, epoch, expected, samples, members, duration, scale,
+                         means=context.settings.aggregation != "mean")
         if self.options.delay_updates:
             self.pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -271,7 +273,7 @@ class SyncTraining(TrainingMode):
                 if speed > 0:
                     self.part_due = context.now() + (target - total) / speed
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total, target)
-                kept = len(result.contributors) if pending.scale == 1.0 else total / target  # the sum's share
+                kept = total / target if pending.means else len(result.contributors)  # the sum's share
                 await self.context.compute(self._carry_over, kept if keeper else 0.0)
                 tally.samples += total if keeper else 0
                 tally.part += 1
@@ -283,7 +285,7 @@ class SyncTraining(TrainingMode):
             context.tracker.averaged(averaged, pending.duration, context.peer.dht.get_time())
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
-            per_sample = len(result.contributors) / total if pending.scale == 1.0 else 1 / target
+            per_sample = 1 / target if pending.means else len(result.contributors) / total
             await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same)
             return
         me = context.peer.peer_id
