@@ -6,8 +6,9 @@ Observed before: each step moved the honest result by about a quarter of the hon
 same direction; nothing followed from it, so after 8 steps the honest peers had drifted about
 two spreads (linearly in the steps), and the member averaged with them for ever. Now every
 honest reducer keeps a record of the pieces over steps (averaging.suspicion): the member is left
-out of the step that gives it away (the second) and excluded for the run, so the drift stops after
-one step. Excluded, not refused: it stays in the honest peers' groups (receiving the results), so
+out of the step that gives it away (the third: a pair's statistic weighs a step's difference
+against the differences summed up to two steps before, and its noise against the pair's own
+previous step) and excluded for the run, so the drift stops after two steps. Excluded, not refused: it stays in the honest peers' groups (receiving the results), so
 an honest member wrongly judged would never split them (test_a_wrong_verdict_never_splits_the_honest_peers).
 """
 
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
-from potluck.averaging.accountability import ban_list, exclusions
+from potluck.averaging.accountability import BanList, ban_list, exclusions
+from potluck.averaging.suspicion import SuspicionLedger
 from potluck.core.virtual_time import run_virtual
 from tests.emulated_swarm import make_swarm
 
@@ -58,8 +60,8 @@ def test_a_patient_minority_is_left_out_and_excluded_and_the_drift_stops():
         assert not any(p.transport.peer_id in exclusions(q.transport) for p in peers[:HONEST] for q in peers[:HONEST])
         assert not any(len(ban_list(p.transport)) for p in peers)
         assert all({str(p.transport.peer_id) for p in peers[:HONEST]} <= c for c in contributors)
-        assert all(str(attacker) not in c for c in contributors[1:])  # out from the step that gave it away
-        assert drifts[-1] == pytest.approx(drifts[0], rel=1e-5) and drifts[-1] < 0.5  # one step's bias, no more
+        assert all(str(attacker) not in c for c in contributors[2:])  # out from the step that gave it away
+        assert drifts[-1] == pytest.approx(drifts[1], rel=1e-5) and drifts[-1] < 0.75  # two steps' bias, no more
         for a in averagers:
             a.shutdown()
     run_virtual(main())
@@ -92,3 +94,26 @@ def test_a_wrong_verdict_never_splits_the_honest_peers():
         for a in averagers:
             a.shutdown()
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(6))
+def test_a_patient_liar_gets_no_honest_member_left_out(seed):
+    """Four members whose honest noise lies in a few directions (a real network's gradient noise
+    does), one of which adds the same push every step. Before, the record normalized each pair's
+    statistic coordinate by coordinate, as if noise were independent across coordinates: honest
+    pairs' scores were far too wide, and an honest member was left out of the averages in 2 of
+    these 6 seeds (in 4 of 12: the liar's push made honest members look like the deviant ones).
+    Now each pair's variance is measured on its own steps: no honest member is ever left out."""
+    size, members = 512, 4
+    g = torch.Generator().manual_seed(seed)
+    directions = torch.randn(3, size, generator=g)
+    push = torch.randn(size, generator=g)
+    ledger = SuspicionLedger(BanList())
+    peers = [f"member{i}" for i in range(members)]
+    for _ in range(60):
+        pieces = [torch.randn(3, generator=g) @ directions + 0.1 * torch.randn(size, generator=g) for _ in peers]
+        pieces[0] += 0.3 * push  # the liar
+        ledger.record(0, peers, pieces)
+        assert set(ledger.left_out(peers)) <= {"member0"}
+    assert set(ledger.excluded) <= {"member0"}
