@@ -99,6 +99,33 @@ def test_moshpit_with_peers_leaving_still_converges_geometrically():
 
 
 @pytest.mark.timeout(60)
+def test_a_group_told_not_to_proceed_averages_nothing_and_sends_nothing():
+    """`proceed` sees the formed group's metadata, the same on every member: a group that does
+    not hold what its members need (the sync mode's rounds short of the global batch) skips the
+    all-reduce instead of paying for it. The next step averages as usual."""
+    async def main():
+        net, peers = await make_swarm(3)
+        vectors = [torch.randn(100_000) for _ in peers]  # 400 KB each
+        avgs = [Averager(p, [v.clone()], "job", matchmaking_time=1.0) for p, v in zip(peers, vectors, strict=True)]
+        seen = []
+
+        def enough(gathered):
+            seen.append(sorted(m["samples"] for m in gathered.values()))
+            return sum(m["samples"] for m in gathered.values()) >= 100
+        sent = [p.transport.stats.bytes_sent for p in peers]
+        results = await asyncio.gather(*(a.astep(gather={"samples": 30}, proceed=enough) for a in avgs))
+        assert all(r.skipped and r.group_size == 3 and r.contributors == [] for r in results)
+        assert seen == [[30, 30, 30]] * 3
+        assert all(torch.equal(a._tensors[0], v) for a, v in zip(avgs, vectors, strict=True))
+        moved = [p.transport.stats.bytes_sent - before for p, before in zip(peers, sent, strict=True)]
+        assert max(moved) < 50_000, moved  # matchmaking only: not the vectors
+        results = await asyncio.gather(*(a.astep(gather={"samples": 40}, proceed=enough) for a in avgs))
+        assert not any(r.skipped for r in results)
+        assert max_error(avgs, sum(vectors) / 3) < 1e-5
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_failed_step_leaves_tensors_untouched():
     async def main():
         net, peers = await make_swarm(2)

@@ -13,6 +13,7 @@ import potluck
 from potluck.cli.tasks import accuracy, load_data, make_model
 from potluck.core.runner import run_in_thread
 from potluck.optim import EpochEvent, Optimizer
+from potluck.optim.progress import RoundNote
 from potluck.optim.sync import MAX_ROUND_ATTEMPTS
 
 X, Y, X_TEST, Y_TEST = load_data()
@@ -40,6 +41,14 @@ class Member:
         self.epoch_samples: dict[int, int] = {}  # the swarm's samples behind each epoch applied
         self.catch_ups = 0
         self.opt.register_epoch_hook(self._on_epoch)
+        self.rounds: list[tuple[int, bool]] = []  # gradient rounds' groups: (their notes' samples, skipped)
+        averager = getattr(self.opt.training, "grad_averager", None)
+        if averager is not None:
+            async def noting(*args, _astep=averager.astep, **kwargs):
+                result = await _astep(*args, **kwargs)
+                self.rounds.append((sum(RoundNote.read(m).samples for m in result.gathered.values()), result.skipped))
+                return result
+            averager.astep = noting
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -145,6 +154,9 @@ def test_four_peers_under_a_robust_aggregation_end_every_epoch_identical(swarm, 
     train(members, epochs, within=100)
     for epoch in range(1, epochs + 1):
         assert len({m.digests.get(epoch) for m in members}) == 1, f"peers differ after epoch {epoch}"
+    # A group short of the global batch averages nothing (it used to average, and one member
+    # carried the result into its next piece, tying it to this round's noise).
+    assert all(skipped or samples >= TARGET for m in members for samples, skipped in m.rounds)
 
 
 @pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,7 @@ class StepResult:
     gathered: dict[str, Any] = field(default_factory=dict)  # peer id -> the metadata it sent
     group_key: str = ""
     contributors: list[str] = field(default_factory=list)  # peers whose tensors are in the average
+    skipped: bool = False  # the group formed, and `proceed` said not to average (tensors untouched)
 
 
 def _service(transport: Any) -> AllReduceService:
@@ -220,7 +221,8 @@ class Averager:
 
     def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
              group_key: str | None = None, target_group_size: int | None = None,
-             members: Collection[str] | None = None) -> StepResult:
+             members: Collection[str] | None = None,
+             proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
 
         `weight` (e.g. the number of samples behind these tensors) weighs this peer's
@@ -228,15 +230,21 @@ class Averager:
         `group_key` restricts this step to peers using the same key (e.g. the same epoch), and
         `target_group_size` overrides the averager's for this step. `members` (peer ids): every
         peer that takes part, if the caller knows them; if they were our last group, it meets
-        again without the DHT (see `potluck.averaging.matchmaking`).
+        again without the DHT (see `potluck.averaging.matchmaking`). `proceed`: called with the
+        formed group's gathered metadata (peer id -> what it sent); if it says False, nothing is
+        averaged and the result says `skipped`. Every member gets the same metadata, so a
+        function of it alone decides alike everywhere (a member that decides otherwise averages
+        with whoever came).
         """
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         return self.peer.run(self.astep(weight, timeout, gather, group_key=group_key,
-                                        target_group_size=target_group_size, members=members), budget + 5)
+                                        target_group_size=target_group_size, members=members, proceed=proceed),
+                             budget + 5)
 
     async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
                     group_key: str | None = None, target_group_size: int | None = None,
-                    members: Collection[str] | None = None) -> StepResult:
+                    members: Collection[str] | None = None,
+                    proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         metrics = peer_metrics(self.transport)
@@ -245,7 +253,7 @@ class Averager:
         try:
             async with compat.timeout(budget):
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
-                result = await self._step(weight, gather, group_key, target_group_size, known)
+                result = await self._step(weight, gather, group_key, target_group_size, known, proceed)
         except TimeoutError:
             metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
@@ -257,7 +265,8 @@ class Averager:
         return result
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
-                    members: frozenset[PeerID] | None) -> StepResult:
+                    members: frozenset[PeerID] | None,
+                    proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
@@ -273,6 +282,11 @@ class Averager:
             self.forming = False
             _discard(snapshot)
         group = formed.group
+        gathered = {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}
+        if proceed is not None and not proceed(gathered):
+            if buffer is not None and snapshot is not None and snapshot.done():
+                pool.give(buffer)  # (one still being written by its thread is left to the GC)
+            return StepResult(len(group.peers), [str(p) for p in group.peers], gathered, key, skipped=True)
         self._phase = "allreduce"
         me = group.peers.index(self.transport.peer_id)
         vector = None if snapshot is None or group.roles[me] == Role.AUX else snapshot.result()
@@ -296,8 +310,7 @@ class Averager:
                 await run_in_thread(self._assign, torch.cat([p.reshape(-1) for p in parts]))
         self._advance(me, group.group_id)
         await self.announce_state()
-        return StepResult(len(group.peers), [str(p) for p in group.peers],
-                          {str(p): m for p, m in zip(group.peers, formed.metadata, strict=True)}, key,
+        return StepResult(len(group.peers), [str(p) for p in group.peers], gathered, key,
                           [str(group.peers[i]) for i in contributors])
 
     # -- state for newcomers ------------------------------------------------------------------------

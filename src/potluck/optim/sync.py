@@ -5,11 +5,12 @@ stable group meets again without the DHT); then the peers average their gradient
 samples), every peer applies the same optimizer step, and the epoch advances (`epoch_samples`:
 the samples behind it).
 
-A round that gathered fewer samples than the target does not end the epoch: its sum stays with one
-member and the peers accumulate on. Every `average_state_every` epochs the parameters and
-optimizer statistics are averaged too, which also repairs any drift; that round is skipped when
-every member of the gradient round held the same state (their digests travel with the gradients):
-it would change nothing.
+A group whose members' notes hold fewer samples than the target does not average: each member
+keeps its gradients and accumulates on (`_enough`). A round that averaged fewer (a member did
+not deliver) does not end the epoch either: its sum stays with one member. Every
+`average_state_every` epochs the parameters and optimizer statistics are averaged too, which also
+repairs any drift; that round is skipped when every member of the gradient round held the same
+state (their digests travel with the gradients): it would change nothing.
 
 Memory: one model-sized buffer beyond the model and the wrapped optimizer (the gradient
 accumulator, averaged in place and handed to the optimizer as `.grad`); two with `delay_updates`
@@ -22,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -232,8 +234,8 @@ class SyncTraining(TrainingMode):
         if scale != 1.0:
             await self.context.compute(self._scale_sums, scale)
         task = asyncio.ensure_future(self.grad_averager.astep(
-            weight=weight, gather=gather,
-            group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected, members=members))
+            weight=weight, gather=gather, group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected,
+            members=members, proceed=self._enough))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
         pending = _Round(task, epoch, expected, samples, members, duration, scale,
                          means=context.settings.aggregation != "mean")
@@ -250,12 +252,35 @@ class SyncTraining(TrainingMode):
             tally.round_samples, tally.in_round = 0, False
         await self._finish_update(pending)
 
+    def _enough(self, gathered: dict[str, Any]) -> bool:
+        """Whether a formed group holds the global batch (the members' notes, as every member
+        got them). Short of it (a peer computed slower than it reported), nothing is averaged:
+        each member keeps its gradients and the round comes again with more. Averaging a short
+        round would cost a whole all-reduce for nothing, and its result, carried into the next
+        round by one member, would tie that member's next piece to this round's noise: under a
+        robust aggregation the record of deviations read that as a persistent deviation and
+        left honest members out."""
+        return sum(RoundNote.read(m).samples for m in gathered.values()) >= self.context.settings.target_batch_size
+
     async def _finish_update(self, pending: _Round) -> None:
         """Apply an averaging round's result: the wrapped optimizer's step, and the new epoch."""
         context, tally = self.context, self.context.tally
         self.pending = None
         task, epoch, target = pending.task, pending.epoch, context.settings.target_batch_size
         error = AveragingError("the swarm's round ended without us") if task.cancelled() else task.exception()
+        if error is None and task.result().skipped:
+            result = task.result()
+            notes = [RoundNote.read(m) for m in result.gathered.values()]
+            speed = sum(n.speed for n in notes)
+            if speed > 0:  # the rest is due at the members' speeds, which they just told each other
+                self.part_due = context.now() + (target - sum(n.samples for n in notes)) / speed
+            logger.info("epoch %d: the group had %d of %d samples; accumulating on",
+                        epoch, sum(n.samples for n in notes), target)
+            await self.context.compute(self._carry_over, 1 / pending.scale)
+            tally.samples += pending.samples
+            tally.part += 1
+            context.publish()
+            return
         if error is None:
             result = task.result()
             context.tracker.set_neighbors(result.peers)
