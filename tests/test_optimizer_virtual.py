@@ -20,7 +20,6 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
-from potluck.optim.progress import RoundNote
 
 BATCH, TARGET = 8, 256
 COMPUTE_SECONDS = (0.02, 0.02, 0.05)  # per batch: the third peer is 2.5x slower
@@ -36,9 +35,8 @@ def digest(model: torch.nn.Module) -> str:
 
 
 async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
-                aggregation: str = "mean", stall: tuple[int, int, float] | None = None) -> dict:
-    """Train len(compute) peers for `epochs` epochs; what each ended with, and when. `stall`:
-    (peer, epoch, seconds): one batch of that peer in that epoch takes that long."""
+                aggregation: str = "mean") -> dict:
+    """Train len(compute) peers for `epochs` epochs; what each ended with, and when."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
@@ -61,21 +59,12 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
             groups.append(result.group_size)
             return result
         opt.state_averager.astep = recording
-    rounds: list[tuple[int, bool]] = []  # gradient rounds' groups: (their notes' samples, skipped)
     for opt, record in zip(optimizers, per_epoch, strict=True):
         await opt.astart()
-        averager = getattr(opt.training, "grad_averager", None)
-        if averager is not None:
-            async def noting(*args, _astep=averager.astep, **kwargs):
-                result = await _astep(*args, **kwargs)
-                rounds.append((sum(RoundNote.read(m).samples for m in result.gathered.values()), result.skipped))
-                return result
-            averager.astep = noting
         opt.register_epoch_hook(lambda event, record=record: record.append(event.samples)
                                 if event.how == "update" else None)
     start = loop.time()
     finished: list[float] = []
-    stalled: set[int] = set()
 
     async def train(index: int) -> None:
         model, opt = models[index], optimizers[index]
@@ -84,18 +73,14 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
             x = torch.randn(BATCH, 16, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            if stall is not None and stall[0] == index and opt.local_epoch == stall[1] and index not in stalled:
-                stalled.add(index)
-                await asyncio.sleep(stall[2])
-            else:
-                await asyncio.sleep(compute[index])
+            await asyncio.sleep(compute[index])
             await opt.astep()
         finished.append(loop.time() - start)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
         return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
-                "seconds": sorted(finished), "samples": per_epoch, "groups": groups, "rounds": rounds,
+                "seconds": sorted(finished), "samples": per_epoch, "groups": groups,
                 "grids": [o.state_averager.grid for o in optimizers],
                 "excluded": [str(e) for p in peers for e in exclusions(p.transport)],
                 "suspects": [str(e) for o in optimizers for a in (o.state_averager, getattr(o.training, "grad_averager",
@@ -109,12 +94,11 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
 
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
-        compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean",
-        stall: tuple[int, int, float] | None = None) -> dict:
+        compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean") -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall), timeout=300)
+        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation), timeout=300)
     finally:
         release_runner()
 
