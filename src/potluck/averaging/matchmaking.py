@@ -279,7 +279,14 @@ class Matchmaker:
             and members == self.last.members
         if keep:  # full once they are all back
             target = min(target or self.target, len(members))
-        formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
+        try:
+            formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
+        except BaseException:
+            # No group: our last one may have gone on without us (we stalled, they met as fewer),
+            # and leading it again off the DHT would wait for members who now look for each
+            # other in the DHT, round after round. Next time we declare ourselves there.
+            self.last.leader, self.last.members = None, frozenset()
+            raise
         leader = formed.group.peers[0]
         self.last.leader = leader
         self.last.members = frozenset(formed.group.peers) if leader == self.transport.peer_id else frozenset()
