@@ -169,7 +169,7 @@ class SuspicionLedger:
                 self._far.popitem(last=False)
             why = f"named blatantly not honest (far from the robust centre, or a huge weight) in {strikes} step(s)"
             if strikes >= FAR_STRIKES:
-                self._ban(p, why)
+                self._exclude(p, why)
             else:
                 self.suspects[p] = why
         named = set(named_far)
@@ -206,7 +206,7 @@ class SuspicionLedger:
             why = (f"its pieces keep deviating the same way: score {z:.1f} over {cohort.steps} steps, "
                    f"{z / sigma:.1f} x the honest width {sigma:.1f}")
             if z >= BAN_Z * sigma:
-                self._ban(p, why)
+                self._exclude(p, why)
             elif z >= SUSPECT_Z * sigma:
                 if p not in self.suspects:
                     logger.warning("leaving %s out of averaging while %s", p, why)
@@ -214,7 +214,7 @@ class SuspicionLedger:
             elif p in self.suspects and self.suspects[p].startswith("its pieces"):
                 del self.suspects[p]
 
-    def _ban(self, peer: PeerID, why: str) -> None:
+    def _exclude(self, peer: PeerID, why: str) -> None:
         self.suspects.pop(peer, None)
         self.excluded.ban(peer, why)
 
