@@ -220,12 +220,12 @@ class SuspicionLedger:
 
 
 def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
-    """Add one step's deviations ([n, size]) to the pairs' statistics: each pair's term
-    <S_ij,t-1, d_ij,t>, and that term's variance under honest noise, measured on the pair's own
-    pieces as <S_ij,t-1, d_ij,t - d_ij,t-1>^2 / 2 (a persistent push cancels in the difference
+    """Add step t's deviations ([n, size]) to the pairs' statistics: each pair's term
+    <S_ij,t-2, d_ij,t>, and that term's variance under honest noise, measured on the pair's own
+    pieces as <S_ij,t-2, d_ij,t - d_ij,t-1>^2 / 2 (a persistent push cancels in the difference
     of two steps' deviations; the noise does not)."""
     sums, last = cohort.sums, cohort.last
-    sums -= last  # S_t-1: the sums before the last step, independent of d_t-1 and of d_t
+    sums -= last  # S_t-2: the sums before the last step, independent of d_t-1 and of d_t
     now = _pair_products(sums, deviations)
     cohort.cross += now
     lagged = (now - _pair_products(sums, last)).square_().mul_(0.5)

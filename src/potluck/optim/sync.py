@@ -57,7 +57,6 @@ class _Round:
     members: frozenset[str] = frozenset()  # every live peer we knew of (see RunContext.members)
     duration: float = 0.0  # seconds the samples behind it accumulated (0: unknown)
     scale: float = 1.0  # what the accumulator was multiplied by for the round (`_share_of`)
-    means: bool = False  # pieces were mean gradients (a robust aggregation), not shares of a sum
 
 
 class SyncTraining(TrainingMode):
@@ -159,11 +158,23 @@ class SyncTraining(TrainingMode):
         aggregation counts each sender once, so pieces must be alike but for noise: each peer
         sends its mean gradient (the sum x target / its samples); a peer with nothing of its own
         (aux, or no samples) asks to be left out (weight 0) instead of sending zeros."""
-        if self.context.settings.aggregation == "mean":
+        if not self._sends_means:
             return 1.0, 1.0
         if aux or samples <= 0:
             return 1.0, 0.0
         return self.context.settings.target_batch_size / samples, 1.0
+
+    @property
+    def _sends_means(self) -> bool:
+        """Under a robust aggregation each peer sends its mean gradient and the result is one;
+        under the mean, its samples' share of the sum (see `_share_of`)."""
+        return self.context.settings.aggregation != "mean"
+
+    def _rest_due(self, held: int, speed: float) -> None:
+        """A round short of the global batch: the rest is due at the members' speeds, which they
+        just told each other (no need to wait for progress views)."""
+        if speed > 0:
+            self.part_due = self.context.now() + (self.context.settings.target_batch_size - held) / speed
 
     def _scale_sums(self, factor: float) -> None:
         with self.grad_averager.get_tensors() as sums, torch.no_grad():
@@ -237,8 +248,7 @@ class SyncTraining(TrainingMode):
             weight=weight, gather=gather, group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected,
             members=members, proceed=self._enough))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
-        pending = _Round(task, epoch, expected, samples, members, duration, scale,
-                         means=context.settings.aggregation != "mean")
+        pending = _Round(task, epoch, expected, samples, members, duration, scale)
         if self.options.delay_updates:
             self.pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -271,11 +281,9 @@ class SyncTraining(TrainingMode):
         if error is None and task.result().skipped:
             result = task.result()
             notes = [RoundNote.read(m) for m in result.gathered.values()]
-            speed = sum(n.speed for n in notes)
-            if speed > 0:  # the rest is due at the members' speeds, which they just told each other
-                self.part_due = context.now() + (target - sum(n.samples for n in notes)) / speed
-            logger.info("epoch %d: the group had %d of %d samples; accumulating on",
-                        epoch, sum(n.samples for n in notes), target)
+            held = sum(n.samples for n in notes)
+            self._rest_due(held, sum(n.speed for n in notes))
+            logger.info("epoch %d: the group had %d of %d samples; accumulating on", epoch, held, target)
             await self.context.compute(self._carry_over, 1 / pending.scale)
             tally.samples += pending.samples
             tally.part += 1
@@ -291,14 +299,11 @@ class SyncTraining(TrainingMode):
             if total < target:
                 # Short of the global batch (a peer computed slower than it reported): the sum
                 # stays with one member, the first contributor, and the epoch goes on; every
-                # member decides alike from the same group. The rest is due at the members'
-                # speeds, which they just told each other: no need to wait for progress views.
+                # member decides alike from the same group.
                 keeper = result.contributors[:1] == [context.peer.peer_id]
-                speed = sum(notes[p].speed for p in result.contributors if p in notes)
-                if speed > 0:
-                    self.part_due = context.now() + (target - total) / speed
+                self._rest_due(total, sum(notes[p].speed for p in result.contributors if p in notes))
                 logger.info("epoch %d: the round had %d of %d samples; accumulating on", epoch, total, target)
-                kept = total / target if pending.means else len(result.contributors)  # the sum's share
+                kept = total / target if self._sends_means else len(result.contributors)  # the sum's share
                 await self.context.compute(self._carry_over, kept if keeper else 0.0)
                 tally.samples += total if keeper else 0
                 tally.part += 1
@@ -310,7 +315,7 @@ class SyncTraining(TrainingMode):
             context.tracker.averaged(averaged, pending.duration, context.peer.dht.get_time())
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
-            per_sample = 1 / target if pending.means else len(result.contributors) / total
+            per_sample = 1 / target if self._sends_means else len(result.contributors) / total
             await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same)
             return
         me = context.peer.peer_id
