@@ -66,6 +66,9 @@ def main() -> None:
         opt.shutdown()
         if peer is not None:
             peer.shutdown()
+        # both ranks tear Gloo down together: a rank that destroys its group while the other still
+        # holds the connection can abort the other ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 
