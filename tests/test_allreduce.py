@@ -225,15 +225,17 @@ def test_member_whose_data_the_codec_refuses_abstains_without_stalling_anyone():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("spec, most_bytes", [
-    ("blockwise4", 4 * 4 * VERIFY_BLOCK // 6),  # 4 senders' blocks at 4 bits (+ digests), not 64 KiB of float32
-    ({"name": "blockwise4", "block": 1000}, None),  # re-encoding a block is not exact: float32, and no false alarm
+@pytest.mark.parametrize("spec, aggregation, most_bytes", [
+    ("blockwise4", "mean", 4 * 4 * VERIFY_BLOCK // 6),  # 4 senders' blocks at 4 bits (+ digests), not 64 KiB of float32
+    ({"name": "blockwise4", "block": 1000}, "mean", None),  # re-encoding a block is not exact: float32, no false alarm
+    ("none", "centered_clip", 4 * 4 * VERIFY_BLOCK * 11 // 10),  # CenteredClip too: 4 blocks, not 4 chunks of 4 blocks
 ])
-def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypatch, spec, most_bytes):
-    """A member that checks a reducer fetches a block of every sender's piece. Under a 4-bit code
-    whose blocks align with the checked block it comes 4-bit: the check costs about what the
-    round sent, not 4 bytes a value. Where the code cannot carry the block exactly it comes as
-    float32. Either way it decodes to the values the digests bind: the step commits everywhere."""
+def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypatch, spec, aggregation, most_bytes):
+    """A member that checks a reducer fetches a block of every sender's piece, whatever the
+    aggregation (CenteredClip clips each block alone). Under a 4-bit code whose blocks align with
+    the checked block it comes 4-bit: the check costs about what the round sent, not 4 bytes a
+    value. Where the code cannot carry the block exactly it comes as float32. Either way it
+    decodes to the values the digests bind: the step commits everywhere."""
     codec = get_codec(spec)
     replies = []
     honest_verify = AllReduceService._on_verify
@@ -248,8 +250,8 @@ def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypat
         group = make_group(transports, ["node"] * 4, 4 * 2 * VERIFY_BLOCK)
         g = torch.Generator().manual_seed(5)
         vectors = [torch.randn(group.total, generator=g) for _ in range(4)]
-        results = await asyncio.gather(*(services[i].run(group, vectors[i], 1.0, codec, timeout=60.0, chunk=2**14)
-                                         for i in range(4)))
+        results = await asyncio.gather(*(services[i].run(group, vectors[i], 1.0, codec, timeout=60.0, chunk=2**14,
+                                                         aggregation=aggregation) for i in range(4)))
         assert all(torch.equal(r[0], results[0][0]) for r in results)
         torch.testing.assert_close(results[0][0], weighted_mean(vectors, [1.0] * 4, range(4)), rtol=0, atol=0.6)
     run_virtual(main())

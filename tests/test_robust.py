@@ -10,6 +10,7 @@ import torch
 
 import potluck
 from potluck.averaging import Averager
+from potluck.averaging.accountability import VERIFY_BLOCK
 from potluck.averaging.allreduce.messages import PartRequest
 from potluck.averaging.allreduce.reduction import (
     MAX_WEIGHT_OVER_MEDIAN,
@@ -54,6 +55,21 @@ def test_identical_honest_majority_is_returned_exactly_whatever_the_outlier(kind
     x = torch.randn(3000)
     for outlier in (torch.full_like(x, 1e30), -x * 1e6, torch.randn(3000) * 1e3):
         assert torch.equal(run(kind, [x, x.clone(), outlier, x.clone()]), x)
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_a_block_reduced_alone_has_the_bits_it_has_inside_its_chunk(kind):
+    """A member that checks a reducer recomputes one VERIFY_BLOCK of a chunk from that block of
+    every piece: it must get the reducer's bits exactly, or it would accuse an honest reducer.
+    CenteredClip clips each block alone (its radius and stopping are the block's own)."""
+    g = torch.Generator().manual_seed(3)
+    size = 3 * VERIFY_BLOCK + 1000  # three whole blocks and a short one
+    pieces = [torch.randn(size, generator=g) * (i + 1) for i in range(4)] + [torch.full((size,), 1e30)]
+    pieces[2][VERIFY_BLOCK:2 * VERIFY_BLOCK] += 50.0  # the blocks differ: their radii and iterations differ
+    whole = run(kind, pieces)
+    for lo in range(0, size, VERIFY_BLOCK):
+        hi = min(size, lo + VERIFY_BLOCK)
+        assert torch.equal(run(kind, [p[lo:hi] for p in pieces]), whole[lo:hi]), (kind, lo)
 
 
 @pytest.mark.parametrize("n,f", [(4, 1), (8, 1), (8, 2)])

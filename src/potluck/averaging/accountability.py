@@ -40,7 +40,7 @@ MAX_EVIDENCE_CHARS = 500
 # Bytes of every digest (SHA-256).
 DIGEST_BYTES = 32
 # Elements per digested block of a chunk (16 KiB of float32). A member that checks a reducer's
-# work under an elementwise aggregation fetches one block from every sender, not a whole chunk,
+# work fetches one block from every sender (every aggregation reduces a block alone), not a whole chunk,
 # in the codec's form where exact (allreduce.reduction.wire_form): the check then costs
 # (reducers - 1) x senders x one block per member and step (~2 KiB under 4 bits), not a chunk.
 VERIFY_BLOCK = 2**12

@@ -11,7 +11,8 @@ average by 1e30 / n. These aggregators bound what a minority of senders can do:
     scales a difference down to norm tau. A sender moves v by at most tau / n per iteration,
     whatever it sends. tau follows the honest spread: CLIP_RADIUS times the median distance of
     the pieces from the current v, so honest pieces lie within it at the fixed point (the
-    condition under which the result is within tau f / (n - f) of the honest mean).
+    condition under which the result is within tau f / (n - f) of the honest mean). Each block
+    of VERIFY_BLOCK elements is clipped alone, so that a block can be checked alone.
 
 Both count senders, not their claims: each sender with a positive weight counts once (weights
 are the senders' own word; even bounded, a malicious sender claiming the most it may would hold
@@ -35,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from potluck.averaging.accountability import VERIFY_BLOCK
 
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
 # CenteredClip's radius tau: this many times the median distance of the pieces from the current
@@ -120,33 +123,61 @@ def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor, measure: boo
 
 
 def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> list[float]:
-    """CenteredClip of `pieces` into `out` (see the module docstring); returns the distance of
-    each piece from the coordinate-wise median it starts from."""
+    """CenteredClip of `pieces` into `out` (see the module docstring), block by block: each
+    VERIFY_BLOCK elements from the start of `out` (the last block may be shorter) are clipped
+    alone. A member that checks a reducer's work then recomputes one block from one block of
+    every sender, as under the elementwise aggregations, instead of a whole chunk from every
+    sender (which cost about three times the all-reduce's bytes on slow links). 4096 dimensions
+    still concentrate honest distances, as CLIP_RADIUS relies on, and a liar's pull is bounded
+    in every block.
+    Returns the distance of each piece from the coordinate-wise median it starts from."""
     x = torch.stack(list(pieces))
-    share = 1.0 / len(pieces)
+    width = x.shape[1]
+    full = width // VERIFY_BLOCK * VERIFY_BLOCK
+    squares = [0.0] * len(pieces)
+    for lo, hi, size in ((0, full, VERIFY_BLOCK), (full, width, width - full)):
+        if hi > lo:
+            v, sums = _clip_blocks(x[:, lo:hi].reshape(len(pieces), -1, size))
+            out[lo:hi].copy_(v.reshape(-1))
+            squares = [a + b for a, b in zip(squares, sums.sum(dim=1).tolist(), strict=True)]
+    return [math.sqrt(s) for s in squares]
+
+
+def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CenteredClip of each block of `x` (senders x blocks x elements) alone: the blocks' results
+    (blocks x elements), and the squared distances (float64, senders x blocks) of each piece from
+    the start. Blocks advance together but each by its own radius and coefficients, and stops on
+    its own: a block's bits do not depend on the other blocks beside it."""
+    n = x.shape[0]
     v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
-    diff, term, step = torch.empty_like(x), torch.empty_like(v), torch.empty_like(v)
-    distances: list[float] = []
+    diff = torch.empty_like(x)
+    scratch = torch.empty(*x.shape[:2], 1 << max(0, (x.shape[2] - 1).bit_length()), dtype=torch.float64)
+    active = torch.ones(v.shape[0], dtype=torch.bool)
+    start: torch.Tensor | None = None
     for _ in range(CLIP_ITERATIONS):
         torch.sub(x, v, out=diff)
-        norms = [math.sqrt(s) for s in _row_sums_of_squares(diff)]
-        distances = distances or norms
-        tau = CLIP_RADIUS * sorted(norms)[(len(norms) - 1) // 2]
-        if not math.isfinite(tau):
-            break  # most pieces are beyond float32 of v: keep it
-        coefficients = [share * (1.0 if d <= tau else tau / d) for d in norms]
-        if not any(c * d > 0 for c, d in zip(coefficients, norms, strict=True)):
-            break  # nothing would move (e.g. every piece equals v): v is exact
-        step.zero_()
-        for i, c in enumerate(coefficients):
-            if c > 0:  # a difference that overflowed float32 (norm inf) has c = 0: inf x 0 is NaN
-                torch.mul(diff[i], c, out=term)  # separate ops: identical bits on every CPU
-                step.add_(term)
-        v.add_(step)
-        if math.sqrt(_row_sums_of_squares(step.unsqueeze(0))[0]) <= CLIP_TOLERANCE * tau:
+        squares = _sums_of_squares(diff, scratch)  # senders x blocks
+        start = squares if start is None else start
+        norms = squares.sqrt()
+        tau = CLIP_RADIUS * norms.sort(dim=0).values[(n - 1) // 2]  # per block
+        # coefficient of each piece in its block: 1/n, scaled down to pull by at most tau
+        coefficients = torch.where(norms <= tau, 1.0, tau / norms).div_(n)
+        # a difference beyond float32 (norm inf) counts 0 (inf x 0 would be NaN)
+        coefficients = torch.where(torch.isfinite(norms) & (norms > 0), coefficients, 0.0)
+        active &= torch.isfinite(tau) & (coefficients * norms > 0).any(dim=0)  # else v stays as it is
+        if not active.any():
             break
-    out.copy_(v)
-    return distances
+        c32 = coefficients.to(torch.float32)
+        step = torch.zeros_like(v)
+        term = torch.empty_like(v)
+        for i in range(n):  # fixed sender order, separate ops: identical bits on every CPU
+            torch.mul(diff[i], c32[i].unsqueeze(1), out=term)
+            term.masked_fill_((c32[i] == 0).unsqueeze(1), 0.0)
+            step.add_(term)
+        v = torch.where(active.unsqueeze(1), v + step, v)
+        moved = _sums_of_squares(step.unsqueeze(0))[0].sqrt()
+        active &= ~(moved <= CLIP_TOLERANCE * tau)
+    return v, start
 
 
 def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -162,15 +193,23 @@ def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
 
 
 def _row_sums_of_squares(t: torch.Tensor) -> list[float]:
-    """Sum of squares of each row of a 2-D tensor, in float64 (float32 squares of 1e20 already
-    overflow), by a fixed pairwise tree of elementwise adds: the same bits whatever the thread
-    count or SIMD width (torch's own reductions depend on both)."""
-    rows, width = t.shape
+    """Sum of squares of each row of a 2-D tensor, in float64 (see `_sums_of_squares`)."""
+    return _sums_of_squares(t.unsqueeze(1))[:, 0].tolist()
+
+
+def _sums_of_squares(t: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of squares along the last dimension of a 3-D tensor, in float64 (float32 squares of
+    1e20 already overflow), by a fixed pairwise tree of elementwise adds: the same bits whatever
+    the thread count, SIMD width or the other rows (torch's own reductions depend on all three).
+    `scratch`: a float64 tensor of t's shape, last dimension rounded up to a power of two, to
+    reuse (it is overwritten)."""
+    rows, blocks, width = t.shape
     size = 1 << max(0, (width - 1).bit_length())
-    squares = torch.zeros(rows, size, dtype=torch.float64)
-    squares[:, :width] = t
+    squares = torch.empty(rows, blocks, size, dtype=torch.float64) if scratch is None else scratch
+    squares[:, :, :width] = t
+    squares[:, :, width:] = 0.0  # the tree's padding leaves
     squares.mul_(squares)
     while size > 1:
         size //= 2
-        squares[:, :size].add_(squares[:, size:2 * size])
-    return squares[:, 0].tolist()
+        squares[:, :, :size].add_(squares[:, :, size:2 * size])
+    return squares[:, :, 0].clone()

@@ -47,7 +47,7 @@ from potluck.optim.state import ModelState
 from potluck.optim.streaming import StreamingDiLoCo
 from potluck.optim.sync import SyncTraining
 
-__all__ = ["CHECKPOINT_FORMAT", "Optimizer"]
+__all__ = ["CHECKPOINT_FORMAT", "Optimizer", "default_aggregation"]
 
 # Version tag of checkpoint files.
 CHECKPOINT_FORMAT = "potluck-checkpoint-1"
@@ -79,7 +79,11 @@ class Optimizer(torch.optim.Optimizer):
             the wrapped optimizer's statistics (Adam's second moments) breaks training.
         aggregation: "mean", "centered_clip" or "trimmed_mean": how every averaging round of the
             run combines members' tensors (see `Averager`; robust ones bound what a minority of
-            malicious members can do: docs/security.md). Not with Sync's powersgd_rank.
+            malicious members can do: docs/security.md). Not with Sync's powersgd_rank. By
+            default (None, `default_aggregation`): "centered_clip" in an open sync run, where
+            anyone may join; "mean" where an authority admits the peers, with powersgd_rank, and
+            in the diloco and moshpit modes (whose pieces differ between honest peers of
+            different speeds: a robust aggregation would count that as lying).
         matchmaking_time, averaging_timeout: seconds a round's group gathers; its all-reduce's deadline.
         load_state: download the swarm's state at start (newcomers), within `load_state_timeout`.
         start: join the run now (see `astart`).
@@ -100,9 +104,10 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, peer: PeerLike, run_id: str, params: Iterable[Any], optimizer: Any,
                  target_batch_size: int, batch_size_per_step: int, scheduler: Any = None, *,
                  mode: str | ModeOptions = "sync", role: Role | str = Role.NODE, compression: Any = "none",
-                 aggregation: str = "mean", matchmaking_time: float = 1.0, averaging_timeout: float = 30.0,
+                 aggregation: str | None = None, matchmaking_time: float = 1.0, averaging_timeout: float = 30.0,
                  load_state: bool = True, load_state_timeout: float = 30.0, start: bool = True, **options: Any):
         options = mode_options(mode, options)
+        aggregation = default_aggregation(peer, options) if aggregation is None else aggregation
         stateless_codec(compression)  # refused now, not when the first round's averager is built
         if target_batch_size <= 0 or batch_size_per_step <= 0:
             raise ValueError("target_batch_size and batch_size_per_step must be positive")
@@ -298,6 +303,18 @@ class Optimizer(torch.optim.Optimizer):
         """Stop publishing progress and serving averaging; the peer itself stays up."""
         self.context.stop()
         self.training.shutdown()
+
+
+def default_aggregation(peer: PeerLike, options: ModeOptions) -> str:
+    """The aggregation of a run that names none: CenteredClip in an open sync run (identities
+    are free there, and under the mean one member sets everyone's parameters to anything: see
+    docs/security.md); the mean where an authority admits the peers (it can revoke a liar), under
+    PowerSGD (its factors are not a robust aggregation's pieces), and in the diloco and moshpit
+    modes, whose honest peers' pieces differ persistently with their speeds (fewer inner steps)."""
+    governed = getattr(getattr(peer, "transport", None), "membership", None) is not None
+    if governed or not isinstance(options, Sync) or options.powersgd_rank is not None:
+        return "mean"
+    return "centered_clip"
 
 
 def _training(context: RunContext, options: ModeOptions) -> TrainingMode:

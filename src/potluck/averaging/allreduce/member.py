@@ -47,7 +47,6 @@ from potluck.averaging.allreduce.messages import (
 )
 from potluck.averaging.allreduce.reducer import ShardReducer
 from potluck.averaging.allreduce.reduction import (
-    ELEMENTWISE,
     as_received,
     decode_chunk,
     encode_chunk,
@@ -392,7 +391,7 @@ class AllReduceRun:
         c = secrets.randbelow(chunks)
         lo, hi = start + c * self.chunk, min(end, start + (c + 1) * self.chunk)
         blocks = math.ceil((hi - lo) / VERIFY_BLOCK)
-        alone = self.aggregation in ELEMENTWISE and encodes_blocks_alone(self.codec)
+        alone = encodes_blocks_alone(self.codec)  # every aggregation reduces a block alone
         first, count = (secrets.randbelow(blocks), 1) if alone else (0, blocks)
         lo, hi = lo + first * VERIFY_BLOCK, min(hi, lo + (first + count) * VERIFY_BLOCK)
         pieces = await self.service.pieces(self, reducer, shard, (c, first, count), (chunks, blocks), hi - lo)

@@ -23,7 +23,7 @@ from potluck.core.errors import AveragingError, PotluckError
 from potluck.core.tensors import all_finite
 
 __all__ = [
-    "BLOCKWISE_CODECS", "ELEMENTWISE", "MAX_WEIGHT_OVER_MEDIAN", "NAMED_WEIGHT_OVER_MEDIAN", "VALUEWISE_CODECS",
+    "BLOCKWISE_CODECS", "MAX_WEIGHT_OVER_MEDIAN", "NAMED_WEIGHT_OVER_MEDIAN", "VALUEWISE_CODECS",
     "as_received", "blatant_senders", "bounded_weights", "decode_chunk", "encode_chunk", "encodes_blocks_alone",
     "reduce_chunk", "weighted_chunk", "wire_form",
 ]
@@ -38,9 +38,6 @@ MAX_WEIGHT_OVER_MEDIAN = 2.0
 # of time: a thousand-fold is not a faster peer. Among fewer than 3 positive weights none is named
 # (with two, a liar claiming almost nothing would be the median and make the honest one look huge).
 NAMED_WEIGHT_OVER_MEDIAN = 1000.0
-# Aggregations computed coordinate by coordinate (see robust.py): a block of a chunk can be
-# recomputed alone. Others (CenteredClip takes norms over the chunk) are checked a chunk at a time.
-ELEMENTWISE = ("mean", "trimmed_mean")
 # Codecs under which a block of a chunk encodes alone as it does inside the chunk: those that
 # encode each value alone, and the blockwise ones whose blocks tile VERIFY_BLOCK. The others
 # (scaled_fp16, uniform8, quantile8 scale by the whole chunk; codecs unknown here) are checked a
