@@ -205,8 +205,11 @@ def worker(args: argparse.Namespace) -> None:
 # global batch of 256, 32 per step, state averaged every 5 epochs, one peer 2x slower, 0.5 s
 # matchmaking). 8-bit is the gradients' codec; the state is averaged losslessly (`Optimizer`'s
 # `compression`: Adam's statistics in 8 bits, tiny second moments rounded to 0, wrecked the model).
+# "sync" runs the default aggregation (CenteredClip in these open runs); "sync_mean" the mean
+# (the default before 2026-12-03), for the robust default's cost side by side.
 SYSTEMS = {
     "sync": {},
+    "sync_mean": {"aggregation": "mean"},
     "sync_8bit": {"compression": "blockwise8"},
     "diloco": {"mode": "diloco", "local_steps": 8},
     "streaming_diloco": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 1},
