@@ -18,7 +18,7 @@ from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
-from potluck.optim import DiLoCo, Optimizer, Sync
+from potluck.optim import DiLoCo, Moshpit, Optimizer, Sync
 from potluck.optim.optimizer import default_aggregation
 
 BATCH, TARGET, EPOCHS, HUGE = 8, 32, 4, 1e15
@@ -91,7 +91,7 @@ def test_one_member_sending_huge_gradients_does_not_move_an_open_run_with_the_de
     assert all(torch.equal(f, flat[0]) for f in flat), "the honest peers differ"
 
 
-def test_the_default_aggregation_is_robust_in_open_sync_runs_only():
+def test_the_default_aggregation_is_robust_in_open_sync_and_diloco_runs_only():
     class Transport:
         membership = None
 
@@ -104,4 +104,6 @@ def test_the_default_aggregation_is_robust_in_open_sync_runs_only():
     assert default_aggregation(open_peer, Sync()) == "centered_clip"
     assert default_aggregation(governed, Sync()) == "mean"  # an authority can revoke a liar
     assert default_aggregation(open_peer, Sync(powersgd_rank=2)) == "mean"  # factors are not pieces
-    assert default_aggregation(open_peer, DiLoCo()) == "mean"  # deltas differ with the peers' speeds
+    assert default_aggregation(open_peer, DiLoCo()) == "centered_clip"
+    assert default_aggregation(open_peer, DiLoCo(fragments=2)) == "centered_clip"  # Streaming DiLoCo
+    assert default_aggregation(open_peer, Moshpit()) == "mean"  # parameters differ with the peers' speeds

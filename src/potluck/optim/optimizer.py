@@ -80,10 +80,9 @@ class Optimizer(torch.optim.Optimizer):
         aggregation: "mean", "centered_clip" or "trimmed_mean": how every averaging round of the
             run combines members' tensors (see `Averager`; robust ones bound what a minority of
             malicious members can do: docs/security.md). Not with Sync's powersgd_rank. By
-            default (None, `default_aggregation`): "centered_clip" in an open sync run, where
-            anyone may join; "mean" where an authority admits the peers, with powersgd_rank, and
-            in the diloco and moshpit modes (whose pieces differ between honest peers of
-            different speeds: a robust aggregation would count that as lying).
+            default (None, `default_aggregation`): "centered_clip" in an open run (anyone may
+            join) of the sync and diloco modes; "mean" where an authority admits the peers, with
+            powersgd_rank, and in the moshpit mode.
         matchmaking_time, averaging_timeout: seconds a round's group gathers; its all-reduce's deadline.
         load_state: download the swarm's state at start (newcomers), within `load_state_timeout`.
         start: join the run now (see `astart`).
@@ -306,13 +305,14 @@ class Optimizer(torch.optim.Optimizer):
 
 
 def default_aggregation(peer: PeerLike, options: ModeOptions) -> str:
-    """The aggregation of a run that names none: CenteredClip in an open sync run (identities
-    are free there, and under the mean one member sets everyone's parameters to anything: see
-    docs/security.md); the mean where an authority admits the peers (it can revoke a liar), under
-    PowerSGD (its factors are not a robust aggregation's pieces), and in the diloco and moshpit
-    modes, whose honest peers' pieces differ persistently with their speeds (fewer inner steps)."""
+    """The aggregation of a run that names none: CenteredClip in an open run of the sync and
+    diloco modes (identities are free there, and under the mean one member sets everyone's
+    parameters to anything: see docs/security.md); the mean where an authority admits the peers
+    (it can revoke a liar), under PowerSGD (its factors are not a robust aggregation's pieces),
+    and in the moshpit mode (its pieces are parameters, which honest peers of different speeds
+    hold apart for many rounds: a record of deviations would read that as lying)."""
     governed = getattr(getattr(peer, "transport", None), "membership", None) is not None
-    if governed or not isinstance(options, Sync) or options.powersgd_rank is not None:
+    if governed or isinstance(options, Moshpit) or getattr(options, "powersgd_rank", None) is not None:
         return "mean"
     return "centered_clip"
 
