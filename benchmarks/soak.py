@@ -234,7 +234,7 @@ def run_emulated(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int
         for peer, model in zip(peers, models, strict=True):
             optimizers.append(potluck.Optimizer(peer, "soak", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                                                 target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH,
-                                                load_state=False))
+                                                load_state=False, aggregation=args.aggregation))
         t0 = time.time()
         trainers += [Trainer(model, opt, 1000 + i, t0, lambda t, e, r=record: r.epochs.append((t, e)))
                      for i, (model, opt, record) in enumerate(zip(models, optimizers, records, strict=True))]
@@ -359,6 +359,8 @@ def main() -> None:
                              f"{MIN_WARMUP:g} to {MAX_WARMUP:g})")
     parser.add_argument("--sample", type=float, default=DEFAULT_SAMPLE, help="seconds between RSS samples")
     parser.add_argument("--scenarios", default="processes,emulated")
+    parser.add_argument("--aggregation", default=None,
+                        help="the emulated peers' (default: the Optimizer's, CenteredClip in these open runs)")
     parser.add_argument("--plot", help="write a PNG of RSS over time here")
     args = parse_or_run_worker(parser, run_worker)
     if args is None:
@@ -366,7 +368,8 @@ def main() -> None:
     args.seconds = QUICK_SECONDS if args.quick else args.minutes * 60
     if args.warmup is None:
         args.warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * args.seconds)), 1)
-    common = {"model": "MLP " + "-".join(map(str, MLP_SIZES)), "mode": "sync", "target_batch_size": TARGET_BATCH,
+    common = {"model": "MLP " + "-".join(map(str, MLP_SIZES)), "mode": "sync",
+              "aggregation": args.aggregation or "default", "target_batch_size": TARGET_BATCH,
               "batch_size_per_step": LOCAL_BATCH, "optimizer": "Adam", "sample_s": args.sample,
               "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",

@@ -18,7 +18,7 @@ from potluck.averaging.allreduce.reduction import (
     blatant_senders,
     bounded_weights,
 )
-from potluck.averaging.robust import MIN_PIECES_TO_NAME, aggregate, far_pieces, trimmed_count
+from potluck.averaging.robust import MIN_PIECES_TO_NAME, aggregate, far_pieces, lower_median, trimmed_count
 from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import MalformedMessage
 from potluck.core.runner import acquire_runner, release_runner
@@ -221,3 +221,10 @@ def test_the_optimizer_hands_its_aggregation_to_every_averager():
 def test_a_part_request_with_a_non_finite_or_negative_weight_is_refused(weight):
     with pytest.raises(MalformedMessage, match="'w'"):
         PartRequest.from_wire({"g": b"group", "j": 0, "s": 1, "w": weight, "x": False})
+
+
+def test_the_lower_median_by_sorting_network_is_torchs_lower_median():
+    g = torch.Generator().manual_seed(1)
+    for n in range(1, 20):
+        for x in (torch.randint(-3, 4, (n, 7, 50), generator=g).float(), torch.randn(n, 3, 40, generator=g)):
+            assert torch.equal(lower_median(x), x.median(dim=0).values), n

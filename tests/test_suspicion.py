@@ -119,3 +119,34 @@ def test_statistics_survive_a_member_leaving_and_restart_for_a_newcomer():
     assert set(ledger.scores(0, SIZE)) == set(PEERS[1:]) and ledger.scores(0, SIZE)["peer1"] >= before["peer1"] - 3
     ledger.record(0, [*PEERS[1:], "newcomer"], [torch.randn(SIZE) for _ in range(5)])
     assert all(z == 0.0 for z in ledger.scores(0, SIZE).values())  # one step: no pair history yet
+
+
+@pytest.mark.timeout(60)
+def test_rare_rounds_keep_no_pair_statistics_but_still_exclude_blatant_liars():
+    """The Optimizer's state averaging (outside Moshpit) runs now and then: its record would
+    hold two state-sized vectors per group for a handful of steps. It keeps none; far namings
+    still exclude. Its gradient (or delta) averager keeps the record."""
+    ledger = SuspicionLedger(BanList(), track=False)
+    offsets = torch.zeros(len(PEERS), SIZE)
+    offsets[0] += 3.0  # a persistent liar a tracking ledger leaves out within a few steps
+    assert not any(steps(ledger, 30, offsets)) and not ledger._cohorts
+    for _ in range(FAR_STRIKES):
+        ledger.record(0, PEERS, [torch.zeros(SIZE)] * len(PEERS), named_far=[PEERS[1]])
+    assert PEERS[1] in ledger.excluded
+    assert steps(SuspicionLedger(BanList()), 30, offsets)[-1] == {PEERS[0]}
+
+    import potluck
+    from potluck.optim import Optimizer
+    peer = potluck.Peer(host="127.0.0.1")
+    try:
+        for mode, state_tracks in (("sync", False), ("diloco", False), ("moshpit", True)):
+            model = torch.nn.Linear(4, 2)
+            opt = Optimizer(peer, f"tracks-{mode}", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                            target_batch_size=8, batch_size_per_step=4, mode=mode, aggregation="centered_clip",
+                            load_state=False)
+            training = getattr(opt.training, "grad_averager", None) or getattr(opt.training, "delta_averager", None)
+            assert opt.state_averager.suspicion.track is state_tracks, mode
+            assert mode == "moshpit" or training.suspicion.track, mode
+            opt.shutdown()
+    finally:
+        peer.shutdown()

@@ -134,6 +134,12 @@ class Averager:
             "centered_clip" or "trimmed_mean" (robust to a minority of malicious members, at some
             cost in CPU; see `potluck.averaging.robust` and docs/security.md). Part of the
             schema: peers average only with peers that chose the same. Not with powersgd_rank.
+        deviations: under a robust aggregation, keep the record of members' deviations over
+            steps (`potluck.averaging.suspicion`: members whose pieces keep deviating the same
+            way are left out, then excluded). It costs two vectors of the averaged size in memory
+            while a group stays the same. False for rounds too rare and irregular to accumulate
+            evidence (the Optimizer's state averaging outside the moshpit mode); blatantly far
+            pieces are named and excluded either way.
         name: which of the run's averagers this is (a word: letters, digits, '_', '-'); the
             Optimizer's own are "state", "grads", "delta" and "delta<i>"/"outer<i>".
         copy: False: average `tensors` themselves, in place (no private copy: saves one model
@@ -150,7 +156,7 @@ class Averager:
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
                  powersgd_rank: int | None = None, copy: bool = True, aggregation: str = "mean",
-                 name: str = "tensors", fingerprint: str | None = None):
+                 deviations: bool = True, name: str = "tensors", fingerprint: str | None = None):
         role = Role(role)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
@@ -178,7 +184,7 @@ class Averager:
         # Robust aggregations also remember how members deviated over steps, and leave out or ban
         # the persistent ones (potluck.averaging.suspicion); the mean has no robust centre to keep.
         self.suspicion = None if aggregation == "mean" else SuspicionLedger(exclusions(self.transport),
-                                                                             ban_list(self.transport))
+                                                                             ban_list(self.transport), track=deviations)
         settings = {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation}
         if fingerprint is not None:  # (left out otherwise: the schema of an Averager of the user's is unchanged)
             settings["fingerprint"] = fingerprint

@@ -50,6 +50,9 @@ AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
 # pulls a full tau every iteration (measured: 0.5 medians, measured from the coordinate-wise
 # median, gave 2 of 5 liars 0.75 honest spreads per round; benchmarks/byzantine.py, docs/security.md).
 CLIP_RADIUS = 1.25
+# Rows up to which the lower median is taken by a sorting network (`lower_median`): 63
+# comparators for 16; beyond, torch's median is as fast.
+MEDIAN_NETWORK_ROWS = 16
 # CenteredClip's iterations at most: with the honest pieces unclipped, each iteration shrinks the
 # distance to the fixed point by a factor of at most f / n (the clipped liars' share), so from the
 # median start 10 leave it within 1e-3 of the radius even with f / n = 1/2 (the BTARD paper's
@@ -149,7 +152,7 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the start. Blocks advance together but each by its own radius and coefficients, and stops on
     its own: a block's bits do not depend on the other blocks beside it."""
     n = x.shape[0]
-    v = x.median(dim=0).values  # the lower median: an existing value of each coordinate
+    v = lower_median(x)  # an existing value of each coordinate
     diff = torch.empty_like(x)
     scratch = torch.empty(*x.shape[:2], 1 << max(0, (x.shape[2] - 1).bit_length()), dtype=torch.float64)
     active = torch.ones(v.shape[0], dtype=torch.bool)
@@ -178,6 +181,39 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moved = _sums_of_squares(step.unsqueeze(0))[0].sqrt()
         active &= ~(moved <= CLIP_TOLERANCE * tau)
     return v, start
+
+
+def lower_median(x: torch.Tensor) -> torch.Tensor:
+    """The lower median along the first dimension (the value of rank (n - 1) // 2): by a sorting
+    network of elementwise minimums and maximums up to MEDIAN_NETWORK_ROWS rows (4-6x faster than
+    torch's median for 4-8 rows), torch's median beyond. An order statistic: the same value either
+    way (the network picks existing values too)."""
+    n = x.shape[0]
+    if n > MEDIAN_NETWORK_ROWS:
+        return x.median(dim=0).values
+    rows = list(x.unbind(0))
+    for a, b in _sorting_network(n):
+        rows[a], rows[b] = torch.minimum(rows[a], rows[b]), torch.maximum(rows[a], rows[b])
+    return rows[(n - 1) // 2].clone()
+
+
+def _sorting_network(n: int) -> list[tuple[int, int]]:
+    """Batcher's odd-even merge sort of n rows as comparators (a, b), a < b: after each, row a
+    holds the smaller value. Built for the next power of two; comparators that reach beyond n are
+    left out (those rows would hold +inf and never move)."""
+    size = 1 << max(0, (n - 1).bit_length())
+    pairs = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return [(a, b) for a, b in pairs if b < n]
 
 
 def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -92,6 +92,10 @@ MIN_TRACKED_ELEMENTS = 64
 # Shards (coordinate ranges) whose statistics one averager keeps at once: its own shard and a
 # replacement's, across a change of the load split.
 MAX_COHORTS = 4
+# Coordinates of a shard the record of deviations converts to float64 at once (its statistics are
+# sums of products, exact enough only in float64): a converted copy of the whole shard's pieces
+# would cost more memory than the pieces, and its allocation most of the record's time.
+RECORD_COLUMNS = 2**14
 # Members whose far namings are remembered (oldest forgotten first).
 MAX_REMEMBERED = 1024
 
@@ -130,10 +134,12 @@ class _Cohort:
 class SuspicionLedger:
     """One averager's record of its members' deviations at this peer's reducers (see the module).
     `excluded`: this peer's statistical verdicts (shared by its averagers); `caught`: the members
-    it caught lying (`accountability.ban_list`), left out too should one still be in a group."""
+    it caught lying (`accountability.ban_list`), left out too should one still be in a group.
+    `track`: keep the pairs' statistics (False: far namings and the lists only, no memory)."""
 
     excluded: BanList
     caught: BanList = field(default_factory=BanList)
+    track: bool = True
     suspects: dict[PeerID, str] = field(default_factory=dict)  # left out of the next steps, and why
     _cohorts: OrderedDict = field(default_factory=OrderedDict)  # (start, end) -> _Cohort
     _far: OrderedDict = field(default_factory=OrderedDict)  # peer -> steps named far
@@ -177,7 +183,7 @@ class SuspicionLedger:
             if p not in named and self.suspects.get(p, "").startswith("named blatantly"):
                 del self.suspects[p]
         size = pieces[0].numel() if pieces else 0
-        if not 2 < len(peers) <= MAX_TRACKED_SENDERS or size < MIN_TRACKED_ELEMENTS:
+        if not self.track or not 2 < len(peers) <= MAX_TRACKED_SENDERS or size < MIN_TRACKED_ELEMENTS:
             return
         cohort = self._cohort(start, start + size, tuple(peers))
         # Only differences between pieces matter; taking out the step's mean keeps the running
@@ -223,13 +229,19 @@ def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
     """Add step t's deviations ([n, size]) to the pairs' statistics: each pair's term
     <S_ij,t-2, d_ij,t>, and that term's variance under honest noise, measured on the pair's own
     pieces as <S_ij,t-2, d_ij,t - d_ij,t-1>^2 / 2 (a persistent push cancels in the difference
-    of two steps' deviations; the noise does not)."""
+    of two steps' deviations; the noise does not). One pass over the shard, RECORD_COLUMNS
+    coordinates at a time in float64: every pair's sums come from n x n products of the members'
+    own vectors (`_Products`), not from each pair's difference vectors."""
     sums, last = cohort.sums, cohort.last
     sums -= last  # S_t-2: the sums before the last step, independent of d_t-1 and of d_t
-    now = _pair_products(sums, deviations)
+    products = _Products(sums.shape[0], min(RECORD_COLUMNS, sums.shape[1]))
+    for lo in range(0, sums.shape[1], RECORD_COLUMNS):
+        products.add(sums[:, lo:lo + RECORD_COLUMNS], deviations[:, lo:lo + RECORD_COLUMNS],
+                     last[:, lo:lo + RECORD_COLUMNS])
+    now = _pairs(products.now)
     cohort.cross += now
-    lagged = (now - _pair_products(sums, last)).square_().mul_(0.5)
-    coordinatewise = _coordinatewise(sums, deviations)
+    lagged = (now - _pairs(products.before)).square_().mul_(0.5)
+    coordinatewise = products.coordinatewise()
     cohort.lagged += lagged
     cohort.coordinatewise += coordinatewise
     cohort.variance += torch.maximum(lagged, coordinatewise)
@@ -239,21 +251,47 @@ def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
     cohort.steps += 1
 
 
-def _coordinatewise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[n, n] float64: sum_k (a_i - a_j)_k^2 (b_i - b_j)_k^2 for every pair: the variance of
-    <a_i - a_j, b_i - b_j> if b's noise were independent across coordinates."""
-    n = a.shape[0]
-    out = torch.zeros(n, n, dtype=torch.float64)
-    for i in range(n - 1):
-        v = ((a[i + 1:] - a[i]).double().square_() * (b[i + 1:] - b[i]).double().square_()).sum(dim=1)
-        out[i, i + 1:] = v
-        out[i + 1:, i] = v
-    return out
+class _Products:
+    """n x n float64 sums over coordinates, from which every pair's statistics follow. With a =
+    S_t-2, b = d_t, c = d_t-1 (rows: members): now = a b^T, before = a c^T; and for the pairs'
+    sum_k (a_i - a_j)_k^2 (b_i - b_j)_k^2, expanded, a^2 (b^2)^T, (a^2 b) b^T, (a b^2) a^T and
+    (a b)(a b)^T (products elementwise within a row)."""
+
+    def __init__(self, n: int, columns: int):
+        zeros = [torch.zeros(n, n, dtype=torch.float64) for _ in range(6)]
+        self.now, self.before, self.squares, self.left, self.right, self.mixed = zeros
+        self._scratch = torch.empty(5, n, columns, dtype=torch.float64)
+
+    def add(self, a32: torch.Tensor, b32: torch.Tensor, c32: torch.Tensor) -> None:
+        width = a32.shape[1]
+        a, b, c, x, y = (t[:, :width] for t in self._scratch)
+        a.copy_(a32)
+        b.copy_(b32)
+        c.copy_(c32)
+        self.now += a @ b.T
+        self.before += a @ c.T
+        torch.mul(a, a, out=x)  # a^2
+        torch.mul(b, b, out=c)  # b^2 (c is spent)
+        self.squares += x @ c.T
+        x.mul_(b)  # a^2 b
+        self.left += x @ b.T
+        torch.mul(a, c, out=y)  # a b^2
+        self.right += y @ a.T
+        torch.mul(a, b, out=x)  # a b
+        self.mixed += x @ x.T
+
+    def coordinatewise(self) -> torch.Tensor:
+        """[n, n]: sum_k (a_i - a_j)_k^2 (b_i - b_j)_k^2 for every pair: the variance of
+        <a_i - a_j, b_i - b_j> if b's noise were independent across coordinates."""
+        diag = self.squares.diagonal()
+        out = diag[:, None] + diag[None, :] + self.squares + self.squares.T
+        out -= 2 * (self.left + self.left.T + self.right + self.right.T)
+        out += 4 * self.mixed
+        return out.clamp_(min=0.0).fill_diagonal_(0.0)
 
 
-def _pair_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[n, n] float64: <a_i - a_j, b_i - b_j> for every pair, from the n x n products <a_i, b_j>."""
-    gram = a.double() @ b.double().T
+def _pairs(gram: torch.Tensor) -> torch.Tensor:
+    """[n, n]: <a_i - a_j, b_i - b_j> for every pair, from the n x n products <a_i, b_j>."""
     diag = gram.diagonal()
     return diag[:, None] + diag[None, :] - gram - gram.T
 

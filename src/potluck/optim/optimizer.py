@@ -125,7 +125,10 @@ class Optimizer(torch.optim.Optimizer):
                                matchmaking_time, averaging_timeout, self.schema.fingerprint)
         trained = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
         options.check(len(trained))
-        state_averaging = {**settings.averaging(), "compression": options.state_codec(compression)}
+        # Moshpit averages the state every round; the other modes only now and then (a record of
+        # deviations would collect too few steps there, at two state sizes of memory)
+        state_averaging = {**settings.averaging(), "compression": options.state_codec(compression),
+                           "deviations": isinstance(options, Moshpit)}
         model = ModelState(peer, run_id, self.inner, options.extra_state(trained), state_averaging,
                            options.state_grid(), options.versions_follow_epochs, self.schema)
         self.context = RunContext(peer, run_id, model, self.scheduler, settings, self.schema)

@@ -157,7 +157,7 @@ class StreamingDiLoCo(TrainingMode):
                 i, [params[k] for k in span], [outer[k] for k in span], [momentum[k] for k in span],
                 Averager(context.peer, deltas, context.run_id, name=f"delta{i}", allow_state_sharing=False, **wire),
                 Averager(context.peer, [outer[k] for k in span] + [momentum[k] for k in span], context.run_id,
-                         name=f"outer{i}", allow_state_sharing=False, **averaging),
+                         name=f"outer{i}", allow_state_sharing=False, deviations=False, **averaging),
                 ErrorFeedback(options.outer_compression, len(span)) if isinstance(spec, TopK) else None))
         # The fragments' rounds meet the same peers: one memory of the last group for all, so a
         # later fragment's first round asks the last leader directly, as a repeated round does
