@@ -263,6 +263,41 @@ def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypat
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_robust_reductions_run_off_the_event_loop(monkeypatch, aggregation):
+    """A robust chunk costs milliseconds to tens of them (CenteredClip); reduced on the event
+    loop, it stalled every stream of the peer meanwhile (and, with peers sharing a process, every
+    peer). Reducers run it in a worker thread; the mean, about 1 ms, stays on the loop. The
+    results stay identical everywhere either way."""
+    import threading
+
+    from potluck.averaging.allreduce import reducer
+    threads = []
+    honest = reducer.reduce_chunk
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return honest(*args, **kwargs)
+    monkeypatch.setattr(reducer, "reduce_chunk", recording)
+    loop_threads = []
+
+    async def main():
+        loop_threads.append(threading.current_thread())
+        net, transports, services = await swarm(4)
+        group = make_group(transports, ["node"] * 4, 3 * 1000 + 7)
+        g = torch.Generator().manual_seed(2)
+        vectors = [torch.randn(group.total, generator=g) for _ in range(4)]
+        results = await asyncio.gather(*(services[i].run(group, vectors[i], 1.0, CODEC, timeout=60.0, chunk=500,
+                                                         aggregation=aggregation) for i in range(4)))
+        assert all(torch.equal(r[0], results[0][0]) for r in results)
+        assert all(r[1] == (0, 1, 2, 3) for r in results)
+    run_virtual(main())
+    assert len(threads) >= 7  # every chunk of every shard was reduced (3,007 floats, chunks of 500)
+    on_loop = [t is loop_threads[0] for t in threads]
+    assert all(on_loop) if aggregation == "mean" else not any(on_loop), aggregation
+
+
+@pytest.mark.timeout(60)
 def test_crash_scenario_is_deterministic_under_the_virtual_clock():
     """Same seeds, same crash: same results, contributors and virtual end time, bit for bit."""
     roles = ["node", "node", "node", "node", "client"]

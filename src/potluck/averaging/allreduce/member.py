@@ -530,8 +530,11 @@ class AllReduceRun:
         """A replacement reducer: wait for every sender of S*, then reduce and send FINAL."""
         senders = red.exact
         while red.final_senders is None:
-            if set(senders) <= red.complete:
+            if set(senders) <= red.complete and not red.finalizing:
                 red.finalize(senders, self.outcome.version)
+                if red.final_senders is None:  # reducing in a worker thread: FINAL sets `changed`
+                    red.changed.clear()
+                    await red.changed.wait()
             elif red.failed & set(senders):
                 self.on_repair_failed(red.shard, sorted(red.failed & set(senders)))
                 return
