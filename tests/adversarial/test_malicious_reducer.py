@@ -129,7 +129,7 @@ def test_a_reducer_that_forges_the_coded_pieces_a_check_fetches_is_caught_by_eve
         with caplog.at_level(logging.WARNING):
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
-        assert warnings_naming(caplog, attacker.peer_id, "do not match their digests") == 3
+        assert warnings_naming(caplog, attacker.peer_id, "it cannot show member") == 3
         assert coded and all(coded), coded
     run_virtual(main())
 

@@ -15,6 +15,15 @@ hashes and its weight into one root; the coordinator's decision carries, per sha
 over the roots of the senders it averages (see `allreduce`). A member that later asks the
 reducer for the pieces of one chunk can then tell whether they are the pieces the senders sent,
 and whether the reducer's result is what they average to.
+
+Seals make that proof hold for anyone: a sender ends its piece's stream with its signature of
+the root (`seal_message`), and its reducer refuses a piece whose seal does not match what came.
+One block of the piece, the block digests of its chunk, the piece's chunk digests, weight and
+seal (`SealedBlock`, `sealed_block`) then show any member of the group what that sender sent,
+whoever relays them: a reducer cannot pin a piece on a sender, and a sender cannot disown its
+piece. The seal also covers the metadata the sender joined the group with (`claim_digest`), so
+what it claimed about its piece (potluck.optim's verified mode: how many samples are behind it)
+is bound to the piece too.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ import hashlib
 import logging
 import struct
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 from potluck.net.identity import PeerID
@@ -137,6 +148,59 @@ def result_root(chunk_digests: Sequence[bytes]) -> bytes:
     for d in chunk_digests:
         h.update(d)
     return h.digest()
+
+
+def claim_digest(metadata: Any) -> bytes:
+    """Digest of what a member told its group when it joined (its `gather` metadata), which its
+    seals cover: what it claimed (say, the samples behind its piece) is then bound to what it
+    sent. msgpack keeps maps in order and packs tuples as lists, so every member gets the same."""
+    return hashlib.sha256(b"potluck.claim" + msgpack.packb(metadata, use_bin_type=True)).digest()
+
+
+def seal_message(group_id: bytes, shard: int, sender: int, root: bytes, claim: bytes) -> bytes:
+    """What a sender signs at the end of its piece of `shard` (its root), as member `sender` of
+    the step `group_id` that joined it with the metadata of digest `claim`."""
+    h = hashlib.sha256(b"potluck.seal")
+    h.update(struct.pack("<I", len(group_id)) + group_id)
+    h.update(struct.pack("<QQ", shard, sender))
+    h.update(root)
+    h.update(claim)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class SealedBlock:
+    """Blocks `first`... of chunk `chunk` of `sender`'s piece of `shard`, decoded, with what
+    proves that `sender` sent them (see `sealed_block`); `offset`: where they start in the
+    averaged vector."""
+
+    shard: int
+    sender: int
+    chunk: int
+    first: int
+    offset: int
+    weight: float
+    digests: tuple[bytes, ...]
+    blocks: tuple[bytes, ...]
+    values: torch.Tensor
+    seal: bytes
+
+
+def sealed_block(group: Any, claim: bytes, block: SealedBlock) -> str | None:
+    """Why `block`'s values are not proven to be what its sender sent in the step of `group`,
+    having joined it with the metadata of digest `claim` (None: they are): the blocks' digests,
+    the chunk's, the piece's root and the sender's seal of it must all agree."""
+    digests, blocks = block.digests, block.blocks
+    if not 0 <= block.chunk < len(digests) or blocks_digest(blocks) != digests[block.chunk]:
+        return "the block digests are not those of the chunk"
+    count = -(-block.values.numel() // VERIFY_BLOCK)
+    if block_digests(block.values) != list(blocks[block.first:block.first + count]):
+        return "the values are not those of the blocks"
+    root = piece_root(block.weight, digests)
+    if not group.peers[block.sender].verify(block.seal, seal_message(group.group_id, block.shard, block.sender,
+                                                                     root, claim)):
+        return "the sender did not seal that piece"
+    return None
 
 
 def final_message(group_id: bytes, shard: int, version: int, senders: Sequence[int], root: bytes) -> bytes:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.accountability import ban_list, exclusions
-from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, TransferStats
+from potluck.averaging.accountability import SealedBlock, ban_list, claim_digest, exclusions
+from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, Group, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
 from potluck.averaging.matchmaking import Matchmaker
 from potluck.averaging.robust import AGGREGATIONS
@@ -76,6 +76,10 @@ class StepResult:
     group_key: str = ""
     contributors: list[str] = field(default_factory=list)  # peers whose tensors are in the average
     skipped: bool = False  # the group formed, and `proceed` said not to average (tensors untouched)
+    # With `keep_sealed`: the group, and blocks of the contributors' pieces with their seals (peer
+    # id -> blocks, about one per shard), each proof of what that peer sent (accountability).
+    group: Group | None = None
+    sealed: dict[str, list[SealedBlock]] = field(default_factory=dict)
 
 
 def _service(transport: Any) -> AllReduceService:
@@ -147,6 +151,9 @@ class Averager:
             or a newcomer's snapshot never sees them half-written.
         fingerprint: what else peers must share to average together (the Optimizer's run schema,
             `potluck.optim.schema`: parameter names, settings); part of the schema.
+        keep_sealed: return with each step the blocks of the members' pieces that the step's
+            checks fetched, with their senders' seals (`StepResult.sealed`): proof of what each
+            sent, to check against a recomputation (the Optimizer's verified mode).
     """
 
     def __init__(self, peer: PeerLike, tensors: Sequence[torch.Tensor], run_id: str,
@@ -156,7 +163,8 @@ class Averager:
                  allreduce_timeout: float = 60.0, sender_timeout: float = SENDER_TIMEOUT,
                  bandwidth: float | None = None, allow_state_sharing: bool = True,
                  powersgd_rank: int | None = None, copy: bool = True, aggregation: str = "mean",
-                 deviations: bool = True, name: str = "tensors", fingerprint: str | None = None):
+                 deviations: bool = True, name: str = "tensors", fingerprint: str | None = None,
+                 keep_sealed: bool = False):
         role = Role(role)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
@@ -181,6 +189,7 @@ class Averager:
         self.powersgd = None if powersgd_rank is None else \
             [PowerSGD(t.shape, powersgd_rank, seed=k) for k, t in enumerate(self._tensors)]
         self.aggregation = aggregation
+        self.keep_sealed = keep_sealed
         # Robust aggregations also remember how members deviated over steps, and leave out or ban
         # the persistent ones (potluck.averaging.suspicion); the mean has no robust centre to keep.
         self.suspicion = None if aggregation == "mean" else SuspicionLedger(exclusions(self.transport),
@@ -296,11 +305,14 @@ class Averager:
         self._phase = "allreduce"
         me = group.peers.index(self.transport.peer_id)
         vector = None if snapshot is None or group.roles[me] == Role.AUX else snapshot.result()
+        sealed: dict[int, list[SealedBlock]] | None = {} if self.keep_sealed else None
         if self.powersgd is None:
             stats = TransferStats()
+            claims = tuple(claim_digest(m) for m in formed.metadata)
             result, contributors = await self.service.run(group, vector, weight, self.codec, self.allreduce_timeout,
                                                           sender_timeout=self.sender_timeout, stats=stats,
-                                                          aggregation=self.aggregation, suspicion=self.suspicion)
+                                                          aggregation=self.aggregation, suspicion=self.suspicion,
+                                                          claims=claims, sealed=sealed)
             self._measure(stats)
             if result is not None:
                 await run_in_thread(self._assign, result)
@@ -317,7 +329,8 @@ class Averager:
         self._advance(me, group.group_id)
         await self.announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers], gathered, key,
-                          [str(group.peers[i]) for i in contributors])
+                          [str(group.peers[i]) for i in contributors], group=group if sealed is not None else None,
+                          sealed={str(group.peers[i]): blocks for i, blocks in (sealed or {}).items()})
 
     # -- state for newcomers ------------------------------------------------------------------------
     def _get_state(self) -> tuple[int, Any, list[torch.Tensor]]:

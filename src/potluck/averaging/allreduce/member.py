@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -22,12 +22,14 @@ import torch
 from potluck.averaging.accountability import (
     VERIFY_BLOCK,
     BanList,
+    SealedBlock,
     block_digests,
-    blocks_digest,
     chunk_digest,
     final_message,
     piece_root,
     result_root,
+    seal_message,
+    sealed_block,
     shard_digest,
 )
 from potluck.averaging.allreduce.buffers import BufferPool
@@ -38,6 +40,7 @@ from potluck.averaging.allreduce.messages import (
     Outcome,
     PartRequest,
     PieceBlock,
+    PieceSeal,
     PiecesReply,
     ResultFinal,
     SignedFinal,
@@ -74,7 +77,7 @@ REGISTRATION_WAIT = 10.0
 
 # A reducer's answer to a check: sender -> (weight, its chunk digests, the block digests of the
 # chunk checked, the values of the blocks checked).
-Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor]]
+Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor, bytes]]
 
 
 class RunService(Protocol):
@@ -106,7 +109,8 @@ class AllReduceRun:
     def __init__(self, service: RunService, group: Group, me: int, vector: torch.Tensor | None,
                  weight: float, codec: Any, timeout: float, sender_timeout: float = SENDER_TIMEOUT,
                  chunk: int = CHUNK_ELEMENTS, stats: TransferStats | None = None, pool: BufferPool | None = None,
-                 aggregation: str = "mean", suspicion: Any = None):
+                 aggregation: str = "mean", suspicion: Any = None, claims: tuple[bytes, ...] | None = None,
+                 sealed: dict[int, list[SealedBlock]] | None = None):
         self.service = service
         self.group = group
         self.me = me
@@ -136,13 +140,17 @@ class AllReduceRun:
         # checked, and what I found: a reducer caught, or results I could not check.
         self.sent: dict[int, bytes] = {}
         self.received: dict[int, dict[int, bytes]] = {}
-        self._chunk_digests: dict[tuple[int, int], list[bytes]] = {}
         self.checked = 0
         self._checking = 0
         self.finals: dict[int, SignedFinal] = {}
         self.checked_by: set[tuple[int, int, int]] = set()  # (member, shard, version) I answered a check of
         self.caught: str | None = None
         self.unverified: str | None = None
+        # Digests of the members' metadata, which their seals cover (accountability.claim_digest),
+        # and, if given, where to keep the sealed blocks this run's checks hold: sender -> blocks,
+        # one of every shard (potluck.optim's verified mode checks them against a recomputation).
+        self.claims = claims or (b"",) * len(group.peers)
+        self.sealed = sealed
         self.reducers: dict[int, ShardReducer] = {}
         self.exchanges: dict[int, tuple[int, asyncio.Task]] = {}  # shard -> (reducer, task)
         self.outcome = Outcome.first({j: j for j in group.shards})
@@ -165,7 +173,7 @@ class AllReduceRun:
     def _new_reducer(self, shard: int, exact: tuple[int, ...] | None) -> ShardReducer:
         return ShardReducer(self, self.group, shard, exact, codec=self.codec, aggregation=self.aggregation,
                             chunk=self.chunk, sender_timeout=self.sender_timeout, stats=self.stats, pool=self.pool,
-                            suspicion=self.suspicion)
+                            suspicion=self.suspicion, claims=self.claims)
 
     async def reducer(self, shard: int) -> ShardReducer:
         """The reducer of `shard` here, waiting briefly if a decision is about to create it."""
@@ -200,6 +208,8 @@ class AllReduceRun:
                         self._start_exchange(j, j)
                 self.coordinator.maybe_take_over()
                 await self._follow_outcomes()
+                if self.sealed is not None and not self.outcome.aborted:
+                    self._seal_my_shards()  # before _close lets go of the pieces
         except TimeoutError:
             raise AveragingError("averaging step did not finish before its deadline") from None
         finally:
@@ -269,7 +279,8 @@ class AllReduceRun:
             self.mark_dead(reducer)
 
     async def _send_piece(self, channel: Any, shard: int, start: int, end: int, abstain: bool) -> None:
-        """Stream my piece of one shard, and note its root (what the reducer will have received).
+        """Stream my piece of one shard, sealed with my signature of its root (what the reducer will
+        have received), and note that root.
         If the codec refuses a chunk (NaN/inf, out of its range), I abstain: the stream ends
         early, so the reducer excludes me at once instead of waiting for the sender timeout,
         and nothing of the refused data is sent."""
@@ -290,9 +301,14 @@ class AllReduceRun:
                         except PotluckError:
                             digests = None  # the reducer refuses this chunk as well: I send no root
                 else:
-                    if digests is not None and shard not in self.sent:
-                        self.sent[shard] = piece_root(self.weight, digests)
-                        self._changed()
+                    if digests is not None:
+                        root = piece_root(self.weight, digests)
+                        seal = self.service.sign(seal_message(self.group.group_id, shard, self.me, root,
+                                                              self.claims[self.me]))
+                        await self.stats.send(channel, PieceSeal(seal).to_wire())
+                        if shard not in self.sent:
+                            self.sent[shard] = root
+                            self._changed()
             await channel.close()
         except (NetworkError, PotluckError):
             pass  # the receiving side settles what it got
@@ -333,11 +349,8 @@ class AllReduceRun:
         self._changed()
 
     def chunk_digests(self, red: ShardReducer, sender: int) -> list[bytes]:
-        """Digests of the chunks of `sender`'s piece that my reducer `red` holds."""
-        key = (red.shard, sender)
-        if key not in self._chunk_digests:
-            self._chunk_digests[key] = [chunk_digest(p) for p in red.pieces[sender]]
-        return self._chunk_digests[key]
+        """Digests of the chunks of `sender`'s piece that my reducer `red` holds (as sealed)."""
+        return red.digests[sender]
 
     def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
                    results: Mapping[int, torch.Tensor]) -> bytes:
@@ -398,23 +411,48 @@ class AllReduceRun:
         where = f"chunk {c}, block {first}"
         if tuple(sorted(pieces)) != outcome.senders:
             return f"answered with the pieces of members {sorted(pieces)}, not of {list(outcome.senders)}"
-        for _, digests, blocks_of_c, piece in pieces.values():
-            if blocks_digest(blocks_of_c) != digests[c] or block_digests(piece) != blocks_of_c[first:first + count]:
-                return f"answered with pieces that do not match their digests ({where})"
-        roots = {s: piece_root(w, digests) for s, (w, digests, _, _) in pieces.items()}
+        sealed = {s: SealedBlock(shard, s, c, first, lo, w, tuple(digests), tuple(blocks_of_c), piece, seal)
+                  for s, (w, digests, blocks_of_c, piece, seal) in pieces.items()}
+        for s, block in sealed.items():
+            why = sealed_block(self.group, self.claims[s], block)
+            if why is not None:
+                return f"answered with a piece of member {s} it cannot show member {s} sent ({where}: {why})"
+        roots = {s: piece_root(w, digests) for s, (w, digests, _, _, _) in pieces.items()}
         if shard in outcome.digests and shard_digest(roots) != outcome.digests[shard]:
             return f"answered with pieces other than those the senders sent ({where})"
         if self.me in roots and shard in self.sent and roots[self.me] != self.sent[shard]:
             return f"answered with a piece of mine other than the one I sent ({where})"
         out = torch.empty(hi - lo)
-        weights = {s: w for s, (w, _, _, _) in pieces.items()}
-        reduce_chunk(self.aggregation, {s: {c: p} for s, (_, _, _, p) in pieces.items()}, weights, outcome.senders, c,
-                     out, torch.empty(hi - lo))
+        weights = {s: w for s, (w, _, _, _, _) in pieces.items()}
+        values = {s: {c: p} for s, (_, _, _, p, _) in pieces.items()}
+        reduce_chunk(self.aggregation, values, weights, outcome.senders, c, out, torch.empty(hi - lo))
         expected = as_received(self.codec, out)
         if not torch.equal(expected, self.result[lo:hi]):
             error = (expected - self.result[lo:hi]).abs().max().item()
             return f"sent a result that is not what its pieces reduce to ({where}: off by up to {error:.3g})"
+        self._keep_sealed(sealed.values())
         return None
+
+    def _keep_sealed(self, blocks: Iterable[SealedBlock]) -> None:
+        if self.sealed is not None:
+            for block in blocks:
+                self.sealed.setdefault(block.sender, []).append(block)
+
+    def _seal_my_shards(self) -> None:
+        """Keep a random block of every sender's piece of the shards I reduced (my own checks
+        fetched one of every other shard)."""
+        for shard, red in self.reducers.items():
+            if red.final_senders is None or self.outcome.assignment.get(shard) != self.me:
+                continue
+            c = secrets.randbelow(red.chunks)
+            lo, hi = red.chunk_range(c)
+            first = secrets.randbelow(math.ceil((hi - lo) / VERIFY_BLOCK))
+            values = slice(first * VERIFY_BLOCK, min(hi - lo, (first + 1) * VERIFY_BLOCK))
+            start = self.group.bounds(shard)[0] + lo + first * VERIFY_BLOCK
+            self._keep_sealed(
+                SealedBlock(shard, s, c, first, start, red.weights[s], tuple(red.digests[s]),
+                            tuple(block_digests(red.pieces[s][c])), red.pieces[s][c][values].clone(), red.seals[s])
+                for s in red.final_senders if s in red.seals)
 
     def answer_check(self, request: VerifyRequest) -> PiecesReply:
         """My pieces of the blocks `request` names, of a shard I finalized, with the digests that
@@ -442,7 +480,7 @@ class AllReduceRun:
             return (red.payloads[s][c], True) if whole else wire_form(self.codec, red.pieces[s][c][values])
         return PiecesReply(tuple(
             PieceBlock(s, red.weights[s], tuple(self.chunk_digests(red, s)), tuple(block_digests(red.pieces[s][c])),
-                       *form(s)) for s in red.final_senders))
+                       *form(s), red.seals[s]) for s in red.final_senders))
 
     def on_repair_failed(self, shard: int, missing: list[int]) -> None:
         self.repair_failed = f"shard {shard} lost senders {missing} during repair"

@@ -19,8 +19,8 @@ from potluck.net.identity import SIGNATURE_BYTES
 
 __all__ = [
     "MAX_REASON_CHARS", "METHOD_PART", "METHOD_QUERY", "METHOD_VERIFY", "METHOD_WAIT", "Equivocation",
-    "MemberState", "Outcome", "PartRequest", "PieceBlock", "PiecesReply", "ResultChunk", "ResultFinal", "SignedFinal",
-    "StepRef", "SyncReply", "SyncRequest", "VerifyRequest", "parse_result",
+    "MemberState", "Outcome", "PartRequest", "PieceBlock", "PieceSeal", "PiecesReply", "ResultChunk", "ResultFinal",
+    "SignedFinal", "StepRef", "SyncReply", "SyncRequest", "VerifyRequest", "parse_result",
 ]
 
 METHOD_PART = "potluck.allreduce.part"  # a stream: a sender's piece of a shard in, the results out
@@ -117,6 +117,13 @@ class PartRequest(Message, what="part request"):
     abstain: bool = Bool("x")
 
 
+class PieceSeal(Message, what="piece seal"):
+    """A sender's last message on its piece's stream: its signature of the piece's root (see
+    accountability.seal_message), which lets any member check what it sent."""
+
+    signature: bytes = _signature("seal")
+
+
 class ResultFinal(Message, what="result"):
     """The reducer's last message: the senders the shard averages, under outcome `version`, and
     its signature of the result it sent (see accountability.final_message)."""
@@ -208,7 +215,8 @@ class VerifyRequest(Message, what="verify request"):
 class PieceBlock(Message, what="piece", positional=True):
     """One sender's piece of the blocks checked, as the reducer holds it: the sender, its weight,
     its chunk digests, the block digests of the chunk checked, and the blocks' values, in the
-    codec's form (`encoded`) where that is exact, else as float32 (checked once decoded)."""
+    codec's form (`encoded`) where that is exact, else as float32 (checked once decoded); and
+    the sender's seal of the piece (accountability.sealed_block checks them all together)."""
 
     sender: int = _member()
     weight: float = Number()
@@ -216,6 +224,7 @@ class PieceBlock(Message, what="piece", positional=True):
     blocks: tuple[bytes, ...] = List(None, _digest(), "blocks", length="blocks")
     values: Any = Raw()
     encoded: bool = Bool()
+    seal: bytes = _signature()
 
 
 class PiecesReply(Message, what="pieces"):

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
+from potluck.averaging.accountability import chunk_digest, piece_root, seal_message
 from potluck.averaging.allreduce.buffers import BufferPool
 from potluck.averaging.allreduce.group import Group
-from potluck.averaging.allreduce.messages import ResultChunk, ResultFinal
+from potluck.averaging.allreduce.messages import PieceSeal, ResultChunk, ResultFinal
 from potluck.averaging.allreduce.reduction import (
     blatant_senders,
     decode_chunk,
@@ -74,7 +75,7 @@ class ShardReducer:
 
     def __init__(self, host: ReducerHost, group: Group, shard: int, exact: tuple[int, ...] | None, *, codec: Any,
                  aggregation: str, chunk: int, sender_timeout: float, stats: TransferStats, pool: BufferPool,
-                 suspicion: SuspicionLedger | None = None):
+                 suspicion: SuspicionLedger | None = None, claims: tuple[bytes, ...] | None = None):
         self._host = weakref.ref(host)
         self.group = group
         self.shard = shard
@@ -100,6 +101,9 @@ class ShardReducer:
             or getattr(codec, "stateful", False) else {}
         self.weights: dict[int, float] = {}
         self.received: dict[int, int] = {}  # sender -> chunks received
+        self.digests: dict[int, list[bytes]] = {}  # sender -> its chunks' digests, once it sealed them
+        self.seals: dict[int, bytes] = {}  # sender -> its signature of its piece's root
+        self.claims = claims or (b"",) * len(group.peers)  # member -> digest of its metadata (its seals cover it)
         self.complete: set[int] = set()
         self.failed: set[int] = set()
         self.reduced_with: dict[int, tuple[int, ...]] = {}
@@ -218,8 +222,11 @@ class ShardReducer:
                 if self.closed:
                     return
                 c = self.received[sender]
+                if c == self.chunks and sender not in self.seals:
+                    self._check_seal(sender, PieceSeal.from_wire(msg).signature)
+                    continue
                 if c >= self.chunks:
-                    raise AveragingError("sent more chunks than the shard has")
+                    raise AveragingError("sent more than its piece and its seal")
                 lo, hi = self.chunk_range(c)
                 self.pieces[sender].append(decode_chunk(self.codec, msg, hi - lo))
                 if self.payloads is not None:
@@ -228,15 +235,27 @@ class ShardReducer:
                 self.received[sender] = c + 1
                 self._try_reduce(c)
         except EndOfStream:
-            if self.received[sender] == self.chunks:
+            if sender in self.seals:
                 self.complete.add(sender)
                 self._progress()
+            elif self.received[sender] == self.chunks:
+                self._fail(sender, "ended its piece without sealing it")
             else:
                 self._fail(sender, f"ended after {self.received[sender]} of {self.chunks} chunks")
         except (NetworkError, PotluckError) as e:
             self._fail(sender, str(e))
             if isinstance(e, NetworkError):
                 self._mark_dead(sender)
+
+    def _check_seal(self, sender: int, signature: bytes) -> None:
+        """Keep `sender`'s seal of the piece it sent, if it is its signature of what came."""
+        digests = [chunk_digest(p) for p in self.pieces[sender]]
+        root = piece_root(self.weights[sender], digests)
+        message = seal_message(self.group.group_id, self.shard, sender, root, self.claims[sender])
+        if not self.group.peers[sender].verify(signature, message):
+            raise AveragingError("its seal does not match the piece it sent")
+        self.digests[sender] = digests
+        self.seals[sender] = signature
 
     async def _write(self, outbox: asyncio.Queue, channel: Any) -> bool:
         """Send results to one receiver; True once its FINAL is sent."""

@@ -236,7 +236,7 @@ class AllReduceService:
         """`reducer`'s pieces of `where` = (chunk, first block, blocks) of `shard`, whose (chunks,
         blocks in that chunk) are `sizes`: sender -> (weight, its chunk digests, the block
         digests of that chunk, the values of those blocks, decoded: they travel in the codec's
-        form where it is exact, see `reduction.wire_form`)."""
+        form where it is exact, see `reduction.wire_form`; its seal of the piece)."""
         left = max(0.1, min(VERIFY_TIMEOUT, run.deadline - asyncio.get_running_loop().time()))
         c, first, count = where
         chunks, blocks = sizes
@@ -248,7 +248,8 @@ class AllReduceService:
             if not isinstance(piece, torch.Tensor) or piece.dtype != torch.float32 or piece.numel() != numel \
                     or not all_finite(piece):
                 raise AveragingError(f"malformed pieces: each piece must be {numel} finite float32s")
-            pieces[entry.sender] = (entry.weight, list(entry.digests), list(entry.blocks), piece.reshape(-1))
+            pieces[entry.sender] = (entry.weight, list(entry.digests), list(entry.blocks), piece.reshape(-1),
+                                    entry.seal)
         return pieces
 
     async def _on_verify(self, request: Any, ctx: Any) -> dict:
