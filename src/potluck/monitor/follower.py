@@ -113,7 +113,8 @@ class Follower:
         names = self._names({p: (list(entry.rounds), entry.token) for p, entry in rounds.items()})
         published = {p: list(entry.rounds) for p, entry in rounds.items()}
         self._check_witnessed(published)
-        await run_in_thread(self.ledger.observe, now, reports, published, swarm, names, self.witnesses)
+        caught = {p: entry.caught for p, entry in rounds.items() if entry.caught}
+        await run_in_thread(self.ledger.observe, now, reports, published, swarm, names, self.witnesses, caught)
         self.polls += 1
         return swarm
 

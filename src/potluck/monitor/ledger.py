@@ -25,6 +25,10 @@ their sum into the epoch's next round (its note there includes them): its *keepe
 member that a strict majority of the round's confirmed members name, or that names itself
 (against its own interest); one liar naming another member takes nothing from it.
 
+A peer that a witness caught lying in verified training (`potluck.optim.verified`: the witness
+recomputed its gradients, or checked the evidence itself) is credited nothing, in any epoch:
+its credits so far are taken back when the witness's word comes.
+
 Rounds are told apart by epoch, part and the id their members record them under (moshpit
 members meet whatever their epochs, and record the group's median). Writes are idempotent (keyed
 by reporter, epoch, part, round id, member; metrics by peer, time, name): a record read twice, or
@@ -92,6 +96,8 @@ CREATE TABLE IF NOT EXISTS metrics (
     peer_id TEXT NOT NULL, time REAL NOT NULL, epoch INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL,
     PRIMARY KEY (peer_id, time, name));
 CREATE INDEX IF NOT EXISTS metrics_by_epoch ON metrics (epoch);
+CREATE TABLE IF NOT EXISTS caught (
+    peer_id TEXT NOT NULL, reporter TEXT NOT NULL, time REAL NOT NULL, PRIMARY KEY (peer_id, reporter));
 CREATE TABLE IF NOT EXISTS history (
     time REAL PRIMARY KEY, epoch INTEGER NOT NULL, peers_online INTEGER NOT NULL, sps REAL NOT NULL, loss REAL);
 """
@@ -246,10 +252,12 @@ class Ledger:
     # -- writes (one transaction per poll) ----------------------------------------------------------
     def observe(self, now: float, reports: Mapping[str, PeerProgress], rounds: Mapping[str, Iterable[RoundRecord]],
                 swarm: SwarmNow | None = None, names: Mapping[str, str] | None = None,
-                witnesses: Collection[str] | None = None) -> None:
+                witnesses: Collection[str] | None = None, caught: Mapping[str, Iterable[str]] | None = None) -> None:
         """One poll: the current progress `reports` (by peer), the round records each peer
-        published (by signer), the swarm's view then, the members' verified `names`, and the
-        `witnesses` whose records are the truth from now on (None: those given before)."""
+        published (by signer), the swarm's view then, the members' verified `names`, the
+        `witnesses` whose records are the truth from now on (None: those given before), and the
+        peers each signer caught lying in verified training (`caught`: a witness's word removes
+        a peer's credit, in every epoch)."""
         names = names or {}
         if witnesses is not None:
             self.witnesses = frozenset(witnesses)
@@ -258,6 +266,12 @@ class Ledger:
             for peer, r in reports.items():
                 self._see_peer(now, r, names.get(peer))
             touched = set()
+            for reporter, peers in (caught or {}).items():
+                if self.witnesses is None or reporter not in self.witnesses:
+                    continue  # anyone can name anyone: only a witness's word counts
+                for peer in peers:
+                    if db.execute("INSERT OR IGNORE INTO caught VALUES (?, ?, ?)", (peer, reporter, now)).rowcount:
+                        touched.update(e for (e,) in db.execute("SELECT epoch FROM credits WHERE peer_id = ?", (peer,)))
             for reporter, records in rounds.items():
                 for record in records:
                     if self._add_round(reporter, record, now):
@@ -320,6 +334,10 @@ class Ledger:
                   for reporter, part, round_id, keeper in
                   db.execute("SELECT reporter, part, round, keeper FROM rounds WHERE epoch = ?", (epoch,))]
         credit = credit_epoch(rounds, self.witnesses)
+        if self.witnesses is not None:
+            liars = {p for p, reporter in db.execute("SELECT peer_id, reporter FROM caught LIMIT ?", (MAX_ROWS,))
+                     if reporter in self.witnesses}
+            credit = {p: n for p, n in credit.items() if p not in liars}
         db.execute("DELETE FROM credits WHERE epoch = ?", (epoch,))
         db.executemany("INSERT INTO credits VALUES (?, ?, ?)", [(p, epoch, n) for p, n in credit.items()])
         db.executemany("INSERT OR IGNORE INTO peers (peer_id, first_seen, last_seen) VALUES (?, ?, ?)",

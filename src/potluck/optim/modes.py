@@ -228,11 +228,14 @@ def mode_options(mode: str | ModeOptions, options: dict[str, Any]) -> ModeOption
 
 
 def run_schema(optimizer: torch.optim.Optimizer, options: ModeOptions, target_batch_size: int, compression: Any,
-               aggregation: str) -> RunSchema:
+               aggregation: str, verified: dict[str, Any] | None = None) -> RunSchema:
     """The schema peers of a run must share (`potluck.optim.schema`): the trained parameters, the
     mode and its shared options, the target batch size, the codec, the aggregation and the
-    wrapped optimizer's class and constant hyperparameters."""
+    wrapped optimizer's class and constant hyperparameters; in verified training, the dataset's
+    digest and the batch size."""
     settings = {"mode": options.name, "target_batch_size": target_batch_size,
                 "compression": get_codec(compression).spec, "aggregation": aggregation,
                 **options.shared_settings(), **optimizer_settings(optimizer)}
+    if verified is not None:  # (left out otherwise: the schema of an unverified run is unchanged)
+        settings["verified"] = verified
     return RunSchema.of(*trained_parameters(optimizer), settings)

@@ -46,6 +46,7 @@ from potluck.optim.progress import GlobalProgress, ProgressTracker, checked_metr
 from potluck.optim.state import ModelState
 from potluck.optim.streaming import StreamingDiLoCo
 from potluck.optim.sync import SyncTraining
+from potluck.optim.verified import Validation, Verified
 
 __all__ = ["CHECKPOINT_FORMAT", "Optimizer", "default_aggregation"]
 
@@ -86,6 +87,10 @@ class Optimizer(torch.optim.Optimizer):
         matchmaking_time, averaging_timeout: seconds a round's group gathers; its all-reduce's deadline.
         load_state: download the swarm's state at start (newcomers), within `load_state_timeout`.
         start: join the run now (see `astart`).
+        verify: `potluck.optim.Verified(model, loss, dataset)` for verified training (sync mode,
+            no compression, no delay_updates or PowerSGD): each step computes `loss(model,
+            self.batch())`, a batch drawn from a public seed, and peers recompute a random
+            share of each other's gradients and ban those that lie (`potluck.optim.verified`).
 
     Peers train together only if their run schema matches (`potluck.optim.schema`, `self.schema`):
     the trained parameters' names, dtypes and shapes, the mode and its options (all but
@@ -104,12 +109,15 @@ class Optimizer(torch.optim.Optimizer):
                  target_batch_size: int, batch_size_per_step: int, scheduler: Any = None, *,
                  mode: str | ModeOptions = "sync", role: Role | str = Role.NODE, compression: Any = "none",
                  aggregation: str | None = None, matchmaking_time: float = 1.0, averaging_timeout: float = 30.0,
-                 load_state: bool = True, load_state_timeout: float = 30.0, start: bool = True, **options: Any):
+                 load_state: bool = True, load_state_timeout: float = 30.0, start: bool = True,
+                 verify: Verified | None = None, **options: Any):
         options = mode_options(mode, options)
         aggregation = default_aggregation(peer, options) if aggregation is None else aggregation
         stateless_codec(compression)  # refused now, not when the first round's averager is built
         if target_batch_size <= 0 or batch_size_per_step <= 0:
             raise ValueError("target_batch_size and batch_size_per_step must be positive")
+        if verify is not None:
+            _check_verifiable(options, compression)
         params = list(params)
         self.inner = optimizer(params) if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) \
             else optimizer
@@ -120,7 +128,9 @@ class Optimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self.scheduler = scheduler(self.inner) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self.peer, self.run_id, self.mode = peer, run_id, options.name
-        self.schema = run_schema(self.inner, options, target_batch_size, compression, aggregation)
+        # Verified peers must draw the same batches from the same data to check each other.
+        verified = None if verify is None else {"dataset": verify.dataset_digest(), "batch_size": batch_size_per_step}
+        self.schema = run_schema(self.inner, options, target_batch_size, compression, aggregation, verified)
         settings = RunSettings(target_batch_size, batch_size_per_step, Role(role), compression, aggregation,
                                matchmaking_time, averaging_timeout, self.schema.fingerprint)
         trained = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
@@ -132,7 +142,11 @@ class Optimizer(torch.optim.Optimizer):
         model = ModelState(peer, run_id, self.inner, options.extra_state(trained), state_averaging,
                            options.state_grid(), options.versions_follow_epochs, self.schema)
         self.context = RunContext(peer, run_id, model, self.scheduler, settings, self.schema)
-        self.training = _training(self.context, options)
+        self.validation = None if verify is None else \
+            Validation(verify, run_id, batch_size_per_step, target_batch_size, model.params, aggregation != "mean")
+        self.training = _training(self.context, options, self.validation)
+        if self.validation is not None:
+            self.context.tracker.caught = self.validation.banned_at  # monitors credit them nothing
         stats = peer.transport.stats
         self._wire_at_start = (stats.bytes_sent, stats.bytes_received)
         self._load_state, self._load_state_timeout = load_state, load_state_timeout
@@ -150,6 +164,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._load_state:  # before the model-sized buffers below: a newcomer's peak is its state
             await self.context.try_load_state(self._load_state_timeout)
         await self.training.start()
+        if self.validation is not None:
+            self.validation.attach(self.peer.transport)
         await asyncio.wait_for(self.state_averager.announce_state(), 30)
         self.context.start_progress()
 
@@ -192,6 +208,14 @@ class Optimizer(torch.optim.Optimizer):
             context.stepping, context.inner_taken = False, False
             if context.waited:  # time spent in rounds or downloads is not computing time
                 context.last_step_time = context.now()
+
+    def batch(self) -> Any:
+        """Verified training: the batch the next `step()` must compute the gradients of (drawn
+        from the dataset by a public seed, which other peers use to check it). It also seeds
+        torch's random generator for the step, so that dropout masks can be checked too."""
+        if not isinstance(self.training, SyncTraining):
+            raise RuntimeError("batch() is for verified training: build the Optimizer with verify=Verified(...)")
+        return self.training.batch()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -305,6 +329,8 @@ class Optimizer(torch.optim.Optimizer):
         """Stop publishing progress and serving averaging; the peer itself stays up."""
         self.context.stop()
         self.training.shutdown()
+        if self.validation is not None:
+            self.validation.detach()
 
 
 def default_aggregation(peer: PeerLike, options: ModeOptions) -> str:
@@ -320,10 +346,23 @@ def default_aggregation(peer: PeerLike, options: ModeOptions) -> str:
     return "centered_clip"
 
 
-def _training(context: RunContext, options: ModeOptions) -> TrainingMode:
+def _check_verifiable(options: ModeOptions, compression: Any) -> None:
+    """ValueError unless verified training can check this run's gradients exactly: the sync mode
+    (one gradient per round, computed at parameters every member holds), sent losslessly."""
+    if not isinstance(options, Sync):
+        raise ValueError("verified training needs mode='sync' (other modes average parameters or changes, "
+                         "which nobody can recompute from a seed)")
+    if options.delay_updates or options.powersgd_rank is not None:
+        raise ValueError("verified training needs Sync without delay_updates and powersgd_rank (gradients "
+                         "sent as computed, at the parameters of their epoch)")
+    if getattr(stateless_codec(compression), "name", None) != "none":
+        raise ValueError("verified training needs compression='none': a lossy code hides small lies")
+
+
+def _training(context: RunContext, options: ModeOptions, validation: Validation | None = None) -> TrainingMode:
     """The training mode that `options` describe, over `context`."""
     if isinstance(options, Sync):
-        return SyncTraining(context, options)
+        return SyncTraining(context, options, validation)
     if isinstance(options, Moshpit):
         return MoshpitTraining(context, options)
     if isinstance(options, DiLoCo):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,9 @@ MAX_RECORDED_MEMBERS = 512
 MAX_ROUND_MEMBERS = 256
 # Longest peer id string accepted in a round record (ours are about 50 characters).
 MAX_PEER_ID_CHARS = 128
+# Peers a round-records entry names as caught lying (verified training): the newest are kept. A
+# caught peer was banned, so it takes a new identity per lie, each costing it a caught round.
+MAX_CAUGHT = 64
 # Longest round id accepted in a round record (ours are 16 hex digits).
 MAX_ROUND_ID_CHARS = 64
 # Bounds a recorded epoch, member's samples, failed-rounds counter and target (from the network).
@@ -188,6 +192,7 @@ class ProgressTracker:
         # Our run schema's fingerprint: records that name another are read apart (`strangers`),
         # never counted. None (a monitor): every record counts.
         self.fingerprint = fingerprint
+        self.caught: Iterable[str] = ()  # verified training: whom we caught lying (published with our rounds)
         # Peers whose latest record (in the last read of the DHT) names another fingerprint.
         self.strangers: dict[str, PeerProgress] = {}
         self.method = names.progress_push
@@ -245,7 +250,8 @@ class ProgressTracker:
         while len(rounds) > 1 and sum(len(r.samples) for r in rounds) > MAX_RECORDED_MEMBERS:
             rounds.pop(0)
         self._rounds = rounds
-        value = PublishedRounds(tuple(self._rounds), token, self.fingerprint).to_wire()
+        value = PublishedRounds(tuple(self._rounds), token, self.fingerprint,
+                                tuple(list(self.caught)[-MAX_CAUGHT:])).to_wire()
         now = self.dht.get_time()
         try:
             await self.dht.astore(self.rounds_key, value, now + ROUNDS_TTL, subkey=self.subkey)
@@ -460,11 +466,15 @@ class RoundRecord(Message, what="round record"):
 
 class PublishedRounds(Message, what="round records"):
     """A peer's entry under the run's round records key: its latest rounds, in an
-    authority-governed run its membership token, and its run schema's fingerprint."""
+    authority-governed run its membership token, its run schema's fingerprint, and the peers it
+    caught lying in verified training."""
 
     rounds: tuple[RoundRecord, ...] = List("rounds", Nested(message=RoundRecord), MAX_RECORDED_ROUNDS)
     token: bytes | None = Bytes("token", MAX_TOKEN_BYTES, default=None)
     fingerprint: str | None = Text("fp", FINGERPRINT_CHARS, default=None)
+    # verified training: peers it caught sending gradients not of their batches, or whose lie it
+    # checked itself (potluck.optim.verified); a monitor credits them nothing (its witnesses' word)
+    caught: tuple[str, ...] = List("caught", Text(max_chars=MAX_PEER_ID_CHARS), MAX_CAUGHT, default=())
 
 
 async def fetch_rounds(dht: Any, run_id: str) -> dict[str, tuple[list[RoundRecord], bytes | None]] | None:
@@ -587,7 +597,8 @@ def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress
 class RoundNote(Message, what="round note"):
     """What a member tells its group in a round: the samples behind its gradients or change, its
     speed (sync), and the digest of the state it averages from (`state`, sync; `outer`, diloco
-    and each fragment of Streaming DiLoCo). Members record each other's samples for monitors.
+    and each fragment of Streaming DiLoCo; `params`, the parameters behind its gradients in
+    verified training, `potluck.optim.verified`). Members record each other's samples for monitors.
     An aux peer says `aux`: it holds no state. Moshpit members say their `epoch` (they meet
     whatever their epochs): the round is recorded under the group's median (see record_round)."""
 
@@ -597,6 +608,7 @@ class RoundNote(Message, what="round note"):
     aux: bool = Bool("aux", default=False)
     outer: str | None = Text("outer", MAX_DIGEST_CHARS, default=None)
     epoch: int | None = Int("epoch", 0, MAX_CLAIMED_SAMPLES, default=None)
+    params: str | None = Text("params", MAX_DIGEST_CHARS, default=None)  # verified training: what it computed at
 
     @classmethod
     def read(cls, msg: Any) -> RoundNote:

@@ -34,6 +34,8 @@ from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.optim.context import RunContext
 from potluck.optim.modes import Sync, TrainingMode
 from potluck.optim.progress import GlobalProgress, PeerProgress, RoundNote
+from potluck.optim.state import tensor_digest
+from potluck.optim.verified import Case, Validation
 
 __all__ = ["SyncTraining"]
 
@@ -57,14 +59,20 @@ class _Round:
     members: frozenset[str] = frozenset()  # every live peer we knew of (see RunContext.members)
     duration: float = 0.0  # seconds the samples behind it accumulated (0: unknown)
     scale: float = 1.0  # what the accumulator was multiplied by for the round (`_share_of`)
+    part: int = 0  # short rounds of the epoch before it
+    params: str | None = None  # verified training: the digest of the parameters behind our gradients
 
 
 class SyncTraining(TrainingMode):
     """The sync mode's rounds over a run's context (see the module docstring)."""
 
-    def __init__(self, context: RunContext, options: Sync):
+    def __init__(self, context: RunContext, options: Sync, validation: Validation | None = None):
         super().__init__(context)
         self.options = options
+        # Verified training (potluck.optim.verified): our batches come from public seeds, by their
+        # index among the batches behind the accumulator (`batches`: taken since it was cleared).
+        self.validation = validation
+        self.batches = 0
         self.grad_averager: Averager | None = None  # the accumulator (see start)
         self._pending: _Round | None = None  # a delayed update under way
         self.attempt = 0  # failed averaging tries of the current epoch
@@ -91,7 +99,16 @@ class SyncTraining(TrainingMode):
         context = self.context
         zeros = await run_in_thread(_zeros_like, context.state.params)
         self.grad_averager = Averager(context.peer, zeros, context.run_id, name="grads", allow_state_sharing=False,
-                                      powersgd_rank=self.options.powersgd_rank, **context.settings.averaging())
+                                      powersgd_rank=self.options.powersgd_rank, keep_sealed=self.validation is not None,
+                                      **context.settings.averaging())
+
+    def batch(self) -> Any:
+        """The batch our next step must compute (verified training)."""
+        if self.validation is None:
+            raise RuntimeError("batch() is for verified training: build the Optimizer with verify=Verified(...)")
+        if self.validation.broken is not None:
+            raise RuntimeError(self.validation.broken)
+        return self.validation.batch(self.context.epoch, str(self.context.peer.peer_id), self.batches)
 
     def shutdown(self) -> None:
         if self.grad_averager is not None:
@@ -121,6 +138,7 @@ class SyncTraining(TrainingMode):
         params = self.context.state.params
         grads = [p.grad for p in params]
         finite = _finite(grads)
+        self.batches += 1  # (a dropped batch keeps its index: validators skip it too)
         if finite and self.context.settings.role != Role.AUX:
             self._accumulate(grads)
         for p in params:
@@ -183,6 +201,8 @@ class SyncTraining(TrainingMode):
     def _carry_over(self, keep: float) -> None:
         """After a round: keep `keep` x the accumulator (0: clear it) and add the spare one (what
         was accumulated meanwhile)."""
+        if keep == 0:
+            self.batches = 0
         with self.grad_averager.get_tensors() as sums, torch.no_grad():
             if keep == 0 and self.spare is None:
                 self.cleared = True
@@ -240,7 +260,10 @@ class SyncTraining(TrainingMode):
         # after the round: no state round needed.
         aux = context.settings.role == Role.AUX
         state = await self.digest_now() if not aux and self._averages_state_after(epoch) else None
-        gather = RoundNote(samples, context.samples_per_second, state, aux=aux).to_wire()
+        params = None if self.validation is None or aux else await run_in_thread(self._params_digest)
+        if params is not None:
+            self.validation.record(epoch, params)
+        gather = RoundNote(samples, context.samples_per_second, state, aux=aux, params=params).to_wire()
         scale, weight = self._share_of(samples, aux)
         if scale != 1.0:
             await self.context.compute(self._scale_sums, scale)
@@ -248,7 +271,7 @@ class SyncTraining(TrainingMode):
             weight=weight, gather=gather, group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected,
             members=members, proceed=self._enough))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
-        pending = _Round(task, epoch, expected, samples, members, duration, scale)
+        pending = _Round(task, epoch, expected, samples, members, duration, scale, tally.part, params)
         if self.options.delay_updates:
             self.pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -316,6 +339,8 @@ class SyncTraining(TrainingMode):
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
             per_sample = 1 / target if self._sends_means else len(result.contributors) / total
+            if self.validation is not None and pending.part == 0:
+                await self._maybe_validate(result, notes, pending)
             await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same)
             return
         me = context.peer.peer_id
@@ -360,6 +385,26 @@ class SyncTraining(TrainingMode):
             context.epoch_began = context.now()  # the new epoch's samples come after it
         self.prepare_digest()
 
+    async def _maybe_validate(self, result: Any, notes: dict[str, RoundNote], pending: _Round) -> None:
+        """Verified training: perhaps recompute one member's gradients of this round (in the
+        background, at this round's parameters; see potluck.optim.verified). Only members that
+        computed at the parameters we hold, in the epoch's first round (a later one may carry a
+        short round's sum), with sealed blocks of their pieces; the first time, ourselves."""
+        context, me = self.context, str(self.context.peer.peer_id)
+        bsz = context.settings.batch_size_per_step
+        candidates = {p: notes[p].samples for p in result.contributors
+                      if p in notes and result.sealed.get(p) and not notes[p].aux
+                      and notes[p].params == pending.params and notes[p].samples >= bsz}
+        peer = self.validation.draw(candidates, pending.samples, me)
+        if peer is None:
+            return
+        await context.compute(self.validation.snapshot, context.state.params)
+        case = Case(result.group, pending.epoch, peer, result.gathered[peer], tuple(result.sealed[peer]))
+        self.validation.start(case)
+
+    def _params_digest(self) -> str:
+        return tensor_digest(self.context.state.params)
+
     def _step_on_average(self, per_sample: float) -> None:
         """The wrapped optimizer's step on the averaged accumulator, then clear it (in a worker thread)."""
         context = self.context
@@ -378,8 +423,12 @@ class SyncTraining(TrainingMode):
         self._carry_over(0.0)
 
     async def _catch_up(self, epoch: int) -> None:
-        """We are a straggler: take the swarm's state (gradients older than the last epoch are dropped)."""
+        """We are a straggler: take the swarm's state (gradients older than the last epoch are
+        dropped; in verified training, all: they are not of the new epoch's public batches)."""
         self.attempt, self.part_due = 0, None
+        if self.validation is not None:
+            await self.context.compute(self._carry_over, 0.0)
+            self.context.tally.samples = 0
         await self.context.catch_up(epoch, drop=lambda: self.context.compute(self._carry_over, 0.0))
 
     def _alone(self) -> bool:

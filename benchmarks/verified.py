@@ -1,0 +1,229 @@
+"""Verified training (`potluck.optim.Verified`): how soon is a lying member caught, is an honest
+one ever banned, and how far apart are two honest computations of the same gradient?
+
+Part "detection" (the default): 4 peers on the emulated network (virtual clock, one process)
+train a small classifier on a fixed synthetic dataset in sync mode with `verify=Verified(...,
+fraction=F)` (default 0.1: each peer spends about a tenth of its compute validating). Per run:
+  honest      4 honest peers for EPOCHS epochs: any ban is a false positive;
+  scaled      member 3 sends 1.5 x its gradients;
+  other_data  member 3 computes its gradients on batches of its own choosing (other samples of
+              the same dataset), not on its public batches.
+An attack run ends once every honest peer has banned the liar (or at EPOCHS). Each run prints a
+JSON row; then per attack a summary: runs, runs in which the liar was caught, the epoch of the
+first ban and of the last honest peer's ban (median, 90th percentile, max), honest peers ever
+banned, and the share of compute spent validating (samples recomputed / samples trained).
+
+Part "tolerance": the relative L2 error between two computations of the same batches' mean
+gradient that may differ in float order (1 torch thread against 2; one batch of 64 against two
+of 32 at once would change the math, so it is not compared), for the demo's CNN on digits and
+for a small transformer, over BATCHES batches each: the largest is the nondeterminism a
+validator must tolerate; potluck.optim.verified.TOLERANCE must sit far above it and far below
+the error of a lie (a gradient scaled by 1.001 is off by 1e-3).
+
+Usage: python benchmarks/verified.py [--runs 20] [--epochs 60] [--fraction 0.1] [--part detection|tolerance|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import potluck  # noqa: E402
+from potluck.averaging.accountability import ban_list  # noqa: E402
+from potluck.core.dht_time import event_loop_clock  # noqa: E402
+from potluck.core.runner import acquire_runner, release_runner  # noqa: E402
+from potluck.core.virtual_time import virtual_time_loop  # noqa: E402
+from potluck.net.emulated import EmulatedNetwork  # noqa: E402
+from potluck.optim import Optimizer, Verified  # noqa: E402
+from potluck.optim.verified import TOLERANCE  # noqa: E402
+
+BATCH, TARGET, PEERS, LIAR = 8, 32, 4, 3
+
+
+def dataset() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1024, 16, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return list(zip(x, y, strict=True))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+async def scene(attack: str, epochs: int, fraction: float, seed: int, data) -> dict:
+    network = EmulatedNetwork(latency=0.01, seed=seed)
+    peers: list[potluck.Peer] = []
+    for _ in range(PEERS):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    models = [make_model() for _ in peers]
+    optimizers = [Optimizer(peer, f"verified{seed}", model.parameters(), lambda p: torch.optim.SGD(p, 0.05),
+                            target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False,
+                            verify=Verified(model, loss, data, fraction=fraction))
+                  for peer, model in zip(peers, models, strict=True)]
+    liar = None if attack == "honest" else LIAR
+    if liar is not None:
+        optimizers[liar].validation.self_checked = True  # a liar skips the check of its own gradients
+    honest = [i for i in range(PEERS) if i != liar]
+    trained = [0] * PEERS
+    done = asyncio.Event()
+
+    async def train(i: int) -> None:
+        other = torch.Generator().manual_seed(1000 + seed)
+        while optimizers[i].local_epoch < epochs and not done.is_set():
+            batch = optimizers[i].batch()
+            if i == liar and attack == "other_data":
+                picks = torch.randint(len(data), (BATCH,), generator=other).tolist()
+                batch = torch.utils.data.default_collate([data[k] for k in picks])
+            scale = 1.5 if i == liar and attack == "scaled" else 1.0
+            (scale * loss(models[i], batch)).backward()
+            trained[i] += BATCH
+            await asyncio.sleep(0.02 * (1 + i % 2))  # two speeds
+            await optimizers[i].astep()
+
+    async def watch() -> None:
+        while liar is not None:
+            await asyncio.sleep(0.5)
+            if all(str(peers[liar].peer_id) in {str(p) for p in ban_list(peers[i].transport)} for i in honest):
+                done.set()
+                return
+    try:
+        for opt in optimizers:
+            await opt.astart()
+        lying = asyncio.ensure_future(train(liar)) if liar is not None else None
+        tasks = [asyncio.ensure_future(train(i)) for i in honest]
+        watcher = asyncio.ensure_future(watch()) if liar is not None else asyncio.gather(*tasks)
+        await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()
+        await asyncio.wait(tasks, timeout=5.0)
+        for t in [*tasks, watcher, *([lying] if lying else [])]:
+            t.cancel()
+        bans = [{str(p) for p in ban_list(peer.transport)} for peer in peers]
+        name = str(peers[liar].peer_id) if liar is not None else None
+        banned_at = [optimizers[i].validation.banned_at.get(name) for i in honest] if name else []
+        validations = sum(o.validation.validated for o in optimizers)
+        return {"metric": "verified_detection", "attack": attack, "seed": seed, "fraction": fraction,
+                "caught": bool(name) and all(e is not None for e in banned_at),
+                "first_ban_epoch": min((e for e in banned_at if e is not None), default=None),
+                "last_ban_epoch": max(banned_at) if banned_at and all(e is not None for e in banned_at) else None,
+                "epochs": max(o.local_epoch for i, o in enumerate(optimizers) if i in honest),
+                "honest_banned": sum(len(bans[i] - ({name} if name else set())) for i in honest),
+                "validations": validations,
+                "validation_compute_share": sum(o.validation.recomputed for o in optimizers) / max(1, sum(trained))}
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+def detection(args: argparse.Namespace) -> None:
+    data = dataset()
+    for attack in ("honest", "scaled", "other_data"):
+        rows = []
+        for seed in range(args.runs):
+            runner = acquire_runner(virtual_time_loop)
+            started = time.perf_counter()
+            try:
+                row = runner.run(scene(attack, args.epochs, args.fraction, seed, data), timeout=3600)
+            finally:
+                release_runner()
+            row["wall_seconds"] = round(time.perf_counter() - started, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        firsts = sorted(r["first_ban_epoch"] for r in rows if r["first_ban_epoch"] is not None)
+        lasts = sorted(r["last_ban_epoch"] for r in rows if r["last_ban_epoch"] is not None)
+
+        def spread(values: list[int]) -> dict:
+            if not values:
+                return {}
+            return {"median": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))],
+                    "max": values[-1]}
+        print(json.dumps({"metric": "verified_detection_summary", "attack": attack, "fraction": args.fraction,
+                          "runs": len(rows), "caught": sum(r["caught"] for r in rows),
+                          "first_ban_epoch": spread(firsts), "all_honest_banned_by_epoch": spread(lasts),
+                          "honest_banned": sum(r["honest_banned"] for r in rows),
+                          "validation_compute_share": statistics.mean(r["validation_compute_share"] for r in rows),
+                          "epochs_per_run": args.epochs if attack == "honest" else None}), flush=True)
+
+
+def mean_gradient(model: torch.nn.Module, batches: list, lossf, threads: int) -> torch.Tensor:
+    torch.set_num_threads(threads)
+    total = None
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        lossf(model, batch).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        total = flat if total is None else total + flat
+    return total / len(batches)
+
+
+def tolerance(args: argparse.Namespace) -> None:
+    from potluck.cli.tasks import load_data
+    from potluck.cli.tasks import make_model as make_cnn
+    from potluck.workloads.lm import LMConfig, batches, lm_loss, load_corpus, make_lm
+
+    x_train, y_train, _, _ = load_data()
+    g = torch.Generator().manual_seed(0)
+    digits = []
+    for _ in range(args.batches):
+        idx = torch.randint(len(x_train), (64,), generator=g)
+        digits.append([(x_train[idx], y_train[idx])])
+    config = LMConfig()
+    text = batches(load_corpus(), 16, config.context)
+    texts = [[next(text)] for _ in range(args.batches)]
+
+    def cnn_loss(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def gpt_loss(model, batch):
+        return lm_loss(model, *batch)
+    threads = torch.get_num_threads()
+    for name, model, sample, lossf in (("digits_cnn", make_cnn(), digits, cnn_loss),
+                                       ("byte_gpt", make_lm(config), texts, gpt_loss)):
+        errors = []
+        for batch in sample:
+            one = mean_gradient(model, batch, lossf, 1)
+            two = mean_gradient(model, batch, lossf, 2)
+            errors.append(float((one - two).norm() / one.norm()))
+        print(json.dumps({"metric": "verified_nondeterminism", "model": name, "batches": len(sample),
+                          "max_relative_error": max(errors), "median_relative_error": statistics.median(errors),
+                          "tolerance": TOLERANCE, "scaled_by_1.001": 1e-3}), flush=True)
+    torch.set_num_threads(threads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--fraction", type=float, default=0.1)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--part", choices=["detection", "tolerance", "all"], default="all")
+    args = parser.parse_args()
+    if args.part in ("tolerance", "all"):
+        tolerance(args)
+    if args.part in ("detection", "all"):
+        detection(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Verified training (issue 30, BTARD-style): a member that sends gradients other than those of its
+public batches is caught by peers that recompute them, and banned; honest members never are.
+
+Four peers on the emulated network train a small classifier with `verify=Verified(...)` and a
+validation fraction of 1 (every round, each peer recomputes one other member's gradient). Before
+verified training nothing checked a gradient against its data: a member that scaled its
+gradients, or computed them on other data, stayed in every group for the whole run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import potluck
+from potluck.averaging.accountability import ban_list
+from potluck.core.dht_time import event_loop_clock
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import virtual_time_loop
+from potluck.net.emulated import EmulatedNetwork
+from potluck.optim import Optimizer, Verified
+from potluck.optim.verified import batch_indices
+
+BATCH, TARGET, EPOCHS = 8, 32, 6
+
+
+def dataset() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 16, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return list(zip(x, y, strict=True))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def noisy_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Not a function of the model and the batch alone (as dropout is not)."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
+
+
+async def scene(lie: str | None, data, accuser: int | None = None,
+                lossf=loss) -> tuple[list[Optimizer], list[int], list[set[str]]]:
+    network = EmulatedNetwork(latency=0.01, seed=1)
+    peers: list[potluck.Peer] = []
+    for _ in range(4):
+        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                               clock=event_loop_clock()))
+    models = [make_model() for _ in peers]
+    optimizers = [Optimizer(peer, "verified", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                            target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False,
+                            verify=Verified(model, lossf, data, fraction=1.0))
+                  for peer, model in zip(peers, models, strict=True)]
+    liar = 3 if lie else None
+    if liar is not None:
+        optimizers[liar].validation.self_checked = True  # a liar skips the check of its own gradients
+    if accuser is not None:  # it finds every member it validates lying, and tells the others
+        async def always_off(case) -> float:
+            return 1.0
+        optimizers[accuser].validation._recompute = always_off
+        optimizers[accuser].validation.self_checked = True
+
+    errors: list[BaseException] = []
+
+    async def train(i: int) -> None:
+        try:
+            await steps(i)
+        except RuntimeError as e:
+            errors.append(e)
+
+    async def steps(i: int) -> None:
+        other = torch.Generator().manual_seed(99)
+        while optimizers[i].local_epoch < EPOCHS:
+            batch = optimizers[i].batch()
+            if i == liar and lie == "other data":
+                picks = torch.randint(len(data), (BATCH,), generator=other).tolist()
+                batch = torch.utils.data.default_collate([data[k] for k in picks])
+            scale = 1.5 if i == liar and lie == "scaled" else 1.0
+            (scale * lossf(models[i], batch)).backward()
+            await asyncio.sleep(0.02)
+            await optimizers[i].astep()
+    try:
+        for opt in optimizers:
+            await opt.astart()
+        honest = [i for i in range(4) if i != liar]
+        lying = asyncio.ensure_future(train(liar)) if liar is not None else None
+        await asyncio.wait_for(asyncio.gather(*(train(i) for i in honest)), 600)
+        for opt in optimizers:  # let validations under way finish
+            if opt.validation.task is not None:
+                await asyncio.gather(opt.validation.task, return_exceptions=True)
+        for _ in range(100):  # and the accusations they sent
+            await asyncio.sleep(0.1)
+            if not any(opt.validation.tasks for opt in optimizers):
+                break
+        if lying is not None:
+            lying.cancel()
+            await asyncio.gather(lying, return_exceptions=True)
+        bans = [{str(p) for p in ban_list(peer.transport)} for peer in peers]
+        scene.errors = errors
+        return optimizers, honest, bans
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for peer in peers:
+            await peer.ashutdown()
+
+
+def run(lie: str | None, accuser: int | None = None, lossf=loss):
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        return runner.run(scene(lie, dataset(), accuser, lossf), timeout=600)
+    finally:
+        release_runner()
+
+
+@pytest.mark.timeout(300)
+def test_honest_verified_peers_validate_each_other_and_ban_nobody():
+    optimizers, _, bans = run(None)
+    assert sum(opt.validation.validated for opt in optimizers) >= 4
+    for opt, banned in zip(optimizers, bans, strict=True):
+        assert not opt.validation.caught
+        assert not banned
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lie", ["scaled", "other data"])
+def test_a_member_whose_gradients_are_not_its_batches_is_caught_and_banned_by_every_honest_peer(lie):
+    """One honest peer catches it; its evidence makes the others check and ban it too."""
+    optimizers, honest, bans = run(lie)
+    liar = str(optimizers[3].peer.peer_id)
+    assert any(liar in optimizers[i].validation.caught for i in honest), "no honest peer caught the liar"
+    for i in honest:
+        assert bans[i] == {liar}, (i, bans[i])  # the liar, and no honest peer
+        assert set(optimizers[i].validation.caught) <= {liar}
+
+
+def test_public_batches_are_fixed_by_run_epoch_peer_and_step():
+    a = batch_indices("run", 3, "peer", 5, 16, 1000)
+    assert a == batch_indices("run", 3, "peer", 5, 16, 1000) and len(a) == 16 and all(0 <= i < 1000 for i in a)
+    assert a != batch_indices("run", 3, "peer", 6, 16, 1000)
+    assert a != batch_indices("run", 4, "peer", 5, 16, 1000)
+    assert a != batch_indices("run", 3, "other", 5, 16, 1000)
+    assert a != batch_indices("other", 3, "peer", 5, 16, 1000)
+
+
+@pytest.mark.timeout(300)
+def test_a_false_accuser_is_banned_by_the_members_it_told_and_the_accused_by_nobody():
+    """Peer 3 bans every member it validates and sends the others its evidence: each recomputes
+    the accused's gradients itself, finds them right, and bans the accuser instead."""
+    optimizers, _, bans = run(None, accuser=3)
+    accuser = str(optimizers[3].peer.peer_id)
+    accused = set(optimizers[3].validation.caught)
+    assert accused, "the false accuser accused nobody"
+    told = [i for i in range(3) if optimizers[i].peer.peer_id not in accused]
+    assert told and all(bans[i] == {accuser} for i in told), bans  # they checked, and banned the accuser
+    for i in range(3):
+        assert accuser in bans[i] or str(optimizers[i].peer.peer_id) in accused
+        assert not bans[i] & accused  # no honest peer was banned on the accuser's word
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_that_is_not_deterministic_stops_each_peer_with_a_clear_error_before_it_accuses_anyone():
+    optimizers, _, bans = run(None, lossf=noisy_loss)
+    assert not any(bans), bans
+    assert scene.errors and all("must be a deterministic function" in str(e) for e in scene.errors)
+
+
+def test_dropout_is_refused_when_the_optimizer_is_built():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    with pytest.raises(ValueError, match="dropout"):
+        Verified(model, loss, dataset()).check()
+
+
+def test_a_member_a_witness_caught_lying_is_credited_nothing_in_any_epoch(tmp_path):
+    """The ledger takes back a caught member's credit, past epochs included, on a witness's word
+    (the witness checked the lie itself); a non-witness naming an honest member changes nothing."""
+    from potluck.monitor.ledger import Ledger
+    from potluck.optim.progress import RoundRecord
+
+    members = ("w", "h", "liar")
+    records = [RoundRecord(e, 0, tuple((m, 8) for m in members), round=f"r{e}") for e in range(3)]
+    with Ledger(tmp_path / "run.db", "run", witnesses={"w"}) as ledger:
+        ledger.observe(1.0, {}, {m: records[:2] for m in members})
+        assert ledger.credits() == {"w": 16, "h": 16, "liar": 16}
+        ledger.observe(2.0, {}, {m: records for m in members}, caught={"w": ["liar"], "liar": ["h"]})
+        assert ledger.credits() == {"w": 24, "h": 24}
+        assert [r.samples for r in sorted(ledger.epochs(), key=lambda r: r.epoch)] == [16, 16, 16]
