@@ -122,6 +122,7 @@ def reference_accuracy(epochs: int, seed: int) -> float:
     return accuracy(model, X_TEST, Y_TEST)
 
 
+@pytest.mark.scenario  # 15-30 s of processes: run by CI after the suite (pyproject.toml)
 @pytest.mark.timeout(240)
 def test_four_peers_end_every_epoch_identical_and_match_single_process_accuracy(swarm):
     epochs = 80

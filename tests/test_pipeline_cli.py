@@ -161,6 +161,7 @@ def _epoch(nodes: list[Node], cluster: str) -> int:
     return max((r["epoch"] for n in nodes for r in n.progress() if r.get("cluster") == cluster), default=-1)
 
 
+@pytest.mark.scenario  # 15-30 s of processes: run by CI after the suite (pyproject.toml)
 @pytest.mark.timeout(240)
 def test_seven_nodes_form_two_clusters_and_a_standby_and_survive_a_killed_controller_and_stage_node(swarm):
     """The issue's test: SIGKILL the node that holds cluster 0's controller role and a plain stage node
@@ -185,6 +186,7 @@ def test_seven_nodes_form_two_clusters_and_a_standby_and_survive_a_killed_contro
           nodes, "both clusters to train on to the target")
 
 
+@pytest.mark.scenario  # 15-30 s of processes: run by CI after the suite (pyproject.toml)
 @pytest.mark.timeout(180)
 def test_pipeline_run_takes_its_clusters_and_spec_from_a_plan_file_and_replans_for_a_late_node(swarm, tmp_path):
     """A plan written beforehand (`pipeline plan --write-plan`'s format) names the nodes by peer id:

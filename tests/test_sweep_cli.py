@@ -65,6 +65,7 @@ class SweepProcess:
         self.proc.wait(10)
 
 
+@pytest.mark.scenario  # 15-30 s of processes: run by CI after the suite (pyproject.toml)
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_sweep_has_its_trial_rerun_and_every_trial_appears_once(tmp_path):
     config = tmp_path / "sweep.toml"
