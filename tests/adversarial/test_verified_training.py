@@ -10,6 +10,7 @@ gradients, or computed them on other data, stayed in every group for the whole r
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -49,8 +50,8 @@ def noisy_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
 
 
-async def scene(lie: str | None, data, accuser: int | None = None,
-                lossf=loss) -> tuple[list[Optimizer], list[int], list[set[str]]]:
+async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss,
+                forge: bool = False) -> tuple[list[Optimizer], list[int], list[set[str]]]:
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
     for _ in range(4):
@@ -61,11 +62,15 @@ async def scene(lie: str | None, data, accuser: int | None = None,
                             target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False,
                             verify=Verified(model, lossf, data, fraction=1.0))
                   for peer, model in zip(peers, models, strict=True)]
+    for i, opt in enumerate(optimizers):
+        opt.validation.rng = random.Random(i)  # repeatable draws (peers draw from the OS by default)
     liar = 3 if lie else None
     if liar is not None:
         optimizers[liar].validation.self_checked = True  # a liar skips the check of its own gradients
     if accuser is not None:  # it finds every member it validates lying, and tells the others
         async def always_off(case) -> float:
+            if forge:  # and changes the blocks it shows, to make the lie visible
+                case.blocks[0].values.add_(1.0)
             return 1.0
         optimizers[accuser].validation._recompute = always_off
         optimizers[accuser].validation.self_checked = True
@@ -115,10 +120,10 @@ async def scene(lie: str | None, data, accuser: int | None = None,
             await peer.ashutdown()
 
 
-def run(lie: str | None, accuser: int | None = None, lossf=loss):
+def run(lie: str | None, accuser: int | None = None, lossf=loss, forge: bool = False):
     runner = acquire_runner(virtual_time_loop)
     try:
-        return runner.run(scene(lie, dataset(), accuser, lossf), timeout=600)
+        return runner.run(scene(lie, dataset(), accuser, lossf, forge), timeout=600)
     finally:
         release_runner()
 
@@ -154,10 +159,12 @@ def test_public_batches_are_fixed_by_run_epoch_peer_and_step():
 
 
 @pytest.mark.timeout(300)
-def test_a_false_accuser_is_banned_by_the_members_it_told_and_the_accused_by_nobody():
+@pytest.mark.parametrize("forge", [False, True], ids=["true-blocks", "forged-blocks"])
+def test_a_false_accuser_is_banned_by_the_members_it_told_and_the_accused_by_nobody(forge):
     """Peer 3 bans every member it validates and sends the others its evidence: each recomputes
-    the accused's gradients itself, finds them right, and bans the accuser instead."""
-    optimizers, _, bans = run(None, accuser=3)
+    the accused's gradients itself, finds them right, and bans the accuser instead; or, where the
+    accuser changed the blocks, finds that the accused's seals do not cover them."""
+    optimizers, _, bans = run(None, accuser=3, forge=forge)
     accuser = str(optimizers[3].peer.peer_id)
     accused = set(optimizers[3].validation.caught)
     assert accused, "the false accuser accused nobody"

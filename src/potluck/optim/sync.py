@@ -101,6 +101,8 @@ class SyncTraining(TrainingMode):
         self.grad_averager = Averager(context.peer, zeros, context.run_id, name="grads", allow_state_sharing=False,
                                       powersgd_rank=self.options.powersgd_rank, keep_sealed=self.validation is not None,
                                       **context.settings.averaging())
+        if self.validation is not None:  # accusations may come before our own round has ended here
+            self.validation.running = self.grad_averager.service.group_of
 
     def batch(self) -> Any:
         """The batch our next step must compute (verified training)."""
@@ -392,6 +394,7 @@ class SyncTraining(TrainingMode):
         short round's sum), with sealed blocks of their pieces; the first time, ourselves."""
         context, me = self.context, str(self.context.peer.peer_id)
         bsz = context.settings.batch_size_per_step
+        self.validation.remember(result.group)
         candidates = {p: notes[p].samples for p in result.contributors
                       if p in notes and result.sealed.get(p) and not notes[p].aux
                       and notes[p].params == pending.params and notes[p].samples >= bsz}

@@ -30,6 +30,12 @@ in its claim); one that claims others is not validated that round (honest peers'
 differ only after a failed round, until the next state averaging). Validators see one block per
 shard: a member that falsifies a small part of its gradient is caught with the probability that
 a checked block falls in it. docs/security.md states the rates.
+
+Costs: `fraction` of the compute; one model of memory for the replica, and two model-sized
+vectors while a validation runs; the digest of the parameters once per round; an accusation
+carries the round's parameters (a request stays under the transport's 256 MiB: models up to about
+60M float32 parameters). A straggler drops the gradients it accumulated before catching up: they
+are not of the new epoch's batches.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import copy
 import hashlib
 import logging
 import math
-import secrets
+import random
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -242,6 +248,8 @@ class Validation:
         self.means = means  # members send their mean gradient (robust aggregations), else their share of the sum
         self.params = list(params)
         self.digests: dict[int, str] = {}  # epoch -> digest of our parameters in its round
+        self.groups: dict[bytes, Group] = {}  # group id -> the group, of our recent rounds (accusations name one)
+        self.running: Callable[[bytes], Group | None] = lambda gid: None  # steps our all-reduce just ran
         self.heard: dict[tuple[PeerID, int], None] = {}  # (accuser, epoch) of accusations received
         self.transport: Any = None
         self.method = f"potluck.verified/{run_id}"
@@ -254,6 +262,8 @@ class Validation:
         self._positions = [position[id(p)] for p in params]
         self._replica: torch.nn.Module | None = None  # made at the first validation (one model of memory)
         self.task: asyncio.Future | None = None  # the validation under way (one at a time)
+        # Whom and when to validate: unpredictable to the members (tests seed their own).
+        self.rng: random.Random = random.SystemRandom()
         self.self_checked = False  # our first validation is of our own gradients
         self.broken: str | None = None  # why our own gradients could not be recomputed
         self.validated = 0  # validations done
@@ -280,9 +290,9 @@ class Validation:
         candidates = {p: n for p, n in candidates.items() if p != me}
         if not candidates or not self.self_checked:
             return None
-        peer = sorted(candidates)[secrets.randbelow(len(candidates))]
+        peer = self.rng.choice(sorted(candidates))
         chance = self.options.fraction * max(my_samples, 1) / max(candidates[peer], 1)
-        return peer if secrets.randbelow(2**32) < min(1.0, chance) * 2**32 else None
+        return peer if self.rng.random() < chance else None
 
     def snapshot(self, params: Sequence[torch.Tensor]) -> None:
         """Load the round's parameters into the replica (before our own step changes them)."""
@@ -322,6 +332,12 @@ class Validation:
         self.digests[epoch] = digest
         while len(self.digests) > EVIDENCE_EPOCHS:
             del self.digests[min(self.digests)]
+
+    def remember(self, group: Group) -> None:
+        """A group we averaged in: we take accusations about its rounds from its members only."""
+        self.groups[group.group_id] = group
+        while len(self.groups) > EVIDENCE_EPOCHS:
+            del self.groups[next(iter(self.groups))]
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -394,9 +410,11 @@ class Validation:
     async def _on_accusation(self, request: Any, ctx: Any) -> dict:
         """Check a member's accusation ourselves: ban the accused if it holds, else the accuser."""
         accusation = Accusation.from_wire(request)
-        group, accuser, me = accusation.group, ctx.peer_id, self.transport.peer_id
-        if accuser not in group.peers or me not in group.peers or accusation.accused >= len(group.peers):
-            raise PotluckError("an accusation must come from a member of a round we were in, about one of its members")
+        group, accuser = accusation.group, ctx.peer_id
+        known = self.groups.get(group.group_id) or self.running(group.group_id)
+        if known != group or accuser not in group.peers \
+                or accusation.accused >= len(group.peers):
+            raise PotluckError("an accusation must come from a member of a recent round of ours, about a member")
         accused = group.peers[accusation.accused]
         banned = ban_list(self.transport)
         if accused == accuser or accuser in banned:
@@ -412,7 +430,7 @@ class Validation:
         mine = self.digests.get(accusation.epoch)
         if mine is None or RoundNote.read(accusation.claim).params != mine:
             return {"checked": False, "why": "not at parameters we hold"}
-        forged = self._forged(accusation, mine)
+        forged = await run_in_thread(self._forged, accusation, mine)  # hashes a model: off the loop
         if forged is not None:
             banned.ban(accuser, f"it sent an accusation of {accused} with {forged}")
             return {"checked": True, "upheld": False}
@@ -432,7 +450,7 @@ class Validation:
         return {"checked": True, "upheld": False}
 
     async def _check(self, case: Case, params: Sequence[torch.Tensor]) -> float:
-        self.snapshot(params)
+        await run_in_thread(self.snapshot, params)
         return await self._recompute(case)
 
     @staticmethod

@@ -142,6 +142,14 @@ class AllReduceService:
             loop = asyncio.get_running_loop()
             self._linger[gid] = loop.call_later(LINGER_SECONDS, self._forget, gid)
 
+    def group_of(self, gid: bytes) -> Group | None:
+        """The group of a step under way here, or finished within LINGER_SECONDS (None: neither)."""
+        run = self.runs.get(gid)
+        if run is not None:
+            return run.group
+        tombstone = self.finished.get(gid)
+        return None if tombstone is None else tombstone.group
+
     def _forget(self, gid: bytes) -> None:
         self.finished.pop(gid, None)
         self._arrived.pop(gid, None)
