@@ -13,6 +13,10 @@ JSON row; then per attack a summary: runs, runs in which the liar was caught, th
 first ban and of the last honest peer's ban (median, 90th percentile, max), honest peers ever
 banned, and the share of compute spent validating (samples recomputed / samples trained).
 
+Part "training": every attack (scaled; sign_flip: -4 x its gradients; other_data) for a whole
+run of EPOCHS epochs, with 1 of 4 and 2 of 5 members lying, against the honest members alone:
+the honest peers' test loss at the end beside the honest-only run's (rows "verified_training").
+
 Part "tolerance": the relative L2 error between two computations of the same batches' mean
 gradient that may differ in float order (1 torch thread against 2; one batch of 64 against two
 of 32 at once would change the math, so it is not compared), for the demo's CNN on digits and
@@ -20,7 +24,8 @@ for a small transformer, over BATCHES batches each: the largest is the nondeterm
 validator must tolerate; potluck.optim.verified.TOLERANCE must sit far above it and far below
 the error of a lie (a gradient scaled by 1.001 is off by 1e-3).
 
-Usage: python benchmarks/verified.py [--runs 20] [--epochs 60] [--fraction 0.1] [--part detection|tolerance|all]
+Usage: python benchmarks/verified.py [--runs 20] [--epochs 60] [--fraction 0.1] [--training-runs 3]
+       [--part detection|tolerance|training|all]
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from potluck.net.emulated import EmulatedNetwork  # noqa: E402
 from potluck.optim import Optimizer, Verified  # noqa: E402
 from potluck.optim.verified import TOLERANCE  # noqa: E402
 
-BATCH, TARGET, PEERS, LIAR = 8, 32, 4, 3
+BATCH, TARGET, PEERS = 8, 32, 4
 
 
 def dataset() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,10 +71,14 @@ def loss(model: torch.nn.Module, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-async def scene(attack: str, epochs: int, fraction: float, seed: int, data) -> dict:
+SCALES = {"scaled": 1.5, "sign_flip": -4.0}  # what a lying member multiplies its loss by
+
+
+async def scene(attack: str, epochs: int, fraction: float, seed: int, data, size: int = PEERS, liars: int = 1,
+                until_caught: bool = True, test=None) -> dict:
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
-    for _ in range(PEERS):
+    for _ in range(size):
         peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
                                                clock=event_loop_clock()))
     models = [make_model() for _ in peers]
@@ -77,57 +86,62 @@ async def scene(attack: str, epochs: int, fraction: float, seed: int, data) -> d
                             target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False,
                             verify=Verified(model, loss, data, fraction=fraction))
                   for peer, model in zip(peers, models, strict=True)]
-    liar = None if attack == "honest" else LIAR
-    if liar is not None:
-        optimizers[liar].validation.self_checked = True  # a liar skips the check of its own gradients
-    honest = [i for i in range(PEERS) if i != liar]
-    trained = [0] * PEERS
+    lying = [] if attack == "honest" else list(range(size - liars, size))
+    for i in lying:
+        optimizers[i].validation.self_checked = True  # a liar skips the check of its own gradients
+    honest = [i for i in range(size) if i not in lying]
+    trained = [0] * size
     done = asyncio.Event()
 
     async def train(i: int) -> None:
-        other = torch.Generator().manual_seed(1000 + seed)
+        other = torch.Generator().manual_seed(1000 * (i + 1) + seed)
         while optimizers[i].local_epoch < epochs and not done.is_set():
             batch = optimizers[i].batch()
-            if i == liar and attack == "other_data":
+            if i in lying and attack == "other_data":
                 picks = torch.randint(len(data), (BATCH,), generator=other).tolist()
                 batch = torch.utils.data.default_collate([data[k] for k in picks])
-            scale = 1.5 if i == liar and attack == "scaled" else 1.0
+            scale = SCALES.get(attack, 1.0) if i in lying else 1.0
             (scale * loss(models[i], batch)).backward()
             trained[i] += BATCH
             await asyncio.sleep(0.02 * (1 + i % 2))  # two speeds
             await optimizers[i].astep()
 
+    def caught(liar: int) -> bool:
+        return all(str(peers[liar].peer_id) in {str(p) for p in ban_list(peers[i].transport)} for i in honest)
+
     async def watch() -> None:
-        while liar is not None:
+        while not all(caught(liar) for liar in lying):
             await asyncio.sleep(0.5)
-            if all(str(peers[liar].peer_id) in {str(p) for p in ban_list(peers[i].transport)} for i in honest):
-                done.set()
-                return
+        done.set()
     try:
         for opt in optimizers:
             await opt.astart()
-        lying = asyncio.ensure_future(train(liar)) if liar is not None else None
+        liars_training = [asyncio.ensure_future(train(i)) for i in lying]
         tasks = [asyncio.ensure_future(train(i)) for i in honest]
-        watcher = asyncio.ensure_future(watch()) if liar is not None else asyncio.gather(*tasks)
+        watcher = asyncio.ensure_future(watch()) if lying and until_caught else asyncio.gather(*tasks)
         await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
             if t.done() and t.exception() is not None:
                 raise t.exception()
         await asyncio.wait(tasks, timeout=5.0)
-        for t in [*tasks, watcher, *([lying] if lying else [])]:
+        for t in [*tasks, watcher, *liars_training]:
             t.cancel()
         bans = [{str(p) for p in ban_list(peer.transport)} for peer in peers]
-        name = str(peers[liar].peer_id) if liar is not None else None
-        banned_at = [optimizers[i].validation.banned_at.get(name) for i in honest] if name else []
+        names = {str(peers[i].peer_id) for i in lying}
+        banned_at = [optimizers[i].validation.banned_at.get(name) for i in honest for name in names]
         validations = sum(o.validation.validated for o in optimizers)
-        return {"metric": "verified_detection", "attack": attack, "seed": seed, "fraction": fraction,
-                "caught": bool(name) and all(e is not None for e in banned_at),
-                "first_ban_epoch": min((e for e in banned_at if e is not None), default=None),
-                "last_ban_epoch": max(banned_at) if banned_at and all(e is not None for e in banned_at) else None,
-                "epochs": max(o.local_epoch for i, o in enumerate(optimizers) if i in honest),
-                "honest_banned": sum(len(bans[i] - ({name} if name else set())) for i in honest),
-                "validations": validations,
-                "validation_compute_share": sum(o.validation.recomputed for o in optimizers) / max(1, sum(trained))}
+        row = {"metric": "verified_detection", "attack": attack, "peers": size, "liars": len(lying), "seed": seed,
+               "fraction": fraction, "caught": bool(names) and all(e is not None for e in banned_at),
+               "first_ban_epoch": min((e for e in banned_at if e is not None), default=None),
+               "last_ban_epoch": max(banned_at) if banned_at and all(e is not None for e in banned_at) else None,
+               "epochs": max(o.local_epoch for i, o in enumerate(optimizers) if i in honest),
+               "honest_banned": sum(len(bans[i] - names) for i in honest),
+               "validations": validations,
+               "validation_compute_share": sum(o.validation.recomputed for o in optimizers) / max(1, sum(trained))}
+        if test is not None:
+            with torch.no_grad():
+                row["test_loss"] = float(loss(models[honest[0]], test))
+        return row
     finally:
         for opt in optimizers:
             opt.shutdown()
@@ -163,6 +177,29 @@ def detection(args: argparse.Namespace) -> None:
                           "honest_banned": sum(r["honest_banned"] for r in rows),
                           "validation_compute_share": statistics.mean(r["validation_compute_share"] for r in rows),
                           "epochs_per_run": args.epochs if attack == "honest" else None}), flush=True)
+
+
+def training(args: argparse.Namespace) -> None:
+    """Each attack for a whole run (no early stop), 1 of 4 and 2 of 5 lying, against the honest
+    members alone: the honest peers' test loss after EPOCHS epochs."""
+    data = dataset()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(512, 16, generator=g)
+    test = (x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+    for size, liars in ((4, 1), (5, 2)):
+        for seed in range(args.training_runs):
+            runner = acquire_runner(virtual_time_loop)
+            try:
+                alone = runner.run(scene("honest", args.epochs, args.fraction, seed, data, size - liars,
+                                         test=test), timeout=3600)
+                rows = [runner.run(scene(attack, args.epochs, args.fraction, seed, data, size, liars,
+                                         until_caught=False, test=test), timeout=3600)
+                        for attack in ("scaled", "sign_flip", "other_data")]
+            finally:
+                release_runner()
+            for row in rows:
+                print(json.dumps({**row, "metric": "verified_training", "honest_only_test_loss": alone["test_loss"]}),
+                      flush=True)
 
 
 def mean_gradient(model: torch.nn.Module, batches: list, lossf, threads: int) -> torch.Tensor:
@@ -217,12 +254,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--part", choices=["detection", "tolerance", "all"], default="all")
+    parser.add_argument("--training-runs", type=int, default=3)
+    parser.add_argument("--part", choices=["detection", "tolerance", "training", "all"], default="all")
     args = parser.parse_args()
     if args.part in ("tolerance", "all"):
         tolerance(args)
     if args.part in ("detection", "all"):
         detection(args)
+    if args.part in ("training", "all"):
+        training(args)
 
 
 if __name__ == "__main__":

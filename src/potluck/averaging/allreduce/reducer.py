@@ -124,6 +124,7 @@ class ShardReducer:
         self._aside = aggregation != "mean"
         self._reducing: dict[int, asyncio.Future] = {}  # chunk -> its provisional reduction in a thread
         self._finishing: asyncio.Future | None = None  # finalize's recomputation in a thread
+        self._judging: asyncio.Future | None = None  # the record of deviations' judgement in a thread
         self._serving: dict[int, tuple[Any, asyncio.Task]] = {}  # sender -> (channel, writer)
         # Pooled memory: the reduced shard (results are slices of it) and one chunk of scratch.
         self._buffers = [pool.take(self.size), pool.take(chunk)]
@@ -157,7 +158,7 @@ class ShardReducer:
         """The run is over: stop serving and let go of every buffer."""
         self.closed = True
         self._stop_timer()
-        for task in [*self._reducing.values(), *([self._finishing] if self._finishing is not None else [])]:
+        for task in [*self._reducing.values(), *(t for t in (self._finishing, self._judging) if t is not None)]:
             task.cancel()  # the thread itself runs on into its own buffer, which nobody reads
         self._reducing.clear()
         for channel, writer in list(self._serving.values()):
@@ -351,33 +352,64 @@ class ShardReducer:
                            self.shard, s, self.group.peers[s], named[s], c)
 
     def _progress(self) -> None:
-        """Report to the member once every expected sender is settled."""
+        """Report to the member once every expected sender is settled (under a robust
+        aggregation, once the record of deviations has judged them, in the reductions' thread)."""
         self.changed.set()
         if not self.reported and self.expected <= (self.complete | self.failed):
             self.reported = True
-            self._judge()
-            host = self._host()
-            if host is not None:
-                host.on_report(self.shard, sorted(self.complete - self.left_out.keys()))
+            if self._aside and self.suspicion is not None:
+                self._judging = asyncio.ensure_future(self._judge_aside())
+                self._judging.add_done_callback(retrieve_exception)
+                return
+            case = self._case()
+            if case is not None:
+                self._leave_out(case[0], self._judged(*case))
+            self._report()
 
-    def _judge(self) -> None:
-        """Add this step's pieces to the averager's record of deviations, and leave out the
-        senders it suspects or excluded: never half of them or more (with fewer than half the
-        senders lying, more suspects means a broken record, not a step to throw away)."""
+    def _report(self) -> None:
+        host = self._host()
+        if host is not None:
+            host.on_report(self.shard, sorted(self.complete - self.left_out.keys()))
+
+    async def _judge_aside(self) -> None:
+        while self._reducing:  # the senders they name are evidence for the record
+            await asyncio.gather(*self._reducing.values(), return_exceptions=True)
+        case = self._case()
+        if case is not None:
+            left = await asyncio.get_running_loop().run_in_executor(_REDUCTIONS, self._judged, *case)
+            if self.closed:
+                return
+            self._leave_out(case[0], left)
+        self._report()
+
+    def _case(self) -> tuple[list[int], list[Any], list[list[torch.Tensor]], list[Any]] | None:
+        """What the record of deviations judges: the senders with a say, their peers, their
+        pieces' chunks and the peers named not honest (None: nothing to judge). A weight of 0
+        means "leave me out" (a peer with nothing to add this step): its piece counts for
+        nothing, so it is no evidence either way."""
         if self.suspicion is None or self.closed or not self.complete:
-            return
-        # a weight of 0 means "leave me out" (a peer with nothing to add this step): its piece
-        # counts for nothing, so it is no evidence either way
+            return None
         senders = sorted(s for s in self.complete if self.weights.get(s, 0) > 0)
         if not senders:
-            return
+            return None
         peers = [self.group.peers[s] for s in senders]
-        pieces = [torch.cat(self.pieces[s]) if len(self.pieces[s]) > 1 else self.pieces[s][0] for s in senders]
+        return senders, peers, [list(self.pieces[s]) for s in senders], [self.group.peers[s] for s in self.named]
+
+    def _judged(self, senders: list[int], peers: list[Any], chunks: list[list[torch.Tensor]],
+                named: list[Any]) -> dict[Any, str]:
+        """Add this step's pieces to the averager's record of deviations; the peers it leaves
+        out, and why (in any thread: the reductions' one under a robust aggregation)."""
+        pieces = [torch.cat(c) if len(c) > 1 else c[0] for c in chunks]
         start, _ = self.group.bounds(self.shard)
-        self.suspicion.record(start, peers, pieces, [self.group.peers[s] for s in senders if s in self.named])
-        left = self.suspicion.left_out(peers)
+        self.suspicion.record(start, peers, pieces, [p for p in peers if p in named])
+        return self.suspicion.left_out(peers)
+
+    def _leave_out(self, senders: list[int], left: dict[Any, str]) -> None:
+        """Leave out the senders the record suspects or excluded: never half of them or more
+        (with fewer than half the senders lying, more suspects means a broken record, not a step
+        to throw away)."""
         if 2 * len(left) < len(senders):
-            self.left_out = {s: left[p] for s, p in zip(senders, peers, strict=True) if p in left}
+            self.left_out = {s: left[p] for s, p in ((s, self.group.peers[s]) for s in senders) if p in left}
         for s, why in self.left_out.items():
             logger.info("reducer of shard %d leaves sender %d (%s) out of this step: %s",
                         self.shard, s, self.group.peers[s], why)
@@ -417,15 +449,22 @@ class ShardReducer:
             for c in range(self.chunks):
                 if self.reduced_with.get(c) != senders and not await self._reduce_aside(senders, c):
                     return  # the step ended here meanwhile
+            host = self._host()
+            if host is None or self.closed:
+                return
+            signature = await asyncio.get_running_loop().run_in_executor(  # hashes the shard: off the loop
+                _REDUCTIONS, host.sign_final, self.shard, senders, version, dict(self.results))
             if not self.closed:
-                self._seal(senders, version)
+                self._seal(senders, version, signature)
         finally:
             self.changed.set()
 
-    def _seal(self, senders: tuple[int, ...], version: int) -> None:
-        """Sign the result over `senders` and send FINAL to every receiver."""
+    def _seal(self, senders: tuple[int, ...], version: int, signature: bytes | None = None) -> None:
+        """Sign the result over `senders` (unless signed already) and send FINAL to every receiver."""
         host = self._host()
-        if host is not None:
+        if signature is not None:
+            self.final_signature = signature
+        elif host is not None:
             self.final_signature = host.sign_final(self.shard, senders, version, self.results)
         self.final_senders, self.final_version = senders, version
         for box in self.outboxes.values():
