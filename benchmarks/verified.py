@@ -25,7 +25,7 @@ validator must tolerate; potluck.optim.verified.TOLERANCE must sit far above it 
 the error of a lie (a gradient scaled by 1.001 is off by 1e-3).
 
 Usage: python benchmarks/verified.py [--runs 20] [--epochs 60] [--fraction 0.1] [--training-runs 3]
-       [--part detection|tolerance|training|all]
+       [--configs 4:1,5:2] [--part detection|tolerance|training|all]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def training(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(11)
     x = torch.randn(512, 16, generator=g)
     test = (x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
-    for size, liars in ((4, 1), (5, 2)):
+    for size, liars in (tuple(map(int, c.split(":"))) for c in args.configs.split(",")):
         for seed in range(args.training_runs):
             runner = acquire_runner(virtual_time_loop)
             try:
@@ -255,6 +255,7 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--training-runs", type=int, default=3)
+    parser.add_argument("--configs", default="4:1,5:2", help="peers:liars of the training part, comma-separated")
     parser.add_argument("--part", choices=["detection", "tolerance", "training", "all"], default="all")
     args = parser.parse_args()
     if args.part in ("tolerance", "all"):

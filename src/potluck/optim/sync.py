@@ -103,6 +103,7 @@ class SyncTraining(TrainingMode):
                                       **context.settings.averaging())
         if self.validation is not None:  # accusations may come before our own round has ended here
             self.validation.running = self.grad_averager.service.group_of
+            self.validation.audience = lambda: [r.peer_id for r in self.context.progress().reports]
 
     def batch(self) -> Any:
         """The batch our next step must compute (verified training)."""

@@ -21,9 +21,11 @@ other than those of its batches is caught, and banned, by peers that recompute t
   same batch is far below it: benchmarks/verified.py measures both).
 - **Consequences.** A mismatch bans the member from this peer's groups for the run, and the
   evidence (the sealed blocks, the claim, the round's parameters) goes to the round's other
-  members (`Accusation`): each checks it itself (the parameters against its own digest of them,
-  the seals against the member's key, the gradient by recomputing it) and bans the member, or
-  the accuser if the accusation is false. Nobody bans on another's word.
+  members and the run's other live peers (`Accusation`): each checks it itself (the parameters
+  against its own digest of that epoch's, the seals against the member's key, the gradient by
+  recomputing it) and bans the member, or the accuser if the accusation is false. Nobody bans
+  on another's word. A peer checks one accusation per epoch about a round it was not in (it
+  cannot tell that round's group is real, so a made-up one costs it one recomputation at most).
 
 What it cannot do: a member is validated only at parameters the validator holds too (the digest
 in its claim); one that claims others is not validated that round (honest peers' parameters
@@ -251,6 +253,11 @@ class Validation:
         self.groups: dict[bytes, Group] = {}  # group id -> the group, of our recent rounds (accusations name one)
         self.running: Callable[[bytes], Group | None] = lambda gid: None  # steps our all-reduce just ran
         self.heard: dict[tuple[PeerID, int], None] = {}  # (accuser, epoch) of accusations received
+        # Epochs we checked an accusation about a round we were not in: one each (anyone holding a
+        # member's sealed blocks can name a made-up group, so each costs us a recomputation at most
+        # once an epoch: about what validating costs us anyway).
+        self.foreign: dict[int, None] = {}
+        self.audience: Callable[[], Sequence[str]] = lambda: ()  # the run's other live peers (told too)
         self.transport: Any = None
         self.method = f"potluck.verified/{run_id}"
         self.tasks: set[asyncio.Task] = set()
@@ -381,9 +388,10 @@ class Validation:
                                 tuple(p.detach().clone() for p in self._replica_params()), case.claim)
         request = accusation.to_wire()
         me = self.transport.peer_id
-        for member in case.group.peers:
-            if member != me and str(member) != case.peer:
-                self._spawn(self._tell(member, request))
+        told = {m for m in case.group.peers if m != me and str(m) != case.peer}
+        told |= {PeerID.from_string(p) for p in self.audience() if p not in (str(me), case.peer)}
+        for member in told:
+            self._spawn(self._tell(member, request))
         return error
 
     async def _tell(self, member: PeerID, request: Any) -> None:
@@ -412,9 +420,9 @@ class Validation:
         accusation = Accusation.from_wire(request)
         group, accuser = accusation.group, ctx.peer_id
         known = self.groups.get(group.group_id) or self.running(group.group_id)
-        if known != group or accuser not in group.peers \
+        if (known is not None and known != group) or accuser not in group.peers \
                 or accusation.accused >= len(group.peers):
-            raise PotluckError("an accusation must come from a member of a recent round of ours, about a member")
+            raise PotluckError("an accusation must come from a member of its round, about a member")
         accused = group.peers[accusation.accused]
         banned = ban_list(self.transport)
         if accused == accuser or accuser in banned:
@@ -430,6 +438,12 @@ class Validation:
         mine = self.digests.get(accusation.epoch)
         if mine is None or RoundNote.read(accusation.claim).params != mine:
             return {"checked": False, "why": "not at parameters we hold"}
+        if known is None:  # a round we were not in: we cannot tell its group is real
+            if accusation.epoch in self.foreign:
+                raise PotluckError("checked an accusation about another round of that epoch already")
+            self.foreign[accusation.epoch] = None
+            while len(self.foreign) > EVIDENCE_EPOCHS:
+                del self.foreign[min(self.foreign)]
         forged = await run_in_thread(self._forged, accusation, mine)  # hashes a model: off the loop
         if forged is not None:
             banned.ban(accuser, f"it sent an accusation of {accused} with {forged}")
