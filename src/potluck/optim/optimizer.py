@@ -211,8 +211,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def batch(self) -> Any:
         """Verified training: the batch the next `step()` must compute the gradients of (drawn
-        from the dataset by a public seed, which other peers use to check it). It also seeds
-        torch's random generator for the step, so that dropout masks can be checked too."""
+        from the dataset by a public seed, which other peers use to check it)."""
         if not isinstance(self.training, SyncTraining):
             raise RuntimeError("batch() is for verified training: build the Optimizer with verify=Verified(...)")
         return self.training.batch()

@@ -76,7 +76,7 @@ SENDER_TIMEOUT = 10.0
 REGISTRATION_WAIT = 10.0
 
 # A reducer's answer to a check: sender -> (weight, its chunk digests, the block digests of the
-# chunk checked, the values of the blocks checked).
+# chunk checked, the values of the blocks checked, its seal of the piece).
 Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor, bytes]]
 
 
