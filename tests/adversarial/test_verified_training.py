@@ -50,8 +50,8 @@ def noisy_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
 
 
-async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss,
-                forge: bool = False) -> tuple[list[Optimizer], list[int], list[set[str]]]:
+async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss, forge: bool = False,
+                after=None) -> tuple[list[Optimizer], list[int], list[set[str]]]:
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
     for _ in range(4):
@@ -110,6 +110,8 @@ async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss,
         if lying is not None:
             lying.cancel()
             await asyncio.gather(lying, return_exceptions=True)
+        if after is not None:
+            await after(optimizers, peers)
         bans = [{str(p) for p in ban_list(peer.transport)} for peer in peers]
         scene.errors = errors
         return optimizers, honest, bans
@@ -120,10 +122,10 @@ async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss,
             await peer.ashutdown()
 
 
-def run(lie: str | None, accuser: int | None = None, lossf=loss, forge: bool = False):
+def run(lie: str | None, accuser: int | None = None, lossf=loss, forge: bool = False, after=None):
     runner = acquire_runner(virtual_time_loop)
     try:
-        return runner.run(scene(lie, dataset(), accuser, lossf, forge), timeout=600)
+        return runner.run(scene(lie, dataset(), accuser, lossf, forge, after), timeout=600)
     finally:
         release_runner()
 
@@ -202,3 +204,50 @@ def test_a_member_a_witness_caught_lying_is_credited_nothing_in_any_epoch(tmp_pa
         ledger.observe(2.0, {}, {m: records for m in members}, caught={"w": ["liar"], "liar": ["h"]})
         assert ledger.credits() == {"w": 24, "h": 24}
         assert [r.samples for r in sorted(ledger.epochs(), key=lambda r: r.epoch)] == [16, 16, 16]
+
+
+@pytest.mark.timeout(300)
+def test_accusations_about_rounds_a_peer_was_not_in_cost_it_one_check_an_epoch():
+    """Anyone holding a member's sealed blocks can name a made-up group around them. Identities
+    flooding a peer with such accusations get one checked per epoch (here: its parameters are
+    not the round's, and its sender is banned); the rest are refused before any hashing."""
+    from types import SimpleNamespace
+
+    from potluck.averaging.accountability import (
+        VERIFY_BLOCK,
+        block_digests,
+        chunk_digest,
+        claim_digest,
+        piece_root,
+        seal_message,
+    )
+    from potluck.averaging.allreduce import Group
+    from potluck.core.errors import PotluckError
+    from potluck.net.identity import Identity
+    from potluck.optim.progress import RoundNote
+    from potluck.optim.verified import Accusation, BlockProof
+    outcomes: list[str] = []
+    sybils = [Identity.generate() for _ in range(5)]
+
+    async def flood(optimizers, peers):
+        target, accused = optimizers[0].validation, peers[1].transport.identity
+        epoch = max(target.digests)
+        claim = RoundNote(8, params=target.digests[epoch]).to_wire()
+        params = tuple(torch.zeros_like(p) for p in target.params)  # not the round's
+        size = sum(p.numel() for p in params)
+        values = torch.randn(size)
+        digests = (chunk_digest(values),)
+        for k, sybil in enumerate(sybils):
+            group = Group(bytes([k]) * 32, (sybil.peer_id, accused.peer_id), ("node", "node"), (size, 0))
+            seal = accused.sign(seal_message(group.group_id, 0, 1, piece_root(1.0, digests), claim_digest(claim)))
+            proof = BlockProof(0, 0, 0, 1.0, digests, tuple(block_digests(values)), values[:VERIFY_BLOCK], seal)
+            request = Accusation(group, epoch, 1, (proof,), params, claim).to_wire()
+            try:
+                await target._on_accusation(request, SimpleNamespace(peer_id=sybil.peer_id))
+                outcomes.append("checked")
+            except PotluckError as e:
+                outcomes.append(str(e))
+
+    _, _, bans = run(None, after=flood)
+    assert outcomes[0] == "checked" and all("already" in o for o in outcomes[1:]), outcomes
+    assert bans[0] == {str(sybils[0].peer_id)}  # the checked one: parameters other than the round's
