@@ -186,8 +186,8 @@ def relative_error(blocks: Sequence[SealedBlock], vector: torch.Tensor) -> float
     and the blocks are not)."""
     diff = ref = 0.0
     for b in blocks:
-        mine = vector[b.offset:b.offset + b.values.numel()].to(torch.float64)
-        diff += float((b.values.to(torch.float64) - mine).square().sum())
+        mine = vector[b.offset:b.offset + b.values.numel()].to("cpu", torch.float64)  # (a GPU replica's too)
+        diff += float((b.values.to("cpu", torch.float64) - mine).square().sum())
         ref += float(mine.square().sum())
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
