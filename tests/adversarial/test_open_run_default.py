@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import potluck
-from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import DiLoCo, Moshpit, Optimizer, Sync
 from potluck.optim.optimizer import default_aggregation
+from tests.adversarial.members import join
 
 BATCH, TARGET, EPOCHS, HUGE = 8, 32, 4, 1e15
 
@@ -33,8 +33,7 @@ async def scene(liar: int | None) -> list[torch.nn.Module]:
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
     for _ in range(4):
-        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
-                                               clock=event_loop_clock()))
+        await join(network, peers)
     models = [make_model() for _ in peers]
     optimizers = [Optimizer(peer, "open", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
                             target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False)

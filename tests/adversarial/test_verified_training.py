@@ -17,12 +17,12 @@ import torch
 
 import potluck
 from potluck.averaging.accountability import ban_list
-from potluck.core.dht_time import event_loop_clock
 from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer, Verified
 from potluck.optim.verified import batch_indices
+from tests.adversarial.members import join
 
 BATCH, TARGET, EPOCHS = 8, 32, 6
 
@@ -55,8 +55,7 @@ async def scene(lie: str | None, data, accuser: int | None = None, lossf=loss, f
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
     for _ in range(4):
-        peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
-                                               clock=event_loop_clock()))
+        await join(network, peers)
     models = [make_model() for _ in peers]
     optimizers = [Optimizer(peer, "verified", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
                             target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False,
@@ -251,3 +250,32 @@ def test_accusations_about_rounds_a_peer_was_not_in_cost_it_one_check_an_epoch()
     _, _, bans = run(None, after=flood)
     assert outcomes[0] == "checked" and all("already" in o for o in outcomes[1:]), outcomes
     assert bans[0] == {str(sybils[0].peer_id)}  # the checked one: parameters other than the round's
+
+
+@pytest.mark.timeout(60)
+def test_verified_runs_share_their_data_and_refuse_what_cannot_be_checked():
+    """The dataset's digest and the batch size are part of the run schema (peers drawing other
+    batches could not check each other); modes and codecs that hide the gradient are refused."""
+    from potluck.optim import DiLoCo
+    from tests.emulated_swarm import run_on_shared_runner
+
+    async def main():
+        network = EmulatedNetwork(latency=0.01, seed=1)
+        peer = await join(network, [])
+
+        def build(run: str, data, batch: int = BATCH, **options) -> Optimizer:
+            model = make_model()
+            return Optimizer(peer, run, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), TARGET, batch,
+                             load_state=False, start=False, verify=Verified(model, loss, data), **options)
+        try:
+            same, other = build("a", dataset()), build("b", dataset())
+            assert same.schema.fingerprint == other.schema.fingerprint
+            assert build("c", dataset()[:-1]).schema.fingerprint != same.schema.fingerprint
+            assert build("d", dataset(), batch=4).schema.fingerprint != same.schema.fingerprint
+            with pytest.raises(ValueError, match="mode='sync'"):
+                build("e", dataset(), mode=DiLoCo())
+            with pytest.raises(ValueError, match="compression='none'"):
+                build("f", dataset(), compression="blockwise8")
+        finally:
+            await peer.ashutdown()
+    run_on_shared_runner(main())
