@@ -263,20 +263,26 @@ def test_a_check_fetches_the_block_in_the_codec_form_where_it_is_exact(monkeypat
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
-def test_robust_reductions_run_off_the_event_loop(monkeypatch, aggregation):
-    """A robust chunk costs milliseconds to tens of them (CenteredClip); reduced on the event
-    loop, it stalled every stream of the peer meanwhile (and, with peers sharing a process, every
-    peer). Reducers run it in a worker thread; the mean, about 1 ms, stays on the loop. The
-    results stay identical everywhere either way. So do the record of deviations (about 20 ms
-    for 4 senders of 425,000 floats) and the hashing of a reducer's result for its signature."""
+@pytest.mark.parametrize("aggregation,large", [("mean", True), ("centered_clip", True), ("centered_clip", False)])
+def test_large_robust_reductions_run_off_the_event_loop_and_small_ones_on_it(monkeypatch, aggregation, large):
+    """A robust reduction of a large shard costs tens of milliseconds (CenteredClip); reduced on
+    the event loop, it stalled every stream of the peer meanwhile (and, with peers sharing a
+    process, every peer). Reducers run it in a worker thread; the mean, about 1 ms, stays on the
+    loop. So do the record of deviations (about 20 ms for 4 senders of 425,000 floats), the
+    hashing of a reducer's result for its signature, and a member's check of a reducer. A small
+    shard's robust work (`reducer.INLINE_ELEMENTS`) stays on the loop: in a thread, its many small
+    ops wait on the GIL behind the loop's work (17-21 ms a round for 2.7 ms of work). The results
+    stay identical everywhere either way."""
     import threading
 
+    from potluck.averaging import robust
     from potluck.averaging.accountability import BanList
-    from potluck.averaging.allreduce import reducer
+    from potluck.averaging.allreduce import reducer, reduction
     from potluck.averaging.suspicion import SuspicionLedger
+    if large:  # 3,007 floats from 4 senders: above the limit
+        monkeypatch.setattr(reducer, "INLINE_ELEMENTS", 1000)
     threads: dict[str, list] = {"reduce": [], "record": [], "sign": []}
-    honest = reducer.reduce_chunk
+    honest = robust.aggregate
     honest_record, honest_sign = SuspicionLedger.record, AllReduceRun.sign_final
 
     def recording(*args, **kwargs):
@@ -290,7 +296,7 @@ def test_robust_reductions_run_off_the_event_loop(monkeypatch, aggregation):
     def sign(*args, **kwargs):
         threads["sign"].append(threading.current_thread())
         return honest_sign(*args, **kwargs)
-    monkeypatch.setattr(reducer, "reduce_chunk", recording)
+    monkeypatch.setattr(reduction, "aggregate", recording)
     monkeypatch.setattr(SuspicionLedger, "record", record)
     monkeypatch.setattr(AllReduceRun, "sign_final", sign)
     loop_threads = []
@@ -308,10 +314,11 @@ def test_robust_reductions_run_off_the_event_loop(monkeypatch, aggregation):
         assert all(torch.equal(r[0], results[0][0]) for r in results)
         assert all(r[1] == (0, 1, 2, 3) for r in results)
     run_virtual(main())
-    assert len(threads["reduce"]) >= 7  # every chunk of every shard was reduced (3,007 floats, chunks of 500)
+    if aggregation != "mean":  # every chunk of every shard (3,007 floats, chunks of 500), and 12 checks
+        assert len(threads["reduce"]) >= 7 + 12
     assert len(threads["sign"]) == 4 and len(threads["record"]) == (0 if aggregation == "mean" else 4)
     on_loop = [t is loop_threads[0] for kind in threads.values() for t in kind]
-    assert all(on_loop) if aggregation == "mean" else not any(on_loop), aggregation
+    assert all(on_loop) if aggregation == "mean" or not large else not any(on_loop), aggregation
 
 
 @pytest.mark.timeout(60)
@@ -403,6 +410,29 @@ def test_load_balancing_gives_fast_peers_more_and_clients_nothing():
     assert with_client[1] == 0 and with_client[0] == pytest.approx(0.5, rel=1e-3)
     sizes = part_sizes(1001, [0.5, 0.25, 0.25])
     assert sum(sizes) == 1001 and sizes[0] > sizes[1]
+
+
+def test_a_group_that_meets_again_does_not_solve_its_load_balancing_program_again(monkeypatch):
+    """The leader and every member solve the group's program each round (9 ms each with a client
+    among 4 members); a stable group declares the same roles and bandwidths every round."""
+    import scipy.optimize
+
+    from potluck.averaging import load_balancing
+    solved = []
+    honest = scipy.optimize.linprog
+    monkeypatch.setattr(scipy.optimize, "linprog", lambda *a, **k: solved.append(1) or honest(*a, **k))
+    roles, up, down = ["node", "node", "node", "client"], [1.1e7, 2.3e7, 1.7e7, 1e7], [3.1e7, 2e7, 1e7, 1e7]
+    first = optimal_fractions(roles, up, down)
+    calls = len(solved)
+    assert calls > 0
+    fresh = load_balancing._optimal_fractions(roles, up, down)  # solved again, uncached
+    assert len(solved) == 2 * calls
+    first[0] = -1.0  # the caller's list is its own
+    for _ in range(3):  # the leader's split, and each member's check of it
+        assert load_balancing.fair_split(load_balancing.balanced_parts(1000, roles, up, down), roles, up, down)
+        assert optimal_fractions(roles, up, down) == fresh
+    assert len(solved) == 2 * calls
+    assert optimal_fractions(roles, up[::-1], down) != optimal_fractions(roles, up, down)  # other bandwidths
 
 
 class OversizedCodec(PlainCodec):

@@ -107,6 +107,36 @@ def test_bits_do_not_depend_on_the_thread_count(kind):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_centered_clip_gives_the_bits_it_gave_before_its_rewrite_for_speed():
+    """Members check a reducer by recomputing its result bit for bit, so a change of CenteredClip's
+    arithmetic would have peers of two versions accuse each other. These bits (results and
+    distances, from inputs exact on any CPU) are those of the version before the rewrite with
+    fewer, whole-tensor ops and numpy for the radius and coefficients."""
+    import hashlib
+
+    from potluck.averaging.robust import centered_clip
+    digest = hashlib.sha256()
+    for n, d, seed, kind in [(4, 10000, 1, "honest"), (5, 4096, 2, "far"), (3, 5000, 3, "inf"), (7, 9000, 4, "pair"),
+                             (4, 12289, 5, "honest")]:
+        g = torch.Generator().manual_seed(seed)
+
+        def draw(g=g, d=d):
+            return torch.randint(-2**20, 2**20, (d,), generator=g).float() / 2**18
+        base = draw()
+        pieces = [base + draw() / 4 for _ in range(n)]
+        if kind == "far":
+            pieces[0] = pieces[0] * 1e4
+        if kind == "inf":
+            pieces[1] = torch.full((d,), float("inf"))
+        if kind == "pair":
+            pieces[0], pieces[1] = pieces[0] + 3, pieces[1] + 3
+        out = torch.empty(d)
+        distances = centered_clip(pieces, out)
+        digest.update(out.numpy().tobytes())
+        digest.update(repr(distances).encode())
+    assert digest.hexdigest() == "29740ebf121fcfa585e96c08a97fe447c24489fca2642179e6a2c4ba91bff2e7"
+
+
 def test_zero_weights_take_no_part_unless_every_weight_is_zero():
     a, b, c = torch.zeros(10), torch.ones(10), torch.full((10,), 2.0)
     assert torch.equal(run("trimmed_mean", [a, b, c], [0.0, 1.0, 1.0]), torch.full((10,), 1.5))

@@ -35,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from potluck.averaging.accountability import VERIFY_BLOCK
@@ -150,35 +151,50 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CenteredClip of each block of `x` (senders x blocks x elements) alone: the blocks' results
     (blocks x elements), and the squared distances (float64, senders x blocks) of each piece from
     the start. Blocks advance together but each by its own radius and coefficients, and stops on
-    its own: a block's bits do not depend on the other blocks beside it."""
+    its own: a block's bits do not depend on the other blocks beside it.
+    Few, whole-tensor ops per iteration (their count, not their size, is the cost of the small
+    shards of a fast link, and each one hands the GIL to other threads): one product of all the
+    differences by their coefficients, the senders' terms added in a fixed order (identical bits
+    on every CPU), and one sum of squares for both the next differences and the step's length."""
     n = x.shape[0]
     v = lower_median(x)  # an existing value of each coordinate
-    diff = torch.empty_like(x)
-    scratch = torch.empty(*x.shape[:2], 1 << max(0, (x.shape[2] - 1).bit_length()), dtype=torch.float64)
-    active = torch.ones(v.shape[0], dtype=torch.bool)
-    start: torch.Tensor | None = None
+    rows = torch.empty(n + 1, *x.shape[1:], dtype=x.dtype)  # the differences x - v, then the last step
+    diff, step = rows[:n], rows[n]
+    sums = _SquareSums(n + 1, x.shape[1], x.shape[2])  # each row's sum alone: the same bits as one by one
+    torch.sub(x, v, out=diff)
+    step.zero_()
+    squares = start = sums(rows)[:n]  # senders x blocks
+    terms = torch.empty_like(x)
+    active = np.ones(v.shape[0], dtype=bool)
     for _ in range(CLIP_ITERATIONS):
-        torch.sub(x, v, out=diff)
-        squares = _sums_of_squares(diff, scratch)  # senders x blocks
-        start = squares if start is None else start
-        norms = squares.sqrt()
-        tau = CLIP_RADIUS * norms.sort(dim=0).values[(n - 1) // 2]  # per block
-        # coefficient of each piece in its block: 1/n, scaled down to pull by at most tau
-        coefficients = torch.where(norms <= tau, 1.0, tau / norms).div_(n)
-        # a difference beyond float32 (norm inf) counts 0 (inf x 0 would be NaN)
-        coefficients = torch.where(torch.isfinite(norms) & (norms > 0), coefficients, 0.0)
-        active &= torch.isfinite(tau) & (coefficients * norms > 0).any(dim=0)  # else v stays as it is
+        # The radius and coefficients, senders x blocks of float64, in numpy: its elementwise
+        # operations are IEEE-exact like torch's, at a fraction of the cost per call.
+        norms = np.sqrt(squares.numpy())
+        tau = CLIP_RADIUS * np.sort(norms, axis=0)[(n - 1) // 2]  # per block
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # coefficient of each piece in its block: 1/n, scaled down to pull by at most tau
+            coefficients = np.where(norms <= tau, 1.0, tau / norms) / n
+            # a difference beyond float32 (norm inf) counts 0 (inf x 0 would be NaN)
+            coefficients = np.where(np.isfinite(norms) & (norms > 0), coefficients, 0.0)
+            active &= np.isfinite(tau) & (coefficients * norms > 0).any(axis=0)  # else v stays as it is
         if not active.any():
             break
-        c32 = coefficients.to(torch.float32)
-        step = torch.zeros_like(v)
-        term = torch.empty_like(v)
-        for i in range(n):  # fixed sender order, separate ops: identical bits on every CPU
-            torch.mul(diff[i], c32[i].unsqueeze(1), out=term)
-            term.masked_fill_((c32[i] == 0).unsqueeze(1), 0.0)
-            step.add_(term)
-        v = torch.where(active.unsqueeze(1), v + step, v)
-        moved = _sums_of_squares(step.unsqueeze(0))[0].sqrt()
+        c32 = torch.from_numpy(coefficients.astype(np.float32)).unsqueeze(2)
+        torch.mul(diff, c32, out=terms)
+        zero = c32 == 0
+        if zero.any():
+            terms.masked_fill_(zero, 0.0)
+        step.zero_()
+        for i in range(n):  # fixed sender order, separate adds: identical bits on every CPU
+            step.add_(terms[i])
+        if active.all():
+            v.add_(step)
+        else:
+            v = torch.where(torch.from_numpy(active).unsqueeze(1), v + step, v)
+        torch.sub(x, v, out=diff)
+        both = sums(rows)
+        squares = both[:n]
+        moved = np.sqrt(both[n].numpy())
         active &= ~(moved <= CLIP_TOLERANCE * tau)
     return v, start
 
@@ -229,23 +245,33 @@ def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
 
 
 def _row_sums_of_squares(t: torch.Tensor) -> list[float]:
-    """Sum of squares of each row of a 2-D tensor, in float64 (see `_sums_of_squares`)."""
-    return _sums_of_squares(t.unsqueeze(1))[:, 0].tolist()
+    """Sum of squares of each row of a 2-D tensor, in float64 (see `_SquareSums`)."""
+    return _SquareSums(t.shape[0], 1, t.shape[1])(t.unsqueeze(1))[:, 0].tolist()
 
 
-def _sums_of_squares(t: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum of squares along the last dimension of a 3-D tensor, in float64 (float32 squares of
-    1e20 already overflow), by a fixed pairwise tree of elementwise adds: the same bits whatever
-    the thread count, SIMD width or the other rows (torch's own reductions depend on all three).
-    `scratch`: a float64 tensor of t's shape, last dimension rounded up to a power of two, to
-    reuse (it is overwritten)."""
-    rows, blocks, width = t.shape
-    size = 1 << max(0, (width - 1).bit_length())
-    squares = torch.empty(rows, blocks, size, dtype=torch.float64) if scratch is None else scratch
-    squares[:, :, :width] = t
-    squares[:, :, width:] = 0.0  # the tree's padding leaves
-    squares.mul_(squares)
-    while size > 1:
-        size //= 2
-        squares[:, :, :size].add_(squares[:, :, size:2 * size])
-    return squares[:, :, 0].clone()
+class _SquareSums:
+    """Sums of squares along the last dimension of 3-D tensors of one shape, in float64 (float32
+    squares of 1e20 already overflow), by a fixed pairwise tree of elementwise adds: the same bits
+    whatever the thread count, SIMD width or the other rows (torch's own reductions depend on all
+    three). The scratch and the views of the tree's levels are made once, for the iterations of
+    CenteredClip to reuse: slicing them again costs more than the adds on small blocks."""
+
+    def __init__(self, rows: int, blocks: int, width: int):
+        size = 1 << max(0, (width - 1).bit_length())
+        self.squares = torch.empty(rows, blocks, size, dtype=torch.float64)
+        self.leaves = self.squares[:, :, :width]
+        self.padding = self.squares[:, :, width:] if width < size else None  # the tree's padding leaves
+        self.levels = []
+        while size > 1:
+            size //= 2
+            self.levels.append((self.squares[:, :, :size], self.squares[:, :, size:2 * size]))
+        self.root = self.squares[:, :, 0]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.leaves.copy_(t)
+        if self.padding is not None:
+            self.padding.zero_()
+        self.squares.mul_(self.squares)
+        for into, other in self.levels:
+            into.add_(other)
+        return self.root.clone()

@@ -48,7 +48,7 @@ from potluck.averaging.allreduce.messages import (
     VerifyRequest,
     parse_result,
 )
-from potluck.averaging.allreduce.reducer import ShardReducer
+from potluck.averaging.allreduce.reducer import ShardReducer, reduce_aside, runs_aside
 from potluck.averaging.allreduce.reduction import (
     as_received,
     decode_chunk,
@@ -425,7 +425,10 @@ class AllReduceRun:
         out = torch.empty(hi - lo)
         weights = {s: w for s, (w, _, _, _, _) in pieces.items()}
         values = {s: {c: p} for s, (_, _, _, p, _) in pieces.items()}
-        reduce_chunk(self.aggregation, values, weights, outcome.senders, c, out, torch.empty(hi - lo))
+        if runs_aside(self.aggregation, (hi - lo) * len(pieces)):  # (robust reductions use no scratch)
+            await reduce_aside(self.aggregation, values, weights, outcome.senders, c, out, out)
+        else:
+            reduce_chunk(self.aggregation, values, weights, outcome.senders, c, out, torch.empty(hi - lo))
         expected = as_received(self.codec, out)
         if not torch.equal(expected, self.result[lo:hi]):
             error = (expected - self.result[lo:hi]).abs().max().item()

@@ -43,6 +43,27 @@ logger = logging.getLogger(__name__)
 # one thread keeps one malloc arena for CenteredClip's scratch: spread over the default pool's
 # threads, each thread's arena kept its own freed scratch (docs/benchmarks.md, the soak).
 _REDUCTIONS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="potluck-reduce")
+# Robust work on at most this many elements in all (a shard's pieces from every sender, or the
+# blocks of one check) stays on the event loop: a few milliseconds (for 4 x 32K floats,
+# CenteredClip 1.8 ms and the record of deviations 2.5 ms). In a thread, each of its many small
+# tensor ops hands the GIL to the loop, which, busy with the round's messages, keeps it for up to
+# the switch interval (5 ms) before giving it back: during rounds of the demo's CNN on loopback
+# (4 x 10K floats), a reducer's report came 31 ms (median) after its last piece with the
+# reduction and the record in the thread, 3 ms with them on the loop (beside a busy Python
+# thread, a reduction of 3 ms in another thread takes seconds). Above it, the work itself
+# dominates, and the loop must keep serving streams meanwhile.
+INLINE_ELEMENTS = 1 << 17
+
+
+def runs_aside(aggregation: str, elements: int) -> bool:
+    """Whether robust work on `elements` in all goes to the reductions' thread (INLINE_ELEMENTS)."""
+    return aggregation != "mean" and elements > INLINE_ELEMENTS
+
+
+async def reduce_aside(*args: Any) -> dict[int, float]:
+    """`reduce_chunk(*args)` in the reductions' thread (a robust reduction: milliseconds of
+    tensor ops that would otherwise hold the event loop)."""
+    return await asyncio.get_running_loop().run_in_executor(_REDUCTIONS, reduce_chunk, *args)
 
 
 class ReducerHost(Protocol):
@@ -118,10 +139,11 @@ class ShardReducer:
         self.final_signature = b""
         self.closed = False
         self.changed = asyncio.Event()
-        # A robust aggregation of a chunk takes milliseconds to tens of them (CenteredClip: 19 ms
-        # for 2^18 floats from 4 senders): it runs in a worker thread, so that this peer's loop
-        # keeps serving every stream meanwhile. The mean (about 1 ms a chunk) stays on the loop.
-        self._aside = aggregation != "mean"
+        # A robust aggregation of a large shard takes tens of milliseconds (CenteredClip: 19 ms for
+        # 2^18 floats from 4 senders): it runs in a worker thread, so that this peer's loop keeps
+        # serving every stream meanwhile. The mean (about 1 ms a chunk), and a small shard's robust
+        # aggregation (see INLINE_ELEMENTS), stay on the loop.
+        self._aside = runs_aside(aggregation, self.size * len(self.expected))
         self._reducing: dict[int, asyncio.Future] = {}  # chunk -> its provisional reduction in a thread
         self._finishing: asyncio.Future | None = None  # finalize's recomputation in a thread
         self._judging: asyncio.Future | None = None  # the record of deviations' judgement in a thread
@@ -310,8 +332,7 @@ class ShardReducer:
         out = torch.empty(hi - lo)
         try:
             # (robust aggregations use no scratch: `out` stands in for it)
-            distances = await asyncio.get_running_loop().run_in_executor(
-                _REDUCTIONS, reduce_chunk, self.aggregation, pieces, dict(self.weights), senders, c, out, out, True)
+            distances = await reduce_aside(self.aggregation, pieces, dict(self.weights), senders, c, out, out, True)
         finally:
             if self._reducing.get(c) is asyncio.current_task():
                 del self._reducing[c]
