@@ -9,6 +9,8 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
                   in client mode (as if behind NAT: it dials out only).
   potluck_mean    the same with `aggregation="mean"` (the default of a run with an authority; an
                   open run's default is CenteredClip).
+  potluck_delayed the same as potluck with `delay_updates=True` (each round averages in the
+                  background while the next batches are computed; updates one step stale).
   potluck_diloco  `potluck.Optimizer` in diloco mode, local_steps=8 (an outer step per 256 local
                   samples of each peer), the same peers.
   torchft         torchft 0.2.0 (from the python of .venv-torchft: scripts/torchft-venv.sh): rank 0
@@ -32,7 +34,7 @@ Prints one JSON object per line, e.g.
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/potluck", "value": 0.8, ...}
 
 Usage: python benchmarks/torchft_compare.py [--quick] [--repeats 3] [--target 0.95] [--cap 90]
-           [--systems potluck,potluck_mean,potluck_diloco,torchft] [--torchft-python PATH]
+           [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,torchft] [--torchft-python PATH]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ TORCHFT_TIMEOUT = 5.0
 DILOCO_LOCAL_STEPS = 8  # 8 x 32 = 256 samples of each peer between outer steps
 TORCHFT_MIN_REPLICAS = 2  # the lighthouse forms quorums of at least this many replica groups
 TORCHFT_JOIN_TIMEOUT_MS = 1000  # for the first quorum, all four replicas are heartbeating by then
-SYSTEMS = ("potluck", "potluck_mean", "potluck_diloco", "torchft")
+SYSTEMS = ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "torchft")
 
 
 # == worker side ==================================================================================
@@ -147,6 +149,7 @@ def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any,
     client = args.rank == CLIENT_RANK
     peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [], client_mode=client)
     mode = {"potluck": {}, "potluck_mean": {"aggregation": "mean"},
+            "potluck_delayed": {"delay_updates": True},
             "potluck_diloco": {"mode": "diloco", "local_steps": DILOCO_LOCAL_STEPS}}[args.worker]
     opt = potluck.Optimizer(peer, "torchft-compare", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                             target_batch_size=GLOBAL_BATCH, batch_size_per_step=POTLUCK_LOCAL_BATCH,
@@ -229,7 +232,7 @@ def main() -> None:
             medians[system] = statistics.median(reached) if len(reached) == len(times) and times else None
             emit({"metric": "time_to_accuracy_median", "value": medians[system] and round(medians[system], 2),
                   "unit": "s", "runs": [t and round(t, 2) for t in times], **params})
-    for other in ("potluck", "potluck_mean", "potluck_diloco"):
+    for other in ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco"):
         if medians.get("torchft") and medians.get(other):
             emit({"metric": "time_to_accuracy_ratio", "value": round(medians["torchft"] / medians[other], 2),
                   "unit": f"torchft/{other}", "measured": "median over median; above 1: potluck is faster",
