@@ -34,6 +34,7 @@ NUMPY_CALLS = {
     "core/staging.py": 2,  # host_slices: a CPU tensor, or a slice just copied to the host
     "core/serialization.py": 2,  # tensor_memory refuses non-CPU tensors; decoded buffers
     "averaging/accountability.py": 1,  # the chunk moved .to("cpu") on the same line
+    "averaging/robust.py": 2,  # CenteredClip's sums of squares (senders x blocks), .cpu() on the same line
     "averaging/state_transfer/server.py": 1,  # the snapshot: a host copy of the state
     "averaging/state_transfer/download.py": 1,  # a chunk as received from the network
     "cli/ps.py": 1,  # the command builds its models on the CPU

@@ -158,18 +158,18 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     on every CPU), and one sum of squares for both the next differences and the step's length."""
     n = x.shape[0]
     v = lower_median(x)  # an existing value of each coordinate
-    rows = torch.empty(n + 1, *x.shape[1:], dtype=x.dtype)  # the differences x - v, then the last step
+    rows = x.new_empty(n + 1, *x.shape[1:])  # the differences x - v, then the last step
     diff, step = rows[:n], rows[n]
-    sums = _SquareSums(n + 1, x.shape[1], x.shape[2])  # each row's sum alone: the same bits as one by one
+    sums = _SquareSums(n + 1, x.shape[1], x.shape[2], x.device)  # each row's sum alone: the same bits as one by one
     torch.sub(x, v, out=diff)
     step.zero_()
     squares = start = sums(rows)[:n]  # senders x blocks
     terms = torch.empty_like(x)
     active = np.ones(v.shape[0], dtype=bool)
     for _ in range(CLIP_ITERATIONS):
-        # The radius and coefficients, senders x blocks of float64, in numpy: its elementwise
-        # operations are IEEE-exact like torch's, at a fraction of the cost per call.
-        norms = np.sqrt(squares.numpy())
+        # The radius and coefficients, senders x blocks of float64, in numpy (in host memory):
+        # its elementwise operations are IEEE-exact like torch's, at a fraction of the cost per call.
+        norms = np.sqrt(squares.cpu().numpy())
         tau = CLIP_RADIUS * np.sort(norms, axis=0)[(n - 1) // 2]  # per block
         with np.errstate(divide="ignore", invalid="ignore"):
             # coefficient of each piece in its block: 1/n, scaled down to pull by at most tau
@@ -179,7 +179,7 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             active &= np.isfinite(tau) & (coefficients * norms > 0).any(axis=0)  # else v stays as it is
         if not active.any():
             break
-        c32 = torch.from_numpy(coefficients.astype(np.float32)).unsqueeze(2)
+        c32 = torch.from_numpy(coefficients.astype(np.float32)).to(x.device).unsqueeze(2)
         torch.mul(diff, c32, out=terms)
         zero = c32 == 0
         if zero.any():
@@ -190,11 +190,11 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if active.all():
             v.add_(step)
         else:
-            v = torch.where(torch.from_numpy(active).unsqueeze(1), v + step, v)
+            v = torch.where(torch.from_numpy(active).to(x.device).unsqueeze(1), v + step, v)
         torch.sub(x, v, out=diff)
         both = sums(rows)
         squares = both[:n]
-        moved = np.sqrt(both[n].numpy())
+        moved = np.sqrt(both[n].cpu().numpy())
         active &= ~(moved <= CLIP_TOLERANCE * tau)
     return v, start
 
@@ -246,7 +246,7 @@ def _running_mean(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
 
 def _row_sums_of_squares(t: torch.Tensor) -> list[float]:
     """Sum of squares of each row of a 2-D tensor, in float64 (see `_SquareSums`)."""
-    return _SquareSums(t.shape[0], 1, t.shape[1])(t.unsqueeze(1))[:, 0].tolist()
+    return _SquareSums(t.shape[0], 1, t.shape[1], t.device)(t.unsqueeze(1))[:, 0].tolist()
 
 
 class _SquareSums:
@@ -256,9 +256,9 @@ class _SquareSums:
     three). The scratch and the views of the tree's levels are made once, for the iterations of
     CenteredClip to reuse: slicing them again costs more than the adds on small blocks."""
 
-    def __init__(self, rows: int, blocks: int, width: int):
+    def __init__(self, rows: int, blocks: int, width: int, device: torch.device | str = "cpu"):
         size = 1 << max(0, (width - 1).bit_length())
-        self.squares = torch.empty(rows, blocks, size, dtype=torch.float64)
+        self.squares = torch.empty(rows, blocks, size, dtype=torch.float64, device=device)
         self.leaves = self.squares[:, :, :width]
         self.padding = self.squares[:, :, width:] if width < size else None  # the tree's padding leaves
         self.levels = []
