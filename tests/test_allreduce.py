@@ -425,7 +425,7 @@ def test_a_group_that_meets_again_does_not_solve_its_load_balancing_program_agai
     first = optimal_fractions(roles, up, down)
     calls = len(solved)
     assert calls > 0
-    fresh = load_balancing._optimal_fractions(roles, up, down)  # solved again, uncached
+    fresh = list(load_balancing._optimal_fractions.__wrapped__(tuple(roles), tuple(up), tuple(down)))  # uncached
     assert len(solved) == 2 * calls
     first[0] = -1.0  # the caller's list is its own
     for _ in range(3):  # the leader's split, and each member's check of it

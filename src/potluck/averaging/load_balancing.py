@@ -46,19 +46,16 @@ SOLVED_PROGRAMS = 32
 
 def optimal_fractions(roles: list[str], upload: list[float], download: list[float] | None = None) -> list[float]:
     """Fraction of the vector each member reduces (0 for clients), minimizing the slowest member."""
-    return list(_solved(tuple(roles), tuple(map(float, upload)),
-                        None if download is None else tuple(map(float, download))))
+    return list(_optimal_fractions(tuple(roles), tuple(map(float, upload)),
+                                   None if download is None else tuple(map(float, download))))
 
 
 @functools.lru_cache(maxsize=SOLVED_PROGRAMS)
-def _solved(roles: tuple[str, ...], upload: tuple[float, ...], download: tuple[float, ...] | None) -> tuple[float, ...]:
-    return tuple(_optimal_fractions(list(roles), list(upload), None if download is None else list(download)))
-
-
-def _optimal_fractions(roles: list[str], upload: list[float], download: list[float] | None) -> list[float]:
+def _optimal_fractions(roles: tuple[str, ...], upload: tuple[float, ...],
+                       download: tuple[float, ...] | None) -> tuple[float, ...]:
     n = len(roles)
     if len(set(upload)) == 1 and (download is None or len(set(download)) == 1) and all(r == "node" for r in roles):
-        return [1.0 / n] * n  # equal nodes: the program's answer is the even split
+        return (1.0 / n,) * n  # equal nodes: the program's answer is the even split
     from scipy.optimize import linprog  # imported on first use: it costs half a second at start-up
 
     download = upload if download is None else download
@@ -113,9 +110,9 @@ def _optimal_fractions(roles: list[str], upload: list[float], download: list[flo
             break
     if x is None:  # cannot happen for valid input; fall back to an even split
         share = 1.0 / can_reduce.sum()
-        return [share if c else 0.0 for c in can_reduce]
+        return tuple(share if c else 0.0 for c in can_reduce)
     x = np.where(x < MIN_SHARE, 0.0, x)
-    return [float(v) for v in x / x.sum()]
+    return tuple(float(v) for v in x / x.sum())
 
 
 def max_share(roles: list[str]) -> float:
