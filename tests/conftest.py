@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from potluck.core import compat
+from tests import forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP_KINDS = ["asyncio", "uvloop"]
@@ -44,7 +45,7 @@ class PeerProcess:
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "peer_process.py"), *args],
+        self.proc = forkserver.Popen([sys.executable, str(ROOT / "tests" / "peer_process.py"), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().strip()
         if not line:

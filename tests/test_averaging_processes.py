@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from potluck.averaging.allreduce.reduction import bounded_weights
+from tests import forkserver
 from tests.averaging_process import vector_of
 from tests.conftest import ROOT
 
@@ -35,7 +36,7 @@ class AveragingProcess:
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
         self.index = index
         self.out = out
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        self.proc = forkserver.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         self.address = self.proc.stdout.readline().strip()
         self.peer_id = self.proc.stdout.readline().strip()

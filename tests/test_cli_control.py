@@ -6,13 +6,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from potluck.cli import build_parser
 from potluck.cli.peer import join_addresses, routable_hosts
+from tests import forkserver
 from tests.conftest import ROOT
 
 
@@ -36,7 +36,7 @@ def test_a_port_in_use_is_one_line_without_a_traceback():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "potluck", "peer", "--host", "127.0.0.1", "--port", str(port)],
+        done = forkserver.run([sys.executable, "-m", "potluck", "peer", "--host", "127.0.0.1", "--port", str(port)],
                               capture_output=True, text=True, cwd=ROOT, timeout=50,
                               env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     lines = done.stderr.strip().splitlines()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from potluck.cli.tasks import accuracy, load_data, make_model
+from tests import forkserver
 from tests.conftest import ROOT
 
 
@@ -55,7 +56,7 @@ def test_demo_trains_to_95_percent_with_churn_and_writes_its_report(tmp_path):
 
 def test_demo_help_documents_the_report_keys():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run([sys.executable, "-m", "potluck", "demo", "--help"], env=env, capture_output=True,
+    out = forkserver.run([sys.executable, "-m", "potluck", "demo", "--help"], env=env, capture_output=True,
                          text=True, timeout=60).stdout
     for word in ("--mode", "--duration", "--out", "test_accuracy", "loss.png", "--no-monitor", "ledger.db"):
         assert word in out

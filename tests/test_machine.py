@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 TOGETHER = 3  # epochs both machines train before a rank of machine 1 is killed
 ALONE = 2  # epochs machine 0 trains after that
@@ -45,7 +47,7 @@ def test_two_machines_of_two_ranks_train_as_two_peers_and_a_dead_rank_takes_its_
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     ports = [free_port(), free_port()]
     epochs = {0: TOGETHER + ALONE, 1: 1000}
-    procs = {(m, r): subprocess.Popen([sys.executable, str(ROOT / "tests" / "machine_process.py"), str(m), str(r),
+    procs = {(m, r): forkserver.Popen([sys.executable, str(ROOT / "tests" / "machine_process.py"), str(m), str(r),
                                        "--port", str(ports[m]), "--dir", str(tmp_path), "--epochs", str(epochs[m])],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for m in (0, 1) for r in (0, 1)}
@@ -81,7 +83,7 @@ def test_fsdp_sharded_machine_trains_exactly_as_the_unsharded_model(tmp_path):
     trained by hand with the same mean gradients, on both ranks."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "machine_fsdp_process.py"), str(r), "--port",
+    procs = [forkserver.Popen([sys.executable, str(ROOT / "tests" / "machine_fsdp_process.py"), str(r), "--port",
                                str(port), "--dir", str(tmp_path)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:

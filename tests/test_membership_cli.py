@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests import forkserver
 from tests.conftest import ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
@@ -61,20 +62,20 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.mark.timeout(180)
 def test_authority_command_admits_an_invited_peer_and_refuses_a_stranger(tmp_path):
     policy = tmp_path / "run.policy"
-    made = subprocess.run(potluck("authority", "add-invite", "--policy", str(policy), "--name", "volunteer"),
+    made = forkserver.run(potluck("authority", "add-invite", "--policy", str(policy), "--name", "volunteer"),
                           capture_output=True, text=True, env=ENV, timeout=60, check=True)
     code = made.stdout.split("invite:")[1].split()[0]
-    authority = subprocess.Popen(potluck("authority", "--run-id", "cli-run", "--key", str(tmp_path / "auth.key"),
+    authority = forkserver.Popen(potluck("authority", "--run-id", "cli-run", "--key", str(tmp_path / "auth.key"),
                                          "--policy", str(policy), "--host", "127.0.0.1"),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     member = None
     try:
         address = wait_for_line(authority, "--authority").split()[-1]
-        member = subprocess.Popen(potluck("peer", "--host", "127.0.0.1", "--initial-peers", address,
+        member = forkserver.Popen(potluck("peer", "--host", "127.0.0.1", "--initial-peers", address,
                                           "--authority", address, "--credential", f"invite:{code}"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         assert "member 'volunteer' of run 'cli-run'" in wait_for_line(member, "member ")
-        stranger = subprocess.run(potluck("peer", "--host", "127.0.0.1", "--authority", address,
+        stranger = forkserver.run(potluck("peer", "--host", "127.0.0.1", "--authority", address,
                                           "--credential", f"invite:{code}"),
                                   capture_output=True, text=True, env=ENV, timeout=60)
         assert stranger.returncode == 1

@@ -14,6 +14,7 @@ from torch import nn
 import potluck
 from potluck.cli.tasks import load_data
 from potluck.moe import RemoteMixtureOfExperts
+from tests import forkserver
 from tests.conftest import ROOT, PeerProcess
 
 HIDDEN = 32
@@ -24,7 +25,7 @@ class ExpertServerProcess(PeerProcess):
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "potluck", "expert-server", "--host", "127.0.0.1", *args],
+        self.proc = forkserver.Popen([sys.executable, "-m", "potluck", "expert-server", "--host", "127.0.0.1", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.address = None
         for line in self.proc.stdout:  # ends at EOF if the process dies, so this cannot hang forever

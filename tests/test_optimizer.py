@@ -15,6 +15,7 @@ from potluck.core.runner import run_in_thread
 from potluck.optim import EpochEvent, Optimizer
 from potluck.optim.progress import RoundNote
 from potluck.optim.sync import MAX_ROUND_ATTEMPTS
+from tests import forkserver
 
 X, Y, X_TEST, Y_TEST = load_data()
 BATCH, TARGET, LR = 32, 512, 3e-3
@@ -372,7 +373,7 @@ def test_four_processes_one_slow_one_client_end_every_epoch_identical():
     epochs = 8
 
     def spawn(index: int, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, script, str(index), "--epochs", str(epochs), "--peers", "4", *extra],
+        return forkserver.Popen([sys.executable, script, str(index), "--epochs", str(epochs), "--peers", "4", *extra],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env)
     procs = [spawn(0)]

@@ -15,6 +15,7 @@ import pytest
 import potluck
 from potluck.core.errors import DeadlineExceeded, PeerUnreachable
 from potluck.core.runner import CallerThread, LoopRunner, acquire_runner, release_runner
+from tests import forkserver
 from tests.conftest import ROOT
 
 
@@ -150,7 +151,7 @@ def test_shared_runner_stops_with_its_last_user():
 
 def _potluck(*args: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.Popen([sys.executable, "-m", "potluck", *args], stdout=subprocess.PIPE,
+    return forkserver.Popen([sys.executable, "-m", "potluck", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 

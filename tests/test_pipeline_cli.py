@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from potluck.pipeline.planning import model_costs, model_demand
-from tests import user_model
+from tests import forkserver, user_model
 
 ROOT = Path(__file__).resolve().parents[1]
 STALENESS_BOUND = 4
@@ -70,7 +70,7 @@ class Node:
     def __init__(self, args: list[str], log: Path):
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "potluck", "pipeline", "run", *args], cwd=ROOT,
+        self.proc = forkserver.Popen([sys.executable, "-m", "potluck", "pipeline", "run", *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
         self.rows: list[dict] = []
         self.lock = threading.Lock()

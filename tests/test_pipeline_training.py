@@ -18,6 +18,7 @@ from potluck.core.virtual_time import run_virtual
 from potluck.pipeline.harness import launch_run
 from potluck.pipeline.profiling import LayerCost
 from potluck.pipeline.stage import PipelineConfig
+from tests import forkserver
 from tests.conftest import ROOT
 from tests.emulated_swarm import make_swarm
 
@@ -133,7 +134,7 @@ def test_multi_ring_round_leaves_every_stage_at_the_exact_mean_across_clusters()
 
 def _potluck(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "potluck", *args], env=env, capture_output=True, text=True,
+    return forkserver.run([sys.executable, "-m", "potluck", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -213,7 +214,7 @@ def test_stage_process_killed_with_sigkill_is_replaced_over_real_tcp():
     # cluster 0's controller runs on its first local node, peers[0]: the only peer the worker obeys
     spec = json.dumps({"initial_peer": peers[0].addresses[0], "cluster": 0, "run_id": config.run_id,
                        "controller": peers[0].peer_id})
-    proc = subprocess.Popen([sys.executable, "-m", "potluck", "demo", "--mode", "pipeline", "--worker", spec],
+    proc = forkserver.Popen([sys.executable, "-m", "potluck", "demo", "--mode", "pipeline", "--worker", spec],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     run = None
     try:

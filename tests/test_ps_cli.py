@@ -48,7 +48,7 @@ from potluck.ps.messages import MAX_SERVED_RUNS, ServerAnnouncement, ShardRole
 from potluck.ps.runs import ask_served_runs, served_runs
 from potluck.ps.server import ParameterServer, split_by_size
 from potluck.ps.simulation import EmulatedPeer
-from tests import user_model
+from tests import forkserver, user_model
 from tests.conftest import ROOT
 
 # One intra-op thread in the children and in the reference: the same summation order, exact digests.
@@ -124,7 +124,7 @@ class Child:
         self.name = name
         self.log = log_dir / f"{name}.log"
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "potluck", *args], stdout=subprocess.PIPE,
+            self.proc = forkserver.Popen([sys.executable, "-m", "potluck", *args], stdout=subprocess.PIPE,
                                          stderr=err, text=True, env=ENV, cwd=ROOT)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import user_model
+from tests import forkserver, user_model
 from tests.conftest import ROOT
 from tests.test_optimizer import Member, digest, train
 
@@ -51,14 +51,14 @@ def user_accuracy(model: torch.nn.Module) -> float:
 
 
 def potluck(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "potluck", *args], capture_output=True, text=True, env=ENV,
+    done = forkserver.run([sys.executable, "-m", "potluck", *args], capture_output=True, text=True, env=ENV,
                           cwd=ROOT, timeout=timeout)
     assert done.returncode == 0, f"potluck {' '.join(args)}: {done.stdout[-1500:]}\n{done.stderr[-2500:]}"
     return done
 
 
 def start(*command: str) -> subprocess.Popen:
-    return subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    return forkserver.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                             cwd=ROOT)
 
 
