@@ -72,9 +72,9 @@ class _Server:
                 and _program(argv) is not None)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(10)
+        self.proc.stdin.close()  # its lifeline: the server exits
+        self.proc.wait(10)
+        self.proc.stdout.close()
         for name in os.listdir(self.dir):
             os.unlink(os.path.join(self.dir, name))
         os.rmdir(self.dir)
