@@ -13,8 +13,10 @@ a butterfly all-reduce: the primitive of the sync mode) once as a warm-up, then 
 each round started together (the parent's barrier), with each --compression codec. Reported: the
 median round's all-reduce time (the slowest member's step minus its matchmaking) against the
 bandwidth bound 2(N-1)/N x size / uplink (an 8-bit codec: a quarter of the size), the whole
-step (`step_s`), bytes each peer sent per round, and the switch's CPU time and dropped frames
-(it shares the machine with the peers; a full port queue drops frames as a router's does).
+step (`step_s`), bytes each peer sent per round, the peers' own estimates of their upload and
+download after the last round (bytes/s, medians: what the load split believed, against the
+profile's link), and the switch's CPU time and dropped frames (it shares the machine with the
+peers; a full port queue drops frames as a router's does).
 Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
 
 Then each of --systems (potluck's sync, sync 8-bit, DiLoCo and Streaming DiLoCo; torchft and
@@ -159,13 +161,15 @@ def run_profile(args: argparse.Namespace, profile: str, compression: str) -> dic
             "step_s": round(statistics.median(step_s), 3) if step_s else None,
             "bytes_sent_per_peer": int(statistics.median(r["bytes_sent"] for step in ok for r in step)) if ok else None,
             "failed_rounds": len(timed) - len(ok), "peers": args.peers, "floats": args.floats, "rounds": args.rounds,
+            "upload_estimate": round(statistics.median(r["upload_estimate"] for r in steps[-1])),
+            "download_estimate": round(statistics.median(r["download_estimate"] for r in steps[-1])),
             "rtt_ms": round(4000 * delay), "up_mbit": up / MBIT, "loss": loss,
             "switch_cpu_s": round(switch.cpu_seconds, 2), "switch_dropped_frames": switch.dropped}
 
 
 def worker(args: argparse.Namespace) -> None:
     """One peer: join, then at each "go" on stdin average its values once and print how long it
-    took (`seconds`, of which `matchmaking`), and the bytes it sent."""
+    took (`seconds`, of which `matchmaking`), the bytes it sent and its bandwidth estimates."""
     import torch
 
     import potluck
@@ -195,7 +199,8 @@ def worker(args: argparse.Namespace) -> None:
         except potluck.AveragingError as e:
             error = str(e)
         print(json.dumps({"seconds": time.monotonic() - start, "matchmaking": sum(matchmaking), "error": error,
-                          "bytes_sent": peer.transport.stats.bytes_sent - sent}), flush=True)
+                          "bytes_sent": peer.transport.stats.bytes_sent - sent, "upload_estimate": avg.bandwidth,
+                          "download_estimate": avg.download_bandwidth}), flush=True)
     avg.shutdown()
     peer.shutdown()
 
