@@ -1,6 +1,6 @@
 """Python processes for the tests, forked from one that has already imported torch and potluck.
 
-A fresh interpreter spends about 3 CPU-seconds importing torch, and the suite starts a couple of
+A fresh interpreter spends about 3 CPU-seconds importing torch, and the suite starts about a
 hundred of them on 2 cores. `Popen` (a `subprocess.Popen`) starts `python -m module ...`,
 `python script.py ...` and `python -c code` by forking a warm server instead. The child then
 runs the program as a fresh interpreter would: its argv, environment, working directory,
