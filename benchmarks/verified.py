@@ -21,11 +21,13 @@ Part "tolerance": the relative L2 error between two computations of the same bat
 gradient that may differ in float order (1 torch thread against 2; one batch of 64 against two
 of 32 at once would change the math, so it is not compared), for the demo's CNN on digits and
 for a small transformer, over BATCHES batches each: the largest is the nondeterminism a
-validator must tolerate; potluck.optim.verified.TOLERANCE must sit far above it and far below
+validator must tolerate. With `--device cuda`, also the same gradients computed twice on the GPU,
+and on the CPU against the GPU with TF32 off, with torch's defaults (cuDNN's convolutions in
+TF32, matrix products not) and with TF32 on; potluck.optim.verified.TOLERANCE must sit far above it and far below
 the error of a lie (a gradient scaled by 1.001 is off by 1e-3).
 
 Usage: python benchmarks/verified.py [--runs 20] [--epochs 60] [--fraction 0.1] [--training-runs 3]
-       [--configs 4:1,5:2] [--part detection|tolerance|training|all]
+       [--configs 4:1,5:2] [--part detection|tolerance|training|all] [--device cuda]
 """
 
 from __future__ import annotations
@@ -202,14 +204,19 @@ def training(args: argparse.Namespace) -> None:
                       flush=True)
 
 
-def mean_gradient(model: torch.nn.Module, batches: list, lossf, threads: int) -> torch.Tensor:
-    torch.set_num_threads(threads)
+def mean_gradient(model: torch.nn.Module, batches: list, lossf, threads: int, device: str = "cpu") -> torch.Tensor:
+    """The mean gradient of `batches` on the host, computed on `device` (with `threads` torch
+    threads on the CPU)."""
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    model.to(device)
     total = None
     for batch in batches:
         model.zero_grad(set_to_none=True)
-        lossf(model, batch).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        lossf(model, [t.to(device) for t in batch]).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).to("cpu")
         total = flat if total is None else total + flat
+    model.to("cpu")
     return total / len(batches)
 
 
@@ -235,16 +242,32 @@ def tolerance(args: argparse.Namespace) -> None:
     def gpt_loss(model, batch):
         return lm_loss(model, *batch)
     threads = torch.get_num_threads()
+    # (label, first computation, second): (device, TF32 allowed) each; TF32 None = torch's default
+    comparisons = [("cpu_1_thread_vs_2", ("cpu", None), ("cpu", None))]
+    if args.device != "cpu":
+        default_tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        comparisons += [(f"{args.device}_twice", (args.device, None), (args.device, None)),
+                        (f"cpu_vs_{args.device}_tf32_off", ("cpu", None), (args.device, False)),
+                        (f"cpu_vs_{args.device}_torch_default", ("cpu", None), (args.device, None)),
+                        (f"cpu_vs_{args.device}_tf32_on", ("cpu", None), (args.device, True))]
     for name, model, sample, lossf in (("digits_cnn", make_cnn(), digits, cnn_loss),
                                        ("byte_gpt", make_lm(config), texts, gpt_loss)):
-        errors = []
-        for batch in sample:
-            one = mean_gradient(model, batch, lossf, 1)
-            two = mean_gradient(model, batch, lossf, 2)
-            errors.append(float((one - two).norm() / one.norm()))
-        print(json.dumps({"metric": "verified_nondeterminism", "model": name, "batches": len(sample),
-                          "max_relative_error": max(errors), "median_relative_error": statistics.median(errors),
-                          "tolerance": TOLERANCE, "scaled_by_1.001": 1e-3}), flush=True)
+        for label, *computations in comparisons:
+            errors = []
+            for batch in sample:
+                grads = []
+                for k, (device, tf32) in enumerate(computations):
+                    if device != "cpu":
+                        torch.backends.cudnn.allow_tf32 = default_tf32[0] if tf32 is None else tf32
+                        torch.backends.cuda.matmul.allow_tf32 = default_tf32[1] if tf32 is None else tf32
+                    grads.append(mean_gradient(model, batch, lossf, 1 + k if device == "cpu" else threads, device))
+                errors.append(float((grads[0] - grads[1]).norm() / grads[0].norm()))
+            print(json.dumps({"metric": "verified_nondeterminism", "model": name, "compared": label,
+                              "batches": len(sample), "max_relative_error": max(errors),
+                              "median_relative_error": statistics.median(errors), "tolerance": TOLERANCE,
+                              "scaled_by_1.001": 1e-3}), flush=True)
+    if args.device != "cpu":
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = default_tf32
     torch.set_num_threads(threads)
 
 
@@ -256,6 +279,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--training-runs", type=int, default=3)
     parser.add_argument("--configs", default="4:1,5:2", help="peers:liars of the training part, comma-separated")
+    parser.add_argument("--device", default="cpu",
+                        help="tolerance part: also compare gradients computed on this device (cuda) with the CPU's")
     parser.add_argument("--part", choices=["detection", "tolerance", "training", "all"], default="all")
     args = parser.parse_args()
     if args.part in ("tolerance", "all"):

@@ -5,22 +5,29 @@ compare with the same work on the CPU. Prints one JSON object per line (metric, 
     python scripts/gpu_check.py --device cpu  # the same checks on the CPU (tests the script)
 
 Checks: the demo's CNN with the Optimizer in sync mode and a small GPT in DiLoCo mode (two peers
-in this process; they must end identical and learn as on the CPU), the Averager with 8-bit
-compression on device tensors, an expert server on the device against a CPU copy, a pipeline of
-two stages and a parameter-server worker with their models on the device against the same run on
-the CPU (emulated network, in this process), the time the
-staged device-to-host and host-to-device copies hide by being queued together, and the step
-time of the Optimizer over plain PyTorch on the same device. Exits 1 if a check fails, 2
-(with one line) if the device is missing.
+in this process; they must end identical and learn as on the CPU); the Averager with and without
+8-bit compression, on device tensors and on CPU ones; a bfloat16 model in sync mode; an expert
+server on the device against a CPU copy; a pipeline of two stages and a parameter-server worker
+with their models on the device against the same run on the CPU (emulated network, in this
+process); a peer on the device training with a peer on the CPU (sync and DiLoCo: their arithmetic
+may round differently); a machine of two local ranks on the device (`MachineOptimizer`) training
+with a CPU peer; the time the staged device-to-host and host-to-device copies hide by being
+queued together; 8-bit coding and robust aggregation on the device against the CPU; and the step
+time of the Optimizer over plain PyTorch on the same device (the demo's CNN and an
+85M-parameter GPT). Exits 1 if a check fails (the others still run), 2 (with one line) if the
+device is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -44,14 +51,16 @@ def check(ok: bool, what: str) -> None:
         FAILED.append(what)
 
 
-def swarm_train(device: str, make, batch, steps_to: int, **options) -> tuple[list[torch.nn.Module], float]:
-    """Two peers in this process train `make()` on `device` until local epoch `steps_to`;
-    returns their models and the seconds it took."""
+def swarm_train(device: str | tuple[str, str], make, batch, steps_to: int,
+                **options) -> tuple[list[torch.nn.Module], float]:
+    """Two peers in this process train `make()` on `device` (or one on each of two devices) until
+    local epoch `steps_to`; returns their models and the seconds it took."""
+    devices = (device, device) if isinstance(device, str) else device
     peers, models, opts = [], [], []
     try:
         for i in range(2):
             peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
-            models.append(make().to(device))
+            models.append(make().to(devices[i]))
             opts.append(Optimizer(peers[i], f"gpu-check-{options.get('mode', 'sync')}", models[i].parameters(),
                                   lambda p: torch.optim.Adam(p, 3e-3), load_state=False, matchmaking_time=0.5,
                                   **options))
@@ -61,8 +70,9 @@ def swarm_train(device: str, make, batch, steps_to: int, **options) -> tuple[lis
             g = torch.Generator().manual_seed(i)
             while opts[i].local_epoch < steps_to:
                 x, y = batch(g)
-                loss = models[i].loss(x.to(device), y.to(device)) if hasattr(models[i], "loss") else \
-                    torch.nn.functional.cross_entropy(models[i](x.to(device)), y.to(device))
+                x, y = x.to(devices[i]), y.to(devices[i])
+                loss = models[i].loss(x, y) if hasattr(models[i], "loss") else \
+                    torch.nn.functional.cross_entropy(models[i](x), y)
                 loss.backward()
                 opts[i].step()
         threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
@@ -93,7 +103,10 @@ def demo_cnn(device: str, epochs: int) -> None:
         check(same, f"sync on {where}: peers differ")
         emit("sync_cnn_accuracy", round(results[where], 4), "fraction", device=where, epochs=epochs,
              seconds=round(seconds, 2), peers_identical=same)
-    check(abs(results[device] - results["cpu"]) < 0.05, "sync CNN learns differently on the device")
+    # Which rounds two peers in one process meet in depends on timing, so at a given epoch the
+    # accuracy varies by run (0.31-0.50 after 10 epochs on the CPU); after 40 it is 0.89-0.91.
+    for where, acc in results.items():
+        check(epochs < 40 or acc > 0.8, f"sync CNN on {where} reached only {acc:.2f} accuracy in {epochs} epochs")
 
 
 def small_gpt(device: str, epochs: int) -> None:
@@ -124,33 +137,57 @@ def small_gpt(device: str, epochs: int) -> None:
     check(abs(losses[device] - losses["cpu"]) < 0.5, "DiLoCo GPT learns differently on the device")
 
 
-def averager_8bit(device: str, numel: int) -> None:
+def averager(device: str, numel: int) -> None:
+    """Two peers average `numel` floats on the device and on the CPU, uncompressed and with 8-bit
+    compression: the results stay on the device, and the rounds' times show the staging's cost."""
     from potluck.averaging import Averager
-    peers = []
-    try:
-        for _ in range(2):
-            peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
-        values = [torch.randn(numel, device=device) for _ in peers]
-        avgs = [Averager(p, [v], "gpu-check-avg", compression="blockwise8", matchmaking_time=0.5)
-                for p, v in zip(peers, values, strict=True)]
-        results, threads = [None, None], []
-        started = time.perf_counter()
-        for i, a in enumerate(avgs):
-            threads.append(threading.Thread(target=lambda i=i, a=a: results.__setitem__(i, a.step()), daemon=True))
-            threads[-1].start()
-        for t in threads:
-            t.join(120)
-        seconds = time.perf_counter() - started
-        mean = (values[0] + values[1]) / 2
-        with avgs[0].get_tensors() as got:
-            error = float((got[0] - mean).abs().max() / mean.abs().max())
-            check(got[0].device.type == torch.device(device).type, "averaged tensors left the device")
-        check(error < 0.02, f"8-bit averaging error {error}")
-        emit("averager_blockwise8_max_error", round(error, 5), "fraction of max", device=device, numel=numel,
-             seconds=round(seconds, 2))
-    finally:
-        for p in peers:
-            p.shutdown()
+    for where in dict.fromkeys([device, "cpu"]):
+        for compression in ("none", "blockwise8"):
+            peers = []
+            try:
+                for _ in range(2):
+                    peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
+                values = [torch.randn(numel, device=where) for _ in peers]
+                avgs = [Averager(p, [v], f"gpu-check-avg-{compression}", compression=compression,
+                                 matchmaking_time=0.2) for p, v in zip(peers, values, strict=True)]
+                rounds = []
+                for _ in range(3):  # the first round's time includes matchmaking
+                    threads = [threading.Thread(target=a.step, daemon=True) for a in avgs]
+                    started = time.perf_counter()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(120)
+                    rounds.append(time.perf_counter() - started)
+                    values = [(values[0] + values[1]) / 2] * 2
+                with avgs[0].get_tensors() as got:
+                    error = float((got[0] - values[0]).abs().max() / values[0].abs().max())
+                    check(got[0].device.type == torch.device(where).type, "averaged tensors left the device")
+                check(error < (0.02 if compression != "none" else 1e-6), f"{compression} averaging error {error}")
+                emit("averager_max_error", round(error, 7), "fraction of max", device=where, numel=numel,
+                     compression=compression, round_seconds=[round(r, 3) for r in rounds])
+            finally:
+                for p in peers:
+                    p.shutdown()
+
+
+def mixed_precision(device: str, epochs: int) -> None:
+    """Two peers train the demo's CNN in bfloat16 (sync): they end identical, in bfloat16."""
+    from potluck.cli.tasks import accuracy, load_data, make_model
+    x, y, x_test, y_test = load_data()
+
+    def batch(g):
+        index = torch.randint(0, len(y), (32,), generator=g)
+        return x[index].to(torch.bfloat16), y[index]
+    models, seconds = swarm_train(device, lambda: make_model().to(torch.bfloat16), batch, epochs,
+                                  target_batch_size=256, batch_size_per_step=32)
+    same = tensor_digest(list(models[0].parameters())) == tensor_digest(list(models[1].parameters()))
+    dtypes = sorted({str(p.dtype) for p in models[0].parameters()})
+    check(same, f"bfloat16 sync on {device}: peers differ")
+    check(dtypes == ["torch.bfloat16"], f"bfloat16 sync on {device}: parameters became {dtypes}")
+    acc = accuracy(models[0].cpu().float(), x_test, y_test)
+    emit("bf16_sync_cnn_accuracy", round(acc, 4), "fraction", device=device, epochs=epochs,
+         seconds=round(seconds, 2), peers_identical=same, dtypes=dtypes)
 
 
 def copy_overlap(device: str, numel: int, parts: int) -> None:
@@ -322,34 +359,207 @@ def ps_worker(device: str, steps: int) -> None:
     emit("ps_worker_max_error", error, "abs", device=device, steps=steps)
 
 
-def step_overhead(device: str, steps: int) -> None:
-    """Seconds per step of the demo's CNN with plain torch.optim.Adam and with a lone peer's
-    Optimizer over it (an epoch every 8 steps, no one to average with)."""
-    from potluck.cli.tasks import load_data, make_model
-    x, y, _, _ = load_data()
-    x, y = x[:64].to(device), y[:64].to(device)
-    timings = {}
+def step_overhead(device: str, steps: int, gpt: dict | None = None) -> None:
+    """Seconds per step with plain torch.optim.Adam and with a lone peer's Optimizer over it (an
+    epoch every 8 steps, no one to average with): the demo's CNN, or a GPT of config `gpt`."""
+    if gpt is None:
+        from potluck.cli.tasks import load_data, make_model
+        x, y, _, _ = load_data()
+        x, y = x[:64].to(device), y[:64].to(device)
+        label, batch = "cnn", 64
+
+        def loss_of(model):
+            return torch.nn.functional.cross_entropy(model(x), y)
+    else:
+        from potluck.workloads.lm import LMConfig, lm_loss, make_lm
+        config = LMConfig(**gpt)
+        g = torch.Generator().manual_seed(3)
+        x = torch.randint(0, 256, (16, config.context), generator=g).to(device)
+        y = torch.randint(0, 256, (16, config.context), generator=g).to(device)
+        label, batch = "gpt", 16
+
+        def make_model():
+            return make_lm(config)
+
+        def loss_of(model):
+            return lm_loss(model, x, y)
+    timings, numel = {}, 0
     with potluck.Peer(host="127.0.0.1") as peer:
-        for label in ("torch", "potluck"):
+        for kind in ("torch", "potluck"):
+            torch.manual_seed(0)
             model = make_model().to(device)
-            if label == "torch":
-                opt = torch.optim.Adam(model.parameters(), 3e-3)
+            numel = sum(p.numel() for p in model.parameters())
+            if kind == "torch":
+                opt = torch.optim.Adam(model.parameters(), 3e-4)
             else:
-                opt = Optimizer(peer, "gpu-check-overhead", model.parameters(), lambda p: torch.optim.Adam(p, 3e-3),
-                                target_batch_size=512, batch_size_per_step=64, load_state=False)
+                opt = Optimizer(peer, f"gpu-check-overhead-{label}", model.parameters(),
+                                lambda p: torch.optim.Adam(p, 3e-4), target_batch_size=8 * batch,
+                                batch_size_per_step=batch, load_state=False)
             for k in range(steps + 5):
                 if k == 5:
                     synchronize({torch.device(device)})
                     started = time.perf_counter()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+                loss_of(model).backward()
                 opt.step()
                 opt.zero_grad()
             synchronize({torch.device(device)})
-            timings[label] = (time.perf_counter() - started) / steps
-            if label == "potluck":
+            timings[kind] = (time.perf_counter() - started) / steps
+            if kind == "potluck":
                 opt.shutdown()
+            del model, opt
     emit("step_overhead", round(timings["potluck"] / timings["torch"] - 1, 3), "fraction", device=device,
-         torch_ms=round(timings["torch"] * 1e3, 3), potluck_ms=round(timings["potluck"] * 1e3, 3))
+         model=label, parameters=numel, torch_ms=round(timings["torch"] * 1e3, 3),
+         potluck_ms=round(timings["potluck"] * 1e3, 3))
+
+
+class _LogCount(logging.Handler):
+    """Counts potluck's log records by message template, to say what a run did."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: collections.Counter = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts[str(record.msg)[:60]] += 1
+
+
+def mixed_swarm(device: str, epochs: int) -> None:
+    """One peer on the device and one on the CPU train the demo's CNN together (sync, then
+    DiLoCo): they must stay together although their arithmetic rounds differently. Reports how
+    far apart they end and what the run logged (state averaging repairs the drift)."""
+    from potluck.cli.tasks import accuracy, load_data, make_model
+    x, y, x_test, y_test = load_data()
+
+    def batch(g):
+        index = torch.randint(0, len(y), (32,), generator=g)
+        return x[index], y[index]
+    log = logging.getLogger("potluck")
+    for mode, options in (("sync", {}), ("diloco", {"mode": "diloco", "local_steps": 8})):
+        counter, level = _LogCount(), log.level
+        log.addHandler(counter)
+        log.setLevel(logging.INFO)
+        try:
+            models, seconds = swarm_train((device, "cpu"), make_model, batch, epochs, target_batch_size=256,
+                                          batch_size_per_step=32, **options)
+        finally:
+            log.removeHandler(counter)
+            log.setLevel(level)
+        apart = max(float((a.detach().cpu() - b.detach()).abs().max())
+                    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+        acc = accuracy(models[1], x_test, y_test)
+        check(apart < 1e-2, f"{mode}: the device peer and the CPU peer drifted {apart} apart")
+        emit("mixed_swarm_apart", apart, "abs", device=device, mode=mode, epochs=epochs, accuracy=round(acc, 4),
+             seconds=round(seconds, 2), logged=dict(counter.counts.most_common(6)))
+
+
+def kernel_speeds(device: str, numel: int) -> None:
+    """The averaging's arithmetic on the device against the CPU: 8-bit encoding and decoding of
+    `numel` floats, and each robust aggregate of 4 pieces of `numel` / 4 floats (a reducer's
+    work). Says where it is faster to run."""
+    from potluck.averaging import robust
+    from potluck.compression import get_codec
+    codec = get_codec("blockwise8")
+    g = torch.Generator().manual_seed(4)
+    host_vector = torch.randn(numel, generator=g)
+    host_pieces = [torch.randn(numel // 4, generator=g) for _ in range(4)]
+    for where in dict.fromkeys([device, "cpu"]):
+        vector, pieces = host_vector.to(where), [t.to(where) for t in host_pieces]
+        out = torch.empty_like(pieces[0])
+        work = {"blockwise8_encode_decode": lambda vector=vector: codec.decode(codec.encode(vector))}
+        for kind in robust.AGGREGATIONS[1:]:
+            work[kind] = lambda kind=kind, pieces=pieces, out=out: robust.aggregate(kind, pieces, [1.0] * 4, out,
+                                                                                     measure=True)
+        for name, fn in work.items():
+            fn()
+            synchronize({torch.device(where)})
+            started = time.perf_counter()
+            for _ in range(3):
+                fn()
+            synchronize({torch.device(where)})
+            emit("kernel_ms", round((time.perf_counter() - started) / 3 * 1e3, 3), "ms", device=where, work=name,
+                 numel=numel)
+
+
+def _machine_rank(rank: int, device: str, address: str, store: str, epochs: int, queue) -> None:
+    """Local rank `rank` of a machine of two (Gloo), its model on `device`: trains the demo's CNN
+    with `MachineOptimizer` and puts its final parameters in `queue`."""
+    import torch.distributed as dist
+
+    from potluck.cli.tasks import load_data, make_model
+    from potluck.optim.machine import MachineOptimizer
+    torch.set_num_threads(2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    peer = potluck.Peer(host="127.0.0.1", initial_peers=[address]) if rank == 0 else None
+    try:
+        torch.manual_seed(0)
+        model = make_model().to(device)
+        opt = MachineOptimizer(peer, "gpu-check-machine", model.parameters(), lambda p: torch.optim.Adam(p, 3e-3),
+                               target_batch_size=256, batch_size_per_step=16, load_state=False, matchmaking_time=0.5)
+        if opt.optimizer is not None:
+            deadline = time.monotonic() + 120
+            while len(opt.optimizer.progress().reports) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # our view of the DHT: nothing to wait on instead
+        x, y, _, _ = load_data()
+        g = torch.Generator().manual_seed(20 + rank)
+        while opt.local_epoch < epochs:
+            index = torch.randint(0, len(y), (16,), generator=g)
+            torch.nn.functional.cross_entropy(model(x[index].to(device)), y[index].to(device)).backward()
+            opt.step()
+        # numpy arrays travel as bytes; tensors would go as shared memory that dies with this process
+        queue.put((rank, [p.detach().cpu().numpy() for p in model.parameters()], str(next(model.parameters()).device)))
+        opt.shutdown()
+    finally:
+        dist.destroy_process_group()
+        if peer is not None:
+            peer.shutdown()
+
+
+def machine(device: str, epochs: int) -> None:
+    """A machine of two local ranks with their models on the device (`MachineOptimizer`, Gloo:
+    NCCL refuses two ranks on one GPU) trains with a peer on the CPU: both ranks must end with the
+    same parameters, close to the CPU peer's."""
+    import multiprocessing
+    import tempfile
+
+    from potluck.cli.tasks import load_data, make_model
+    context = multiprocessing.get_context("spawn")
+    x, y, _, _ = load_data()
+    with potluck.Peer(host="127.0.0.1") as peer, tempfile.TemporaryDirectory() as tmp:
+        queue = context.Queue()
+        ranks = [context.Process(target=_machine_rank, args=(r, device, peer.addresses[0], f"{tmp}/store", epochs,
+                                                              queue), daemon=True) for r in range(2)]
+        for r in ranks:
+            r.start()
+        torch.manual_seed(0)
+        model = make_model()
+        opt = Optimizer(peer, "gpu-check-machine", model.parameters(), lambda p: torch.optim.Adam(p, 3e-3),
+                        target_batch_size=256, batch_size_per_step=32, load_state=False, matchmaking_time=0.5)
+        try:
+            deadline = time.monotonic() + 120
+            while len(opt.progress().reports) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # our view of the DHT: nothing to wait on instead
+            peers_seen = len(opt.progress().reports)
+            started = time.perf_counter()
+            g = torch.Generator().manual_seed(30)
+            while opt.local_epoch < epochs:
+                index = torch.randint(0, len(y), (32,), generator=g)
+                torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
+                opt.step()
+                opt.zero_grad()
+            seconds = time.perf_counter() - started
+            results = sorted(queue.get(timeout=120) for _ in ranks)
+            results = [(r, [torch.from_numpy(a) for a in arrays], where) for r, arrays, where in results]
+        finally:
+            opt.shutdown()
+            for r in ranks:
+                r.join(60)
+    same = tensor_digest(results[0][1]) == tensor_digest(results[1][1])
+    apart = max(float((a - b.detach()).abs().max()) for a, b in zip(results[0][1], model.parameters(), strict=True))
+    check(same, f"machine on {device}: its local ranks hold different parameters")
+    check(peers_seen == 2, f"machine on {device}: the swarm saw {peers_seen} peers, not 2")
+    check(apart < 1e-2, f"machine on {device}: {apart} apart from the CPU peer")
+    emit("machine_ranks_identical", same, "", device=device, rank_devices=[r[2] for r in results],
+         peers_seen=peers_seen, apart_from_cpu_peer=apart, epochs=epochs, seconds=round(seconds, 2))
 
 
 def main() -> None:
@@ -365,14 +575,25 @@ def main() -> None:
     torch.zeros(1, device=device)  # a missing device fails here, not halfway
     emit("device", torch.cuda.get_device_name(device) if device.startswith("cuda") else device, "",
          torch=torch.__version__)
-    demo_cnn(device, 3 if args.quick else 10)
-    small_gpt(device, 2 if args.quick else 6)
-    averager_8bit(device, 1_000_000 if args.quick else 16_000_000)
-    copy_overlap(device, 4_000_000 if args.quick else 64_000_000, 64)
-    expert_server(device)
-    pipeline_stage(device, 10 if args.quick else 50)
-    ps_worker(device, 10 if args.quick else 50)
-    step_overhead(device, 20 if args.quick else 200)
+    quick = args.quick
+    gpt = {"d_model": 64, "layers": 2, "heads": 4, "context": 32} if quick else \
+        {"d_model": 768, "layers": 12, "heads": 12, "context": 256}
+    checks = [
+        (demo_cnn, 3 if quick else 40), (small_gpt, 2 if quick else 6),
+        (averager, 1_000_000 if quick else 16_000_000), (copy_overlap, 4_000_000 if quick else 64_000_000, 64),
+        (expert_server,), (pipeline_stage, 10 if quick else 50), (ps_worker, 10 if quick else 50),
+        (mixed_swarm, 3 if quick else 10), (mixed_precision, 3 if quick else 10), (machine, 2 if quick else 6),
+        (kernel_speeds, 1_000_000 if quick else 16_000_000),
+        (step_overhead, 20 if quick else 200), (step_overhead, 5 if quick else 50, gpt),
+    ]
+    for fn, *fn_args in checks:
+        started = time.perf_counter()
+        try:  # one failed check says why and the others still run
+            fn(device, *fn_args)
+            emit("check_seconds", round(time.perf_counter() - started, 2), "s", check=fn.__name__)
+        except Exception as e:
+            traceback.print_exc()
+            FAILED.append(f"{fn.__name__} raised {type(e).__name__}: {e}")
     if FAILED:
         print("gpu_check: FAILED: " + "; ".join(FAILED), file=sys.stderr)
         sys.exit(1)

@@ -142,3 +142,20 @@ def test_bfloat16_model_trains_with_float32_accumulators_and_peers_end_identical
             o.shutdown()
         for p in peers:
             p.shutdown()
+
+
+def test_verified_training_turns_tf32_off_for_a_model_on_cuda():
+    """A member's TF32 gradient is off by up to 2.7e-2 from a CPU validator's recomputation (8.4e-5
+    under torch's default), so honest GPU peers would be banned: verified mode computes in float32."""
+    from types import SimpleNamespace
+
+    from potluck.optim.verified import strict_float32
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        strict_float32([torch.zeros(3)])  # a CPU model: nothing to change
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        strict_float32([torch.zeros(3), SimpleNamespace(is_cuda=True)])  # (this CPU build has no CUDA tensor)
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

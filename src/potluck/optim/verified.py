@@ -236,6 +236,21 @@ class Case:
         return RoundNote.read(self.claim).samples
 
 
+def strict_float32(tensors: Sequence[torch.Tensor]) -> None:
+    """Turn TF32 off where the model is on a CUDA device: validators on other hardware recompute a
+    member's gradient to within `TOLERANCE`, and on an H200 (benchmarks/verified.py --device cuda)
+    TF32 moved the demo CNN's gradient up to 2.7e-2 from the CPU's, and torch's default (cuDNN's
+    convolutions in TF32) up to 8.4e-5; with TF32 off, 3e-7. Process-wide flags: the training
+    loop's gradients must be computed the way validators recompute them."""
+    if not any(t.is_cuda for t in tensors):
+        return
+    if torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32:
+        logger.warning("verified training: turning TF32 off (torch.backends.cudnn.allow_tf32 and "
+                       "torch.backends.cuda.matmul.allow_tf32), as others recompute gradients in float32")
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 class Validation:
     """One peer's side of verified training: its batches, its validations of others, and its
     checks of their accusations (`attach` serves them)."""
@@ -243,6 +258,7 @@ class Validation:
     def __init__(self, options: Verified, run_id: str, batch_size: int, target_batch_size: int,
                  params: Sequence[torch.Tensor], means: bool = True):
         options.check()
+        strict_float32(params)
         self.options = options
         self.run_id = run_id
         self.batch_size = batch_size
