@@ -480,21 +480,23 @@ def kernel_speeds(device: str, numel: int) -> None:
                  numel=numel)
 
 
-def _machine_rank(rank: int, device: str, address: str, store: str, epochs: int, queue) -> None:
-    """Local rank `rank` of a machine of two (Gloo), its model on `device`: trains the demo's CNN
+def _machine_rank(rank: int, world: int, backend: str, device: str, address: str, store: str, epochs: int,
+                  queue) -> None:
+    """Local rank `rank` of a machine of `world`, its model on `device`: trains the demo's CNN
     with `MachineOptimizer` and puts its final parameters in `queue`."""
     import torch.distributed as dist
 
     from potluck.cli.tasks import load_data, make_model
     from potluck.optim.machine import MachineOptimizer
     torch.set_num_threads(2)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     peer = potluck.Peer(host="127.0.0.1", initial_peers=[address]) if rank == 0 else None
     try:
         torch.manual_seed(0)
         model = make_model().to(device)
         opt = MachineOptimizer(peer, "gpu-check-machine", model.parameters(), lambda p: torch.optim.Adam(p, 3e-3),
-                               target_batch_size=256, batch_size_per_step=16, load_state=False, matchmaking_time=0.5)
+                               target_batch_size=256, batch_size_per_step=32 // world, load_state=False,
+                               matchmaking_time=0.5)
         if opt.optimizer is not None:
             deadline = time.monotonic() + 120
             while len(opt.optimizer.progress().reports) < 2 and time.monotonic() < deadline:
@@ -502,7 +504,7 @@ def _machine_rank(rank: int, device: str, address: str, store: str, epochs: int,
         x, y, _, _ = load_data()
         g = torch.Generator().manual_seed(20 + rank)
         while opt.local_epoch < epochs:
-            index = torch.randint(0, len(y), (16,), generator=g)
+            index = torch.randint(0, len(y), (32 // world,), generator=g)
             torch.nn.functional.cross_entropy(model(x[index].to(device)), y[index].to(device)).backward()
             opt.step()
         # numpy arrays travel as bytes; tensors would go as shared memory that dies with this process
@@ -514,10 +516,10 @@ def _machine_rank(rank: int, device: str, address: str, store: str, epochs: int,
             peer.shutdown()
 
 
-def machine(device: str, epochs: int) -> None:
-    """A machine of two local ranks with their models on the device (`MachineOptimizer`, Gloo:
-    NCCL refuses two ranks on one GPU) trains with a peer on the CPU: both ranks must end with the
-    same parameters, close to the CPU peer's."""
+def machine(device: str, epochs: int, world: int = 2, backend: str = "gloo") -> None:
+    """A machine of `world` local ranks with their models on the device (`MachineOptimizer`; NCCL
+    refuses two ranks on one GPU, so two ranks use Gloo) trains with a peer on the CPU: its ranks
+    must end with the same parameters, close to the CPU peer's."""
     import multiprocessing
     import tempfile
 
@@ -526,8 +528,9 @@ def machine(device: str, epochs: int) -> None:
     x, y, _, _ = load_data()
     with potluck.Peer(host="127.0.0.1") as peer, tempfile.TemporaryDirectory() as tmp:
         queue = context.Queue()
-        ranks = [context.Process(target=_machine_rank, args=(r, device, peer.addresses[0], f"{tmp}/store", epochs,
-                                                              queue), daemon=True) for r in range(2)]
+        ranks = [context.Process(target=_machine_rank, args=(r, world, backend, device, peer.addresses[0],
+                                                              f"{tmp}/store", epochs, queue), daemon=True)
+                 for r in range(world)]
         for r in ranks:
             r.start()
         torch.manual_seed(0)
@@ -553,12 +556,12 @@ def machine(device: str, epochs: int) -> None:
             opt.shutdown()
             for r in ranks:
                 r.join(60)
-    same = tensor_digest(results[0][1]) == tensor_digest(results[1][1])
+    same = len({tensor_digest(r[1]) for r in results}) == 1
     apart = max(float((a - b.detach()).abs().max()) for a, b in zip(results[0][1], model.parameters(), strict=True))
     check(same, f"machine on {device}: its local ranks hold different parameters")
     check(peers_seen == 2, f"machine on {device}: the swarm saw {peers_seen} peers, not 2")
     check(apart < 1e-2, f"machine on {device}: {apart} apart from the CPU peer")
-    emit("machine_ranks_identical", same, "", device=device, rank_devices=[r[2] for r in results],
+    emit("machine_ranks_identical", same, "", device=device, backend=backend, rank_devices=[r[2] for r in results],
          peers_seen=peers_seen, apart_from_cpu_peer=apart, epochs=epochs, seconds=round(seconds, 2))
 
 
@@ -566,6 +569,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="device to check (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="fewer epochs and smaller tensors")
+    parser.add_argument("--only", nargs="+", metavar="CHECK", help="run these checks (by function name) alone")
     args = parser.parse_args()
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -583,10 +587,13 @@ def main() -> None:
         (averager, 1_000_000 if quick else 16_000_000), (copy_overlap, 4_000_000 if quick else 64_000_000, 64),
         (expert_server,), (pipeline_stage, 10 if quick else 50), (ps_worker, 10 if quick else 50),
         (mixed_swarm, 3 if quick else 10), (mixed_precision, 3 if quick else 10), (machine, 2 if quick else 6),
+        (machine, 2 if quick else 6, 1, "nccl" if device.startswith("cuda") else "gloo"),
         (kernel_speeds, 1_000_000 if quick else 16_000_000),
         (step_overhead, 20 if quick else 200), (step_overhead, 5 if quick else 50, gpt),
     ]
     for fn, *fn_args in checks:
+        if args.only and fn.__name__ not in args.only:
+            continue
         started = time.perf_counter()
         try:  # one failed check says why and the others still run
             fn(device, *fn_args)
