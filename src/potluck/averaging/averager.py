@@ -455,16 +455,17 @@ class Averager:
     def _measure(self, stats: TransferStats) -> None:
         """Update this peer's upload and download estimates from the step just done.
 
-        Upload: bytes sent to other peers over the time at least one of those sends was in
-        flight. Download: bytes received from other peers over the time at least one of their
-        chunks was arriving (`TransferStats.download`). Time spent waiting for slower peers is
-        not counted, so each peer measures its own link, and the load split can tell slow peers
-        from fast ones, and a slow download from a slow upload. A configured bandwidth stands
-        for both and is never changed.
+        Upload: bytes other peers received from us over the time ours were on their way
+        (`TransferStats.upload`: over TCP, the bytes they acknowledged). Download: bytes
+        received from other peers over the time at least one of their chunks was arriving
+        (`TransferStats.download`). Time spent waiting for slower peers is not counted, so each
+        peer measures its own link, and the load split can tell slow peers from fast ones, and
+        a slow download from a slow upload. A configured bandwidth stands for both and is never
+        changed.
         """
         if self._configured:
             return
-        if stats.sent_bytes >= MIN_MEASURED_BYTES and stats.upload is not None:
+        if stats.delivered_bytes >= MIN_MEASURED_BYTES and stats.upload is not None:
             self.bandwidth = _smoothed(self.bandwidth, stats.upload, self._measured)
             self._measured = True
         if stats.received_bytes >= MIN_MEASURED_BYTES and stats.download is not None:

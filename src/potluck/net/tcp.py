@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import ssl
+import struct
 import sys
+import termios
 from asyncio import sslproto
 from typing import Any
 
@@ -74,6 +77,8 @@ _TLS_SHUTDOWN = {"ssl_shutdown_timeout": TLS_SHUTDOWN_TIMEOUT} if sys.version_in
 # into its own buffer; it pauses us above the high-water mark.
 WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 8 * 2**20
+# The ioctl that reads a TCP socket's unacknowledged bytes (SIOCOUTQ, Linux only).
+_SEND_QUEUE = getattr(termios, "TIOCOUTQ", None) if sys.platform.startswith("linux") else None
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
 # After accept() fails for want of file descriptors or memory, wait this long before the next try
@@ -453,6 +458,7 @@ class TCPLink(asyncio.BufferedProtocol):
         self._hello: TCPHello | None = None
         self._remote_max: int | None = None
         self._write_lock = asyncio.Lock()
+        self.written = 0  # bytes handed to the transport (minus `unsent()`: what the other side has)
         self._control: list[list[bytes | memoryview]] = []
         self._paused = False
         self._drain_waiter: asyncio.Future[str | None] | None = None  # why the link was lost, if it was
@@ -759,7 +765,9 @@ class TCPLink(asyncio.BufferedProtocol):
                     for start in range(0, view.nbytes, WRITE_PIECE):
                         if self._paused:
                             await self._drain()
-                        self._transport.write(view[start:start + WRITE_PIECE])
+                        piece = view[start:start + WRITE_PIECE]
+                        self._transport.write(piece)
+                        self.written += piece.nbytes
                         started = True
             except BaseException:
                 if started:  # a deadline or a cancellation cut a frame in half: the stream is lost
@@ -787,6 +795,7 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._transport is not None and not self._transport.is_closing():
             for buf in buffers:
                 self._transport.write(buf)
+                self.written += len(buf)
                 if self.relay is None:
                     self.owner.stats.bytes_sent += len(buf)
 
@@ -798,6 +807,20 @@ class TCPLink(asyncio.BufferedProtocol):
         self._drain_waiter = None
         if lost is not None:
             raise ConnectionLost(lost)
+
+    def unsent(self) -> int:
+        """Bytes handed to this link that the other side's TCP has not acknowledged yet: the
+        transport's buffer plus the kernel's send queue (Linux; elsewhere the buffer alone). What
+        `send` returning does not say: it returns once these buffers take the bytes."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return 0
+        queued = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and _SEND_QUEUE is not None:
+            with contextlib.suppress(OSError, ValueError):  # a socket closing under us
+                queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SEND_QUEUE, b"\0\0\0\0"))[0]
+        return queued
 
     def close(self, reason: str | None = None) -> None:
         """Close now: pending calls fail at once, without waiting for the TLS goodbye."""

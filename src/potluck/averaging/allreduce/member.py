@@ -57,7 +57,7 @@ from potluck.averaging.allreduce.reduction import (
     reduce_chunk,
     wire_form,
 )
-from potluck.averaging.allreduce.transfer_stats import TransferStats
+from potluck.averaging.allreduce.transfer_stats import TransferStats, payload_bytes
 from potluck.averaging.role import Role
 from potluck.core import compat
 from potluck.core.errors import AveragingError, NetworkError, PotluckError, RemoteError
@@ -270,7 +270,7 @@ class AllReduceRun:
                     lo = start + msg.chunk * self.chunk
                     hi = min(end, lo + self.chunk)
                     self.result[lo:hi] = decode_chunk(self.codec, msg.payload, hi - lo)
-                    last = self.stats.received(channel, last, 4 * (hi - lo))
+                    last = self.stats.received(channel, last, payload_bytes(msg.payload))
             finally:
                 sender.cancel()
         except (NetworkError, PotluckError) as e:

@@ -29,7 +29,7 @@ from potluck.averaging.allreduce.reduction import (
     encodes_blocks_alone,
     reduce_chunk,
 )
-from potluck.averaging.allreduce.transfer_stats import TransferStats
+from potluck.averaging.allreduce.transfer_stats import TransferStats, payload_bytes
 from potluck.averaging.suspicion import SuspicionLedger
 from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError
 from potluck.core.runner import retrieve_exception
@@ -254,7 +254,7 @@ class ShardReducer:
                 self.pieces[sender].append(decode_chunk(self.codec, msg, hi - lo))
                 if self.payloads is not None:
                     self.payloads[sender].append(msg)
-                last = self.stats.received(channel, last, 4 * (hi - lo))
+                last = self.stats.received(channel, last, payload_bytes(msg))
                 self.received[sender] = c + 1
                 self._try_reduce(c)
         except EndOfStream:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DOWNLOAD_BINS", "TransferStats"]
+__all__ = ["DOWNLOAD_BINS", "TransferStats", "payload_bytes"]
 
 # Stretches a step's receiving time is cut into for the download estimate: enough that the
 # stretch where fast senders fill our link stands out from a slow sender's tail, few enough that
@@ -21,26 +21,62 @@ class TransferStats:
     """This member's uploads to and downloads from other peers during one step, for its
     bandwidth estimates.
 
-    `busy_seconds` is the time during which at least one send to another peer was in flight
-    (a send returns once the transport has taken the frame: on the emulated network, when this
-    peer's upload of it is done). Waiting for data to reduce or for slower peers is not busy
-    time, so bytes / busy time measures this peer's own upload, not the group's pace.
-    Sends to itself (a member reducing its own shard) count for neither.
+    Upload, over links that send as they are handed bytes (the emulated network: a send returns
+    once this peer's upload of it is done): bytes sent over `busy_seconds`, the time during which
+    at least one send to another peer was in flight. Waiting for data to reduce or for slower
+    peers is not busy time, so it measures this peer's own upload, not the group's pace.
+
+    Over TCP a send returns once buffers (the transport's, up to 8 MiB, and the kernel's) take
+    the bytes, which can be a whole round's: timing sends measured 13-50x the link. So a TCP
+    link counts what it wrote and what its peer has not acknowledged yet (`written`,
+    `unsent()`), and the upload is the bytes acknowledged while some were waiting, over that
+    time: sampled at every send and every chunk received, each stretch between two samples that
+    ends with bytes still waiting counts (the link was busy all of it).
+    Sends to itself (a member reducing its own shard) count for none of this.
     """
 
     sent_bytes: int = 0
     busy_seconds: float = 0.0
     in_flight: int = 0
     busy_since: float = 0.0
+    # TCP: the links sent on in this step (by id), and the last sample of them: (time, bytes they
+    # have delivered, whether bytes were waiting or a send was in flight)
+    links: dict[int, Any] = field(default_factory=dict)
+    last_sample: tuple[float, int, bool] | None = None
+    acked_bytes: int = 0
+    backlog_seconds: float = 0.0
     received_bytes: int = 0
     # (previous arrival, this arrival, bytes) of each chunk received from another peer after the
     # first of its stream: how long that chunk was on its way to us. One per chunk of the step.
     arrivals: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
+    def delivered_bytes(self) -> int:
+        """Bytes this peer's upload measurably delivered (what `upload` counts)."""
+        return self.acked_bytes if self.links else self.sent_bytes
+
+    @property
     def upload(self) -> float | None:
-        """Measured bytes/s, or None if nothing was sent."""
-        return self.sent_bytes / self.busy_seconds if self.sent_bytes and self.busy_seconds > 0 else None
+        """Measured bytes/s, or None if nothing was measured."""
+        nbytes, seconds = (self.acked_bytes, self.backlog_seconds) if self.links else \
+            (self.sent_bytes, self.busy_seconds)
+        return nbytes / seconds if nbytes > 0 and seconds > 0 else None
+
+    def _sample(self) -> None:
+        """Read the TCP links (see the class docstring)."""
+        if not self.links:
+            return
+        now = asyncio.get_running_loop().time()
+        delivered, waiting = 0, self.in_flight > 0
+        for link in self.links.values():
+            unsent = link.unsent()
+            delivered += link.written - unsent
+            waiting = waiting or unsent > 0
+        last = self.last_sample
+        if last is not None and waiting and now > last[0] and last[2]:
+            self.acked_bytes += max(0, delivered - last[1])
+            self.backlog_seconds += now - last[0]
+        self.last_sample = (now, delivered, waiting)
 
     def received(self, channel: Any, previous: float | None, nbytes: int) -> float | None:
         """Count a chunk that just arrived on `channel`, whose last chunk arrived at `previous`
@@ -52,6 +88,7 @@ class TransferStats:
         if previous is not None:
             self.received_bytes += nbytes
             self.arrivals.append((previous, now, nbytes))
+        self._sample()
         return now
 
     @property
@@ -83,22 +120,29 @@ class TransferStats:
             await channel.send(message)
             return
         loop = asyncio.get_running_loop()
+        link = getattr(getattr(channel, "connection", None), "link", None)
+        if hasattr(link, "unsent") and id(link) not in self.links:  # a link with buffers of its own (TCP)
+            self._sample()  # (the stretch before counts the links it knew)
+            self.links[id(link)] = link
+            self.last_sample = None
+        self._sample()
         if self.in_flight == 0:
             self.busy_since = loop.time()
         self.in_flight += 1
         try:
             await channel.send(message)
-            self.sent_bytes += _payload_bytes(message)
+            self.sent_bytes += payload_bytes(message)
         finally:
+            self._sample()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.busy_seconds += loop.time() - self.busy_since
 
 
-def _payload_bytes(message: Any) -> int:
+def payload_bytes(message: Any) -> int:
     """Bytes of the tensors in a (possibly nested) message dict; small fields are ignored."""
     if isinstance(message, torch.Tensor):
         return message.numel() * message.element_size()
     if isinstance(message, dict):
-        return sum(_payload_bytes(v) for v in message.values() if isinstance(v, (dict, torch.Tensor)))
+        return sum(payload_bytes(v) for v in message.values() if isinstance(v, (dict, torch.Tensor)))
     return 0
