@@ -66,6 +66,14 @@ class DiLoCoTraining(TrainingMode):
         if self.delta_averager is not None:
             self.delta_averager.shutdown()
 
+    def quiet_step(self) -> bool:
+        """Not the round's step (see `RunContext.quiet`): counted in the caller's thread."""
+        if self.steps + 1 >= self.options.local_steps or not self.context.quiet():
+            return False
+        self.context.count_quiet_step()
+        self.steps += 1
+        return True
+
     async def step(self) -> None:
         await self.context.inner_step()
         self.steps += 1

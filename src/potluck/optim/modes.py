@@ -54,6 +54,11 @@ class TrainingMode(ABC):
     async def step(self) -> None:
         """Account for one local batch; average and update when it is time."""
 
+    def quiet_step(self) -> bool:
+        """In the caller's thread, after its inner step (`inner_step_first`): count this step
+        there if it needs nothing of the event loop (True), else leave it to `step()`."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027 - a mode that holds nothing beyond the context has nothing to stop
         """Stop the mode's averagers and any round in flight (from any thread)."""
 

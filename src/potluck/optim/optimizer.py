@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,8 @@ class Optimizer(torch.optim.Optimizer):
         context = self.context
         if self.training.inner_step_first and self._started and not context.stepping:
             context.state.inner_step()  # here, under the state's lock: no hop to a worker thread
+            if self.training.quiet_step():
+                return loss  # counted here too: nothing for the event loop to do
             context.inner_taken = True
         caller = CallerThread()  # the rest of the step's tensor math runs here too (RunContext.compute)
         context.caller = caller
@@ -190,6 +193,7 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             if context.caller is caller:
                 context.caller = None
+            context.last_hop = time.monotonic()
         return loss
 
     async def astep(self) -> None:

@@ -165,6 +165,19 @@ class StreamingDiLoCo(TrainingMode):
         for fragment in self.fragments[1:]:
             fragment.averager.matchmaker.last = self.fragments[0].averager.matchmaker.last
 
+    def quiet_step(self) -> bool:
+        """Neither a round's start nor a landing (see `RunContext.quiet`): counted in the
+        caller's thread."""
+        flight = self.flight
+        if self.steps + 1 >= self.interval or (flight is not None and flight.steps_left <= 1) \
+                or not self.context.quiet():
+            return False
+        self.context.count_quiet_step()
+        self.steps += 1
+        if flight is not None:
+            flight.steps_left -= 1
+        return True
+
     async def step(self) -> None:
         """One inner step: apply the round in flight when its delay is over, and start the next
         fragment's round when it is due."""
