@@ -22,6 +22,10 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
                   buckets them), through `Manager.allreduce`, step() (applied if the
                   step committed). No client mode: every replica must accept Gloo connections. The
                   step is synchronous, so the whole swarm moves at the slow peer's pace.
+  torchft_diloco  torchft's DiLoCo (`torchft.local_sgd.DiLoCo`, the same Manager with a synchronous
+                  quorum, as it requires) with potluck_diloco's settings: 32 samples per inner
+                  Adam step, an outer step every 8 (SGD, lr 0.7, Nesterov momentum 0.9: potluck's
+                  defaults, the paper's), the outer all-reduce of the whole model.
 
 The processes, the common start and the time-to-accuracy measurement are benchmarks/training.py's
 (`run_swarm`, `train_until_stopped`, `rows_for`): each process evaluates on the test set at every
@@ -34,7 +38,8 @@ Prints one JSON object per line, e.g.
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/potluck", "value": 0.8, ...}
 
 Usage: python benchmarks/torchft_compare.py [--quick] [--repeats 3] [--target 0.95] [--cap 90]
-           [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,torchft] [--torchft-python PATH]
+           [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,torchft,torchft_diloco]
+           [--torchft-python PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ TORCHFT_TIMEOUT = 5.0
 DILOCO_LOCAL_STEPS = 8  # 8 x 32 = 256 samples of each peer between outer steps
 TORCHFT_MIN_REPLICAS = 2  # the lighthouse forms quorums of at least this many replica groups
 TORCHFT_JOIN_TIMEOUT_MS = 1000  # for the first quorum, all four replicas are heartbeating by then
-SYSTEMS = ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "torchft")
+SYSTEMS = ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "torchft", "torchft_diloco")
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # potluck's defaults (modes.DiLoCo), the paper's
 
 
 # == worker side ==================================================================================
@@ -103,11 +109,30 @@ class TorchftStep:
         self.optimizer.step()
 
 
+class TorchftDiLoCoStep:
+    """torchft's DiLoCo behind the same interface: step() is the inner Adam step, whose hook
+    (`DiLoCo`) runs the outer all-reduce and step every `sync_every` steps."""
+
+    def __init__(self, manager: Any, inner: Any, diloco: Any, store: Any):
+        self.manager, self.inner, self.diloco, self.store = manager, inner, diloco, store
+
+    @property
+    def local_epoch(self) -> int:
+        return self.manager.current_step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        self.inner.step()
+
+
 def torchft_peer(args: argparse.Namespace, model: Any, host: str = "127.0.0.1",
-                 timeout_s: float = TORCHFT_TIMEOUT) -> tuple[str | None, TorchftStep, list]:
+                 timeout_s: float = TORCHFT_TIMEOUT, diloco: bool = False) -> tuple[str | None, Any, list]:
     """A torchft replica group of one process whose servers (lighthouse on rank 0, TCPStore, manager,
     checkpoint server) are reached at `host`. Off loopback, set GLOO_SOCKET_IFNAME to `host`'s
-    interface first: Gloo otherwise binds to what the machine's hostname resolves to."""
+    interface first: Gloo otherwise binds to what the machine's hostname resolves to. `diloco`:
+    torchft's DiLoCo instead of a gradient all-reduce per step."""
     import torch
     import torchft
     from torch.distributed import TCPStore
@@ -135,8 +160,17 @@ def torchft_peer(args: argparse.Namespace, model: Any, host: str = "127.0.0.1",
                               store_addr=host, store_port=store.port, lighthouse_addr=address,
                               replica_id=f"replica{args.rank}", rank=0, world_size=1, hostname=host,
                               timeout=timeout, quorum_timeout=timeout, init_sync=False,
-                              checkpoint_transport=Transport(timeout=timeout, num_chunks=0))
+                              checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
+                              use_async_quorum=not diloco)
     closers.insert(0, manager.shutdown)
+    if diloco:
+        from torchft.local_sgd import DiLoCo
+        inner = torch.optim.Adam(model.parameters(), LR)
+        outer = torch.optim.SGD(model.parameters(), lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
+        wrapper = DiLoCo(manager, [model], inner, outer, sync_every=DILOCO_LOCAL_STEPS)
+        wrapper.__enter__()
+        closers.insert(0, lambda: wrapper.__exit__(None, None, None))
+        return address, TorchftDiLoCoStep(manager, inner, wrapper, store), closers
     opt = TorchftStep(manager, torchft.Optimizer(manager, torch.optim.Adam(model.parameters(), LR)),
                       list(model.parameters()), store)
     return address, opt, closers
@@ -169,6 +203,9 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.worker == "torchft":
         address, opt, closers = torchft_peer(args, model)
         zero_grad, batch = opt.zero_grad, GLOBAL_BATCH // PEERS
+    elif args.worker == "torchft_diloco":
+        address, opt, closers = torchft_peer(args, model, diloco=True)
+        zero_grad, batch = opt.zero_grad, POTLUCK_LOCAL_BATCH  # potluck_diloco's inner batches
     else:
         address, opt, closers = potluck_peer(args, model)
         zero_grad, batch = None, POTLUCK_LOCAL_BATCH  # potluck's step consumes the gradients
@@ -205,9 +242,9 @@ def main() -> None:
         data = str(Path(tmp) / "digits.pt")
         torch.save(load_data(), data)  # the torchft venv has no scikit-learn: every process loads this
         for system in args.systems.split(","):
-            python = args.torchft_python if system == "torchft" else sys.executable
-            params = {"system": system, "peers": PEERS, **common,
-                      **({} if system == "torchft" else {"client_rank": CLIENT_RANK})}
+            torchft = system.startswith("torchft")
+            python = args.torchft_python if torchft else sys.executable
+            params = {"system": system, "peers": PEERS, **common, **({} if torchft else {"client_rank": CLIENT_RANK})}
             if not Path(python).exists():
                 emit({"metric": "time_to_accuracy", "value": None, "unit": "s", **params,
                       "error": f"no {python}; create it with scripts/torchft-venv.sh"})
@@ -232,11 +269,12 @@ def main() -> None:
             medians[system] = statistics.median(reached) if len(reached) == len(times) and times else None
             emit({"metric": "time_to_accuracy_median", "value": medians[system] and round(medians[system], 2),
                   "unit": "s", "runs": [t and round(t, 2) for t in times], **params})
-    for other in ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco"):
-        if medians.get("torchft") and medians.get(other):
-            emit({"metric": "time_to_accuracy_ratio", "value": round(medians["torchft"] / medians[other], 2),
-                  "unit": f"torchft/{other}", "measured": "median over median; above 1: potluck is faster",
-                  "peers": PEERS, **common})
+    for theirs in ("torchft", "torchft_diloco"):
+        for other in ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco"):
+            if medians.get(theirs) and medians.get(other):
+                emit({"metric": "time_to_accuracy_ratio", "value": round(medians[theirs] / medians[other], 2),
+                      "unit": f"{theirs}/{other}", "measured": "median over median; above 1: potluck is faster",
+                      "peers": PEERS, **common})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ not installed) trains the digits task from a common start on the same links unti
 accuracy or --cap seconds: time to target, and each system's ratio to potluck's sync (above 1:
 sync is faster). torchft 0.2.0 as benchmarks/torchft_compare.py runs it (lighthouse on peer 0,
 one flat all-reduce of the gradients per step over Gloo, bound to the namespace's TAP device by
-GLOO_SOCKET_IFNAME; its servers advertise the namespace's address); hivemind 1.1.12 with
+GLOO_SOCKET_IFNAME; its servers advertise the namespace's address), and its DiLoCo
+(`torchft_diloco`: DiLoCo's settings as potluck's `diloco` system); hivemind 1.1.12 with
 `hivemind.Optimizer` and potluck sync's settings, its DHT and daemon on the namespace's address.
 
 Prints one JSON object per line, e.g.
@@ -36,7 +37,7 @@ Prints one JSON object per line, e.g.
 
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--short]
-           [--systems sync,sync_8bit,diloco,streaming_diloco,torchft,hivemind] [--target 0.95] [--cap 90]
+           [--systems sync,sync_8bit,diloco,streaming_diloco,torchft,torchft_diloco,hivemind] [--target 0.95] [--cap 90]
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ SYSTEMS = {
     "diloco": {"mode": "diloco", "local_steps": 8},
     "streaming_diloco": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 1},
 }
-OTHERS = {"torchft": ".venv-torchft", "hivemind": ".venv-hivemind"}  # the python of each one's venv
+# the python of each one's venv
+OTHERS = {"torchft": ".venv-torchft", "torchft_diloco": ".venv-torchft", "hivemind": ".venv-hivemind"}
 
 
 def train_worker(args: argparse.Namespace) -> None:
@@ -230,7 +232,7 @@ def train_worker(args: argparse.Namespace) -> None:
     Gloo on this namespace's address; hivemind with `hivemind.Optimizer` and potluck sync's
     settings (as benchmarks/training.py runs it), its Go daemon listening on this address."""
     host = f"{SUBNET}.{args.rank + 1}"
-    if args.train == "torchft":
+    if args.train.startswith("torchft"):
         os.environ["GLOO_SOCKET_IFNAME"] = f"pwan{args.rank}"  # else Gloo binds to what "vm" is: 127.0.0.1
     import torch
     import torchft_compare as base
@@ -241,11 +243,12 @@ def train_worker(args: argparse.Namespace) -> None:
     data = torch.load(args.data)
     model = make_model()
     slowdown = base.SLOWDOWN if args.rank == base.SLOW_RANK else 1.0
-    if args.train == "torchft":
-        address, opt, closers = base.torchft_peer(args, model, host=host)
+    if args.train.startswith("torchft"):
+        diloco = args.train == "torchft_diloco"
+        address, opt, closers = base.torchft_peer(args, model, host=host, diloco=diloco)
         say(event="ready", address=address, version=None)
-        train_until_stopped(args, model, opt, opt.zero_grad, closers, data,
-                            local_batch=base.GLOBAL_BATCH // args.peers, slowdown=slowdown)
+        train_until_stopped(args, model, opt, opt.zero_grad, closers, data, slowdown=slowdown,
+                            local_batch=base.POTLUCK_LOCAL_BATCH if diloco else base.GLOBAL_BATCH // args.peers)
         return
     if args.train == "hivemind":
         import hivemind
