@@ -19,9 +19,11 @@ profile's link), and the switch's CPU time and dropped frames (it shares the mac
 peers; a full port queue drops frames as a router's does).
 Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
 
-Then each of --systems (potluck's sync, sync 8-bit, DiLoCo and Streaming DiLoCo; torchft and
-hivemind from the python of .venv-torchft and .venv-hivemind where they exist, else reported as
-not installed) trains the digits task from a common start on the same links until --target test
+Then each of --systems (potluck's sync, sync 8-bit, DiLoCo, DiLoCo with 8-bit changes, Streaming
+DiLoCo, Streaming DiLoCo with 4-bit changes; torchft and hivemind from the python of
+.venv-torchft and .venv-hivemind where they exist, else reported as not installed) trains the
+digits task (--workload digits: the demo's CNN, 38K parameters; wide: an MLP of 6.7M parameters,
+where bandwidth sets the pace) from a common start on the same links until --target test
 accuracy or --cap seconds: time to target, and each system's ratio to potluck's sync (above 1:
 sync is faster). torchft 0.2.0 as benchmarks/torchft_compare.py runs it (lighthouse on peer 0,
 one flat all-reduce of the gradients per step over Gloo, bound to the namespace's TAP device by
@@ -37,7 +39,8 @@ Prints one JSON object per line, e.g.
 
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--short]
-           [--systems sync,sync_8bit,diloco,streaming_diloco,torchft,torchft_diloco,hivemind] [--target 0.95] [--cap 90]
+           [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
+           [--workload digits|wide] [--target 0.95] [--cap 90]
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "netns"))
@@ -218,10 +222,29 @@ SYSTEMS = {
     "sync_mean": {"aggregation": "mean"},
     "sync_8bit": {"compression": "blockwise8"},
     "diloco": {"mode": "diloco", "local_steps": 8},
+    "diloco_8bit": {"mode": "diloco", "local_steps": 8, "compression": "blockwise8"},
     "streaming_diloco": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 1},
+    "streaming_diloco_4bit": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 1,
+                              "outer_compression": "blockwise4"},
 }
 # the python of each one's venv
 OTHERS = {"torchft": ".venv-torchft", "torchft_diloco": ".venv-torchft", "hivemind": ".venv-hivemind"}
+
+
+# Workloads for time to target: the demo's CNN (38K parameters: latency sets the pace), and an MLP
+# of 6.7M parameters on the same digits (each float32 all-reduce moves 27 MB per peer: bandwidth
+# sets it, as for the larger models people train over such links).
+WIDE_HIDDEN = 2560
+WIDE_TORCHFT_TIMEOUT = 60.0  # s, torchft's collectives and quorums on the wide workload
+
+
+def make_wide() -> Any:
+    """The "wide" workload's model: 64 -> 2560 -> 2560 -> 10, the same initial weights on every call."""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, WIDE_HIDDEN), nn.ReLU(), nn.Linear(WIDE_HIDDEN, WIDE_HIDDEN),
+                         nn.ReLU(), nn.Linear(WIDE_HIDDEN, 10))
 
 
 def train_worker(args: argparse.Namespace) -> None:
@@ -241,11 +264,13 @@ def train_worker(args: argparse.Namespace) -> None:
     from potluck.cli.tasks import make_model
     torch.set_num_threads(1)
     data = torch.load(args.data)
-    model = make_model()
+    model = make_wide() if args.workload == "wide" else make_model()
     slowdown = base.SLOWDOWN if args.rank == base.SLOW_RANK else 1.0
     if args.train.startswith("torchft"):
         diloco = args.train == "torchft_diloco"
-        address, opt, closers = base.torchft_peer(args, model, host=host, diloco=diloco)
+        # (an all-reduce of the wide model takes over 4 s on these links: past torchft_compare's 5 s)
+        timeout = WIDE_TORCHFT_TIMEOUT if args.workload == "wide" else base.TORCHFT_TIMEOUT
+        address, opt, closers = base.torchft_peer(args, model, host=host, timeout_s=timeout, diloco=diloco)
         say(event="ready", address=address, version=None)
         train_until_stopped(args, model, opt, opt.zero_grad, closers, data, slowdown=slowdown,
                             local_batch=base.POTLUCK_LOCAL_BATCH if diloco else base.GLOBAL_BATCH // args.peers)
@@ -284,7 +309,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
     figures: dict[str, float | None] = {}
     try:
         for system in args.systems.split(","):
-            params = {"profile": profile, "target": args.target, "cap_s": args.cap,
+            params = {"profile": profile, "workload": args.workload, "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
             python = str(ROOT / OTHERS[system] / "bin" / "python") if system in OTHERS else sys.executable
@@ -295,7 +320,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
 
             def command(rank: int, initial: str | None, system: str = system, python: str = python) -> list[str]:
                 return ["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
-                        "--rank", str(rank), "--peers", str(args.peers), "--data", data,
+                        "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
                         "--target", str(args.target), *(["--initial", initial] if initial else [])]
             try:
                 raw = run_swarm(command, args.peers, args.cap)
@@ -337,6 +362,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
                         help="training systems for time to target ('' for none)")
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (digits)")
+    parser.add_argument("--workload", choices=["digits", "wide"], default="digits",
+                        help="time to target: the demo's CNN, or a 6.7M-parameter MLP on the same digits")
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per system at most")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
