@@ -40,7 +40,7 @@ Prints one JSON object per line, e.g.
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
-           [--workload digits|wide] [--target 0.95] [--cap 90]
+           [--workload digits|wide] [--local-steps 8] [--target 0.95] [--cap 90]
 """
 
 from __future__ import annotations
@@ -270,7 +270,8 @@ def train_worker(args: argparse.Namespace) -> None:
         diloco = args.train == "torchft_diloco"
         # (an all-reduce of the wide model takes over 4 s on these links: past torchft_compare's 5 s)
         timeout = WIDE_TORCHFT_TIMEOUT if args.workload == "wide" else base.TORCHFT_TIMEOUT
-        address, opt, closers = base.torchft_peer(args, model, host=host, timeout_s=timeout, diloco=diloco)
+        address, opt, closers = base.torchft_peer(args, model, host=host, timeout_s=timeout, diloco=diloco,
+                                                  sync_every=args.local_steps)
         say(event="ready", address=address, version=None)
         train_until_stopped(args, model, opt, opt.zero_grad, closers, data, slowdown=slowdown,
                             local_batch=base.POTLUCK_LOCAL_BATCH if diloco else base.GLOBAL_BATCH // args.peers)
@@ -293,6 +294,8 @@ def train_worker(args: argparse.Namespace) -> None:
     peer = potluck.Peer(host=host, initial_peers=[args.initial] if args.initial else [])
     options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": base.MATCHMAKING_TIME,
                "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
+    if "local_steps" in options:
+        options["local_steps"] = args.local_steps
     opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, base.LR),
                             target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
                             **options)
@@ -309,7 +312,8 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
     figures: dict[str, float | None] = {}
     try:
         for system in args.systems.split(","):
-            params = {"profile": profile, "workload": args.workload, "target": args.target, "cap_s": args.cap,
+            params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
+                      "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
             python = str(ROOT / OTHERS[system] / "bin" / "python") if system in OTHERS else sys.executable
@@ -321,6 +325,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
             def command(rank: int, initial: str | None, system: str = system, python: str = python) -> list[str]:
                 return ["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
                         "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
+                        "--local-steps", str(args.local_steps),
                         "--target", str(args.target), *(["--initial", initial] if initial else [])]
             try:
                 raw = run_swarm(command, args.peers, args.cap)
@@ -362,6 +367,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
                         help="training systems for time to target ('' for none)")
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (digits)")
+    parser.add_argument("--local-steps", type=int, default=8,
+                        help="inner steps per outer step of the DiLoCo systems, potluck's and torchft's (default 8)")
     parser.add_argument("--workload", choices=["digits", "wide"], default="digits",
                         help="time to target: the demo's CNN, or a 6.7M-parameter MLP on the same digits")
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per system at most")

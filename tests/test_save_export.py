@@ -139,10 +139,17 @@ def test_a_resumed_optimizer_peer_goes_on_from_its_epoch_and_rejoins_the_swarm(t
         members.append(back)
         back.opt.load_checkpoint(tmp_path / "peer1.ckpt")
         assert back.opt.local_epoch == 3
-        train([members[0], back], 9, within=150)
-        assert back.opt.local_epoch == members[0].opt.local_epoch == 9
-        together = [e for e in range(6, 10) if back.digests.get(e) == members[0].digests.get(e) is not None]
-        assert together and together[-1] == 9, (back.digests, members[0].digests)
+        final = 9
+        train([members[0], back], final, within=150)
+        # It may rejoin without the swarm's state (the donor was mid-round); the state averaging
+        # every 4 epochs repairs that, unless one of the two misses that round (its gradient round
+        # failed while the other's went on: seen once in CI): then the next one does.
+        while digest(back.model) != digest(members[0].model) and final < 17:
+            final += 4
+            train([members[0], back], final, within=150)
+        assert back.opt.local_epoch == members[0].opt.local_epoch == final
+        together = [e for e in range(6, final + 1) if back.digests.get(e) == members[0].digests.get(e) is not None]
+        assert together and together[-1] == final, (back.digests, members[0].digests)
         assert digest(back.model) == digest(members[0].model)
     finally:
         for m in members:
