@@ -290,7 +290,8 @@ def test_peer_with_nan_tensors_fails_at_once_and_the_others_finish_promptly():
     run_virtual(main())
 
 
-async def three_steps_with_one_slow_link(upload: float, download: float) -> tuple[list, list[float], list[float]]:
+async def three_steps_with_one_slow_link(upload: float, download: float,
+                                        compression: str = "none") -> tuple[list, list[float], list[float]]:
     """4 peers average 16 MB three times on the emulated network, peer 0 with the given link and
     the others with 100 MB/s each way; the averagers, peer 0's share of each step's split (as
     peer 1 saw the group) and each step's virtual seconds."""
@@ -299,8 +300,8 @@ async def three_steps_with_one_slow_link(upload: float, download: float) -> tupl
     for i in range(4):
         peers.append(await add_peer(net, peers, bandwidth=upload if i == 0 else 100e6,
                                     download=download if i == 0 else None))
-    avgs = [Averager(p, [torch.randn(4_000_000)], "bwjob", target_group_size=4, matchmaking_time=0.5)
-            for p in peers]
+    avgs = [Averager(p, [torch.randn(4_000_000)], "bwjob", target_group_size=4, matchmaking_time=0.5,
+                     compression=compression) for p in peers]
     groups = record_groups(avgs[1])
     loop = asyncio.get_running_loop()
     times = []
@@ -338,6 +339,18 @@ def test_peer_with_a_slow_download_measures_it_and_gets_a_smaller_shard():
         assert avgs[0].download_bandwidth == pytest.approx(10e6, rel=0.2), avgs[0].download_bandwidth
         assert avgs[0].bandwidth > 50e6, avgs[0].bandwidth  # its upload is not the slow part
         assert all(a.download_bandwidth > 50e6 for a in avgs[1:]), [a.download_bandwidth for a in avgs]
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_bandwidth_estimates_count_the_bytes_on_the_wire_under_a_codec():
+    """Under 8-bit compression a peer's download estimate is its link's rate in the bytes that
+    cross it, as its upload estimate is (the load split compares the two); counted in float32
+    sizes it read 4x the link."""
+    async def main():
+        avgs, _, _ = await three_steps_with_one_slow_link(upload=100e6, download=10e6, compression="blockwise8")
+        assert avgs[0].download_bandwidth == pytest.approx(10e6, rel=0.2), avgs[0].download_bandwidth
+        assert all(a.bandwidth == pytest.approx(100e6, rel=0.2) for a in avgs[1:]), [a.bandwidth for a in avgs]
     run_virtual(main())
 
 
