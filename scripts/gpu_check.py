@@ -88,13 +88,21 @@ def swarm_train(device: str | tuple[str, str], make, batch, steps_to: int,
             p.shutdown()
 
 
-def demo_cnn(device: str, epochs: int) -> None:
-    from potluck.cli.tasks import accuracy, load_data, make_model
+def digits_batches(dtype: torch.dtype = torch.float32):
+    """The demo's digits: a `batch(generator)` of 32 random samples (pixels in `dtype`), and the
+    test set."""
+    from potluck.cli.tasks import load_data
     x, y, x_test, y_test = load_data()
 
     def batch(g):
         index = torch.randint(0, len(y), (32,), generator=g)
-        return x[index], y[index]
+        return x[index].to(dtype), y[index]
+    return batch, x_test, y_test
+
+
+def demo_cnn(device: str, epochs: int) -> None:
+    from potluck.cli.tasks import accuracy, make_model
+    batch, x_test, y_test = digits_batches()
     results = {}
     for where in dict.fromkeys([device, "cpu"]):
         models, seconds = swarm_train(where, make_model, batch, epochs, target_batch_size=256, batch_size_per_step=32)
@@ -173,12 +181,8 @@ def averager(device: str, numel: int) -> None:
 
 def mixed_precision(device: str, epochs: int) -> None:
     """Two peers train the demo's CNN in bfloat16 (sync): they end identical, in bfloat16."""
-    from potluck.cli.tasks import accuracy, load_data, make_model
-    x, y, x_test, y_test = load_data()
-
-    def batch(g):
-        index = torch.randint(0, len(y), (32,), generator=g)
-        return x[index].to(torch.bfloat16), y[index]
+    from potluck.cli.tasks import accuracy, make_model
+    batch, x_test, y_test = digits_batches(torch.bfloat16)
     models, seconds = swarm_train(device, lambda: make_model().to(torch.bfloat16), batch, epochs,
                                   target_batch_size=256, batch_size_per_step=32)
     same = tensor_digest(list(models[0].parameters())) == tensor_digest(list(models[1].parameters()))
@@ -427,12 +431,8 @@ def mixed_swarm(device: str, epochs: int) -> None:
     """One peer on the device and one on the CPU train the demo's CNN together (sync, then
     DiLoCo): they must stay together although their arithmetic rounds differently. Reports how
     far apart they end and what the run logged (state averaging repairs the drift)."""
-    from potluck.cli.tasks import accuracy, load_data, make_model
-    x, y, x_test, y_test = load_data()
-
-    def batch(g):
-        index = torch.randint(0, len(y), (32,), generator=g)
-        return x[index], y[index]
+    from potluck.cli.tasks import accuracy, make_model
+    batch, x_test, y_test = digits_batches()
     log = logging.getLogger("potluck")
     for mode, options in (("sync", {}), ("diloco", {"mode": "diloco", "local_steps": 8})):
         counter, level = _LogCount(), log.level
