@@ -234,6 +234,17 @@ class Averager:
         with self._lock:
             yield self._tensors
 
+    def adopt_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Take `tensors` as the averaged tensors in place of ours, which are dropped (each alike
+        in shape, dtype and device; the caller gives them up): a copy saved where the caller's
+        buffers are new every time, as a batch's gradients are. Not during a step."""
+        with self._lock:
+            if len(tensors) != len(self._tensors) or any(
+                    (t.shape, t.dtype, t.device) != (o.shape, o.dtype, o.device)
+                    for t, o in zip(tensors, self._tensors, strict=True)):
+                raise ValueError("adopt_tensors needs tensors alike in shape, dtype and device to the averaged ones")
+            self._tensors[:] = [t.detach() for t in tensors]
+
     def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
              group_key: str | None = None, target_group_size: int | None = None,
              members: Collection[str] | None = None,

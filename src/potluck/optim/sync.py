@@ -77,7 +77,7 @@ class SyncTraining(TrainingMode):
         self._pending: _Round | None = None  # a delayed update under way
         self.attempt = 0  # failed averaging tries of the current epoch
         self.part_due: float | None = None  # loop time when the rest of a short round's batch is due
-        self.cleared = False  # the accumulator counts as zeros (saves a pass over it per epoch)
+        self.cleared = True  # the accumulator counts as zeros (saves a pass over it per epoch)
         self.spare: list[torch.Tensor] | None = None  # delay_updates: the next epoch's accumulator
         # The state's digest for the next gradient round, hashed in the background right after
         # the last step (the state does not change while the next batches accumulate): (state
@@ -154,6 +154,11 @@ class SyncTraining(TrainingMode):
         settings = self.context.settings
         scale = settings.batch_size_per_step / settings.target_batch_size
         if self.pending is None:
+            if self.cleared and scale == 1 and _adoptable(grads, self.grad_averager):
+                self.grad_averager.adopt_tensors(grads)  # no copy: the batch's gradients are the sum
+                self.cleared = False
+                self.context.tally.samples += settings.batch_size_per_step
+                return
             with self.grad_averager.get_tensors() as sums, torch.no_grad():
                 if self.cleared:  # one pass instead of clearing, then adding
                     for total, g in zip(sums, grads, strict=True):
@@ -485,9 +490,43 @@ def _drop(task: asyncio.Future) -> None:
 def _zeros_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Accumulators for gradients of `tensors`: float32 for float16/bfloat16 ones, whose own
     precision (8 bits of mantissa for bfloat16) would drop small batches' gradients from a sum
-    of many."""
-    return [torch.zeros_like(t, dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype)
-            for t in tensors]
+    of many. Views of one buffer per dtype and device: glibc maps a buffer that large on its own
+    and unmaps it when freed, so when a batch's gradients take the accumulator's place
+    (`_adoptable`) its memory goes back to the system (separate tensors made in another thread
+    went back to that thread's heap, where nothing used them again: +1 model of RSS)."""
+    dtypes = [torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype for t in tensors]
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t, dtype in zip(tensors, dtypes, strict=True):
+        sizes[dtype, t.device] = sizes.get((dtype, t.device), 0) + t.numel()
+    buffers = {(dtype, device): torch.zeros(n, dtype=dtype, device=device) for (dtype, device), n in sizes.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    views = []
+    for t, dtype in zip(tensors, dtypes, strict=True):
+        key, n = (dtype, t.device), t.numel()
+        views.append(buffers[key][offsets[key]:offsets[key] + n].view(t.shape))
+        offsets[key] += n
+    return views
+
+
+def _adoptable(grads: list[torch.Tensor | None], averager: Averager) -> bool:
+    """Whether a batch's gradients can become the cleared accumulator instead of being copied
+    into it (one pass over the model saved per epoch): each its own whole, dense storage, that
+    nothing else holds (not a view into a buffer that is used again, such as a bucket of a
+    machine's ranks), and alike to the accumulator in shape, dtype and device."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # private in torch: without it, copy
+    if use_count is None:
+        return False
+    with averager.get_tensors() as sums:
+        alike = all(g is not None and (g.shape, g.dtype, g.device) == (s.shape, s.dtype, s.device)
+                    for g, s in zip(grads, sums, strict=True))
+    if not alike:
+        return False
+    for g in grads:
+        storage = g.untyped_storage()
+        if g._base is not None or g.storage_offset() != 0 or not g.is_contiguous() \
+                or storage.nbytes() != g.numel() * g.element_size() or use_count(storage._cdata) != 2:
+            return False  # (2: the gradient's tensor and `storage` here)
+    return len({g.data_ptr() for g in grads}) == len(grads)
 
 
 def _finite(grads: list[torch.Tensor | None]) -> bool:
