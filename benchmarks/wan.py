@@ -16,7 +16,12 @@ bandwidth bound 2(N-1)/N x size / uplink (an 8-bit codec: a quarter of the size)
 step (`step_s`), bytes each peer sent per round, the peers' own estimates of their upload and
 download after the last round (bytes/s, medians: what the load split believed, against the
 profile's link), and the switch's CPU time and dropped frames (it shares the machine with the
-peers; a full port queue drops frames as a router's does).
+peers; a full port queue drops frames as a router's does). With `--allreduce potluck,gloo` the
+same float32 values are also averaged by torch.distributed's Gloo all-reduce (the engine under
+torchft's flat all-reduce; `"engine": "gloo"`): what a mature ring all-reduce gets from the same
+emulated links; and `tcp` moves the butterfly's bytes and nothing else (each peer sends 2/N of
+the values' bytes to each other peer over plain TCP, all at once, a quarter as many for a codec:
+the time the links themselves need for an all-reduce's traffic), so that the bound is read against what the links allow.
 Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
 
 Then each of --systems (potluck's sync, sync 8-bit, DiLoCo, DiLoCo with 8-bit changes, Streaming
@@ -34,11 +39,12 @@ GLOO_SOCKET_IFNAME; its servers advertise the namespace's address), and its DiLo
 Prints one JSON object per line, e.g.
   {"metric": "allreduce_seconds", "profile": "wan", "compression": "none", "value": 0.9, "unit": "s",
    "bound_s": 0.48, "over_bound": 1.9, "step_s": 1.3, "bytes_sent_per_peer": 6000000, ...}
+  {"metric": "allreduce_over_links", "profile": "wan", "compression": "none", "unit": "potluck/tcp", "value": 1.0}
   {"metric": "time_to_accuracy", "system": "torchft", "profile": "wan", "value": 23.5, "unit": "s", ...}
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/sync", "profile": "wan", "value": 0.94}
 
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
-           [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--short]
+           [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,gloo] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
            [--workload digits|wide] [--local-steps 8] [--target 0.95] [--cap 90]
 """
@@ -74,6 +80,8 @@ COMMAND_TIMEOUT = 20.0
 WORKER_TIMEOUT = 300.0  # one profile's workers, start to finish
 STEP_TIMEOUT = 60.0  # one averaging round (6.57M floats take ~5 s on the wan profile)
 RUN_ID = "wan"
+GLOO_PORT = 29561  # the reference all-reduce's rendezvous (a TCPStore on peer 0)
+TCP_PORT = 29562  # the plain-TCP reference's listener on every peer
 
 
 def sh(*args: str) -> str:
@@ -112,7 +120,7 @@ def build(peers: int, profile: str):
     return Switch(ports)
 
 
-def run_profile(args: argparse.Namespace, profile: str, compression: str) -> dict:
+def run_profile(args: argparse.Namespace, profile: str, compression: str, engine: str = "potluck") -> dict:
     sweep()
     switch = build(args.peers, profile)
     procs: list[subprocess.Popen] = []
@@ -130,7 +138,8 @@ def run_profile(args: argparse.Namespace, profile: str, compression: str) -> dic
         def spawn(rank: int, initial: str) -> subprocess.Popen:
             command = ["ip", "netns", "exec", f"{PREFIX}{rank}", sys.executable, __file__, "--worker",
                        "--rank", str(rank), "--peers", str(args.peers), "--floats", str(args.floats),
-                       "--rounds", str(args.rounds), "--initial", initial, "--compression", compression]
+                       "--rounds", str(args.rounds), "--initial", initial, "--compression", compression,
+                       "--allreduce", engine]
             env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
             return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         procs.append(spawn(0, ""))
@@ -161,15 +170,91 @@ def run_profile(args: argparse.Namespace, profile: str, compression: str) -> dic
     step_s = [max(r["seconds"] for r in step) for step in ok]  # a round's time is its slowest member's
     reduce_s = [max(r["seconds"] - r["matchmaking"] for r in step) for step in ok]
     median = statistics.median(reduce_s) if reduce_s else float("nan")
-    return {"metric": "allreduce_seconds", "profile": profile, "compression": compression,
+
+    def estimate(key: str) -> int | None:
+        values = [r[key] for r in steps[-1] if r[key] is not None]
+        return round(statistics.median(values)) if values else None
+    return {"metric": "allreduce_seconds", "profile": profile, "compression": compression, "engine": engine,
             "value": round(median, 3), "unit": "s", "bound_s": round(bound, 3), "over_bound": round(median / bound, 2),
             "step_s": round(statistics.median(step_s), 3) if step_s else None,
             "bytes_sent_per_peer": int(statistics.median(r["bytes_sent"] for step in ok for r in step)) if ok else None,
             "failed_rounds": len(timed) - len(ok), "peers": args.peers, "floats": args.floats, "rounds": args.rounds,
-            "upload_estimate": round(statistics.median(r["upload_estimate"] for r in steps[-1])),
-            "download_estimate": round(statistics.median(r["download_estimate"] for r in steps[-1])),
+            "upload_estimate": estimate("upload_estimate"), "download_estimate": estimate("download_estimate"),
             "rtt_ms": round(4000 * delay), "up_mbit": up / MBIT, "loss": loss,
             "switch_cpu_s": round(switch.cpu_seconds, 2), "switch_dropped_frames": switch.dropped}
+
+
+def gloo_worker(args: argparse.Namespace) -> None:
+    """The reference: one peer of a torch.distributed Gloo group (rank 0 holds the rendezvous) that
+    averages its values at each "go", reporting as `worker` does (no matchmaking, no estimates)."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    tap = f"pwan{args.rank}"
+    os.environ["GLOO_SOCKET_IFNAME"] = tap
+    store = dist.TCPStore(f"{SUBNET}.1", GLOO_PORT, args.peers, args.rank == 0, timeout=datetime.timedelta(seconds=60),
+                         wait_for_workers=False)
+    print(json.dumps({"address": f"{SUBNET}.1:{GLOO_PORT}"}), flush=True)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.peers,
+                            timeout=datetime.timedelta(seconds=STEP_TIMEOUT))
+    mine = torch.full((args.floats,), float(args.rank))
+    values = torch.empty_like(mine)
+    counter = Path(f"/sys/class/net/{tap}/statistics/tx_bytes")  # this namespace's sysfs (ip netns exec)
+    while sys.stdin.readline():
+        values.copy_(mine)
+        sent, start, error = int(counter.read_text()), time.monotonic(), None
+        try:
+            dist.all_reduce(values)
+            values /= args.peers
+        except RuntimeError as e:
+            error = str(e)
+        print(json.dumps({"seconds": time.monotonic() - start, "matchmaking": 0.0, "error": error,
+                          "bytes_sent": int(counter.read_text()) - sent, "upload_estimate": None,
+                          "download_estimate": None}), flush=True)
+    dist.destroy_process_group()
+
+
+def tcp_worker(args: argparse.Namespace) -> None:
+    """The links' own reference: at each "go", send 2/N of the values' bytes to every other peer
+    and receive as much from each, all at once over plain TCP (the butterfly's traffic without its
+    computation, framing or encryption); reports as `worker` does."""
+    import socket
+    import threading
+    share = 2 * 4 * args.floats // args.peers // (1 if args.compression == "none" else 4)  # (8-bit: a quarter)
+    others = [r for r in range(args.peers) if r != args.rank]
+    listener = socket.create_server((f"{SUBNET}.{args.rank + 1}", TCP_PORT), backlog=args.peers)
+    incoming: list[socket.socket] = []
+    outgoing: list[socket.socket] = []
+    print(json.dumps({"address": f"{SUBNET}.{args.rank + 1}:{TCP_PORT}"}), flush=True)
+    payload = bytes(share)
+
+    def send(sock: socket.socket) -> None:
+        sock.sendall(payload)
+
+    def receive(sock: socket.socket) -> None:
+        left = share
+        while left:
+            got = len(sock.recv(min(left, 1 << 20)))
+            if not got:
+                raise ConnectionError("a peer closed its connection")
+            left -= got
+    while sys.stdin.readline():
+        start, error = time.monotonic(), None
+        sent = int(Path(f"/sys/class/net/pwan{args.rank}/statistics/tx_bytes").read_text())
+        if not outgoing:  # the warm-up round connects (every listener is up by the first go)
+            outgoing = [socket.create_connection((f"{SUBNET}.{r + 1}", TCP_PORT), timeout=STEP_TIMEOUT) for r in others]
+            incoming = [listener.accept()[0] for _ in others]
+        threads = [threading.Thread(target=send, args=(s,)) for s in outgoing] + \
+                  [threading.Thread(target=receive, args=(s,)) for s in incoming]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(STEP_TIMEOUT)
+        if any(thread.is_alive() for thread in threads):
+            error = "timed out"
+        print(json.dumps({"seconds": time.monotonic() - start, "matchmaking": 0.0, "error": error,
+                          "bytes_sent": int(Path(f"/sys/class/net/pwan{args.rank}/statistics/tx_bytes").read_text())
+                          - sent, "upload_estimate": None, "download_estimate": None}), flush=True)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -362,6 +447,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compression", default="none,blockwise8",
                         help="codecs to run, comma-separated (none: float32; blockwise8: 8-bit)")
+    parser.add_argument("--allreduce", default="potluck",
+                        help="all-reduce engines, comma-separated: potluck (with each codec); references in "
+                             "float32: gloo (torch.distributed's), tcp (the butterfly's bytes over plain TCP)")
     parser.add_argument("--short", "--quick", action="store_true",
                         help="the wan profile, 1M floats, 3 rounds, both codecs (under two minutes)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
@@ -379,7 +467,7 @@ def main() -> None:
     parser.add_argument("--initial", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        {"gloo": gloo_worker, "tcp": tcp_worker}.get(args.allreduce, worker)(args)
         return
     if args.train:
         train_worker(args)
@@ -387,6 +475,8 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("wan.py needs root (network namespaces)")
     profiles = ["wan"] if args.short else args.profile.split(",")
+    if set(args.allreduce.split(",")) - {"potluck", "gloo", "tcp", ""}:
+        sys.exit(f"--allreduce takes potluck, gloo and tcp, not {args.allreduce!r}")
     if args.short:
         args.rounds, args.floats, args.systems, args.target, args.cap = 3, parse_count("1M"), "sync_8bit", 0.9, 30.0
     import torch
@@ -398,8 +488,18 @@ def main() -> None:
             torch.save(load_data(), data)
             os.chmod(tmp, 0o755)
             for profile in profiles:
-                for compression in [c for c in args.compression.split(",") if c]:
-                    print(json.dumps(run_profile(args, profile, compression)), flush=True)
+                seconds: dict[tuple[str, str], float] = {}
+                for engine in [e for e in args.allreduce.split(",") if e]:
+                    for compression in [c for c in args.compression.split(",") if c]:
+                        if engine != "gloo" or compression == "none":  # (Gloo averages float32 only)
+                            result = run_profile(args, profile, compression, engine)
+                            seconds[engine, compression] = result["value"]
+                            print(json.dumps(result), flush=True)
+                for (engine, compression), value in seconds.items():
+                    if engine == "potluck" and ("tcp", compression) in seconds:
+                        print(json.dumps({"metric": "allreduce_over_links", "profile": profile,
+                                          "compression": compression, "unit": "potluck/tcp",
+                                          "value": round(value / seconds["tcp", compression], 2)}), flush=True)
                 if args.systems:
                     train_profile(args, profile, data)
     finally:

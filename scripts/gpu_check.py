@@ -452,6 +452,68 @@ def mixed_swarm(device: str, epochs: int) -> None:
              seconds=round(seconds, 2), logged=dict(counter.counts.most_common(6)))
 
 
+def verified_mixed(device: str, epochs: int) -> None:
+    """Verified training (BTARD-style) with one peer on the device and one on the CPU, TF32 allowed
+    beforehand as many users set it: each validates the other's gradients every round (fraction
+    1), so the CPU recomputes the GPU's and the other way round. Nobody may be banned, and the
+    largest relative error seen must sit within the tolerance (TF32 would put it at 1e-2)."""
+    from potluck.averaging.accountability import ban_list
+    from potluck.cli.tasks import load_data, make_model
+    from potluck.optim import Verified
+    x, y, _, _ = load_data()
+    data = list(zip(x[:2048], y[:2048], strict=True))
+
+    def loss(model, batch):
+        where = next(model.parameters()).device
+        return torch.nn.functional.cross_entropy(model(batch[0].to(where)), batch[1].to(where))
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    peers, models, opts, errors = [], [], [], []
+    try:
+        for i, where in enumerate((device, "cpu")):
+            peers.append(potluck.Peer(host="127.0.0.1", initial_peers=peers[0].addresses if peers else []))
+            models.append(make_model().to(where))
+            opts.append(Optimizer(peers[i], "gpu-check-verified", models[i].parameters(),
+                                  lambda p: torch.optim.Adam(p, 3e-3), load_state=False, matchmaking_time=0.5,
+                                  target_batch_size=64, batch_size_per_step=32,
+                                  verify=Verified(models[i], loss, data, fraction=1.0)))
+            validation, recompute = opts[i].validation, opts[i].validation._recompute
+
+            async def noting(case, _recompute=recompute):
+                error = await _recompute(case)
+                errors.append(error)
+                return error
+            validation._recompute = noting
+        deadline = time.monotonic() + 60
+        while min(len(o.progress().reports) for o in opts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # each sees the other before training: else the first trains alone
+
+        def train(i: int) -> None:
+            while opts[i].local_epoch < epochs:
+                loss(models[i], opts[i].batch()).backward()
+                opts[i].step()
+        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        strict = not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        bans = [len(ban_list(p.transport)) for p in peers]
+        validated = [o.validation.validated for o in opts]
+    finally:
+        for o in opts:
+            o.shutdown()
+        for p in peers:
+            p.shutdown()
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    worst = max(errors, default=float("nan"))
+    check(strict or not device.startswith("cuda"), "verified training on the device left TF32 on")
+    check(bans == [0, 0], f"verified training banned an honest peer: bans {bans}")
+    check(sum(validated) > 0 and worst <= 1e-4, f"verified training: {validated} validations, worst error {worst}")
+    emit("verified_mixed_worst_error", worst, "relative", device=device, validations=validated, bans=bans,
+         tf32_off=strict, epochs=epochs)
+
+
 def kernel_speeds(device: str, numel: int) -> None:
     """The averaging's arithmetic on the device against the CPU: 8-bit encoding and decoding of
     `numel` floats, and each robust aggregate of 4 pieces of `numel` / 4 floats (a reducer's
@@ -586,7 +648,8 @@ def main() -> None:
         (demo_cnn, 3 if quick else 40), (small_gpt, 2 if quick else 6),
         (averager, 1_000_000 if quick else 16_000_000), (copy_overlap, 4_000_000 if quick else 64_000_000, 64),
         (expert_server,), (pipeline_stage, 10 if quick else 50), (ps_worker, 10 if quick else 50),
-        (mixed_swarm, 3 if quick else 10), (mixed_precision, 3 if quick else 10), (machine, 2 if quick else 6),
+        (mixed_swarm, 3 if quick else 10), (verified_mixed, 3 if quick else 10),
+        (mixed_precision, 3 if quick else 10), (machine, 2 if quick else 6),
         (machine, 2 if quick else 6, 1, "nccl" if device.startswith("cuda") else "gloo"),
         (kernel_speeds, 1_000_000 if quick else 16_000_000),
         (step_overhead, 20 if quick else 200), (step_overhead, 5 if quick else 50, gpt),
