@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 import torch
 
+from potluck.core.digests import digest
 from potluck.net.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -105,10 +106,11 @@ def exclusions(transport: Any) -> BanList:
 
 
 def block_digests(values: torch.Tensor) -> list[bytes]:
-    """Digests of the float32 bits of `values`, one per VERIFY_BLOCK elements."""
+    """Digests of the float32 bits of `values`, one per VERIFY_BLOCK elements (the bulk of an
+    all-reduce's hashing: potluck.core.digests)."""
     data = memoryview(values.detach().to("cpu", torch.float32).reshape(-1).contiguous().numpy()).cast("B")
     step = 4 * VERIFY_BLOCK
-    return [hashlib.sha256(data[i:i + step]).digest() for i in range(0, max(len(data), 1), step)]
+    return [digest(data[i:i + step]) for i in range(0, max(len(data), 1), step)]
 
 
 def blocks_digest(digests: Sequence[bytes]) -> bytes:

@@ -174,7 +174,8 @@ class Optimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Account for one local batch; averages and updates when the swarm is ready.
 
-        The gradients in `.grad` are consumed (cleared), so calling `zero_grad()` is optional.
+        The gradients in `.grad` are consumed (cleared), so calling `zero_grad()` is optional; in
+        sync mode their memory may become the accumulator's, so keep a copy, not a reference.
         """
         loss = None
         if closure is not None:

@@ -10,7 +10,6 @@ digest hashed before a write says nothing about the state after it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from potluck.averaging.averager import Averager
+from potluck.core.digests import Hasher
 from potluck.core.peer_like import PeerLike
 from potluck.core.staging import host_slices
 from potluck.optim.schema import MAX_MANIFEST_SCHEMA_BYTES, RunSchema, fits
@@ -26,12 +26,12 @@ __all__ = ["ModelState", "tensor_digest"]
 
 
 def tensor_digest(tensors: list[torch.Tensor]) -> str:
-    """BLAKE2b of the tensors' bytes (on any device): equal only if they are equal to the bit."""
-    digest = hashlib.blake2b(digest_size=16)
+    """A digest of the tensors' bytes (on any device): equal only if they are equal to the bit."""
+    hasher = Hasher()
     for t in tensors:
         for piece in host_slices(t):
-            digest.update(piece)
-    return digest.hexdigest()
+            hasher.update(piece)
+    return hasher.hexdigest(16)
 
 
 class ModelState:

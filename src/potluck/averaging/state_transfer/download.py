@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import hashlib
 import itertools
 import logging
 from collections import Counter, deque
@@ -39,6 +38,7 @@ from potluck.averaging.state_transfer.messages import (
     dtype_name,
 )
 from potluck.core import compat, serialization
+from potluck.core.digests import digest
 from potluck.core.errors import AveragingError, ConnectionLost, MalformedMessage, NetworkError, SerializationError
 from potluck.core.names import AveragerNames
 from potluck.net.identity import PeerID
@@ -237,7 +237,7 @@ class _Download:
             raise _DonorMisbehaved(str(e)) from None
 
     def _matches(self, index: int, data: torch.Tensor) -> bool:
-        return hashlib.sha256(data.numpy()).digest() == self.manifest.hashes[index]
+        return digest(data.numpy()) == self.manifest.hashes[index]
 
     def _store(self, index: int, data: torch.Tensor) -> bool:
         """Verify a chunk against its hash, then copy it into place (in a worker thread); the

@@ -8,7 +8,6 @@ of it (`ChunkStreamOpen`) and asks for chunks (`ChunkRequest`), each answered in
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from functools import cached_property
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from potluck.core import serialization
+from potluck.core.digests import DIGEST_BYTES
 from potluck.core.errors import MalformedMessage, SerializationError
 from potluck.core.wire import Bytes, Field, Int, List, Message, Opaque, Raw
 from potluck.dht.records import subkey_owner
@@ -45,8 +45,8 @@ MAX_CHUNK_BYTES = STREAM_WINDOW // REQUESTS_IN_FLIGHT
 MAX_STATE_BYTES = 64 * 2**30
 # Random snapshot ids: long enough never to collide or be guessed.
 SNAPSHOT_ID_BYTES = 16
-# SHA-256 digest length.
-HASH_BYTES = hashlib.sha256().digest_size
+# A chunk's digest (potluck.core.digests).
+HASH_BYTES = DIGEST_BYTES
 # Encoded size of a state's metadata: it rides in every manifest, and is small (the optimizer's is
 # an epoch number); a donor refuses to offer more, a newcomer to accept more.
 MAX_STATE_METADATA_BYTES = 2**20

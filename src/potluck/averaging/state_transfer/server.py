@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +33,7 @@ from potluck.averaging.state_transfer.messages import (
     ManifestRequest,
     dtype_name,
 )
+from potluck.core.digests import digest
 from potluck.core.errors import DeadlineExceeded, EndOfStream, MalformedMessage
 from potluck.core.names import AveragerNames
 from potluck.core.wire import encoded_value
@@ -133,7 +133,7 @@ def _take_snapshot(get_state: StateGetter, lock: AbstractContextManager | None, 
     except MalformedMessage as e:
         raise TypeError(f"get_state() returned metadata that cannot be sent: {e}") from e
     memory = flat.numpy()
-    hashes = tuple(hashlib.sha256(memory[start:start + chunk_bytes]).digest()
+    hashes = tuple(digest(memory[start:start + chunk_bytes])
                    for start in range(0, flat.numel(), chunk_bytes))
     manifest = Manifest(version, specs, chunk_bytes, hashes, secrets.token_bytes(SNAPSHOT_ID_BYTES), metadata)
     return _Snapshot(manifest, flat, key=key)
