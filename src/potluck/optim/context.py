@@ -503,6 +503,13 @@ class RunContext:
         self.tracker.followed = self.witnesses.union(map(str, election.taken)) - {str(self.peer.peer_id)}
         return metadata["epoch"]
 
+    def share_last_group(self, averager: Averager) -> None:
+        """The state's rounds come right after `averager`'s, among the same peers: one memory of
+        the last group for both, so a state round asks that round's leader directly instead of
+        declaring itself in the DHT. Over loaded WAN links the DHT's 0.5 s window left every member
+        of a DiLoCo repair round alone (`benchmarks/wan.py --workload wide`), and the swarm apart."""
+        self.state.averager.matchmaker.last = averager.matchmaker.last
+
     async def average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
         """Average parameters and statistics in place with a group (untouched if the round fails)."""
         self.tally.in_round = True

@@ -61,6 +61,7 @@ class DiLoCoTraining(TrainingMode):
         zeros = await run_in_thread(lambda: [torch.zeros_like(p) for p in params])
         self.delta_averager = Averager(context.peer, zeros, context.run_id, name="delta", allow_state_sharing=False,
                                        **context.settings.averaging())
+        context.share_last_group(self.delta_averager)
 
     def shutdown(self) -> None:
         if self.delta_averager is not None:

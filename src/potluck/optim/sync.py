@@ -101,6 +101,7 @@ class SyncTraining(TrainingMode):
         self.grad_averager = Averager(context.peer, zeros, context.run_id, name="grads", allow_state_sharing=False,
                                       powersgd_rank=self.options.powersgd_rank, keep_sealed=self.validation is not None,
                                       **context.settings.averaging())
+        context.share_last_group(self.grad_averager)
         if self.validation is not None:  # accusations may come before our own round has ended here
             self.validation.running = self.grad_averager.service.group_of
             self.validation.audience = lambda: [r.peer_id for r in self.context.progress().reports]
