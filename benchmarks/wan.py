@@ -82,6 +82,10 @@ STEP_TIMEOUT = 60.0  # one averaging round (6.57M floats take ~5 s on the wan pr
 RUN_ID = "wan"
 GLOO_PORT = 29561  # the reference all-reduce's rendezvous (a TCPStore on peer 0)
 TCP_PORT = 29562  # the plain-TCP reference's listener on every peer
+# potluck's and hivemind's matchmaking window: the Optimizer's default. torchft_compare.py's 0.5 s
+# (for loopback) split DiLoCo swarms here: DHT declarations over loaded 50 ms links came too late
+# for peers 0.4 s apart, and pairs and lone peers went on apart (docs/benchmarks.md).
+MATCHMAKING_TIME = 1.0
 
 
 def sh(*args: str) -> str:
@@ -368,7 +372,7 @@ def train_worker(args: argparse.Namespace) -> None:
         opt = hivemind.Optimizer(dht=dht, run_id=RUN_ID, params=model.parameters(),
                                  optimizer=lambda p: torch.optim.Adam(p, base.LR), target_batch_size=base.GLOBAL_BATCH,
                                  batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
-                                 average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=base.MATCHMAKING_TIME,
+                                 average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=MATCHMAKING_TIME,
                                  averaging_timeout=base.AVERAGING_TIMEOUT, verbose=False)
         say(event="ready", address=str(dht.get_visible_maddrs()[0]), version=hivemind.__version__)
         # hivemind's documented loop calls zero_grad (it accumulates into its own buffers)
@@ -377,7 +381,7 @@ def train_worker(args: argparse.Namespace) -> None:
         return
     import potluck
     peer = potluck.Peer(host=host, initial_peers=[args.initial] if args.initial else [])
-    options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": base.MATCHMAKING_TIME,
+    options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": MATCHMAKING_TIME,
                "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
     if "local_steps" in options:
         options["local_steps"] = args.local_steps

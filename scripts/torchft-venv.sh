@@ -10,12 +10,12 @@ PY="${PYTHON:-python3}"
 TORCHFT_VERSION="${TORCHFT_VERSION:-0.2.0}"
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-if ! "$VENV/bin/python" -c 'import torchft' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import torchft, blake3' 2>/dev/null; then
   echo "setting up $VENV (takes a few minutes)..." >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # The CPU build of PyTorch first, as in scripts/venv.sh (a bare "torch" pulls a GPU build).
   "$VENV/bin/python" -c 'import torch' 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  # msgpack, cryptography, pydantic: potluck's own imports (potluck.cli.demo loads through them).
-  "$VENV/bin/python" -m pip install -q "torchft==$TORCHFT_VERSION" numpy msgpack cryptography pydantic
+  # msgpack, cryptography, pydantic, blake3: potluck's own imports (potluck.cli.demo loads through them).
+  "$VENV/bin/python" -m pip install -q "torchft==$TORCHFT_VERSION" numpy msgpack cryptography pydantic blake3
 fi
 echo "$VENV/bin/python"
