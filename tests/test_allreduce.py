@@ -544,3 +544,65 @@ def test_killed_client_member_does_not_hold_the_others_until_a_deadline(monkeypa
         check_survivors_identical(results, [0, 1, 3], weighted_mean(vectors, weights, averaged))
         assert loop.time() - crashed[0] < 5.0  # not the 30 s sender timeout, nor the 60 s deadline
     run_virtual(main())
+
+
+class _Host:
+    """Just enough of a member for its Coordinator: member 0 of three, coordinating."""
+
+    def __init__(self, outcome):
+        peers = tuple(Identity.generate().peer_id for _ in range(3))
+        self.me, self.group = 0, Group(b"g" * 16, peers, ("node",) * 3, (10, 10, 10))
+        self.deadline, self.sender_timeout = asyncio.get_running_loop().time() + 60, 10.0
+        self.dead: set[int] = set()
+        self.outcome, self.state_changed, self.banned = outcome, asyncio.Event(), []
+
+    def current_coordinator(self):
+        return 0
+
+    def state(self):
+        return MemberState(0, (), {}, (), self.outcome.version, self.outcome)
+
+    def spawn(self, coro):
+        return asyncio.ensure_future(coro)
+
+    def mark_dead(self, member):
+        self.dead.add(member)
+
+    def apply(self, outcome):
+        self.outcome = outcome
+
+    async def query(self, member, timeout):
+        return None
+
+    def ban(self, member, evidence):
+        self.banned.append(member)
+
+
+@pytest.mark.parametrize("reporter", [0, 1], ids=["own-member", "other-member"])
+def test_a_failed_repair_reported_after_the_step_aborted_bans_nobody(reporter):
+    """A repair moved shard 2 to member `reporter`, then the step aborted (a reducer and a sender
+    it needed both died) and the shard went with it; the reducer's failure report came after the
+    abort. It was judged against the aborted decision, where it holds nothing, and banned as a
+    liar: over emulated WAN links a coordinator banned its own member "for the rest of the run"."""
+    async def main():
+        repaired = Outcome(1, (0, 1, 2), {0: 0, 1: 1, 2: reporter}, False)
+        host = _Host(repaired)
+        coordinator = Coordinator(host)
+        coordinator.maybe_take_over()
+        coordinator.outcome = host.outcome = Outcome.aborting(2, "a reducer and a sender it needed both died")
+        coordinator.update(MemberState(reporter, (), {}, (), 1, repaired, failure="shard 2 lost senders [2] during repair"))
+        assert host.banned == []
+        coordinator.close()
+    run_virtual(main())
+
+
+def test_a_failed_repair_of_a_part_it_does_not_hold_is_still_a_lie():
+    """The same report under a live decision that gives the reporter no repair: banned."""
+    async def main():
+        host = _Host(Outcome(1, (0, 1, 2), {0: 0, 1: 1, 2: 2}, False))
+        coordinator = Coordinator(host)
+        coordinator.maybe_take_over()
+        coordinator.update(MemberState(1, (), {}, (), 1, host.outcome, failure="shard 2 lost senders [2] during repair"))
+        assert host.banned == [1]
+        coordinator.close()
+    run_virtual(main())

@@ -148,11 +148,16 @@ class Coordinator:
             return
         if adopted.version > self.outcome.version:
             self.outcome = adopted
-        if state.failure:
+        # A failed repair ends the step if the reporter holds one. A report that comes once the step
+        # is over (an honest reducer's, racing an abort that moved its shard away) decides nothing,
+        # and our own member's is true: only another member's report of a part it does not hold
+        # under a live decision is a lie (a member once excluded itself for the rest of a run).
+        if state.failure and not (self.outcome.committed or self.outcome.aborted):
             if self._holds_repair(state.member):
                 self._publish(Outcome.aborting(self.outcome.version + 1, state.failure))
                 return
-            self.run.ban(state.member, f"reported a failed repair of a part it does not hold: {state.failure!r}")
+            if state.member != self.run.me:
+                self.run.ban(state.member, f"reported a failed repair of a part it does not hold: {state.failure!r}")
         self._decide()
 
     async def _probe(self, member: int, reporter: int) -> None:
