@@ -75,17 +75,22 @@ def swarm_train(device: str | tuple[str, str], make, batch, steps_to: int,
                     torch.nn.functional.cross_entropy(models[i](x), y)
                 loss.backward()
                 opts[i].step()
-        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        train_both(train)
         return models, time.perf_counter() - started
     finally:
         for o in opts:
             o.shutdown()
         for p in peers:
             p.shutdown()
+
+
+def train_both(train) -> None:
+    """`train(0)` and `train(1)` in threads of their own (two peers of this process), until both end."""
+    threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
 
 
 def digits_batches(dtype: torch.dtype = torch.float32):
@@ -492,11 +497,7 @@ def verified_mixed(device: str, epochs: int) -> None:
             while opts[i].local_epoch < epochs:
                 loss(models[i], opts[i].batch()).backward()
                 opts[i].step()
-        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        train_both(train)
         strict = not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
         bans = [len(ban_list(p.transport)) for p in peers]
         validated = [o.validation.validated for o in opts]
