@@ -166,6 +166,36 @@ def test_members_killed_mid_step_leave_survivors_identical(crash):
 
 
 @pytest.mark.timeout(60)
+def test_a_decision_naming_the_early_finals_senders_commits_three_trips_later(monkeypatch):
+    """Reducers send an early FINAL as they report, and members check it while the decision is
+    made: a decision that names its senders finds them final and checked, or about to be. Before,
+    the decision was followed by the FINALs, a check's round trip and the word of it: five one-way
+    trips from decision to commit."""
+    latency = 0.05
+    published: dict[str, float] = {}
+    publish = Coordinator._publish
+
+    def on_publish(self, outcome):
+        published.setdefault("commit" if outcome.committed else f"v{outcome.version}", asyncio.get_running_loop().time())
+        publish(self, outcome)
+    monkeypatch.setattr(Coordinator, "_publish", on_publish)
+
+    async def main():
+        net, transports, services = await swarm(4, bandwidth=None, latency=latency)
+        weights = [1.0, 2.0, 3.0, 4.0]
+        for step in (b"first", b"second"):  # the second with the connections the first opened (checks
+            published.clear()  # call members that a step's streams alone do not connect)
+            group = make_group(transports, ["node"] * 4, 4_000, gid=step)
+            vectors = [torch.randn(4_000) for _ in range(4)]
+            results = await average(services, group, vectors, weights)
+            check_survivors_identical(results, [0, 1, 2, 3], weighted_mean(vectors, weights, [0, 1, 2, 3]))
+    run_virtual(main())
+    # the decision reaches the members as their checks' answers do (the FINALs left with the
+    # reports, the checks' round trip follows); then their word back: three trips, not five
+    assert published["commit"] - published["v1"] <= 3 * latency + 1e-9, published
+
+
+@pytest.mark.timeout(60)
 def test_stalled_sender_is_excluded_after_its_deadline():
     async def main():
         net, transports, services = await swarm(4)
@@ -524,9 +554,9 @@ def test_killed_client_member_does_not_hold_the_others_until_a_deadline(monkeypa
             if when == "decided" and outcome.version == 1 and not outcome.committed:
                 crash()
 
-        def on_changed(self):  # the client has just received its first or its last averaged
-            # shard: every reducer has sent it FINAL, and it has not told the coordinator yet
-            if self.me == 2 and len(self.final) == {"first-final": 1, "all-final": 3}.get(when):
+        def on_changed(self):  # the client has just received its first or its last FINAL (early
+            # ones, before the decision), and it has not told the coordinator yet
+            if self.me == 2 and len(self.finals) == {"first-final": 1, "all-final": 3}.get(when):
                 crash()
             changed(self)
         monkeypatch.setattr(Coordinator, "_publish", on_publish)

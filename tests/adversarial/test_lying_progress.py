@@ -264,8 +264,10 @@ async def averaged_then_claimed(caplog: pytest.LogCaptureFixture, **claims: Any)
                                                            done=liar.local_epoch, **claims))
             for _ in range(100):
                 await asyncio.sleep(PROGRESS_INTERVAL)
-                if reader.context.reports.get(liar_id, None) is not None and reader.context.reports[liar_id].samples_per_second \
-                        == claims["sps"]:
+                # (as the reader merges them: the liar's last honest report, pushed to it as a
+                # neighbor, wins until a claim is newer)
+                seen = reader.context.tracker.merged(reader.context.reports).get(liar_id)
+                if seen is not None and seen.samples_per_second == claims["sps"]:
                     break
             else:
                 raise AssertionError("the reader never read the claim")

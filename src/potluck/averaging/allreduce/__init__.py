@@ -11,6 +11,8 @@ Failures are settled by a coordinator (the first listening member that is alive)
      reducers to survivors; every reducer (re)computes its shards over exactly S*, and says FINAL;
   3. once every live receiver holds every shard FINAL, the coordinator commits; only then do
      members use the result.
+As they report, reducers send an early FINAL over the senders they report complete (member.py,
+reducer.py): a decision that names them needs no second FINAL, and members have checked it by then.
 A shard's value is a deterministic function of S* and the senders' pieces (fixed sender order,
 separate multiply and add, so any peer recomputing it gets the same bits). Members long-poll the
 coordinator; when its connection breaks they turn to the next one, which asks everyone where they

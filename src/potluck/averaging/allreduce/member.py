@@ -4,7 +4,11 @@ As a sender it streams its piece of every shard to that shard's reducer and writ
 chunks that come back into its result; as a reducer it runs the `ShardReducer` of its own shard
 (and of shards the coordinator moves to it); it follows the coordinator's decisions (running the
 `Coordinator` itself while it coordinates) and, once it holds every shard final, checks one
-random block of every other reducer's work. It reaches the network through `RunService`, which
+random block of every other reducer's work. Reducers send an early FINAL as they report (see
+reducer.py): holding one of every shard over the same senders, a member checks them before the
+decision comes, and a decision that names those senders then finds it final and checked at once
+(three one-way trips to the commit instead of six: the FINALs, the check's round trip, then the
+report of it). It reaches the network through `RunService`, which
 the all-reduce service implements.
 """
 
@@ -96,7 +100,7 @@ class RunService(Protocol):
         """Where `member` stands in the step (None: it has no such step)."""
 
     async def pieces(self, run: AllReduceRun, reducer: int, shard: int, where: tuple[int, int, int],
-                     sizes: tuple[int, int], numel: int) -> Pieces:
+                     sizes: tuple[int, int], numel: int, version: int) -> Pieces:
         """`reducer`'s pieces of blocks of a chunk of `shard` (see `AllReduceService.pieces`)."""
 
     def sign(self, message: bytes) -> bytes:
@@ -142,6 +146,10 @@ class AllReduceRun:
         self.received: dict[int, dict[int, bytes]] = {}
         self.checked = 0
         self._checking = 0
+        self._early: bool | None = None  # the check of early FINALs: None not started, True under way, False done
+        # shard -> (its reducer, the FINAL's version and senders, the digest of the senders' roots)
+        # of each result I checked, so that a decision naming them needs no second check
+        self._verified: dict[int, tuple[int, int, tuple[int, ...], bytes]] = {}
         self.finals: dict[int, SignedFinal] = {}
         self.checked_by: set[tuple[int, int, int]] = set()  # (member, shard, version) I answered a check of
         self.caught: str | None = None
@@ -263,10 +271,13 @@ class AllReduceRun:
                     msg = parse_result(raw, chunks, len(self.group.peers))
                     if isinstance(msg, ResultFinal):
                         self._check_signature(shard, reducer, msg)
-                        self.final.add(shard)
-                        self._changed()
-                        self._maybe_check()
-                        break
+                        self._settle(shard)
+                        if msg.version > 0:
+                            break
+                        continue  # an early FINAL: the decision ends the stream or replaces it
+                    if shard in self.finals:  # the decision differs from the early FINAL: results again
+                        self.finals.pop(shard)
+                        self.final.discard(shard)
                     lo = start + msg.chunk * self.chunk
                     hi = min(end, lo + self.chunk)
                     self.result[lo:hi] = decode_chunk(self.codec, msg.payload, hi - lo)
@@ -274,9 +285,20 @@ class AllReduceRun:
             finally:
                 sender.cancel()
         except (NetworkError, PotluckError) as e:
+            if shard in self.final:
+                return  # its stream ended once the result was settled (its run may be over)
             # Unreachable or sending malformed results: either way the shard must move elsewhere.
             logger.debug("exchange of shard %d with member %d failed: %s", shard, reducer, e)
             self.mark_dead(reducer)
+
+    def _settle(self, shard: int) -> None:
+        """A FINAL of `shard` came: final if under a decision, or early over the senders the
+        decision names (else it waits for the decision, `apply`)."""
+        final, out = self.finals[shard], self.outcome
+        if final.version > 0 or out.version > 0 and final.senders == out.senders:
+            self.final.add(shard)
+        self._changed()
+        self._maybe_check()
 
     async def _send_piece(self, channel: Any, shard: int, start: int, end: int, abstain: bool) -> None:
         """Stream my piece of one shard, sealed with my signature of its root (what the reducer will
@@ -373,27 +395,54 @@ class AllReduceRun:
         self.finals[shard] = SignedFinal(final.version, final.senders, root, final.signature)
 
     def _maybe_check(self) -> None:
-        """Once I hold every shard's final result under a decision, check the reducers' work."""
-        version = self.outcome.version
-        if self.role != Role.AUX and version > self._checking and not (self.outcome.committed or self.outcome.aborted) \
-                and set(self.outcome.assignment) <= self.final:
-            self._checking = version
-            self.spawn(self._check(self.outcome))
+        """Once I hold every shard's final result under a decision, check the reducers' work;
+        before any decision, once I hold an early FINAL of every shard over the same senders."""
+        out = self.outcome
+        if self.role == Role.AUX or out.committed or out.aborted or self._early:
+            return  # (the early check calls again once done)
+        if out.version == 0:
+            finals = [self.finals.get(j) for j in out.assignment]
+            if self._early is None and finals and all(f is not None and f.senders == finals[0].senders
+                                                      for f in finals):
+                self._early = True
+                self.spawn(self._check(Outcome(0, finals[0].senders, dict(out.assignment), False)))
+        elif out.version > self._checking and set(out.assignment) <= self.final:
+            self._checking = out.version
+            self.spawn(self._check(out))
 
     async def _check(self, outcome: Outcome) -> None:
         """Recompute one random chunk of every other reducer's shard from the pieces it used,
         BTARD-style. The chunk is drawn here after the results came, so a reducer cannot know
-        which of its chunks anyone checks; a reducer caught is banned, and I do not use the result."""
+        which of its chunks anyone checks; a reducer caught is banned, and I do not use the result.
+        A result I checked already (its early FINAL) is not asked for again: its pieces' digest
+        must be the decision's. Under version 0 (early FINALs), a check that cannot be done
+        leaves it to the decision's."""
+        early = outcome.version == 0
+
         async def one(shard: int, reducer: int) -> None:
-            try:
-                problem = await self._check_shard(outcome, shard, reducer)
-            except (NetworkError, PotluckError, TimeoutError) as e:
-                self.unverified = f"member {reducer}'s result for shard {shard} could not be checked: {e}"
-                return
+            known, final = self._verified.get(shard), self.finals.get(shard)
+            if known is not None and final is not None and known[:3] == (reducer, final.version, final.senders):
+                if shard not in outcome.digests or known[3] == outcome.digests[shard]:
+                    return
+                problem: str | None = "answered with pieces other than those the senders sent"
+            else:
+                try:
+                    problem = await self._check_shard(outcome, shard, reducer)
+                except (NetworkError, PotluckError, TimeoutError) as e:
+                    if not early:
+                        self.unverified = f"member {reducer}'s result for shard {shard} could not be checked: {e}"
+                    return
             if problem is not None:
                 self.caught = f"member {reducer} ({self.group.peers[reducer]}) {problem}"
                 self.ban(reducer, f"as reducer of shard {shard}, it {problem}")
-        await asyncio.gather(*(one(j, r) for j, r in sorted(outcome.assignment.items()) if r != self.me))
+        try:
+            await asyncio.gather(*(one(j, r) for j, r in sorted(outcome.assignment.items()) if r != self.me))
+        finally:
+            if early:
+                self._early = False
+        if early:
+            self._maybe_check()  # a decision may have come meanwhile
+            return
         self.checked = max(self.checked, outcome.version)
         self._changed()
 
@@ -407,7 +456,12 @@ class AllReduceRun:
         alone = encodes_blocks_alone(self.codec)  # every aggregation reduces a block alone
         first, count = (secrets.randbelow(blocks), 1) if alone else (0, blocks)
         lo, hi = lo + first * VERIFY_BLOCK, min(hi, lo + (first + count) * VERIFY_BLOCK)
-        pieces = await self.service.pieces(self, reducer, shard, (c, first, count), (chunks, blocks), hi - lo)
+        final = self.finals.get(shard)
+        if final is None:
+            raise AveragingError(f"no FINAL of shard {shard} here to check")
+        mine = self.result[lo:hi].clone()  # as signed (a decision may bring other results meanwhile)
+        pieces = await self.service.pieces(self, reducer, shard, (c, first, count), (chunks, blocks), hi - lo,
+                                           final.version)
         where = f"chunk {c}, block {first}"
         if tuple(sorted(pieces)) != outcome.senders:
             return f"answered with the pieces of members {sorted(pieces)}, not of {list(outcome.senders)}"
@@ -430,10 +484,11 @@ class AllReduceRun:
         else:
             reduce_chunk(self.aggregation, values, weights, outcome.senders, c, out, torch.empty(hi - lo))
         expected = as_received(self.codec, out)
-        if not torch.equal(expected, self.result[lo:hi]):
-            error = (expected - self.result[lo:hi]).abs().max().item()
+        if not torch.equal(expected, mine):
+            error = (expected - mine).abs().max().item()
             return f"sent a result that is not what its pieces reduce to ({where}: off by up to {error:.3g})"
         self._keep_sealed(sealed.values())
+        self._verified[shard] = (reducer, final.version, final.senders, shard_digest(roots))
         return None
 
     def _keep_sealed(self, blocks: Iterable[SealedBlock]) -> None:
@@ -465,6 +520,9 @@ class AllReduceRun:
         c = request.chunk
         if red is None or red.final_senders is None or c >= red.chunks:
             raise AveragingError("no final result of that chunk here")
+        if request.version != red.final_version:
+            raise AveragingError(f"the FINAL of shard {red.shard} here is of version {red.final_version}, "
+                                 f"not {request.version}")
         lo, hi = red.chunk_range(c)
         blocks = math.ceil((hi - lo) / VERIFY_BLOCK)
         first, count = request.first, request.count
@@ -554,7 +612,6 @@ class AllReduceRun:
             self.ban(proof.reducer, f"as reducer of shard {proof.shard}, it signed two different results of it")
         if terminal or outcome.version == previous.version:
             return
-        self._maybe_check()
         for shard, reducer in outcome.assignment.items():
             if reducer == self.me:
                 red = self.reducers.get(shard)
@@ -566,6 +623,11 @@ class AllReduceRun:
                 self.final.discard(shard)
                 self.finals.pop(shard, None)
                 self._start_exchange(shard, reducer)
+        early = [j for j, f in self.finals.items() if f.version == 0 and f.senders == outcome.senders]
+        if not set(early) <= self.final:
+            self.final.update(early)  # the decision names the early FINALs' senders
+            self._changed()
+        self._maybe_check()
 
     async def _finalize_exact(self, red: ShardReducer) -> None:
         """A replacement reducer: wait for every sender of S*, then reduce and send FINAL."""

@@ -202,7 +202,9 @@ class SyncReply(Message, what="sync reply"):
 
 class VerifyRequest(Message, what="verify request"):
     """A member (`member`) asks a reducer for its pieces of `count` blocks from block `first` of
-    chunk `chunk` of `shard` (the reducer checks the block bounds against its chunk)."""
+    chunk `chunk` of `shard`, whose FINAL it holds under `version` (the reducer checks the block
+    bounds against its chunk, and answers only for that FINAL: an early one may have been
+    replaced by the decision's meanwhile)."""
 
     group_id: bytes = Bytes("g", MAX_GROUP_ID_BYTES)
     member: int = _member("m")
@@ -210,6 +212,7 @@ class VerifyRequest(Message, what="verify request"):
     chunk: int = Int("c", 0, MAX_INDEX)
     first: int = Int("b", 0, MAX_INDEX)
     count: int = Int("k", 1, MAX_INDEX)
+    version: int = Int("v", 0, MAX_VERSION)
 
 
 class PieceBlock(Message, what="piece", positional=True):
