@@ -242,9 +242,10 @@ class AllReduceService:
     async def pieces(self, run: AllReduceRun, reducer: int, shard: int, where: tuple[int, int, int],
                      sizes: tuple[int, int], numel: int, version: int) -> Pieces:
         """`reducer`'s pieces of `where` = (chunk, first block, blocks) of `shard`, as it reduced
-        them for its FINAL under `version`, whose (chunks, blocks in that chunk) are `sizes`: sender -> (weight, its chunk digests, the block
-        digests of that chunk, the values of those blocks, decoded: they travel in the codec's
-        form where it is exact, see `reduction.wire_form`; its seal of the piece)."""
+        them for its FINAL under `version`, whose (chunks, blocks in that chunk) are `sizes`:
+        sender -> (weight, its chunk digests, the block digests of that chunk, the values of those
+        blocks, decoded: they travel in the codec's form where it is exact, see
+        `reduction.wire_form`; its seal of the piece)."""
         left = max(0.1, min(VERIFY_TIMEOUT, run.deadline - asyncio.get_running_loop().time()))
         c, first, count = where
         chunks, blocks = sizes
