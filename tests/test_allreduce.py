@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import types
 
 import pytest
@@ -23,6 +24,7 @@ from potluck.averaging.allreduce.messages import (
     SignedFinal,
     parse_result,
 )
+from potluck.averaging.allreduce.reducer import ShardReducer
 from potluck.averaging.load_balancing import optimal_fractions, part_sizes
 from potluck.compression import get_codec
 from potluck.core.errors import AveragingError, MalformedMessage
@@ -193,6 +195,44 @@ def test_a_decision_naming_the_early_finals_senders_commits_three_trips_later(mo
     # the decision reaches the members as their checks' answers do (the FINALs left with the
     # reports, the checks' round trip follows); then their word back: three trips, not five
     assert published["commit"] - published["v1"] <= 3 * latency + 1e-9, published
+
+
+@pytest.mark.timeout(60)
+def test_a_decision_naming_fewer_senders_than_the_early_finals_is_reduced_again(monkeypatch):
+    """Every reducer received member 3's piece and sent an early FINAL over all four, but member 3
+    tells the coordinator it sent something else (its roots disagree with the reducers'): the
+    decision leaves it out, the reducers reduce again over the other three and send FINAL under the
+    decision. The honest members end with the mean of the three, identical, and ban nobody: a
+    member checking an early FINAL that the decision replaced meanwhile is refused (the check names
+    the FINAL's version), where the reducer used to answer with the new pieces and be caught.
+    (That the second reduction goes into fresh memory is `[sender+reducer]` above: it failed
+    without.)"""
+    state = AllReduceRun.state
+
+    def lying_state(self):
+        s = state(self)
+        if self.me == 3:
+            s = dataclasses.replace(s, sent={j: b"\x01" * len(root) for j, root in s.sent.items()})
+        return s
+    monkeypatch.setattr(AllReduceRun, "state", lying_state)
+    sealed: list[tuple[int, int]] = []
+    seal = ShardReducer._seal
+
+    def noting_seal(self, senders, version, signature=None):
+        sealed.append((self.shard, version))
+        seal(self, senders, version, signature)
+    monkeypatch.setattr(ShardReducer, "_seal", noting_seal)
+
+    async def main():
+        net, transports, services = await swarm(4, latency=0.02)
+        group = make_group(transports, ["node"] * 4, 40_000)
+        vectors = [torch.randn(40_000) for _ in range(4)]
+        weights = [1.0, 2.0, 3.0, 4.0]
+        results = await average(services, group, vectors, weights)
+        check_survivors_identical(results, [0, 1, 2], weighted_mean(vectors, weights, [0, 1, 2]))
+        assert all(len(services[i].banned) == 0 for i in range(3)), [list(services[i].banned) for i in range(3)]
+    run_virtual(main())
+    assert {(j, v) for j, v in sealed} == {(j, v) for j in range(4) for v in (0, 1)}, sealed  # early, then again
 
 
 @pytest.mark.timeout(60)
