@@ -5,11 +5,11 @@ chunks that come back into its result; as a reducer it runs the `ShardReducer` o
 (and of shards the coordinator moves to it); it follows the coordinator's decisions (running the
 `Coordinator` itself while it coordinates) and, once it holds every shard final, checks one
 random block of every other reducer's work. Reducers send an early FINAL as they report (see
-reducer.py): holding one of every shard over the same senders, a member checks them before the
-decision comes, and a decision that names those senders then finds it final and checked at once
-(three one-way trips to the commit instead of six: the FINALs, the check's round trip, then the
-report of it). It reaches the network through `RunService`, which
-the all-reduce service implements.
+reducer.py): holding one of every shard over the same senders, a member checks them while the
+coordinator decides, and a decision that names those senders finds it final and checked, or
+nearly (the commit comes three one-way trips after the decision instead of five: the FINALs, the
+check's round trip, the word of it). It reaches the network through `RunService`, which the
+all-reduce service implements.
 """
 
 from __future__ import annotations
