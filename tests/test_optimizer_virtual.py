@@ -35,7 +35,8 @@ def digest(model: torch.nn.Module) -> str:
 
 
 async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
-                aggregation: str = "mean", stall: tuple[int, int, float] | None = None) -> dict:
+                aggregation: str = "mean", stall: tuple[int, int, float] | None = None,
+                average_state_every: int = 1) -> dict:
     """Train len(compute) peers for `epochs` epochs; what each ended with, and when. `stall`:
     (peer, epoch, seconds): one batch of that peer in that epoch takes that long."""
     loop = asyncio.get_running_loop()
@@ -45,7 +46,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
         peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
                                                clock=event_loop_clock()))
     models = [make_model(seed) for _ in peers]
-    options = dict(mode=mode, local_steps=4) if mode != "sync" else {}
+    options = dict(mode=mode, local_steps=4) if mode != "sync" else {"average_state_every": average_state_every}
     optimizers = [Optimizer(peer, "virtual", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
                             target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
                             start=False, aggregation=aggregation, **options)
@@ -104,11 +105,12 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
         compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean",
-        stall: tuple[int, int, float] | None = None) -> dict:
+        stall: tuple[int, int, float] | None = None, average_state_every: int = 1) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall), timeout=300)
+        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall, average_state_every),
+                          timeout=300)
     finally:
         release_runner()
 
@@ -173,6 +175,18 @@ def test_a_peer_that_stalled_through_a_round_is_back_in_the_next():
     result = run(seed=3, epochs=6, stall=(0, 2, 2.0))  # (1.5 s: it now makes that round in time)
     assert result["epochs"] == [6, 6, 6] and len(set(result["digests"])) == 1, result
     assert len(result["samples"][0]) == 5 and all(len(record) == 6 for record in result["samples"][1:]), result
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_that_rejoined_without_the_state_is_repaired_by_its_next_round():
+    """The stalled peer above rejoins the swarm at epoch 3 with parameters one update behind.
+    With the state averaged only every 10 epochs, it used to stay apart until then (here, to the
+    end: 5 epochs); it now sends its state's digest in its next round, and that round's members
+    average the state after it."""
+    result = run(seed=3, epochs=5, stall=(0, 2, 2.0), average_state_every=10)
+    assert result["epochs"] == [5, 5, 5] and len(result["samples"][0]) == 4, result  # it missed a round
+    assert len(set(result["digests"])) == 1, result
+    assert result["groups"] == [3, 3, 3], result["groups"]  # one state round, of all three
 
 
 @pytest.mark.timeout(300)

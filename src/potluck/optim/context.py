@@ -156,6 +156,10 @@ class RunContext:
         self.samples_processed = 0  # local samples behind every step() so far (bytes_per_sample)
         self.failed_rounds = 0  # failed averaging tries since we started (published for monitors)
         self.catch_ups = 0  # times we fell behind the swarm and downloaded its state (benchmarks read it)
+        # Our state may differ from the swarm's: we moved on without it (a missed round, a failed
+        # download, a round that failed here alone). Sync mode then says so in its next round, and
+        # that round's members average the state after it, instead of at the next scheduled one.
+        self.departed = False
         self.schema = schema  # what peers of the run must share (None: anyone counts)
         self.rounds_completed = 0  # averaging rounds we completed and recorded
         self.mismatch: ModelMismatch | None = None  # we are not of this run: why (check_model)
@@ -425,6 +429,7 @@ class RunContext:
 
     def rejoin(self, epoch: int) -> None:
         """Move on to the swarm's `epoch` without its state (its next rounds repair ours)."""
+        self.departed = True
         self.move_to(epoch)
         self.publish()
         self._epoch_changed("rejoined")
@@ -443,11 +448,12 @@ class RunContext:
             # averaging repairs ours. A download (round trips, then the state) would take most of
             # an epoch over a slow link, and miss the next round too.
             logger.info("missed the swarm's round of epoch %d: rejoining at epoch %d", self.epoch, epoch)
+            self.departed = True
             self.move_to(epoch)
             self._epoch_changed("caught_up")
             return
         logger.info("behind the swarm by %d epoch(s): downloading its state", behind)
-        await self.try_load_state(self.settings.averaging_timeout, restart)
+        self.departed = not await self.try_load_state(self.settings.averaging_timeout, restart)
         # The swarm's epoch now, with the state we got (or ours, if none came): the next state
         # averaging repairs the difference. Waiting for a state of the very epoch instead, a peer
         # whose download takes an epoch or more (a slow link) would download forever, a round late.
@@ -517,6 +523,8 @@ class RunContext:
             await self.state.averager.astep(group_key=key, target_group_size=expected, members=members)
         except AveragingError as e:
             logger.warning("averaging parameters failed (%s); keeping local ones", e)
+        else:
+            self.departed = False
         finally:
             self.tally.in_round = False
             self.state.generation += 1

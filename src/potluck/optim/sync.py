@@ -266,9 +266,11 @@ class SyncTraining(TrainingMode):
         # Equal weights: each peer's accumulator already holds its samples' share of the sum. A
         # part after a short round has its own key: the short round's declarations are still live.
         # An aux peer holds no averaged state: its digest would say nothing. Digests all alike
-        # after the round: no state round needed.
+        # after the round: no state round needed. A member whose state departed from the swarm's
+        # sends its digest in any round: the group then averages the state after it (`_repairs`).
         aux = context.settings.role == Role.AUX
-        state = await self.digest_now() if not aux and self._averages_state_after(epoch) else None
+        state = await self.digest_now() if not aux and (self._averages_state_after(epoch) or context.departed) \
+            else None
         params = None if self.validation is None or aux else await run_in_thread(self._params_digest)
         if params is not None:
             self.validation.record(epoch, params)
@@ -347,10 +349,12 @@ class SyncTraining(TrainingMode):
             context.tracker.averaged(averaged, pending.duration, context.peer.dht.get_time())
             digests = [n.state for n in notes.values() if not n.aux]
             same = bool(digests) and digests[0] is not None and all(d == digests[0] for d in digests)
+            repair = any(d is not None for d in digests)  # (in a round due for it, every member's is there)
             per_sample = 1 / target if self._sends_means else len(result.contributors) / total
             if self.validation is not None and pending.part == 0:
                 await self._maybe_validate(result, notes, pending)
-            await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same)
+            await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same,
+                                        repair=repair)
             return
         me = context.peer.peer_id
         others = [r for r in context.progress().reports if r.peer_id != me]
@@ -373,18 +377,21 @@ class SyncTraining(TrainingMode):
         if waiting:
             logger.warning("epoch %d: averaging failed %d times (%s); applying local gradients",
                            epoch, self.attempt, error)
+            context.departed = True  # the others may have averaged without us
         await self._apply_gradients(1 / (max(pending.samples, 1) * pending.scale), pending.samples, pending.expected)
 
     async def _apply_gradients(self, per_sample: float, samples: int, expected: int,
-                               members: frozenset[str] | None = None, same_state: bool = False) -> None:
+                               members: frozenset[str] | None = None, same_state: bool = False,
+                               repair: bool = False) -> None:
         """The wrapped optimizer's step on the accumulator (x `per_sample` x target: the mean
         gradient), handed over as `.grad` without a copy; then the next epoch. The state is
-        averaged after it if due, unless every member of the round held the same state before
-        it (`same_state`): the same step on the same state leaves them all alike."""
+        averaged after it if due, or if a member of the round said its state departed (`repair`:
+        it sent its digest when none was due), unless every member of the round held the same
+        state before it (`same_state`): the same step on the same state leaves them all alike."""
         context = self.context
         await self.context.compute(self._step_on_average, per_sample)
         context.epoch_samples = samples
-        average_state = self._averages_state_after(context.epoch) and not same_state \
+        average_state = (self._averages_state_after(context.epoch) or repair) and not same_state \
             and not self._alone()  # alone, there is nobody to average with
         context.tally.in_round = bool(average_state)  # already in the new epoch's first report
         self.attempt, self.part_due = 0, None
