@@ -267,7 +267,7 @@ class SyncTraining(TrainingMode):
         # part after a short round has its own key: the short round's declarations are still live.
         # An aux peer holds no averaged state: its digest would say nothing. Digests all alike
         # after the round: no state round needed. A member whose state departed from the swarm's
-        # sends its digest in any round: the group then averages the state after it (`_repairs`).
+        # sends its digest in any round: the group then averages the state after it (`repair`).
         aux = context.settings.role == Role.AUX
         state = await self.digest_now() if not aux and (self._averages_state_after(epoch) or context.departed) \
             else None
