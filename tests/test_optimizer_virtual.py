@@ -249,3 +249,34 @@ def test_round_notes_are_typed_and_a_malformed_one_says_nothing():
         assert info.value.field.startswith(f"'{field}'"), info.value.field
         assert RoundNote.read(bad) == RoundNote()  # counted as saying nothing: no samples, no state
     assert RoundNote.read("junk") == RoundNote()
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_read_of_the_progress_becomes_the_view():
+    """A round that failed reads everyone's progress afresh to decide whether to try again; the
+    next try must decide from that read. It used to keep the old view: two peers that started
+    before seeing each other trained six epochs without meeting (CI), each retry of the first one
+    finding "no other peer is training" in the view the failure had just found stale."""
+    async def scenario() -> tuple[set[str], set[str]]:
+        network = EmulatedNetwork(latency=0.01, seed=1)
+        first = await potluck.Peer.create([], transport=network.transport(), clock=event_loop_clock())
+        second = await potluck.Peer.create(first.addresses, transport=network.transport(), clock=event_loop_clock())
+        opts = [Optimizer(peer, "fresh", make_model(1).parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                          target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, start=False)
+                for peer in (first, second)]
+        try:
+            await opts[1].context.report()  # the second peer says it trains; the first has not read it
+            before = {r.peer_id for r in opts[0].context.progress().reports}
+            await opts[0].context.fresh_reports()
+            return before, {r.peer_id for r in opts[0].context.progress().reports}
+        finally:
+            for opt in opts:
+                opt.shutdown()
+            for peer in (first, second):
+                await peer.ashutdown()
+    runner = acquire_runner(virtual_time_loop)
+    try:
+        before, after = runner.run(scenario(), timeout=60)
+    finally:
+        release_runner()
+    assert len(before) == 1 and len(after) == 2, (before, after)  # itself; then both

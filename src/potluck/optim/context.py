@@ -348,12 +348,17 @@ class RunContext:
         return None
 
     async def fresh_reports(self) -> list[PeerProgress]:
-        """Everyone's progress read from the DHT now (the background view may be a moment old)."""
+        """Everyone's progress read from the DHT now (the background view may be a moment old),
+        which becomes our view: a round tried again right after must not decide from the old one
+        (two peers that started apart once trained six epochs without meeting: each retry of the
+        first saw "no other peer is training" in the view the failure had just found stale)."""
         try:
             reports = await asyncio.wait_for(self.tracker.fetch(), self.settings.averaging_timeout)
         except TimeoutError:
             reports = None
-        return list(self.tracker.merged(self.reports if reports is None else reports).values())
+        if reports is not None:
+            self.reports = reports
+        return list(self.tracker.merged(self.reports).values())
 
     def members(self, reports: Iterable[PeerProgress]) -> frozenset[str]:
         """Every peer that may take part in a round now: us and every live peer that is not
