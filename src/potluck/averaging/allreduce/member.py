@@ -292,13 +292,17 @@ class AllReduceRun:
             self.mark_dead(reducer)
 
     def _settle(self, shard: int) -> None:
-        """A FINAL of `shard` came: final if under a decision, or early over the senders the
-        decision names (else it waits for the decision, `apply`)."""
-        final, out = self.finals[shard], self.outcome
-        if final.version > 0 or out.version > 0 and final.senders == out.senders:
+        """A FINAL of `shard` came: final now if `_settles` (else the decision settles it, `apply`)."""
+        if self._settles(self.finals[shard]):
             self.final.add(shard)
         self._changed()
         self._maybe_check()
+
+    def _settles(self, final: SignedFinal) -> bool:
+        """Whether `final` is final under the decision I follow: sent under a decision, or early
+        over the senders the decision names."""
+        out = self.outcome
+        return final.version > 0 or out.version > 0 and final.senders == out.senders
 
     async def _send_piece(self, channel: Any, shard: int, start: int, end: int, abstain: bool) -> None:
         """Stream my piece of one shard, sealed with my signature of its root (what the reducer will
@@ -623,9 +627,9 @@ class AllReduceRun:
                 self.final.discard(shard)
                 self.finals.pop(shard, None)
                 self._start_exchange(shard, reducer)
-        early = [j for j, f in self.finals.items() if f.version == 0 and f.senders == outcome.senders]
-        if not set(early) <= self.final:
-            self.final.update(early)  # the decision names the early FINALs' senders
+        settled = {j for j, f in self.finals.items() if self._settles(f)}
+        if not settled <= self.final:
+            self.final |= settled  # the decision names the early FINALs' senders
             self._changed()
         self._maybe_check()
 

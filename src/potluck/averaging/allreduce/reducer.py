@@ -456,7 +456,7 @@ class ShardReducer:
         a decision then confirms it (same senders: the streams end) or replaces it."""
         if self.closed or self.final_version > 0 or self.confirmed:
             return
-        if self.finalizing:  # the early FINAL is being computed: the decision follows it
+        if self.finalizing:  # a FINAL (the early one) is being computed: this decision follows it
             self._decided = (senders, version)
             return
         if self.final_senders is not None:
