@@ -176,17 +176,21 @@ def trainers(peers: list[potluck.Peer]) -> tuple[list[torch.nn.Module], list[Opt
     return models, opts
 
 
-async def train_beside_a_liar(epochs: int, **claims: Any) -> list[Optimizer]:
+async def train_beside_a_liar(epochs: int, stall: float = 0.0, **claims: Any) -> list[Optimizer]:
     """Two honest Optimizers train `epochs` epochs (sync mode) while a third peer keeps publishing
-    a progress record with `claims`; returns the honest ones."""
+    a progress record with `claims`; returns the honest ones. `stall`: one batch of the second
+    in epoch 1 takes this long (the first's round of that epoch fails)."""
     peers = await three_peers()
     *honest, liar = peers
     models, opts = trainers(honest)
     async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
+        generator, stalled = torch.Generator().manual_seed(seed), seed != 1
         while opt.local_epoch < epochs:
             x = torch.randn(BATCH, 16, generator=generator)
             model(x).square().mean().backward()
+            if not stalled and opt.local_epoch == 1:
+                stalled = True
+                await asyncio.sleep(stall)
             await asyncio.sleep(COMPUTE)
             await opt.astep()
 
@@ -211,6 +215,17 @@ def test_training_peers_keep_their_epochs_beside_a_peer_claiming_epoch_ten_milli
     opts = run_on_shared_runner(train_beside_a_liar(3, epoch=10**7, done=10**7, sps=50.0), timeout=120)
     assert [o.local_epoch for o in opts] == [3, 3]
     assert all(TRAIN_TARGET <= o.epoch_samples for o in opts)  # the last epoch was a whole batch
+    assert all(torch.equal(a, b) for a, b in zip(opts[0].context.state.params, opts[1].context.state.params, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_round_beside_a_peer_claiming_epoch_ten_million_keeps_the_epochs() -> None:
+    """A round that fails asks the DHT what happened meanwhile: that fresh read was taken as
+    claimed, so the liar's epoch had ended the round ("missed the swarm's round"), and both
+    honest peers took epoch 10^7. Bound: the fresh read is bounded as the view is; they go on
+    together, epoch by epoch."""
+    opts = run_on_shared_runner(train_beside_a_liar(4, stall=3.0, epoch=10**7, done=10**7, sps=50.0), timeout=120)
+    assert [o.local_epoch for o in opts] == [4, 4]
     assert all(torch.equal(a, b) for a, b in zip(opts[0].context.state.params, opts[1].context.state.params, strict=True))
 
 

@@ -351,14 +351,16 @@ class RunContext:
         """Everyone's progress read from the DHT now (the background view may be a moment old),
         which becomes our view: a round tried again right after must not decide from the old one
         (two peers that started apart once trained six epochs without meeting: each retry of the
-        first saw "no other peer is training" in the view the failure had just found stale)."""
+        first saw "no other peer is training" in the view the failure had just found stale). As
+        far as the swarm supports it (`progress`), ours included: read as claimed, one peer's
+        epoch of ten million became ours after a round failed."""
         try:
             reports = await asyncio.wait_for(self.tracker.fetch(), self.settings.averaging_timeout)
         except TimeoutError:
             reports = None
         if reports is not None:
             self.reports = reports
-        return list(self.tracker.merged(self.reports).values())
+        return list(self.progress().reports)
 
     def members(self, reports: Iterable[PeerProgress]) -> frozenset[str]:
         """Every peer that may take part in a round now: us and every live peer that is not

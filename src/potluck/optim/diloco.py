@@ -114,7 +114,7 @@ class DiLoCoTraining(TrainingMode):
                     tally.in_round = False
                 if task.cancelled():  # the others' round is over: take their state
                     tally.samples = 0
-                    done = max(r.done for r in context.tracker.merged(context.reports).values())
+                    done = max(r.done for r in context.progress().reports)  # (as far as the swarm supports)
                     await context.catch_up(done, restart=self.restart)
                     return
                 result = task.result()

@@ -237,7 +237,7 @@ class StreamingDiLoCo(TrainingMode):
             if flight.task.cancelled():  # the others' round is over without us: rejoin them
                 if fragment.feedback is not None:
                     fragment.feedback.reset()
-                await self._rejoin(max(r.done for r in context.tracker.merged(context.reports).values()))
+                await self._rejoin(max(r.done for r in context.progress().reports))  # (as far as supported)
                 return
             try:
                 result = flight.task.result()
