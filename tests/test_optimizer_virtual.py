@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import types
 
 import pytest
 import torch
@@ -20,9 +21,13 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
+from potluck.optim.modes import Sync
+from potluck.optim.progress import PeerProgress
+from potluck.optim.sync import HOLD_PATIENCE_EPOCHS, SyncTraining
 
 BATCH, TARGET = 8, 256
 COMPUTE_SECONDS = (0.02, 0.02, 0.05)  # per batch: the third peer is 2.5x slower
+Stall = tuple[int | tuple[int, ...], int, float]  # (peer or peers, epoch, seconds)
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -35,10 +40,9 @@ def digest(model: torch.nn.Module) -> str:
 
 
 async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
-                aggregation: str = "mean", stall: tuple[int, int, float] | None = None,
-                average_state_every: int = 1) -> dict:
+                aggregation: str = "mean", stall: Stall | None = None, average_state_every: int = 1) -> dict:
     """Train len(compute) peers for `epochs` epochs; what each ended with, and when. `stall`:
-    (peer, epoch, seconds): one batch of that peer in that epoch takes that long."""
+    (peer or peers, epoch, seconds): one batch of each in that epoch takes that long."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
@@ -71,6 +75,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
     start = loop.time()
     finished: list[float] = []
     stalled: set[int] = set()
+    stalling = set() if stall is None else set(stall[0]) if isinstance(stall[0], tuple) else {stall[0]}
 
     async def train(index: int) -> None:
         model, opt = models[index], optimizers[index]
@@ -79,7 +84,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
             x = torch.randn(BATCH, 16, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            if stall is not None and stall[:2] == (index, opt.local_epoch) and index not in stalled:
+            if stall is not None and index in stalling and stall[1] == opt.local_epoch and index not in stalled:
                 stalled.add(index)
                 await asyncio.sleep(stall[2])
             else:
@@ -105,7 +110,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
         compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean",
-        stall: tuple[int, int, float] | None = None, average_state_every: int = 1) -> dict:
+        stall: Stall | None = None, average_state_every: int = 1) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
@@ -187,6 +192,50 @@ def test_a_peer_that_rejoined_without_the_state_is_repaired_by_its_next_round():
     assert result["epochs"] == [5, 5, 5] and len(result["samples"][0]) == 4, result  # it missed a round
     assert len(set(result["digests"])) == 1, result
     assert result["groups"] == [3, 3, 3], result["groups"]  # one state round, of all three
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splitting_the_swarm():
+    """Three of four peers stall 7 s in epoch 3 (idle after 5 s); the second peer, which nobody
+    follows, steps alone to epoch 10. Back, the three ignored it (it claims 7 epochs more than
+    they support) and it them (they trained behind it): two swarms to the end, two sets of
+    parameters. It now keeps its gradients while peers of its last group train behind it, until
+    they are one epoch behind and catch up with it: all four end identical."""
+    result = run(seed=3, epochs=30, target=64, compute=(0.02,) * 4, stall=((0, 2, 3), 3, 7.0))
+    assert result["epochs"] == [30] * 4 and len(set(result["digests"])) == 1, result
+    assert [len(record) for record in result["samples"]] == [29, 30, 29, 29], result  # the three missed one
+
+
+def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():
+    """The hold above, against a peer of our last group that claims to train on an old epoch
+    and never advances (stuck, or lying): we keep our gradients for HOLD_PATIENCE_EPOCHS of our
+    epochs' time, then step alone; a peer that advances renews the patience; one that is idle,
+    silent or not of our last group holds nothing."""
+    clock = {"now": 100.0}
+    neighbors = {"behind", "idle", "silent"}
+    context = types.SimpleNamespace(
+        peer=types.SimpleNamespace(peer_id="me", dht=types.SimpleNamespace(get_time=lambda: clock["now"])),
+        tracker=types.SimpleNamespace(is_neighbor=neighbors.__contains__), now=lambda: clock["now"],
+        settings=types.SimpleNamespace(matchmaking_time=1.0))
+    training = SyncTraining(context, Sync())
+    training.epoch_seconds = 2.0  # patience: 4 x 2 s
+
+    def reports(epoch: int) -> list[PeerProgress]:
+        now = clock["now"]
+        return [PeerProgress("behind", epoch, 8, 100.0, now), PeerProgress("stranger", 0, 8, 100.0, now),
+                PeerProgress("idle", 0, 8, 100.0, now, idle=True), PeerProgress("silent", 0, 8, 100.0, now - 5)]
+
+    assert training._holds(reports(3), 10)
+    clock["now"] += HOLD_PATIENCE_EPOCHS * 2.0
+    assert training._holds(reports(3), 10)  # (within the patience, just)
+    clock["now"] += 0.5
+    assert training._holds(reports(4), 10)  # it advanced: patience anew
+    clock["now"] += HOLD_PATIENCE_EPOCHS * 2.0 + 0.5
+    assert not training._holds(reports(4), 10)  # stuck for longer: we step alone
+    assert training._holds(reports(4), 11)  # ... and the next epoch is patient again
+    assert training._holds(reports(10), 11)  # one behind: stepping alone would put us two ahead of it
+    assert not training._holds(reports(11), 11)  # on our epoch: nobody behind
+    assert not training._holds([r for r in reports(3) if r.peer_id != "behind"], 11)
 
 
 @pytest.mark.timeout(300)
