@@ -21,9 +21,8 @@ from potluck.core.runner import acquire_runner, release_runner
 from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
-from potluck.optim.modes import Sync
+from potluck.optim.context import HOLD_PATIENCE_EPOCHS, RunContext
 from potluck.optim.progress import PeerProgress
-from potluck.optim.sync import HOLD_PATIENCE_EPOCHS, SyncTraining
 
 BATCH, TARGET = 8, 256
 COMPUTE_SECONDS = (0.02, 0.02, 0.05)  # per batch: the third peer is 2.5x slower
@@ -195,47 +194,52 @@ def test_a_peer_that_rejoined_without_the_state_is_repaired_by_its_next_round():
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splitting_the_swarm():
+@pytest.mark.parametrize(("mode", "epochs", "updates"), [("sync", 30, [29, 30, 29, 29]), ("diloco", 80, [79, 79, 77, 77])])
+def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splitting_the_swarm(
+        mode: str, epochs: int, updates: list[int]) -> None:
     """Three of four peers stall 7 s in epoch 3 (idle after 5 s); the second peer, which nobody
-    follows, steps alone to epoch 10. Back, the three ignored it (it claims 7 epochs more than
-    they support) and it them (they trained behind it): two swarms to the end, two sets of
-    parameters. It now keeps its gradients while peers of its last group train behind it, until
-    they are one epoch behind and catch up with it: all four end identical."""
-    result = run(seed=3, epochs=30, target=64, compute=(0.02,) * 4, stall=((0, 2, 3), 3, 7.0))
-    assert result["epochs"] == [30] * 4 and len(set(result["digests"])) == 1, result
-    assert [len(record) for record in result["samples"]] == [29, 30, 29, 29], result  # the three missed one
+    follows, steps on alone (to epoch 10 in sync mode). Back, the three ignored it (it claims more
+    epochs than they support) and it them (they trained behind it): two swarms to the end, two
+    sets of parameters. It now keeps its update while peers of its last group train behind it,
+    until they are one epoch behind and catch up with it: all four end identical. (A DiLoCo peer
+    ahead tries a round, one matchmaking window, per outer step while others train: the three
+    overtake its lead, catch up with it, and average their differing outer parameters.)"""
+    result = run(seed=3, epochs=epochs, mode=mode, target=64, compute=(0.02,) * 4, stall=((0, 2, 3), 3, 7.0))
+    assert result["epochs"] == [epochs] * 4 and len(set(result["digests"])) == 1, result
+    assert [len(record) for record in result["samples"]] == updates, result  # the epochs each applied
 
 
 def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():
     """The hold above, against a peer of our last group that claims to train on an old epoch
-    and never advances (stuck, or lying): we keep our gradients for HOLD_PATIENCE_EPOCHS of our
-    epochs' time, then step alone; a peer that advances renews the patience; one that is idle,
+    and never advances (stuck, or lying): we keep our update for HOLD_PATIENCE_EPOCHS of our
+    group's epochs, then step alone; a peer that advances renews the patience; one that is idle,
     silent or not of our last group holds nothing."""
     clock = {"now": 100.0}
     neighbors = {"behind", "idle", "silent"}
-    context = types.SimpleNamespace(
-        peer=types.SimpleNamespace(peer_id="me", dht=types.SimpleNamespace(get_time=lambda: clock["now"])),
-        tracker=types.SimpleNamespace(is_neighbor=neighbors.__contains__), now=lambda: clock["now"],
-        settings=types.SimpleNamespace(matchmaking_time=1.0))
-    training = SyncTraining(context, Sync())
-    training.epoch_seconds = 2.0  # patience: 4 x 2 s
+    context = RunContext.__new__(RunContext)  # (only what the hold reads)
+    context.peer = types.SimpleNamespace(peer_id="me", dht=types.SimpleNamespace(get_time=lambda: clock["now"]))
+    context.tracker = types.SimpleNamespace(is_neighbor=neighbors.__contains__)
+    context.settings = types.SimpleNamespace(matchmaking_time=1.0)
+    context.now = lambda: clock["now"]
+    context.held = None
+    context.grouped(2.0)  # patience: 4 x 2 s
 
     def reports(epoch: int) -> list[PeerProgress]:
         now = clock["now"]
         return [PeerProgress("behind", epoch, 8, 100.0, now), PeerProgress("stranger", 0, 8, 100.0, now),
                 PeerProgress("idle", 0, 8, 100.0, now, idle=True), PeerProgress("silent", 0, 8, 100.0, now - 5)]
 
-    assert training._holds(reports(3), 10)
+    assert context.holds(reports(3), 10)
     clock["now"] += HOLD_PATIENCE_EPOCHS * 2.0
-    assert training._holds(reports(3), 10)  # (within the patience, just)
+    assert context.holds(reports(3), 10)  # (within the patience, just)
     clock["now"] += 0.5
-    assert training._holds(reports(4), 10)  # it advanced: patience anew
+    assert context.holds(reports(4), 10)  # it advanced: patience anew
     clock["now"] += HOLD_PATIENCE_EPOCHS * 2.0 + 0.5
-    assert not training._holds(reports(4), 10)  # stuck for longer: we step alone
-    assert training._holds(reports(4), 11)  # ... and the next epoch is patient again
-    assert training._holds(reports(10), 11)  # one behind: stepping alone would put us two ahead of it
-    assert not training._holds(reports(11), 11)  # on our epoch: nobody behind
-    assert not training._holds([r for r in reports(3) if r.peer_id != "behind"], 11)
+    assert not context.holds(reports(4), 10)  # stuck for longer: we step alone
+    assert context.holds(reports(4), 11)  # ... and the next epoch is patient again
+    assert context.holds(reports(10), 11)  # one behind: stepping alone would put us two ahead of it
+    assert not context.holds(reports(11), 11)  # on our epoch: nobody behind
+    assert not context.holds([r for r in reports(3) if r.peer_id != "behind"], 11)
 
 
 @pytest.mark.timeout(300)

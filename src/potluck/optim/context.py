@@ -71,6 +71,12 @@ SPEED_SMOOTHING = 0.3
 QUIET_SECONDS = 0.05
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
+# A peer never steps alone two epochs past a peer of its last group that still trains: that peer's
+# view would then ignore it (MAX_EPOCH_LEAD), and it that peer, for good: two swarms of one run.
+# It keeps its update instead until that peer is one epoch behind (it then catches up with us),
+# unless the peer's epoch has not risen for this many of our group's epochs: a peer that claims to
+# train and never advances (stuck, or lying) holds us back at most that long per epoch.
+HOLD_PATIENCE_EPOCHS = 4
 # A peer that has not called step() for this many of its own step intervals (and at least
 # IDLE_FLOOR_SECONDS) reports itself idle: others stop waiting for it (e.g. it finished its work
 # but stays online), and it catches up when it trains again. The floor is long: a busy machine
@@ -160,6 +166,8 @@ class RunContext:
         # download, a round that failed here alone). Sync mode then says so in its next round, and
         # that round's members average the state after it, instead of at the next scheduled one.
         self.departed = False
+        self.group_epoch_seconds = 0.0  # how long our last epoch with a group took (`holds`)
+        self.held: tuple[int, float] | None = None  # holding: the highest epoch behind us, and since when
         self.schema = schema  # what peers of the run must share (None: anyone counts)
         self.rounds_completed = 0  # averaging rounds we completed and recorded
         self.mismatch: ModelMismatch | None = None  # we are not of this run: why (check_model)
@@ -287,6 +295,41 @@ class RunContext:
         now, me = self.peer.dht.get_time(), self.peer.peer_id
         return any(p != me and not r.idle and r.live(now) and not self.tracker.is_neighbor(p)
                    for p, r in self.reports.items())
+
+    # -- not stepping alone past our group -----------------------------------------------------------------
+    def behind(self, reports: Iterable[PeerProgress], epoch: int) -> list[PeerProgress]:
+        """Peers of our last group that train (live, not idle) on an epoch before `epoch`."""
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return [r for r in reports if r.peer_id != me and self.tracker.is_neighbor(r.peer_id) and r.epoch < epoch
+                and not r.idle and r.live(now)]
+
+    def holds(self, reports: Iterable[PeerProgress], epoch: int) -> bool:
+        """Whether to keep our update rather than apply it alone past `epoch` (HOLD_PATIENCE_EPOCHS):
+        a peer of our last group trains behind us, and its epoch rose within our patience."""
+        behind = self.behind(reports, epoch)
+        if not behind:
+            self.held = None
+            return False
+        highest, now = max(r.epoch for r in behind), self.now()
+        if self.held is None or highest > self.held[0]:
+            if self.held is None:
+                logger.info("epoch %d: %d peer(s) of our last group train behind us (epoch %d); keeping our "
+                            "update until they come within one epoch", epoch, len(behind), highest)
+            self.held = (highest, now)
+        patience = max(self.settings.matchmaking_time, HOLD_PATIENCE_EPOCHS * self.group_epoch_seconds)
+        if now - self.held[1] <= patience:
+            return True
+        logger.warning("epoch %d: the peer(s) behind us stayed at epoch %d for %.1f s; stepping alone",
+                       epoch, highest, now - self.held[1])
+        self.held = (highest, now)  # (patience again for the next epoch)
+        return False
+
+    def grouped(self, seconds: float) -> None:
+        """An epoch of `seconds` ended in a round with others: the group's pace (`holds`), unless
+        we held back through it (that says nothing of the group's pace)."""
+        if self.held is None:
+            self.group_epoch_seconds = seconds
+        self.held = None
 
     # -- the run's schema -----------------------------------------------------------------------------
     def check_model(self) -> None:

@@ -46,12 +46,6 @@ logger = logging.getLogger(__name__)
 # averaging, so it retries first (each try costs one matchmaking window); peers that left or went
 # idle are not waited for (see PeerProgress.active).
 MAX_ROUND_ATTEMPTS = 4
-# A peer never steps alone two epochs past a peer of its last group that still trains: that peer's
-# view would then ignore it (MAX_EPOCH_LEAD), and it that peer, for good: two swarms of one run.
-# It keeps its gradients instead until that peer is one epoch behind (it then catches up with us),
-# unless the peer's epoch has not risen for this many of our epochs' time: a peer that claims to
-# train and never advances (stuck, or lying) holds us back at most that long per epoch.
-HOLD_PATIENCE_EPOCHS = 4
 
 
 @dataclass(frozen=True)
@@ -89,8 +83,6 @@ class SyncTraining(TrainingMode):
         # the last step (the state does not change while the next batches accumulate): (state
         # generation it was started at, its task).
         self.next_digest: tuple[int, asyncio.Future] | None = None
-        self.epoch_seconds = 0.0  # how long our last epoch took (the pace we hold back at: `_holds`)
-        self.held: tuple[int, float] | None = None  # holding: the highest epoch behind us, and since when
 
     @property
     def pending(self) -> _Round | None:
@@ -262,8 +254,8 @@ class SyncTraining(TrainingMode):
         # Close the group once everyone training has joined; overestimating only costs the rest
         # of the matchmaking window, underestimating would split the swarm in two.
         others = self._training_peers(progress.reports, epoch, live=False)
-        if not others and self._holds(progress.reports, epoch):
-            return  # our gradients wait for the peers behind us (`HOLD_PATIENCE_EPOCHS`)
+        if not others and context.holds(progress.reports, epoch):
+            return  # our gradients wait for the peers behind us (`RunContext.holds`)
         tally.samples, self.part_due = 0, None
         await self.context.compute(self._clear_now)
         expected = 1 + len(others)
@@ -363,9 +355,7 @@ class SyncTraining(TrainingMode):
             per_sample = 1 / target if self._sends_means else len(result.contributors) / total
             if self.validation is not None and pending.part == 0:
                 await self._maybe_validate(result, notes, pending)
-            if self.held is None:  # (an epoch we held back through says nothing of the group's pace)
-                self.epoch_seconds = pending.duration
-            self.held = None
+            context.grouped(pending.duration)
             await self._apply_gradients(per_sample, total, pending.expected, pending.members, same_state=same,
                                         repair=repair)
             return
@@ -381,9 +371,9 @@ class SyncTraining(TrainingMode):
         self.attempt += 1
         context.failed_rounds += 1
         waiting = self._training_peers(others, epoch, live=True)  # not those gone or idle
-        if (waiting and self.attempt < MAX_ROUND_ATTEMPTS) or (not waiting and self._holds(others, epoch)):
+        if (waiting and self.attempt < MAX_ROUND_ATTEMPTS) or (not waiting and context.holds(others, epoch)):
             logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch or behind it: "
-                        "trying again", epoch, error, len(waiting) or len(self._behind(others, epoch)))
+                        "trying again", epoch, error, len(waiting) or len(context.behind(others, epoch)))
             await self.context.compute(self._carry_over, 1 / pending.scale)
             tally.samples += pending.samples
             return
@@ -392,33 +382,6 @@ class SyncTraining(TrainingMode):
                            epoch, self.attempt, error)
             context.departed = True  # the others may have averaged without us
         await self._apply_gradients(1 / (max(pending.samples, 1) * pending.scale), pending.samples, pending.expected)
-
-    def _behind(self, reports: Iterable[PeerProgress], epoch: int) -> list[PeerProgress]:
-        """Peers of our last group that train (live, not idle) on an epoch before `epoch`."""
-        now, me, tracker = self.context.peer.dht.get_time(), self.context.peer.peer_id, self.context.tracker
-        return [r for r in reports if r.peer_id != me and tracker.is_neighbor(r.peer_id) and r.epoch < epoch
-                and not r.idle and r.live(now)]
-
-    def _holds(self, reports: Iterable[PeerProgress], epoch: int) -> bool:
-        """Whether to keep our gradients rather than step alone past `epoch` (HOLD_PATIENCE_EPOCHS):
-        a peer of our last group trains behind us, and its epoch rose within our patience."""
-        behind = self._behind(reports, epoch)
-        if not behind:
-            self.held = None
-            return False
-        highest, now = max(r.epoch for r in behind), self.context.now()
-        if self.held is None or highest > self.held[0]:
-            if self.held is None:
-                logger.info("epoch %d: %d peer(s) of our last group train behind us (epoch %d); keeping our "
-                            "gradients until they come within one epoch", epoch, len(behind), highest)
-            self.held = (highest, now)
-        patience = max(self.context.settings.matchmaking_time, HOLD_PATIENCE_EPOCHS * self.epoch_seconds)
-        if now - self.held[1] <= patience:
-            return True
-        logger.warning("epoch %d: the peer(s) behind us stayed at epoch %d for %.1f s; stepping alone",
-                       epoch, highest, now - self.held[1])
-        self.held = (highest, now)  # (patience again for the next epoch)
-        return False
 
     async def _apply_gradients(self, per_sample: float, samples: int, expected: int,
                                members: frozenset[str] | None = None, same_state: bool = False,
