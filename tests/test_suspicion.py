@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from potluck.averaging.accountability import BanList
-from potluck.averaging.suspicion import BAN_Z, FAR_STRIKES, SuspicionLedger
+from potluck.averaging.suspicion import BAN_Z, FAR_FORGIVE_STEPS, FAR_STRIKES, SuspicionLedger
 
 SIZE = 512
 PEERS = [f"peer{i}" for i in range(5)]
@@ -106,6 +106,28 @@ def test_a_member_named_far_is_left_out_of_that_step_and_banned_after_its_strike
         assert ("peer3" in ledger.excluded) == (strike == FAR_STRIKES)
     ledger.record(0, PEERS[:3] + PEERS[4:], [torch.randn(SIZE, generator=g) for _ in range(4)])
     assert set(ledger.left_out(PEERS)) == {"peer3"}  # banned: out for the run
+
+
+@pytest.mark.timeout(60)
+def test_far_namings_spread_over_a_long_run_are_forgiven():
+    """An honest member is named far after a broken step now and then (stale parameters after a
+    restart): strikes that never aged excluded it at its third, however far apart. A strike is
+    forgiven after FAR_FORGIVE_STEPS of its steps without one; three close together still exclude."""
+    ledger = SuspicionLedger(BanList(), track=False)
+    pieces = [torch.zeros(SIZE)] * len(PEERS)
+    for _ in range(2 * FAR_STRIKES):
+        ledger.record(0, PEERS, pieces, named_far=["peer3"])
+        assert set(ledger.left_out(PEERS)) == {"peer3"}
+        for _ in range(FAR_FORGIVE_STEPS):
+            ledger.record(0, PEERS, pieces)
+        assert not ledger.left_out(PEERS)
+    assert not ledger._far  # (forgiven: nothing kept)
+    for _ in range(FAR_STRIKES - 1):
+        ledger.record(0, PEERS, pieces, named_far=["peer3"])
+        for _ in range(FAR_FORGIVE_STEPS - 1):
+            ledger.record(0, PEERS, pieces)
+    ledger.record(0, PEERS, pieces, named_far=["peer3"])
+    assert "peer3" in ledger.excluded
 
 
 @pytest.mark.timeout(30)
