@@ -156,33 +156,35 @@ def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCapt
 BATCH, TRAIN_TARGET, COMPUTE = 8, 256, 0.02
 
 
-async def three_peers() -> list[potluck.Peer]:
-    """Three potluck.Peers on one emulated network, each joining through the first."""
+async def three_peers(count: int = 3) -> list[potluck.Peer]:
+    """`count` potluck.Peers on one emulated network, each joining through the first."""
     network = EmulatedNetwork(latency=0.01, seed=7)
     peers: list[potluck.Peer] = []
-    for _ in range(3):
+    for _ in range(count):
         await join(network, peers)
     return peers
 
 
-def trainers(peers: list[potluck.Peer]) -> tuple[list[torch.nn.Module], list[Optimizer]]:
-    """One identical small model per peer, each with a sync-mode Optimizer (not started yet)."""
+def trainers(peers: list[potluck.Peer], **options: Any) -> tuple[list[torch.nn.Module], list[Optimizer]]:
+    """One identical small model per peer, each with an Optimizer (not started yet): sync mode
+    unless `options` say otherwise."""
     models = [torch.nn.Linear(16, 4) for _ in peers]
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
     opts = [Optimizer(peer, RUN, model.parameters(), lambda p: torch.optim.SGD(p, 0.1), target_batch_size=TRAIN_TARGET,
-                      batch_size_per_step=BATCH, load_state=False, start=False)
+                      batch_size_per_step=BATCH, load_state=False, start=False, **options)
             for peer, model in zip(peers, models, strict=True)]
     return models, opts
 
 
-async def train_beside_a_liar(epochs: int, stall: float = 0.0, **claims: Any) -> list[Optimizer]:
-    """Two honest Optimizers train `epochs` epochs (sync mode) while a third peer keeps publishing
-    a progress record with `claims`; returns the honest ones. `stall`: one batch of the second
-    in epoch 1 takes this long (the first's round of that epoch fails)."""
-    peers = await three_peers()
-    *honest, liar = peers
-    models, opts = trainers(honest)
+async def train_beside_a_liar(epochs: int, stall: float = 0.0, honest: int = 2, options: dict | None = None,
+                              **claims: Any) -> list[Optimizer]:
+    """`honest` Optimizers train `epochs` epochs (sync mode, or as `options` say) while one more
+    peer keeps publishing a progress record with `claims`; returns the honest ones. `stall`: one
+    batch of the second in epoch 1 takes this long (the first's round of that epoch fails)."""
+    peers = await three_peers(honest + 1)
+    *honest_peers, liar = peers
+    models, opts = trainers(honest_peers, **(options or {}))
     async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
         generator, stalled = torch.Generator().manual_seed(seed), seed != 1
         while opt.local_epoch < epochs:
@@ -227,6 +229,18 @@ def test_a_failed_round_beside_a_peer_claiming_epoch_ten_million_keeps_the_epoch
     opts = run_on_shared_runner(train_beside_a_liar(4, stall=3.0, epoch=10**7, done=10**7, sps=50.0), timeout=120)
     assert [o.local_epoch for o in opts] == [4, 4]
     assert all(torch.equal(a, b) for a, b in zip(opts[0].context.state.params, opts[1].context.state.params, strict=True))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 4},
+                                     {"mode": "diloco", "local_steps": 8, "fragments": 2}], ids=["diloco", "streaming"])
+def test_diloco_peers_beside_a_peer_claiming_epoch_ten_million_keep_their_epochs(options: dict) -> None:
+    """A DiLoCo (or Streaming DiLoCo) round that the others ended without us moved us to the
+    highest epoch any report claimed, as claimed: three honest peers, one of them a moment late
+    (0.3 s), all took epoch 10^7. Bound: the epoch the swarm supports; they go on epoch by epoch."""
+    opts = run_on_shared_runner(train_beside_a_liar(4, stall=0.3, honest=3, options=options, epoch=10**7,
+                                                    done=10**7, sps=50.0), timeout=120)
+    assert [o.local_epoch for o in opts] == [4, 4, 4]
 
 
 def test_a_lone_peer_far_ahead_is_followed_only_if_it_averaged_with_us() -> None:
