@@ -156,7 +156,7 @@ def test_a_report_of_huge_samples_does_not_fill_the_batch(caplog: pytest.LogCapt
 BATCH, TRAIN_TARGET, COMPUTE = 8, 256, 0.02
 
 
-async def three_peers(count: int = 3) -> list[potluck.Peer]:
+async def peers_on_one_network(count: int = 3) -> list[potluck.Peer]:
     """`count` potluck.Peers on one emulated network, each joining through the first."""
     network = EmulatedNetwork(latency=0.01, seed=7)
     peers: list[potluck.Peer] = []
@@ -182,7 +182,7 @@ async def train_beside_a_liar(epochs: int, stall: float = 0.0, honest: int = 2, 
     """`honest` Optimizers train `epochs` epochs (sync mode, or as `options` say) while one more
     peer keeps publishing a progress record with `claims`; returns the honest ones. `stall`: one
     batch of the second in epoch 1 takes this long (the first's round of that epoch fails)."""
-    peers = await three_peers(honest + 1)
+    peers = await peers_on_one_network(honest + 1)
     *honest_peers, liar = peers
     models, opts = trainers(honest_peers, **(options or {}))
     async def train(opt: Optimizer, model: torch.nn.Module, seed: int) -> None:
@@ -269,7 +269,7 @@ async def averaged_then_claimed(caplog: pytest.LogCaptureFixture, **claims: Any)
     is cut meanwhile. Then the third stops its Optimizer and publishes `claims` (at the epoch
     reached) instead, until the reader (the first) has read them; returns the reader's view then
     and the third's id."""
-    peers = await three_peers()
+    peers = await peers_on_one_network()
     models, opts = trainers(peers)
     async def train(opt: Optimizer, model: torch.nn.Module, compute: float) -> None:
         generator = torch.Generator().manual_seed(int(compute * 1000))

@@ -71,11 +71,12 @@ SPEED_SMOOTHING = 0.3
 QUIET_SECONDS = 0.05
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
-# A peer never steps alone two epochs past a peer of its last group that still trains: that peer's
-# view would then ignore it (MAX_EPOCH_LEAD), and it that peer, for good: two swarms of one run.
-# It keeps its update instead until that peer is one epoch behind (it then catches up with us),
-# unless the peer's epoch has not risen for this many of our group's epochs: a peer that claims to
-# train and never advances (stuck, or lying) holds us back at most that long per epoch.
+# A peer two or more epochs past a peer of its last group that still trains is ignored by it
+# (MAX_EPOCH_LEAD), and ignores it, for good: two swarms of one run. With nobody within an epoch
+# of its own, it keeps its update instead of stepping on alone until that peer is one epoch behind
+# (it then catches up with us), unless the peer's epoch has not risen for this many of our group's
+# epochs: a peer that claims to train and never advances (stuck, or lying) holds us back at most
+# that long per epoch.
 HOLD_PATIENCE_EPOCHS = 4
 # A peer that has not called step() for this many of its own step intervals (and at least
 # IDLE_FLOOR_SECONDS) reports itself idle: others stop waiting for it (e.g. it finished its work
@@ -297,16 +298,13 @@ class RunContext:
                    for p, r in self.reports.items())
 
     # -- not stepping alone past our group -----------------------------------------------------------------
-    def behind(self, reports: Iterable[PeerProgress], epoch: int) -> list[PeerProgress]:
-        """Peers of our last group that train (live, not idle) on an epoch before `epoch`."""
-        now, me = self.peer.dht.get_time(), self.peer.peer_id
-        return [r for r in reports if r.peer_id != me and self.tracker.is_neighbor(r.peer_id) and r.epoch < epoch
-                and not r.idle and r.live(now)]
-
     def holds(self, reports: Iterable[PeerProgress], epoch: int) -> bool:
         """Whether to keep our update rather than apply it alone past `epoch` (HOLD_PATIENCE_EPOCHS):
-        a peer of our last group trains behind us, and its epoch rose within our patience."""
-        behind = self.behind(reports, epoch)
+        a peer of our last group trains (live, not idle) behind us, and its epoch rose within our
+        patience."""
+        dht_now, me = self.peer.dht.get_time(), self.peer.peer_id
+        behind = [r for r in reports if r.peer_id != me and self.tracker.is_neighbor(r.peer_id) and r.epoch < epoch
+                  and not r.idle and r.live(dht_now)]
         if not behind:
             self.held = None
             return False

@@ -371,9 +371,9 @@ class SyncTraining(TrainingMode):
         self.attempt += 1
         context.failed_rounds += 1
         waiting = self._training_peers(others, epoch, live=True)  # not those gone or idle
-        if (waiting and self.attempt < MAX_ROUND_ATTEMPTS) or (not waiting and context.holds(others, epoch)):
-            logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch or behind it: "
-                        "trying again", epoch, error, len(waiting) or len(context.behind(others, epoch)))
+        if waiting and self.attempt < MAX_ROUND_ATTEMPTS:
+            logger.info("epoch %d: averaging failed (%s); %d peer(s) still training on this epoch: trying again",
+                        epoch, error, len(waiting))
             await self.context.compute(self._carry_over, 1 / pending.scale)
             tally.samples += pending.samples
             return
