@@ -32,11 +32,17 @@ def test_demo_trains_to_95_percent_with_churn_and_writes_its_report(tmp_path):
         assert key in report
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert "swarm test accuracy" in proc.stdout
-    # One verdict line, on test loss; every process of the comparison began training only once all
-    # were ready (before, peer-0 trained seconds ahead and the others downloaded its state).
-    assert re.search(r"^swarm test loss [\d.]+ vs one process [\d.]+ at equal wall time: (swarm|one process) "
-                     r"ahead by \d+%$", proc.stdout, re.M), proc.stdout[-1500:]
+    # One verdict line, on the time to the target accuracy; every process of the comparison began
+    # training only once all were ready (before, peer-0 trained seconds ahead and the others
+    # downloaded its state).
+    assert re.search(r"^time to 98% test accuracy: (swarm [\d.]+ s vs one process [\d.]+ s: (swarm|one process) "
+                     r"ahead \([\d.]+x sooner\)|.* not within 30 s: (swarm|one process) ahead)$", proc.stdout, re.M), \
+        proc.stdout[-1500:]
     assert report["verdict"] in proc.stdout and report["test_loss"] > 0 and report["single_peer_test_loss"] > 0
+    for side in ("seconds_to_target", "single_peer_seconds_to_target"):  # what the verdict says, measured
+        assert report[side] is None or f"{report[side]:.1f} s" in report["verdict"], (side, report["verdict"])
+    alone = report["test_curves"]["alone"]
+    assert len(alone) >= 60 and all(0 <= acc <= 1 and loss > 0 for _, acc, loss in alone)  # every 0.25 s
     first = {name: t for name, t in report["started"].items() if name != report["joined"]}
     assert len(first) == report["peers"] + 1, report["started"]  # the peers and the process alone
     assert max(t["ready"] for t in first.values()) <= min(t["started"] for t in first.values()), first
@@ -103,3 +109,16 @@ def test_the_demos_diloco_settings_make_valid_modes_and_the_verdict_names_its_lo
     assert "outer_delay" not in demo_lm.optimizer_options("moshpit")  # a diloco-only option
     line = verdict(1.5, 2.0, "validation loss")
     assert line.startswith("swarm validation loss 1.5000 vs one process 2.0000") and line.endswith("swarm ahead by 25%")
+
+
+def test_the_digits_verdict_is_the_time_to_the_target_and_says_who_never_reached_it():
+    """Both sides overfit the digits within seconds, so the test loss at the end favoured the side
+    that trained less: the verdict is when each first reached the target accuracy."""
+    from potluck.cli.processes import time_verdict
+    assert time_verdict("98% test accuracy", 7.0, 5.0, 60) == \
+        "time to 98% test accuracy: swarm 7.0 s vs one process 5.0 s: one process ahead (1.40x sooner)"
+    assert time_verdict("98% test accuracy", 2.4, 5.9, 60).endswith("swarm ahead (2.46x sooner)")
+    assert time_verdict("98% test accuracy", 3.0, None, 60) == \
+        "time to 98% test accuracy: swarm 3.0 s, one process not within 60 s: swarm ahead"
+    assert time_verdict("98% test accuracy", None, 4.0, 60).endswith("one process 4.0 s, swarm not within 60 s: one process ahead")
+    assert "neither" in time_verdict("98% test accuracy", None, None, 60)

@@ -32,6 +32,7 @@ class WorkerProcess:
     hello: dict = field(default_factory=dict)
     last: dict = field(default_factory=dict)
     curve: list = field(default_factory=list)  # (time, loss) of every progress row with a loss
+    evaluations: list = field(default_factory=list)  # (time, test accuracy, test loss) of each test row
     final: dict | None = None
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -53,6 +54,8 @@ class WorkerProcess:
                 self.hello["started"] = message["started"]
             elif message.get("final"):
                 self.final = message
+            elif "test_accuracy" in message:
+                self.evaluations.append((message["time"], message["test_accuracy"], message["test_loss"]))
             else:
                 self.last = message
                 if "loss" in message:
@@ -72,6 +75,21 @@ def spawn(name: str, role: str, argv: list[str], log_dir: Path, needs_final: boo
     worker = WorkerProcess(name, role, proc, needs_final)
     threading.Thread(target=worker.read, daemon=True).start()
     return worker
+
+
+def time_verdict(target: str, swarm: float | None, alone: float | None, duration: float) -> str:
+    """A demo's comparison in one line, on when each side first reached `target` (seconds
+    after the common start; None: not within `duration`)."""
+    if swarm is None and alone is None:
+        return f"time to {target}: neither the swarm nor one process reached it in {duration:.0f} s"
+    if swarm is None or alone is None:
+        first = "swarm" if alone is None else "one process"
+        other = "one process" if alone is None else "swarm"
+        return (f"time to {target}: {first} {swarm if alone is None else alone:.1f} s, {other} not within "
+                f"{duration:.0f} s: {first} ahead")
+    ahead = "swarm" if swarm <= alone else "one process"
+    return (f"time to {target}: swarm {swarm:.1f} s vs one process {alone:.1f} s: {ahead} ahead "
+            f"({max(swarm, alone) / max(min(swarm, alone), 1e-9):.2f}x sooner)")
 
 
 def verdict(swarm: float, alone: float, loss: str = "test loss") -> str:
