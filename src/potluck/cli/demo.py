@@ -40,11 +40,13 @@ DILOCO_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_delay": 10}
 # How long the parent waits for each process to be ready (imports, peer, optimizer) before the common
 # start: a minute and more on a loaded 2-core machine, where the processes start side by side.
 READY_TIMEOUT = 180.0
-# The verdict compares when the swarm and the process alone first reached this test accuracy. Not
+# The verdict compares when the swarm and the process alone first reached this test accuracy (the
+# benchmarks' target: on the steep part of the curve, where the time to it is precise; near 98%
+# the accuracy of successive evaluations hovers around the target for seconds). Not
 # the test loss at the end: both overfit the 1,437 training digits within seconds, after which the
 # test loss rises again, so the side that trained less looked ahead at the end (the swarm, "ahead
 # by 11%", had made 427 global steps to the process alone's 731, and reached 98% later).
-TARGET_ACCURACY = 0.98
+TARGET_ACCURACY = 0.95
 # Seconds between two evaluations on the test set in every process of the comparison: the times
 # to the target are this precise. One evaluation of the 360 test digits costs about one step.
 EVAL_INTERVAL = 0.25
@@ -105,9 +107,12 @@ def _worker(args: argparse.Namespace) -> int:
     model = make_model()
     emit = _emitter()
     if spec["role"] == "alone":
+        # Built before the common start, as the peers' are: the first Adam of a process takes
+        # 0.7-1.4 s to build (torch's lazy imports), which the process alone paid after it.
+        opt = torch.optim.Adam(model.parameters(), LEARNING_RATE)
         emit({"address": None, "ready": time.time()})
         _start_together(go, stop, emit)
-        return _train_alone(model, x, y, x_test, y_test, stop, emit)
+        return _train_alone(model, opt, x, y, x_test, y_test, stop, emit)
     if spec.get("late"):  # the newcomer: started with the others (imports, data), joins when told
         _start_together(go, stop, lambda _: None)
         if stop.is_set():
@@ -158,10 +163,10 @@ def _start_together(go: threading.Event, stop: threading.Event, emit: Any) -> No
     emit({"started": time.time()})
 
 
-def _train_alone(model: Any, x: Any, y: Any, x_test: Any, y_test: Any, stop: threading.Event, emit: Any) -> int:
+def _train_alone(model: Any, opt: Any, x: Any, y: Any, x_test: Any, y_test: Any, stop: threading.Event,
+                 emit: Any) -> int:
     """The same model and hyperparameters, one process, no network: the baseline."""
     import torch
-    opt = torch.optim.Adam(model.parameters(), LEARNING_RATE)
     generator = torch.Generator().manual_seed(12345)
     loss_ema, samples, epoch, last, evaluated = None, 0, 0, 0.0, 0.0
     while not stop.is_set():
