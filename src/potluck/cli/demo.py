@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "together: one peer is 2x slower, one is in client mode (behind NAT); midway one "
                     "peer is killed and a new one joins. A separate process trains alone for "
                     "comparison. Writes DIR/report.json with: " + ", ".join(REPORT_KEYS)
-                    + "; and DIR/loss.png (training loss against time, swarm and single peer). A `potluck "
+                    + "; and DIR/loss.png (training loss, and test accuracy with the verdict's target, against time, "
+                    "swarm and single peer). A `potluck "
                     "monitor` follows the run (sync, moshpit, diloco) into DIR/ledger.db and serves its live "
                     "dashboard, whose URL is printed at the start; `monitor` in the report holds the URL, the "
                     "database and the samples the ledger credits each peer. "
@@ -345,7 +346,8 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
         if monitor is not None else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    _plot(out / "loss.png", workers, started)
+    _plot(out / "loss.png", workers, alone.hello.get("started") or started,  # (the common start)
+          [t for t in (swarm_time, alone_time) if t is not None])
     print(f"\nswarm test accuracy {report['test_accuracy']:.1%} (test loss {report['test_loss']:.3f}) after "
           f"{report['epochs']} epochs; one peer alone: {report['single_peer_test_accuracy']:.1%} "
           f"({report['single_peer_test_loss']:.3f}) after {report['single_peer_epochs']} epochs "
@@ -381,21 +383,33 @@ def mode_note(mode: str) -> str | None:
     return None
 
 
-def _plot(path: Path, workers: list[WorkerProcess], started: float) -> None:
+def _plot(path: Path, workers: list[WorkerProcess], started: float, reached: list[float]) -> None:
+    """Training loss (left) and test accuracy with the verdict's target (right) against time:
+    the first seconds only, where the target is reached (`reached`: the times to it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (losses, tests) = plt.subplots(1, 2, figsize=(12, 4.5))
     for w in workers:
+        style = {"color": "black", "linewidth": 2.5} if w.role == "alone" else {"alpha": 0.8}
+        label = f"{w.name} ({w.role})"
         if w.curve:
             t, loss = zip(*w.curve, strict=True)
-            style = {"color": "black", "linewidth": 2.5} if w.role == "alone" else {"alpha": 0.8}
-            ax.plot([x - started for x in t], loss, label=f"{w.name} ({w.role})", **style)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("training loss (moving average)")
-    ax.set_yscale("log")
-    ax.set_title("potluck demo: swarm peers vs one peer training alone")
-    ax.legend()
+            losses.plot([x - started for x in t], loss, label=label, **style)
+        if w.evaluations:
+            t, acc, _ = zip(*w.evaluations, strict=True)
+            tests.plot([x - started for x in t], acc, label=label, **style)
+    losses.set_xlabel("seconds")
+    losses.set_ylabel("training loss (moving average)")
+    losses.set_yscale("log")
+    losses.legend()
+    tests.axhline(TARGET_ACCURACY, color="grey", linestyle="--", linewidth=1)
+    tests.set_xlabel("seconds")
+    tests.set_ylabel(f"test accuracy (the verdict: first at {TARGET_ACCURACY:.0%})")
+    tests.set_ylim(0.8, 1.0)
+    tests.set_xlim(0, max([10.0, *(4 * t for t in reached)]))
+    tests.legend()
+    fig.suptitle("potluck demo: swarm peers vs one peer training alone")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
