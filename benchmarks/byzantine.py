@@ -61,7 +61,7 @@ gradients, the emulated protocol, the reducers): the virtual clock counts no CPU
 shared machine this figure follows the machine's load more than the aggregation.
 
 Usage: python benchmarks/byzantine.py [--part drift|training|all] [--rounds 200] [--dim 2048]
-           [--groups 1/4,2/5,3/10] [--drift-attacks alie,ipm,sign_flip,far_edge,other_data]
+           [--groups 1/4,2/5,3/10] [--drift-attacks alie,ipm,sign_flip,far_edge,other_data] [--undo-rounds K]
        python benchmarks/byzantine.py --part training [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
            [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
            [--quick]
@@ -143,8 +143,10 @@ def aggregate_shard(aggregation: str, pieces: list[torch.Tensor], out: torch.Ten
 
 
 def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int, dim: int, consequences: bool,
-          seed: int) -> dict:
-    """One run of part "drift" (see the module docstring)."""
+          seed: int, undo_rounds: int = 0) -> dict:
+    """One run of part "drift" (see the module docstring). `undo_rounds` (a what-if, not what the
+    library does): once senders are left out, the results of the last `undo_rounds` rounds they
+    were counted in are recomputed without them and the difference added to this round's."""
     torch.set_num_threads(1)
     logging.getLogger("potluck").setLevel(logging.ERROR)  # each ban is logged; the row counts them
     if attack_kind is None:  # the honest members alone
@@ -159,6 +161,7 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
     out, ref = torch.empty(dim), torch.empty(dim)
     named: dict[int, list[int]] = {}
     distances, left_from = [], None
+    history: list[tuple[list[torch.Tensor], list[int]]] = []  # the last rounds' pieces and senders (undo)
     for t in range(rounds):
         honest = mu + torch.randn(n - f, dim, generator=g)
         own = mu + torch.randn(dim, generator=g)
@@ -175,6 +178,16 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
             measured = aggregate_shard(aggregation, [pieces[i][lo:hi] for i in senders], out[lo:hi])
             named[k] = [senders[j] for j in robust.far_pieces(measured)[1]]
             aggregate_shard(aggregation, [h[lo:hi] for h in honest], ref[lo:hi])
+        for h, (old_pieces, old_senders) in enumerate(history):
+            kept = [i for i in old_senders if i not in left]
+            if len(kept) < len(old_senders):  # undo their part of that round, once
+                history[h] = (old_pieces, kept)
+                was, now = torch.empty(dim), torch.empty(dim)
+                for lo, hi in bounds:
+                    aggregate_shard(aggregation, [old_pieces[i][lo:hi] for i in old_senders], was[lo:hi])
+                    aggregate_shard(aggregation, [old_pieces[i][lo:hi] for i in kept], now[lo:hi])
+                out += now - was
+        history = (history + [(pieces, senders)])[-undo_rounds:] if undo_rounds else []
         params += out
         reference += ref
         plain += honest.mean(0)
@@ -321,7 +334,7 @@ def drift_part(args: argparse.Namespace, common: dict) -> None:
     runs = [(agg, kind, f, n, on) for agg in robust_ones for f, n in groups
             for kind in [None, *args.drift_attacks.split(",")] for on in ((True,) if kind is None else (True, False))]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(drift, agg, kind, n, f, args.rounds, args.dim, on, args.seed)
+        futures = [pool.submit(drift, agg, kind, n, f, args.rounds, args.dim, on, args.seed, args.undo_rounds)
                    for agg, kind, f, n, on in runs]
         for (agg, kind, f, n, on), future in zip(runs, futures, strict=True):
             result = future.result()
@@ -330,7 +343,7 @@ def drift_part(args: argparse.Namespace, common: dict) -> None:
                 result = {"value": result["honest_only_from_mean"], "honest_banned": result["honest_banned"]}
             emit({"metric": metric, "unit": "sigma", "aggregation": agg, "attack": kind or "none",
                   "attackers": f, "members": n, "consequences": on, "rounds": args.rounds, "dim": args.dim,
-                  **result, **common})
+                  **({"undo_rounds": args.undo_rounds} if args.undo_rounds else {}), **result, **common})
 
 
 def main() -> None:
@@ -346,6 +359,9 @@ def main() -> None:
     parser.add_argument("--attackers", default="1,2")
     parser.add_argument("--clip-radius", type=float, default=robust.CLIP_RADIUS,
                         help="CenteredClip's radius in median distances (for tuning; the default is the library's)")
+    parser.add_argument("--undo-rounds", type=int, default=0,
+                        help="drift, a what-if (not the library's behaviour): undo the contributions of the last "
+                             "K rounds of senders once they are left out")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     parser.add_argument("--seed", type=int, default=0, help="picks the peers' batches (the model starts the same)")
     parser.add_argument("--quick", action="store_true",
