@@ -330,7 +330,8 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
         "test_loss": round(swarm_loss, 4), "single_peer_test_loss": round(alone.final["loss"], 4),
         "target_accuracy": TARGET_ACCURACY, "seconds_to_target": swarm_time,
         "single_peer_seconds_to_target": alone_time,
-        "verdict": time_verdict(f"{TARGET_ACCURACY:.0%} test accuracy", swarm_time, alone_time, args.duration),
+        "verdict": time_verdict(f"{TARGET_ACCURACY:.0%} test accuracy", swarm_time, alone_time, args.duration,
+                                EVAL_INTERVAL),
         "started": {w.name: {"ready": w.hello.get("ready"), "started": w.hello.get("started")} for w in workers
                     if w.hello.get("started") is not None},
         "model": str(out / "model.pt") if (out / "model.pt").is_file() else None,

@@ -77,9 +77,11 @@ def spawn(name: str, role: str, argv: list[str], log_dir: Path, needs_final: boo
     return worker
 
 
-def time_verdict(target: str, swarm: float | None, alone: float | None, duration: float) -> str:
+def time_verdict(target: str, swarm: float | None, alone: float | None, duration: float,
+                 resolution: float = 0.0) -> str:
     """A demo's comparison in one line, on when each side first reached `target` (seconds
-    after the common start; None: not within `duration`)."""
+    after the common start; None: not within `duration`), level if within `resolution` (the
+    time between two measurements)."""
     if swarm is None and alone is None:
         return f"time to {target}: neither the swarm nor one process reached it in {duration:.0f} s"
     if swarm is None or alone is None:
@@ -87,6 +89,9 @@ def time_verdict(target: str, swarm: float | None, alone: float | None, duration
         other = "one process" if alone is None else "swarm"
         return (f"time to {target}: {first} {swarm if alone is None else alone:.1f} s, {other} not within "
                 f"{duration:.0f} s: {first} ahead")
+    if abs(swarm - alone) <= resolution:
+        return (f"time to {target}: swarm {swarm:.1f} s vs one process {alone:.1f} s: level (within the "
+                f"{resolution:g} s between measurements)")
     ahead = "swarm" if swarm <= alone else "one process"
     return (f"time to {target}: swarm {swarm:.1f} s vs one process {alone:.1f} s: {ahead} ahead "
             f"({max(swarm, alone) / max(min(swarm, alone), 1e-9):.2f}x sooner)")
