@@ -20,7 +20,7 @@ from typing import Any
 from potluck.cli.demo_monitor import DemoMonitor, credit_table
 from potluck.cli.help import HelpFormatter
 from potluck.cli.processes import WorkerProcess, missing_demo_packages, spawn, time_verdict
-from potluck.cli.tasks import accuracy, load_data, make_model, test_loss
+from potluck.cli.tasks import load_data, make_model, test_figures
 
 REPORT_KEYS = ("test_accuracy", "single_peer_test_accuracy", "test_loss", "single_peer_test_loss",
                "seconds_to_target", "single_peer_seconds_to_target", "target_accuracy", "verdict",
@@ -150,8 +150,9 @@ def _worker(args: argparse.Namespace) -> int:
                       "samples": samples, "time": time.time()})
         if spec.get("save"):
             torch.save(model.state_dict(), spec["save"])
-        emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "loss": test_loss(model, x_test, y_test),
-              "epoch": opt.local_epoch, "samples": samples})
+        final_accuracy, final_loss = test_figures(model, x_test, y_test)
+        emit({"final": True, "accuracy": final_accuracy, "loss": final_loss, "epoch": opt.local_epoch,
+              "samples": samples})
         opt.shutdown()
     return 0
 
@@ -186,18 +187,15 @@ def _train_alone(model: Any, opt: Any, x: Any, y: Any, x_test: Any, y_test: Any,
         if time.monotonic() - last > 0.5:
             last = time.monotonic()
             emit({"epoch": epoch, "loss": loss_ema, "sps": 0.0, "samples": samples, "time": time.time()})
-    emit({"final": True, "accuracy": accuracy(model, x_test, y_test), "loss": test_loss(model, x_test, y_test),
-          "epoch": epoch, "samples": samples})
+    final_accuracy, final_loss = test_figures(model, x_test, y_test)
+    emit({"final": True, "accuracy": final_accuracy, "loss": final_loss, "epoch": epoch, "samples": samples})
     return 0
 
 
 def _evaluation(model: Any, x_test: Any, y_test: Any) -> dict:
     """A row of the test set's figures now (the model is in training: nothing to switch)."""
-    import torch
-    with torch.no_grad():
-        logits = model(x_test)
-    return {"test_accuracy": float((logits.argmax(1) == y_test).float().mean()),
-            "test_loss": float(torch.nn.functional.cross_entropy(logits, y_test)), "time": time.time()}
+    acc, loss = test_figures(model, x_test, y_test)
+    return {"test_accuracy": acc, "test_loss": loss, "time": time.time()}
 
 
 def _emitter() -> Any:
