@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import potluck
-from potluck.cli.demo import accuracy, load_data, make_model
+from potluck.cli.tasks import accuracy, load_data, make_model
 
 
 def main() -> None:
