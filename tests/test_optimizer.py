@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import threading
 
@@ -42,6 +43,7 @@ class Member:
         self.digests: dict[int, str] = {}
         self.epoch_samples: dict[int, int] = {}  # the swarm's samples behind each epoch applied
         self.catch_ups = 0
+        self.batches: dict[int, list[torch.Tensor]] = {}  # each batch's indices, by the epoch it was computed for
         self.opt.register_epoch_hook(self._on_epoch)
         self.rounds: list[tuple[int, bool]] = []  # gradient rounds' groups: (their notes' samples, skipped)
         averager = getattr(self.opt.training, "grad_averager", None)
@@ -67,6 +69,7 @@ class Member:
         generator = torch.Generator().manual_seed(self.index)
         while not self.stop.is_set() and (epochs is None or self.opt.local_epoch < epochs):
             batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
+            self.batches.setdefault(self.opt.local_epoch + 1, []).append(batch)
             loss = torch.nn.functional.cross_entropy(self.model(X[batch]), Y[batch])
             loss.backward()
             if self.nan:
@@ -120,40 +123,57 @@ def meet(members: list[Member], within: float = 30) -> None:
                "the peers did not see each other")
 
 
-def reference_accuracy(epochs: int, seed: int) -> float:
-    """The same model, data and global batch in one process."""
+def replay_epoch(members: list[Member], epoch: int, before: tuple | None) -> list[torch.Tensor]:
+    """One process's step of `epoch` from `before` (parameters and the optimizer's state after the
+    epoch before it; None: the start), on the mean gradient of every batch the members computed
+    for the epoch: the parameters after it."""
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), LR)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        for _ in range(TARGET // BATCH):
-            batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
-            (torch.nn.functional.cross_entropy(model(X[batch]), Y[batch]) * BATCH / TARGET).backward()
-        opt.step()
-        opt.zero_grad()
-    return accuracy(model, X_TEST, Y_TEST)
+    if before is not None:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), before[0], strict=True):
+                p.copy_(saved)
+        opt.load_state_dict(before[1])
+    batches = [b for m in members for b in m.batches.get(epoch, [])]
+    for b in batches:
+        (torch.nn.functional.cross_entropy(model(X[b]), Y[b]) / len(batches)).backward()
+    opt.step()
+    return [p.detach() for p in model.parameters()]
 
 
 @pytest.mark.scenario  # 15-30 s of processes: run by CI after the suite (pyproject.toml)
 @pytest.mark.timeout(240)
 def test_four_peers_end_every_epoch_identical_and_match_single_process_accuracy(swarm):
+    """Under the mean, a run is single-process training on the global batch: each epoch's step
+    is the one process's step on the mean gradient of every batch the peers computed for it,
+    replayed here from the swarm's state, batch for batch (float sums in another order). Whole runs
+    cannot be compared: Adam grows those last-bit differences to 1% of the parameters in some
+    runs; and runs on independent batches (as this test once did, within 1 point of accuracy)
+    differ by the luck of their batches, which failed about one run in twenty. Under the default
+    aggregation (CenteredClip counts each peer's mean gradient once, whatever its samples) the
+    step is not the single process's at all."""
     epochs = 80
-    members = swarm(4, "identical")
+    members = swarm(4, "identical", aggregation="mean")
+    states: dict[int, tuple] = {}  # peer 0's parameters and Adam state after each epoch
+    members[0].opt.register_epoch_hook(lambda event: states.__setitem__(event.epoch, (
+        [p.detach().clone() for p in members[0].model.parameters()], copy.deepcopy(members[0].opt.inner.state_dict()))))
     meet(members)
     for m in members:
         m.start(epochs)
     for m in members:
         m.thread.join(200)
     assert all(m.opt.local_epoch == epochs for m in members)
-    for epoch in range(1, epochs + 1):
+    for epoch in range(1, epochs + 1):  # (a peer that caught up would differ: it skipped an update)
         values = {m.digests.get(epoch) for m in members}
         assert len(values) == 1, f"peers differ after epoch {epoch}"
-    # A peer that misses a round (a busy machine) takes the swarm's state; that must stay rare.
-    assert sum(m.catch_ups for m in members) <= epochs // 4, [m.catch_ups for m in members]
-    swarm_accuracy = accuracy(members[0].model, X_TEST, Y_TEST)
-    # Batches are random on both sides, so compare with the mean of a few single-process runs.
-    reference = sum(reference_accuracy(epochs, seed) for seed in range(3)) / 3
-    assert swarm_accuracy >= reference - 0.01, (swarm_accuracy, reference)
+        assert members[0].epoch_samples[epoch] == BATCH * sum(len(m.batches.get(epoch, [])) for m in members)
+        before = states[epoch - 1][0] if epoch > 1 else [p.detach() for p in make_model().parameters()]
+        alone, ours, before = (torch.cat([p.flatten() for p in ps]) for ps in (
+            replay_epoch(members, epoch, states.get(epoch - 1)), states[epoch][0], before))
+        # The steps differ by float rounding (at most 6e-6 of the step's size in 3 runs); under
+        # CenteredClip by 0.014-0.32.
+        assert float((ours - alone).norm() / (alone - before).norm()) < 1e-3, f"epoch {epoch}: not one process's step"
+    assert accuracy(members[0].model, X_TEST, Y_TEST) > 0.9
 
 
 @pytest.mark.timeout(120)
