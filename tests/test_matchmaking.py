@@ -140,6 +140,26 @@ def test_malformed_join_requests_get_a_clear_error_and_the_leader_still_forms_it
 
 
 @pytest.mark.timeout(60)
+def test_a_target_given_as_a_function_is_asked_again_while_the_group_gathers():
+    """A caller that learns the group's size during the window (a view that settles) closes the
+    group then: three peers with a 4 s window, whose target says "unknown" until 1 s in and 3
+    from then on, form their group of three about 1 s in; a fixed unknown target waits out the
+    window."""
+    async def main(target: Any) -> tuple[list[int], float]:
+        _, peers = await make_swarm(3)
+        avgs = [Averager(p, [torch.full((8,), float(i))], "asked", matchmaking_time=4.0) for i, p in enumerate(peers)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await asyncio.gather(*(a.astep(timeout=20, target_group_size=target(start)) for a in avgs))
+        return [r.group_size for r in results], loop.time() - start
+
+    sizes, took = run_virtual(main(lambda start: lambda: 3 if asyncio.get_running_loop().time() - start >= 1.0 else None))
+    assert sizes == [3, 3, 3] and 1.0 <= took < 1.5, took
+    sizes, took = run_virtual(main(lambda start: None))
+    assert sizes == [3, 3, 3] and took >= 4.0, took
+
+
+@pytest.mark.timeout(60)
 def test_a_malformed_declaration_in_the_dht_is_ignored():
     """A record under the group key that declares garbage, stored before anyone else's (so it would
     lead), is skipped: the honest peers form their group without it."""

@@ -23,7 +23,7 @@ import torch
 from potluck.averaging.accountability import SealedBlock, ban_list, claim_digest, exclusions
 from potluck.averaging.allreduce import SENDER_TIMEOUT, AllReduceService, Group, TransferStats
 from potluck.averaging.lowrank import powersgd_allreduce
-from potluck.averaging.matchmaking import Matchmaker
+from potluck.averaging.matchmaking import Matchmaker, Target
 from potluck.averaging.robust import AGGREGATIONS
 from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import (
@@ -246,7 +246,7 @@ class Averager:
             self._tensors[:] = [t.detach() for t in tensors]
 
     def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
-             group_key: str | None = None, target_group_size: int | None = None,
+             group_key: str | None = None, target_group_size: Target = None,
              members: Collection[str] | None = None,
              proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
@@ -254,7 +254,8 @@ class Averager:
         `weight` (e.g. the number of samples behind these tensors) weighs this peer's
         contribution; `gather` is small metadata handed to every member (see StepResult).
         `group_key` restricts this step to peers using the same key (e.g. the same epoch), and
-        `target_group_size` overrides the averager's for this step. `members` (peer ids): every
+        `target_group_size` overrides the averager's for this step (a function: asked again
+        while a group gathers). `members` (peer ids): every
         peer that takes part, if the caller knows them; if they were our last group, it meets
         again without the DHT (see `potluck.averaging.matchmaking`). `proceed`: called with the
         formed group's gathered metadata (peer id -> what it sent); if it says False, nothing is
@@ -268,7 +269,7 @@ class Averager:
                              budget + 5)
 
     async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
-                    group_key: str | None = None, target_group_size: int | None = None,
+                    group_key: str | None = None, target_group_size: Target = None,
                     members: Collection[str] | None = None,
                     proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """The async twin of `step`."""
@@ -290,7 +291,7 @@ class Averager:
         metrics.group_size.observe(result.group_size, run=self.run_id, averager=self.names.name)
         return result
 
-    async def _step(self, weight: float, gather: Any, group_key: str | None, target: int | None,
+    async def _step(self, weight: float, gather: Any, group_key: str | None, target: Target,
                     members: frozenset[PeerID] | None,
                     proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"

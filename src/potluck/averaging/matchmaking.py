@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ from potluck.net.wire import PeerIdField
 
 __all__ = [
     "Candidate", "Declaration", "FormedGroup", "JoinAccepted", "JoinFailed", "JoinMoved", "JoinRefused",
-    "JOIN_REPLY", "JoinRequest", "Matchmaker",
+    "JOIN_REPLY", "JoinRequest", "Matchmaker", "Target",
 ]
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,14 @@ JoinReply = JoinAccepted | JoinRefused | JoinFailed | JoinMoved
 JOIN_REPLY = OneOf("join reply", JoinAccepted, JoinFailed, JoinMoved, JoinRefused)
 
 
+# A group's size to close at: a number, None (the matchmaker's), or a function giving either now.
+Target = int | Callable[[], int | None] | None
+
+
+def _now(target: Target) -> int | None:
+    return target() if callable(target) else target
+
+
 @dataclass
 class _Gathering:
     key: str
@@ -262,11 +271,13 @@ class Matchmaker:
         return self.names.declarations(group_key)
 
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
-                         metadata: Any = None, target: int | None = None,
+                         metadata: Any = None, target: Target = None,
                          ready: asyncio.Future | None = None,
                          members: frozenset[PeerID] | None = None) -> FormedGroup:
         """Find peers under `group_key` within `window` seconds and return the group formed; a
-        leader closes the group early once it has `target` members (default: the matchmaker's).
+        leader closes the group early once it has `target` members (default: the matchmaker's;
+        a callable is asked again at every poll: a view that settles during the window closes
+        the group then, not at the window's end).
 
         `ready`, if given, is this peer's own preparation (e.g. checking its tensors), running
         meanwhile: no group is joined or formed, and nobody joins ours, until it succeeds; if it
@@ -278,7 +289,7 @@ class Matchmaker:
         keep = members is not None and self.last.leader == self.transport.peer_id and not self.client \
             and members == self.last.members
         if keep:  # full once they are all back
-            target = min(target or self.target, len(members))
+            target = min(_now(target) or self.target, len(members))
         try:
             formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
         except BaseException:
@@ -293,7 +304,7 @@ class Matchmaker:
         return formed
 
     async def _form(self, group_key: str, window: float, bandwidth: tuple[float, float], metadata: Any,
-                    target: int | None, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
+                    target: Target, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         upload, download = bandwidth
@@ -308,7 +319,7 @@ class Matchmaker:
         gathering: _Gathering | None = None
         if not self.client:
             closes_at = self.dht.get_time() + window
-            size = min(target or self.target, MAX_GROUP_SIZE)
+            size = min(_now(target) or self.target, MAX_GROUP_SIZE)
             gathering = _Gathering(group_key, self.schema, size, closes_at, [me], ready=ready, keep=keep)
             self._gatherings[group_key] = gathering
             opened, self._opened = self._opened, asyncio.Event()
@@ -327,6 +338,8 @@ class Matchmaker:
                 if gathering is not None:
                     if gathering.done.done():
                         return _formed(gathering)
+                    if callable(target):
+                        gathering.target = min(target() or self.target, MAX_GROUP_SIZE)
                     if gathering.full or self.dht.get_time() >= gathering.closes_at:
                         return self._close(gathering)
                 if gathering is not None and len(gathering.members) > 1:

@@ -100,13 +100,14 @@ class DiLoCoTraining(TrainingMode):
         try:
             if context.anyone_else():
                 # A stable group meets again without the DHT and closes once all are back; any
-                # other round closes once everyone in a settled view is in (`RunContext.expected`),
-                # else takes the whole window, which also lets a peer we do not see yet come in.
+                # other round closes once everyone in a settled view is in (`RunContext.expected`,
+                # asked again while the group gathers), else takes the whole window, which also
+                # lets a peer we do not see yet come in.
                 members = context.members(context.progress().reports)
                 digest = await run_in_thread(tensor_digest, self.outer)
                 task = asyncio.ensure_future(self.delta_averager.astep(
                     weight=float(tally.samples), gather=RoundNote(tally.samples, outer=digest).to_wire(),
-                    group_key=f"outer{context.epoch}", target_group_size=context.expected(members),
+                    group_key=f"outer{context.epoch}", target_group_size=lambda: context.expected(members),
                     members=members))
                 tally.in_round = True  # slower peers see it and join now (round_begun)
                 context.publish()

@@ -208,9 +208,10 @@ class StreamingDiLoCo(TrainingMode):
         if context.anyone_else():
             # With a grid, the peers' cells come from their ranks, as in moshpit mode (random cells
             # left most peers alone); without, a stable group meets again without the DHT, and any
-            # other round closes once everyone in a settled view is in (`RunContext.expected`).
+            # other round closes once everyone in a settled view is in (`RunContext.expected`, asked
+            # again while the group gathers).
             members = context.members(context.progress().reports) if self.grid is None else None
-            expected = context.expected(members) if members is not None \
+            expected = (lambda: context.expected(members)) if members is not None \
                 else place_on_grid(context, fragment.averager, self.grid)
             digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
             settings = context.settings
