@@ -22,7 +22,7 @@ from potluck.core.virtual_time import VirtualTimeLoop, virtual_time_loop
 from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
 from potluck.optim.context import HOLD_PATIENCE_EPOCHS, RunContext
-from potluck.optim.progress import PeerProgress
+from potluck.optim.progress import PeerProgress, view_digest
 
 BATCH, TARGET = 8, 256
 COMPUTE_SECONDS = (0.02, 0.02, 0.05)  # per batch: the third peer is 2.5x slower
@@ -200,7 +200,7 @@ def test_a_peer_that_rejoined_without_the_state_is_repaired_by_its_next_round():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mode", "epochs", "updates"), [("sync", 30, [29, 30, 29, 29]), ("diloco", 80, [78, 79, 76, 77])])
+@pytest.mark.parametrize(("mode", "epochs", "updates"), [("sync", 30, [29, 30, 29, 29]), ("diloco", 80, [79, 79, 77, 77])])
 def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splitting_the_swarm(
         mode: str, epochs: int, updates: list[int]) -> None:
     """Three of four peers stall 7 s in epoch 3 (idle after 5 s); the second peer, which nobody
@@ -246,6 +246,50 @@ def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():
     assert context.holds(reports(10), 11)  # one behind: stepping alone would put us two ahead of it
     assert not context.holds(reports(11), 11)  # on our epoch: nobody behind
     assert not context.holds([r for r in reports(3) if r.peer_id != "behind"], 11)
+
+
+def test_a_round_closes_at_the_views_count_once_every_peer_of_it_publishes_the_same_view():
+    """`RunContext.expected`, asked while a group gathers: our view's count once each other peer
+    of it publishes the same view (then everyone sees everyone), or once ours has been unchanged
+    for half the window; None (the whole window) while one of them publishes another view, or none
+    (a peer that has not heard of someone yet), and before the view settles."""
+    clock = {"now": 100.0}
+    context = RunContext.__new__(RunContext)  # (only what `expected` reads)
+    context.peer = types.SimpleNamespace(peer_id="me")
+    context.settings = types.SimpleNamespace(matchmaking_time=1.0)
+    context.now = lambda: clock["now"]
+    context.roster, context.roster_since = frozenset({"me", "a", "b"}), 100.0
+    ours = view_digest(context.roster)
+
+    def views(**published: str | None) -> None:
+        reports = tuple(PeerProgress(p, 0, 0, 1.0, 0.0, view=v) for p, v in published.items())
+        context.progress = lambda: types.SimpleNamespace(reports=reports)
+
+    views(a=ours, b=ours)
+    assert context.expected() == 3  # all agree: at once
+    views(a=ours, b=view_digest({"b", "a"}))  # b does not see us yet
+    assert context.expected() is None
+    views(a=ours, b=None)  # (a peer of an older version says nothing: the settling still counts)
+    assert context.expected() is None
+    views(a=ours)
+    assert context.expected() is None
+    clock["now"] = 100.5  # unchanged for half the window
+    assert context.expected() == 3
+    context.roster = frozenset({"me"})  # alone: nobody to wait for
+    assert context.expected() is None
+
+
+def test_a_published_view_is_a_short_digest_and_a_long_one_is_refused_by_name():
+    from potluck.core.errors import MalformedMessage
+    from potluck.optim.progress import VIEW_CHARS, ProgressRecord
+    assert view_digest(["b", "a"]) == view_digest({"a", "b"}) != view_digest({"a", "b", "c"})
+    assert len(view_digest({"a"})) == VIEW_CHARS
+    record = ProgressRecord(3, 10, 100.0, 5.0, view=view_digest({"a"}))
+    assert ProgressRecord.from_wire(record.to_wire()) == record
+    assert ProgressRecord.from_wire(ProgressRecord(3, 10, 100.0, 5.0).to_wire()).view is None  # optional
+    with pytest.raises(MalformedMessage) as info:
+        ProgressRecord.from_wire({**record.to_wire(), "view": "f" * (VIEW_CHARS + 1)})
+    assert info.value.field.startswith("'view'"), info.value.field
 
 
 @pytest.mark.timeout(300)
@@ -299,8 +343,9 @@ def test_a_first_diloco_round_closes_once_all_peers_of_a_settled_view_are_in(mod
     # inner steps of 0.02-0.05 s, a group of three on 10 ms links: well within the window (before:
     # 1.2 s, the window and the steps)
     assert settled["first_update"] < 0.5, settled["first_update"]
-    # Training 0.3 s after the start: the views changed a moment ago, and settle 0.5 s after
-    # that (the window is 1 s; before, the first update came after it: 1.21 s, 1.17 s).
+    # Training 0.3 s after the start: the views changed a moment ago; the round closes once all
+    # three publish the same view (0.40 s, 0.30 s), or at the latest once they have been unchanged
+    # for half the window (the window is 1 s; before, the first update came after it: 1.21 s, 1.17 s).
     settling = run(seed=5, epochs=2, mode=mode, settle=0.3)
     assert settling["epochs"] == [2, 2, 2], settling
     assert settling["first_update"] < 0.75, settling["first_update"]

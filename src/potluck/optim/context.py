@@ -43,6 +43,7 @@ from potluck.optim.progress import (
     RoundRecord,
     confirmed_runs,
     fetch_published_rounds,
+    view_digest,
 )
 from potluck.optim.schema import ModelMismatch, RunSchema
 from potluck.optim.state import ModelState
@@ -53,8 +54,8 @@ __all__ = ["EpochEvent", "RunContext", "RunSettings", "Tally"]
 logger = logging.getLogger(__name__)
 
 # A DiLoCo round that is not a stable group's closes once every peer that trains, as our view has
-# it, has joined, if the view has named the same peers for this part of the matchmaking window;
-# else it takes the whole window. At a run's start the first round came 1.7 s after the view
+# it, has joined, when they all publish that view, or when it has named the same peers for this
+# part of the matchmaking window (`expected`); else it takes the whole window. At a run's start the first round came 1.7 s after the view
 # settled, and waited out the LM demo's 2 s window (2.3 s, against 0.5 s for the rounds after it).
 ROSTER_SETTLE_FRACTION = 0.5
 # How often progress is published and read (seconds): often enough that peers enter an averaging
@@ -265,7 +266,7 @@ class RunContext:
         await self.tracker.report(self.accumulating_epoch, tally.samples + tally.round_samples,
                                   self.samples_per_second, self.epoch, tally.in_round, self.idle(),
                                   0 if tally.ahead else tally.part, store=store, failed=self.failed_rounds,
-                                  metrics=self.metrics)
+                                  metrics=self.metrics, view=view_digest(self.roster) if self.roster else None)
 
     def publish(self) -> None:
         """Report a change of state (a new epoch, a round ended) without waiting: the report
@@ -300,6 +301,7 @@ class RunContext:
             roster = self.members(self.progress().reports)
             if roster != self.roster:
                 self.roster, self.roster_since = roster, self.now()
+                self.publish()  # our view, for the others' `expected`
             tick += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
 
@@ -422,14 +424,21 @@ class RunContext:
         now = self.peer.dht.get_time()
         return frozenset([self.peer.peer_id, *(r.peer_id for r in reports if r.live(now) and not r.idle)])
 
-    def expected(self, members: frozenset[str]) -> int | None:
-        """How many peers a round of `members` (from `members()`) waits for: all of them, if our
-        view has named exactly them for ROSTER_SETTLE_FRACTION of the matchmaking window (a peer
-        that has just appeared may not see everyone yet, and the view needs a moment to hear of
-        a newcomer), else None: the whole window, which lets anyone we do not see yet come in."""
-        settle = ROSTER_SETTLE_FRACTION * self.settings.matchmaking_time
-        settled = members == self.roster and self.now() - self.roster_since >= settle
-        return len(members) if settled else None
+    def expected(self) -> int | None:
+        """How many peers a round without a stable group waits for, asked again while its group
+        gathers: all of our view (`roster`, from `members()`), once every other peer of it
+        publishes the same view, or once it has named them for ROSTER_SETTLE_FRACTION of the
+        matchmaking window (a peer that has just appeared may not see everyone yet, and the view
+        needs a moment to hear of a newcomer); else None: the whole window, which lets anyone we
+        do not see yet come in. A peer whose view differs holds back only the shortcut."""
+        if len(self.roster) < 2:
+            return None  # nobody else to wait for, or to stop waiting for
+        if self.now() - self.roster_since >= ROSTER_SETTLE_FRACTION * self.settings.matchmaking_time:
+            return len(self.roster)
+        me, digest = str(self.peer.peer_id), view_digest(self.roster)
+        views = {r.peer_id: r.view for r in self.progress().reports}
+        agreed = all(views.get(str(p)) == digest for p in self.roster if str(p) != me)
+        return len(self.roster) if agreed else None
 
     def anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""

@@ -107,7 +107,7 @@ class DiLoCoTraining(TrainingMode):
                 digest = await run_in_thread(tensor_digest, self.outer)
                 task = asyncio.ensure_future(self.delta_averager.astep(
                     weight=float(tally.samples), gather=RoundNote(tally.samples, outer=digest).to_wire(),
-                    group_key=f"outer{context.epoch}", target_group_size=lambda: context.expected(members),
+                    group_key=f"outer{context.epoch}", target_group_size=context.expected,
                     members=members))
                 tally.in_round = True  # slower peers see it and join now (round_begun)
                 context.publish()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -132,6 +133,8 @@ MAX_CAUGHT = 64
 MAX_ROUND_ID_CHARS = 64
 # Bounds a recorded epoch, member's samples, failed-rounds counter and target (from the network).
 MAX_RECORDED_COUNT = 2**40
+# Hex digits of a published view's digest (`view_digest`): 64 bits tell a few peers' sets apart.
+VIEW_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class PeerProgress:
     metrics: tuple[tuple[str, float], ...] = ()  # what it chose to publish (report_metrics)
     metrics_time: float = 0.0  # DHT time the metrics were reported
     fingerprint: str | None = None  # of its run schema (potluck.optim.schema); None: it does not say
+    view: str | None = None  # digest of the peers it counts into a round now (`view_digest`); None: not said
 
     def live(self, now: float) -> bool:
         """It reported recently: still there."""
@@ -227,14 +231,16 @@ class ProgressTracker:
 
     async def report(self, epoch: int, samples: int, samples_per_second: float, done: int,
                      averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True,
-                     failed: int = 0, metrics: tuple[float, dict[str, float]] | None = None) -> None:
+                     failed: int = 0, metrics: tuple[float, dict[str, float]] | None = None,
+                     view: str | None = None) -> None:
         """Publish: `epoch` our samples count towards (and its `part`), `done` epochs applied
         (lower while a delayed update is still averaging), whether we are in a round or idle,
-        our failed rounds so far and the latest `metrics` (DHT time reported, values).
+        our failed rounds so far, the latest `metrics` (DHT time reported, values) and our `view`.
         Without `store`, only to the neighbors."""
         now = self.dht.get_time()
         record = ProgressRecord(epoch, samples, samples_per_second, now, self.client_mode, done, averaging, idle,
-                                part, failed, self.target, *(metrics or (None, None)), self.fingerprint).to_wire()
+                                part, failed, self.target, *(metrics or (None, None)), self.fingerprint,
+                                view).to_wire()
         sends = [self._send(name, peer, record) for name, peer in self._neighbors.items()]
         if store:
             sends.append(self.dht.astore(self.key, record, now + PROGRESS_TTL, subkey=self.subkey))
@@ -547,6 +553,12 @@ def _far_over(report: PeerProgress, max_samples: float) -> bool:
     return 0 < max_samples * NAMED_OVER_BOUND < report.samples
 
 
+def view_digest(peers: Iterable[Any]) -> str:
+    """A short digest of a set of peer ids: peers that publish the same one count the same
+    peers into a round."""
+    return hashlib.blake2b(",".join(sorted(str(p) for p in peers)).encode(), digest_size=VIEW_CHARS // 2).hexdigest()
+
+
 def _lower_median(values: list[float]) -> float:
     """The median, or the lower of the two middle values: a minority's high claims cannot raise it."""
     return sorted(values)[(len(values) - 1) // 2]
@@ -571,6 +583,7 @@ class ProgressRecord(Message, what="progress record"):
     metrics: dict[str, float] | None = Dict("metrics", Text(max_chars=MAX_METRIC_NAME_CHARS), Number(signed=True),
                                             MAX_METRICS, pairs=False, default=None, default_factory=None)
     fingerprint: str | None = Text("fp", FINGERPRINT_CHARS, default=None)  # of its run schema
+    view: str | None = Text("view", VIEW_CHARS, default=None)
 
     def validate(self, context: dict[str, Any]) -> None:
         if self.samples_per_second > MAX_SAMPLES_PER_SECOND:
@@ -591,7 +604,8 @@ def _parse(peer: str, value: Any, received: float | None = None) -> PeerProgress
                         record.epoch if record.done is None else record.done, record.averaging, record.idle,
                         record.part, record.failed, record.target,
                         *(((), 0.0) if record.metrics is None or record.metrics_time is None
-                          else (tuple(record.metrics.items()), record.metrics_time)), record.fingerprint)
+                          else (tuple(record.metrics.items()), record.metrics_time)), record.fingerprint,
+                        record.view)
 
 
 class RoundNote(Message, what="round note"):

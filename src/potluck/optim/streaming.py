@@ -211,7 +211,7 @@ class StreamingDiLoCo(TrainingMode):
             # other round closes once everyone in a settled view is in (`RunContext.expected`, asked
             # again while the group gathers).
             members = context.members(context.progress().reports) if self.grid is None else None
-            expected = (lambda: context.expected(members)) if members is not None \
+            expected = context.expected if members is not None \
                 else place_on_grid(context, fragment.averager, self.grid)
             digest = await run_in_thread(tensor_digest, fragment.outer + fragment.momentum)
             settings = context.settings
