@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 
 # A DiLoCo round that is not a stable group's closes once every peer that trains, as our view has
 # it, has joined, when they all publish that view, or when it has named the same peers for this
-# part of the matchmaking window (`expected`); else it takes the whole window. At a run's start the first round came 1.7 s after the view
-# settled, and waited out the LM demo's 2 s window (2.3 s, against 0.5 s for the rounds after it).
+# part of the matchmaking window (`expected`); else it takes the whole window. At a run's start
+# the first round came 1.7 s after the view settled, and waited out the LM demo's 2 s window
+# (2.3 s, against 0.5 s for the rounds after it).
 ROSTER_SETTLE_FRACTION = 0.5
 # How often progress is published and read (seconds): often enough that peers enter an averaging
 # round within a fraction of the matchmaking window of each other.
