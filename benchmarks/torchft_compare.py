@@ -12,7 +12,7 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
   potluck_delayed the same as potluck with `delay_updates=True` (each round averages in the
                   background while the next batches are computed; updates one step stale).
   potluck_diloco  `potluck.Optimizer` in diloco mode, local_steps=8 (an outer step per 256 local
-                  samples of each peer), the same peers.
+                  samples of each peer; --local-steps), the same peers.
   torchft         torchft 0.2.0 (from the python of .venv-torchft: scripts/torchft-venv.sh): rank 0
                   runs the lighthouse (min_replicas=2, so it goes on when a peer fails); every peer
                   is a replica group of one process with its own TCPStore, a `torchft.Manager` over
@@ -24,7 +24,7 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
                   step is synchronous, so the whole swarm moves at the slow peer's pace.
   torchft_diloco  torchft's DiLoCo (`torchft.local_sgd.DiLoCo`, the same Manager with a synchronous
                   quorum, as it requires) with potluck_diloco's settings: 32 samples per inner
-                  Adam step, an outer step every 8 (SGD, lr 0.7, Nesterov momentum 0.9: potluck's
+                  Adam step, an outer step every 8 or --local-steps (SGD, lr 0.7, Nesterov momentum 0.9: potluck's
                   defaults, the paper's), the outer all-reduce of the whole model.
 
 The processes, the common start and the time-to-accuracy measurement are benchmarks/training.py's
@@ -39,7 +39,7 @@ Prints one JSON object per line, e.g.
 
 Usage: python benchmarks/torchft_compare.py [--quick] [--repeats 3] [--target 0.95] [--cap 90]
            [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,torchft,torchft_diloco]
-           [--torchft-python PATH]
+           [--local-steps 8] [--torchft-python PATH]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any,
     peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [], client_mode=client)
     mode = {"potluck": {}, "potluck_mean": {"aggregation": "mean"},
             "potluck_delayed": {"delay_updates": True},
-            "potluck_diloco": {"mode": "diloco", "local_steps": DILOCO_LOCAL_STEPS}}[args.worker]
+            "potluck_diloco": {"mode": "diloco", "local_steps": args.local_steps}}[args.worker]
     opt = potluck.Optimizer(peer, "torchft-compare", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                             target_batch_size=GLOBAL_BATCH, batch_size_per_step=POTLUCK_LOCAL_BATCH,
                             role=potluck.Role.CLIENT if client else potluck.Role.NODE,
@@ -206,7 +206,7 @@ def run_worker(args: argparse.Namespace) -> None:
         address, opt, closers = torchft_peer(args, model)
         zero_grad, batch = opt.zero_grad, GLOBAL_BATCH // PEERS
     elif args.worker == "torchft_diloco":
-        address, opt, closers = torchft_peer(args, model, diloco=True)
+        address, opt, closers = torchft_peer(args, model, diloco=True, sync_every=args.local_steps)
         zero_grad, batch = opt.zero_grad, POTLUCK_LOCAL_BATCH  # potluck_diloco's inner batches
     else:
         address, opt, closers = potluck_peer(args, model)
@@ -225,6 +225,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per run at most")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--local-steps", type=int, default=DILOCO_LOCAL_STEPS,
+                        help="inner steps per outer step of potluck_diloco and torchft_diloco alike")
     parser.add_argument("--torchft-python", default=str(DEFAULT_TORCHFT_PYTHON))
     args = parse_or_run_worker(parser, run_worker, SYSTEMS, data=True)
     if args is None:
@@ -236,6 +238,7 @@ def main() -> None:
     from potluck.cli.tasks import load_data
     common = {"target": args.target, "cap_s": args.cap, "global_batch": GLOBAL_BATCH, "lr": LR, "optimizer": "Adam",
               "slow_rank": SLOW_RANK, "slowdown": SLOWDOWN, "torch_threads_per_process": 1,
+              "local_steps": args.local_steps,
               "schedule": "systems run one after another", "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
               "command": " ".join(["python", "benchmarks/torchft_compare.py", *sys.argv[1:]])}
@@ -251,7 +254,8 @@ def main() -> None:
                 emit({"metric": "time_to_accuracy", "value": None, "unit": "s", **params,
                       "error": f"no {python}; create it with scripts/torchft-venv.sh"})
                 continue
-            base = [python, __file__, "--worker", system, "--data", data, "--target", str(args.target)]
+            base = [python, __file__, "--worker", system, "--data", data, "--target", str(args.target),
+                    "--local-steps", str(args.local_steps)]
             times: list[float | None] = []
             for repeat in range(args.repeats):
                 try:
