@@ -255,9 +255,9 @@ class Averager:
         contribution; `gather` is small metadata handed to every member (see StepResult).
         `group_key` restricts this step to peers using the same key (e.g. the same epoch), and
         `target_group_size` overrides the averager's for this step (a function: asked again
-        while a group gathers). `members` (peer ids): every
-        peer that takes part, if the caller knows them; if they were our last group, it meets
-        again without the DHT (see `potluck.averaging.matchmaking`). `proceed`: called with the
+        while a group gathers). `members` (peer ids): every peer that takes part, if the caller
+        knows them; if they were our last group, it meets again without the DHT (see
+        `potluck.averaging.matchmaking`). `proceed`: called with the
         formed group's gathered metadata (peer id -> what it sent); if it says False, nothing is
         averaged and the result says `skipped`. Every member gets the same metadata, so a
         function of it alone decides alike everywhere (a member that decides otherwise averages
