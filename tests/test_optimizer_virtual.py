@@ -102,6 +102,9 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
                 "seconds": sorted(finished), "samples": per_epoch, "groups": groups, "state_dht": state_dht,
                 "grids": [o.state_averager.grid for o in optimizers],
                 "first_update": min(applied) - start if applied else None,
+                "ids": [str(p.peer_id) for p in peers],  # and the views each peer last heard the others publish:
+                "views": [{r.view for r in o.context.progress().reports if r.peer_id != str(p.peer_id)}
+                          for o, p in zip(optimizers, peers, strict=True)],
                 "excluded": [str(e) for p in peers for e in exclusions(p.transport)],
                 "suspects": [str(e) for o in optimizers for a in (o.state_averager, getattr(o.training, "grad_averager",
                              getattr(o.training, "delta_averager", None))) if a is not None and a.suspicion
@@ -349,6 +352,8 @@ def test_a_first_diloco_round_closes_once_all_peers_of_a_settled_view_are_in(mod
     settling = run(seed=5, epochs=2, mode=mode, settle=0.3)
     assert settling["epochs"] == [2, 2, 2], settling
     assert settling["first_update"] < 0.75, settling["first_update"]
+    # ... whose view each peer publishes: all three name the same three
+    assert settling["views"] == [{view_digest(settling["ids"])}] * 3, settling["views"]
 
 
 @pytest.mark.timeout(300)
