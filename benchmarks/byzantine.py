@@ -19,9 +19,13 @@ worst case, where every round's bias stays); the honest-only run averages the n 
 pieces alone with the same aggregation. One JSON row per run: "byzantine_drift", value = the
 largest distance over the rounds between the two runs' parameters, per coordinate (RMS) in
 sigma, with the distance after the first round (one round's bias), after 20, 50, 100 and the
-last round, the round from which the attackers were left out, and the honest members ever
-banned; with consequences (the library's behaviour) and without (`consequences: false`: the
-record disabled, as before it existed). Rows "byzantine_drift_honest" give the honest-only run's
+last round, "from_attackers_honest" (the largest distance from a run in which the attackers had
+sent their own honest gradients in the rounds they were counted in: for an attack built on the
+attacker's own gradient, the lie's effect without the noise of its samples, which moves a run
+from the honest-only one too, like the square root of the rounds it is counted in), the round
+from which the attackers were left out, and the honest members ever banned; with consequences
+(the library's behaviour) and without (`consequences: false`: the record disabled, as before it
+existed). Rows "byzantine_drift_honest" give the honest-only run's
 distance from the plain mean of the honest pieces (what the robust aggregation itself costs).
 
 Part "training": how far do attackers push training, under each aggregation?
@@ -62,6 +66,7 @@ shared machine this figure follows the machine's load more than the aggregation.
 
 Usage: python benchmarks/byzantine.py [--part drift|training|all] [--rounds 200] [--dim 2048]
            [--groups 1/4,2/5,3/10] [--drift-attacks alie,ipm,sign_flip,far_edge,other_data] [--undo-rounds K]
+           [--patient-offset E] [--worker-momentum B]
        python benchmarks/byzantine.py --part training [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
            [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
            [--quick]
@@ -79,6 +84,7 @@ import concurrent.futures
 import datetime
 import json
 import logging
+import math
 import platform
 import sys
 import time
@@ -114,11 +120,14 @@ LATENCY = 0.005
 DRIFT_ATTACKS = ("alie", "ipm", "sign_flip", "far_edge", "other_data")
 ALIE_Z = 1.0  # standard deviations (the paper's z_max for 2 of 5 is 0.84, for 1 of 4 zero)
 IPM_EPSILON = 0.5
-PATIENT_OFFSET = 0.2  # sigma per coordinate, the same way every round
+PATIENT_OFFSET = 0.2  # sigma per coordinate, the same way every round (--patient-offset)
+# Worker momentum (what-if): rounds of momentum before the first measured one, in time constants
+# 1 / (1 - momentum): the momenta are then within e^-5 of their steady state.
+WARMUP_TIME_CONSTANTS = 5
 
 
 def drift_attack(kind: str, honest: torch.Tensor, own: torch.Tensor, mu_other: torch.Tensor, edge: torch.Tensor,
-                 g: torch.Generator) -> torch.Tensor:
+                 g: torch.Generator, offset: float = PATIENT_OFFSET) -> torch.Tensor:
     mean = honest.mean(0)
     if kind == "alie":
         return mean - ALIE_Z * honest.std(0)
@@ -131,7 +140,7 @@ def drift_attack(kind: str, honest: torch.Tensor, own: torch.Tensor, mu_other: t
     if kind == "other_data":
         return mu_other + torch.randn(mean.shape, generator=g)
     if kind == "patient":
-        return own + PATIENT_OFFSET
+        return own + offset
     raise ValueError(kind)
 
 
@@ -143,10 +152,16 @@ def aggregate_shard(aggregation: str, pieces: list[torch.Tensor], out: torch.Ten
 
 
 def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int, dim: int, consequences: bool,
-          seed: int, undo_rounds: int = 0) -> dict:
+          seed: int, undo_rounds: int = 0, momentum: float = 0.0, offset: float = PATIENT_OFFSET) -> dict:
     """One run of part "drift" (see the module docstring). `undo_rounds` (a what-if, not what the
     library does): once senders are left out, the results of the last `undo_rounds` rounds they
-    were counted in are recomputed without them and the difference added to this round's."""
+    were counted in are recomputed without them and the difference added to this round's.
+    `momentum` (a what-if too, worker momentum): every member sends m = momentum x m + (1 -
+    momentum) x its gradient instead of the gradient, after WARMUP_TIME_CONSTANTS / (1 - momentum)
+    rounds of it before the first measured one (a run in progress, not one whose momenta are
+    still near zero); the attacks are computed on the honest momenta; reducers record each
+    sender's implied gradient (m_t - momentum x m_t-1) / (1 - momentum), whose honest noise is new
+    at every step as the record needs; both runs step on the aggregated momentum."""
     torch.set_num_threads(1)
     logging.getLogger("potluck").setLevel(logging.ERROR)  # each ban is logged; the row counts them
     if attack_kind is None:  # the honest members alone
@@ -157,19 +172,37 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
     peers = [f"member{i}" for i in range(n)]  # attackers first
     bounds = [(k * dim // n, (k + 1) * dim // n) for k in range(n)]
     ledgers = {k: SuspicionLedger(BanList()) for k in range(f, n)} if consequences else {}
-    params, reference, plain = torch.zeros(dim), torch.zeros(dim), torch.zeros(dim)
-    out, ref = torch.empty(dim), torch.empty(dim)
+    params, reference, plain, counterfactual = (torch.zeros(dim) for _ in range(4))
+    out, ref, cf = torch.empty(dim), torch.empty(dim), torch.empty(dim)
     named: dict[int, list[int]] = {}
-    distances, left_from = [], None
+    distances, biases, left_from = [], [], None
     history: list[tuple[list[torch.Tensor], list[int]]] = []  # the last rounds' pieces and senders (undo)
-    for t in range(rounds):
+    # worker momentum (what-if): the honest members', an attacker's own and its other data's
+    momenta = torch.zeros(n - f + 2 if momentum else 0, dim)
+    warmup = math.ceil(WARMUP_TIME_CONSTANTS / (1 - momentum)) if momentum else 0
+    sent = None  # the pieces of the round before (implied gradients)
+    for t in range(-warmup, rounds):
         honest = mu + torch.randn(n - f, dim, generator=g)
         own = mu + torch.randn(dim, generator=g)
-        pieces = ([drift_attack(attack_kind, honest, own, mu_other, edge, g)] * f if f else []) + list(honest)
+        if momentum:
+            other = mu_other + torch.randn(dim, generator=g)
+            momenta.mul_(momentum).add_(torch.cat([honest, own[None], other[None]]), alpha=1 - momentum)
+            honest, own = momenta[:n - f].clone(), momenta[n - f].clone()
+            if t < 0:
+                sent = torch.cat([momenta[n - f:n - f + 1].expand(f, dim), honest])  # the attackers were honest
+                continue
+        bad = ((momenta[n - f + 1].clone() if momentum and attack_kind == "other_data"
+                else drift_attack(attack_kind, honest, own, mu_other, edge, g, offset)) if f else None)
+        pieces = [bad] * f + list(honest)
+        recorded = pieces
+        if momentum:
+            now = torch.stack(pieces)
+            recorded = list((now - momentum * sent) / (1 - momentum))
+            sent = now
         left: set[int] = set()
         for k, ledger in ledgers.items():
             lo, hi = bounds[k]
-            ledger.record(lo, peers, [p[lo:hi] for p in pieces], [peers[i] for i in named.get(k, ())])
+            ledger.record(lo, peers, [p[lo:hi] for p in recorded], [peers[i] for i in named.get(k, ())])
             left |= {peers.index(p) for p in ledger.left_out(peers)}
         if f and left_from is None and set(range(f)) <= left:
             left_from = t
@@ -178,6 +211,7 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
             measured = aggregate_shard(aggregation, [pieces[i][lo:hi] for i in senders], out[lo:hi])
             named[k] = [senders[j] for j in robust.far_pieces(measured)[1]]
             aggregate_shard(aggregation, [h[lo:hi] for h in honest], ref[lo:hi])
+            aggregate_shard(aggregation, [(own if i < f else pieces[i])[lo:hi] for i in senders], cf[lo:hi])
         for h, (old_pieces, old_senders) in enumerate(history):
             kept = [i for i in old_senders if i not in left]
             if len(kept) < len(old_senders):  # undo their part of that round, once
@@ -191,10 +225,13 @@ def drift(aggregation: str, attack_kind: str | None, n: int, f: int, rounds: int
         params += out
         reference += ref
         plain += honest.mean(0)
+        counterfactual += cf
         distances.append(((params - reference).norm() / dim ** 0.5).item())
+        biases.append(((params - counterfactual).norm() / dim ** 0.5).item())
     at = {f"drift_after_{r}": round(distances[r - 1], 3) for r in (1, 20, 50, 100) if r <= rounds}
     honest_banned = sorted({p for ledger in ledgers.values() for p in peers[f:] if p in ledger.excluded})
     return {"value": round(max(distances), 3), **at, "drift_last": round(distances[-1], 3),
+            "from_attackers_honest": round(max(biases), 3),
             "left_out_from_round": left_from, "honest_banned": len(honest_banned),
             "honest_only_from_mean": round(((reference - plain).norm() / dim ** 0.5).item(), 3)}
 
@@ -334,7 +371,8 @@ def drift_part(args: argparse.Namespace, common: dict) -> None:
     runs = [(agg, kind, f, n, on) for agg in robust_ones for f, n in groups
             for kind in [None, *args.drift_attacks.split(",")] for on in ((True,) if kind is None else (True, False))]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(drift, agg, kind, n, f, args.rounds, args.dim, on, args.seed, args.undo_rounds)
+        futures = [pool.submit(drift, agg, kind, n, f, args.rounds, args.dim, on, args.seed, args.undo_rounds,
+                               args.worker_momentum, args.patient_offset)
                    for agg, kind, f, n, on in runs]
         for (agg, kind, f, n, on), future in zip(runs, futures, strict=True):
             result = future.result()
@@ -343,7 +381,9 @@ def drift_part(args: argparse.Namespace, common: dict) -> None:
                 result = {"value": result["honest_only_from_mean"], "honest_banned": result["honest_banned"]}
             emit({"metric": metric, "unit": "sigma", "aggregation": agg, "attack": kind or "none",
                   "attackers": f, "members": n, "consequences": on, "rounds": args.rounds, "dim": args.dim,
-                  **({"undo_rounds": args.undo_rounds} if args.undo_rounds else {}), **result, **common})
+                  **({"undo_rounds": args.undo_rounds} if args.undo_rounds else {}),
+                  **({"worker_momentum": args.worker_momentum} if args.worker_momentum else {}),
+                  **({"patient_offset": args.patient_offset} if kind == "patient" else {}), **result, **common})
 
 
 def main() -> None:
@@ -362,6 +402,11 @@ def main() -> None:
     parser.add_argument("--undo-rounds", type=int, default=0,
                         help="drift, a what-if (not the library's behaviour): undo the contributions of the last "
                              "K rounds of senders once they are left out")
+    parser.add_argument("--patient-offset", type=float, default=PATIENT_OFFSET,
+                        help="drift: what the patient attack adds to every coordinate, in sigma")
+    parser.add_argument("--worker-momentum", type=float, default=0.0,
+                        help="drift, a what-if (not the library's behaviour): members send their gradients' "
+                             "momentum with this coefficient, and both runs step on its aggregate")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     parser.add_argument("--seed", type=int, default=0, help="picks the peers' batches (the model starts the same)")
     parser.add_argument("--quick", action="store_true",
