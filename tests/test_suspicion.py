@@ -4,6 +4,8 @@ blatantly far are banned after FAR_STRIKES steps."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -131,16 +133,87 @@ def test_far_namings_spread_over_a_long_run_are_forgiven():
 
 
 @pytest.mark.timeout(30)
-def test_statistics_survive_a_member_leaving_and_restart_for_a_newcomer():
+def test_statistics_survive_a_member_leaving_and_a_newcomer_joining():
+    """A member leaving keeps everything; a newcomer (or a shard that moved) keeps the pairs'
+    evidence so far, and each member's running sums where the ranges overlap: its own pairs start
+    from nothing."""
     ledger = SuspicionLedger(BanList())
     offsets = torch.zeros(len(PEERS), SIZE)
     offsets[1] = 0.3
-    steps(ledger, 2, offsets)
+    steps(ledger, 6, offsets)
     before = ledger.scores(0, SIZE)
     ledger.record(0, PEERS[1:], [torch.randn(SIZE) + offsets[1] * (i == 0) for i in range(4)])
     assert set(ledger.scores(0, SIZE)) == set(PEERS[1:]) and ledger.scores(0, SIZE)["peer1"] >= before["peer1"] - 3
+    cohort = ledger._cohorts[(0, SIZE)]
+    pair, sums = cohort.cross[0, 1].item(), cohort.sums[0].clone()
     ledger.record(0, [*PEERS[1:], "newcomer"], [torch.randn(SIZE) for _ in range(5)])
-    assert all(z == 0.0 for z in ledger.scores(0, SIZE).values())  # one step: no pair history yet
+    joined = ledger._cohorts[(0, SIZE)]
+    assert joined.peers[-1] == "newcomer" and torch.equal(joined.sums[4], joined.last[4])  # its sums: one step
+    assert joined.cross[0, 1].item() == pytest.approx(pair, abs=abs(pair))  # this step's term added
+    assert pair != 0 and not torch.equal(joined.sums[0], torch.zeros(SIZE)) and not torch.equal(joined.sums[0], sums)
+    moved = 64  # the shard moves: what both ranges hold carries over
+    joined = copy.deepcopy(joined)
+    ledger.record(moved, [*PEERS[1:], "newcomer"], [torch.randn(SIZE) for _ in range(5)])
+    shifted = ledger._cohorts[(moved, moved + SIZE)]
+    assert torch.equal(shifted.cross[:4, :4] != 0, joined.cross[:4, :4] != 0)
+    inherited = shifted.sums - shifted.last  # (the step just recorded added `last`)
+    assert torch.allclose(inherited[:, :SIZE - moved], joined.sums[:, moved:], atol=1e-5) and inherited[:, SIZE - moved:].abs().sum() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("moves", [False, True])
+def test_a_patient_liar_is_found_however_often_an_identity_joins(moves):
+    """Joins used to restart every pair's record: another identity of the liar's joining every 5
+    steps (or the shard moving with each join) kept a patient liar's score near zero for good
+    (never left out in 60 steps). Now the evidence stays, and it is found as without joins
+    (left out by the 18th step), with no honest member left out."""
+    ledger = SuspicionLedger(BanList())
+    g = torch.Generator().manual_seed(0)
+    mu = torch.randn(4 * SIZE, generator=g)
+    found = None
+    for t in range(60):
+        senders = PEERS + (["sybil"] if t % 5 == 4 else [])
+        start = (t // 5) % 2 * 64 if moves else 0
+        ledger.record(start, senders, [mu[start:start + SIZE] + torch.randn(SIZE, generator=g) + 0.3 * (p == "peer0")
+                                       for p in senders])
+        out = set(ledger.left_out(PEERS))
+        assert out <= {"peer0"}, out
+        if found is None and out:
+            found = t
+    assert found is not None and found <= 18 and "peer0" in ledger.excluded and len(ledger.excluded) == 1
+
+
+@pytest.mark.timeout(120)
+def test_honest_members_with_identities_coming_and_going_are_never_left_out():
+    """200 steps of honest members in a few noise directions while newcomers join and leave (the
+    shard moving with each) and one honest member leaves and comes back: nobody is left out."""
+    ledger = SuspicionLedger(BanList())
+    g = torch.Generator().manual_seed(3)
+    directions = torch.randn(3, 4 * SIZE, generator=g)
+    for t in range(200):
+        senders = [p for p in PEERS if not (p == "peer2" and 50 <= t < 60)] + [f"new{t // 7}"] * (t % 7 < 3)
+        start = (t // 7) % 3 * 50
+        pieces = [torch.randn(3, generator=g) @ directions + 0.1 * torch.randn(4 * SIZE, generator=g) for _ in senders]
+        ledger.record(start, senders, [x[start:start + SIZE] for x in pieces])
+        assert not ledger.left_out(senders), (t, ledger.suspects)
+    assert len(ledger.excluded) == 0
+
+
+@pytest.mark.timeout(60)
+def test_honest_members_whose_data_differ_are_never_left_out_while_identities_take_turns():
+    """Members whose data differ persistently (each its own offset), with a new sender in every
+    step: a newcomer's pairs start from the old members' running sums, which hold their offsets;
+    the width the offsets give every honest score keeps them all in."""
+    ledger = SuspicionLedger(BanList())
+    g = torch.Generator().manual_seed(4)
+    members = [*PEERS, "other0", "other1", "other2"]
+    offsets = {p: 0.5 * torch.randn(SIZE, generator=g) for p in members}
+    mu = torch.randn(SIZE, generator=g)
+    for t in range(200):
+        senders = [*PEERS, members[len(PEERS) + t % 3]]
+        ledger.record(0, senders, [mu + offsets[p] + torch.randn(SIZE, generator=g) for p in senders])
+        assert not ledger.left_out(senders), (t, ledger.suspects)
+    assert len(ledger.excluded) == 0
 
 
 @pytest.mark.timeout(60)

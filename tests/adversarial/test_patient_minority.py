@@ -117,3 +117,41 @@ def test_a_patient_liar_gets_no_honest_member_left_out(seed):
         ledger.record(0, peers, pieces)
         assert set(ledger.left_out(peers)) <= {"member0"}
     assert set(ledger.excluded) <= {"member0"}
+
+
+@pytest.mark.timeout(120)
+def test_a_patient_liar_whose_other_identities_take_turns_in_its_group_is_still_found():
+    """A patient member (a quarter of an honest spread per coordinate, the same way every step)
+    whose two other identities take turns in the group (client mode: they reduce nothing, so the
+    shards stay where they are). Each step's senders then differed from the last, and a reducer's
+    record started over whenever a sender was new to it: the liar was never left out in 40 steps.
+    Now a record that meets a new sender keeps what it knew of the others' pairs: the liar is out
+    from the 20th step, as when the same identity stays in the group every step."""
+    async def main():
+        net, peers = await make_swarm(HONEST + 3, client_mode=(HONEST + 1, HONEST + 2))
+        averagers = [Averager(p, [torch.zeros(SIZE)], "job", target_group_size=HONEST + 2, min_group_size=HONEST + 2,
+                              matchmaking_time=1.0, aggregation="centered_clip") for p in peers]
+        liar = peers[HONEST].transport.peer_id
+        g = torch.Generator().manual_seed(0)
+        mu = torch.randn(SIZE, generator=g)
+        out_from = None
+        for step in range(40):
+            taking = averagers[:HONEST + 1] + [averagers[HONEST + 1 + step % 2]]
+            honest = mu + torch.randn(HONEST + 2, SIZE, generator=g)
+            honest[HONEST] += 0.25  # the liar's push
+            for a, t in zip(taking, honest, strict=True):
+                with a.get_tensors() as tensors:
+                    tensors[0].copy_(t)
+            results = await asyncio.gather(*(a.astep(group_key=f"step{step}") for a in taking), return_exceptions=True)
+            assert not any(isinstance(r, BaseException) for r in results), results
+            assert {r.group_size for r in results} == {HONEST + 2}
+            if out_from is None and str(liar) not in results[0].contributors:
+                out_from = step
+            assert {str(p.transport.peer_id) for p in peers[:HONEST]} <= set(results[0].contributors)
+        assert out_from is not None and out_from <= 22, out_from
+        assert any(liar in exclusions(p.transport) for p in peers[:HONEST])
+        honest_ids = {p.transport.peer_id for i, p in enumerate(peers) if i != HONEST}
+        assert not any(e in honest_ids for p in peers[:HONEST] for e in exclusions(p.transport))
+        for a in averagers:
+            a.shutdown()
+    run_virtual(main())

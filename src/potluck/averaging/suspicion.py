@@ -39,9 +39,11 @@ averager and at each of this peer's reducers:
     (`accountability.exclusions`: this peer's reducers never count its pieces again; it stays in
     groups, so a wrong verdict on an honest member never splits the honest peers).
 
-The statistics restart when a sender joins the shard's senders (the pairs' histories must cover the
-same steps) and survive when one leaves; they are the reducer's own observations, never another
-peer's word. docs/security.md states the rates and the limits.
+The statistics survive a sender leaving; when one joins, or the shard moves, the pairs' evidence so
+far stays (each term is a step's difference times sums of earlier steps, whatever those cover) and
+only the members' running sums start again, where the old range does not cover the new one
+(`_Cohort.inherit`: starting over let any join wipe every pair's record). They are the reducer's
+own observations, never another peer's word. docs/security.md states the rates and the limits.
 """
 
 from __future__ import annotations
@@ -137,6 +139,29 @@ class _Cohort:
                        *(m[rows][:, rows].clone() for m in (self.cross, self.lagged, self.coordinatewise,
                                                             self.variance)), steps=self.steps)
 
+    def inherit(self, donor: _Cohort, shift: int) -> None:
+        """Take what `donor` knows of the members in both (a fresh cohort: a newcomer joined, or
+        the shard moved; `shift`: where this cohort's range starts in the donor's coordinates).
+        Each term of a pair's statistic is one step's difference times sums of earlier steps, so
+        whatever those sums cover, the terms and variances summed so far stay valid beside the
+        new ones; the members' running sums carry over where the two ranges overlap (elsewhere,
+        and for a newcomer, they start at zero). Starting all over instead let any join, a liar's
+        own second identity's included, wipe every pair's record: a patient liar joined by
+        another identity every 5 steps was never found."""
+        common = [p for p in self.peers if p in donor.peers]
+        if len(common) < 2:
+            return
+        mine = torch.tensor([self.peers.index(p) for p in common])
+        theirs = torch.tensor([donor.peers.index(p) for p in common])
+        for m, d in ((self.cross, donor.cross), (self.lagged, donor.lagged),
+                     (self.coordinatewise, donor.coordinatewise), (self.variance, donor.variance)):
+            m[mine[:, None], mine[None, :]] = d[theirs[:, None], theirs[None, :]]
+        lo, hi = max(0, shift), min(donor.sums.shape[1], shift + self.sums.shape[1])
+        if lo < hi:
+            self.sums[mine, lo - shift:hi - shift] = donor.sums[theirs, lo:hi]
+            self.last[mine, lo - shift:hi - shift] = donor.last[theirs, lo:hi]
+        self.steps = donor.steps
+
 
 @dataclass
 class SuspicionLedger:
@@ -211,12 +236,16 @@ class SuspicionLedger:
         self._judge(cohort)
 
     def _cohort(self, start: int, end: int, peers: tuple[PeerID, ...]) -> _Cohort:
-        key = (start, end)
+        key = donor_key = (start, end)
         old = self._cohorts.pop(key, None)
         if old is not None and set(peers) <= set(old.peers):
             cohort = old if peers == old.peers else old.keep(peers)
-        else:  # a newcomer (or a new range): pairs with it have no common history yet
+        else:  # a newcomer, or a new range (the last one used gives what it knows)
             cohort = _Cohort.empty(peers, end - start)
+            if old is None and self._cohorts:
+                donor_key, old = next(reversed(self._cohorts.items()))
+            if old is not None:
+                cohort.inherit(old, start - donor_key[0])
         self._cohorts[key] = cohort
         while len(self._cohorts) > MAX_COHORTS:
             self._cohorts.popitem(last=False)
