@@ -13,6 +13,8 @@ rank 2 computes 2x slower (it sleeps as long again after each backward pass):
                   background while the next batches are computed; updates one step stale).
   potluck_diloco  `potluck.Optimizer` in diloco mode, local_steps=8 (an outer step per 256 local
                   samples of each peer; --local-steps), the same peers.
+  potluck_diloco_mean  the same with `aggregation="mean"` (potluck_diloco runs the open run's
+                  default, CenteredClip).
   torchft         torchft 0.2.0 (from the python of .venv-torchft: scripts/torchft-venv.sh): rank 0
                   runs the lighthouse (min_replicas=2, so it goes on when a peer fails); every peer
                   is a replica group of one process with its own TCPStore, a `torchft.Manager` over
@@ -38,7 +40,8 @@ Prints one JSON object per line, e.g.
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/potluck", "value": 0.8, ...}
 
 Usage: python benchmarks/torchft_compare.py [--quick] [--repeats 3] [--target 0.95] [--cap 90]
-           [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,torchft,torchft_diloco]
+           [--systems potluck,potluck_mean,potluck_delayed,potluck_diloco,potluck_diloco_mean,torchft,
+                      torchft_diloco]
            [--local-steps 8] [--torchft-python PATH]
 """
 
@@ -74,7 +77,8 @@ TORCHFT_TIMEOUT = 5.0
 DILOCO_LOCAL_STEPS = 8  # 8 x 32 = 256 samples of each peer between outer steps
 TORCHFT_MIN_REPLICAS = 2  # the lighthouse forms quorums of at least this many replica groups
 TORCHFT_JOIN_TIMEOUT_MS = 1000  # for the first quorum, all four replicas are heartbeating by then
-SYSTEMS = ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "torchft", "torchft_diloco")
+SYSTEMS = ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "potluck_diloco_mean", "torchft",
+           "torchft_diloco")
 DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # potluck's defaults (modes.DiLoCo), the paper's
 
 
@@ -186,7 +190,9 @@ def potluck_peer(args: argparse.Namespace, model: Any) -> tuple[str | None, Any,
     peer = potluck.Peer(host="127.0.0.1", initial_peers=[args.initial] if args.initial else [], client_mode=client)
     mode = {"potluck": {}, "potluck_mean": {"aggregation": "mean"},
             "potluck_delayed": {"delay_updates": True},
-            "potluck_diloco": {"mode": "diloco", "local_steps": args.local_steps}}[args.worker]
+            "potluck_diloco": {"mode": "diloco", "local_steps": args.local_steps},
+            "potluck_diloco_mean": {"mode": "diloco", "local_steps": args.local_steps,
+                                    "aggregation": "mean"}}[args.worker]
     opt = potluck.Optimizer(peer, "torchft-compare", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                             target_batch_size=GLOBAL_BATCH, batch_size_per_step=POTLUCK_LOCAL_BATCH,
                             role=potluck.Role.CLIENT if client else potluck.Role.NODE,
@@ -276,7 +282,7 @@ def main() -> None:
             emit({"metric": "time_to_accuracy_median", "value": medians[system] and round(medians[system], 2),
                   "unit": "s", "runs": [t and round(t, 2) for t in times], **params})
     for theirs in ("torchft", "torchft_diloco"):
-        for other in ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco"):
+        for other in ("potluck", "potluck_mean", "potluck_delayed", "potluck_diloco", "potluck_diloco_mean"):
             if medians.get(theirs) and medians.get(other):
                 emit({"metric": "time_to_accuracy_ratio", "value": round(medians[theirs] / medians[other], 2),
                       "unit": f"{theirs}/{other}", "measured": "median over median; above 1: potluck is faster",
