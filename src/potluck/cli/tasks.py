@@ -54,7 +54,13 @@ def accuracy(model: Any, x: Any, y: Any) -> float:
     """The fraction of `x` that `model` classifies as `y`, without gradients."""
     import torch
     with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+        return _fraction(model(x).argmax(1) == y)
+
+
+def _fraction(hits: Any) -> float:
+    """Hits over the count, exact to the last bit of a Python float: a float32 mean made 342 of 360
+    test digits 0.949999988, short of a 95% target that they meet."""
+    return int(hits.sum()) / hits.numel()
 
 
 def test_figures(model: Any, x: Any, y: Any) -> tuple[float, float]:
@@ -62,7 +68,7 @@ def test_figures(model: Any, x: Any, y: Any) -> tuple[float, float]:
     import torch
     with torch.no_grad():
         logits = model(x)
-    return float((logits.argmax(1) == y).float().mean()), float(torch.nn.functional.cross_entropy(logits, y))
+    return _fraction(logits.argmax(1) == y), float(torch.nn.functional.cross_entropy(logits, y))
 
 
 def test_loss(model: Any, x: Any, y: Any) -> float:
