@@ -133,15 +133,10 @@ class _Cohort:
         return cls(peers, torch.zeros(n, size), torch.zeros(n, size),
                    *(torch.zeros(n, n, dtype=torch.float64) for _ in range(4)))
 
-    def keep(self, peers: tuple[PeerID, ...]) -> _Cohort:
-        rows = torch.tensor([self.peers.index(p) for p in peers])
-        return _Cohort(peers, self.sums[rows].clone(), self.last[rows].clone(),
-                       *(m[rows][:, rows].clone() for m in (self.cross, self.lagged, self.coordinatewise,
-                                                            self.variance)), steps=self.steps)
-
     def inherit(self, donor: _Cohort, shift: int) -> None:
-        """Take what `donor` knows of the members in both (a fresh cohort: a newcomer joined, or
-        the shard moved; `shift`: where this cohort's range starts in the donor's coordinates).
+        """Take what `donor` knows of the members in both (a fresh cohort: a member left, a
+        newcomer joined, or the shard moved; `shift`: where this cohort's range starts in the
+        donor's coordinates). A member leaving keeps everything of the others.
         Each term of a pair's statistic is one step's difference times sums of earlier steps, so
         whatever those sums cover, the terms and variances summed so far stay valid beside the
         new ones; the members' running sums carry over where the two ranges overlap (elsewhere,
@@ -236,16 +231,15 @@ class SuspicionLedger:
         self._judge(cohort)
 
     def _cohort(self, start: int, end: int, peers: tuple[PeerID, ...]) -> _Cohort:
-        key = donor_key = (start, end)
+        key = (start, end)
         old = self._cohorts.pop(key, None)
-        if old is not None and set(peers) <= set(old.peers):
-            cohort = old if peers == old.peers else old.keep(peers)
-        else:  # a newcomer, or a new range (the last one used gives what it knows)
+        if old is not None and peers == old.peers:
+            cohort = old
+        else:  # other senders, or a new range: this range's record, else the last one used, gives what it knows
             cohort = _Cohort.empty(peers, end - start)
-            if old is None and self._cohorts:
-                donor_key, old = next(reversed(self._cohorts.items()))
-            if old is not None:
-                cohort.inherit(old, start - donor_key[0])
+            donor_key, donor = (key, old) if old is not None else next(reversed(self._cohorts.items()), (key, None))
+            if donor is not None:
+                cohort.inherit(donor, start - donor_key[0])
         self._cohorts[key] = cohort
         while len(self._cohorts) > MAX_COHORTS:
             self._cohorts.popitem(last=False)
