@@ -10,7 +10,7 @@ client members it lost every connection with. It implements the `RunService` its
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,8 +38,9 @@ from potluck.averaging.role import Role
 from potluck.core import compat
 from potluck.core.errors import AveragingError, MalformedMessage
 from potluck.core.tensors import all_finite
-from potluck.net.connection import Stream
+from potluck.net.connection import CallContext, Stream
 from potluck.net.identity import PeerID
+from potluck.net.origins import Origin, Shares
 from potluck.net.transport import Transport
 
 __all__ = ["LINGER_SECONDS", "AllReduceService"]
@@ -47,8 +48,17 @@ __all__ = ["LINGER_SECONDS", "AllReduceService"]
 # After finishing, a member keeps answering "where do you stand" for this long, so a coordinator
 # that took over late still learns that the step was committed.
 LINGER_SECONDS = 15.0
-# Groups a peer waits for at once before they start here (guards memory against junk group ids).
-MAX_PENDING_GROUPS = 1000
+# Requests that came before their step started here (a member's piece or its wait for the
+# coordinator, ahead of our own start) waiting at once, each at most REGISTRATION_WAIT. Any
+# caller can name a group id that never starts, so they are shared per origin as connections are
+# (`net.origins`): one host holds at most a quarter however many ids it makes up, and an honest
+# member's early request still finds room. A member of a group of 64 sends a reducer at most two
+# early requests per step (its piece, its wait), so a host's quarter covers the groups one host
+# runs; a peer id's share covers its groups with us.
+MAX_EARLY_REQUESTS = 1024
+EARLY_REQUESTS_PER_SUBNET = 256
+EARLY_REQUESTS_PER_IP = 256
+EARLY_REQUESTS_PER_PEER = 32
 # A client member whose connections with us were all lost this recently, and which has not
 # come back, is presumed dead by a step that starts now: it may have died between forming the
 # group and the step (a minute covers matchmaking and the snapshot). Peers remembered at most:
@@ -71,6 +81,14 @@ class _Tombstone:
     state: MemberState
 
 
+@dataclass
+class _Early:
+    """A step that has not started here yet, and how many requests wait for it."""
+
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+
 class AllReduceService:
     """The handlers for all-reduce on one transport, dispatching to the runs under way."""
 
@@ -80,7 +98,10 @@ class AllReduceService:
         self.finished: dict[bytes, _Tombstone] = {}
         self.pool = BufferPool()
         self.banned = ban_list(transport)
-        self._arrived: dict[bytes, asyncio.Event] = {}
+        self._early: dict[bytes, _Early] = {}  # steps not started here yet that requests wait for
+        self._early_shares = Shares("requests waiting for their step to start", MAX_EARLY_REQUESTS,
+                                    per_subnet=EARLY_REQUESTS_PER_SUBNET, per_ip=EARLY_REQUESTS_PER_IP,
+                                    per_peer=EARLY_REQUESTS_PER_PEER)
         self._linger: dict[bytes, asyncio.TimerHandle] = {}
         self._lost: dict[PeerID, float] = {}  # peer -> loop time its last connection was lost
         transport.add_stream_handler(METHOD_PART, self._on_part)
@@ -123,7 +144,9 @@ class AllReduceService:
             raise AveragingError("this group id is already running here")
         run = AllReduceRun(self, group, me, vector, weight, codec, timeout, pool=self.pool, **kwargs)
         self.runs[gid] = run
-        self._arrived.setdefault(gid, asyncio.Event()).set()
+        early = self._early.pop(gid, None)
+        if early is not None:
+            early.started.set()
         now = asyncio.get_running_loop().time()
         for i, (peer, role) in enumerate(zip(group.peers, group.roles, strict=True)):
             lost = self._lost.get(peer)
@@ -152,26 +175,38 @@ class AllReduceService:
 
     def _forget(self, gid: bytes) -> None:
         self.finished.pop(gid, None)
-        self._arrived.pop(gid, None)
         self._linger.pop(gid, None)
 
-    async def _find(self, gid: bytes) -> AllReduceRun | _Tombstone:
+    async def _find(self, gid: bytes, ctx: CallContext) -> AllReduceRun | _Tombstone:
         """The run of `gid` here (waiting briefly for it to start), or what is left of it."""
-        event = self._arrived.get(gid)
-        if event is None:
-            if len(self._arrived) > MAX_PENDING_GROUPS:
-                raise AveragingError("too many pending groups")
-            event = self._arrived[gid] = asyncio.Event()
-        try:
-            async with compat.timeout(REGISTRATION_WAIT):
-                await event.wait()
-        except TimeoutError:
-            self._arrived.pop(gid, None)
-            raise AveragingError("unknown averaging group") from None
         found = self.runs.get(gid) or self.finished.get(gid)
+        if found is None:
+            await self._wait_for(gid, ctx.remote.origin, ctx.peer_id)
+            found = self.runs.get(gid) or self.finished.get(gid)
         if found is None:
             raise AveragingError("unknown averaging group")
         return found
+
+    async def _wait_for(self, gid: bytes, origin: Origin, caller: PeerID) -> None:
+        """Wait up to REGISTRATION_WAIT for step `gid` to start here, holding one of the caller's
+        origin's shares. The entry goes with its last waiter however that one ends (its deadline,
+        a cancellation, a lost connection): junk group ids leave nothing behind."""
+        refusal = self._early_shares.refusal(origin, caller)
+        if refusal is not None:
+            raise AveragingError(refusal)
+        early = self._early.setdefault(gid, _Early())
+        self._early_shares.claim(origin, caller)
+        early.waiting += 1
+        try:
+            async with compat.timeout(REGISTRATION_WAIT):
+                await early.started.wait()
+        except TimeoutError:
+            raise AveragingError("unknown averaging group") from None
+        finally:
+            self._early_shares.release(origin, caller)
+            early.waiting -= 1
+            if not early.waiting and self._early.get(gid) is early:
+                del self._early[gid]
 
     def _member(self, run: AllReduceRun | _Tombstone, peer_id: PeerID, claimed: Any) -> int:
         if not isinstance(claimed, int) or not 0 <= claimed < len(run.group.peers) \
@@ -187,7 +222,7 @@ class AllReduceService:
 
     async def _on_part(self, stream: Any, ctx: Any) -> None:
         request = PartRequest.from_wire(stream.request)
-        run = await self._find(request.group_id)
+        run = await self._find(request.group_id, ctx)
         if isinstance(run, _Tombstone):
             raise AveragingError("this averaging step is over here")
         sender = self._member(run, ctx.peer_id, request.sender)
@@ -204,7 +239,7 @@ class AllReduceService:
             raise AveragingError(str(e)) from None  # its coordinator misbehaves: not a network failure
 
     async def _on_wait(self, request: Any, ctx: Any) -> dict:
-        run = await self._find(StepRef.from_wire(request).group_id)
+        run = await self._find(StepRef.from_wire(request).group_id, ctx)
         state = SyncRequest.from_wire(request, n=len(run.group.peers)).state
         self._member(run, ctx.peer_id, state.member)
         if isinstance(run, _Tombstone):
