@@ -27,6 +27,7 @@ from potluck.core.errors import AveragingError, PeerUnreachable
 from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.net import Identity, TCPTransport
+from potluck.net.transport import IDLE_BULK_SECONDS
 from tests.conftest import LOOP_KINDS
 from tests.emulated_swarm import make_swarm
 from tests.test_allreduce import CODEC, average, make_group, swarm, weighted_mean
@@ -240,6 +241,29 @@ async def open_and_close_many(a, b, gone_address: str) -> None:
         with contextlib.suppress(PeerUnreachable):  # a peer that is gone: the dial fails
             await a.call(gone, "echo", i, timeout=10)
         del stream, aborted
+
+
+@pytest.mark.timeout(60)
+def test_bulk_connections_to_many_peers_leave_no_entry_once_idle_or_closed():
+    """A dedicated (bulk) connection goes back to a per-peer idle pool after its stream and is
+    closed after IDLE_BULK_SECONDS; the pool kept an empty list for every peer ever streamed to
+    (about 300 bytes and the peer id each, for good)."""
+    async def main():
+        net, transports, _ = await swarm(21)
+        client, servers = transports[0], transports[1:]
+        for i, server in enumerate(servers):
+            server.add_stream_handler("echo", echo_stream)
+            for _ in range(2):  # the second stream reuses the idle connection of the first
+                stream = await client.open_stream(server.peer_id, "echo", timeout=10, dedicated=True)
+                await stream.send({"i": i})
+                assert (await stream.recv())["i"] == i
+                await stream.close()
+                await asyncio.sleep(0.1)
+            if i % 2:
+                await server.close()  # half the peers go away: their idle connections close
+        await asyncio.sleep(IDLE_BULK_SECONDS + 1)
+        assert client._bulk_idle == {}
+    run_virtual(main())
 
 
 @pytest.mark.timeout(60)

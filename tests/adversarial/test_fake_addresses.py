@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from potluck.core.virtual_time import run_virtual
+from potluck.net import address_book
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.transport import MAX_ADDRESSES_PER_PEER
 from tests.emulated_swarm import add_peer, make_swarm
@@ -57,4 +58,37 @@ def test_a_newcomer_fed_only_fake_addresses_still_reaches_the_peer_through_its_s
         for p in [*peers, newcomer, victim]:
             await p.dht.ashutdown()
             await p.transport.close()
+    run_virtual(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_made_up_ids_that_connect_and_leave_do_not_grow_the_address_book_for_good(monkeypatch):
+    """Every handshake states the caller's addresses, and every DHT answer hints at others': kept
+    per peer ever met, a host cycling through made-up ids grew the book by about 2 KB each, without
+    end. It now keeps the MAX_VOUCHED_PEERS (and MAX_HINTED_PEERS) most recently stated; an honest
+    peer that connects again stays among them (here the caps are cut to 20 to show it)."""
+    monkeypatch.setattr(address_book, "MAX_VOUCHED_PEERS", 20, raising=False)
+    monkeypatch.setattr(address_book, "MAX_HINTED_PEERS", 20, raising=False)
+
+    async def scenario():
+        net = EmulatedNetwork(latency=0.005)
+        server, honest = net.transport(), net.transport()
+        await server.start()
+        await honest.start()
+        server.add_handler("echo", echo)
+        for i in range(60):
+            fake = net.transport()
+            await fake.start()
+            await fake.connect(server.addresses[0])
+            assert await fake.call(server.peer_id, "echo", i, timeout=5) == i
+            server.add_addresses(fake.peer_id, [f"/emu/hint-{i}"])  # what a DHT answer would tell
+            await fake.close()
+            if i % 10 == 0:
+                await honest.connect(server.addresses[0])  # the honest peer keeps talking to it
+                assert await honest.call(server.peer_id, "echo", i, timeout=5) == i
+        book = server._book
+        assert len(book._vouched) <= 20 and len(book._hints) <= 20
+        assert honest.peer_id in book  # stated again at each of its connections
+        await honest.close()
+        await server.close()
     run_virtual(scenario())

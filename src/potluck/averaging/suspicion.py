@@ -106,7 +106,7 @@ MAX_COHORTS = 4
 # sums of products, exact enough only in float64): a converted copy of the whole shard's pieces
 # would cost more memory than the pieces, and its allocation most of the record's time.
 RECORD_COLUMNS = 2**14
-# Members whose far namings are remembered (oldest forgotten first).
+# Members whose far namings are remembered, and members suspected at once (oldest forgotten first).
 MAX_REMEMBERED = 1024
 
 
@@ -205,7 +205,7 @@ class SuspicionLedger:
             if strikes >= FAR_STRIKES:
                 self._exclude(p, why)
             else:
-                self.suspects[p] = why
+                self._suspect(p, why)
         named = set(named_far)
         for p in peers:  # a single far naming leaves a member out of one step only
             if p in named:
@@ -256,9 +256,18 @@ class SuspicionLedger:
             elif z >= SUSPECT_Z * sigma:
                 if p not in self.suspects:
                     logger.warning("leaving %s out of averaging while %s", p, why)
-                self.suspects[p] = why
+                self._suspect(p, why)
             elif p in self.suspects and self.suspects[p].startswith("its pieces"):
                 del self.suspects[p]
+
+    def _suspect(self, peer: PeerID, why: str) -> None:
+        """Leave `peer` out of the next steps while it stays suspect. A suspect that never sends
+        again is never cleared by a later step: the oldest go beyond MAX_REMEMBERED (made-up ids
+        named once each would otherwise pile up)."""
+        self.suspects.pop(peer, None)
+        self.suspects[peer] = why
+        while len(self.suspects) > MAX_REMEMBERED:
+            del self.suspects[next(iter(self.suspects))]
 
     def _exclude(self, peer: PeerID, why: str) -> None:
         self.suspects.pop(peer, None)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
 
-__all__ = ["MAX_ADDRESSES_PER_PEER", "MAX_HINTS_PER_PEER", "AddressBook"]
+__all__ = ["MAX_ADDRESSES_PER_PEER", "MAX_HINTED_PEERS", "MAX_HINTS_PER_PEER", "MAX_VOUCHED_PEERS", "AddressBook"]
 
 # Addresses remembered per peer; a peer that advertises more is trimmed (it gains nothing). A host
 # has a handful of interfaces (v4, v6, a public mapping). Also the most a signed peer record or a
@@ -26,6 +26,12 @@ MAX_ADDRESSES_PER_PEER = 8
 # Third-party hints kept per peer, newest first. Separate from the vouched ones, so flooding hints
 # (a stranger's fake addresses) can push out only other hints.
 MAX_HINTS_PER_PEER = 8
+# Peers whose addresses are remembered, each kind apart; the least recently stated go first. A
+# handshake or a hint costs a made-up id nothing, so without a cap every id ever met stayed (about
+# 2 KB each). 8,192 covers a full DHT routing table and its replacements (20 x 256) twice over; a
+# peer we still talk to is vouched for again at each connection, so it stays among the newest.
+MAX_VOUCHED_PEERS = 8192
+MAX_HINTED_PEERS = 8192
 # Bare forms of /p2p/ addresses remembered: every authenticated connection states its peer's
 # addresses again, and rebuilding (and re-checking) a Multiaddr each time showed in profiles.
 BARE_ADDRESS_CACHE = 4096
@@ -50,7 +56,8 @@ class AddressBook:
 
     def add_vouched(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
         """Addresses the peer stated itself (authenticated connection or signed record)."""
-        known = self._vouched.setdefault(peer_id, [])
+        known = self._vouched[peer_id] = self._vouched.pop(peer_id, [])  # now the most recent
+        _trim(self._vouched, MAX_VOUCHED_PEERS)
         hints = self._hints.get(peer_id)
         for addr in reversed([_bare(a) for a in addresses]):  # keep the given order, ahead of older ones
             if addr in known:
@@ -67,7 +74,8 @@ class AddressBook:
     def add_hints(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
         """Addresses a third party gave for `peer_id`: kept apart, behind the vouched ones."""
         vouched = self._vouched.get(peer_id, ())
-        known = self._hints.setdefault(peer_id, [])
+        known = self._hints[peer_id] = self._hints.pop(peer_id, [])
+        _trim(self._hints, MAX_HINTED_PEERS)
         for addr in reversed([_bare(a) for a in addresses]):
             if addr in vouched or addr in known:
                 continue
@@ -88,3 +96,9 @@ class AddressBook:
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._vouched or peer_id in self._hints
+
+
+def _trim(entries: dict[PeerID, list[Multiaddr]], most: int) -> None:
+    """Forget the least recently stated peers beyond `most` (a dict keeps insertion order)."""
+    while len(entries) > most:
+        del entries[next(iter(entries))]

@@ -611,6 +611,8 @@ class Transport:
         idle = self._bulk_idle.get(peer_id, [])
         while idle:
             conn = idle.pop()
+            if not idle:  # no empty list per peer ever streamed to
+                del self._bulk_idle[peer_id]
             timer = self._idle_timers.pop(conn, None)
             if timer is not None:
                 timer.cancel()
@@ -641,6 +643,8 @@ class Transport:
         idle = self._bulk_idle.get(conn.peer_id, [])
         if conn in idle and conn.in_use == 0:
             idle.remove(conn)
+            if not idle:
+                del self._bulk_idle[conn.peer_id]
             conn.close("idle bulk connection expired")
 
     async def close(self) -> None:

@@ -43,6 +43,7 @@ are not of the new epoch's batches.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import hashlib
 import logging
@@ -58,6 +59,7 @@ from torch.utils.data import default_collate
 
 from potluck.averaging.accountability import (
     DIGEST_BYTES,
+    MAX_BANNED,
     VERIFY_BLOCK,
     SealedBlock,
     ban_list,
@@ -291,8 +293,15 @@ class Validation:
         self.broken: str | None = None  # why our own gradients could not be recomputed
         self.validated = 0  # validations done
         self.recomputed = 0  # samples recomputed in them (compare with the samples trained)
-        self.caught: list[str] = []  # members this peer caught
-        self.banned_at: dict[str, int] = {}  # member -> epoch of the round it was caught in (by us, or proven to us)
+        # Members this peer caught, and member -> epoch of the round it was caught in (by us, or
+        # proven to us): the latest MAX_BANNED of each, as the ban list itself keeps.
+        self.caught: collections.deque[str] = collections.deque(maxlen=MAX_BANNED)
+        self.banned_at: dict[str, int] = {}
+
+    def _banned(self, peer: str, epoch: int) -> None:
+        self.banned_at.setdefault(peer, epoch)
+        while len(self.banned_at) > MAX_BANNED:
+            del self.banned_at[next(iter(self.banned_at))]
 
     def batch(self, epoch: int, peer: str, step: int) -> Any:
         indices = batch_indices(self.run_id, epoch, peer, step, self.batch_size, len(self.options.dataset))
@@ -395,7 +404,7 @@ class Validation:
             logger.debug("epoch %d: validated %s (relative error %.3g)", case.epoch, case.peer, error)
             return error
         self.caught.append(case.peer)
-        self.banned_at.setdefault(case.peer, case.epoch)
+        self._banned(case.peer, case.epoch)
         ban_list(self.transport).ban(PeerID.from_string(case.peer), f"epoch {case.epoch}: its gradients are not "
                                      f"those of its batches (relative error {error:.3g} > {self.options.tolerance:g})")
         accusation = Accusation(case.group, case.epoch, case.group.peers.index(PeerID.from_string(case.peer)),
@@ -471,7 +480,7 @@ class Validation:
         self.task = asyncio.ensure_future(self._check(case, accusation.params))
         error = await asyncio.shield(self.task)
         if error > self.options.tolerance:
-            self.banned_at.setdefault(str(accused), case.epoch)
+            self._banned(str(accused), case.epoch)
             banned.ban(accused, f"epoch {case.epoch}: {accuser} showed that its gradients are not those of its "
                                 f"batches, and we checked (relative error {error:.3g})")
             return {"checked": True, "upheld": True}
