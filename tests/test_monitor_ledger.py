@@ -261,6 +261,38 @@ def test_ledger_counts_failed_rounds_and_metrics_once_and_refuses_a_newer_schema
         Ledger(db, "run")
 
 
+def test_metrics_keep_a_row_per_peer_and_epoch_however_often_peers_report(tmp_path: Path) -> None:
+    """Peers that report every step, polled every second: a row per report (schema 1) grew the
+    ledger by about 2 GB a day for 50 peers. Now each peer's sum and count per epoch."""
+    with Ledger(tmp_path / "m.db", "run") as ledger:
+        for t in range(1, 301):
+            epoch = 5 + t // 100
+            ledger.observe(float(t), {p: report(p, epoch, failed=t, loss=float(t % 7) + i, time=float(t))
+                                      for i, p in enumerate(["a", "b", "c"])}, {})  # (failures make epoch rows)
+        assert ledger._scalar("SELECT COUNT(*) FROM metrics") == 3 * 4  # 3 peers x epochs 5-8
+        rows = {row.epoch: row for row in ledger.epochs()}
+        losses = [float(t % 7) + i for t in range(100, 200) for i in range(3)]
+        assert rows[6].metrics == {"loss": pytest.approx(sum(losses) / len(losses))}
+
+
+def test_a_schema_1_ledger_is_migrated_with_its_metrics(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    connection = sqlite3.connect(db)
+    connection.executescript("""
+        CREATE TABLE metrics (peer_id TEXT NOT NULL, time REAL NOT NULL, epoch INTEGER NOT NULL, name TEXT NOT NULL,
+                              value REAL NOT NULL, PRIMARY KEY (peer_id, time, name));
+        INSERT INTO metrics VALUES ('a', 1.0, 3, 'loss', 2.0), ('a', 2.0, 3, 'loss', 1.0), ('b', 2.0, 3, 'loss', 3.0);
+        PRAGMA user_version = 1;""")
+    connection.close()
+    with Ledger(db, "run") as ledger:
+        ledger.observe(3.0, {"a": report("a", 3, time=3.0)}, {})
+        ledger.observe(3.5, {"a": report("a", 3, failed=1, time=3.5)}, {})  # epoch 3 gets its row
+        assert {row.epoch: row for row in ledger.epochs()}[3].metrics == {"loss": pytest.approx(2.0)}
+        ledger.observe(4.0, {"b": report("b", 3, loss=7.0, time=4.0)}, {})
+        assert {row.epoch: row for row in ledger.epochs()}[3].metrics == {"loss": pytest.approx(13.0 / 4)}
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
 def test_names_come_from_membership_tokens_that_admit_their_publisher() -> None:
     authority, stranger = Identity.generate(), Identity.generate()
     alice, bob, carol, dave = (Identity.generate().peer_id for _ in range(4))
