@@ -244,6 +244,26 @@ async def open_and_close_many(a, b, gone_address: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_streams_we_abort_leave_the_connection_at_once():
+    """An aborted stream waited on the connection for a frame of the other side's to let go of it;
+    a handler that never answers the cancel (it only stops) sends none, so every stream aborted on
+    a shared connection stayed for the connection's life."""
+    async def main():
+        net, (a, b), _ = await swarm(2)
+
+        async def silent(stream, ctx):
+            await asyncio.sleep(3600)
+        b.add_stream_handler("silent", silent)
+        for _ in range(5):
+            stream = await a.open_stream(b.peer_id, "silent", timeout=10, dedicated=False)
+            stream.abort("the caller gave up")
+        await asyncio.sleep(1.0)
+        assert [len(c._streams) for c in a.open_connections()] == [0]
+        assert [len(c._streams) for c in b.open_connections()] == [0]
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_bulk_connections_to_many_peers_leave_no_entry_once_idle_or_closed():
     """A dedicated (bulk) connection goes back to a per-peer idle pool after its stream and is
     closed after IDLE_BULK_SECONDS; the pool kept an empty list for every peer ever streamed to

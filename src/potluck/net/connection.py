@@ -300,6 +300,10 @@ class Stream:
             self._fail(CallCancelled(f"stream {self.method!r}: {reason}"))
             if not self.connection.closed:
                 self.connection.link.send_nowait(Frame(Kind.CANCEL, self.call_id))
+            # Nothing more is read from it, and the other side may never answer the cancel: the
+            # connection lets go of it now (aborted streams stayed for the connection's life).
+            self._inbox.clear()
+            self.connection._maybe_forget(self)
 
     async def __aenter__(self) -> Stream:
         return self

@@ -162,6 +162,11 @@ class FrameDecoder:
         self._parse_scratch(frames)
         return frames
 
+    @property
+    def partial(self) -> bool:
+        """Whether part of a frame has come and the rest not yet."""
+        return bool(self._targets) or self._end > self._start
+
     def feed(self, data: bytes) -> list[Frame]:
         """Convenience for tests and non-buffered links: copy `data` in and parse."""
         frames: list[Frame] = []

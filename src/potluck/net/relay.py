@@ -587,9 +587,18 @@ class StreamPipe(asyncio.Transport):
             self._protocol.pause_writing()  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Send what is queued, then end our half of the stream; the protocol is told at once after."""
+        """Send what is queued, then end our half of the stream; the protocol is told at once after.
+        Within PIPE_CLOSE_GRACE: a relay that stops taking our bytes would hold a send, and so the
+        stream, its connection and the link's slot, for good."""
+        if self._closing or self._lost:
+            return
         self._closing = True
         self._out_event.set()
+        self._loop.call_later(PIPE_CLOSE_GRACE, self._close_expired)
+
+    def _close_expired(self) -> None:
+        if not self._lost:
+            self._force_close(None)
 
     def abort(self) -> None:
         self._force_close(None)
