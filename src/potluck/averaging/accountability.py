@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +203,26 @@ def sealed_block(group: Any, claim: bytes, block: SealedBlock) -> str | None:
                                                                      root, claim)):
         return "the sender did not seal that piece"
     return None
+
+
+def decision_message(group_id: bytes, version: int, senders: Sequence[int], assignment: Mapping[int, int],
+                     committed: bool, aborted: str | None, digests: Mapping[int, bytes], proof: bytes) -> bytes:
+    """What a coordinator signs with each decision of the step `group_id` (the fields of its
+    `Outcome`; `proof`: its equivocation proof packed, or empty), so that a coordinator taking over
+    can tell a decision its predecessor made from one a member made up."""
+    h = hashlib.sha256(b"potluck.decision")
+    h.update(struct.pack("<I", len(group_id)) + group_id)
+    h.update(struct.pack("<QQ?", version, len(senders), committed) + struct.pack(f"<{len(senders)}I", *senders))
+    h.update(struct.pack("<Q", len(assignment)))
+    for shard in sorted(assignment):
+        h.update(struct.pack("<II", shard, assignment[shard]))
+    reason = (aborted or "").encode()
+    h.update(struct.pack("<?I", aborted is not None, len(reason)) + reason)
+    h.update(struct.pack("<Q", len(digests)))
+    for shard in sorted(digests):
+        h.update(struct.pack("<II", shard, len(digests[shard])) + digests[shard])
+    h.update(struct.pack("<I", len(proof)) + proof)
+    return h.digest()
 
 
 def final_message(group_id: bytes, shard: int, version: int, senders: Sequence[int], root: bytes) -> bytes:

@@ -65,6 +65,9 @@ class CoordinatorHost(Protocol):
     def ban(self, member: int, evidence: str) -> None:
         """Put `member` on this peer's ban list."""
 
+    def sign(self, message: bytes) -> bytes:
+        """This member's signature of `message`."""
+
 
 class Coordinator:
     """Turns members' reports into decisions; active only on the current coordinator.
@@ -143,6 +146,10 @@ class Coordinator:
         if not self.active:
             return
         adopted = state.outcome
+        if state.member != self.run.me and not adopted.decided_by(self.run.group, self.run.me):
+            # Members show me the last decision they follow, which I must carry on if I took
+            # over; only a coordinator before me (or I) may have made it, never a member.
+            adopted = self.outcome
         if adopted.committed and not self.outcome.committed:
             self._publish(adopted)
             return
@@ -324,6 +331,8 @@ class Coordinator:
         return assignment
 
     def _publish(self, outcome: Outcome) -> None:
+        outcome.by = self.run.me  # mine now (a decision carried on from my predecessor too)
+        outcome.signature = self.run.sign(outcome.message(self.run.group.group_id))
         logger.debug("coordinator %d decides %s (dead: %s)", self.run.me, outcome, sorted(self.run.dead))
         self.outcome = outcome
         self.newer.set()

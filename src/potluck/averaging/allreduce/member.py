@@ -224,8 +224,10 @@ class AllReduceRun:
             self._close()
         if self.outcome.aborted:
             raise AveragingError(f"averaging step aborted: {self.outcome.aborted}")
-        if self.role != Role.AUX and not set(self.outcome.assignment) <= self.final:
+        if self.role != Role.AUX and not set(self.group.shards) <= self.final:
             raise AveragingError("the group committed without this peer (it was presumed dead)")
+        if self.role != Role.AUX and self.checked < self.outcome.version:
+            raise AveragingError("the group committed before this peer checked the results")
         if self.refused is not None:
             raise AveragingError(f"this peer's tensors could not be sent ({self.refused}); "
                                  "the others averaged without them")
@@ -377,6 +379,9 @@ class AllReduceRun:
     def chunk_digests(self, red: ShardReducer, sender: int) -> list[bytes]:
         """Digests of the chunks of `sender`'s piece that my reducer `red` holds (as sealed)."""
         return red.digests[sender]
+
+    def sign(self, message: bytes) -> bytes:
+        return self.service.sign(message)
 
     def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
                    results: Mapping[int, torch.Tensor]) -> bytes:
@@ -586,6 +591,12 @@ class AllReduceRun:
                 error = waiter.exception()
                 if error is None:
                     reply = waiter.result()
+                    if coordinator != self.me and not reply.outcome.decided_by(self.group, coordinator):
+                        # Its own signature on each decision is what lets a coordinator that takes
+                        # over carry them on; one without it cannot be shown to anyone.
+                        self.ban(coordinator, "as coordinator, it sent a decision it had not signed")
+                        self.mark_dead(coordinator)
+                        continue
                     for member in reply.dead:
                         self.mark_dead(member)
                     self.apply(reply.outcome)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from potluck.averaging.accountability import DIGEST_BYTES, final_message
+import msgpack
+
+from potluck.averaging.accountability import DIGEST_BYTES, decision_message, final_message
 from potluck.averaging.allreduce.group import MAX_GROUP_ID_BYTES, Group
 from potluck.core.errors import MalformedMessage
 from potluck.core.wire import Bool, Bytes, Dict, Field, Int, List, Message, Nested, Number, Raw, Text, Tuple
@@ -95,6 +97,25 @@ class Outcome(Message, what="averaging decision", frozen=False):
     # for the shards whose reducer reported at the first decision
     digests: dict[int, bytes] = Dict("d", _member(), _digest(), "n")
     equivocation: Equivocation | None = Nested("eq", Equivocation, default=None)  # why it aborted, if so
+    # The coordinator that made it, and its signature of it (`decision_message`): a member shows the
+    # decisions it follows to a coordinator that takes over, which must not take a member's word.
+    by: int | None = Int("by", 0, "n", default=None)
+    signature: bytes | None = Bytes("sig", SIGNATURE_BYTES, exact=True, default=None)
+
+    def message(self, group_id: bytes) -> bytes:
+        """What its coordinator signs (see `accountability.decision_message`)."""
+        proof = b"" if self.equivocation is None else msgpack.packb(self.equivocation.to_wire(), use_bin_type=True)
+        return decision_message(group_id, self.version, self.senders, self.assignment, self.committed,
+                                self.aborted, self.digests, proof)
+
+    def decided_by(self, group: Group, coordinator: int) -> bool:
+        """Whether `coordinator`, or a coordinator before it in the group's order (one it took over
+        from), signed this decision as it stands; the first, before any decision, decides nothing."""
+        if self.version == 0 and not (self.committed or self.aborted):
+            return True
+        order = group.coordinators()
+        return self.by in order and coordinator in order and order.index(self.by) <= order.index(coordinator) \
+            and self.signature is not None and group.peers[self.by].verify(self.signature, self.message(group.group_id))
 
     @classmethod
     def first(cls, assignment: dict[int, int]) -> Outcome:
