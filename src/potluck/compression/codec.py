@@ -14,7 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from potluck.compression.checks import type_name, value_range
+from potluck.compression.checks import shape_field, type_name, value_range
 from potluck.core.errors import CompressionError
 
 __all__ = ["Codec", "get_codec", "known_codecs", "register_codec"]
@@ -48,14 +48,23 @@ class Codec(ABC):
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         """The payload for `tensor`; CompressionError if it holds nan/inf or cannot be encoded."""
 
-    def decode(self, payload: Mapping[str, Any]) -> torch.Tensor:
+    def decode(self, payload: Mapping[str, Any], numel: int | None = None, *, most: int | None = None,
+               ) -> torch.Tensor:
         """The tensor a payload stands for, after strict checks; CompressionError on any flaw.
 
         Lossy codecs return float32, "none" the dtype it was sent in. The shape is the payload's:
-        callers compare it with the shape they agreed on.
+        callers compare it with the shape they agreed on. `numel` (exactly) and `most` (at most):
+        the elements the caller expects, checked against what the payload declares before anything
+        is rebuilt; a sparse payload of a few bytes can declare 2^28 zeros.
         """
         if not isinstance(payload, Mapping):
             raise CompressionError(f"{self.name} payload must be a dict, got {type_name(payload)}")
+        if numel is not None or most is not None:
+            declared = _declared_elements(payload, self.name)
+            if declared is not None and numel is not None and declared != numel:
+                raise CompressionError(f"{self.name} payload stands for {declared} elements, not the {numel} expected")
+            if declared is not None and most is not None and declared > most:
+                raise CompressionError(f"{self.name} payload stands for {declared} elements, over the {most} expected")
         try:
             out = self._decode(payload)
         except CompressionError:
@@ -81,6 +90,18 @@ class Codec(ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({params})"
+
+
+def _declared_elements(payload: Mapping[str, Any], codec: str) -> int | None:
+    """How many elements a payload says it stands for, read without rebuilding anything: its
+    "shape" field, else the size of its "data" or "codes" (one per element); None if neither."""
+    if "shape" in payload:
+        return shape_field(payload, "shape", codec).numel()
+    for key in ("data", "codes"):
+        value = payload.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+    return None
 
 
 _CODECS: dict[str, type[Codec]] = {}

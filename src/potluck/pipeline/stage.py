@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -335,9 +336,10 @@ class StageWorker:
 
     def _decode(self, payload: Mapping[str, Any], shape: Sequence[int], what: str) -> torch.Tensor:
         try:
-            tensor = self.codec.decode(payload)
+            tensor = self.codec.decode(payload, most=MAX_MICRO_BATCH * math.prod(shape))
         except CompressionError as e:
-            raise PipelineError(f"{what}: {e}") from None
+            raise PipelineError(f"{what}: {e} (expected shape: batch <= {MAX_MICRO_BATCH}, "
+                                f"{', '.join(map(str, shape))})") from None
         if not tensor.is_floating_point():
             raise PipelineError(f"{what} must be floating point, got {tensor.dtype}")
         if tensor.dim() < 1 or tuple(tensor.shape[1:]) != tuple(shape) or not 0 < tensor.shape[0] <= MAX_MICRO_BATCH:
