@@ -188,6 +188,12 @@ class FindRequest(Message, what="find request"):
     stop: bool = Bool()
     own_record: Record | None = Nested("rec", Record, default=None)
 
+    def __post_init__(self) -> None:
+        # One id asked 32 times drew its records 32 times: a request of 726 bytes got an answer of
+        # 30 MB (a lookup asks each id once).
+        if len(set(self.ids)) != len(self.ids):
+            raise self.refuse("'ids' must not ask for an id twice")
+
 
 class FindResult(Message, what="find result", positional=True):
     """One asked id's part of a find answer: indices into the answer's peers, and records."""
