@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ DEAD_SERVER_SECONDS = 10.0
 # under a second on a LAN and about that over the internet; a stalled one then costs each batch
 # this long instead of the whole forward_timeout (60 s by default).
 DEFAULT_TIMEOUT_AFTER_K_MIN = 1.0
+# A batch's outputs are allocated at the width its experts answer with (batch x k x width): an
+# output wider than the input needs answers for at least 1 / MAX_OUTPUT_SPREAD of the slots, so
+# that the allocation stays within this factor of the bytes the answers brought.
+MAX_OUTPUT_SPREAD = 8
 
 
 @dataclass
@@ -72,7 +77,7 @@ class _MixtureCall(torch.autograd.Function):
         for d in dispatches:
             d.needs_grad = ctx.needs_input_grad[1]
         results = layer.call_forward(x, dispatches)
-        out_shape = next((r.outputs[0].shape[1:] for r in results if not isinstance(r, BaseException)), None)
+        out_shape = _output_shape(x, dispatches, results, k)
         mask = torch.zeros(x.shape[0], k, dtype=torch.bool)
         if out_shape is None:
             outputs = torch.zeros(x.shape[0], k, *x.shape[1:], dtype=x.dtype)
@@ -80,7 +85,7 @@ class _MixtureCall(torch.autograd.Function):
             outputs = torch.zeros(x.shape[0], k, *out_shape, dtype=x.dtype)
         for d, result in zip(dispatches, results, strict=True):
             if isinstance(result, BaseException) or result.outputs[0].shape[1:] != out_shape:
-                if not isinstance(result, BaseException):
+                if not isinstance(result, BaseException) and out_shape is not None:
                     logger.warning("expert %s answered with shape %s; expected %s", d.location.uid,
                                    list(result.outputs[0].shape), list(out_shape))
                 continue
@@ -107,6 +112,26 @@ class _MixtureCall(torch.autograd.Function):
             if result[0] is not None:
                 grad_x.index_add_(0, torch.tensor(d.rows), result[0].to(x.dtype))
         return None, grad_x, None, None, None
+
+
+def _output_shape(x: torch.Tensor, dispatches: list[_Dispatch], results: list[Any], k: int) -> torch.Size | None:
+    """The shape of one sample's expert output, as the answers give it: the shape of the most rows
+    answered (answers of another shape are dropped). The batch's outputs take batch x k times it,
+    so a shape wider than the input's must come with answers for at least 1 / MAX_OUTPUT_SPREAD of
+    those slots: one expert answering one row with a wide output made the layer allocate the
+    whole batch's outputs at that width (1 GiB for a 256 KiB answer)."""
+    rows: Counter[torch.Size] = Counter()
+    for d, r in zip(dispatches, results, strict=True):
+        if not isinstance(r, BaseException):
+            rows[r.outputs[0].shape[1:]] += len(d.rows)
+    if not rows:
+        return None
+    shape, answered = max(rows.items(), key=lambda item: (item[1], -item[0].numel()))
+    if shape.numel() > x[0].numel() and x.shape[0] * k > MAX_OUTPUT_SPREAD * answered:
+        logger.warning("experts answered %d of %d slots with outputs of shape %s, wider than the inputs: "
+                       "dropped", answered, x.shape[0] * k, list(shape))
+        return None
+    return shape
 
 
 async def _gather_after_k_min(calls: Sequence[Awaitable[Any]], rows: Sequence[Sequence[int]], samples: int,

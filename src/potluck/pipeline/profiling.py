@@ -147,10 +147,14 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
 
 
 def serve_probes(peer: PeerLike) -> None:
-    """Answer bandwidth / latency probes from other nodes (the reply is only timed, never read)."""
+    """Answer bandwidth / latency probes from other nodes (the reply is only timed, never read).
+    Every reply is a view of one buffer of zeros: each used to be a fresh one, so a caller that
+    asked for 8 MiB replies and did not read them held 8 MiB of ours per call (1.6 GB for 200)."""
+    zeros = torch.zeros(MAX_PROBE_BYTES, dtype=torch.uint8)
+
     async def probe(request: Any, ctx: Any) -> Any:
         size = ProbeRequest.from_wire(request, limit=MAX_PROBE_BYTES).reply_bytes
-        return {"data": torch.zeros(size, dtype=torch.uint8)} if size else {}
+        return {"data": zeros[:size]} if size else {}
     peer.transport.add_handler(PROBE_METHOD, probe)
 
 
