@@ -7,13 +7,19 @@ memory it costs is bounded by its size, and an honest call sent right behind it 
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import tracemalloc
 
 import msgpack
 import pytest
+import torch
 
+from potluck.core import serialization
 from potluck.dht import DHT, DHTConfig, protocol
+from potluck.dht.errors import RecordRejected
+from potluck.dht.records import Record
+from potluck.dht.validation import DEFAULT_MAX_VALUE_BYTES, MAX_VALUE_TENSORS, Limits, check_record
 from potluck.net import Identity, TCPTransport
 
 MiB = 2**20
@@ -67,3 +73,28 @@ def test_a_store_of_empty_arrays_is_refused_within_its_budget_and_the_node_keeps
                 await t.close()
 
     arun(main(), timeout=110)
+
+
+def many_empty_tensors(n: int = 4500) -> bytes:
+    """A potluck-serialized value of `n` empty tensors: about 64 KiB, the most a value may hold."""
+    specs = [["bool", [0]] for _ in range(n)]
+    body = msgpack.packb([msgpack.ExtType(1, msgpack.packb(i)) for i in range(n)])
+    header = msgpack.packb([len(body), specs])
+    return b"PLK1" + struct.pack("<I", len(header)) + header + body
+
+
+@pytest.mark.timeout(60)
+def test_a_value_of_thousands_of_empty_tensors_is_refused_before_any_is_built(monkeypatch):
+    """Each tensor of a value costs its decoder an allocation (about 1 KB and 20 us even empty):
+    256 values of 4,500 empty tensors in one 16 MB store took 12 s of a node's CPU to check, and
+    every reader paid as much again. A DHT value may hold MAX_VALUE_TENSORS tensors."""
+    built = []
+    allocate = serialization.allocate
+    monkeypatch.setattr(serialization, "allocate", lambda specs: built.append(len(specs)) or allocate(specs))
+    value = many_empty_tensors()
+    assert len(value) <= DEFAULT_MAX_VALUE_BYTES
+    with pytest.raises(RecordRejected, match="tensors"):
+        check_record(Record("key", None, value, 1000.0), Limits(), 900.0, [], skew=0.0)
+    assert sum(built) <= MAX_VALUE_TENSORS
+    few = serialization.dumps([torch.zeros(3) for _ in range(MAX_VALUE_TENSORS)])
+    check_record(Record("key", None, few, 1000.0), Limits(), 900.0, [], skew=0.0)

@@ -16,7 +16,7 @@ from potluck.core.runner import LoopRunner
 from potluck.core.serialization import dumps, loads
 from potluck.dht.node import BOOTSTRAP_TIMEOUT, OPERATION_TIMEOUT, DHTConfig, DHTNode
 from potluck.dht.records import Key, Record, Subkey, ValueWithExpiration
-from potluck.dht.validation import RecordValidator, check_names, check_record, sign_record
+from potluck.dht.validation import MAX_VALUE_TENSORS, RecordValidator, check_names, check_record, sign_record
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
 from potluck.net.transport import Transport
@@ -155,6 +155,7 @@ def _decode(records: list[Record]) -> ValueWithExpiration | None:
     if not records:
         return None
     if len(records) == 1 and records[0].subkey is None:
-        return ValueWithExpiration(loads(records[0].value), records[0].expiration_time)
-    entries = {r.subkey: ValueWithExpiration(loads(r.value), r.expiration_time) for r in records}
+        return ValueWithExpiration(loads(records[0].value, max_buffers=MAX_VALUE_TENSORS), records[0].expiration_time)
+    entries = {r.subkey: ValueWithExpiration(loads(r.value, max_buffers=MAX_VALUE_TENSORS), r.expiration_time)
+               for r in records}
     return ValueWithExpiration(entries, max(r.expiration_time for r in records))

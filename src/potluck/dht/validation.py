@@ -30,6 +30,10 @@ __all__ = ["Limits", "RecordValidator", "SchemaValidator", "VerifiedSignatures",
 # 64 KiB: DHT values are directory entries (addresses, small dicts, progress counters). Bulk data
 # travels peer to peer; a cap keeps every replica cheap to store, send and validate.
 DEFAULT_MAX_VALUE_BYTES = 64 * 1024
+# Tensors one value may hold: a directory entry holds a few if any, and each costs its decoder an
+# allocation (4,500 empty ones fit in 64 KiB: 256 such values in one store request took 12 s of
+# the node's CPU to check, and every reader paid as much again).
+MAX_VALUE_TENSORS = 64
 # 24 hours, the record lifetime of the Kademlia paper: a record must be re-stored at least daily,
 # so the records of a squatter or of a peer that left do not occupy the network for long.
 DEFAULT_MAX_TTL = 24 * 3600.0
@@ -163,7 +167,7 @@ def check_record(record: Record, limits: Limits, now: float,
         raise RecordRejected("only records whose key or subkey names an [owner:...] carry a signature or a "
                              "membership token")
     try:
-        value = loads(record.value)
+        value = loads(record.value, max_buffers=MAX_VALUE_TENSORS)
     except SerializationError as e:
         raise RecordRejected(f"value for {record.key!r:.120} is not potluck-serialized data: {e}") from None
     for validator in validators:
