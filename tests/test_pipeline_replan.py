@@ -74,7 +74,7 @@ def test_a_standby_joins_the_first_cluster_that_claims_it():
         both = await asyncio.gather(claim(c1, 1, "c1"), claim(c0, 1, "c0"))
         again = await claim(c1, 1, "c1"), await claim(c0, 1, "c0")
         stale = await claim(c0, 0 + 2, "c0")  # a version this node does not follow
-        with pytest.raises(RemoteError, match="only the plan's nodes may claim"):
+        with pytest.raises(RemoteError, match="may not control 'c0'"):
             await claim(stranger, 1, "c0")
         await node.close()
         for p in peers:

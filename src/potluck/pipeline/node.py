@@ -133,6 +133,7 @@ class PipelineNode:
         self.worker = StageWorker(peer, config, make_layers, optimizer, controller=plan.nodes,
                                   num_layers=num_layers, source=self._source, loss_fn=loss_fn)
         self.worker.directory.accept = self._accepts
+        self.worker.may_configure = self._may_configure
         self.controllers: dict[str, ClusterController] = {}
         self._past: list[tuple[str, RecoveryEvent]] = []  # recoveries of controllers closed since
         self._claimed: tuple[int, str] | None = None  # (plan version, cluster) this node agreed to join
@@ -160,6 +161,21 @@ class PipelineNode:
 
     def _accepts(self, cluster: str, owner: str, layout: Layout) -> bool:
         return self._may_control(self.plan, cluster, owner, layout)
+
+    def _may_configure(self, cluster: str, caller: str) -> bool:
+        """Whether `caller` may configure this node's stage into `cluster`: under the current plan
+        or the one before it, a member or a standby of that cluster (the only nodes its election
+        can name controller), with this node one too, or in no cluster of that plan (a node that
+        came after it, which any cluster's recovery may take). Any node of the plan could, and one
+        of another cluster took over a stage and shut its controller out."""
+        for plan in (self.plan, self.previous):
+            index = cluster_index(cluster)
+            if plan is None or index is None or index >= len(plan.clusters):
+                continue
+            allowed = {*plan.clusters[index], *plan.standby}
+            if caller in allowed and (self.me in allowed or self.me not in plan.nodes):
+                return True
+        return False
 
     def recoveries(self) -> list[tuple[str, RecoveryEvent]]:
         """(cluster, event) of every recovery made by a controller this node holds or held."""
@@ -318,8 +334,12 @@ class PipelineNode:
         claim = Claim.from_wire(request)
         if self.ending:
             return Ack(False).to_wire()  # a standby is not promoted while the run ends
-        if str(ctx.peer_id) not in self.plan.nodes:
-            raise PipelineError(f"standby claim refused: only the plan's nodes may claim this node, not {ctx.peer_id}")
+        index = cluster_index(claim.cluster)
+        if index is None or index >= len(self.plan.clusters) \
+                or str(ctx.peer_id) not in {*self.plan.clusters[index], *self.plan.standby}:
+            # only that cluster's possible controllers (any node of the plan could claim this one
+            # for a made-up cluster, and no real cluster could take it for that plan version)
+            raise PipelineError(f"standby claim refused: {ctx.peer_id} may not control {claim.cluster!r}")
         mine = self.plan.cluster_of(self.me)
         if claim.version != self.plan.version or (mine is not None and cluster_id(mine) != claim.cluster):
             return Ack(False).to_wire()

@@ -177,6 +177,9 @@ class StageWorker:
         self.source = source
         self.loss_fn = loss_fn or nn.functional.cross_entropy
         self.directory = LayoutDirectory(peer, config.run_id)  # every cluster's layout, for the rings
+        # Who may configure this stage into a cluster (cluster, caller's id); None: any controller.
+        # A pipeline node sets it from its plan (`PipelineNode._may_configure`).
+        self.may_configure: Callable[[str, str], bool] | None = None
         self.codec = get_codec(config.compression)
         self.stats = StageStats()
         self.layers: dict[int, nn.Module] = {}
@@ -397,6 +400,9 @@ class StageWorker:
                 return self.report().to_wire()
             case Configure(route=route):
                 self._require(ctx, self.controllers, "configure", "its controller")
+                if self.may_configure is not None and not self.may_configure(route.cluster, str(ctx.peer_id)):
+                    raise PipelineError(f"configure refused: {ctx.peer_id} may not control cluster {route.cluster!r} "
+                                        "with this stage in it")
                 if self.route is not None and route.epoch < self.route.epoch:
                     raise PipelineError(f"configure refused: epoch {route.epoch} is older than this stage's "
                                         f"{self.route.epoch} (from a superseded controller)")
