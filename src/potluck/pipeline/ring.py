@@ -256,8 +256,10 @@ class RingAllReduce:
         for attempt in range(MAX_ATTEMPTS):
             if len(members) == 1:
                 return vector.clone(), members
-            try:
-                return await self._run(round_id, segment, attempt, members, vector, deadline), members
+            try:  # the round's deadline covers the sends too (a neighbour answering each part just
+                # inside SEND_TIMEOUT stretched a 60 s round to 464 s)
+                async with compat.timeout_at(deadline):
+                    return await self._run(round_id, segment, attempt, members, vector, deadline), members
             except RoundSkipped:
                 raise
             except (NetworkError, TimeoutError, RingError) as e:
