@@ -15,7 +15,6 @@ import torch
 
 from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
-from potluck.pipeline.messages import Ack
 from potluck.pipeline.ring import RingAllReduce, RingError, Segment
 
 RING_TIMEOUT = 60.0
