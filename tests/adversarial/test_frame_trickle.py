@@ -3,7 +3,7 @@
 Any byte counts as proof of life for the keepalive (a large frame on a slow link takes longer
 than its timeout), so a peer that sent most of a large frame and then one byte just inside every
 keepalive timeout kept the connection, and the frame's buffer, forever. A frame on its way must
-now come at `net.tcp.MIN_FRAME_RATE` on average once it has been arriving for
+now come at `net.frames.MIN_FRAME_RATE` on average once it has been arriving for
 `FRAME_GRACE_SECONDS`, so it is held at most its size over that rate (68 minutes for 64 MiB at
 16 KiB/s). Here the rate is raised to 4 MiB/s and the grace cut to 1 s, so that a 4 MiB frame
 sent but for its last 100 bytes, then trickled, is dropped within a few seconds."""
@@ -15,15 +15,15 @@ import asyncio
 import pytest
 import torch
 
-from potluck.net import Identity, TCPTransport, tcp
+from potluck.net import Identity, TCPTransport, frames
 from potluck.net.frames import Frame, Kind, encode
 from tests.adversarial.scene import running
 
 
 @pytest.mark.timeout(60)
 def test_a_frame_trickled_a_byte_at_a_time_is_dropped_with_its_connection(arun, monkeypatch):
-    monkeypatch.setattr(tcp, "FRAME_GRACE_SECONDS", 1.0, raising=False)
-    monkeypatch.setattr(tcp, "MIN_FRAME_RATE", 4 * 2**20, raising=False)
+    monkeypatch.setattr(frames, "FRAME_GRACE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(frames, "MIN_FRAME_RATE", 4 * 2**20, raising=False)
 
     async def main():
         victim = TCPTransport(Identity.generate(), host="127.0.0.1", keepalive_interval=0.2, keepalive_timeout=1.0)

@@ -41,6 +41,13 @@ DEFAULT_MAX_FRAME_SIZE = 64 * 2**20
 # ahead of its bytes, so 16 bytes announcing a 64 MiB header cost nothing until 64 MiB are sent.
 SCRATCH_SIZE = 256 * 2**10
 
+# A frame on its way must come at this average rate at least once it has been arriving for
+# FRAME_GRACE_SECONDS: any byte is proof of life for the keepalive, so a peer trickling a byte now
+# and then held a large frame half-received (and its buffer) for good. 16 KiB/s (128 kbit/s) is
+# below any link that can take part in training; a 64 MiB frame at that rate takes 68 minutes.
+MIN_FRAME_RATE = 16 * 2**10
+FRAME_GRACE_SECONDS = 30.0
+
 # The smallest frame limit a peer may announce: below 1 KiB it could not take an ordinary call.
 MIN_MAX_FRAME_SIZE = 1024
 
@@ -117,6 +124,8 @@ class FrameDecoder:
         self._pending: tuple[Kind, int, Any, bytes, list, int] | None = None
         self._targets: list[memoryview] = []
         self._target_offset = 0
+        self._since: float | None = None  # when the frame now on its way began to arrive (see `paced`)
+        self._received = 0  # its bytes so far (about: those of the reads since then)
 
     # -- the BufferedProtocol side -------------------------------------------------------------
     def get_buffer(self) -> memoryview:
@@ -144,6 +153,21 @@ class FrameDecoder:
         frames: list[Frame] = []
         if not self._targets:
             self._parse_scratch(frames)
+        return frames
+
+    def paced(self, frames: list[Frame], nbytes: int, now: float) -> list[Frame]:
+        """`frames`, the result of `buffer_updated(nbytes)` at loop time `now`, once it is checked
+        that a frame still on its way comes at MIN_FRAME_RATE (ProtocolError otherwise)."""
+        if not self.partial:
+            self._since = None
+        elif self._since is None or frames:
+            self._since, self._received = now, 0
+        else:
+            self._received += nbytes
+            elapsed = now - self._since
+            if elapsed > FRAME_GRACE_SECONDS and self._received < MIN_FRAME_RATE * elapsed:
+                raise ProtocolError(f"a frame arriving at {self._received / elapsed:.0f} bytes/s for {elapsed:.0f} s "
+                                    f"(at least {MIN_FRAME_RATE} are expected)")
         return frames
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
@@ -273,3 +297,4 @@ def _parse_header(header: bytes, payload_len: int) -> tuple[int, dict | None, by
     except SerializationError as e:
         raise ProtocolError(f"malformed tensor description: {e}") from None
     return call_id, meta, body, tensors, sizes
+

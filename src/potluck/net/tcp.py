@@ -73,12 +73,6 @@ HANDSHAKE_TIMEOUT = 10.0
 TLS_SHUTDOWN_TIMEOUT = 2.0
 # asyncio takes a TLS shutdown timeout from Python 3.11 on (3.10 closes without waiting for the peer).
 _TLS_SHUTDOWN = {"ssl_shutdown_timeout": TLS_SHUTDOWN_TIMEOUT} if sys.version_info >= (3, 11) else {}
-# A frame on its way must come at this average rate at least once it has been arriving for
-# FRAME_GRACE_SECONDS: any byte is proof of life for the keepalive, so a peer trickling a byte now
-# and then held a large frame half-received (and its buffer) for good. 16 KiB/s (128 kbit/s) is
-# below any link that can take part in training; a 64 MiB frame at that rate takes 68 minutes.
-MIN_FRAME_RATE = 16 * 2**10
-FRAME_GRACE_SECONDS = 30.0
 # Large payloads are handed to the socket in pieces so the transport never copies a whole tensor
 # into its own buffer; it pauses us above the high-water mark.
 WRITE_PIECE = 1 * 2**20
@@ -459,8 +453,6 @@ class TCPLink(asyncio.BufferedProtocol):
         # buffer_updated), and a scratch that small.
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME, scratch_size=HANDSHAKE_MAX_FRAME)
         self._decoder.one_at_a_time = True
-        self._frame_since: float | None = None  # when the frame now on its way began to arrive
-        self._frame_bytes = 0  # its bytes so far (about: those of the reads since then)
         self._accepted: Origin | None = None  # counted in the owner's caps (under this origin) while set
         self._handshaking = False  # counted as a pending handshake while set
         self._nonce = os.urandom(NONCE_BYTES)
@@ -579,8 +571,7 @@ class TCPLink(asyncio.BufferedProtocol):
             self.connection.last_received = self._loop.time()
         try:
             held = self._decoder.one_at_a_time
-            frames = self._decoder.buffer_updated(nbytes)
-            self._frame_progress(nbytes, bool(frames))
+            frames = self._decoder.paced(self._decoder.buffer_updated(nbytes), nbytes, self._loop.time())
             while True:
                 for frame in frames:
                     if self.connection is not None:
@@ -601,21 +592,6 @@ class TCPLink(asyncio.BufferedProtocol):
             elif not isinstance(e, HandshakeError):
                 self._write_now(goaway(str(e)))
             self.close(str(e))
-
-    def _frame_progress(self, nbytes: int, completed: bool) -> None:
-        """Check that a frame still on its way comes at MIN_FRAME_RATE (see there)."""
-        if not self._decoder.partial:
-            self._frame_since = None
-            return
-        now = self._loop.time()
-        if self._frame_since is None or completed:
-            self._frame_since, self._frame_bytes = now, 0
-            return
-        self._frame_bytes += nbytes
-        elapsed = now - self._frame_since
-        if elapsed > FRAME_GRACE_SECONDS and self._frame_bytes < MIN_FRAME_RATE * elapsed:
-            raise ProtocolError(f"a frame arriving at {self._frame_bytes / elapsed:.0f} bytes/s for {elapsed:.0f} s "
-                                f"(at least {MIN_FRAME_RATE} are expected)")
 
     def eof_received(self) -> bool:
         return False  # half-open connections are of no use to us: close

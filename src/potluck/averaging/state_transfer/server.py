@@ -63,6 +63,12 @@ SNAPSHOT_CLAIM_SECONDS = MANIFEST_GRACE_SECONDS + 5.0
 # Without `current_version`, a snapshot this young is offered again instead of copying the state
 # once more: newcomers that arrive together share one copy, yet a newer state is offered soon.
 SNAPSHOT_REUSE_SECONDS = 2.0
+# A snapshot that is no longer current takes no new chunk stream once it is this old: a downloader
+# that lost its stream may open another on the snapshot of its manifest (a download of a large
+# state over a slow link takes minutes), but one that opened stream after stream, each asking a
+# chunk a minute, held a stale snapshot for good, and with it the server's only slot: newcomers
+# were offered a version hours old.
+STALE_LEASE_SECONDS = 600.0
 # A chunk stream whose downloader asks for nothing this long is closed (it has gone away).
 CHUNK_STREAM_IDLE_SECONDS = 60.0
 # A chunk the downloader does not take within this long (it stopped reading, so the stream's window
@@ -326,6 +332,9 @@ class StateServer:
         snapshot = self._snapshots.get(snapshot_id)
         if snapshot is None:
             raise LookupError("unknown or expired snapshot; ask for a new manifest")
+        now = asyncio.get_running_loop().time()
+        if now - snapshot.created > STALE_LEASE_SECONDS and not self._is_current(snapshot, now):
+            raise LookupError("this snapshot is old and a newer state is on offer; ask for a new manifest")
         snapshot.streams += 1
         snapshot.claims = max(0, snapshot.claims - 1)
         self._arm_sweeper()
