@@ -62,6 +62,10 @@ MAX_INFLIGHT_REQUEST_BYTES_PER_PEER = MAX_INFLIGHT_REQUEST_BYTES + 64 * 2**20
 
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
+# Control frames (pongs, window updates, refusals of calls) a link queues while a send holds its
+# writer: one per ping or call of the other side, so a peer that sends them and never reads what
+# we send grew the queue without end. Past this many the link is closed.
+MAX_CONTROL_FRAMES = 4096
 
 # A remote caller cannot make a handler run longer than this, whatever deadline it asks for (or
 # none): the handler, and the sending of its answer, are cancelled then. Unary calls: 10 minutes,

@@ -48,7 +48,7 @@ from potluck.core.errors import (
 )
 from potluck.core.wire import Bool, Bytes, Int, Message, Text
 from potluck.net.address import Multiaddr
-from potluck.net.connection import Connection, PeerLoad, RemoteInfo, Stream
+from potluck.net.connection import MAX_CONTROL_FRAMES, Connection, PeerLoad, RemoteInfo, Stream
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Hello, Kind, encode
 from potluck.net.holepunch import HolePuncher
 from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
@@ -449,8 +449,7 @@ class TCPLink(asyncio.BufferedProtocol):
         self.lost: asyncio.Future[None] = loop.create_future()
         self.connection: Connection | None = None
         self._transport: asyncio.Transport | None = None
-        # Until the handshake is over: frames of at most HANDSHAKE_MAX_FRAME, one at a time (see
-        # buffer_updated), and a scratch that small.
+        # Until the handshake: frames of at most HANDSHAKE_MAX_FRAME, one at a time, a scratch that small
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME, scratch_size=HANDSHAKE_MAX_FRAME)
         self._decoder.one_at_a_time = True
         self._accepted: Origin | None = None  # counted in the owner's caps (under this origin) while set
@@ -783,10 +782,12 @@ class TCPLink(asyncio.BufferedProtocol):
         if self._transport is None or self._transport.is_closing():
             return
         buffers = encode(frame, self._remote_max)
-        if self._write_lock.locked():
-            self._control.append(buffers)
-        else:
+        if not self._write_lock.locked():
             self._write_now(buffers)
+        elif len(self._control) < MAX_CONTROL_FRAMES:
+            self._control.append(buffers)
+        else:  # answers to pings and refused calls of a peer that does not read ours
+            self.close(f"{MAX_CONTROL_FRAMES} control frames wait behind a send the other side does not read")
 
     def _flush_control(self) -> None:
         while self._control:
