@@ -152,27 +152,31 @@ class PipelineNode:
         return self._sources[cluster](mb)
 
     @staticmethod
-    def _may_control(plan: RunPlan, cluster: str, owner: str, layout: Layout) -> bool:
-        """Whether `plan` lets `owner` publish `layout` for `cluster`: its version, and a member or
-        a standby of that cluster (the only nodes the election can name its controller)."""
+    def _electable(plan: RunPlan, cluster: str) -> set[str]:
+        """The nodes `plan` lets `cluster`'s election name its controller: its members and the
+        standbys (none for a cluster the plan does not have)."""
         index = cluster_index(cluster)
-        return (layout.plan == plan.version and index is not None and index < len(plan.clusters)
-                and (owner in plan.clusters[index] or owner in plan.standby))
+        if index is None or index >= len(plan.clusters):
+            return set()
+        return {*plan.clusters[index], *plan.standby}
+
+    @classmethod
+    def _may_control(cls, plan: RunPlan, cluster: str, owner: str, layout: Layout) -> bool:
+        """Whether `plan` lets `owner` publish `layout` for `cluster`: its version, and a node
+        the cluster's election can name."""
+        return layout.plan == plan.version and owner in cls._electable(plan, cluster)
 
     def _accepts(self, cluster: str, owner: str, layout: Layout) -> bool:
         return self._may_control(self.plan, cluster, owner, layout)
 
     def _may_configure(self, cluster: str, caller: str) -> bool:
         """Whether `caller` may configure this node's stage into `cluster`: under the current plan
-        or the one before it, a member or a standby of that cluster (the only nodes its election
-        can name controller), with this node one too, or in no cluster of that plan (a node that
-        came after it, which any cluster's recovery may take). Any node of the plan could, and one
-        of another cluster took over a stage and shut its controller out."""
+        or the one before it, a node that cluster's election can name, with this node one too, or
+        in no cluster of that plan (a node that came after it, which any cluster's recovery may
+        take). Any node of the plan could, and one of another cluster took over a stage and shut
+        its controller out."""
         for plan in (self.plan, self.previous):
-            index = cluster_index(cluster)
-            if plan is None or index is None or index >= len(plan.clusters):
-                continue
-            allowed = {*plan.clusters[index], *plan.standby}
+            allowed = set() if plan is None else self._electable(plan, cluster)
             if caller in allowed and (self.me in allowed or self.me not in plan.nodes):
                 return True
         return False
@@ -334,9 +338,7 @@ class PipelineNode:
         claim = Claim.from_wire(request)
         if self.ending:
             return Ack(False).to_wire()  # a standby is not promoted while the run ends
-        index = cluster_index(claim.cluster)
-        if index is None or index >= len(self.plan.clusters) \
-                or str(ctx.peer_id) not in {*self.plan.clusters[index], *self.plan.standby}:
+        if str(ctx.peer_id) not in self._electable(self.plan, claim.cluster):
             # only that cluster's possible controllers (any node of the plan could claim this one
             # for a made-up cluster, and no real cluster could take it for that plan version)
             raise PipelineError(f"standby claim refused: {ctx.peer_id} may not control {claim.cluster!r}")

@@ -133,8 +133,7 @@ def encode_chunk(codec: Any, t: torch.Tensor) -> Any:
 def decode_chunk(codec: Any, payload: Any, numel: int) -> torch.Tensor:
     """One chunk as a flat float32 tensor, refusing malformed data. No copy when the codec
     sends float32: a received chunk is kept as it came off the wire."""
-    # the payload's declared size is checked before it is rebuilt (a few bytes can declare a GiB)
-    t = codec.decode(payload, numel) if isinstance(codec, Codec) else codec.decode(payload)
+    t = codec.decode(payload, numel)  # its declared size first: a few bytes can declare a GiB
     if not isinstance(t, torch.Tensor) or t.numel() != numel:
         raise AveragingError(f"chunk has the wrong size (expected {numel} elements)")
     # Codec.decode refuses NaN/inf: one pass over the chunk, not two
