@@ -19,6 +19,8 @@ from enum import IntEnum
 from typing import Any
 
 import msgpack
+import numpy as np
+import torch
 
 from potluck.core import serialization
 from potluck.core.errors import MessageTooLarge, ProtocolError, SerializationError
@@ -47,6 +49,13 @@ SCRATCH_SIZE = 256 * 2**10
 # below any link that can take part in training; a 64 MiB frame at that rate takes 68 minutes.
 MIN_FRAME_RATE = 16 * 2**10
 FRAME_GRACE_SECONDS = 30.0
+
+# What each tensor of a frame costs its receiver in memory, counted against the frame's size limit
+# (with the frame's bytes): a spec takes as little as 10 header bytes, but the tensor built for it
+# takes ~630 bytes while the frame is on its way (measured), so 1.7 MB of header announcing 100,000
+# one-element tensors held +59 MiB (+76 MiB for 60,000 with the views then made up front). Counted
+# so, a frame under way holds at most about its limit; 5,000 scalars still fit 64 MiB frames.
+TENSOR_COST = 1024
 
 # The smallest frame limit a peer may announce: below 1 KiB it could not take an ordinary call.
 MIN_MAX_FRAME_SIZE = 1024
@@ -99,12 +108,43 @@ def encode(frame: Frame, max_frame_size: int | None = None) -> list[bytes | memo
     header = msgpack.packb([frame.call_id, frame.meta, packed.specs, packed.body], use_bin_type=True)
     payload_len = sum(b.nbytes for b in packed.buffers)
     frame.size = PREFIX.size + len(header) + payload_len
-    if max_frame_size is not None and frame.size > max_frame_size:
+    if max_frame_size is not None and frame.size + len(packed.specs) * TENSOR_COST > max_frame_size:
         raise MessageTooLarge(
-            f"a {frame.size}-byte frame exceeds the peer's max frame size of {max_frame_size} bytes; "
-            "send large data as a stream of smaller chunks")
+            f"a {frame.size}-byte frame of {len(packed.specs)} tensors exceeds the peer's max frame size of "
+            f"{max_frame_size} bytes (each tensor counts {TENSOR_COST} bytes more); send large data as a stream "
+            "of smaller chunks")
     prefix = PREFIX.pack(VERSION, frame.kind, 0, len(header), payload_len)
     return [prefix + header, *[b for b in packed.buffers if b.nbytes]]
+
+
+# What a frame's header costs on the wire, roughly (call id, meta, specs), in `estimated_size`.
+HEADER_ESTIMATE = 64
+
+
+def estimated_size(body: Any) -> int:
+    """About the bytes a frame carrying `body` takes on the wire, without encoding it: what a
+    loopback frame is charged (so a stream's byte window bounds it as on a wire), and what an
+    answer waiting to be written counts against its caller (`net.connection`)."""
+    return PREFIX.size + HEADER_ESTIMATE + _payload_size(body)
+
+
+def _payload_size(body: Any, depth: int = 0) -> int:
+    """About the bytes `body` would take on the wire: its buffers in full, its structure roughly."""
+    if isinstance(body, torch.Tensor):
+        return body.numel() * body.element_size()
+    if isinstance(body, np.ndarray):
+        return body.nbytes
+    if isinstance(body, (bytes, bytearray, str)):
+        return len(body)
+    if isinstance(body, memoryview):
+        return body.nbytes
+    if depth > 32:  # deeper than any valid message: the size no longer matters
+        return 0
+    if isinstance(body, dict):
+        return sum(_payload_size(k, depth + 1) + _payload_size(v, depth + 1) for k, v in body.items())
+    if isinstance(body, (list, tuple)):
+        return sum(_payload_size(v, depth + 1) for v in body) + 1
+    return 8
 
 
 class FrameDecoder:
@@ -122,7 +162,8 @@ class FrameDecoder:
         self._end = 0  # end of received bytes in scratch
         # While receiving a large payload directly: the frame being built and where bytes go.
         self._pending: tuple[Kind, int, Any, bytes, list, int] | None = None
-        self._targets: list[memoryview] = []
+        self._targets: list[torch.Tensor] = []  # tensors still to fill, last first
+        self._target: memoryview | None = None  # the bytes of the one being filled
         self._target_offset = 0
         self._since: float | None = None  # when the frame now on its way began to arrive (see `paced`)
         self._received = 0  # its bytes so far (about: those of the reads since then)
@@ -130,8 +171,8 @@ class FrameDecoder:
     # -- the BufferedProtocol side -------------------------------------------------------------
     def get_buffer(self) -> memoryview:
         """Writable memory for the next received bytes."""
-        if self._targets:
-            return self._targets[0][self._target_offset:]
+        if self._target is not None:
+            return self._target[self._target_offset:]
         if self._end == len(self._scratch):
             unparsed = self._end - self._start
             if unparsed <= len(self._scratch) // 2:
@@ -151,7 +192,7 @@ class FrameDecoder:
     def parse_more(self) -> list[Frame]:
         """Frames already received but held back by `one_at_a_time`."""
         frames: list[Frame] = []
-        if not self._targets:
+        if self._target is None:
             self._parse_scratch(frames)
         return frames
 
@@ -173,12 +214,11 @@ class FrameDecoder:
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for `nbytes` written into the last buffer; returns the frames now complete."""
         frames: list[Frame] = []
-        if self._targets:
+        if self._target is not None:
             self._target_offset += nbytes
-            if self._target_offset == self._targets[0].nbytes:
-                self._targets.pop(0)
-                self._target_offset = 0
-            if self._targets:
+            if self._target_offset == self._target.nbytes:
+                self._next_target()
+            if self._target is not None:
                 return frames
             frames.append(self._finish_pending())
         else:
@@ -189,7 +229,7 @@ class FrameDecoder:
     @property
     def partial(self) -> bool:
         """Whether part of a frame has come and the rest not yet."""
-        return bool(self._targets) or self._end > self._start
+        return self._target is not None or self._end > self._start
 
     def feed(self, data: bytes) -> list[Frame]:
         """Convenience for tests and non-buffered links: copy `data` in and parse."""
@@ -235,25 +275,25 @@ class FrameDecoder:
             if avail < head_end:
                 break  # wait for the rest; get_buffer grows the scratch as the bytes come
             header = bytes(self._scratch[self._start + PREFIX.size:self._start + head_end])
-            call_id, meta, body, tensors, sizes = _parse_header(header, payload_len)
-            views = [serialization.tensor_memory(t) for t, n in zip(tensors, sizes, strict=False) if n]
+            call_id, meta, body, tensors, sizes = _parse_header(
+                header, payload_len, (self.max_frame_size - total) // TENSOR_COST)
+            self._targets = [t for t, n in zip(reversed(tensors), reversed(sizes), strict=True) if n]
+            self._next_target()
             # Copy whatever part of the payload is already in scratch.
             pos = self._start + head_end
             present = min(payload_len, self._end - pos)
-            while views and present:
-                view = views[0]
-                n = min(view.nbytes, present)
-                view[:n] = self._scratch[pos:pos + n]
+            while self._target is not None and present:
+                n = min(self._target.nbytes, present)
+                self._target[:n] = self._scratch[pos:pos + n]
                 pos, present = pos + n, present - n
-                if n == view.nbytes:
-                    views.pop(0)
+                if n == self._target.nbytes:
+                    self._next_target()
                 else:
-                    views[0] = view[n:]
+                    self._target_offset = n
             self._start = pos
             self._pending = (kind, call_id, meta, body, tensors, total)
-            if views:
+            if self._target is not None:
                 # The rest of the payload is received directly into the tensors.
-                self._targets, self._target_offset = views, 0
                 if self._start == self._end:
                     self._start = self._end = 0
                 return
@@ -262,6 +302,11 @@ class FrameDecoder:
                 break
         if self._start == self._end:
             self._start = self._end = 0
+
+    def _next_target(self) -> None:
+        """Receive into the next tensor of the pending frame (a view made only when its turn comes)."""
+        self._target = serialization.tensor_memory(self._targets.pop()) if self._targets else None
+        self._target_offset = 0
 
     def _finish_pending(self) -> Frame:
         assert self._pending is not None
@@ -274,7 +319,7 @@ class FrameDecoder:
         return Frame(kind, call_id, meta, value, total)
 
 
-def _parse_header(header: bytes, payload_len: int) -> tuple[int, dict | None, bytes, list, list[int]]:
+def _parse_header(header: bytes, payload_len: int, max_tensors: int) -> tuple[int, dict | None, bytes, list, list[int]]:
     try:
         # msgpack caps every length at the header's size by default; no ext types in a header.
         parsed = serialization.unpackb_bounded(header, serialization.spec_containers(len(header)), max_ext_len=0)
@@ -289,6 +334,9 @@ def _parse_header(header: bytes, payload_len: int) -> tuple[int, dict | None, by
         raise ProtocolError("malformed frame header: meta must be a map")
     if not isinstance(specs, list) or not isinstance(body, bytes):
         raise ProtocolError("malformed frame header: bad tensor specs or body")
+    if len(specs) > max_tensors:
+        raise MessageTooLarge(f"received a frame of {len(specs)} tensors; with its bytes it exceeds the limit of "
+                              f"{max_tensors} (each tensor counts {TENSOR_COST} bytes of max_frame_size)")
     try:
         sizes = serialization.nbytes_of(specs)
         if sum(sizes) != payload_len:
