@@ -116,16 +116,17 @@ def test_a_peers_accounting_goes_with_its_last_connection(arun):
             for conn in conns:
                 await send_raw_requests(conn, "slow", 1, b"x")
             await asyncio.sleep(0.3)
-            assert attacker.peer_id in server._peer_loads
+            calls, nbytes = server._call_shares
+            assert calls.held_by_peer(attacker.peer_id) == 2 and nbytes.held_by_peer(attacker.peer_id) > 0
             assert server._links_per_peer[attacker.peer_id] == 3  # its shared connection and two bulk ones
             await attacker.close()
             for _ in range(50):
-                if attacker.peer_id not in server._peer_loads:
+                if not calls.held_by_peer(attacker.peer_id):
                     break
                 await asyncio.sleep(0.1)
-            assert attacker.peer_id not in server._peer_loads
+            assert calls.held_by_peer(attacker.peer_id) == nbytes.held_by_peer(attacker.peer_id) == 0
             assert attacker.peer_id not in server._links_per_peer
-            assert honest.peer_id in server._peer_loads  # still connected
+            assert not calls.counted() and not nbytes.counted()  # nothing kept: the honest peer has no call running
             release.set()
 
     arun(main(), timeout=50)

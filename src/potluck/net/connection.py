@@ -26,9 +26,9 @@ from potluck.core.errors import (
     detached,
 )
 from potluck.net.address import Multiaddr
-from potluck.net.frames import Frame, Kind
+from potluck.net.frames import Frame, Kind, estimated_size
 from potluck.net.identity import PeerID
-from potluck.net.origins import UNKNOWN_ORIGIN, Origin
+from potluck.net.origins import UNKNOWN_ORIGIN, Origin, Shares
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ MAX_INFLIGHT_REQUEST_BYTES = 256 * 2**20
 # One request is always served while the peer has nothing else in progress.
 MAX_CALLS_PER_PEER = MAX_CONCURRENT_CALLS + 32
 MAX_INFLIGHT_REQUEST_BYTES_PER_PEER = MAX_INFLIGHT_REQUEST_BYTES + 64 * 2**20
+
+# ... and per network origin and in all (`net.origins.Shares`), since peer ids cost nothing: one
+# host making up ids held 256 connections x 256 MiB of requests (64 GiB), and the answers to calls
+# it did not read were counted nowhere (a DHT find of 32 keys answers 32 MiB, held until its
+# deadline, 1,056 at a time per id). The bytes count a call's request and, from when its handler
+# returns until it is written, its answer. Half of everything for one IP or subnet, as for
+# connections; 1 GiB in all is what a volunteer's machine can spare for other peers' calls, and
+# the halves still hold four full per-peer totals' worth of calls and one peer's bytes beside
+# another's. A local test swarm (every peer on 127.0.0.1) stays far below them.
+MAX_CALLS_IN_PROGRESS = 8192
+MAX_CALLS_PER_IP = MAX_CALLS_PER_SUBNET = MAX_CALLS_IN_PROGRESS // 2
+MAX_INFLIGHT_BYTES = 2**30
+MAX_INFLIGHT_BYTES_PER_IP = MAX_INFLIGHT_BYTES_PER_SUBNET = MAX_INFLIGHT_BYTES // 2
 
 # Messages a stream buffers before the window stops the sender anyway (guards tiny messages).
 MAX_STREAM_QUEUE = 4096
@@ -124,38 +137,52 @@ class FrameLink(Protocol):
         """Close the link; the connection's `link_lost` will be called."""
 
 
-class PeerLoad:
-    """What one peer's requests hold across all its connections with us: handler calls running
-    and their request bytes (checked against MAX_CALLS_PER_PEER and
-    MAX_INFLIGHT_REQUEST_BYTES_PER_PEER). Shared by the peer's connections through `registry`
-    (peer id -> its PeerLoad), from which it removes itself once nothing holds it any more (no open
-    connection, no running handler): nothing is kept for a peer that is gone. It refers to nothing
-    that refers back to it once removed, so it is freed without the cyclic GC."""
+def call_shares() -> tuple[Shares, Shares]:
+    """A transport's totals of handler calls and of their bytes in progress (the limits above)."""
+    return (Shares("handler calls in progress", MAX_CALLS_IN_PROGRESS, per_subnet=MAX_CALLS_PER_SUBNET,
+                   per_ip=MAX_CALLS_PER_IP, per_peer=MAX_CALLS_PER_PEER),
+            Shares("bytes of requests and answers in progress", MAX_INFLIGHT_BYTES,
+                   per_subnet=MAX_INFLIGHT_BYTES_PER_SUBNET, per_ip=MAX_INFLIGHT_BYTES_PER_IP,
+                   per_peer=MAX_INFLIGHT_REQUEST_BYTES_PER_PEER))
 
-    __slots__ = ("calls", "request_bytes", "_holders", "_registry", "_key")
 
-    def __init__(self, registry: dict[Any, PeerLoad] | None = None, key: Any = None):
-        self.calls = 0
-        self.request_bytes = 0
-        self._holders = 0
-        self._registry = registry
-        self._key = key
+class Load:
+    """Where a connection counts its handler calls and their bytes: the transport's totals
+    (`call_shares`), under the peer's id and origin, shared by all its connections. Nothing is kept
+    for a peer once nothing of it is in progress (`Shares` keeps counts only while positive)."""
 
-    @classmethod
-    def of(cls, registry: dict[Any, PeerLoad], key: Any) -> PeerLoad:
-        """The load registered under `key`, registered now if there is none."""
-        load = registry.get(key)
-        if load is None:
-            load = registry[key] = cls(registry, key)
-        return load
+    __slots__ = ("calls", "nbytes", "origin", "peer")
 
-    def hold(self) -> None:
-        self._holders += 1
+    def __init__(self, shares: tuple[Shares, Shares], origin: Origin, peer: object):
+        self.calls, self.nbytes = shares
+        self.origin, self.peer = origin, peer
 
-    def release(self) -> None:
-        self._holders -= 1
-        if self._holders == 0 and self._registry is not None and self._registry.get(self._key) is self:
-            del self._registry[self._key]
+    def refusal(self, calls: int, nbytes: int) -> str | None:
+        """Why `calls` more calls holding `nbytes` more bytes do not fit (None: they do)."""
+        return ((calls and self.calls.refusal(self.origin, self.peer, calls))
+                or (nbytes and self.nbytes.refusal(self.origin, self.peer, nbytes)) or None)
+
+    def claim(self, calls: int, nbytes: int) -> None:
+        if calls:
+            self.calls.claim(self.origin, self.peer, calls)
+        if nbytes:
+            self.nbytes.claim(self.origin, self.peer, nbytes)
+
+    def release(self, calls: int, nbytes: int) -> None:
+        if calls:
+            self.calls.release(self.origin, self.peer, calls)
+        if nbytes:
+            self.nbytes.release(self.origin, self.peer, nbytes)
+
+
+class _Held:
+    """The bytes one call holds in its connection's and peer's totals: its request's, then its
+    answer's (a box, so that the call's task and its done-callback see the same number)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
 
 
 @dataclass(frozen=True)
@@ -370,7 +397,7 @@ class Connection:
 
     def __init__(self, handlers: Handlers, remote: RemoteInfo, initiator: bool,
                  keepalive_interval: float | None = None, keepalive_timeout: float | None = None,
-                 on_close: Callable[[Connection], None] | None = None, load: PeerLoad | None = None):
+                 on_close: Callable[[Connection], None] | None = None, load: Load | None = None):
         self.handlers = handlers
         self.remote = remote
         self.initiator = initiator
@@ -382,11 +409,10 @@ class Connection:
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, Stream] = {}
         self._serving: dict[int, asyncio.Task] = {}
-        self._inflight_bytes = 0  # sizes of the requests whose handlers are running
-        # The peer's totals across its connections (shared with them), held until link_lost; a
-        # connection of its own where nobody shares one (the per-connection limits then bound it).
-        self._load = load if load is not None else PeerLoad()
-        self._load.hold()
+        self._inflight_bytes = 0  # sizes of the requests whose handlers are running, and their answers
+        # The transport's totals (per peer, origin and in all); totals of its own where no transport
+        # keeps them (the emulated network, calls to oneself: the per-connection limits bound it).
+        self._load = load if load is not None else Load(call_shares(), remote.origin, remote.peer_id)
         self._on_close = on_close
         self._keepalive_interval = keepalive_interval
         self._keepalive_timeout = keepalive_timeout
@@ -539,42 +565,52 @@ class Connection:
             return
         ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._run_unary(handler, frame, ctx))
+        held = _Held(frame.size)
+        task = loop.create_task(self._run_unary(handler, frame, ctx, held))
         # One timer cancels the handler at its deadline, the answer's sending included: cheaper
         # than a timeout context in the task (every DHT request comes here).
-        self._request_started(task, frame.call_id, frame.size, loop.call_at(deadline, task.cancel))
+        self._request_started(task, frame.call_id, held, loop.call_at(deadline, task.cancel))
         self._serving[frame.call_id] = task
 
-    def _busy(self, size: int) -> str | None:
-        """Why a request of `size` bytes cannot be served now, if it cannot (the limits above)."""
-        load = self._load
-        if len(self._serving) >= MAX_CONCURRENT_CALLS:
+    def _busy(self, size: int, calls: int = 1) -> str | None:
+        """Why `calls` more calls holding `size` more bytes cannot be served now (the limits above)."""
+        if calls and len(self._serving) >= MAX_CONCURRENT_CALLS:
             return "too many concurrent calls"
-        if load.calls >= MAX_CALLS_PER_PEER:
-            return f"too many concurrent calls from this peer (limit {MAX_CALLS_PER_PEER} over all its connections)"
         if self._inflight_bytes and self._inflight_bytes + size > MAX_INFLIGHT_REQUEST_BYTES:
-            return f"over {MAX_INFLIGHT_REQUEST_BYTES} bytes of requests in progress"
-        if load.request_bytes and load.request_bytes + size > MAX_INFLIGHT_REQUEST_BYTES_PER_PEER:
-            return (f"over {MAX_INFLIGHT_REQUEST_BYTES_PER_PEER} bytes of requests in progress from this peer "
-                    "(over all its connections)")
-        return None
+            return f"over {MAX_INFLIGHT_REQUEST_BYTES} bytes of requests and answers in progress"
+        return self._load.refusal(calls, size)
 
-    def _request_started(self, task: asyncio.Task, call_id: int, size: int,
-                         timer: asyncio.TimerHandle | None = None) -> None:
+    def _hold(self, calls: int, size: int) -> None:
         self._inflight_bytes += size
-        load = self._load
-        load.calls += 1
-        load.request_bytes += size
-        load.hold()
-        # A callback, not the task's own cleanup: a task cancelled before it starts never runs that.
-        task.add_done_callback(lambda done: self._request_done(done, call_id, size, timer))
+        self._load.claim(calls, size)
 
-    async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext) -> None:
+    def _unhold(self, calls: int, size: int) -> None:
+        self._inflight_bytes -= size
+        self._load.release(calls, size)
+
+    def _request_started(self, task: asyncio.Task, call_id: int, held: _Held,
+                         timer: asyncio.TimerHandle | None = None) -> None:
+        self._hold(1, held.nbytes)
+        # A callback, not the task's own cleanup: a task cancelled before it starts never runs that.
+        task.add_done_callback(lambda done: self._request_done(done, call_id, held, timer))
+
+    async def _run_unary(self, handler: UnaryHandler, frame: Frame, ctx: CallContext, held: _Held) -> None:
         """Run a request's handler and send its answer; the deadline's timer (`_serve_request`)
-        cancels it, the answer's sending included."""
+        cancels it, the answer's sending included. Once the handler returns, the call holds its
+        answer instead of its request until the answer is written: a caller that does not read
+        what it asked for is held to its shares like one that sends."""
         call_id = frame.call_id
         try:
             result = await handler(frame.body, ctx)
+            frame.body = None
+            self._unhold(0, held.nbytes)
+            held.nbytes = size = estimated_size(result)
+            busy = self._busy(size, calls=0)
+            if busy is not None:
+                held.nbytes, result = 0, None
+                await self.link.send(_error_frame(call_id, "Busy", f"{busy}; the {size}-byte answer is dropped"))
+                return
+            self._hold(0, size)
             await self.link.send(Frame(Kind.RESPONSE, call_id, body=result))
         except asyncio.CancelledError:
             pass  # the deadline passed, or cancelled by the caller or by shutdown: nobody waits
@@ -589,16 +625,12 @@ class Connection:
         finally:
             frame.body = None  # the request's bytes go now, not when the task object does
 
-    def _request_done(self, task: asyncio.Task, call_id: int, size: int, timer: asyncio.TimerHandle | None) -> None:
+    def _request_done(self, task: asyncio.Task, call_id: int, held: _Held, timer: asyncio.TimerHandle | None) -> None:
         if timer is not None:
             timer.cancel()
         if self._serving.get(call_id) is task:
             del self._serving[call_id]
-        self._inflight_bytes -= size
-        load = self._load
-        load.calls -= 1
-        load.request_bytes -= size
-        load.release()
+        self._unhold(1, held.nbytes)
 
     def _serve_stream(self, frame: Frame) -> None:
         parsed = self._deadline(frame.meta or {}, stream=True)
@@ -620,7 +652,7 @@ class Connection:
         self._streams[frame.call_id] = stream
         ctx = CallContext(self.peer_id, method, deadline, self, self.remote)
         task = asyncio.get_running_loop().create_task(self._run_stream(handler, stream, ctx))
-        self._request_started(task, frame.call_id, frame.size)
+        self._request_started(task, frame.call_id, _Held(frame.size))
         stream.handler_task = task
         self._serving[frame.call_id] = task
 
@@ -682,7 +714,6 @@ class Connection:
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
             self._keepalive_task = None  # once cancelled, its traceback would hold this connection
-        self._load.release()  # the running handlers (cancelled now) hold it until they end
         if self._on_close is not None:
             self._on_close(self)
 

@@ -14,20 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any
-
-import numpy as np
-import torch
 
 from potluck.core.errors import ConnectionLost, MessageTooLarge
 from potluck.net.connection import MAX_STREAM_QUEUE, STREAM_WINDOW, Connection
-from potluck.net.frames import PREFIX, Frame, Kind
+from potluck.net.frames import Frame, Kind, estimated_size
 
 logger = logging.getLogger(__name__)
-
-# What a frame's header costs on the wire, roughly (call id, meta, specs); the size a loopback
-# frame is charged is this plus its payload, so a stream's byte window bounds it as on a wire.
-HEADER_ESTIMATE = 64
 
 # A loopback DATA frame is charged at least this, so the window stops a sender of tiny messages
 # before the receiver's queue limit (MAX_STREAM_QUEUE) would count it as a protocol violation.
@@ -69,7 +61,7 @@ class LoopbackLink:
         """Hand `frame` over; dropped if the link is already closed (as on a wire)."""
         if self.lost or self.peer is None:
             return
-        frame.size = PREFIX.size + HEADER_ESTIMATE + _payload_size(frame.body)
+        frame.size = estimated_size(frame.body)
         if frame.size > self.max_frame_size:
             raise MessageTooLarge(
                 f"a {frame.size}-byte frame exceeds the max frame size of {self.max_frame_size} bytes; "
@@ -119,22 +111,3 @@ class LoopbackLink:
         connection, self.connection, self.peer = self.connection, None, None  # no cycles once closed
         if connection is not None:
             connection.link_lost(reason)
-
-
-def _payload_size(body: Any, depth: int = 0) -> int:
-    """About the bytes `body` would take on the wire: its buffers in full, its structure roughly."""
-    if isinstance(body, torch.Tensor):
-        return body.numel() * body.element_size()
-    if isinstance(body, np.ndarray):
-        return body.nbytes
-    if isinstance(body, (bytes, bytearray, str)):
-        return len(body)
-    if isinstance(body, memoryview):
-        return body.nbytes
-    if depth > 32:  # deeper than any valid message: the size no longer matters
-        return 0
-    if isinstance(body, dict):
-        return sum(_payload_size(k, depth + 1) + _payload_size(v, depth + 1) for k, v in body.items())
-    if isinstance(body, (list, tuple)):
-        return sum(_payload_size(v, depth + 1) for v in body) + 1
-    return 8

@@ -86,28 +86,28 @@ class Shares:
         per_ip = min(per_ip, per_subnet)
         return cls(name, total, per_subnet=per_subnet, per_ip=per_ip, per_peer=min(per_peer, per_ip))
 
-    def refusal(self, origin: Origin, peer: object = None) -> str | None:
-        if self.held >= self.total:
+    def refusal(self, origin: Origin, peer: object = None, amount: int = 1) -> str | None:
+        if _over(self.held, amount, self.total):
             return f"too many {self.name} (all {self.total} are taken)"
-        if self._subnets.get(origin.subnet, 0) >= self.per_subnet:
+        if _over(self._subnets.get(origin.subnet, 0), amount, self.per_subnet):
             return f"too many {self.name} from {origin.subnet} (its share: {self.per_subnet} of {self.total})"
-        if self._ips.get(origin.ip, 0) >= self.per_ip:
+        if _over(self._ips.get(origin.ip, 0), amount, self.per_ip):
             return f"too many {self.name} from {origin.ip} (its share: {self.per_ip} of {self.total})"
-        if peer is not None and self._peers.get(peer, 0) >= self.per_peer:
+        if peer is not None and _over(self._peers.get(peer, 0), amount, self.per_peer):
             return f"too many {self.name} from this peer (its share: {self.per_peer} of {self.total})"
         return None
 
-    def claim(self, origin: Origin, peer: object = None) -> None:
+    def claim(self, origin: Origin, peer: object = None, amount: int = 1) -> None:
         """Count a claim that `refusal` let through."""
-        self.held += 1
+        self.held += amount
         for counts, key in self._counts(origin, peer):
-            counts[key] = counts.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + amount
 
-    def release(self, origin: Origin, peer: object = None) -> None:
-        """Give back a claim counted with the same origin and peer."""
-        self.held -= 1
+    def release(self, origin: Origin, peer: object = None, amount: int = 1) -> None:
+        """Give back a claim counted with the same origin, peer and amount."""
+        self.held -= amount
         for counts, key in self._counts(origin, peer):
-            left = counts.get(key, 0) - 1
+            left = counts.get(key, 0) - amount
             if left > 0:
                 counts[key] = left
             else:
@@ -133,3 +133,9 @@ class Shares:
     def counted(self) -> bool:
         """Whether anything is counted (nothing is kept once every claim is released)."""
         return bool(self.held or self._subnets or self._ips or self._peers)
+
+
+def _over(held: int, amount: int, cap: int) -> bool:
+    """Whether claiming `amount` more where `held` is counted passes `cap` (never when nothing is
+    held: for claims of one, `held >= cap`)."""
+    return held > 0 and held + amount > cap

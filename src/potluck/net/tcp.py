@@ -48,7 +48,7 @@ from potluck.core.errors import (
 )
 from potluck.core.wire import Bool, Bytes, Int, Message, Text
 from potluck.net.address import Multiaddr
-from potluck.net.connection import MAX_CONTROL_FRAMES, Connection, PeerLoad, RemoteInfo, Stream
+from potluck.net.connection import MAX_CONTROL_FRAMES, Connection, Load, RemoteInfo, Stream, call_shares
 from potluck.net.frames import DEFAULT_MAX_FRAME_SIZE, SCRATCH_SIZE, Frame, FrameDecoder, Hello, Kind, encode
 from potluck.net.holepunch import HolePuncher
 from potluck.net.identity import SIGNATURE_BYTES, Identity, PeerID, make_ssl_contexts, peer_id_from_certificate
@@ -206,9 +206,9 @@ class TCPTransport(Transport):
                                          per_subnet=max_pending_handshakes_per_subnet,
                                          per_ip=max_pending_handshakes_per_ip, per_peer=1)
         self.max_connections_per_peer = max_connections_per_peer
-        # What each authenticated peer's requests hold over all its connections (connection.PeerLoad):
-        # an entry only while the peer has an open connection or a running handler.
-        self._peer_loads: dict[PeerID, PeerLoad] = {}
+        # Handler calls, and the bytes of their requests and answers, in progress: per peer id (over
+        # all its connections), per IP and subnet and in all (`connection.call_shares`).
+        self._call_shares = call_shares()
         # Authenticated links per peer id (for MAX_CONNECTIONS_PER_PEER), an entry while it has one.
         self._links_per_peer: dict[PeerID, int] = {}
         # Relayed connections and hole punching (`net.relay`, `net.holepunch`).
@@ -703,7 +703,7 @@ class TCPLink(asyncio.BufferedProtocol):
         conn = Connection(handlers, remote, self.initiator,
                           self.owner.keepalive_interval, self.owner.keepalive_timeout,
                           on_close=self.owner.connection_closed,
-                          load=PeerLoad.of(self.owner._peer_loads, hello.peer_id))
+                          load=Load(self.owner._call_shares, remote.origin, hello.peer_id))
         conn.attach(self)
         self.connection = conn
         self.owner._links_per_peer[conn.peer_id] = self.owner._links_per_peer.get(conn.peer_id, 0) + 1
