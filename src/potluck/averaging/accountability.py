@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 import torch
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.digests import digest
 from potluck.net.identity import PeerID
 
@@ -72,8 +73,7 @@ class BanList:
             logger.warning("excluding %s %s for the rest of the run: %s", peer, self.consequence, evidence)
         self._banned.pop(peer, None)
         self._banned[peer] = evidence[:MAX_EVIDENCE_CHARS]
-        while len(self._banned) > self.cap:
-            del self._banned[next(iter(self._banned))]
+        drop_oldest(self._banned, self.cap)
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._banned

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from potluck.averaging.accountability import BanList
+from potluck.core.bounded import drop_oldest
 from potluck.net.identity import PeerID
 
 __all__ = ["BAN_Z", "FAR_FORGIVE_STEPS", "FAR_STRIKES", "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
@@ -199,8 +200,7 @@ class SuspicionLedger:
         for p in named_far:
             strikes = self._far.pop(p, [0, 0])[0] + 1
             self._far[p] = [strikes, 0]
-            while len(self._far) > MAX_REMEMBERED:
-                self._far.popitem(last=False)
+            drop_oldest(self._far, MAX_REMEMBERED)
             why = f"named blatantly not honest (far from the robust centre, or a huge weight) in {strikes} step(s)"
             if strikes >= FAR_STRIKES:
                 self._exclude(p, why)
@@ -241,8 +241,7 @@ class SuspicionLedger:
             if donor is not None:
                 cohort.inherit(donor, start - donor_key[0])
         self._cohorts[key] = cohort
-        while len(self._cohorts) > MAX_COHORTS:
-            self._cohorts.popitem(last=False)
+        drop_oldest(self._cohorts, MAX_COHORTS)
         return cohort
 
     def _judge(self, cohort: _Cohort) -> None:
@@ -266,8 +265,7 @@ class SuspicionLedger:
         named once each would otherwise pile up)."""
         self.suspects.pop(peer, None)
         self.suspects[peer] = why
-        while len(self.suspects) > MAX_REMEMBERED:
-            del self.suspects[next(iter(self.suspects))]
+        drop_oldest(self.suspects, MAX_REMEMBERED)
 
     def _exclude(self, peer: PeerID, why: str) -> None:
         self.suspects.pop(peer, None)

@@ -19,6 +19,7 @@ import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from potluck.core.bounded import drop_oldest
 from potluck.dht.records import Record
 from potluck.net.identity import PeerID
 
@@ -204,8 +205,7 @@ class Backoff:
         """Count a failure; returns the peer's consecutive failures."""
         failures = self._state.pop(peer, (0, 0.0))[0] + 1
         self._state[peer] = (failures, now + min(self.cap, self.base * 2 ** (failures - 1)))
-        while len(self._state) > MAX_TRACKED_PEERS:
-            del self._state[next(iter(self._state))]
+        drop_oldest(self._state, MAX_TRACKED_PEERS)
         return failures
 
     def succeeded(self, peer: PeerID) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from potluck.core import compat
+from potluck.core.bounded import drop_oldest
 from potluck.core.dht_time import Clock, get_dht_time
 from potluck.core.errors import NetworkError, PeerUnreachable
 from potluck.core.serialization import dumps
@@ -449,8 +450,7 @@ class DHTNode:
                     self._hearsay[other_id] = addrs
                 near.append((other, other_id))
             answers[target] = Answer(near, [r for r in result.records if self._trust(r, target, now, peer)])
-        while len(self._hearsay) > MAX_HEARSAY:
-            del self._hearsay[next(iter(self._hearsay))]
+        drop_oldest(self._hearsay, MAX_HEARSAY)
         return answers
 
     def _trust(self, record: Record, target: int, now: float, source: PeerID) -> bool:

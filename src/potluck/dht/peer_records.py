@@ -16,6 +16,7 @@ import hashlib
 import threading
 from typing import Any
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.dht_time import Clock
 from potluck.core.errors import MalformedMessage
 from potluck.core.serialization import loads
@@ -93,8 +94,7 @@ class _ParsedPeerRecords:
                 raise RecordRejected(str(e)) from None
             with self._lock:
                 self._parsed[digest] = parsed
-                while len(self._parsed) > self.max_entries:
-                    del self._parsed[next(iter(self._parsed))]
+                drop_oldest(self._parsed, self.max_entries)
         return parsed
 
 

@@ -17,6 +17,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
+from potluck.core.bounded import drop_oldest
 from potluck.net.identity import PeerID
 
 __all__ = ["ID_BITS", "ID_BYTES", "KBucket", "RoutingTable", "id_from_bytes", "id_to_bytes", "node_id_of"]
@@ -124,8 +125,7 @@ class RoutingTable:
             if not self._may_split(bucket):
                 bucket.replacements.pop(peer_id, None)
                 bucket.replacements[peer_id] = node_id
-                while len(bucket.replacements) > self.bucket_size:
-                    bucket.replacements.popitem(last=False)
+                drop_oldest(bucket.replacements, self.bucket_size)
                 return next(iter(bucket.nodes))
             self._split(bucket)
 

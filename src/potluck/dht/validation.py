@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import SerializationError
 from potluck.core.serialization import loads
 from potluck.dht.errors import ExpirationTooFar, NotOwner, RecordRejected, ValueTooLarge
@@ -112,8 +113,7 @@ class VerifiedSignatures:
             return False
         with self._lock:
             self._seen[digest] = None
-            while len(self._seen) > self.max_entries:
-                del self._seen[next(iter(self._seen))]
+            drop_oldest(self._seen, self.max_entries)
         return True
 
     def __len__(self) -> int:

@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.dht_time import Clock
 from potluck.core.errors import MembershipError
 from potluck.net.origins import Origin, Shares
@@ -115,8 +116,7 @@ class WindowCounts:
             times.popleft()
         if not kept:
             self._counts.move_to_end(key)
-            while len(self._counts) > self.max_keys:
-                self._counts.popitem(last=False)
+            drop_oldest(self._counts, self.max_keys)
         return times
 
 
@@ -168,11 +168,9 @@ class PasswordLimits:
         known = self._known_subnets.pop(name, None) or OrderedDict()
         known.pop(origin.subnet, None)
         known[origin.subnet] = None
-        while len(known) > KNOWN_SUBNETS_PER_NAME:
-            known.popitem(last=False)
+        drop_oldest(known, KNOWN_SUBNETS_PER_NAME)
         self._known_subnets[name] = known
-        while len(self._known_subnets) > MAX_TRACKED_KEYS:
-            self._known_subnets.popitem(last=False)
+        drop_oldest(self._known_subnets, MAX_TRACKED_KEYS)
 
 
 class PasswordChecks:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import MalformedMessage
 from potluck.core.peer_like import PeerLike
 from potluck.core.serialization import dumps, loads
@@ -251,8 +252,7 @@ class _CallerBuckets:
         else:
             wait = (1 - tokens) / self.rate
         self._buckets[caller] = (tokens, now)  # most recent last
-        while len(self._buckets) > self.max_callers:
-            self._buckets.popitem(last=False)
+        drop_oldest(self._buckets, self.max_callers)
         return wait
 
 

@@ -19,6 +19,7 @@ import logging
 import random
 
 from potluck.core import compat, names
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import MalformedMessage, NetworkError
 from potluck.dht import DHT, DHTError, own_subkey, owned_entries
 from potluck.net.address import Multiaddr
@@ -233,5 +234,4 @@ class RelayReservations:
     def _failed_now(self, relay: PeerID) -> None:
         self._failed.pop(relay, None)
         self._failed[relay] = asyncio.get_running_loop().time() + RELAY_RETRY_SECONDS
-        while len(self._failed) > MAX_FAILED_REMEMBERED:
-            del self._failed[next(iter(self._failed))]
+        drop_oldest(self._failed, MAX_FAILED_REMEMBERED)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from potluck.core.bounded import drop_oldest
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
 
@@ -57,7 +58,7 @@ class AddressBook:
     def add_vouched(self, peer_id: PeerID, addresses: Iterable[Multiaddr | str]) -> None:
         """Addresses the peer stated itself (authenticated connection or signed record)."""
         known = self._vouched[peer_id] = self._vouched.pop(peer_id, [])  # now the most recent
-        _trim(self._vouched, MAX_VOUCHED_PEERS)
+        drop_oldest(self._vouched, MAX_VOUCHED_PEERS)
         hints = self._hints.get(peer_id)
         for addr in reversed([_bare(a) for a in addresses]):  # keep the given order, ahead of older ones
             if addr in known:
@@ -75,7 +76,7 @@ class AddressBook:
         """Addresses a third party gave for `peer_id`: kept apart, behind the vouched ones."""
         vouched = self._vouched.get(peer_id, ())
         known = self._hints[peer_id] = self._hints.pop(peer_id, [])
-        _trim(self._hints, MAX_HINTED_PEERS)
+        drop_oldest(self._hints, MAX_HINTED_PEERS)
         for addr in reversed([_bare(a) for a in addresses]):
             if addr in vouched or addr in known:
                 continue
@@ -96,9 +97,3 @@ class AddressBook:
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._vouched or peer_id in self._hints
-
-
-def _trim(entries: dict[PeerID, list[Multiaddr]], most: int) -> None:
-    """Forget the least recently stated peers beyond `most` (a dict keeps insertion order)."""
-    while len(entries) > most:
-        del entries[next(iter(entries))]

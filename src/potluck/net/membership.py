@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import MalformedMessage, MembershipError, MembershipRefused
 from potluck.core.names import MAX_RUN_ID_CHARS
 from potluck.core.wire import Bytes, Field, Int, Message, Number, list_value
@@ -271,8 +272,7 @@ class MembershipGate:
         self.verify(remote, token)
         self._presented.pop(remote, None)
         self._presented[remote] = token
-        while len(self._presented) > MAX_PRESENTED_TOKENS:
-            del self._presented[next(iter(self._presented))]
+        drop_oldest(self._presented, MAX_PRESENTED_TOKENS)
 
     def forget(self, remote: PeerID) -> None:
         self._presented.pop(remote, None)

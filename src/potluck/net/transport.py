@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
 
 from potluck.core import compat
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import ConnectionLost, NetworkError, PeerUnreachable, detached
 from potluck.net.address import Multiaddr
 from potluck.net.address_book import MAX_ADDRESSES_PER_PEER, AddressBook
@@ -527,8 +528,7 @@ class Transport:
     def _cache_resolved(self, peer_id: PeerID, addresses: tuple[Multiaddr, ...], until: float) -> None:
         self._resolved.pop(peer_id, None)
         self._resolved[peer_id] = (addresses, until, False)
-        while len(self._resolved) > MAX_CACHED_RECORDS:
-            del self._resolved[next(iter(self._resolved))]
+        drop_oldest(self._resolved, MAX_CACHED_RECORDS)
 
     def _retry_resolve_soon(self, peer_id: PeerID) -> None:
         cached = self._resolved.get(peer_id)

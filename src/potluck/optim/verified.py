@@ -69,6 +69,7 @@ from potluck.averaging.accountability import (
 from potluck.averaging.allreduce import CHUNK_ELEMENTS, Group
 from potluck.averaging.allreduce.group import MAX_GROUP_SIZE
 from potluck.averaging.matchmaking import MAX_METADATA_BYTES
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import NetworkError, PotluckError
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.core.staging import host_slices
@@ -300,8 +301,7 @@ class Validation:
 
     def _banned(self, peer: str, epoch: int) -> None:
         self.banned_at.setdefault(peer, epoch)
-        while len(self.banned_at) > MAX_BANNED:
-            del self.banned_at[next(iter(self.banned_at))]
+        drop_oldest(self.banned_at, MAX_BANNED)
 
     def batch(self, epoch: int, peer: str, step: int) -> Any:
         indices = batch_indices(self.run_id, epoch, peer, step, self.batch_size, len(self.options.dataset))
@@ -368,8 +368,7 @@ class Validation:
     def remember(self, group: Group) -> None:
         """A group we averaged in: we take accusations about its rounds from its members only."""
         self.groups[group.group_id] = group
-        while len(self.groups) > EVIDENCE_EPOCHS:
-            del self.groups[next(iter(self.groups))]
+        drop_oldest(self.groups, EVIDENCE_EPOCHS)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -458,8 +457,7 @@ class Validation:
         if key in self.heard:
             raise PotluckError("one accusation per member and epoch")
         self.heard[key] = None
-        while len(self.heard) > MAX_HEARD:
-            del self.heard[next(iter(self.heard))]
+        drop_oldest(self.heard, MAX_HEARD)
         mine = self.digests.get(accusation.epoch)
         if mine is None or RoundNote.read(accusation.claim).params != mine:
             return {"checked": False, "why": "not at parameters we hold"}

@@ -36,6 +36,7 @@ from potluck.averaging.allreduce.messages import (
 from potluck.averaging.allreduce.reduction import decode_chunk
 from potluck.averaging.role import Role
 from potluck.core import compat
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import AveragingError, MalformedMessage
 from potluck.core.tensors import all_finite
 from potluck.net.connection import CallContext, Stream
@@ -126,8 +127,7 @@ class AllReduceService:
         (Members that listen are not presumed dead: a failed dial or stream proves it.)"""
         self._lost.pop(peer_id, None)
         self._lost[peer_id] = asyncio.get_running_loop().time()
-        while len(self._lost) > MAX_REMEMBERED_LOSSES:
-            del self._lost[next(iter(self._lost))]
+        drop_oldest(self._lost, MAX_REMEMBERED_LOSSES)
         for run in list(self.runs.values()):
             if peer_id in run.group.peers:
                 member = run.group.peers.index(peer_id)
