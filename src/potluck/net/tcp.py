@@ -1,9 +1,8 @@
 """The real transport: asyncio TCP, TLS 1.3 by default, authenticated peer ids.
 
-potluck accepts plain TCP connections itself: the connection caps below are applied to each as
-soon as it is accepted, and only then does TLS start on it (so a connection over a cap costs no
-TLS handshake, and one stalled in the TLS handshake counts as a pending handshake). Handshake,
-after TLS (or directly on TCP with `insecure=True`):
+potluck accepts plain TCP connections itself: the connection caps below are applied to each as soon as
+it is accepted, and only then does TLS start on it (so a connection over a cap costs no TLS handshake,
+and one stalled in it counts as a pending handshake). Handshake, after TLS (or on TCP with `insecure=True`):
   1. both sides send HELLO (`TCPHello`: {v, id, nonce, addrs, client, max_frame, bulk, token}; token:
      the sender's membership token in an authority-governed run, else None);
   2. the dialer checks that the TLS certificate's key is the id in HELLO and the id it dialed;
@@ -73,10 +72,10 @@ HANDSHAKE_TIMEOUT = 10.0
 TLS_SHUTDOWN_TIMEOUT = 2.0
 # asyncio takes a TLS shutdown timeout from Python 3.11 on (3.10 closes without waiting for the peer).
 _TLS_SHUTDOWN = {"ssl_shutdown_timeout": TLS_SHUTDOWN_TIMEOUT} if sys.version_info >= (3, 11) else {}
-# Large payloads are handed to the socket in pieces so the transport never copies a whole tensor
-# into its own buffer; it pauses us above the high-water mark.
+# Payloads go to the socket in 1 MiB pieces, and `send` returns below the high-water mark: what a peer
+# does not read stays with the call sending it (counted: net.connection), at most 2 MiB with the link.
 WRITE_PIECE = 1 * 2**20
-WRITE_HIGH_WATER = 8 * 2**20
+WRITE_HIGH_WATER = 2 * 2**20
 # The ioctl that reads a TCP socket's unacknowledged bytes (SIOCOUTQ, Linux only).
 _SEND_QUEUE = getattr(termios, "TIOCOUTQ", None) if sys.platform.startswith("linux") else None
 # How long close() waits for sockets to finish closing.
@@ -776,6 +775,8 @@ class TCPLink(asyncio.BufferedProtocol):
             if self.relay is None:
                 self.owner.stats.bytes_sent += frame.size
             self._flush_control()
+            if self._paused:  # (8 MiB left with each link let made-up ids park 2 GiB per IP)
+                await self._drain()
         return frame.size
 
     def send_nowait(self, frame: Frame) -> None:
@@ -811,9 +812,8 @@ class TCPLink(asyncio.BufferedProtocol):
             raise ConnectionLost(lost)
 
     def unsent(self) -> int:
-        """Bytes handed to this link that the other side's TCP has not acknowledged yet: the
-        transport's buffer plus the kernel's send queue (Linux; elsewhere the buffer alone). What
-        `send` returning does not say: it returns once these buffers take the bytes."""
+        """Bytes handed to this link (`send` returned) that the other side's TCP has not acknowledged
+        yet: the transport's buffer plus the kernel's send queue (Linux; elsewhere the buffer alone)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             return 0
