@@ -296,6 +296,7 @@ class Stream:
             self.abort("deadline exceeded")
             raise DeadlineExceeded(f"stream {self.method!r} with {self.peer_id}: no message in time") from None
         frame = self._inbox.popleft()
+        self.connection._unhold(0, frame.size)
         self._unacked += frame.size
         if self._unacked >= STREAM_WINDOW // 4 and not self._received_end and self._error is None:
             self.connection.link.send_nowait(Frame(Kind.WINDOW, self.call_id, {"n": self._unacked}))
@@ -333,7 +334,7 @@ class Stream:
                 self.connection.link.send_nowait(Frame(Kind.CANCEL, self.call_id))
             # Nothing more is read from it, and the other side may never answer the cancel: the
             # connection lets go of it now (aborted streams stayed for the connection's life).
-            self._inbox.clear()
+            self._drop_inbox()
             self.connection._maybe_forget(self)
 
     async def __aenter__(self) -> Stream:
@@ -348,6 +349,8 @@ class Stream:
     # -- called by the connection ---------------------------------------------------------------
     def _deliver(self, frame: Frame) -> None:
         if frame.kind is Kind.DATA:
+            if self._error is not None:
+                return  # the stream is over: nobody reads what still comes
             if len(self._inbox) >= MAX_STREAM_QUEUE:
                 self.connection._protocol_violation("stream queue overflow: peer ignored flow control")
                 return
@@ -356,6 +359,14 @@ class Stream:
                     f"stream window overrun: {self._outstanding} unacknowledged bytes on stream "
                     f"{self.method!r} (window {STREAM_WINDOW}); the peer ignored flow control")
                 return
+            busy = self.connection._busy(frame.size, calls=0)
+            if busy is not None:  # messages waiting to be read count like requests
+                self._fail(CallCancelled(f"stream {self.method!r}: {busy}"))
+                self.connection.link.send_nowait(_error_frame(self.call_id, "Busy", f"{busy}; the stream is ended"))
+                self._drop_inbox()
+                self.connection._maybe_forget(self)
+                return
+            self.connection._hold(0, frame.size)
             self._outstanding += frame.size
             self._inbox.append(frame)
         elif frame.kind is Kind.END:
@@ -375,6 +386,11 @@ class Stream:
                 self.handler_task = None  # its traceback will hold this stream: no way back
         self._inbox_event.set()
         self.connection._maybe_forget(self)
+
+    def _drop_inbox(self) -> None:
+        """Forget the messages nobody will read (they no longer count against the sender)."""
+        self.connection._unhold(0, sum(frame.size for frame in self._inbox))
+        self._inbox.clear()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -674,6 +690,7 @@ class Connection:
             self._streams.pop(stream.call_id, None)
             stream.handler_task = None  # the finished task's error would hold this frame: a cycle
             stream.request = None  # its bytes go now (they are no longer counted)
+            stream._drop_inbox()  # what the handler left unread
 
     def _maybe_forget(self, stream: Stream) -> None:
         stream._check_done()
@@ -706,6 +723,7 @@ class Connection:
         # cancelled): the closed connection lets go of them, so nothing is left in a cycle.
         for stream in list(self._streams.values()):
             stream._fail(error)
+            stream._drop_inbox()
             stream.handler_task = None
         self._streams.clear()
         for task in list(self._serving.values()):
