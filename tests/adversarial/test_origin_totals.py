@@ -11,6 +11,7 @@ another /24 (127.0.1.1)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tracemalloc
 
 import pytest
@@ -51,16 +52,29 @@ async def _made_up_ids(server: TCPTransport, n: int) -> list:
     return conns
 
 
+@contextlib.asynccontextmanager
+async def _scene(handlers: dict, ids: int):
+    """A server on 127.0.1.1 serving `handlers`, an honest peer on another /24, and `ids` made-up
+    ids on 127.0.0.1, each with its connection to the server."""
+    server = TCPTransport(Identity.generate(), host="127.0.1.1")
+    honest = TCPTransport(Identity.generate(), host="127.0.2.1")
+    for method, handler in handlers.items():
+        server.add_handler(method, handler)
+    async with running(server, honest):
+        fakes = await _made_up_ids(server, ids)
+        try:
+            yield server, honest, fakes
+        finally:
+            for fake, _ in fakes:
+                await fake.close()
+
+
 @pytest.mark.timeout(90)
 def test_requests_parked_by_made_up_ids_of_one_host_are_capped_per_ip(arun, small_shares):
     async def main():
         park, release = parking_handler()
-        server = TCPTransport(Identity.generate(), host="127.0.1.1")
-        honest = TCPTransport(Identity.generate(), host="127.0.2.1")
-        server.add_handler("slow", park)
-        server.add_handler("echo", lambda request, ctx: asyncio.sleep(0, request))
-        async with running(server, honest):
-            fakes = await _made_up_ids(server, IDS)
+        echo = lambda request, ctx: asyncio.sleep(0, request)  # noqa: E731
+        async with _scene({"slow": park, "echo": echo}, IDS) as (server, honest, fakes):
             try:
                 for _, conn in fakes:  # each id fills its own share
                     await send_raw_requests(conn, "slow", PER_ID_BYTES // REQUEST, torch.ones(REQUEST // 4), 10001)
@@ -74,8 +88,6 @@ def test_requests_parked_by_made_up_ids_of_one_host_are_capped_per_ip(arun, smal
                 assert torch.equal(await honest.call(sid, "echo", big, timeout=ROUND_TRIP_BOUND), big)
             finally:
                 release.set()
-                for fake, _ in fakes:
-                    await fake.close()
 
     arun(main(), timeout=80)
 
@@ -86,11 +98,7 @@ def test_answers_that_made_up_ids_of_one_host_do_not_read_are_capped_per_ip(arun
         return b"\1" * ANSWER  # a fresh answer each call, as a DHT find's records
 
     async def main():
-        server = TCPTransport(Identity.generate(), host="127.0.1.1")
-        honest = TCPTransport(Identity.generate(), host="127.0.2.1")
-        server.add_handler("big", big)
-        async with running(server, honest):
-            fakes = await _made_up_ids(server, IDS)
+        async with _scene({"big": big}, IDS) as (server, honest, fakes):
             tracemalloc.start()
             try:
                 before, _ = tracemalloc.get_traced_memory()
@@ -109,8 +117,6 @@ def test_answers_that_made_up_ids_of_one_host_do_not_read_are_capped_per_ip(arun
                 assert await honest.call(sid, "big", None, timeout=ROUND_TRIP_BOUND) == b"\1" * ANSWER
             finally:
                 tracemalloc.stop()
-                for fake, _ in fakes:
-                    await fake.close()
 
     arun(main(), timeout=80)
 
@@ -128,25 +134,18 @@ def test_a_link_whose_peer_does_not_read_holds_little_once_its_answer_is_sent(ar
         return torch.ones(2 * MiB)  # 8 MiB
 
     async def main():
-        server = TCPTransport(Identity.generate(), host="127.0.1.1")
-        server.add_handler("big", big)
-        async with running(server):
-            fakes = await _made_up_ids(server, links)
-            try:
-                for _, conn in fakes:  # one after another: each answer is sent before the next is asked
-                    conn.link._transport.pause_reading()
-                    await send_raw_requests(conn, "big", 1, None, 10001)
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(1.0)
-                ids = {fake.peer_id for fake, _ in fakes}
-                served = [c for c in server.open_connections() if c.peer_id in ids]
-                assert len(served) == links
-                held = [c.link._transport.get_write_buffer_size() for c in served]
-                assert sum(held) <= PER_IP_BYTES, (
-                    f"links that do not read hold {[round(h / MiB, 1) for h in held]} MiB of answers")
-                assert max(held) <= WRITE_HIGH_WATER + 1 * MiB  # and a piece
-            finally:
-                for fake, _ in fakes:
-                    await fake.close()
+        async with _scene({"big": big}, links) as (server, _, fakes):
+            for _, conn in fakes:  # one after another: each answer is sent before the next is asked
+                conn.link._transport.pause_reading()
+                await send_raw_requests(conn, "big", 1, None, 10001)
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)
+            ids = {fake.peer_id for fake, _ in fakes}
+            served = [c for c in server.open_connections() if c.peer_id in ids]
+            assert len(served) == links
+            held = [c.link._transport.get_write_buffer_size() for c in served]
+            assert sum(held) <= PER_IP_BYTES, (
+                f"links that do not read hold {[round(h / MiB, 1) for h in held]} MiB of answers")
+            assert max(held) <= WRITE_HIGH_WATER + 1 * MiB  # and a piece
 
     arun(main(), timeout=80)
