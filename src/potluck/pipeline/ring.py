@@ -60,8 +60,13 @@ SEND_TIMEOUT = 30.0
 MAX_ATTEMPTS = 4
 # Rounds ahead of ours whose messages we buffer (a faster ring member may start the next one).
 ROUNDS_AHEAD = 2
-# Pieces we buffer at once, whatever senders do.
+# Pieces we buffer at once, and their bytes, whatever senders do (parts of rounds ahead of ours
+# wait here until we get there, after their calls are over and no longer counted by the transport).
+# When either is full, the sender holding the most bytes loses its oldest part, so one sender (a
+# node named in a layout, possibly a member taken as a standby from its profile) filling the
+# mailbox with far-round parts of made-up rings no longer locks out the parts of everyone else.
 MAX_BUFFERED = 4096
+MAX_BUFFERED_BYTES = 512 * 2**20
 
 
 # The members of a ring in its messages: one peer id per cluster, comma-separated.
@@ -197,6 +202,7 @@ class RingAllReduce:
         self.ping_method = ping_method
         self.round = 0  # the lowest round still accepted
         self._mailbox: dict[tuple[PartKey, str], torch.Tensor] = {}  # (key, sender) -> data
+        self._held: dict[str, int] = {}  # sender -> bytes of its parts in the mailbox
         self._arrived = asyncio.Event()
         self.transport.add_handler(self.method, self._receive)
 
@@ -209,11 +215,38 @@ class RingAllReduce:
                             f"layouts, not from {ctx.peer_id}")
         if not self.round <= message.key.round <= self.round + ROUNDS_AHEAD:
             return Ack(False).to_wire()  # a stale or far-future round: nobody will read it
-        if len(self._mailbox) >= MAX_BUFFERED:
-            raise RingError("ring mailbox is full")
-        self._mailbox[(message.key, str(ctx.peer_id))] = message.data
+        sender, nbytes = str(ctx.peer_id), message.data.numel() * message.data.element_size()
+        if not self._make_room(sender, nbytes):
+            raise RingError("ring mailbox is full, and this node holds the most of it")
+        self._put((message.key, sender), message.data)
         self._arrived.set()
         return Ack().to_wire()
+
+    def _make_room(self, sender: str, nbytes: int) -> bool:
+        """Room for a part of `nbytes` from `sender` (see MAX_BUFFERED): False if the mailbox is full
+        and `sender` holds the most of it."""
+        while self._mailbox and (len(self._mailbox) >= MAX_BUFFERED
+                                 or sum(self._held.values()) + nbytes > MAX_BUFFERED_BYTES):
+            most = max(self._held, key=self._held.__getitem__)
+            if most == sender or self._held[most] <= self._held.get(sender, 0) + nbytes:
+                return False
+            self._drop(next(entry for entry in self._mailbox if entry[1] == most))
+        return True
+
+    def _put(self, entry: tuple[PartKey, str], data: torch.Tensor) -> None:
+        self._drop(entry)  # a part sent again replaces the first
+        self._mailbox[entry] = data
+        self._held[entry[1]] = self._held.get(entry[1], 0) + data.numel() * data.element_size()
+
+    def _drop(self, entry: tuple[PartKey, str]) -> torch.Tensor | None:
+        data = self._mailbox.pop(entry, None)
+        if data is not None:
+            left = self._held[entry[1]] - data.numel() * data.element_size()
+            if left > 0:
+                self._held[entry[1]] = left
+            else:
+                del self._held[entry[1]]
+        return data
 
     async def _alive(self, peer: PeerID) -> bool:
         try:
@@ -241,7 +274,8 @@ class RingAllReduce:
                     raise MemberGone(f"ring member {sender} is not answering", str(sender)) from None
                 if status.round > key.round:
                     raise RoundSkipped(f"{sender} is already past round {key.round}", status.round) from None
-        data = self._mailbox.pop(full)
+        data = self._drop(full)
+        assert data is not None
         if data.numel() != size:
             raise RingError(f"ring part from {sender} has {data.numel()} values, expected {size}")
         return data
@@ -331,8 +365,8 @@ class RingAllReduce:
     def finish_round(self, round_id: int) -> None:
         """Stop accepting messages of rounds up to `round_id` and drop what is left of them."""
         self.round = max(self.round, round_id + 1)
-        for key, sender in [(key, sender) for key, sender in self._mailbox if key.round <= round_id]:
-            del self._mailbox[key, sender]
+        for entry in [entry for entry in self._mailbox if entry[0].round <= round_id]:
+            self._drop(entry)
 
     def close(self) -> None:
         self.transport.remove_handler(self.method)
