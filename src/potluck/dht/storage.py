@@ -453,19 +453,16 @@ class _Plan:
         self.add(charged, cost)
         for old in removed:
             self.add(slot.meta[old.subkey][1], -_cost(old))  # type: ignore[union-attr] - removed ones are in it
-        # One key's dictionary.
+        # One key's dictionary: the subnet holding the most of it pays first (see _key_victims).
         slot_bytes = slot.bytes if slot is not None else 0
         if slot_bytes + delta > storage.max_key_bytes:
             if slot is None or record.subkey is None:
                 return None
-            needed, freed = slot_bytes + delta - storage.max_key_bytes, 0
-            for entry in sorted(slot.subkeys.values(), key=lambda r: r.expiration_time):
-                if freed >= needed or entry.expiration_time >= record.expiration_time:
-                    break
-                if id(entry) not in self.skip:
-                    freed += self.evict(key_id, entry, slot.meta[entry.subkey][1])
-            if freed < needed:
+            victims = self._key_victims(slot, slot_bytes + delta - storage.max_key_bytes, cost)
+            if victims is None:
                 return self.finish(False)
+            for entry in victims:
+                self.evict(key_id, entry, slot.meta[entry.subkey][1])
         # The source's quota (not for this node's own unowned records).
         if charged is not None:
             while self.after[charged] > storage.max_source_bytes:
@@ -529,6 +526,39 @@ class _Plan:
                                               next(order), subnet))
         heapq.heappush(self.touched_sources.setdefault(subnet, []),
                        (-self.after[source], 0 if source == self.charged else 1, next(order), source))
+
+    def _key_victims(self, slot: _Slot, needed: int, cost: int) -> list[Record] | None:
+        """Entries of a full key's dictionary to evict so that `needed` bytes are freed for the
+        newcomer (None: it cannot be stored). The subnet holding the most of the key, the newcomer
+        counted under its own, loses its soonest-expiring entry first; the newcomer's own subnet
+        only entries expiring before it. By expiry alone, identities of one subnet with the key
+        kind's longest lifetimes pushed out every honest entry of a key (declarations, progress,
+        donors) and kept new ones out."""
+        storage, record = self.storage, self.record
+        by_subnet: dict[Subnet, list[Record]] = {}
+        held: dict[Subnet, int] = {self.subnet: cost}
+        for entry in slot.subkeys.values():
+            if id(entry) in self.skip:
+                continue
+            state = storage._sources.get(slot.meta[entry.subkey][1])
+            subnet = state.subnet if state is not None else None
+            by_subnet.setdefault(subnet, []).append(entry)
+            held[subnet] = held.get(subnet, 0) + _cost(entry)
+        for entries in by_subnet.values():
+            entries.sort(key=lambda r: r.expiration_time, reverse=True)  # soonest last: popped first
+        victims, freed = [], 0
+        while freed < needed:
+            holders = [s for s in held if by_subnet.get(s)]  # (None: this node's own records)
+            if not holders:
+                return None
+            subnet = max(holders, key=held.__getitem__)
+            entry = by_subnet[subnet].pop()
+            if subnet == self.subnet and entry.expiration_time >= record.expiration_time:
+                return None
+            victims.append(entry)
+            freed += _cost(entry)
+            held[subnet] -= _cost(entry)
+        return victims
 
     def evict(self, key_id: int, victim: Record, source: Source) -> int:
         self.skip.add(id(victim))
