@@ -528,6 +528,8 @@ class Matchmaker:
             return JoinRefused("not gathering a group under this key", ())
         if join.again is not None and not gathering.keep:
             return JoinRefused("open to newcomers: find the group through the DHT", ())
+        if gathering.keep and ctx.peer_id not in self.last.members:  # its key is easy to guess
+            return JoinRefused("this group meets again with its last members only", ())
         if join.schema != gathering.schema:
             return JoinRefused("different tensor schema (shapes, dtypes or compression differ)", ())
         # It cannot accept connections if it dialed us in client mode, whatever it says.
