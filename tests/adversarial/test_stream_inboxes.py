@@ -126,3 +126,30 @@ def test_what_streams_hold_is_given_back_when_read_aborted_or_lost(arun, small_s
                     break
 
     arun(main(), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_ended_with_an_error_gives_back_its_unread_messages_when_aborted(arun, small_shares):
+    """The other side ends a stream with an error while messages it sent wait unread here; the
+    caller's `async with` then aborts it: those messages no longer count against that peer (they
+    stayed counted for the connection's life, and its share shrank with every such stream)."""
+    async def fail_after_sending(stream, ctx):
+        for _ in range(3):
+            await stream.send(torch.ones(MiB // 4))
+        raise RuntimeError("the handler gives up")
+
+    async def main():
+        server = TCPTransport(Identity.generate(), host="127.0.1.1")
+        client = TCPTransport(Identity.generate(), host="127.0.0.1")
+        server.add_stream_handler("fails", fail_after_sending)
+        async with running(server, client):
+            sid = await client.connect(server.addresses[0], timeout=10)
+            with contextlib.suppress(RuntimeError):
+                async with await client.open_stream(sid, "fails", timeout=30) as stream:
+                    await asyncio.sleep(0.5)  # its messages and its error are in
+                    assert stream._error is not None and stream._inbox
+                    raise RuntimeError("the caller gives up too")
+            conn = stream.connection
+            assert conn._inflight_bytes == 0 and stream.call_id not in conn._streams
+
+    arun(main(), timeout=50)

@@ -332,10 +332,11 @@ class Stream:
             self._fail(CallCancelled(f"stream {self.method!r}: {reason}"))
             if not self.connection.closed:
                 self.connection.link.send_nowait(Frame(Kind.CANCEL, self.call_id))
-            # Nothing more is read from it, and the other side may never answer the cancel: the
-            # connection lets go of it now (aborted streams stayed for the connection's life).
-            self._drop_inbox()
-            self.connection._maybe_forget(self)
+        # Nothing more is read from it (nor from one the other side ended with an error first), and
+        # the other side may never answer the cancel: the connection lets go of it and of what it
+        # holds now (aborted streams stayed for the connection's life, their messages counted).
+        self._drop_inbox()
+        self.connection._maybe_forget(self)
 
     async def __aenter__(self) -> Stream:
         return self
