@@ -43,6 +43,16 @@ def _waiting(server: TCPTransport, ids: set) -> int:
                for stream in c._streams.values() for frame in stream._inbox)
 
 
+@contextlib.asynccontextmanager
+async def _server_and_client(method: str, handler):
+    """A server on 127.0.1.1 serving the stream `method`, and a client connected to it."""
+    server = TCPTransport(Identity.generate(), host="127.0.1.1")
+    client = TCPTransport(Identity.generate(), host="127.0.0.1")
+    server.add_stream_handler(method, handler)
+    async with running(server, client):
+        yield server, client, await client.connect(server.addresses[0], timeout=10)
+
+
 @pytest.mark.timeout(90)
 def test_messages_waiting_in_streams_of_made_up_ids_of_one_host_are_capped_per_ip(arun, small_shares):
     release = asyncio.Event()
@@ -98,11 +108,7 @@ def test_what_streams_hold_is_given_back_when_read_aborted_or_lost(arun, small_s
         await stream.recv()  # one read, the rest left when the handler ends
 
     async def main():
-        server = TCPTransport(Identity.generate(), host="127.0.1.1")
-        client = TCPTransport(Identity.generate(), host="127.0.0.1")
-        server.add_stream_handler("reader", reader)
-        async with running(server, client):
-            sid = await client.connect(server.addresses[0], timeout=10)
+        async with _server_and_client("reader", reader) as (server, client, sid):
             calls, nbytes = server._call_shares
             for ending in ("handler ends", "abort", "lost"):
                 release.clear()
@@ -139,11 +145,7 @@ def test_a_stream_that_ended_with_an_error_gives_back_its_unread_messages_when_a
         raise RuntimeError("the handler gives up")
 
     async def main():
-        server = TCPTransport(Identity.generate(), host="127.0.1.1")
-        client = TCPTransport(Identity.generate(), host="127.0.0.1")
-        server.add_stream_handler("fails", fail_after_sending)
-        async with running(server, client):
-            sid = await client.connect(server.addresses[0], timeout=10)
+        async with _server_and_client("fails", fail_after_sending) as (_, client, sid):
             with contextlib.suppress(RuntimeError):
                 async with await client.open_stream(sid, "fails", timeout=30) as stream:
                     await asyncio.sleep(0.5)  # its messages and its error are in
