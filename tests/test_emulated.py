@@ -80,6 +80,29 @@ def test_clock_stands_still_while_executor_work_runs() -> None:
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("work_seconds", [0.0, 0.02])
+def test_executor_results_come_back_once_the_instant_is_done(work_seconds: float) -> None:
+    # Handed back as soon as the thread finished, a result landed among the callbacks of its
+    # instant wherever the host's threads put it, and a scenario's events came in another order
+    # from run to run. Now it comes after them, however long the job took.
+    async def main() -> list[str]:
+        loop, events = asyncio.get_running_loop(), []
+
+        async def chatter() -> None:
+            for _ in range(200):
+                events.append("tick")
+                await asyncio.sleep(0)
+
+        async def job() -> None:
+            await loop.run_in_executor(None, time.sleep, work_seconds)
+            events.append(f"job at {loop.time()}")
+        await asyncio.gather(job(), chatter())
+        return events
+
+    assert vrun(main()) == ["tick"] * 200 + ["job at 0.0"]
+
+
+@pytest.mark.timeout(10)
 def test_virtual_loop_in_a_runner_wakes_for_other_threads() -> None:
     runner = LoopRunner(loop_factory=virtual_time_loop, name="virtual-test-loop")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import types
 
 import pytest
@@ -142,6 +143,28 @@ def test_sync_swarm_on_virtual_time_is_identical_and_repeats_exactly():
     assert_repeats(again, first)
     other = run(seed=4)
     assert other["digests"] != first["digests"]
+
+
+@pytest.mark.timeout(300)
+def test_how_long_the_hosts_threads_take_does_not_change_a_scenario(monkeypatch):
+    """Worker threads run while the loop goes on with the same instant (the clock stands
+    still), so nothing a job changes may be read by the loop before the job is handed back.
+    Each batch's samples were counted inside the job: a progress report sent meanwhile counted
+    the batch or not as the host's threads allowed, and under CPU load the same seed ended two
+    ways. Here the two extremes: every job done the moment it is submitted, and every job
+    starting a real moment late; the runs must come out the same."""
+    submit = VirtualTimeLoop.run_in_executor
+
+    def at_once(loop, executor, func, *args):
+        done = func(*args)
+        return submit(loop, executor, lambda: done)
+    monkeypatch.setattr(VirtualTimeLoop, "run_in_executor", at_once)
+    quick = run(seed=3)
+
+    def late(loop, executor, func, *args):
+        return submit(loop, executor, lambda: time.sleep(0.003) or func(*args))
+    monkeypatch.setattr(VirtualTimeLoop, "run_in_executor", late)
+    assert_repeats(run(seed=3), quick)
 
 
 @pytest.mark.timeout(300)

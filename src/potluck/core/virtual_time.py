@@ -51,9 +51,10 @@ class _VirtualSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
-        self._loop._deliver_executor_results()
         if ready or (timeout is not None and timeout <= 0):
             return ready
+        if self._loop._deliver_executor_results():  # (see run_in_executor)
+            return []  # their callbacks run at this instant, before the clock moves
         if self._loop._executor_jobs:
             return super().select(EXECUTOR_POLL_SECONDS)
         if timeout is None:
@@ -79,18 +80,19 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """As usual, but the clock stands still until the job is done (see the module doc).
 
         Results are handed back only once every job in flight is done, in the order the jobs
-        were submitted: threads finish in whatever order the host schedules them, and handing
-        results back in that order would make a scenario's events (and so its outcome) vary
-        from run to run. A job's thread must not wait for the loop (it never does: jobs are
-        tensor math and file I/O)."""
+        were submitted, and once nothing else is due at this instant: threads finish in whatever
+        order and moment the host schedules them, and handing results back then would make a
+        scenario's events (and so its outcome) vary from run to run. For the same reason a job
+        must not change what the loop reads before its result is back. A job's thread must not
+        wait for the loop (it never does: jobs are tensor math and file I/O)."""
         job = super().run_in_executor(executor, func, *args)
         result = self.create_future()
         self._executor_jobs.append((job, result))
         return result
 
-    def _deliver_executor_results(self) -> None:
+    def _deliver_executor_results(self) -> bool:
         if not self._executor_jobs or not all(job.done() for job, _ in self._executor_jobs):
-            return
+            return False
         jobs, self._executor_jobs = self._executor_jobs, []
         for job, result in jobs:
             if result.cancelled():
@@ -102,6 +104,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 result.set_exception(job.exception())
             else:
                 result.set_result(job.result())
+        return True
 
 
 def virtual_time_loop() -> asyncio.AbstractEventLoop:

@@ -122,6 +122,8 @@ class SyncTraining(TrainingMode):
         context, tally = self.context, self.context.tally
         if not await self.context.compute(self._take_batch):
             logger.warning("dropping a batch with non-finite gradients (it is not shared with anyone)")
+        elif context.settings.role != Role.AUX:
+            tally.samples += context.settings.batch_size_per_step  # (here: reports read it meanwhile)
         if self.pending is not None:
             if not self.pending.task.done():
                 return  # the last epoch's averaging is still running in the background
@@ -158,7 +160,6 @@ class SyncTraining(TrainingMode):
             if self.cleared and scale == 1 and _adoptable(grads, self.grad_averager):
                 self.grad_averager.adopt_tensors(grads)  # no copy: the batch's gradients are the sum
                 self.cleared = False
-                self.context.tally.samples += settings.batch_size_per_step
                 return
             with self.grad_averager.get_tensors() as sums, torch.no_grad():
                 if self.cleared:  # one pass instead of clearing, then adding
@@ -177,7 +178,6 @@ class SyncTraining(TrainingMode):
             with torch.no_grad():
                 torch._foreach_add_([s for s, g in zip(self.spare, grads, strict=True) if g is not None],
                                     [g for g in grads if g is not None], alpha=scale)
-        self.context.tally.samples += settings.batch_size_per_step
 
     def _share_of(self, samples: int, aux: bool) -> tuple[float, float]:
         """How the accumulator goes into a round: (factor, weight). The mean adds up shares: each
