@@ -33,9 +33,10 @@ async def make_swarm(n: int, latency: float = 0.005, bandwidth: float | None = 1
 
 
 async def add_peer(net: EmulatedNetwork, peers: list[SimPeer], bandwidth: float | None = 100e6,
-                   client: bool = False, download: float | None = None) -> SimPeer:
-    """A peer with `bandwidth` each way (or `download` for its download, if given)."""
-    transport = net.transport(upload=bandwidth, download=download or bandwidth, client_mode=client)
+                   client: bool = False, download: float | None = None, ip: str | None = None) -> SimPeer:
+    """A peer with `bandwidth` each way (or `download` for its download, if given), seen at `ip`
+    (default: a host of its own)."""
+    transport = net.transport(upload=bandwidth, download=download or bandwidth, client_mode=client, ip=ip)
     await transport.start()
     bootstrap = [peers[0].transport.addresses[0]] if peers else []
     dht = DHT(transport, initial_peers=bootstrap, clock=event_loop_clock())

@@ -20,14 +20,24 @@ The leader closes the group when it reaches `target_group_size` or its window en
 load split (DeDLOC's linear program over the members' measured bandwidths) and the member order,
 and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
 gets a clear failure.
+
+Seats are shared per subnet, since ids are free: a full gathering that one subnet crowds (more than
+half of the followers' seats, and more than one) stays open for `SEAT_FRACTION` of its window, and
+a joiner from a subnet holding at least two seats fewer takes the seat of that subnet's latest
+joiner. Made-up ids that join every leader the moment it declares (before honest followers, who
+let declarations spread first) then keep about their subnet's share of each group instead of all
+of it. Peers on our own network (loopback, private addresses) are exempt: a lab or a test swarm
+on one host closes as soon as it is full.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +59,7 @@ from potluck.core.names import AveragerNames
 from potluck.core.wire import Choice, List, Message, Nested, Number, OneOf, Opaque, Text, Tuple
 from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
+from potluck.net.origins import Origin
 from potluck.net.transport import Transport
 from potluck.net.wire import PeerIdField
 
@@ -64,6 +75,10 @@ SETTLE_FRACTION = 0.05
 # How often a waiting peer re-reads the group key (fraction of the window, with a floor).
 POLL_FRACTION = 0.1
 MIN_POLL_SECONDS = 0.05
+# Part of the window a full gathering that one subnet crowds stays open for joiners of other
+# subnets (see the module docstring): honest followers settle, read the key and ask within about
+# a settle and a poll or two of the window's start. Only crowded gatherings wait for it.
+SEAT_FRACTION = SETTLE_FRACTION + 2 * POLL_FRACTION
 # After the leader's window closes, followers wait this long for the group to be sent.
 BEGIN_SLACK = 5.0
 # Encoded size of the metadata a member hands its group (`gather`: a few numbers and a digest in
@@ -230,6 +245,11 @@ class _Gathering:
     ready: asyncio.Future | None = None  # the owner's own check; nobody joins before it passes
     keep: bool = False  # the last group meets again, without the DHT (see the module docstring)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while not joining someone
+    seats_until: float = 0.0  # (DHT time) until when a crowded full gathering stays open
+    # Each follower's subnet (None: our own network), and a future per seated follower that is set
+    # when its seat goes to a joiner of a less represented subnet.
+    subnets: dict[PeerID, str | None] = field(default_factory=dict)
+    unseated: dict[PeerID, asyncio.Future[None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.settled.set()
@@ -237,6 +257,36 @@ class _Gathering:
     @property
     def full(self) -> bool:
         return len(self.members) >= self.target
+
+    def closes(self, now: float) -> bool:
+        """Whether to close now: the window is over, or the gathering is full and either meets
+        again, holds no crowding subnet, or has been open long enough for other joiners."""
+        return now >= self.closes_at or (self.full and (self.keep or self._crowding() is None
+                                                        or now >= self.seats_until))
+
+    def _crowding(self) -> str | None:
+        """The subnet (not our own network) holding more than half of the followers' seats, and
+        more than one, or None."""
+        held = Counter(s for s in self.subnets.values() if s is not None).most_common(1)
+        return held[0][0] if held and held[0][1] > max(1, len(self.subnets) // 2) else None
+
+    def unseat_for(self, subnet: str | None) -> bool:
+        """Free a seat of a crowded full gathering for a joiner from `subnet`: the latest joiner
+        of the subnet holding the most seats, if it holds at least two more than `subnet` (so
+        seats never go back and forth). Whether one was freed."""
+        crowding = self._crowding()
+        if crowding is None or self.keep:
+            return False
+        held = Counter(self.subnets.values())
+        if held[crowding] < held[subnet] + 2:
+            return False
+        victim = next(m for m in reversed(self.members[1:]) if self.subnets.get(m.peer_id) == crowding)
+        self.members.remove(victim)
+        del self.subnets[victim.peer_id]
+        seat = self.unseated.pop(victim.peer_id, None)
+        if seat is not None and not seat.done():
+            seat.set_result(None)
+        return True
 
 
 class Matchmaker:
@@ -318,16 +368,17 @@ class Matchmaker:
                 return rejoined
         gathering: _Gathering | None = None
         if not self.client:
-            closes_at = self.dht.get_time() + window
+            now = self.dht.get_time()
             size = min(_now(target) or self.target, MAX_GROUP_SIZE)
-            gathering = _Gathering(group_key, self.schema, size, closes_at, [me], ready=ready, keep=keep)
+            gathering = _Gathering(group_key, self.schema, size, now + window, [me], ready=ready, keep=keep,
+                                   seats_until=now + window * SEAT_FRACTION)
             self._gatherings[group_key] = gathering
             opened, self._opened = self._opened, asyncio.Event()
             opened.set()
             if keep:
                 return await self._keep(gathering, ready, give_up)
             await self.dht.astore(self._dht_key(group_key), Declaration(self.schema).to_wire(),
-                                  closes_at, subkey=own_subkey(self.transport.peer_id))
+                                  gathering.closes_at, subkey=own_subkey(self.transport.peer_id))
         try:
             tried: set[PeerID] = set()
             poll = max(MIN_POLL_SECONDS, window * POLL_FRACTION)
@@ -340,7 +391,7 @@ class Matchmaker:
                         return _formed(gathering)
                     if callable(target):
                         gathering.target = min(target() or self.target, MAX_GROUP_SIZE)
-                    if gathering.full or self.dht.get_time() >= gathering.closes_at:
+                    if gathering.closes(self.dht.get_time()):
                         return self._close(gathering)
                 if gathering is not None and len(gathering.members) > 1:
                     earlier = [p for p in await self._earlier_peers(group_key) if p not in tried]
@@ -357,8 +408,9 @@ class Matchmaker:
                             return joined
                         tried.add(leader)
                 if gathering is not None:
+                    left = gathering.seats_until - self.dht.get_time()  # (a crowded full one closes then)
                     try:
-                        async with compat.timeout(poll):
+                        async with compat.timeout(poll if not gathering.full or left <= 0 else min(poll, left)):
                             await asyncio.shield(gathering.done)
                     except TimeoutError:
                         pass
@@ -542,17 +594,26 @@ class Matchmaker:
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.done.done() and isinstance(gathering.done.result(), JoinMoved):
             return gathering.done.result()
-        if gathering.full or gathering.done.done():
-            taken = tuple(m.peer_id for m in gathering.members)
-            if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
-                taken = gathering.done.result().group.peers
-            return JoinRefused("group is full or already formed", taken)
+        subnet = _subnet(ctx.remote.origin)
+        if gathering.done.done():
+            return JoinRefused("group is full or already formed", _taken(gathering))
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
             return JoinRefused("already a member", ())
+        if gathering.full and not gathering.unseat_for(subnet):
+            return JoinRefused("group is full or already formed", _taken(gathering))
         gathering.members.append(Candidate(ctx.peer_id, role, *join.bandwidth, join.metadata))
-        if gathering.full:
+        gathering.subnets[ctx.peer_id] = subnet
+        if gathering.closes(self.dht.get_time()):
             self._close(gathering)
-        formed = await asyncio.shield(gathering.done)
+        seat = gathering.unseated[ctx.peer_id] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait([gathering.done, seat], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if gathering.unseated.get(ctx.peer_id) is seat:
+                del gathering.unseated[ctx.peer_id]
+        if not gathering.done.done():
+            return JoinRefused("a joiner from a subnet holding fewer seats took yours", _taken(gathering))
+        formed = gathering.done.result()
         if isinstance(formed, str):
             return JoinFailed(formed[:MAX_REASON_CHARS])
         if isinstance(formed, JoinMoved):
@@ -577,6 +638,23 @@ class Matchmaker:
         formed = FormedGroup(group, tuple(m.metadata for m in members), tuple((m.upload, m.download) for m in members))
         gathering.done.set_result(formed)
         return formed
+
+
+def _subnet(origin: Origin) -> str | None:
+    """Which subnet a joiner's seat counts under: None for our own network (loopback, private
+    addresses), which is never crowded out."""
+    try:
+        ip = ipaddress.ip_address(origin.ip)
+    except ValueError:
+        return origin.subnet  # an emulated peer's name, a relay
+    return None if ip.is_loopback or ip.is_private else origin.subnet
+
+
+def _taken(gathering: _Gathering) -> tuple[PeerID, ...]:
+    """The members a refused joiner may skip: the group's, once formed."""
+    if gathering.done.done() and isinstance(gathering.done.result(), FormedGroup):
+        return gathering.done.result().group.peers
+    return tuple(m.peer_id for m in gathering.members)
 
 
 def _banned_member(formed: FormedGroup, banned: Any) -> str | None:
