@@ -21,6 +21,12 @@ load split (DeDLOC's linear program over the members' measured bandwidths) and t
 and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
 gets a clear failure.
 
+A leader that holds a join request to its deadline without an answer (an honest one answers by
+the end of its own window, earlier than ours) is not joined again for `HELD_LEADER_SECONDS`, nor is
+any peer of its subnet (our own network excepted): anyone can declare under a key as its earliest
+peer, and a silent one held every follower, round after round. Such a subnet now costs a round
+per `HELD_LEADER_SECONDS` at most; its peers may still join ours.
+
 Seats are shared per subnet, since ids are free: a full gathering that one subnet crowds (more than
 half of the followers' seats, and more than one) stays open for `SEAT_FRACTION` of its window, and
 a joiner from a subnet holding at least two seats fewer takes the seat of that subnet's latest
@@ -48,8 +54,10 @@ from potluck.averaging.allreduce.messages import MAX_REASON_CHARS
 from potluck.averaging.load_balancing import balanced_parts, fair_split
 from potluck.averaging.role import Role
 from potluck.core import compat
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import (
     AveragingError,
+    DeadlineExceeded,
     MalformedMessage,
     NetworkError,
     PotluckError,
@@ -79,6 +87,13 @@ MIN_POLL_SECONDS = 0.05
 # subnets (see the module docstring): honest followers settle, read the key and ask within about
 # a settle and a poll or two of the window's start. Only crowded gatherings wait for it.
 SEAT_FRACTION = SETTLE_FRACTION + 2 * POLL_FRACTION
+# How long a leader that held our join to its deadline (and its subnet) is not joined again: one
+# silent made-up id, declared as the earliest peer, otherwise wrecks every round. Long, since an
+# honest leader never does this while it lives (a dead one's connection fails the call at once);
+# skipping an honest one only lets the next peer lead.
+HELD_LEADER_SECONDS = 3600.0
+# Leaders and subnets remembered so (each a short string and a float).
+MAX_HELD_LEADERS = 1024
 # After the leader's window closes, followers wait this long for the group to be sent.
 BEGIN_SLACK = 5.0
 # Encoded size of the metadata a member hands its group (`gather`: a few numbers and a digest in
@@ -309,6 +324,8 @@ class Matchmaker:
         self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
         self.last = LastGroup()
         self.banned = ban_list(transport)
+        self._held: dict[str, float] = {}  # "id:<peer>" or "subnet:<subnet>" -> loop time to skip it until
+        self._declared: dict[PeerID, float] = {}  # when the leaders last read under our key close (DHT time)
         transport.add_handler(names.join, self._on_join)
 
     def close(self) -> None:
@@ -505,11 +522,13 @@ class Matchmaker:
         mine = self._gatherings.get(group_key)
         me = None if mine is None else (mine.closes_at, self.transport.peer_id.to_bytes())
         candidates: dict[tuple[float, bytes], PeerID] = {}  # (expiration, id) -> peer: earliest leads
+        self._declared = {}
         for subkey, entry in found.value.items():
             peer = subkey_owner(subkey)  # the peer that signed it; anything else declares nobody
             if peer is None:
                 continue
-            if entry.expiration_time <= now or peer == self.transport.peer_id or peer in self.banned:
+            if entry.expiration_time <= now or peer == self.transport.peer_id or peer in self.banned \
+                    or self._held_leader(peer):
                 continue
             try:
                 declared = Declaration.from_wire(entry.value)
@@ -522,6 +541,7 @@ class Matchmaker:
             if me is not None and order >= me:
                 continue  # later than us: it joins us, not the other way round
             candidates[order] = peer
+            self._declared[peer] = entry.expiration_time
         return [candidates[order] for order in sorted(candidates)]
 
     async def _join(self, leader: PeerID, group_key: str, me: Candidate, give_up: float,
@@ -529,12 +549,21 @@ class Matchmaker:
         """Ask `leader` to take us; None if it refused (the caller tries another). A full group
         names its members, so we skip all of them at once; a leader that handed its gathering
         over names the leader to ask next."""
+        if self._held_leader(leader):
+            return None
         request = JoinRequest(group_key, self.schema, me.role, (me.upload, me.download), me.metadata,
                               again=rejoin_wait).to_wire()
         loop = asyncio.get_running_loop()
         try:
             reply = await self.transport.call(leader, self.names.join, request,
                                               timeout=max(0.1, give_up - loop.time()))
+        except DeadlineExceeded as e:
+            closed = self._declared.get(leader)  # it had our request, and kept it past its own window:
+            if closed is not None and self.dht.get_time() >= closed + BEGIN_SLACK \
+                    and self.transport.is_connected(leader):
+                self._hold_against(leader)
+            logger.debug("join %s failed: %s", leader, e)
+            return None
         except (NetworkError, PotluckError) as e:
             logger.debug("join %s failed: %s", leader, e)
             return None
@@ -565,6 +594,24 @@ class Matchmaker:
             return joined
         tried.update(answer.taken)
         return None
+
+    def _held_leader(self, peer: PeerID) -> bool:
+        """Whether `peer`, or a peer of its subnet, held our join past its window lately."""
+        now = asyncio.get_running_loop().time()
+        return any(self._held.get(key, 0.0) > now for key in self._leader_keys(peer))
+
+    def _hold_against(self, leader: PeerID) -> None:
+        logger.warning("leader %s held our join request past its own window without an answer; not joining it "
+                       "or its subnet for %.0f s", leader, HELD_LEADER_SECONDS)
+        until = asyncio.get_running_loop().time() + HELD_LEADER_SECONDS
+        for key in self._leader_keys(leader):
+            self._held.pop(key, None)
+            self._held[key] = until
+        drop_oldest(self._held, MAX_HELD_LEADERS)
+
+    def _leader_keys(self, peer: PeerID) -> list[str]:
+        subnet = _subnet(self.transport.peer_origin(peer))
+        return [f"id:{peer}"] + ([] if subnet is None else [f"subnet:{subnet}"])
 
     async def _on_join(self, request: Any, ctx: Any) -> dict:
         return (await self._answer_join(JoinRequest.from_wire(request), ctx)).to_wire()

@@ -1,0 +1,62 @@
+"""A made-up id declared as a key's earliest peer, that never answers the joins it gets.
+
+Leaders are chosen by their declarations (the earliest to close leads), and anyone can declare.
+A silent one held every follower's join until its deadline, and their own followers waited
+behind them: one made-up id wrecked every round (a step of three honest averagers took 17 s and
+two of them failed). A leader that holds a join past its own window is now not joined again for
+an hour, nor is any peer of its subnet: the subnet costs one round, not every round."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from potluck.averaging import Averager
+from potluck.averaging.matchmaking import Declaration
+from potluck.core.names import RunNames
+from potluck.core.virtual_time import run_virtual
+from potluck.dht import own_subkey
+from potluck.net.emulated import EmulatedNetwork
+from tests.emulated_swarm import SimPeer, add_peer, make_swarm
+
+WINDOW = 2.0
+
+
+async def _silent_leader(net: EmulatedNetwork, peers: list[SimPeer], ip: str, key: str, schema: str) -> asyncio.Task:
+    """A new made-up id at `ip` that declares under `key` as its earliest peer (its record always
+    closing a moment from now) and holds every join it gets."""
+    liar = await add_peer(net, list(peers), ip=ip)
+    liar.transport.add_handler(RunNames("silent").averager("tensors").join, lambda request, ctx: asyncio.sleep(3600))
+
+    async def declare() -> None:
+        while True:
+            await liar.dht.astore(key, Declaration(schema).to_wire(), liar.dht.get_time() + 0.3,
+                                  subkey=own_subkey(liar.transport.peer_id))
+            await asyncio.sleep(0.1)
+    return asyncio.ensure_future(declare())
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_leader_costs_its_subnet_one_round_not_every_round(caplog):
+    async def main():
+        net, honest = await make_swarm(3)
+        avgs = [Averager(p, [torch.full((16,), float(i))], "silent", target_group_size=3, matchmaking_time=WINDOW)
+                for i, p in enumerate(honest)]
+        names = RunNames("silent").averager("tensors")
+        loop = asyncio.get_running_loop()
+        rounds = []
+        for key, ip in (("e0", "51.15.0.7"), ("e1", "51.15.0.8")):  # another id and address of the subnet
+            liar = await _silent_leader(net, honest, ip, names.declarations(f"{key}/all"), avgs[0].schema)
+            await asyncio.sleep(0.2)
+            start = loop.time()
+            results = await asyncio.gather(*(a.astep(group_key=key, timeout=30) for a in avgs), return_exceptions=True)
+            rounds.append((loop.time() - start, [getattr(r, "group_size", r) for r in results]))
+            liar.cancel()
+        seconds, sizes = rounds[1]
+        assert sizes == [3, 3, 3] and seconds < WINDOW, rounds
+        assert "held our join request" in caplog.text
+    with caplog.at_level(logging.WARNING):
+        run_virtual(main())
