@@ -29,6 +29,11 @@ A peer that a witness caught lying in verified training (`potluck.optim.verified
 recomputed its gradients, or checked the evidence itself) is credited nothing, in any epoch:
 its credits so far are taken back when the witness's word comes.
 
+Anyone can publish progress and round records under made-up ids, so what the ledger keeps of
+strangers is bounded: with witnesses, only their round records are stored (nothing else is
+credited or counted); and past MAX_PEERS peers, those never credited that were seen least
+recently are forgotten, with their metrics and failure counts.
+
 Rounds are told apart by epoch, part and the id their members record them under (moshpit
 members meet whatever their epochs, and record the group's median). Writes are idempotent (keyed
 by reporter, epoch, part, round id, member; metrics by peer, epoch, name and the report's time):
@@ -81,6 +86,10 @@ MAX_ONLINE_GAP = 10.0
 # a liar made up) is credited only if this many other members record it: one liar alone cannot
 # credit a peer of its invention.
 MIN_WITNESSES_WITHOUT_RECORD = 2
+# Peers kept at most: past it, peers never credited are forgotten, least recently seen first.
+# Made-up ids reporting progress (2,000 new ones a poll: about 9 MiB) otherwise grew the file
+# without end; a real run's peers are credited within an epoch of joining, and stay.
+MAX_PEERS = 10_000
 # Distinct metric names shown per epoch at most (a peer publishes at most MAX_METRICS at a time,
 # but may change names over time).
 MAX_METRIC_NAMES = 64
@@ -288,6 +297,8 @@ class Ledger:
                     if db.execute("INSERT OR IGNORE INTO caught VALUES (?, ?, ?)", (peer, reporter, now)).rowcount:
                         touched.update(e for (e,) in db.execute("SELECT epoch FROM credits WHERE peer_id = ?", (peer,)))
             for reporter, records in rounds.items():
+                if self.witnesses is not None and reporter not in self.witnesses:
+                    continue  # only witnesses' records are credited or counted
                 for record in records:
                     if self._add_round(reporter, record, now):
                         touched.add(record.epoch)
@@ -295,6 +306,7 @@ class Ledger:
                 self._settle(epoch, now)
             for peer, name in names.items():
                 db.execute("UPDATE peers SET name = ? WHERE peer_id = ?", (name, peer))
+            self._forget_strangers()
             if swarm is not None and now - self._last_history >= self.history_interval:
                 losses = [v for r in reports.values() for k, v in r.metrics if k == "loss"]
                 db.execute("INSERT OR IGNORE INTO history VALUES (?, ?, ?, ?, ?)",
@@ -330,6 +342,18 @@ class Ledger:
                           ON CONFLICT (peer_id, epoch, name) DO UPDATE SET total = total + excluded.total,
                               count = count + 1, time = excluded.time WHERE excluded.time > metrics.time""",
                        (r.peer_id, r.epoch, metric, value, r.metrics_time))
+
+    def _forget_strangers(self) -> None:
+        """Past MAX_PEERS peers, forget those never credited, least recently seen first."""
+        db = self._db
+        extra = int(self._scalar("SELECT COUNT(*) FROM peers")) - MAX_PEERS  # type: ignore[arg-type]
+        if extra <= 0:
+            return
+        gone = [(p,) for (p,) in db.execute("""SELECT peer_id FROM peers WHERE peer_id NOT IN
+                                               (SELECT peer_id FROM credits WHERE samples > 0)
+                                               ORDER BY last_seen, peer_id LIMIT ?""", (extra,))]
+        for table in ("peers", "metrics", "failures", "credits"):
+            db.executemany(f"DELETE FROM {table} WHERE peer_id = ?", gone)
 
     def _add_round(self, reporter: str, record: RoundRecord, now: float) -> bool:
         """Store `reporter`'s record of a round; False if it was stored already (read again)."""
