@@ -60,3 +60,34 @@ def test_a_silent_leader_costs_its_subnet_one_round_not_every_round(caplog):
         assert "held our join request" in caplog.text
     with caplog.at_level(logging.WARNING):
         run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_followers_of_a_leader_held_by_a_silent_one_still_get_their_group():
+    """Three peers know the silent subnet (a round cost them); a newcomer that leads them does
+    not, and is held in turn. It gives up on the silent one in time to close its own gathering
+    (before, it gave up at its own deadline, and its followers failed with it), and it is not
+    taken for a silent leader by them."""
+    async def main():
+        net, honest = await make_swarm(4)
+        avgs = [Averager(p, [torch.full((16,), float(i))], "silent", target_group_size=4, matchmaking_time=WINDOW)
+                for i, p in enumerate(honest)]
+        names = RunNames("silent").averager("tensors")
+        newcomer, others = avgs[0], avgs[1:]
+        liar = await _silent_leader(net, honest, "51.15.0.7", names.declarations("e0/all"), avgs[0].schema)
+        await asyncio.sleep(0.2)
+        await asyncio.gather(*(a.astep(group_key="e0", timeout=30) for a in others), return_exceptions=True)
+        liar.cancel()
+        liar = await _silent_leader(net, honest, "51.15.0.8", names.declarations("e1/all"), avgs[0].schema)
+        await asyncio.sleep(0.2)
+
+        async def step(averager: Averager, delay: float):
+            await asyncio.sleep(delay)
+            return await averager.astep(group_key="e1", timeout=30)
+        results = await asyncio.gather(*(step(a, 0.0 if a is newcomer else 0.05) for a in avgs),
+                                       return_exceptions=True)
+        liar.cancel()
+        assert [getattr(r, "group_size", r) for r in results] == [4, 4, 4, 4], results
+        for a in others:
+            assert not a.matchmaker._held_leader(newcomer.transport.peer_id)
+    run_virtual(main())

@@ -21,8 +21,9 @@ load split (DeDLOC's linear program over the members' measured bandwidths) and t
 and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
 gets a clear failure.
 
-A leader that holds a join request to its deadline without an answer (an honest one answers by
-the end of its own window, earlier than ours) is not joined again for `HELD_LEADER_SECONDS`, nor is
+A leader that holds a join request past its own window's end and half of BEGIN_SLACK without an
+answer (an honest one answers at the end of its window at the latest, and one held by an earlier
+leader gives that one up by then to close its own gathering) is not joined again for `HELD_LEADER_SECONDS`, nor is
 any peer of its subnet (our own network excepted): anyone can declare under a key as its earliest
 peer, and a silent one held every follower, round after round. Such a subnet now costs a round
 per `HELD_LEADER_SECONDS` at most; its peers may still join ours.
@@ -493,9 +494,14 @@ class Matchmaker:
 
     async def _join_holding(self, gathering: _Gathering | None, leader: PeerID, group_key: str, me: Candidate,
                             give_up: float, tried: set[PeerID]) -> FormedGroup | None:
-        """Try to join `leader`; meanwhile requests to join us wait for the outcome."""
+        """Try to join `leader`; meanwhile requests to join us wait for the outcome. A leader that
+        has not answered half of BEGIN_SLACK after our own window's end (an honest one answers at
+        the end of its window, earlier than ours) is given up, in time to close our own gathering
+        for those waiting on it."""
         if gathering is not None:
             gathering.settled.clear()
+            ours = asyncio.get_running_loop().time() + gathering.closes_at - self.dht.get_time()
+            give_up = min(give_up, ours + BEGIN_SLACK / 2)
         joined = None
         try:
             joined = await self._join(leader, group_key, me, give_up, tried)
@@ -504,6 +510,8 @@ class Matchmaker:
                 if joined is not None and not gathering.done.done():
                     gathering.done.set_result(joined)  # we are in that group now: waiters are refused
                 gathering.settled.set()
+        if joined is None and gathering is not None:
+            await asyncio.sleep(0)  # the requests that waited take their seats before we may close
         return joined
 
     async def _earlier_peers(self, group_key: str) -> list[PeerID]:
@@ -559,7 +567,7 @@ class Matchmaker:
                                               timeout=max(0.1, give_up - loop.time()))
         except DeadlineExceeded as e:
             closed = self._declared.get(leader)  # it had our request, and kept it past its own window:
-            if closed is not None and self.dht.get_time() >= closed + BEGIN_SLACK \
+            if closed is not None and self.dht.get_time() >= closed + BEGIN_SLACK / 2 \
                     and self.transport.is_connected(leader):
                 self._hold_against(leader)
             logger.debug("join %s failed: %s", leader, e)
@@ -650,8 +658,8 @@ class Matchmaker:
             return JoinRefused("group is full or already formed", _taken(gathering))
         gathering.members.append(Candidate(ctx.peer_id, role, *join.bandwidth, join.metadata))
         gathering.subnets[ctx.peer_id] = subnet
-        if gathering.closes(self.dht.get_time()):
-            self._close(gathering)
+        if gathering.full and gathering.closes(self.dht.get_time()):
+            self._close(gathering)  # (at its window's end the leader closes it: all waiting are in by then)
         seat = gathering.unseated[ctx.peer_id] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.wait([gathering.done, seat], return_when=asyncio.FIRST_COMPLETED)
