@@ -1,21 +1,27 @@
-"""A made-up id declared as a key's earliest peer, that never answers the joins it gets.
+"""A made-up id declared as a key's earliest peer, that gives the joins it gets nothing usable.
 
 Leaders are chosen by their declarations (the earliest to close leads), and anyone can declare.
 A silent one held every follower's join until its deadline, and their own followers waited
 behind them: one made-up id wrecked every round (a step of three honest averagers took 17 s and
-two of them failed). A leader that holds a join past its own window is now not joined again for
-an hour, nor is any peer of its subnet: the subnet costs one round, not every round."""
+two of them failed). One that answered at once did as much: a "failed" ended every follower's
+round; a refusal naming the honest peers as its members made each skip them all; and a group of
+itself and the joiner, in which it then took no part, averaged nothing, and was asked again first
+the next round. Such a leader is now not joined again for an hour, nor is any peer of its
+subnet: the subnet costs one round, not every round."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import pytest
 import torch
 
 from potluck.averaging import Averager
-from potluck.averaging.matchmaking import Declaration
+from potluck.averaging.allreduce.group import Group
+from potluck.averaging.load_balancing import balanced_parts
+from potluck.averaging.matchmaking import Declaration, FormedGroup, JoinAccepted, JoinFailed, JoinRefused, JoinRequest
 from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.dht import own_subkey
@@ -25,11 +31,14 @@ from tests.emulated_swarm import SimPeer, add_peer, make_swarm
 WINDOW = 2.0
 
 
-async def _silent_leader(net: EmulatedNetwork, peers: list[SimPeer], ip: str, key: str, schema: str) -> asyncio.Task:
+async def _silent_leader(net: EmulatedNetwork, peers: list[SimPeer], ip: str, key: str, schema: str,
+                         answer=lambda request, ctx, me: asyncio.sleep(3600)) -> asyncio.Task:
     """A new made-up id at `ip` that declares under `key` as its earliest peer (its record always
-    closing a moment from now) and holds every join it gets."""
+    closing a moment from now) and answers every join it gets with `answer` (default: never)."""
     liar = await add_peer(net, list(peers), ip=ip)
-    liar.transport.add_handler(RunNames("silent").averager("tensors").join, lambda request, ctx: asyncio.sleep(3600))
+    me = liar.transport.peer_id
+    liar.transport.add_handler(RunNames("silent").averager("tensors").join,
+                               lambda request, ctx: answer(request, ctx, me))
 
     async def declare() -> None:
         while True:
@@ -90,4 +99,47 @@ def test_followers_of_a_leader_held_by_a_silent_one_still_get_their_group():
         assert [getattr(r, "group_size", r) for r in results] == [4, 4, 4, 4], results
         for a in others:
             assert not a.matchmaker._held_leader(newcomer.transport.peer_id)
+    run_virtual(main())
+
+
+async def _failed(request, ctx, me):
+    return JoinFailed("no group today").to_wire()
+
+
+async def _refused(request, ctx, me, honest=()):
+    return JoinRefused("full", tuple(honest)).to_wire()
+
+
+async def _alone_with_you(request, ctx, me):
+    """A group of the liar and the joiner, as fair as any: then it takes no part."""
+    join = JoinRequest.from_wire(request)
+    roles, bandwidths = ("node", join.role), (join.bandwidth, join.bandwidth)
+    parts = balanced_parts(16, list(roles), [b[0] for b in bandwidths], [b[1] for b in bandwidths])
+    group = Group(os.urandom(16), (me, ctx.peer_id), roles, tuple(parts))
+    return JoinAccepted(FormedGroup(group, (None, join.metadata), bandwidths)).to_wire()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer", ["failed", "refused", "alone_with_you"])
+def test_a_leader_that_answers_at_once_with_nothing_usable_costs_its_subnet_one_round(answer):
+    async def main():
+        net, honest = await make_swarm(3)
+        avgs = [Averager(p, [torch.full((16,), float(i))], "silent", target_group_size=3, matchmaking_time=WINDOW,
+                         sender_timeout=1.0) for i, p in enumerate(honest)]
+        names = RunNames("silent").averager("tensors")
+        ids = [p.transport.peer_id for p in honest]
+        reply = {"failed": _failed, "alone_with_you": _alone_with_you,
+                 "refused": lambda request, ctx, me: _refused(request, ctx, me, ids)}[answer]
+        rounds = []
+        for key, ip in (("e0", "51.15.0.7"), ("e1", "51.15.0.8"), ("e2", None)):
+            liar = None if ip is None else \
+                await _silent_leader(net, honest, ip, names.declarations(f"{key}/all"), avgs[0].schema, reply)
+            await asyncio.sleep(0.2)
+            results = await asyncio.gather(*(a.astep(group_key=key, timeout=30) for a in avgs), return_exceptions=True)
+            rounds.append([getattr(r, "group_size", r) for r in results])
+            if liar is not None:
+                liar.cancel()
+        assert rounds[1] == [3, 3, 3] and rounds[2] == [3, 3, 3], rounds  # (e2: no liar, the last group again)
+        for a in avgs:
+            assert torch.equal(a._tensors[0], torch.full((16,), 1.0))
     run_virtual(main())

@@ -338,6 +338,8 @@ class Averager:
                                                            sender_timeout=self.sender_timeout)
             if parts is not None:
                 await run_in_thread(self._assign, torch.cat([p.reshape(-1) for p in parts]))
+        if me != 0 and 0 not in contributors and group.roles[0] != Role.AUX:
+            self.matchmaker.hold_against(group.peers[0], "formed a group it took no part in")
         self._advance(me, group.group_id)
         await self.announce_state()
         return StepResult(len(group.peers), [str(p) for p in group.peers], gathered, key,

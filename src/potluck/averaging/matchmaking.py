@@ -569,7 +569,7 @@ class Matchmaker:
             closed = self._declared.get(leader)  # it had our request, and kept it past its own window:
             if closed is not None and self.dht.get_time() >= closed + BEGIN_SLACK / 2 \
                     and self.transport.is_connected(leader):
-                self._hold_against(leader)
+                self.hold_against(leader, "held our join request past its own window without an answer")
             logger.debug("join %s failed: %s", leader, e)
             return None
         except (NetworkError, PotluckError) as e:
@@ -591,7 +591,13 @@ class Matchmaker:
                 return None
             return answer.group
         if isinstance(answer, JoinFailed):
-            raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
+            closed = self._declared.get(leader)
+            if closed is None or self.dht.get_time() >= closed:
+                raise AveragingError(f"group under {group_key!r} failed: {answer.reason}")
+            # Before its window's end an honest leader fails nobody (but when it shuts down): a
+            # made-up earliest leader failed every follower's round at once this way.
+            self.hold_against(leader, f"failed our join before its window ended ({answer.reason!r})")
+            return None
         if isinstance(answer, JoinMoved):
             tried.add(leader)
             if answer.leader in tried or answer.leader == self.transport.peer_id or handovers >= MAX_HANDOVERS:
@@ -600,7 +606,7 @@ class Matchmaker:
             if joined is None:  # it will not take us: nor would it take the followers we may lead next
                 tried.add(answer.leader)
             return joined
-        tried.update(answer.taken)
+        tried.add(leader)  # (not its `taken`: a made-up earliest leader named every honest peer there)
         return None
 
     def _held_leader(self, peer: PeerID) -> bool:
@@ -608,9 +614,13 @@ class Matchmaker:
         now = asyncio.get_running_loop().time()
         return any(self._held.get(key, 0.0) > now for key in self._leader_keys(peer))
 
-    def _hold_against(self, leader: PeerID) -> None:
-        logger.warning("leader %s held our join request past its own window without an answer; not joining it "
-                       "or its subnet for %.0f s", leader, HELD_LEADER_SECONDS)
+    def hold_against(self, leader: PeerID, what: str) -> None:
+        """Join neither `leader` nor its subnet for HELD_LEADER_SECONDS: as a leader it `what`, which
+        an honest one does not do (see the module docstring). Our last group is forgotten if it
+        led it."""
+        logger.warning("leader %s %s; not joining it or its subnet for %.0f s", leader, what, HELD_LEADER_SECONDS)
+        if self.last.leader == leader:
+            self.last.leader, self.last.members = None, frozenset()
         until = asyncio.get_running_loop().time() + HELD_LEADER_SECONDS
         for key in self._leader_keys(leader):
             self._held.pop(key, None)
