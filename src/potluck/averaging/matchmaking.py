@@ -21,12 +21,14 @@ load split (DeDLOC's linear program over the members' measured bandwidths) and t
 and answers every follower with the same `Group`. Fewer than `min_group_size` members: everyone
 gets a clear failure.
 
-A leader that holds a join request past its own window's end and half of BEGIN_SLACK without an
-answer (an honest one answers at the end of its window at the latest, and one held by an earlier
-leader gives that one up by then to close its own gathering) is not joined again for `HELD_LEADER_SECONDS`, nor is
-any peer of its subnet (our own network excepted): anyone can declare under a key as its earliest
-peer, and a silent one held every follower, round after round. Such a subnet now costs a round
-per `HELD_LEADER_SECONDS` at most; its peers may still join ours.
+Anyone can declare under a key as its earliest peer, so a leader that gives us nothing usable is
+not joined again for `HELD_LEADER_SECONDS`, nor is any peer of its subnet (our own network
+excepted): one that holds a join past its window's end and half of BEGIN_SLACK without an answer
+(an honest one answers when its window ends, and one held by an earlier leader gives that one up
+by then to close its own gathering), one that fails a join before its window ends, and one that
+forms a group it then takes no part in (`Averager`). Each held every follower, or failed its
+round, round after round; such a subnet now costs a round per `HELD_LEADER_SECONDS` at most, and
+its peers may still join ours. A refusal's `taken` list is not believed either.
 
 Seats are shared per subnet, since ids are free: a full gathering that one subnet crowds (more than
 half of the followers' seats, and more than one) stays open for `SEAT_FRACTION` of its window, and
