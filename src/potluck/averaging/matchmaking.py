@@ -90,10 +90,10 @@ MIN_POLL_SECONDS = 0.05
 # subnets (see the module docstring): honest followers settle, read the key and ask within about
 # a settle and a poll or two of the window's start. Only crowded gatherings wait for it.
 SEAT_FRACTION = SETTLE_FRACTION + 2 * POLL_FRACTION
-# How long a leader that held our join to its deadline (and its subnet) is not joined again: one
-# silent made-up id, declared as the earliest peer, otherwise wrecks every round. Long, since an
-# honest leader never does this while it lives (a dead one's connection fails the call at once);
-# skipping an honest one only lets the next peer lead.
+# How long a leader that gave us nothing usable (and its subnet) is not joined again (see the
+# module docstring): one made-up id declared as the earliest peer otherwise wrecks every round.
+# Long, since an honest leader does this only when it dies or shuts down; skipping an honest one
+# only lets the next peer lead.
 HELD_LEADER_SECONDS = 3600.0
 # Leaders and subnets remembered so (each a short string and a float).
 MAX_HELD_LEADERS = 1024
@@ -229,7 +229,8 @@ class JoinMoved(Message, what="join reply"):
 
 
 class JoinRefused(Message, what="join reply"):
-    """The leader will not take us (a full group names its members: `taken`, to skip them all)."""
+    """The leader will not take us (a full group names its members, `taken`: for the record only,
+    as a made-up leader can name anyone there)."""
 
     reason: str = Text("refused", MAX_REASON_CHARS)
     taken: tuple[PeerID, ...] = List("taken", PeerIdField(raw=True), MAX_GROUP_SIZE)
@@ -556,9 +557,8 @@ class Matchmaker:
 
     async def _join(self, leader: PeerID, group_key: str, me: Candidate, give_up: float,
                     tried: set[PeerID], rejoin_wait: float | None = None, handovers: int = 0) -> FormedGroup | None:
-        """Ask `leader` to take us; None if it refused (the caller tries another). A full group
-        names its members, so we skip all of them at once; a leader that handed its gathering
-        over names the leader to ask next."""
+        """Ask `leader` to take us; None if it refused (the caller tries another); a leader that
+        handed its gathering over names the leader to ask next."""
         if self._held_leader(leader):
             return None
         request = JoinRequest(group_key, self.schema, me.role, (me.upload, me.download), me.metadata,
@@ -612,7 +612,7 @@ class Matchmaker:
         return None
 
     def _held_leader(self, peer: PeerID) -> bool:
-        """Whether `peer`, or a peer of its subnet, held our join past its window lately."""
+        """Whether `peer`, or a peer of its subnet, gave us nothing usable as a leader lately."""
         now = asyncio.get_running_loop().time()
         return any(self._held.get(key, 0.0) > now for key in self._leader_keys(peer))
 
