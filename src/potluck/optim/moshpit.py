@@ -31,6 +31,9 @@ class MoshpitTraining(TrainingMode):
         self.options = options
         self.steps = 0  # local steps since the last round
         self.fitted_grid = options.grid is None
+        # Its peers meet whatever their epochs and never take the swarm's: a lead over ours ends
+        # nothing here, and every live peer counts in the grid (`place_on_grid`), backed or not.
+        context.tracker.backed_leads = False
 
     async def start(self) -> None:
         pass  # the state averager is all it needs

@@ -15,11 +15,13 @@ the group are still seen through the DHT.
 Records come from other peers, so a reader bounds what one record can do (see docs/security.md):
 a record is only its signer's; a report time in the future counts as the moment it was first
 read, and ages from there; an epoch more than `MAX_EPOCH_LEAD` ahead of the second-highest
-epoch reported is ignored (one record cannot move the collaboration's epoch); a peer's samples
-and speed count at most `MAX_SPEED_RATIO` times the median peer's, and a peer we averaged with
-recently at most `AVERAGED_SLACK` times what it averaged with (`averaged`): the samples its round
-note gave the group, which the group's update is scaled by, over that epoch's duration, and the
-samples that rate adds up to since.
+epoch reported is ignored (one record cannot move the collaboration's epoch), and so is any lead
+over our own epoch that nothing backs (`_backed`: a peer of our recent groups, one we follow, or
+a second network origin; a made-up identity one epoch ahead would otherwise end every round of
+ours); a peer's samples and speed count at most `MAX_SPEED_RATIO` times the median peer's, and a
+peer we averaged with recently at most `AVERAGED_SLACK` times what it averaged with (`averaged`):
+the samples its round note gave the group, which the group's update is scaled by, over that
+epoch's duration, and the samples that rate adds up to since.
 
 Two more things ride along for monitors (`potluck monitor`): the training metrics a peer chooses
 to publish (`Optimizer.report_metrics`) and its count of failed rounds in its progress record, and
@@ -45,6 +47,7 @@ from potluck.core.wire import Bool, Bytes, Dict, Int, List, Message, Nested, Num
 from potluck.dht.records import own_subkey, owned_entries, subkey_owner
 from potluck.net.identity import PeerID
 from potluck.net.membership import MAX_TOKEN_BYTES
+from potluck.net.origins import UNKNOWN_ORIGIN
 from potluck.optim.schema import FINGERPRINT_CHARS
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ MAX_DIGEST_CHARS = 128
 # update, or its delayed round started, a moment before theirs). A report further ahead than this
 # of the second-highest epoch reported is ignored: it takes two peers to move the epoch.
 MAX_EPOCH_LEAD = 1
+# A lead over our own epoch (a higher epoch, or more epochs applied) counts only when it is backed
+# (`ProgressTracker._backed`): a peer of our recent groups or one we follow reports as much, or
+# peers of at least this many network origins (the subnets of our open connections with them) do.
+# Identities are free, subnets are not: made-up ids on one host are one origin.
+MIN_BACKING_ORIGINS = 2
 # A peer we follow (`ProgressTracker.followed`: one we joined through, or whose state we took) is
 # believed up to this many epochs past the second-highest epoch. A run starts with one peer: the
 # peers that join it take its state, and while their downloads run it trains on alone, an epoch or
@@ -204,6 +212,15 @@ class ProgressTracker:
         # Peers whose epoch counts up to MAX_FOLLOWED_LEAD past the others' (see `_bounded`): the
         # Optimizer's witnesses (the peers its user joined through) and the donors of its state.
         self.followed: frozenset[str] = frozenset()
+        # Whether a lead over our epoch must be backed (`_backed`). A mode whose peers meet whatever
+        # their epochs and never take the swarm's (Moshpit) turns it off: a lead ends nothing there.
+        self.backed_leads = True
+        # Members of our recent groups (at most MAX_AVERAGED_PEERS, the newest last): their leads
+        # count (`_backed`). A dict as an ordered set.
+        self._grouped: dict[str, None] = {}
+        # Peers named for an unbacked lead (`_backed`): once each, though such a lead comes and goes
+        # with every epoch of ours; forgotten all at once past MAX_AVERAGED_PEERS.
+        self._unbacked: set[str] = set()
         # Reports sent to us by neighbors, stamped with our clock on arrival; replaced, never
         # changed in place (the training thread reads it while the loop writes it).
         self.pushed: dict[str, PeerProgress] = {}
@@ -227,6 +244,11 @@ class ProgressTracker:
         and take theirs."""
         chosen = {p: PeerID.from_string(p) for p in peers if p != self.peer_id}
         self._neighbors = dict(list(chosen.items())[:MAX_NEIGHBORS])
+        for peer in chosen:
+            self._grouped.pop(peer, None)  # re-inserted as the newest
+            self._grouped[peer] = None
+        for peer in list(self._grouped)[:max(0, len(self._grouped) - MAX_AVERAGED_PEERS)]:
+            del self._grouped[peer]
         self.pushed = {peer: r for peer, r in self.pushed.items() if peer in self._neighbors}
 
     async def report(self, epoch: int, samples: int, samples_per_second: float, done: int,
@@ -390,8 +412,9 @@ class ProgressTracker:
         most MAX_FOLLOWED_LEAD past it), speeds and samples at most MAX_SPEED_RATIO times the
         median peer's (ours included). An epoch counts once its peer has trained or loaded a
         state (a newcomer's 0 is no evidence: to it a lone other peer is the swarm), ours except
-        against a lone other peer that was in our last group (we fell behind it). Then each peer
-        we averaged with recently at most what it averaged with (`_within_averaged`)."""
+        against a lone other peer that was in our last group (we fell behind it); a lead over ours
+        only if backed (`_backed`). Then each peer we averaged with recently at most what it
+        averaged with (`_within_averaged`)."""
         lone_neighbor = len(others) == 1 and others[0].peer_id in self._neighbors
         ours = [local.epoch] if _started(local) and not lone_neighbor else []
         epochs = sorted([*ours, *(r.epoch for r in others if _started(r))], reverse=True)
@@ -405,6 +428,7 @@ class ProgressTracker:
             logger.warning("progress: ignoring %s, which claims epoch %d while the swarm supports %d",
                            peer, ignored[peer], supported)
         self._ignored = set(ignored)
+        kept = self._backed(kept, local)
         everyone = [local, *kept]
         median_speed = _lower_median([r.samples_per_second for r in everyone])
         if median_speed <= 0:
@@ -425,6 +449,54 @@ class ProgressTracker:
         cut = [dataclasses.replace(r, samples_per_second=min(r.samples_per_second, max_speed),
                                    samples=min(r.samples, max_samples)) if r.peer_id in capped else r for r in kept]
         return self._within_averaged(kept, cut)
+
+    def _backed(self, reports: list[PeerProgress], local: PeerProgress) -> list[PeerProgress]:
+        """`reports` less those ahead of us (`local`: a higher epoch, or more epochs applied) that
+        nothing backs. A lead is backed when a peer of our recent groups or one we follow reports
+        at least as much (that peer included), or peers of MIN_BACKING_ORIGINS network origins
+        do. Read as claimed, one made-up identity a single epoch ahead (within MAX_EPOCH_LEAD)
+        ended each of our rounds: we took its epoch (catching up) instead of averaging, every
+        epoch. Until we have trained or taken a state our epoch is no evidence, and nothing is
+        left out (a newcomer takes a lone run's epoch, as `_bounded` says)."""
+        if not self.backed_leads or not _started(local):
+            return reports
+        ahead = [r for r in reports if r.epoch > local.epoch or r.done > local.done]
+        known = self._grouped.keys() | self.followed
+        origins = {r.peer_id: self._origin(r.peer_id) for r in ahead if r.peer_id not in known}
+        # Only these can back a claim: peers we know, and peers we hold a connection with (a few
+        # hundred at most, however many made-up ids publish), so the check stays linear in those.
+        witnesses = [r for r in ahead if r.peer_id in known or origins[r.peer_id] is not None]
+
+        def backed(claim: PeerProgress) -> bool:
+            as_much = [r for r in witnesses if r.epoch >= claim.epoch and r.done >= claim.done]
+            return any(r.peer_id in known for r in as_much) \
+                or len({origins[r.peer_id] for r in as_much if r.peer_id not in known}) >= MIN_BACKING_ORIGINS
+
+        unbacked = {r.peer_id: r for r in ahead if not backed(r)}
+        for peer in unbacked.keys() - self._unbacked:
+            claim = unbacked[peer]
+            logger.warning("progress: ignoring %s, which claims epoch %d (%d applied) past our %d (%d applied), "
+                           "with no peer of our recent groups or that we follow, and no second network origin, "
+                           "saying as much", peer, claim.epoch, claim.done, local.epoch, local.done)
+            if len(self._unbacked) >= MAX_AVERAGED_PEERS:
+                self._unbacked.clear()
+            self._unbacked.add(peer)
+        return [r for r in reports if r.peer_id not in unbacked] if unbacked else reports
+
+    def _origin(self, peer: str) -> str | None:
+        """The subnet of our open connection with `peer`, or None (none open, or its origin is
+        unknown). Only an observed address counts: the addresses a peer states itself are free."""
+        is_connected = getattr(self.transport, "is_connected", None)
+        if is_connected is None:
+            return None
+        try:
+            peer_id = PeerID.from_string(peer)
+        except PotluckError:
+            return None
+        if not is_connected(peer_id):
+            return None
+        origin = self.transport.peer_origin(peer_id)
+        return None if origin == UNKNOWN_ORIGIN else origin.subnet
 
     def _within_averaged(self, claimed: list[PeerProgress], reports: list[PeerProgress]) -> list[PeerProgress]:
         """`reports` (the `claimed` ones, maybe cut already), each of a peer we averaged with
