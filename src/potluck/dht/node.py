@@ -87,6 +87,10 @@ OPERATION_TIMEOUT = 30.0
 # The longest a node serves one DHT call, whatever its caller asks: every handler is local work on
 # at most a few MiB (a store of 256 records), done in milliseconds; ten callers' RPC_TIMEOUT.
 HANDLER_SECONDS = 30.0
+# A store's lookup ends this share of the store's timeout early (at most one RPC timeout), so the
+# store RPCs, one round trip, keep time for themselves: a lookup that ran to the deadline (slowed
+# by unresponsive peers) left them 0 s, and a store through live peers failed.
+STORE_RPC_SHARE = 0.25
 # Joining: reaching the initial peers and the first self-lookup.
 BOOTSTRAP_TIMEOUT = 15.0
 # Buckets with no news for this long get a lookup of a random id in their range (Kademlia uses an
@@ -578,7 +582,8 @@ class DHTNode:
             return stored
         results = {}
         if len(self.routing):
-            results = await self._lookup(list(by_key), values=False, stop_on_value=False, deadline=deadline)
+            lookup_deadline = deadline - min(self.config.rpc_timeout, timeout * STORE_RPC_SHARE)
+            results = await self._lookup(list(by_key), values=False, stop_on_value=False, deadline=lookup_deadline)
         plan: dict[PeerID, list[int]] = {}
         for key_id, indices in by_key.items():
             nearest = results[key_id].nearest[:self.replicas] if key_id in results else []
