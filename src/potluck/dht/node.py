@@ -91,6 +91,12 @@ HANDLER_SECONDS = 30.0
 # store RPCs, one round trip, keep time for themselves: a lookup that ran to the deadline (slowed
 # by unresponsive peers) left them 0 s, and a store through live peers failed.
 STORE_RPC_SHARE = 0.25
+# A store returns once a majority of each record's replicas (this node included) hold it, or,
+# failing that, once one does and this long has passed since the store calls went out; the other
+# calls finish in the background, each within its own RPC deadline. A live replica answers a store
+# within a round trip (see SLOW_AFTER); waiting for every replica let one that answers finds but
+# never stores hold every store for the whole RPC_TIMEOUT.
+STORE_GRACE = 1.0
 # Joining: reaching the initial peers and the first self-lookup.
 BOOTSTRAP_TIMEOUT = 15.0
 # Buckets with no news for this long get a lookup of a random id in their range (Kademlia uses an
@@ -181,6 +187,9 @@ class DHTNode:
         self.backoff = Backoff()
         self._rng = random.Random(self.node_id)
         self._tasks: set[asyncio.Task] = set()
+        # Store calls in flight, some outliving the store that sent them (STORE_GRACE): kept
+        # apart from `_tasks` so they never crowd out its MAX_BACKGROUND_TASKS.
+        self._store_calls: set[asyncio.Task] = set()
         self._pinging: set[PeerID] = set()
         self._newcomers: set[PeerID] = set()
         self._handoff_task: asyncio.Task | None = None
@@ -267,18 +276,19 @@ class DHTNode:
             if self.transport.resolver is self:
                 self.transport.set_resolver(None)
             self.transport.unwatch_addresses(self._addresses_changed)
-        tasks = list(self._tasks)
+        tasks = [*self._tasks, *self._store_calls]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def wait_idle(self, timeout: float = OPERATION_TIMEOUT) -> None:
-        """Wait until the background work started so far (hand-offs, caching stores, pings) is
-        done; for tests and orderly benchmarks. Raises TimeoutError after `timeout`."""
+        """Wait until the background work started so far (hand-offs, caching stores, pings, the
+        store calls a store left running) is done; for tests and orderly benchmarks. Raises
+        TimeoutError after `timeout`."""
         async with compat.timeout(timeout):
             forever = (self._upkeep_task, self._republish_task)
-            while pending := [t for t in self._tasks if t not in forever]:
+            while pending := [t for t in (*self._tasks, *self._store_calls) if t not in forever]:
                 await asyncio.wait(pending)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
@@ -292,6 +302,7 @@ class DHTNode:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._store_calls.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("DHT background task failed", exc_info=task.exception())
 
@@ -570,7 +581,9 @@ class DHTNode:
 
     async def store_many(self, records: Sequence[Record], timeout: float = OPERATION_TIMEOUT) -> list[bool]:
         """Store validated (and, if owned, signed) records on the `replicas` closest nodes of
-        their keys; one traversal for all keys. Element i: whether any replica holds record i."""
+        their keys; one traversal for all keys. Element i: whether any replica holds record i.
+        Returns once enough replicas hold each record (see `_await_replicas`); the other store
+        calls go on in the background until their deadline."""
         deadline = self._mono() + timeout
         now = self.now()
         stored = [False] * len(records)
@@ -585,26 +598,76 @@ class DHTNode:
             lookup_deadline = deadline - min(self.config.rpc_timeout, timeout * STORE_RPC_SHARE)
             results = await self._lookup(list(by_key), values=False, stop_on_value=False, deadline=lookup_deadline)
         plan: dict[PeerID, list[int]] = {}
+        replicas = [0] * len(records)  # replicas each record went to, this node included
+        held = [0] * len(records)  # of those, how many hold it
         for key_id, indices in by_key.items():
             nearest = results[key_id].nearest[:self.replicas] if key_id in results else []
             holders = [(p, _node_id(p) ^ key_id) for p in nearest]
             if not self.client_mode:
                 holders.append((self.peer_id, self.node_id ^ key_id))
             for peer, _ in sorted(holders, key=lambda h: h[1])[:self.replicas]:
+                for i in indices:
+                    replicas[i] += 1
                 if peer == self.peer_id:
                     for i in indices:
-                        stored[i] = self.storage.store(key_id, records[i], now) or stored[i]
+                        if self.storage.store(key_id, records[i], now):
+                            stored[i] = True
+                            held[i] += 1
                 else:
                     plan.setdefault(peer, []).extend(indices)
-        outcomes = await asyncio.gather(*(self._send_records(peer, [records[i] for i in indices], deadline)
-                                          for peer, indices in plan.items()))
-        for (peer, indices), answer in zip(plan.items(), outcomes, strict=True):
-            for i, ok in zip(indices, answer, strict=True):
-                if ok is True:
-                    stored[i] = True
-                elif isinstance(ok, str):
-                    logger.warning("%s refused a record for %r: %s", peer, records[i].key, ok)
+        if plan:
+            await self._await_replicas(records, plan, deadline, replicas, held, stored)
         return stored
+
+    async def _await_replicas(self, records: Sequence[Record], plan: dict[PeerID, list[int]], deadline: float,
+                              replicas: list[int], held: list[int], stored: list[bool]) -> None:
+        """Send each peer of `plan` its records and count who holds what (`held`, `stored`) until
+        every record is settled: all its calls answered, or a majority of its `replicas` hold it,
+        or one does and STORE_GRACE has passed. Calls still running then go on in the background
+        (`_store_calls`); a replica that answers finds but never stores must not hold up stores."""
+        loop = asyncio.get_running_loop()
+        calls: dict[asyncio.Task, list[int]] = {}
+        unanswered = [0] * len(records)
+        for peer, indices in plan.items():
+            task = loop.create_task(self._store_on(peer, [records[i] for i in indices], deadline))
+            self._store_calls.add(task)
+            task.add_done_callback(self._task_done)
+            calls[task] = indices
+            for i in indices:
+                unanswered[i] += 1
+        grace_ends = loop.time() + STORE_GRACE
+        sent = {i for indices in calls.values() for i in indices}
+
+        def settled() -> bool:
+            late = loop.time() >= grace_ends
+            return all(unanswered[i] == 0 or held[i] > replicas[i] // 2 or (late and held[i] > 0) for i in sent)
+
+        pending = set(calls)
+        try:
+            while pending and not settled():
+                wait = max(0.0, grace_ends - loop.time()) if loop.time() < grace_ends else None
+                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    for i, ok in zip(calls[task], task.result(), strict=True):
+                        unanswered[i] -= 1
+                        if ok is True:
+                            held[i] += 1
+                            stored[i] = True
+        except BaseException:
+            for task in pending:
+                task.cancel()
+            raise
+        if self._closed:  # shut down meanwhile: nobody would cancel them
+            for task in pending:
+                task.cancel()
+
+    async def _store_on(self, peer: PeerID, records: Sequence[Record], deadline: float) -> list[bool | str]:
+        """`_send_records`, logging refusals (also for a call that outlives its store)."""
+        answers = await self._send_records(peer, records, deadline)
+        for record, ok in zip(records, answers, strict=True):
+            if isinstance(ok, str):
+                logger.warning("%s refused a record for %r: %s", peer, record.key, ok)
+        return answers
 
     async def _send_records(self, peer: PeerID, records: Sequence[Record],
                             deadline: float | None = None) -> list[bool | str]:
