@@ -106,6 +106,8 @@ REFRESH_INTERVAL = 600.0
 MAX_REFRESH_PER_ROUND = 8
 # Consecutive failed calls after which a peer leaves the routing table even without a replacement
 # (the Kademlia paper suggests about five with backoff; three keeps dead entries from lingering).
+# Failed stores count on their own too (`DHTNode.store_backoff`): a prompt find answer does not
+# clear them, so a peer that answers finds but never stores goes stale all the same.
 STALE_AFTER_FAILURES = 3
 # Background tasks (pings, caching stores, hand-offs) one node may run at once; beyond this new
 # ones are skipped, so a flood of newcomers cannot grow memory without bound.
@@ -185,6 +187,9 @@ class DHTNode:
         self.routing = RoutingTable(self.node_id, self.config.bucket_size, self.config.depth_modulo)
         self.storage = Storage(self.config.max_storage_bytes)
         self.backoff = Backoff()
+        # Failed store calls, cleared only by an answered store: a peer in this backoff is not
+        # picked as a replica (see STALE_AFTER_FAILURES).
+        self.store_backoff = Backoff()
         self._rng = random.Random(self.node_id)
         self._tasks: set[asyncio.Task] = set()
         # Store calls in flight, some outliving the store that sent them (STORE_GRACE): kept
@@ -318,6 +323,8 @@ class DHTNode:
         """A non-client peer with a known address answered or called us: it belongs in the table."""
         if peer == self.peer_id or not self.transport.addresses_of(peer):
             return
+        if self.store_backoff.failures(peer) >= STALE_AFTER_FAILURES and self._store_blocked(peer):
+            return  # answers, but fails every store: not named to others while in store backoff
         known = peer in self.routing
         oldest = self.routing.add_or_update(peer, _node_id(peer), self._mono())
         if oldest is not None and oldest not in self._pinging:
@@ -331,8 +338,12 @@ class DHTNode:
         self.backoff.succeeded(peer)
         self._learn(peer)
 
-    def _peer_failed(self, peer: PeerID) -> None:
+    def _peer_failed(self, peer: PeerID, store: bool = False) -> None:
+        """`peer` did not answer a call; `store`: it was a store call, counted in `store_backoff`
+        too, which finds answered in between do not clear."""
         failures = self.backoff.failed(peer, self._mono())
+        if store:
+            failures = max(failures, self.store_backoff.failed(peer, self._mono()))
         if peer in self.routing and (failures >= STALE_AFTER_FAILURES or self.routing.has_replacement(peer)):
             promoted = self.routing.remove(peer)
             if promoted is not None:
@@ -346,6 +357,9 @@ class DHTNode:
 
     def _usable(self, peer: PeerID) -> bool:
         return not self.backoff.blocked(peer, self._mono())
+
+    def _store_blocked(self, peer: PeerID) -> bool:
+        return self.store_backoff.blocked(peer, self._mono())
 
     async def _ping_oldest(self, peer: PeerID) -> None:
         """A bucket is full and a newcomer waits: keep the oldest entry only if it still answers."""
@@ -601,8 +615,9 @@ class DHTNode:
         replicas = [0] * len(records)  # replicas each record went to, this node included
         held = [0] * len(records)  # of those, how many hold it
         for key_id, indices in by_key.items():
-            nearest = results[key_id].nearest[:self.replicas] if key_id in results else []
-            holders = [(p, _node_id(p) ^ key_id) for p in nearest]
+            # Not a peer whose stores keep failing (`store_backoff`): the next closest instead.
+            nearest = [p for p in results[key_id].nearest if not self._store_blocked(p)] if key_id in results else []
+            holders = [(p, _node_id(p) ^ key_id) for p in nearest[:self.replicas]]
             if not self.client_mode:
                 holders.append((self.peer_id, self.node_id ^ key_id))
             for peer, _ in sorted(holders, key=lambda h: h[1])[:self.replicas]:
@@ -671,7 +686,8 @@ class DHTNode:
 
     async def _send_records(self, peer: PeerID, records: Sequence[Record],
                             deadline: float | None = None) -> list[bool | str]:
-        """Store `records` on one peer; a failed call counts as refused (False) for each."""
+        """Store `records` on one peer; a failed call counts as refused (False) for each, and
+        against the peer in `store_backoff`."""
         answers: list[bool | str] = []
         for start in range(0, len(records), protocol.MAX_STORE_RECORDS):
             chunk = list(records[start:start + protocol.MAX_STORE_RECORDS])
@@ -685,10 +701,11 @@ class DHTNode:
                 answers.extend(protocol.read(protocol.StoreResponse, response, n_records=len(chunk)).results)
             except (NetworkError, BadRequest, TimeoutError) as e:
                 logger.debug("store on %s failed: %s", peer, e)
-                self._peer_failed(peer)
+                self._peer_failed(peer, store=True)
                 answers.extend([False] * (len(records) - start))
                 break
             else:
+                self.store_backoff.succeeded(peer)
                 self._peer_ok(peer)
         return answers
 
