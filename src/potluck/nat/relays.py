@@ -10,6 +10,17 @@ sets its circuit addresses (`transport.set_relayed_addresses`, which makes the D
 peer record at once), renews each reservation halfway to its expiry, and when a relay's
 connection is lost (`transport.watch_disconnects`) drops its addresses and reserves elsewhere.
 A later re-check that finds the peer public releases them all (`release`).
+
+Anyone can announce relays (an entry costs one made-up id), and a relay can grant and renew a
+reservation yet never forward a hop: each dial to us then waits out its circuit address first, and
+with all our relays such, nobody reaches us. So, as the reachability check picks its servers
+(`net.reachability.spread_by_origin`), a search tries relays spread over network origins: one of
+each subnet (`net.origins`) we hold no reservation on, before a second of any. A relay's subnet
+is that of its live connection if we have one, else of its announced address; an announcement
+that names another subnet than the connection then comes from is found out once we reserve, and
+that relay is passed over while relays of other subnets are left to try. Many relay ids of one
+host then hold at most one of our slots (a swarm whose relays share one subnet, e.g. a test on
+one machine, still reserves on WANTED_RELAYS of them).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from potluck.core.errors import MalformedMessage, NetworkError
 from potluck.dht import DHT, DHTError, own_subkey, owned_entries
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
+from potluck.net.origins import UNKNOWN_ORIGIN, origin_of
 from potluck.net.relay import Reservation, release, reserve
 from potluck.net.transport import Transport
 from potluck.net.wire import addresses_to_wire, addresses_value
@@ -40,10 +52,12 @@ RELAY_ENTRY_TTL = 600.0
 # Reservations a NATed peer holds: two, so that when one relay dies the other still carries its
 # connections while a replacement is found (libp2p's AutoRelay also defaults to a few).
 WANTED_RELAYS = 2
-# Relays tried per search (in random order): bounds the dials one search costs when many are
-# announced or many refuse (full, or dead with their entry not yet expired).
+# Relays tried per search (spread over subnets, see the module docstring): bounds the dials one
+# search costs when many are announced or many refuse (full, or dead with their entry not yet
+# expired).
 MAX_TRIED_PER_SEARCH = 8
-# A relay that refused or did not answer is not tried again for this long.
+# A relay that refused, did not answer, or was passed over (on a subnet we hold a relay on) is not
+# tried again for this long: the next searches try others first.
 RELAY_RETRY_SECONDS = 60.0
 # With fewer reservations than wanted, search again this often (new relays may have appeared).
 SEARCH_INTERVAL = 30.0
@@ -217,8 +231,9 @@ class RelayReservations:
         candidates = await read_relays(self.dht, exclude=self.transport.peer_id)
         now = loop.time()
         fresh = [r for r in candidates if r not in self.held and self._failed.get(r, 0.0) <= now]
-        self._rng.shuffle(fresh)
-        for relay in fresh[:MAX_TRIED_PER_SEARCH]:
+        self._rng.shuffle(fresh)  # which relay of a subnet comes first
+        order = self._spread(fresh, candidates)
+        for i, relay in enumerate(order[:MAX_TRIED_PER_SEARCH]):
             if len(self.held) >= self.wanted:
                 break
             self.transport.add_addresses(relay, candidates[relay])
@@ -228,8 +243,47 @@ class RelayReservations:
                 logger.debug("relay %s: no reservation (%s)", relay, e)
                 self._failed_now(relay)
                 continue
+            held = set(self._held_subnets())
+            if (self.transport.peer_origin(relay).subnet in held
+                    and any(self._subnet(r, candidates[r]) not in held for r in order[i + 1:])):
+                # A second relay on a subnet we hold (its announcement may have said otherwise)
+                # while relays of other subnets are left to try (in this search or the next): one
+                # host must not hold both slots.
+                logger.info("relay %s is on the subnet of a relay we hold; trying another", relay)
+                release(self.transport, relay)
+                self._failed_now(relay)
+                continue
             logger.info("reserved a slot on relay %s", relay)
             self._hold(reservation)
+
+    def _subnet(self, relay: PeerID, announced: tuple[Multiaddr, ...]) -> str:
+        """Where `relay` is: its live connection's subnet if we have one (where its bytes really
+        come from), else its first announced IP (or emulated) address's (what it claims)."""
+        if self.transport.is_connected_directly(relay):
+            return self.transport.peer_origin(relay).subnet
+        first = next((a for a in announced if a.kind in ("ip4", "ip6", "emu")), None)
+        return (UNKNOWN_ORIGIN if first is None else origin_of(first)).subnet
+
+    def _held_subnets(self) -> list[str]:
+        """The subnet of each relay we hold (from its live connection)."""
+        return [self.transport.peer_origin(r).subnet for r in self.held]
+
+    def _spread(self, relays: list[PeerID], candidates: dict[PeerID, tuple[Multiaddr, ...]]) -> list[PeerID]:
+        """`relays` in the order to try: round robin over subnets, counting the relays we hold (so
+        subnets we hold none on come first), each round in random order: however many ids one
+        subnet announces, it gets one place in a round."""
+        taken: dict[str, int] = {}
+        for subnet in self._held_subnets():
+            taken[subnet] = taken.get(subnet, 0) + 1
+        rounds: list[list[PeerID]] = []
+        for relay in relays:
+            subnet = self._subnet(relay, candidates[relay])
+            n = taken[subnet] = taken.get(subnet, 0) + 1
+            rounds.extend([] for _ in range(n - len(rounds)))
+            rounds[n - 1].append(relay)
+        for r in rounds:
+            self._rng.shuffle(r)
+        return [relay for r in rounds for relay in r]
 
     def _failed_now(self, relay: PeerID) -> None:
         self._failed.pop(relay, None)
