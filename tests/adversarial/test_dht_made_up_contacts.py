@@ -60,6 +60,15 @@ async def hostile_nodes(net, peers, count: int, grind_bits: int) -> list[int]:
     return answered
 
 
+async def scene(nodes: int, hostile: int, grind_bits: int):
+    """`nodes` peers (the second a client) and `hostile` made-up-contact nodes, settled: the counter
+    of finds the hostile ones answered, the client's DHT (it stores nothing itself), another's."""
+    net, peers = await make_swarm(nodes, client_mode=(1,))
+    answered = await hostile_nodes(net, peers, count=hostile, grind_bits=grind_bits)
+    await asyncio.sleep(5)
+    return answered, peers[1].dht, peers[2].dht
+
+
 async def timed(coro):
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -70,10 +79,7 @@ async def timed(coro):
 @pytest.mark.timeout(60)
 def test_stores_and_gets_take_a_second_not_22_despite_made_up_contacts():
     async def main():
-        net, peers = await make_swarm(8, client_mode=(1,))
-        answered = await hostile_nodes(net, peers, count=1, grind_bits=0)
-        await asyncio.sleep(5)
-        writer, reader = peers[1].dht, peers[2].dht  # the writer, a client, stores nothing itself
+        answered, writer, reader = await scene(8, hostile=1, grind_bits=0)
         for i in range(3):
             ok, took = await timed(writer.astore(f"key{i}", b"v", writer.get_time() + 600))
             assert ok and took < 2.5, (i, ok, took)  # before: 22 s
@@ -92,10 +98,7 @@ def test_stores_and_gets_take_a_second_not_22_despite_made_up_contacts():
 @pytest.mark.timeout(60)
 def test_a_client_mode_store_succeeds_with_three_hostile_ids_on_one_host():
     async def main():
-        net, peers = await make_swarm(40, client_mode=(1,))
-        answered = await hostile_nodes(net, peers, count=3, grind_bits=8)
-        await asyncio.sleep(5)
-        client, reader = peers[1].dht, peers[2].dht
+        answered, client, reader = await scene(40, hostile=3, grind_bits=8)
         assert client.node.client_mode
         for i in range(3):
             ok, took = await timed(client.astore(f"key{i}", b"v", client.get_time() + 600))
