@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import Counter
 
 from potluck.core import compat, names
 from potluck.core.bounded import drop_oldest
@@ -35,7 +36,7 @@ from potluck.core.errors import MalformedMessage, NetworkError
 from potluck.dht import DHT, DHTError, own_subkey, owned_entries
 from potluck.net.address import Multiaddr
 from potluck.net.identity import PeerID
-from potluck.net.origins import UNKNOWN_ORIGIN, origin_of
+from potluck.net.origins import UNKNOWN_ORIGIN, origin_of, rounds_by_subnet
 from potluck.net.relay import Reservation, release, reserve
 from potluck.net.transport import Transport
 from potluck.net.wire import addresses_to_wire, addresses_value
@@ -272,15 +273,7 @@ class RelayReservations:
         """`relays` in the order to try: round robin over subnets, counting the relays we hold (so
         subnets we hold none on come first), each round in random order: however many ids one
         subnet announces, it gets one place in a round."""
-        taken: dict[str, int] = {}
-        for subnet in self._held_subnets():
-            taken[subnet] = taken.get(subnet, 0) + 1
-        rounds: list[list[PeerID]] = []
-        for relay in relays:
-            subnet = self._subnet(relay, candidates[relay])
-            n = taken[subnet] = taken.get(subnet, 0) + 1
-            rounds.extend([] for _ in range(n - len(rounds)))
-            rounds[n - 1].append(relay)
+        rounds = rounds_by_subnet(relays, lambda r: self._subnet(r, candidates[r]), Counter(self._held_subnets()))
         for r in rounds:
             self._rng.shuffle(r)
         return [relay for r in rounds for relay in r]

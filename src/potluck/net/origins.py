@@ -15,11 +15,16 @@ us through a relay counts under the relay (`relayed`), which is where its bytes 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from potluck.net.address import Multiaddr
 
-__all__ = ["IPV4_SUBNET_BITS", "IPV6_SUBNET_BITS", "UNKNOWN_ORIGIN", "Origin", "Shares", "origin_of"]
+T = TypeVar("T")
+
+__all__ = ["IPV4_SUBNET_BITS", "IPV6_SUBNET_BITS", "UNKNOWN_ORIGIN", "Origin", "Shares", "origin_of",
+           "rounds_by_subnet"]
 
 # The prefix one party plausibly holds: a /24 of IPv4 (a small provider's or an office's block),
 # a /48 of IPv6 (what one customer site is given).
@@ -139,3 +144,19 @@ def _over(held: int, amount: int, cap: int) -> bool:
     """Whether claiming `amount` more where `held` is counted passes `cap` (never when nothing is
     held: for claims of one, `held >= cap`)."""
     return held > 0 and held + amount > cap
+
+
+def rounds_by_subnet(items: Iterable[T], subnet_of: Callable[[T], str],
+                     taken: Mapping[str, int] | None = None) -> list[list[T]]:
+    """`items` (in their order) in rounds: the first holds one item of each subnet, the second a
+    second of each, and so on; a subnet that `taken` says holds n already starts in round n. Many
+    ids of one subnet then get one place per round, whoever made them up (servers to ask, relays
+    to try)."""
+    held = dict(taken or {})
+    rounds: list[list[T]] = []
+    for item in items:
+        subnet = subnet_of(item)
+        n = held[subnet] = held.get(subnet, 0) + 1
+        rounds.extend([] for _ in range(n - len(rounds)))
+        rounds[n - 1].append(item)
+    return rounds

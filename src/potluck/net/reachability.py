@@ -41,7 +41,7 @@ from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
 from potluck.net.membership import require_member
-from potluck.net.origins import UNKNOWN_ORIGIN, Shares
+from potluck.net.origins import UNKNOWN_ORIGIN, Shares, rounds_by_subnet
 from potluck.net.transport import Transport
 from potluck.net.wire import AddressesField, AddressField
 
@@ -219,21 +219,11 @@ def _verdict(reached: tuple[Multiaddr, ...], answers: int, answered: tuple[str, 
 def spread_by_origin(transport: Transport, servers: Sequence[PeerID]) -> list[PeerID]:
     """`servers` (in their order) one per subnet first, then a second of each, and so on; servers
     whose origin we do not know yet come last. Our own id is left out."""
-    rounds: list[list[PeerID]] = []
-    unknown: list[PeerID] = []
-    seen: dict[str, int] = {}
-    for server in dict.fromkeys(servers):
-        if server == transport.peer_id:
-            continue
-        origin = transport.peer_origin(server)
-        if origin == UNKNOWN_ORIGIN:
-            unknown.append(server)
-            continue
-        n = seen[origin.subnet] = seen.get(origin.subnet, -1) + 1
-        if n == len(rounds):
-            rounds.append([])
-        rounds[n].append(server)
-    return [s for r in rounds for s in r] + unknown
+    servers = [s for s in dict.fromkeys(servers) if s != transport.peer_id]
+    origins = {s: transport.peer_origin(s) for s in servers}
+    known = [s for s in servers if origins[s] != UNKNOWN_ORIGIN]
+    rounds = rounds_by_subnet(known, lambda s: origins[s].subnet)
+    return [s for r in rounds for s in r] + [s for s in servers if origins[s] == UNKNOWN_ORIGIN]
 
 
 async def check_reachability(transport: Transport, servers: Sequence[PeerID],
