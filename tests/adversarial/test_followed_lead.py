@@ -17,6 +17,9 @@ TARGET, SAMPLES, SPEED, NOW = 1000, 20, 100.0, 10.0
 class Transport:
     def add_handler(self, *args: Any) -> None: ...
 
+    def is_connected(self, peer: Any) -> bool:
+        return False  # (no connections: leads count only when known peers back them)
+
 
 def ids(count: int) -> list[str]:
     return [str(Identity.generate().peer_id) for _ in range(count)]

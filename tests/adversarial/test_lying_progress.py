@@ -251,6 +251,9 @@ def test_a_lone_peer_far_ahead_is_followed_only_if_it_averaged_with_us() -> None
     class Transport:
         def add_handler(self, *args: Any) -> None: ...
 
+        def is_connected(self, peer: Any) -> bool:
+            return False  # (no connections: leads count only when known peers back them)
+
     tracker = ProgressTracker(None, Transport(), RUN, me, TARGET)
     local = PeerProgress(me, EPOCH, SAMPLES, SPEED, 10.0, done=EPOCH)
     ahead = {other: PeerProgress(other, EPOCH + 5, SAMPLES, SPEED, 10.0, done=EPOCH + 5)}
@@ -338,6 +341,9 @@ def test_claimed_samples_count_at_most_what_was_averaged_with(caplog: pytest.Log
 
     class Transport:
         def add_handler(self, *args: Any) -> None: ...
+
+        def is_connected(self, peer: Any) -> bool:
+            return False  # (no connections: leads count only when known peers back them)
 
     tracker = ProgressTracker(None, Transport(), RUN, me, 10**5)
     tracker.averaged({liar: 20, me: 20}, duration=1.0, now=10.0)

@@ -486,14 +486,11 @@ class ProgressTracker:
     def _origin(self, peer: str) -> str | None:
         """The subnet of our open connection with `peer`, or None (none open, or its origin is
         unknown). Only an observed address counts: the addresses a peer states itself are free."""
-        is_connected = getattr(self.transport, "is_connected", None)
-        if is_connected is None:
-            return None
         try:
             peer_id = PeerID.from_string(peer)
         except PotluckError:
             return None
-        if not is_connected(peer_id):
+        if not self.transport.is_connected(peer_id):
             return None
         origin = self.transport.peer_origin(peer_id)
         return None if origin == UNKNOWN_ORIGIN else origin.subnet
