@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 from collections import Counter
@@ -54,6 +53,7 @@ from typing import Any
 from potluck.averaging.accountability import ban_list
 from potluck.averaging.allreduce.group import MAX_GROUP_SIZE, ROLES, Group
 from potluck.averaging.allreduce.messages import MAX_REASON_CHARS
+from potluck.averaging.lapses import lapses
 from potluck.averaging.load_balancing import balanced_parts, fair_split
 from potluck.averaging.role import Role
 from potluck.core import compat
@@ -70,7 +70,7 @@ from potluck.core.names import AveragerNames
 from potluck.core.wire import Choice, List, Message, Nested, Number, OneOf, Opaque, Text, Tuple
 from potluck.dht.records import own_subkey, subkey_owner
 from potluck.net.identity import PeerID
-from potluck.net.origins import Origin
+from potluck.net.origins import outside_subnet
 from potluck.net.transport import Transport
 from potluck.net.wire import PeerIdField
 
@@ -328,6 +328,7 @@ class Matchmaker:
         self._opened = asyncio.Event()  # set (and replaced) whenever a gathering starts
         self.last = LastGroup()
         self.banned = ban_list(transport)
+        self.lapses = lapses(transport)  # members that held up our steps as senders: not seated for a while
         self._held: dict[str, float] = {}  # "id:<peer>" or "subnet:<subnet>" -> loop time to skip it until
         self._declared: dict[PeerID, float] = {}  # when the leaders last read under our key close (DHT time)
         transport.add_handler(names.join, self._on_join)
@@ -612,9 +613,11 @@ class Matchmaker:
         return None
 
     def _held_leader(self, peer: PeerID) -> bool:
-        """Whether `peer`, or a peer of its subnet, gave us nothing usable as a leader lately."""
+        """Whether `peer`, or a peer of its subnet, gave us nothing usable as a leader lately, or
+        held up a step of ours as a sender (`lapses`: we would not seat it either)."""
         now = asyncio.get_running_loop().time()
-        return any(self._held.get(key, 0.0) > now for key in self._leader_keys(peer))
+        return any(self._held.get(key, 0.0) > now for key in self._leader_keys(peer)) \
+            or self.lapses.held(peer, self.transport.peer_origin(peer)) > 0
 
     def hold_against(self, leader: PeerID, what: str) -> None:
         """Join neither `leader` nor its subnet for HELD_LEADER_SECONDS: as a leader it `what`, which
@@ -630,7 +633,7 @@ class Matchmaker:
         drop_oldest(self._held, MAX_HELD_LEADERS)
 
     def _leader_keys(self, peer: PeerID) -> list[str]:
-        subnet = _subnet(self.transport.peer_origin(peer))
+        subnet = outside_subnet(self.transport.peer_origin(peer))
         return [f"id:{peer}"] + ([] if subnet is None else [f"subnet:{subnet}"])
 
     async def _on_join(self, request: Any, ctx: Any) -> dict:
@@ -651,6 +654,10 @@ class Matchmaker:
             return JoinRefused("this group meets again with its last members only", ())
         if join.schema != gathering.schema:
             return JoinRefused("different tensor schema (shapes, dtypes or compression differ)", ())
+        held = self.lapses.held(ctx.peer_id, ctx.remote.origin)
+        if held > 0:
+            return JoinRefused(f"you (or your subnet) held up a recent step of ours as a sender; "
+                               f"ask again in {held:.0f} s", ())
         # It cannot accept connections if it dialed us in client mode, whatever it says.
         role = Role.CLIENT.value if ctx.remote.client_mode else join.role
         if gathering.ready is not None:
@@ -661,7 +668,7 @@ class Matchmaker:
         await gathering.settled.wait()  # we may be joining an earlier peer ourselves right now
         if gathering.done.done() and isinstance(gathering.done.result(), JoinMoved):
             return gathering.done.result()
-        subnet = _subnet(ctx.remote.origin)
+        subnet = outside_subnet(ctx.remote.origin)
         if gathering.done.done():
             return JoinRefused("group is full or already formed", _taken(gathering))
         if any(m.peer_id == ctx.peer_id for m in gathering.members):
@@ -705,16 +712,6 @@ class Matchmaker:
         formed = FormedGroup(group, tuple(m.metadata for m in members), tuple((m.upload, m.download) for m in members))
         gathering.done.set_result(formed)
         return formed
-
-
-def _subnet(origin: Origin) -> str | None:
-    """Which subnet a joiner's seat counts under: None for our own network (loopback, private
-    addresses), which is never crowded out."""
-    try:
-        ip = ipaddress.ip_address(origin.ip)
-    except ValueError:
-        return origin.subnet  # an emulated peer's name, a relay
-    return None if ip.is_loopback or ip.is_private else origin.subnet
 
 
 def _taken(gathering: _Gathering) -> tuple[PeerID, ...]:

@@ -24,7 +24,7 @@ from potluck.net.address import Multiaddr
 T = TypeVar("T")
 
 __all__ = ["IPV4_SUBNET_BITS", "IPV6_SUBNET_BITS", "UNKNOWN_ORIGIN", "Origin", "Shares", "origin_of",
-           "rounds_by_subnet"]
+           "outside_subnet", "rounds_by_subnet"]
 
 # The prefix one party plausibly holds: a /24 of IPv4 (a small provider's or an office's block),
 # a /48 of IPv6 (what one customer site is given).
@@ -62,6 +62,17 @@ def origin_of(where: Multiaddr | str | None) -> Origin:
         ip = ip.ipv4_mapped
     bits = IPV4_SUBNET_BITS if ip.version == 4 else IPV6_SUBNET_BITS
     return Origin(str(ip), str(ipaddress.ip_network(f"{ip}/{bits}", strict=False)))
+
+
+def outside_subnet(origin: Origin) -> str | None:
+    """The subnet `origin` counts under where rules share things per subnet among strangers
+    (matchmaking's seats and holds): None for our own network (loopback, private addresses), which
+    such rules exempt, since a lab or a test swarm on one host is one subnet."""
+    try:
+        ip = ipaddress.ip_address(origin.ip)
+    except ValueError:
+        return origin.subnet  # an emulated peer's name, a relay
+    return None if ip.is_loopback or ip.is_private else origin.subnet
 
 
 class Shares:

@@ -67,6 +67,7 @@ from potluck.core import compat
 from potluck.core.errors import AveragingError, NetworkError, PotluckError, RemoteError
 from potluck.core.runner import retrieve_exception
 from potluck.net.connection import Stream
+from potluck.net.identity import PeerID
 
 __all__ = ["CHUNK_ELEMENTS", "REGISTRATION_WAIT", "SENDER_TIMEOUT", "AllReduceRun", "Pieces", "RunService"]
 
@@ -105,6 +106,9 @@ class RunService(Protocol):
 
     def sign(self, message: bytes) -> bytes:
         """This peer's signature of `message`."""
+
+    def lapsed(self, peer: PeerID, why: str) -> None:
+        """`peer` cost a step of ours time as a sender, `why` (see `averaging.lapses`)."""
 
 
 class AllReduceRun:
@@ -353,6 +357,9 @@ class AllReduceRun:
             self.dead.add(member)
             self.note_dead_senders((member,))
             self._changed()
+
+    def on_lapse(self, member: int, why: str) -> None:
+        self.service.lapsed(self.group.peers[member], why)
 
     def ban(self, member: int, evidence: str) -> None:
         """Put `member` on this peer's ban list (for a lie its own signatures or pieces prove)."""

@@ -34,7 +34,7 @@ from potluck.averaging.allreduce.reduction import (
 )
 from potluck.averaging.allreduce.transfer_stats import TransferStats, payload_bytes
 from potluck.averaging.suspicion import SuspicionLedger
-from potluck.core.errors import AveragingError, EndOfStream, NetworkError, PotluckError
+from potluck.core.errors import AveragingError, DeadlineExceeded, EndOfStream, NetworkError, PotluckError
 from potluck.core.runner import retrieve_exception
 
 __all__ = ["ReducerHost", "ShardReducer", "drain_quietly"]
@@ -58,6 +58,17 @@ _REDUCTIONS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_p
 INLINE_ELEMENTS = 1 << 17
 
 
+# A sender still sending once at least half of the senders are settled gets this many times as
+# long as they took, plus STRAGGLER_GRACE, before it is left out of the step (it still receives
+# the result, and its lapse is remembered: averaging.lapses). A seated member that trickles its
+# pieces (a chunk just inside SENDER_TIMEOUT) or never connects otherwise held every step up to the
+# sender timeout per chunk, round after round. Honest links up to 8x slower than the others still
+# count; the grace covers members that start late (the group reaches them a trip apart) and a
+# loaded host's scheduling.
+STRAGGLER_FACTOR = 8.0
+STRAGGLER_GRACE = 5.0
+
+
 def runs_aside(aggregation: str, elements: int) -> bool:
     """Whether robust work on `elements` in all goes to the reductions' thread (INLINE_ELEMENTS)."""
     return aggregation != "mean" and elements > INLINE_ELEMENTS
@@ -74,6 +85,9 @@ class ReducerHost(Protocol):
 
     def mark_dead(self, member: int) -> None:
         """`member` failed as a sender here in a way that shows it is gone (or never came)."""
+
+    def on_lapse(self, member: int, why: str) -> None:
+        """`member` cost this shard time as a sender (never came, stalled, trickled): see `averaging.lapses`."""
 
     def on_report(self, shard: int, complete: list[int]) -> None:
         """Every expected sender of `shard` is settled: these delivered their whole piece."""
@@ -156,8 +170,10 @@ class ShardReducer:
         # Pooled memory: the reduced shard (results are slices of it) and one chunk of scratch.
         self._buffers = [pool.take(self.size), pool.take(chunk)]
         self.reduced, self.scratch = self._buffers[0][:self.size], self._buffers[1]
-        self._absent_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            sender_timeout, self._expire_absent)
+        loop = asyncio.get_running_loop()
+        self._started = loop.time()
+        self._absent_timer: asyncio.TimerHandle | None = loop.call_later(sender_timeout, self._expire_absent)
+        self._straggler_timer: asyncio.TimerHandle | None = None  # see STRAGGLER_FACTOR
 
     @property
     def host(self) -> ReducerHost | None:
@@ -173,13 +189,53 @@ class ShardReducer:
         """Senders that never connected are excluded like stalled ones."""
         self._absent_timer = None  # a fired handle still holds this bound method: drop the cycle
         for s in sorted(self.expected - set(self.received) - self.failed - self.complete):
-            self._fail(s, "never connected")
+            self._lapse(s, "never connected")
             self._mark_dead(s)
+
+    def _arm_stragglers(self) -> None:
+        """Once at least half of the senders are settled, give those still sending until
+        STRAGGLER_FACTOR times the time the settled took, plus STRAGGLER_GRACE (later settles
+        push it later)."""
+        if self.exact is not None or self.reported or not self.complete \
+                or 2 * len(self.complete | self.failed) < len(self.expected):
+            return  # a replacement reducer waits for exactly the decided senders
+        if not self.expected - self.complete - self.failed:
+            self._stop_straggler_timer()
+            return
+        loop = asyncio.get_running_loop()
+        self._stop_straggler_timer()
+        took = loop.time() - self._started
+        self._straggler_timer = loop.call_at(self._started + STRAGGLER_FACTOR * took + STRAGGLER_GRACE,
+                                             self._cut_stragglers, took)
+
+    def _cut_stragglers(self, took: float) -> None:
+        self._straggler_timer = None  # (a fired handle holds this bound method: drop the cycle)
+        late = sorted(self.expected - self.failed - self.complete)
+        waited = asyncio.get_running_loop().time() - self._started
+        for s in late:
+            self._lapse(s, f"had not sent its piece after {waited:.1f} s, while half the senders took {took:.2f} s")
+            if s not in self.received:
+                self._mark_dead(s)  # no stream: it cannot take this shard's result either (as `_expire_absent`)
+        self._stop_straggler_timer()  # (re-armed as each of them settled)
+
+    def _lapse(self, sender: int, why: str) -> None:
+        """Leave `sender` out of the step for costing it time (it still receives the result), and
+        tell the member, which remembers it (`averaging.lapses`)."""
+        host = self._host()
+        if host is not None and sender not in self.failed and sender not in self.complete:
+            host.on_lapse(sender, why)
+        self._fail(sender, why)
+
+    def _stop_straggler_timer(self) -> None:
+        if self._straggler_timer is not None:
+            self._straggler_timer.cancel()
+            self._straggler_timer = None
 
     def _stop_timer(self) -> None:
         if self._absent_timer is not None:
             self._absent_timer.cancel()
             self._absent_timer = None
+        self._stop_straggler_timer()
 
     def close(self) -> None:
         """The run is over: stop serving and let go of every buffer."""
@@ -223,8 +279,8 @@ class ShardReducer:
         writer = asyncio.ensure_future(self._write(outbox, channel))
         self._serving[sender] = (channel, writer)
         try:
-            if abstain or sender not in self.expected or sender in self.received:
-                if sender not in self.received:
+            if abstain or sender not in self.expected or sender in self.received or sender in self.failed:
+                if sender not in self.received and sender not in self.failed:
                     self._fail(sender, "abstains" if abstain else "not expected")
                 await drain_quietly(channel)
             else:
@@ -251,6 +307,9 @@ class ShardReducer:
                 msg = await channel.recv(timeout=self.sender_timeout)
                 if self.closed:
                     return
+                if sender in self.failed:  # left out meanwhile (a straggler): its results still go out
+                    await drain_quietly(channel)
+                    return
                 c = self.received[sender]
                 if c == self.chunks and sender not in self.seals:
                     self._check_seal(sender, PieceSeal.from_wire(msg).signature)
@@ -265,6 +324,8 @@ class ShardReducer:
                 self.received[sender] = c + 1
                 self._try_reduce(c)
         except EndOfStream:
+            if sender in self.failed:
+                return  # left out as a straggler while its last messages came
             if sender in self.seals:
                 self.complete.add(sender)
                 self._progress()
@@ -273,7 +334,10 @@ class ShardReducer:
             else:
                 self._fail(sender, f"ended after {self.received[sender]} of {self.chunks} chunks")
         except (NetworkError, PotluckError) as e:
-            self._fail(sender, str(e))
+            if isinstance(e, DeadlineExceeded):
+                self._lapse(sender, f"sent nothing for {self.sender_timeout:g} s")
+            else:
+                self._fail(sender, str(e))
             if isinstance(e, NetworkError):
                 self._mark_dead(sender)
 
@@ -386,6 +450,7 @@ class ShardReducer:
         """Report to the member once every expected sender is settled (under a robust
         aggregation, once the record of deviations has judged them, in the reductions' thread)."""
         self.changed.set()
+        self._arm_stragglers()
         if not self.reported and self.expected <= (self.complete | self.failed):
             self.reported = True
             if self._aside and self.suspicion is not None:

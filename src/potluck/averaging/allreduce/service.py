@@ -34,6 +34,7 @@ from potluck.averaging.allreduce.messages import (
     VerifyRequest,
 )
 from potluck.averaging.allreduce.reduction import decode_chunk
+from potluck.averaging.lapses import lapses
 from potluck.averaging.role import Role
 from potluck.core import compat
 from potluck.core.bounded import drop_oldest
@@ -99,6 +100,7 @@ class AllReduceService:
         self.finished: dict[bytes, _Tombstone] = {}
         self.pool = BufferPool()
         self.banned = ban_list(transport)
+        self.lapses = lapses(transport)
         self._early: dict[bytes, _Early] = {}  # steps not started here yet that requests wait for
         self._early_shares = Shares("requests waiting for their step to start", MAX_EARLY_REQUESTS,
                                     per_subnet=EARLY_REQUESTS_PER_SUBNET, per_ip=EARLY_REQUESTS_PER_IP,
@@ -272,6 +274,9 @@ class AllReduceService:
 
     def sign(self, message: bytes) -> bytes:
         return self.transport.identity.sign(message)
+
+    def lapsed(self, peer: PeerID, why: str) -> None:
+        self.lapses.note(peer, self.transport.peer_origin(peer), why)
 
 
     async def pieces(self, run: AllReduceRun, reducer: int, shard: int, where: tuple[int, int, int],
