@@ -8,6 +8,9 @@ Callers name peers by id. A dial tries the address book (`net.address_book`: wha
 vouched for first, third-party hints after); when that has nothing that works, it asks the
 registered `PeerResolver` (the DHT) for the peer's signed record (`net.peer_record`) and dials what
 the record says. Concurrent dials share one lookup; results are cached until the record expires.
+Addresses are dialed in that order but staggered (Happy Eyeballs): the next one starts once those
+in flight went `DIAL_STAGGER_SECONDS` without an answer, so a dead address costs that, not the
+dial timeout; the first connection made wins.
 
 Relays and hole punching plug in through interfaces declared here, which whoever builds the
 transport wires in (`net.tcp`, `net.emulated`): a `CircuitDialer` (`net.relay.Circuits`) dials
@@ -51,8 +54,9 @@ from potluck.net.loopback import LoopbackLink
 from potluck.net.origins import UNKNOWN_ORIGIN, Origin, origin_of
 from potluck.net.peer_record import PeerRecord, PeerResolver
 
-__all__ = ["BULK_WAIT_SECONDS", "MAX_ADDRESSES_PER_PEER", "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "CircuitDialer",
-           "PunchEndpoint", "Punching", "Reachability", "Transport"]
+__all__ = ["BULK_WAIT_SECONDS", "DIAL_STAGGER_SECONDS", "MAX_ADDRESSES_PER_PEER", "MAX_PARALLEL_DIALS",
+           "RESOLVE_RETRY_SECONDS", "RESOLVE_TIMEOUT", "CircuitDialer", "PunchEndpoint", "Punching", "Reachability",
+           "Transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +87,15 @@ MAX_CACHED_RECORDS = 4096
 # at ~0.3x the direct throughput for the whole transfer, and a punch still going after this is
 # likely failing (a failed try takes `net.holepunch.PUNCH_TIMEOUT`).
 BULK_WAIT_SECONDS = 3.0
+# Dialing a peer's addresses is staggered, as in Happy Eyeballs (RFC 8305): an attempt that has
+# neither connected nor failed after this long is joined by one to the next address, so a dead
+# first address (a stale one, a relay that never answers `relay.hop`) costs this, not the dial
+# timeout. 0.5 s: above TCP + TLS + handshake to a healthy address over a 50 ms RTT link (~0.15 s),
+# so a live first address rarely costs a second connection; libp2p delays relay addresses as much.
+DIAL_STAGGER_SECONDS = 0.5
+# Dial attempts to one peer in flight at once (each still within the dial timeout): two dead
+# addresses in a row still leave a third tried, without a socket per address of a peer that lists 8.
+MAX_PARALLEL_DIALS = 3
 
 
 class CircuitDialer(Protocol):
@@ -468,16 +481,68 @@ class Transport:
 
     async def _dial_first(self, peer_id: PeerID, addresses: list[Multiaddr], bulk: bool,
                           errors: list[str]) -> Connection | None:
-        for addr in addresses:
-            try:
-                async with compat.timeout(self.dial_timeout):
-                    conn = await self.dial(addr, peer_id, bulk=bulk)
-            except (NetworkError, OSError, TimeoutError) as e:
-                errors.append(f"{addr}: {str(e) or type(e).__name__}")
-            else:
-                self._vouch(peer_id, [addr])  # it proved its id here: a hint becomes a fact
-                return conn
-        return None
+        """The first connection any of `addresses` gives, dialed staggered (`DIAL_STAGGER_SECONDS`):
+        in order, the next address started once the attempts in flight went the stagger without an
+        answer, or at once when one failed; at most `MAX_PARALLEL_DIALS` at a time, each within the
+        dial timeout. The first connection made wins (the earlier address if two come at once); the
+        other attempts are cancelled, and a connection one of them made all the same is closed.
+        None if every address failed, each failure added to `errors` in address order. No attempt
+        outlives the call, cancelled or not."""
+        attempts: dict[asyncio.Task, int] = {}  # attempt in flight -> its address's index
+        failures: dict[int, str] = {}
+        winner: Connection | None = None
+        won = -1
+        started = 0
+        try:
+            while winner is None:
+                if started < len(addresses) and len(attempts) < MAX_PARALLEL_DIALS:
+                    attempts[asyncio.ensure_future(self._dial_attempt(addresses[started], peer_id, bulk))] = started
+                    started += 1
+                if not attempts:
+                    break
+                stagger = started < len(addresses) and len(attempts) < MAX_PARALLEL_DIALS
+                done, _ = await asyncio.wait(list(attempts), timeout=DIAL_STAGGER_SECONDS if stagger else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=attempts.__getitem__):
+                    index = attempts.pop(task)
+                    if task.cancelled():  # not by us: whatever dial ran in it gave up
+                        failures[index] = f"{addresses[index]}: the dial was cancelled"
+                        continue
+                    error = task.exception()
+                    if error is None:
+                        if winner is None:
+                            winner, won = task.result(), index
+                        else:
+                            task.result().close("another address of this peer answered first")
+                    elif isinstance(error, (NetworkError, OSError, TimeoutError)):
+                        failures[index] = f"{addresses[index]}: {str(error) or type(error).__name__}"
+                    else:
+                        del error
+                        task.result()  # not a failed dial but a bug: raise it as it is
+        except BaseException:
+            if winner is not None:  # cancelled (or a bug) as one attempt had won: the caller never sees it
+                winner.close("the dial was cancelled")
+            raise
+        finally:
+            for task in attempts:  # still in flight: a winner exists, or we were cancelled
+                task.cancel()
+                task.add_done_callback(_close_late_dial)  # it connected all the same: not ours to keep
+            if attempts:
+                try:
+                    await asyncio.wait(list(attempts))  # ended within a loop turn or two (cancelled)
+                except BaseException:  # cancelled again meanwhile: the attempts end without us
+                    if winner is not None:
+                        winner.close("the dial was cancelled")
+                    raise
+        errors.extend(failures[i] for i in sorted(failures))
+        if winner is None:
+            return None
+        self._vouch(peer_id, [addresses[won]])  # it proved its id here: a hint becomes a fact
+        return winner
+
+    async def _dial_attempt(self, address: Multiaddr, peer_id: PeerID, bulk: bool) -> Connection:
+        async with compat.timeout(self.dial_timeout):
+            return await self.dial(address, peer_id, bulk=bulk)
 
     # -- resolution -----------------------------------------------------------------------------
     async def _resolve(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
@@ -661,6 +726,13 @@ class Transport:
         for fut in [*self._dialing.values(), *self._resolving.values()]:
             fut.cancel()
         await asyncio.sleep(0)
+
+
+def _close_late_dial(attempt: asyncio.Future) -> None:
+    """A losing dial attempt is over: close the connection it made if it made one (it was
+    cancelled as it connected)."""
+    if not attempt.cancelled() and attempt.exception() is None:
+        attempt.result().close("another address of this peer answered first")
 
 
 def _set_limit(limits: dict[str, float], method: str, seconds: float | None, longest: float) -> None:
