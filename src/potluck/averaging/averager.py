@@ -247,7 +247,7 @@ class Averager:
 
     def step(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
              group_key: str | None = None, target_group_size: Target = None,
-             members: Collection[str] | None = None,
+             members: Collection[str] | None = None, no_shows: Collection[str] = (),
              proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """Average once with a group of peers; raises AveragingError (tensors untouched) on failure.
 
@@ -257,7 +257,10 @@ class Averager:
         `target_group_size` overrides the averager's for this step (a function: asked again
         while a group gathers). `members` (peer ids): every peer that takes part, if the caller
         knows them; if they were our last group, it meets again without the DHT (see
-        `potluck.averaging.matchmaking`). `proceed`: called with the
+        `potluck.averaging.matchmaking`). `no_shows` (peer ids): peers counted into the target that
+        did not come to a recent round: once everyone else is in, the group waits for them only
+        `SEAT_FRACTION` of its window (a made-up id that publishes progress and never joins held
+        every round for the whole window). `proceed`: called with the
         formed group's gathered metadata (peer id -> what it sent); if it says False, nothing is
         averaged and the result says `skipped`. Every member gets the same metadata, so a
         function of it alone decides alike everywhere (a member that decides otherwise averages
@@ -265,12 +268,13 @@ class Averager:
         """
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
         return self.peer.run(self.astep(weight, timeout, gather, group_key=group_key,
-                                        target_group_size=target_group_size, members=members, proceed=proceed),
+                                        target_group_size=target_group_size, members=members,
+                                        no_shows=no_shows, proceed=proceed),
                              budget + 5)
 
     async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
                     group_key: str | None = None, target_group_size: Target = None,
-                    members: Collection[str] | None = None,
+                    members: Collection[str] | None = None, no_shows: Collection[str] = (),
                     proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
         """The async twin of `step`."""
         budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
@@ -280,7 +284,8 @@ class Averager:
         try:
             async with compat.timeout(budget):
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
-                result = await self._step(weight, gather, group_key, target_group_size, known, proceed)
+                doubtful = frozenset(PeerID.from_string(p) for p in no_shows)
+                result = await self._step(weight, gather, group_key, target_group_size, known, proceed, doubtful)
         except TimeoutError:
             metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
@@ -293,7 +298,8 @@ class Averager:
 
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: Target,
                     members: frozenset[PeerID] | None,
-                    proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
+                    proceed: Callable[[dict[str, Any]], bool] | None = None,
+                    no_shows: frozenset[PeerID] = frozenset()) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
@@ -304,7 +310,8 @@ class Averager:
         try:
             formed = await self.matchmaker.form_group(key, self.matchmaking_time,
                                                       (self.bandwidth, self.download_bandwidth), metadata=gather,
-                                                      target=target, ready=snapshot, members=members)
+                                                      target=target, ready=snapshot, members=members,
+                                                      no_shows=no_shows)
         finally:
             self.forming = False
             _discard(snapshot)

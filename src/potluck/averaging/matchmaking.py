@@ -269,6 +269,8 @@ class _Gathering:
     # when its seat goes to a joiner of a less represented subnet.
     subnets: dict[PeerID, str | None] = field(default_factory=dict)
     unseated: dict[PeerID, asyncio.Future[None]] = field(default_factory=dict)
+    # Peers counted into `target` that did not come to a recent round of the caller's (`form_group`)
+    no_shows: frozenset[PeerID] = frozenset()
 
     def __post_init__(self) -> None:
         self.settled.set()
@@ -279,9 +281,18 @@ class _Gathering:
 
     def closes(self, now: float) -> bool:
         """Whether to close now: the window is over, or the gathering is full and either meets
-        again, holds no crowding subnet, or has been open long enough for other joiners."""
+        again, holds no crowding subnet, or has been open long enough for other joiners; or only
+        no-shows are missing and it has been open that long."""
         return now >= self.closes_at or (self.full and (self.keep or self._crowding() is None
-                                                        or now >= self.seats_until))
+                                                        or now >= self.seats_until)) \
+            or (now >= self.seats_until and self._only_no_shows_missing())
+
+    def _only_no_shows_missing(self) -> bool:
+        """The members and the no-shows not among them make the target."""
+        if not self.no_shows:
+            return False
+        missing = self.no_shows - {m.peer_id for m in self.members}
+        return bool(missing) and len(self.members) + len(missing) >= self.target
 
     def _crowding(self) -> str | None:
         """The subnet (not our own network) holding more than half of the followers' seats, and
@@ -345,7 +356,8 @@ class Matchmaker:
     async def form_group(self, group_key: str, window: float, bandwidth: tuple[float, float],
                          metadata: Any = None, target: Target = None,
                          ready: asyncio.Future | None = None,
-                         members: frozenset[PeerID] | None = None) -> FormedGroup:
+                         members: frozenset[PeerID] | None = None,
+                         no_shows: frozenset[PeerID] = frozenset()) -> FormedGroup:
         """Find peers under `group_key` within `window` seconds and return the group formed; a
         leader closes the group early once it has `target` members (default: the matchmaker's;
         a callable is asked again at every poll: a view that settles during the window closes
@@ -357,13 +369,15 @@ class Matchmaker:
 
         `members`: every peer that takes part, if the caller knows them: if they are the group
         we led last time, we wait for them only, without the DHT. Members of a last group always
-        ask its leader first."""
+        ask its leader first. `no_shows`: peers counted into `target` that did not come to a
+        recent round; once only they are missing, a group we lead closes after `SEAT_FRACTION` of
+        its window instead of waiting out the window for them."""
         keep = members is not None and self.last.leader == self.transport.peer_id and not self.client \
             and members == self.last.members
         if keep:  # full once they are all back
             target = min(_now(target) or self.target, len(members))
         try:
-            formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep)
+            formed = await self._form(group_key, window, bandwidth, metadata, target, ready, keep, no_shows)
         except BaseException:
             # No group: our last one may have gone on without us (we stalled, they met as fewer),
             # and leading it again off the DHT would wait for members who now look for each
@@ -376,7 +390,8 @@ class Matchmaker:
         return formed
 
     async def _form(self, group_key: str, window: float, bandwidth: tuple[float, float], metadata: Any,
-                    target: Target, ready: asyncio.Future | None, keep: bool) -> FormedGroup:
+                    target: Target, ready: asyncio.Future | None, keep: bool,
+                    no_shows: frozenset[PeerID] = frozenset()) -> FormedGroup:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + window + BEGIN_SLACK
         upload, download = bandwidth
@@ -393,7 +408,7 @@ class Matchmaker:
             now = self.dht.get_time()
             size = min(_now(target) or self.target, MAX_GROUP_SIZE)
             gathering = _Gathering(group_key, self.schema, size, now + window, [me], ready=ready, keep=keep,
-                                   seats_until=now + window * SEAT_FRACTION)
+                                   seats_until=now + window * SEAT_FRACTION, no_shows=no_shows)
             self._gatherings[group_key] = gathering
             opened, self._opened = self._opened, asyncio.Event()
             opened.set()

@@ -27,10 +27,12 @@ from typing import Any, Literal
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from potluck.averaging.allreduce.group import MAX_GROUP_SIZE
 from potluck.averaging.averager import Averager
 from potluck.averaging.role import Role
 from potluck.averaging.state_transfer import Manifest, ManifestRequest
 from potluck.core import compat
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import AveragingError, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import CallerThread, retrieve_exception, run_in_thread
@@ -106,6 +108,16 @@ MAX_STATE_EPOCH_LEAD = 8
 # A peer that sees only peers of another fingerprint looks at the run's round records this often
 # (one DHT read each; only such a peer reads them): the odd one out learns it within a few seconds.
 MODEL_CHECK_INTERVAL = 1.0
+# A peer we have not averaged with lately that was counted into a round's group and did not come
+# (the group closed short of the count, so it waited for it) is a no-show for this long: our
+# rounds' groups wait for it only matchmaking's SEAT_FRACTION of their window once everyone else is
+# in (`Averager.astep(no_shows=...)`), and it is one again once it comes. A made-up id that
+# publishes progress at our epoch and never joins held every round for its whole window (two
+# honest sync peers: 8 rounds in 10 s against 38). Long: an honest peer that comes is cleared at
+# once, and one that does not come is only waited for less.
+NO_SHOW_SECONDS = 600.0
+# No-shows remembered (a short string and a float each): the oldest go first.
+MAX_NO_SHOWS = 1024
 # Asking a peer of the run for its schema (its state manifest) takes at most this.
 SCHEMA_TIMEOUT = 10.0
 
@@ -204,6 +216,7 @@ class RunContext:
         # not a stable group's closes early only once this has held for a while (`expected`).
         self.roster: frozenset[str] = frozenset()
         self.roster_since = float("inf")
+        self._no_shows: dict[str, float] = {}  # peer id -> loop time it is one until (NO_SHOW_SECONDS)
         self._progress_task: asyncio.Future | None = None
         self._background: set[asyncio.Future] = set()  # reports under way (see publish)
         # (an OrderedDict: RemovableHandle holds it by weak reference)
@@ -440,6 +453,28 @@ class RunContext:
         views = {r.peer_id: r.view for r in self.progress().reports}
         agreed = all(views.get(str(p)) == digest for p in self.roster if str(p) != me)
         return len(self.roster) if agreed else None
+
+    def group_formed(self, peers: Iterable[str], counted: Iterable[str]) -> None:
+        """A round's group formed with `peers` after we counted `counted` into it: they are our
+        neighbors now, and the peers we counted but had not averaged with lately that did not
+        come, while the group had room for them, are no-shows (NO_SHOW_SECONDS)."""
+        peers = list(peers)
+        came, now = set(peers), self.now()
+        for peer in came:
+            self._no_shows.pop(peer, None)
+        counted = set(counted) | {str(self.peer.peer_id)}
+        if len(came) < min(len(counted), MAX_GROUP_SIZE):  # (a full group had no room for the others)
+            for peer in counted - came:
+                if not self.tracker.in_recent_groups(peer):
+                    self._no_shows.pop(peer, None)
+                    self._no_shows[peer] = now + NO_SHOW_SECONDS
+            drop_oldest(self._no_shows, MAX_NO_SHOWS)
+        self.tracker.set_neighbors(peers)
+
+    def no_shows(self) -> frozenset[str]:
+        """The no-shows now (see `group_formed`)."""
+        now = self.now()
+        return frozenset(p for p, until in self._no_shows.items() if until > now)
 
     def anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""

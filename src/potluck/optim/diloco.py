@@ -108,7 +108,7 @@ class DiLoCoTraining(TrainingMode):
                 task = asyncio.ensure_future(self.delta_averager.astep(
                     weight=float(tally.samples), gather=RoundNote(tally.samples, outer=digest).to_wire(),
                     group_key=f"outer{context.epoch}", target_group_size=context.expected,
-                    members=members))
+                    members=members, no_shows=context.no_shows()))
                 tally.in_round = True  # slower peers see it and join now (round_begun)
                 context.publish()
                 try:
@@ -121,7 +121,7 @@ class DiLoCoTraining(TrainingMode):
                     await context.catch_up(done, restart=self.restart)
                     return
                 result = task.result()
-                context.tracker.set_neighbors(result.peers)  # they hear our progress at once
+                context.group_formed(result.peers, context.roster)  # they hear our progress at once
                 context.record_round(context.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                      result.contributors)
         except AveragingError as e:

@@ -251,6 +251,10 @@ class ProgressTracker:
             del self._grouped[peer]
         self.pushed = {peer: r for peer, r in self.pushed.items() if peer in self._neighbors}
 
+    def in_recent_groups(self, peer: str) -> bool:
+        """Whether `peer` was a member of one of our recent groups (at most MAX_AVERAGED_PEERS)."""
+        return peer in self._grouped
+
     async def report(self, epoch: int, samples: int, samples_per_second: float, done: int,
                      averaging: bool = False, idle: bool = False, part: int = 0, store: bool = True,
                      failed: int = 0, metrics: tuple[float, dict[str, float]] | None = None,

@@ -218,7 +218,8 @@ class StreamingDiLoCo(TrainingMode):
             task = asyncio.ensure_future(fragment.averager.astep(
                 weight=float(settings.batch_size_per_step * self.options.local_steps),
                 gather=RoundNote(tally.samples, outer=digest).to_wire(),
-                group_key=f"outer{context.epoch}", target_group_size=expected, members=members))
+                group_key=f"outer{context.epoch}", target_group_size=expected, members=members,
+                no_shows=context.no_shows() if members is not None else ()))
             tally.in_round = True  # slower peers see it and join now (round_begun)
             context.publish()
         self.flight = Flight(fragment, context.epoch, task, self.options.outer_delay, tally.samples)
@@ -244,7 +245,8 @@ class StreamingDiLoCo(TrainingMode):
                 return
             try:
                 result = flight.task.result()
-                context.tracker.set_neighbors(result.peers)  # they hear our progress at once
+                # they hear our progress at once (a grid's cells are not everyone: no no-shows there)
+                context.group_formed(result.peers, context.roster if self.grid is None else ())
                 context.record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                      result.contributors)
             except AveragingError as e:

@@ -61,6 +61,7 @@ class _Round:
     scale: float = 1.0  # what the accumulator was multiplied by for the round (`_share_of`)
     part: int = 0  # short rounds of the epoch before it
     params: str | None = None  # verified training: the digest of the parameters behind our gradients
+    counted: frozenset[str] = frozenset()  # the other peers counted into `expected`
 
 
 class SyncTraining(TrainingMode):
@@ -282,9 +283,10 @@ class SyncTraining(TrainingMode):
             await self.context.compute(self._scale_sums, scale)
         task = asyncio.ensure_future(self.grad_averager.astep(
             weight=weight, gather=gather, group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected,
-            members=members, proceed=self._enough))
+            members=members, no_shows=context.no_shows(), proceed=self._enough))
         duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
-        pending = _Round(task, epoch, expected, samples, members, duration, scale, tally.part, params)
+        pending = _Round(task, epoch, expected, samples, members, duration, scale, tally.part, params,
+                         frozenset(str(r.peer_id) for r in others))
         if self.options.delay_updates:
             self.pending = pending  # our new samples count towards the next epoch meanwhile
             return
@@ -327,7 +329,7 @@ class SyncTraining(TrainingMode):
             return
         if error is None:
             result = task.result()
-            context.tracker.set_neighbors(result.peers)
+            context.group_formed(result.peers, pending.counted)
             notes = {p: RoundNote.read(m) for p, m in result.gathered.items()}
             total = sum(notes[p].samples for p in result.contributors if p in notes)
             context.record_round(epoch, notes, result.contributors,
