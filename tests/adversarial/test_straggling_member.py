@@ -20,6 +20,8 @@ from potluck.averaging.allreduce import CHUNK_ELEMENTS, SENDER_TIMEOUT, AllReduc
 from potluck.averaging.allreduce.reducer import STRAGGLER_GRACE
 from potluck.averaging.lapses import FIRST_HOLD_SECONDS, lapses
 from potluck.core.virtual_time import run_virtual
+from potluck.net.identity import Identity
+from potluck.net.origins import Origin
 from tests.emulated_swarm import add_peer, make_swarm
 
 HONEST = 3
@@ -128,3 +130,15 @@ def test_a_lapse_holds_its_subnet_for_a_minute_then_longer_if_it_lapses_again():
         assert record.held(other.transport.peer_id, origin) == pytest.approx(FIRST_HOLD_SECONDS, abs=1)
     run_virtual(main())
 
+
+
+def test_a_lapse_of_a_peer_met_through_a_relay_holds_its_id_only():
+    async def main():
+        _, peers = await make_swarm(1)
+        record = lapses(peers[0].transport)
+        lapsed, other = (Identity.generate().peer_id for _ in range(2))
+        relay = Origin.relayed("some-relay")
+        record.note(lapsed, relay, "never connected")
+        assert record.held(lapsed, relay) > 0
+        assert record.held(other, relay) == 0  # another peer behind the same relay
+    run_virtual(main())

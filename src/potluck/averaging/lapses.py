@@ -10,7 +10,8 @@ to `MAX_HOLD_SECONDS`. An honest member that crashed once costs its subnet a min
 a subnet that lapses again and again is held for an hour. Peers on our own network (loopback,
 private addresses) are exempt, as from every other per-subnet rule of matchmaking: a lab or a test
 swarm on one host is one subnet. Ids are free, so the subnet is what counts; the id alone is held
-too, for a peer that moves.
+too, for a peer that moves, and alone for a peer met through a relay (the relay's peers are not
+one party).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class Lapses:
             return  # our own network: see the module docstring
         now = asyncio.get_running_loop().time()
         longest = 0.0
-        # (where we never met it, its id alone: an unknown origin is nobody's subnet)
-        for key in (f"id:{peer}",) + (() if origin == UNKNOWN_ORIGIN else (f"subnet:{subnet}",)):
+        # Its id alone where we never met it (an unknown origin is nobody's subnet) or met it
+        # through a relay (which carries many unrelated peers).
+        alone = origin == UNKNOWN_ORIGIN or origin.is_relayed
+        for key in (f"id:{peer}",) + (() if alone else (f"subnet:{subnet}",)):
             until, hold = self._held.pop(key, (0.0, 0.0))
             hold = min(MAX_HOLD_SECONDS, 2 * hold) if until > now else FIRST_HOLD_SECONDS
             self._held[key] = (now + hold, hold)

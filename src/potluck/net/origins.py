@@ -44,6 +44,11 @@ class Origin:
         """A peer that reached us through the relay `relay` (its peer id)."""
         return cls(f"relay:{relay}", f"relay:{relay}")
 
+    @property
+    def is_relayed(self) -> bool:
+        """Whether this stands for a relay rather than the peer's own network (see `relayed`)."""
+        return self.ip.startswith("relay:")
+
 
 # Where a connection we cannot place comes from (our own loopback calls, a socket already gone).
 UNKNOWN_ORIGIN = Origin("unknown", "unknown")
