@@ -142,3 +142,22 @@ def test_a_lapse_of_a_peer_met_through_a_relay_holds_its_id_only():
         assert record.held(lapsed, relay) > 0
         assert record.held(other, relay) == 0  # another peer behind the same relay
     run_virtual(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slower", [4, 6])
+def test_an_honest_member_on_a_slower_link_still_counts(slower: int):
+    """The straggler rule leaves honest links several times slower than the others' in the
+    average (STRAGGLER_FACTOR): three peers at 100 Mbit/s and one at 100 / `slower`."""
+    async def main():
+        net, peers = await make_swarm(HONEST)
+        peers.append(await add_peer(net, peers, bandwidth=100e6 / slower))
+        avgs = [Averager(p, [torch.full((ELEMENTS,), float(i))], "slow", target_group_size=4,
+                         matchmaking_time=2.0) for i, p in enumerate(peers)]
+        results = await asyncio.gather(*(a.astep(group_key="e0", timeout=60) for a in avgs))
+        everyone = {str(p.transport.peer_id) for p in peers}
+        for result in results:
+            assert set(result.contributors) == everyone, result
+        for a in avgs:
+            a.shutdown()
+    run_virtual(main())
