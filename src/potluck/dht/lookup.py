@@ -17,6 +17,19 @@ the target, at an address that never answers; each held a slot until the driver 
 (SLOW_AFTER), so one such answerer made every lookup of an 8-node swarm take 22 s, not 0.03 s.
 So a lookup takes at most k contacts from one answer, remembers who named each candidate, and
 stops trusting an answerer whose contacts, named by nobody else, keep failing (constants below).
+
+Who named a candidate is counted by network origin, not by id ("voices"): ids are free, so several
+hostile ids on one host that all named the same made-up contacts vouched for each other and were
+never discredited (in a 40-node swarm, stores and gets took 7 s with 3 such ids, up to 15 s with 6
+naming contacts in pairs). The driver gives each answerer's subnet (`on_response(subnet=...)`): all
+answerers of one subnet are one voice, whose contacts count as corroborated only once another
+voice names them too, and whose failed introductions count together, so past
+MAX_FAILED_INTRODUCTIONS the lookup ignores what only that subnet named, however many ids it has
+(1.1 s in the swarm above). An answerer with no subnet (None: our own network, loopback or private
+addresses, where a lab or a test swarm shares one host; or an origin the transport cannot tell) is
+a voice of its own, as every answerer was before. The cost falls on honest peers that share one
+public subnet: they too are one voice, so two fresh dead peers that only they named end the
+lookup's interest in what only they name (it still asks what our table or other subnets named).
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ MAX_TRACKED_PEERS = 10_000
 # contacts are fresh ids no one else knows, while an honest table's dead peers are mostly known to
 # several answerers (and once failed, they sit in backoff and are not asked). Two made-up contacts
 # then cost a lookup one SLOW_AFTER (1 s), not one per contact.
+# Failed introductions are counted per voice (an answerer's subnet, see the module docstring), so a
+# host's many ids together get these two.
 MAX_FAILED_INTRODUCTIONS = 2
 # Peers one lookup asks about one target, in k's: an honest lookup asks its k closest and a few
 # more on the way (k = 20: at most 32 in an emulated 1,000-peer swarm, 39 in a 300-peer one with
@@ -53,6 +68,10 @@ MAX_FAILED_INTRODUCTIONS = 2
 MAX_ASKED_IN_KS = 4
 
 _WAITING, _ASKING, _ANSWERED, _FAILED, _SLOW = range(5)
+
+# Who named a candidate: an answerer's subnet (str), the node id (int) of an answerer that counts on
+# its own, or None for our own routing table.
+_Voice = str | int | None
 
 
 @dataclass
@@ -106,11 +125,11 @@ class Lookup:
         self.peers: dict[int, PeerID] = {}  # node id -> peer id of every candidate
         self.node_ids: dict[PeerID, int] = {}
         self.failed: set[int] = set()
-        # Who named each candidate (node ids; None: our own routing table), the introducer first;
-        # each answerer's failed introductions, and the answerers past MAX_FAILED_INTRODUCTIONS.
-        self.named_by: dict[int, list[int | None]] = {}
-        self.strikes: dict[int, int] = {}
-        self.discredited: set[int | None] = set()
+        # Which voices named each candidate (see `_Voice`), the introducer first; each voice's
+        # failed introductions, and the voices past MAX_FAILED_INTRODUCTIONS.
+        self.named_by: dict[int, list[_Voice]] = {}
+        self.strikes: dict[_Voice, int] = {}
+        self.discredited: set[_Voice] = set()
         self.max_asked = MAX_ASKED_IN_KS * k
         for target_id, peers in seeds.items():
             for peer, node_id in peers:
@@ -120,7 +139,7 @@ class Lookup:
     def done(self) -> bool:
         return all(t.done for t in self.targets.values())
 
-    def _add(self, target: _Target, peer: PeerID, node_id: int, hops: int, by: int | None) -> None:
+    def _add(self, target: _Target, peer: PeerID, node_id: int, hops: int, by: _Voice) -> None:
         if node_id == self.self_id:
             return
         named_by = self.named_by.setdefault(node_id, [])
@@ -140,7 +159,7 @@ class Lookup:
         target.state[node_id] = _FAILED if node_id in self.failed else _WAITING
 
     def _ignored(self, node_id: int) -> bool:
-        """Whether only discredited answerers named this candidate."""
+        """Whether only discredited voices named this candidate."""
         return all(by in self.discredited for by in self.named_by[node_id])
 
     def _strike(self, node_id: int) -> None:
@@ -148,7 +167,7 @@ class Lookup:
         named_by = self.named_by[node_id]
         if len(named_by) > 1 or named_by[0] is None or node_id in self.failed or any(
                 t.state.get(node_id) == _SLOW for t in self.targets.values()):
-            return  # corroborated, from our own table, or counted already
+            return  # corroborated (two voices), from our own table, or counted already
         introducer = named_by[0]
         self.strikes[introducer] = strikes = self.strikes.get(introducer, 0) + 1
         if strikes == MAX_FAILED_INTRODUCTIONS:
@@ -191,11 +210,15 @@ class Lookup:
                 target.done = True  # nothing left to ask
         return plan
 
-    def on_response(self, peer: PeerID, asked: Iterable[int], answers: dict[int, Answer]) -> None:
-        """`peer` answered a request about `asked`; targets missing from `answers` count as empty."""
+    def on_response(self, peer: PeerID, asked: Iterable[int], answers: dict[int, Answer],
+                    subnet: str | None = None) -> None:
+        """`peer` answered a request about `asked`; targets missing from `answers` count as empty.
+        `subnet`: where `peer` answered from; every answerer of one subnet is one voice (see the
+        module docstring). None: `peer` is a voice of its own (our own network, or unknown)."""
         node_id = self.node_ids.get(peer)
         if node_id is None:
             return
+        voice: _Voice = node_id if subnet is None else subnet
         for target_id in asked:
             target = self.targets.get(target_id)
             if target is None or target.state.get(node_id) not in (_ASKING, _SLOW):
@@ -209,7 +232,7 @@ class Lookup:
             if len(nearest) > self.k:
                 nearest = heapq.nsmallest(self.k, nearest, key=lambda c: c[1] ^ target_id)
             for other, other_id in nearest:
-                self._add(target, other, other_id, hops, by=node_id)
+                self._add(target, other, other_id, hops, by=voice)
             if answer.records:
                 target.records.append((peer, answer.records))
                 if target.found_hops is None:

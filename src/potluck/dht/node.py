@@ -64,7 +64,7 @@ from potluck.metrics import peer_metrics, stopwatch
 from potluck.net.address import Multiaddr
 from potluck.net.connection import CallContext
 from potluck.net.identity import PeerID
-from potluck.net.origins import Origin
+from potluck.net.origins import UNKNOWN_ORIGIN, Origin, outside_subnet
 from potluck.net.peer_record import PeerRecord
 from potluck.net.transport import Transport
 
@@ -114,6 +114,9 @@ STALE_AFTER_FAILURES = 3
 MAX_BACKGROUND_TASKS = 512
 # Peers whose addresses we heard of but have not called yet (oldest forgotten first).
 MAX_HEARSAY = 65536
+# The voice (`Lookup`) of find answerers whose connection closed before their answer was read: their
+# origin would come from the addresses they claim, so they all count as one subnet.
+UNPLACED = "unplaced"
 # Storing our peer record at start: one store traversal; past this, start goes on without it
 # (the refresh retries), so a slow network delays joining by at most this much.
 PUBLISH_TIMEOUT = 10.0
@@ -457,13 +460,16 @@ class DHTNode:
         return self._accept(record, now, ctx.peer_id, ctx.remote.origin)
 
     # -- lookups -------------------------------------------------------------------------------------
-    async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool,
-                    deadline: float, own: _OwnRecord | None = None) -> dict[int, Answer]:
+    async def _find(self, peer: PeerID, ids: list[int], values: bool, stop: bool, deadline: float,
+                    own: _OwnRecord | None = None) -> tuple[dict[int, Answer], str | None]:
+        """Ask `peer` about `ids`: its answer per id, and the subnet it answered from (see
+        `_answerer_subnet`)."""
         timeout = max(0.0, min(self.config.rpc_timeout, deadline - self._mono()))
         self._introduce(peer)
         request = protocol.write(protocol.FindRequest(ids, values, stop, None if own is None else own.record))
-        answer = protocol.read(protocol.FindResponse, await self._request(peer, protocol.FIND, request, timeout),
-                               n_ids=len(ids))
+        response = await self._request(peer, protocol.FIND, request, timeout)
+        subnet = self._answerer_subnet(peer)  # at once, while the connection it answered on is open
+        answer = protocol.read(protocol.FindResponse, response, n_ids=len(ids))
         if own is not None:
             own.answered(peer, answer.held)
         now = self.now()
@@ -480,7 +486,18 @@ class DHTNode:
                 near.append((other, other_id))
             answers[target] = Answer(near, [r for r in result.records if self._trust(r, target, now, peer)])
         drop_oldest(self._hearsay, MAX_HEARSAY)
-        return answers
+        return answers, subnet
+
+    def _answerer_subnet(self, peer: PeerID) -> str | None:
+        """The subnet a lookup counts `peer`'s answers under: all ids of one subnet are one voice
+        (`Lookup`; ids are free, addresses are not). None, a voice of its own, for our own network
+        (loopback and private addresses: a lab or a test swarm on one host) and an open connection
+        of unknown origin. A peer whose connection is already gone is placed under UNPLACED, all
+        such answerers together: its origin would otherwise come from the addresses it claims."""
+        if not self.transport.is_connected(peer):
+            return UNPLACED
+        origin = self.transport.peer_origin(peer)
+        return None if origin == UNKNOWN_ORIGIN else outside_subnet(origin)
 
     def _trust(self, record: Record, target: int, now: float, source: PeerID) -> bool:
         """Check a record another node returned, exactly as if it were stored here."""
@@ -528,13 +545,13 @@ class DHTNode:
                     peer, chunk, _ = pending.pop(task)
                     slow.discard(task)
                     try:
-                        answers = task.result()
+                        answers, subnet = task.result()
                     except (NetworkError, DHTError, TimeoutError) as e:
                         logger.debug("find on %s failed: %s", peer, e)
                         lookup.on_failure(peer)
                         self._peer_failed(peer)
                     else:
-                        lookup.on_response(peer, chunk, answers)
+                        lookup.on_response(peer, chunk, answers, subnet)
                         self._peer_ok(peer)
                 now = loop.time()
                 for task, (peer, chunk, slow_after) in pending.items():
