@@ -19,7 +19,16 @@ each by its own N(0, 1) amount) plus 0.1 N(0, I), SIZE coordinates, 200 steps, S
 setting; rows "suspicion_stress": runs in which an honest member was left out or excluded, and
 the highest honest score.
 
-    python benchmarks/suspicion.py [--part cnn|stress|all] [--epochs 30] [--seeds 15]
+Part "first-look": the first look at a cohort's second step (`suspicion.FIRST_LOOK_Z`, behind
+`FIRST_LOOK_GATE`), on honest members only. Rows "first_look_synthetic": draws of two steps of 4 to
+6 members, noise independent across coordinates or in 1 to 512 shared directions (plus 0.1 N(0, I)),
+with and without persistent differences between members' data and one member 3x noisier; per
+noise kind, the members left out and how often the gate opened. Rows "first_look_cnn": the digits
+CNN's recorded pieces (as part "cnn", 4 and 5 peers), every two consecutive steps taken as a
+fresh cohort's first two: the honest members left out, how often the gate opened, and, with a liar
+(alie_1, push_1 as in part "cnn"), how often the first look left it out.
+
+    python benchmarks/suspicion.py [--part cnn|stress|first-look|all] [--epochs 30] [--seeds 15]
 """
 
 from __future__ import annotations
@@ -157,9 +166,77 @@ def stress_part(args: argparse.Namespace, common: dict) -> None:
                   flush=True)
 
 
+def first_look_rows(steps: list[list[torch.Tensor]], attack: str | None = None, e: float = 1.0,
+                    liars: tuple[int, ...] = ()) -> tuple[int, int, int, int]:
+    """Every two consecutive recorded steps as a fresh cohort's first two: (cohorts, gate open,
+    honest members left out, cohorts whose liars were all left out)."""
+    from potluck.averaging.accountability import BanList
+    from potluck.averaging.suspicion import FIRST_LOOK_GATE, SuspicionLedger, _spread_over_directions
+
+    n, size = len(steps[0]), steps[0][0].numel()
+    sign = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(1)).float() * 2 - 1
+    names = [f"member{i}" for i in range(n)]
+    cohorts = opened = framed = caught = 0
+    for t in range(len(steps) - 1):
+        ledger, pair = SuspicionLedger(BanList()), []
+        for pieces in steps[t:t + 2]:
+            x = torch.stack([p.reshape(-1) for p in pieces])
+            spread = x.std(dim=0)
+            for i in liars:
+                x[i] = (x.mean(dim=0) if attack == "alie" else x[i]) + e * spread * sign
+            pair.append(x)
+            ledger.record(0, names, list(x))
+        out = ledger.left_out(names)
+        cohorts += 1
+        opened += _spread_over_directions(pair[0] - pair[0].mean(0), pair[1] - pair[1].mean(0)) <= FIRST_LOOK_GATE
+        framed += sum(names[i] in out for i in range(n) if i not in liars)
+        caught += bool(liars) and all(names[i] in out for i in liars)
+    return cohorts, opened, framed, caught
+
+
+def first_look_part(args: argparse.Namespace, common: dict) -> None:
+    import itertools
+
+    from potluck.averaging.accountability import BanList
+    from potluck.averaging.suspicion import FIRST_LOOK_GATE, SuspicionLedger, _spread_over_directions
+
+    for kind, rank in [("iid", 0), *(("low", r) for r in (1, 3, 8, 32, 128, 512))]:
+        members = framed = cohorts = opened = 0
+        for n, size, hetero, noisier in itertools.product((4, 5, 6), (64, 512, 4096), (0.0, 1.0, 3.0), (False, True)):
+            if rank >= size:
+                continue
+            for seed in range(args.seeds * (8 if size <= 512 else 2)):
+                g = torch.Generator().manual_seed(hash((kind, rank, n, size, hetero, noisier, seed)) % 2**31)
+                directions = torch.randn(max(rank, 1), size, generator=g)
+                offsets = torch.stack([hetero * (1 + i) / n * torch.randn(size, generator=g) for i in range(n)])
+                scales = torch.tensor([3.0 if noisier and i == 0 else 1.0 for i in range(n)])[:, None]
+                ledger, names, xs = SuspicionLedger(BanList()), [f"member{i}" for i in range(n)], []
+                for _ in range(2):
+                    noise = torch.randn(n, size, generator=g) if kind == "iid" else (
+                        torch.randn(n, rank, generator=g) @ directions + 0.1 * torch.randn(n, size, generator=g))
+                    x = scales * noise + offsets
+                    xs.append(x - x.mean(0))
+                    ledger.record(0, names, list(x))
+                members, cohorts = members + n, cohorts + 1
+                framed += len(ledger.left_out(names))
+                opened += _spread_over_directions(*xs) <= FIRST_LOOK_GATE
+        print(json.dumps({"metric": "first_look_synthetic", "noise": kind, "directions": rank or None,
+                          "members": members, "honest_left_out": framed, "cohorts": cohorts,
+                          "gate_open": round(opened / cohorts, 3), **common}), flush=True)
+    for n in (4, 5):
+        recorded = record_cnn(n, args.epochs)
+        cohorts, opened, framed, _ = map(sum, zip(*(first_look_rows(s) for s in recorded), strict=True))
+        row = {"metric": "first_look_cnn", "peers": n, "series": len(recorded), "cohorts": cohorts,
+               "gate_open": round(opened / cohorts, 3), "honest_left_out": framed}
+        for name, (kind, e) in {"alie_1": ("alie", 1.0), "push_1": ("push", 1.0)}.items():
+            c, o, f, caught = map(sum, zip(*(first_look_rows(s, kind, e, (0,)) for s in recorded), strict=True))
+            row[name] = {"liar_left_out": caught, "gate_open": o, "honest_left_out": f}
+        print(json.dumps({**row, "cohorts_of": "two consecutive recorded steps", **common}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("cnn", "stress", "all"), default="all")
+    parser.add_argument("--part", choices=("cnn", "stress", "first-look", "all"), default="all")
     parser.add_argument("--epochs", type=int, default=30, help="cnn: epochs of each recorded run")
     parser.add_argument("--seeds", type=int, default=15, help="stress: runs per setting")
     args = parser.parse_args()
@@ -170,6 +247,8 @@ def main() -> None:
         stress_part(args, common)
     if args.part in ("cnn", "all"):
         cnn_part(args, common)
+    if args.part in ("first-look", "all"):
+        first_look_part(args, common)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from potluck.averaging.accountability import BanList
-from potluck.averaging.suspicion import BAN_Z, FAR_FORGIVE_STEPS, FAR_STRIKES, SuspicionLedger
+from potluck.averaging.suspicion import (
+    BAN_Z,
+    FAR_FORGIVE_STEPS,
+    FAR_STRIKES,
+    FIRST_LOOK_GATE,
+    SuspicionLedger,
+    _spread_over_directions,
+)
 
 SIZE = 512
 PEERS = [f"peer{i}" for i in range(5)]
@@ -79,6 +86,30 @@ def test_honest_noise_in_a_few_directions_leaves_nobody_out_of_a_small_group(see
         ledger.record(0, peers, low_rank_pieces(g, directions, len(peers)))
         assert not ledger.left_out(peers)
     assert len(ledger.excluded) == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("members", [4, 5, 6])
+def test_the_first_look_leaves_no_honest_member_out_whatever_the_noise(members):
+    """The first look (a cohort's second step) over 400 draws each of noise in 1, 3, 8 or 32
+    directions and of noise independent across coordinates, members of data that differ or not:
+    nobody left out. Behind the gate (noise in few directions) it is not taken."""
+    peers = PEERS[:members] + [f"peer{i}" for i in range(len(PEERS), members)]
+    g = torch.Generator().manual_seed(members)
+    closed = 0
+    for draw in range(400):
+        rank = (0, 1, 3, 8, 32)[draw % 5]
+        directions = torch.randn(max(rank, 1), SIZE, generator=g)
+        offsets = (draw % 3) * torch.randn(members, SIZE, generator=g)
+        ledger, xs = SuspicionLedger(BanList()), []
+        for _ in range(2):
+            noise = torch.randn(members, SIZE, generator=g) if rank == 0 else \
+                torch.randn(members, rank, generator=g) @ directions + 0.1 * torch.randn(members, SIZE, generator=g)
+            xs.append(noise + offsets)
+            ledger.record(0, peers, list(xs[-1]))
+        assert not ledger.left_out(peers), draw
+        closed += rank in (1, 3) and _spread_over_directions(*(x - x.mean(0) for x in xs)) > FIRST_LOOK_GATE
+    assert closed >= 0.95 * 160  # noise in 1 or 3 directions: the gate stays shut
 
 
 @pytest.mark.timeout(30)

@@ -33,6 +33,10 @@ averager and at each of this peer's reducers:
     persistently all score wide alike, and are not singled out): the member is left out of the
     next steps while it stays there (its reducer reports it as not delivered, so the step averages
     the others and it still receives the result);
+  * at the cohort's second step, before the running statistic has a term, a first look
+    (FIRST_LOOK_Z): each pair's <d_ij,1, d_ij,2> over its coordinate-by-coordinate deviation,
+    taken only where the noise spreads over many directions (FIRST_LOOK_GATE) and at least
+    FIRST_LOOK_MEMBERS send; a member standing out is left out of that step;
   * score >= BAN_Z x sigma, or named blatantly not honest (far from the robust centre, or a
     huge weight: `allreduce.reduction.blatant_senders`) in FAR_STRIKES steps (a strike is
     forgiven after FAR_FORGIVE_STEPS of its steps without one): excluded for the run
@@ -60,7 +64,8 @@ from potluck.averaging.accountability import BanList
 from potluck.core.bounded import drop_oldest
 from potluck.net.identity import PeerID
 
-__all__ = ["BAN_Z", "FAR_FORGIVE_STEPS", "FAR_STRIKES", "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
+__all__ = ["BAN_Z", "FAR_FORGIVE_STEPS", "FAR_STRIKES", "FIRST_LOOK_GATE", "FIRST_LOOK_MEMBERS", "FIRST_LOOK_Z",
+           "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,27 @@ logger = logging.getLogger(__name__)
 SUSPECT_Z = 6.0
 # Score at which a member is excluded for the run: exp(-50) = 2e-22 per look.
 BAN_Z = 10.0
+# The first look: the pair statistic needs two steps of a pair's own history before its first term
+# (S_ij,t-2), so a liar was counted in its first two steps, and a minority of 2 in 5 moved the
+# honest peers 1.7 honest spreads in them (benchmarks/byzantine.py). At the cohort's second step,
+# each pair's <d_ij,1, d_ij,2>, over its coordinate-by-coordinate deviation, is a first look; a
+# member whose lower median over its pairs is this many widths of the honest first looks (their
+# median over members of the lower median |.|, at least 1) is left out of that step, and of no
+# other (the running statistic takes over from the third). Noise correlated across coordinates
+# widens every honest pair's first look alike, so the width makes up for it (docs/security.md).
+FIRST_LOOK_Z = SUSPECT_Z
+# ... but only where the noise spreads over many directions: with noise in few directions an honest
+# pair's first look is one ratio of a few products, and the width of so few numbers does not make
+# up for it (left out by chance in 0.1-0.25% of cohorts of 3-6 members in 1-128 directions,
+# benchmarks/suspicion.py --part first-look). The gate (`_spread_over_directions`) measures how
+# many directions the honest noise spreads over, from the members' differences at the two steps;
+# the first look is taken only at most this; where noise lies in few directions the running
+# statistic alone decides, from the third step, as before.
+FIRST_LOOK_GATE = 1.5
+# ... and only in cohorts of at least this many senders: with 3, each width is a median of 3
+# numbers, and behind the gate honest members of 3 were still left out in 6 of 22,140 draws of
+# low-rank noise (1 in 110,700 with 4 to 6 members).
+FIRST_LOOK_MEMBERS = 4
 # The width of honest scores: thresholds count in units of sigma = max(1, w / WIDTH_PER_SIGMA),
 # w the median over members of their lower median |Z_ij|. With i.i.d. noise w is 0.67 (the median
 # of |N(0, 1)|) when all of a member's pairs are honest and up to about 1.1 when some are with
@@ -127,6 +153,7 @@ class _Cohort:
     coordinatewise: torch.Tensor
     variance: torch.Tensor
     steps: int = 0
+    first: torch.Tensor | None = None  # [n, n]: the pairs' first look (FIRST_LOOK_Z), at the second step only
 
     @classmethod
     def empty(cls, peers: tuple[PeerID, ...], size: int) -> _Cohort:
@@ -245,6 +272,9 @@ class SuspicionLedger:
         return cohort
 
     def _judge(self, cohort: _Cohort) -> None:
+        if cohort.first is not None:
+            self._first_look(cohort)
+            return
         scores, spreads = _scores(cohort), _scores(cohort, absolute=True)
         sigma = max(1.0, sorted(spreads)[(len(spreads) - 1) // 2] / WIDTH_PER_SIGMA)
         for p, z in zip(cohort.peers, scores, strict=True):
@@ -258,6 +288,20 @@ class SuspicionLedger:
                 self._suspect(p, why)
             elif p in self.suspects and self.suspects[p].startswith("its pieces"):
                 del self.suspects[p]
+
+    def _first_look(self, cohort: _Cohort) -> None:
+        """The cohort's second step: leave out of it the members whose first look stands out
+        (FIRST_LOOK_Z); the next step's judgement clears them unless the running statistic holds
+        them too."""
+        assert cohort.first is not None
+        scores, spreads = _lower_medians(cohort.first), _lower_medians(cohort.first.abs())
+        sigma = max(1.0, sorted(spreads)[(len(spreads) - 1) // 2] / WIDTH_PER_SIGMA)
+        for p, z in zip(cohort.peers, scores, strict=True):
+            if z >= FIRST_LOOK_Z * sigma:
+                why = (f"its pieces deviated the same way in its first two steps: first look {z:.1f}, "
+                       f"{z / sigma:.1f} x the honest width {sigma:.1f}")
+                logger.warning("leaving %s out of this step: %s", p, why)
+                self._suspect(p, why)
 
     def _suspect(self, peer: PeerID, why: str) -> None:
         """Leave `peer` out of the next steps while it stays suspect. A suspect that never sends
@@ -280,6 +324,8 @@ def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
     coordinates at a time in float64: every pair's sums come from n x n products of the members'
     own vectors (`_Products`), not from each pair's difference vectors."""
     sums, last = cohort.sums, cohort.last
+    cohort.first = _first_look(last, deviations) if cohort.steps == 1 and len(cohort.peers) >= FIRST_LOOK_MEMBERS \
+        else None
     sums -= last  # S_t-2: the sums before the last step, independent of d_t-1 and of d_t
     products = _Products(sums.shape[0], min(RECORD_COLUMNS, sums.shape[1]))
     for lo in range(0, sums.shape[1], RECORD_COLUMNS):
@@ -296,6 +342,46 @@ def _update(cohort: _Cohort, deviations: torch.Tensor) -> None:
     sums += deviations
     last.copy_(deviations)
     cohort.steps += 1
+
+
+def _first_look(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """[n, n]: each pair's <d_ij,1, d_ij,2> over its coordinate-by-coordinate standard deviation,
+    from the members' deviations at the first two steps (FIRST_LOOK_Z); None where the noise lies
+    in too few directions for it (FIRST_LOOK_GATE)."""
+    if _spread_over_directions(first, second) > FIRST_LOOK_GATE:
+        return None
+    products = _Products(first.shape[0], min(RECORD_COLUMNS, first.shape[1]))
+    for lo in range(0, first.shape[1], RECORD_COLUMNS):
+        chunk = slice(lo, lo + RECORD_COLUMNS)
+        products.add(first[:, chunk], second[:, chunk], first[:, chunk])
+    spread = products.coordinatewise().sqrt_()
+    return (_pairs(products.now) / spread).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+
+
+def _spread_over_directions(first: torch.Tensor, second: torch.Tensor) -> float:
+    """FIRST_LOOK_GATE's statistic, from the members' pieces at two steps (rows; any common
+    offset cancels): for each member i, |cos| between its difference from j at the first step and
+    its difference from k at the second (j != k: independent under honest noise, and free of any
+    push of a liar unless both are liars), its upper median over (j, k); the median over members,
+    times sqrt(size). About 1.2 for noise independent across coordinates, larger the fewer
+    directions the noise (or a persistent difference between members' data) lies in."""
+    n, size = first.shape
+    a, b = first.double(), second.double()
+    cross, aa, bb = a @ b.T, a @ a.T, b @ b.T
+    da, db = aa.diagonal(), bb.diagonal()
+    norms_a = (da[:, None] + da[None, :] - 2 * aa).clamp_(min=0).sqrt_()  # |x_i,1 - x_j,1|
+    norms_b = (db[:, None] + db[None, :] - 2 * bb).clamp_(min=0).sqrt_()
+    members = []
+    for i in range(n):
+        values = []
+        for j in range(n):
+            for k in range(n):
+                if len({i, j, k}) == 3:
+                    dot = cross[i, i] - cross[i, k] - cross[j, i] + cross[j, k]
+                    values.append(abs(float(dot)) / max(float(norms_a[i, j] * norms_b[i, k]), 1e-300))
+        values.sort()
+        members.append(values[len(values) // 2] if values else math.inf)
+    return sorted(members)[(n - 1) // 2] * math.sqrt(size)
 
 
 class _Products:
@@ -360,15 +446,19 @@ def _variances(cohort: _Cohort) -> torch.Tensor:
     return torch.maximum(cohort.variance, kappa * cohort.coordinatewise)
 
 
+def _lower_medians(pairs: torch.Tensor) -> list[float]:
+    """[n, n] -> each member's lower median over the others of its row."""
+    n = pairs.shape[0]
+    out = []
+    for i in range(n):
+        row = sorted(float(pairs[i, j]) for j in range(n) if j != i)
+        out.append(row[(len(row) - 1) // 2])
+    return out
+
+
 def _scores(cohort: _Cohort, absolute: bool = False) -> list[float]:
     """Each sender's lower median over the others of the pair statistic Z_ij (of |Z_ij|: how
     far honest pairs stray either way, the scale of the relative condition)."""
-    n = len(cohort.peers)
-    out = []
     variance = _variances(cohort)
-    for i in range(n):
-        z = [float(cohort.cross[i, j]) / math.sqrt(float(variance[i, j])) if variance[i, j] > 0 else 0.0
-             for j in range(n) if j != i]
-        z = [abs(v) for v in z] if absolute else z
-        out.append(sorted(z)[(len(z) - 1) // 2])
-    return out
+    z = torch.where(variance > 0, cohort.cross / variance.clamp(min=1e-300).sqrt(), torch.zeros_like(variance))
+    return _lower_medians(z.abs() if absolute else z)
