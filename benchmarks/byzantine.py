@@ -30,7 +30,7 @@ distance from the plain mean of the honest pieces (what the robust aggregation i
 
 Part "training": how far do attackers push training, under each aggregation?
 
-8 peers on the emulated network (virtual clock, one process, one torch thread) train the demo's
+8 peers (`--peers`) on the emulated network (virtual clock, one process, one torch thread) train the demo's
 CNN on scikit-learn's digits (`potluck.cli.tasks`: same model, initial weights and split as
 `potluck demo` and `potluck compare`) data-parallel, as potluck's sync mode does: at every step
 (an epoch of sync mode) each peer computes the gradient of 128 of its own samples (a global batch
@@ -68,8 +68,8 @@ Usage: python benchmarks/byzantine.py [--part drift|training|all] [--rounds 200]
            [--groups 1/4,2/5,3/10] [--drift-attacks alie,ipm,sign_flip,far_edge,other_data] [--undo-rounds K]
            [--patient-offset E] [--worker-momentum B]
        python benchmarks/byzantine.py --part training [--steps 60] [--aggregations mean,centered_clip,trimmed_mean]
-           [--attacks sign_flip,scaled,random] [--attackers 1,2] [--clip-radius R] [--jobs 1] [--seed 0]
-           [--quick]
+           [--attacks sign_flip,scaled,random] [--attackers 1,2] [--peers 8] [--target ACC] [--clip-radius R]
+           [--jobs 1] [--seed 0] [--quick]
 (--quick: drift over 50 rounds with 2 of 5 attackers; training as below. Drift runs the robust
 aggregations only: the mean keeps no record of deviations, and one liar moves it anywhere.)
 (--jobs: runs in that many processes at once; each run is one process's work, so accuracies do
@@ -273,8 +273,9 @@ class ReduceTimer:
 
 
 def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int, clip_radius: float,
-          seed: int) -> dict:
-    """One training run (in its own process with --jobs); see the module docstring."""
+          seed: int, n: int = PEERS, target: float = 0.0) -> dict:
+    """One training run of `n` peers (in its own process with --jobs); see the module docstring.
+    `target`: a test accuracy; the first step after which the honest model reaches it is reported."""
     torch.set_num_threads(1)
     robust.CLIP_RADIUS = clip_radius
     ReduceTimer.install()
@@ -283,23 +284,23 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
     model = make_model()  # the honest peers' one model (they stay bit-identical)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     size = sum(p.numel() for p in model.parameters())
-    rngs = [torch.Generator().manual_seed(100 * seed + 100 + i) for i in range(PEERS)]  # batches, noise
+    rngs = [torch.Generator().manual_seed(100 * seed + 100 + i) for i in range(n)]  # batches, noise
     edge = torch.randn(size, generator=torch.Generator().manual_seed(seed))
     edge /= edge.norm()  # far_edge's direction
     loud = attack_kind in ("scaled", "random")  # these also claim a huge weight; the others stay hidden
 
     async def main() -> dict:
-        net, peers = await make_swarm(PEERS, latency=LATENCY, bandwidth=BANDWIDTH)
+        net, peers = await make_swarm(n, latency=LATENCY, bandwidth=BANDWIDTH)
         # The honest peers go on without attackers their reducers banned (averaging.suspicion).
-        averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=PEERS,
-                              min_group_size=PEERS - attackers,
+        averagers = [Averager(p, [torch.zeros(size)], "byzantine", target_group_size=n,
+                              min_group_size=n - attackers,
                               matchmaking_time=1.0, allreduce_timeout=30.0, bandwidth=BANDWIDTH,
                               allow_state_sharing=False, aggregation=aggregation) for p in peers]
         members = None
-        failed, averaging_wall = 0, 0.0
+        failed, averaging_wall, reached = 0, 0.0, None
         for step in range(steps):
             grads = []
-            for i in range(PEERS):
+            for i in range(n):
                 picks = torch.randint(len(y_train), (BATCH,), generator=rngs[i])
                 labels = (y_train[picks] + 1) % 10 if attack_kind == "other_data" and i < attackers else y_train[picks]
                 model.zero_grad()
@@ -333,11 +334,14 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
                     p.grad.copy_(averaged[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
             optimizer.step()
+            if target and reached is None and accuracy(model, x_test, y_test) >= target:
+                reached = step + 1
         for a in averagers:
             a.shutdown()
         identical = all(torch.equal(averagers[i]._tensors[0], averagers[attackers]._tensors[0])
-                        for i in range(attackers, PEERS))
-        return {"failed_steps": failed, "averaging_wall": averaging_wall, "honest_identical": identical}
+                        for i in range(attackers, n))
+        return {"failed_steps": failed, "averaging_wall": averaging_wall, "honest_identical": identical,
+                "steps_to_target": reached}
 
     t0 = time.perf_counter()
     out = run_virtual(main())
@@ -346,7 +350,8 @@ def train(aggregation: str, attack_kind: str | None, attackers: int, steps: int,
     return {"value": round(acc, 4), "reduce_ms_per_step": round(1000 * ReduceTimer.seconds / steps, 2),
             "wall_seconds_per_step": round(wall / steps, 4),
             "averaging_wall_seconds_per_step": round(out["averaging_wall"] / steps, 4),
-            "failed_steps": out["failed_steps"], "honest_identical": out["honest_identical"]}
+            "failed_steps": out["failed_steps"], "honest_identical": out["honest_identical"],
+            **({"target": target, "steps_to_target": out["steps_to_target"]} if target else {})}
 
 
 def aggregation_cost(aggregation: str, repeats: int = 5) -> float:
@@ -407,6 +412,9 @@ def main() -> None:
     parser.add_argument("--worker-momentum", type=float, default=0.0,
                         help="drift, a what-if (not the library's behaviour): members send their gradients' "
                              "momentum with this coefficient, and both runs step on its aggregate")
+    parser.add_argument("--peers", type=int, default=PEERS, help="training: peers, attackers included")
+    parser.add_argument("--target", type=float, default=0.0,
+                        help="training: a test accuracy; each run reports the step after which it first reached it")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     parser.add_argument("--seed", type=int, default=0, help="picks the peers' batches (the model starts the same)")
     parser.add_argument("--quick", action="store_true",
@@ -425,13 +433,14 @@ def main() -> None:
 
 def training_part(args: argparse.Namespace, now: str) -> None:
     """Part "training" (see the module docstring)."""
-    common = {"peers": PEERS, "steps": args.steps, "batch_per_peer": BATCH, "clip_radius": args.clip_radius,
+    common = {"peers": args.peers, "steps": args.steps, "batch_per_peer": BATCH, "clip_radius": args.clip_radius,
               "seed": args.seed, "host": platform.node(), "date": now}
     aggregations = args.aggregations.split(",")
     scenarios = [(None, 0)] + [(a, int(f)) for f in args.attackers.split(",") for a in args.attacks.split(",")]
     runs = [(agg, kind, f) for agg in aggregations for kind, f in scenarios]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(train, agg, kind, f, args.steps, args.clip_radius, args.seed) for agg, kind, f in runs]
+        futures = [pool.submit(train, agg, kind, f, args.steps, args.clip_radius, args.seed, args.peers, args.target)
+                   for agg, kind, f in runs]
         rows = []
         for (agg, kind, f), future in zip(runs, futures, strict=True):
             row = {"metric": "byzantine_accuracy", "aggregation": agg, "attack": kind or "none", "attackers": f,
