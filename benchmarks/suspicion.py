@@ -20,11 +20,11 @@ setting; rows "suspicion_stress": runs in which an honest member was left out or
 the highest honest score.
 
 Part "first-look": the first look at a cohort's second step (`suspicion.FIRST_LOOK_Z`, behind
-`FIRST_LOOK_GATE`), on honest members only. Rows "first_look_synthetic": draws of two steps of 4 to
-6 members, noise independent across coordinates or in 1 to 512 shared directions (plus 0.1 N(0, I)),
+`FIRST_LOOK_GATE`), on honest members only. Rows "first_look_synthetic": draws of two steps of 5, 6
+or 8 members, noise independent across coordinates or in 1 to 512 shared directions (plus 0.1 N(0, I)),
 with and without persistent differences between members' data and one member 3x noisier; per
 noise kind, the members left out and how often the gate opened. Rows "first_look_cnn": the digits
-CNN's recorded pieces (as part "cnn", 4 and 5 peers), every two consecutive steps taken as a
+CNN's recorded pieces (as part "cnn", 5 peers), every two consecutive steps taken as a
 fresh cohort's first two: the honest members left out, how often the gate opened, and, with a liar
 (alie_1, push_1 as in part "cnn"), how often the first look left it out.
 
@@ -202,7 +202,7 @@ def first_look_part(args: argparse.Namespace, common: dict) -> None:
 
     for kind, rank in [("iid", 0), *(("low", r) for r in (1, 3, 8, 32, 128, 512))]:
         members = framed = cohorts = opened = 0
-        for n, size, hetero, noisier in itertools.product((4, 5, 6), (64, 512, 4096), (0.0, 1.0, 3.0), (False, True)):
+        for n, size, hetero, noisier in itertools.product((5, 6, 8), (64, 512, 4096), (0.0, 1.0, 3.0), (False, True)):
             if rank >= size:
                 continue
             for seed in range(args.seeds * (8 if size <= 512 else 2)):
@@ -223,7 +223,7 @@ def first_look_part(args: argparse.Namespace, common: dict) -> None:
         print(json.dumps({"metric": "first_look_synthetic", "noise": kind, "directions": rank or None,
                           "members": members, "honest_left_out": framed, "cohorts": cohorts,
                           "gate_open": round(opened / cohorts, 3), **common}), flush=True)
-    for n in (4, 5):
+    for n in (5,):  # (the first look needs FIRST_LOOK_MEMBERS)
         recorded = record_cnn(n, args.epochs)
         cohorts, opened, framed, _ = map(sum, zip(*(first_look_rows(s) for s in recorded), strict=True))
         row = {"metric": "first_look_cnn", "peers": n, "series": len(recorded), "cohorts": cohorts,
