@@ -15,6 +15,8 @@ an honest member wrongly judged would never split them (test_a_wrong_verdict_nev
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -30,40 +32,52 @@ HONEST = 3
 STEPS = 8
 
 
+async def averaging_rounds(honest: int, liars: int, lie: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]],
+                           steps: int) -> tuple[list[Any], list[float], list[set[str]]]:
+    """`honest` peers and `liars` average `steps` times under CenteredClip over the
+    emulated network (call inside `run_virtual`). Honest pieces are mu + N(0, I); liars send
+    lie(the honest pieces, a gradient of their own). The peers (honest first), the honest peers'
+    drift from their own mean after each step (RMS per coordinate, summed over steps), and each
+    step's contributors. Checks that the honest peers hold one result, are all contributors, and
+    that nobody honest is excluded or banned."""
+    g = torch.Generator().manual_seed(0)
+    mu = torch.randn(SIZE, generator=g)
+    _, peers = await make_swarm(honest + liars)
+    averagers = [Averager(p, [torch.zeros(SIZE)], "job", target_group_size=honest + liars, min_group_size=honest,
+                          matchmaking_time=1.0, aggregation="centered_clip") for p in peers]
+    drift = torch.zeros(SIZE)
+    drifts, contributors = [], []
+    for step in range(steps):
+        pieces = mu + torch.randn(honest, SIZE, generator=g)
+        own = mu + torch.randn(SIZE, generator=g)
+        for a, t in zip(averagers, [*pieces, *lie(pieces, own)], strict=True):
+            with a.get_tensors() as tensors:
+                tensors[0].copy_(t)
+        results = await asyncio.gather(*(a.astep(group_key=f"step{step}") for a in averagers), return_exceptions=True)
+        assert not any(isinstance(r, BaseException) for r in results[:honest]), results
+        contributors.append(set(results[0].contributors))
+        after = averagers[0]._tensors[0]
+        assert all(torch.equal(a._tensors[0], after) for a in averagers[:honest])
+        drift += after - pieces.mean(0)
+        drifts.append((drift.norm() / SIZE ** 0.5).item())
+    for a in averagers:
+        a.shutdown()
+    assert all({str(p.transport.peer_id) for p in peers[:honest]} <= c for c in contributors)
+    assert not any(p.transport.peer_id in exclusions(q.transport) for p in peers[:honest] for q in peers[:honest])
+    assert not any(len(ban_list(p.transport)) for p in peers)
+    return peers, drifts, contributors
+
+
 @pytest.mark.timeout(60)
 def test_a_patient_minority_is_left_out_and_excluded_and_the_drift_stops():
     async def main():
-        net, peers = await make_swarm(HONEST + 1)
-        averagers = [Averager(p, [torch.zeros(SIZE)], "job", target_group_size=HONEST + 1, min_group_size=HONEST,
-                              matchmaking_time=1.0, aggregation="centered_clip") for p in peers]
+        peers, drifts, contributors = await averaging_rounds(
+            HONEST, 1, lambda honest, own: [honest.mean(0) - honest.std(0)], STEPS)
         attacker = peers[HONEST].transport.peer_id
-        g = torch.Generator().manual_seed(0)
-        mu = torch.randn(SIZE, generator=g)
-        drift = torch.zeros(SIZE)
-        drifts, contributors = [], []
-        for step in range(STEPS):
-            honest = mu + torch.randn(HONEST, SIZE, generator=g)
-            sent = [*honest, honest.mean(0) - honest.std(0)]
-            for a, t in zip(averagers, sent, strict=True):
-                with a.get_tensors() as tensors:
-                    tensors[0].copy_(t)
-            results = await asyncio.gather(*(a.astep(group_key=f"step{step}") for a in averagers),
-                                           return_exceptions=True)
-            assert not any(isinstance(r, BaseException) for r in results[:HONEST])
-            contributors.append(set(results[0].contributors))
-            after = averagers[0]._tensors[0]
-            assert all(torch.equal(a._tensors[0], after) for a in averagers[:HONEST])
-            drift += after - honest.mean(0)
-            drifts.append((drift.norm() / SIZE ** 0.5).item())
         # Excluded by the honest peers whose reducers found it out; a statistic bans nobody from groups.
         assert any(attacker in exclusions(p.transport) for p in peers[:HONEST])
-        assert not any(p.transport.peer_id in exclusions(q.transport) for p in peers[:HONEST] for q in peers[:HONEST])
-        assert not any(len(ban_list(p.transport)) for p in peers)
-        assert all({str(p.transport.peer_id) for p in peers[:HONEST]} <= c for c in contributors)
         assert all(str(attacker) not in c for c in contributors[2:])  # out from the step that gave it away
         assert drifts[-1] == pytest.approx(drifts[1], rel=1e-5) and drifts[-1] < 0.75  # two steps' bias, no more
-        for a in averagers:
-            a.shutdown()
     run_virtual(main())
 
 
