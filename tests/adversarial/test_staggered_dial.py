@@ -37,7 +37,7 @@ from tests.test_relay import fetch, reserved_on, serving, tcp_peers
 
 # The call's deadline: far above what a staggered dial needs (the stagger and a handshake, ~0.5 s),
 # far below the dial timeout the dead first address used to cost.
-DEADLINE = 3.0
+DEADLINE = 5.0
 DIAL_TIMEOUT = 10.0
 # A deadline for what must happen promptly; never reached.
 PROMPT = 10.0
