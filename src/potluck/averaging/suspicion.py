@@ -66,8 +66,7 @@ from potluck.core.bounded import drop_oldest
 from potluck.net.identity import PeerID
 
 __all__ = ["BAN_Z", "FAR_FORGIVE_STEPS", "FAR_STRIKES", "FIRST_LOOK_GATE", "FIRST_LOOK_HOLD", "FIRST_LOOK_MEMBERS",
-           "FIRST_LOOK_Z",
-           "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
+           "FIRST_LOOK_Z", "WIDTH_PER_SIGMA", "SUSPECT_Z", "SuspicionLedger"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,9 +299,9 @@ class SuspicionLedger:
                 del self.suspects[p]
 
     def _first_look(self, cohort: _Cohort) -> None:
-        """The cohort's second step: leave out of it the members whose first look stands out
-        (FIRST_LOOK_Z); the next step's judgement clears them unless the running statistic holds
-        them too."""
+        """The cohort's second step: leave out the members whose first look stands out
+        (FIRST_LOOK_Z), through its step FIRST_LOOK_HOLD; the judgements after that clear them
+        unless the running statistic holds them too."""
         assert cohort.first is not None
         scores, spreads = _lower_medians(cohort.first), _lower_medians(cohort.first.abs())
         sigma = max(1.0, sorted(spreads)[(len(spreads) - 1) // 2] / WIDTH_PER_SIGMA)
@@ -380,17 +379,18 @@ def _spread_over_directions(first: torch.Tensor, second: torch.Tensor) -> float:
     da, db = aa.diagonal(), bb.diagonal()
     norms_a = (da[:, None] + da[None, :] - 2 * aa).clamp_(min=0).sqrt_()  # |x_i,1 - x_j,1|
     norms_b = (db[:, None] + db[None, :] - 2 * bb).clamp_(min=0).sqrt_()
-    members = []
-    for i in range(n):
-        values = []
-        for j in range(n):
-            for k in range(n):
-                if len({i, j, k}) == 3:
-                    dot = cross[i, i] - cross[i, k] - cross[j, i] + cross[j, k]
-                    values.append(abs(float(dot)) / max(float(norms_a[i, j] * norms_b[i, k]), 1e-300))
-        values.sort()
-        members.append(values[len(values) // 2] if values else math.inf)
-    return sorted(members)[(n - 1) // 2] * math.sqrt(size)
+    # [i, j, k]: <x_i,1 - x_j,1, x_i,2 - x_k,2>, over the two norms
+    dots = cross.diagonal()[:, None, None] - cross[:, None, :] - cross.T[:, :, None] + cross[None, :, :]
+    cos = dots.abs_() / (norms_a[:, :, None] * norms_b[:, None, :]).clamp_(min=1e-300)
+    index = torch.arange(n)
+    distinct = (index[:, None, None] != index[None, :, None]) & (index[:, None, None] != index[None, None, :]) \
+        & (index[None, :, None] != index[None, None, :])
+    values = (n - 1) * (n - 2)
+    if values == 0:
+        return math.inf
+    ranked = cos.masked_fill_(~distinct, math.inf).reshape(n, -1).sort(dim=1).values  # the (j, k) of each i first
+    members = sorted(ranked[:, values // 2].tolist())  # each member's upper median
+    return members[(n - 1) // 2] * math.sqrt(size)
 
 
 class _Products:
@@ -458,11 +458,8 @@ def _variances(cohort: _Cohort) -> torch.Tensor:
 def _lower_medians(pairs: torch.Tensor) -> list[float]:
     """[n, n] -> each member's lower median over the others of its row."""
     n = pairs.shape[0]
-    out = []
-    for i in range(n):
-        row = sorted(float(pairs[i, j]) for j in range(n) if j != i)
-        out.append(row[(len(row) - 1) // 2])
-    return out
+    ranked = pairs.double().clone().fill_diagonal_(math.inf).sort(dim=1).values  # itself last
+    return ranked[:, (n - 2) // 2].tolist()
 
 
 def _scores(cohort: _Cohort, absolute: bool = False) -> list[float]:
