@@ -96,6 +96,8 @@ def test_a_seated_member_that_holds_up_its_pieces_costs_one_short_step_and_then_
         held = [lapses(p.transport).held(trickler.transport.peer_id, p.transport.peer_origin(trickler.transport.peer_id))
                 for p in honest]
         assert any(h > 0 for h in held), held
+        for avg, h in zip(avgs[:HONEST], held, strict=True):  # nor joined as a leader by a peer that holds it
+            assert avg.matchmaker._held_leader(trickler.transport.peer_id) == (h > 0)
         if how == "trickles":  # it got the round's result anyway (it is left out, not cut off)
             assert first[HONEST][0].group_size == 4
 
