@@ -133,12 +133,13 @@ class TorchftDiLoCoStep:
 
 def torchft_peer(args: argparse.Namespace, model: Any, host: str = "127.0.0.1",
                  timeout_s: float = TORCHFT_TIMEOUT, diloco: bool = False,
-                 sync_every: int = DILOCO_LOCAL_STEPS) -> tuple[str | None, Any, list]:
+                 sync_every: int = DILOCO_LOCAL_STEPS, lr: float = LR, outer_lr: float = DILOCO_OUTER_LR,
+                 outer_momentum: float = DILOCO_OUTER_MOMENTUM) -> tuple[str | None, Any, list]:
     """A torchft replica group of one process whose servers (lighthouse on rank 0, TCPStore, manager,
     checkpoint server) are reached at `host`. Off loopback, set GLOO_SOCKET_IFNAME to `host`'s
     interface first: Gloo otherwise binds to what the machine's hostname resolves to. `diloco`:
     torchft's DiLoCo (an outer step every `sync_every` inner steps) instead of a gradient all-reduce
-    per step."""
+    per step; `lr`: Adam's; `outer_lr`, `outer_momentum`: DiLoCo's outer SGD (Nesterov)."""
     import torch
     import torchft
     from torch.distributed import TCPStore
@@ -171,13 +172,14 @@ def torchft_peer(args: argparse.Namespace, model: Any, host: str = "127.0.0.1",
     closers.insert(0, manager.shutdown)
     if diloco:
         from torchft.local_sgd import DiLoCo
-        inner = torch.optim.Adam(model.parameters(), LR)
-        outer = torch.optim.SGD(model.parameters(), lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
+        inner = torch.optim.Adam(model.parameters(), lr)
+        outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
+                                nesterov=outer_momentum > 0)  # (torch refuses Nesterov without momentum)
         wrapper = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
         wrapper.__enter__()
         closers.insert(0, lambda: wrapper.__exit__(None, None, None))
         return address, TorchftDiLoCoStep(manager, inner, wrapper, store), closers
-    opt = TorchftStep(manager, torchft.Optimizer(manager, torch.optim.Adam(model.parameters(), LR)),
+    opt = TorchftStep(manager, torchft.Optimizer(manager, torch.optim.Adam(model.parameters(), lr)),
                       list(model.parameters()), store)
     return address, opt, closers
 

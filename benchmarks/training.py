@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +118,45 @@ def run_worker(args: argparse.Namespace) -> None:
     train_until_stopped(args, model, opt, zero_grad, closers, (x, y, x_test, y_test))
 
 
+class Digits:
+    """The digits task of every training benchmark: a batch, its loss, and the test accuracy the
+    target is read against (at each new epoch and at least every EVAL_EVERY seconds)."""
+
+    eval_every = EVAL_EVERY
+    eval_at_epochs = True
+
+    def __init__(self, data: tuple, target: float):
+        self.x, self.y, self.x_test, self.y_test = data
+        self.target = target
+
+    def batch(self, generator: Any, size: int) -> tuple[Any, Any]:
+        import torch
+        index = torch.randint(0, len(self.y), (size,), generator=generator)
+        return self.x[index], self.y[index]
+
+    def loss(self, model: Any, x: Any, y: Any) -> Any:
+        import torch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def score(self, model: Any) -> float:
+        from potluck.cli.tasks import accuracy
+        return accuracy(model, self.x_test, self.y_test)
+
+    def reached(self, score: float) -> bool:
+        return score >= self.target
+
+
 def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_grad: Any, closers: list,
-                        data: tuple, local_batch: int = LOCAL_BATCH, slowdown: float = 1.0) -> None:
+                        data: tuple | None, local_batch: int = LOCAL_BATCH, slowdown: float = 1.0,
+                        task: Any = None) -> None:
     """The worker's part after "ready": wait for "go", train and evaluate until "stop", report.
 
     `opt` needs `step()` and `local_epoch`; `zero_grad`, if not None, is called before each batch;
-    with `slowdown` > 1, each batch takes that many times as long (a slower computer)."""
+    with `slowdown` > 1, each batch takes that many times as long (a slower computer). `task`
+    (default: the digits of `data`, against args.target) gives the batches, the loss and the score."""
     import torch
 
-    from potluck.cli.tasks import accuracy
-    x, y, x_test, y_test = data
+    task = task or Digits(data, args.target)
     t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
     stop = threading.Event()
     threading.Thread(target=lambda: (read_line(WORKER_IDLE_TIMEOUT), stop.set()), daemon=True).start()
@@ -138,28 +167,28 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
     try:
         while not stop.is_set():
             started = time.perf_counter()
-            batch = torch.randint(0, len(y), (local_batch,), generator=generator)
+            x, y = task.batch(generator, local_batch)
             if zero_grad is not None:
                 zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            loss = task.loss(model, x, y)
             loss.backward()
             if slowdown > 1:
                 time.sleep((time.perf_counter() - started) * (slowdown - 1))
             opt.step()
             samples += local_batch
             epoch = opt.local_epoch
-            if epoch != last_epoch or time.monotonic() - last_eval >= EVAL_EVERY:
+            if (epoch != last_epoch and task.eval_at_epochs) or time.monotonic() - last_eval >= task.eval_every:
                 last_eval, last_epoch = time.monotonic(), epoch
-                acc = accuracy(model, x_test, y_test)
+                score = task.score(model)
                 elapsed = time.time() - t0
-                curve.append((round(elapsed, 2), epoch, round(acc, 4)))
-                if reached is None and acc >= args.target:
+                curve.append((round(elapsed, 2), epoch, round(score, 4)))
+                if reached is None and task.reached(score):
                     reached = elapsed
-                    say(event="reached", seconds=elapsed, epoch=epoch, accuracy=acc, samples=samples)
+                    say(event="reached", seconds=elapsed, epoch=epoch, accuracy=score, samples=samples)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         if not stop.is_set():  # after "stop", peers leaving mid-round is the shutdown, not a failure
             error = f"{type(e).__name__}: {e}"
-    final = accuracy(model, x_test, y_test)
+    final = task.score(model)
     say(event="final", accuracy=final, epoch=opt.local_epoch, samples=samples, reached=reached,
         curve=curve[-400:], error=error)
     for close in closers:
@@ -177,9 +206,14 @@ def measure(system: str, python: str, peers: int, args: argparse.Namespace, data
                      peers, args.cap)
 
 
-def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: float) -> dict:
+def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: float,
+              beside: Sequence[list[str]] = ()) -> dict:
     """Start `peers` worker processes (`command(rank, first's address or None)`), then run them
-    together from a common start until all reached the target or `cap` seconds passed."""
+    together from a common start until all reached the target or `cap` seconds passed.
+
+    `beside`: commands of processes that share the machine from the same start (one training
+    alone, with a peer's share of the cores), run until they too reach the target or the cap;
+    their events come back apart, under "beside" (one dict per command)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers: list[Worker] = []
@@ -188,6 +222,7 @@ def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: 
         first = workers[0].expect("ready", STARTUP_TIMEOUT)
         for rank in range(1, peers):
             workers.append(Worker(command(rank, first["address"]), env))
+        workers.extend(Worker(cmd, env) for cmd in beside)
         for w in workers[1:]:
             w.expect("ready", STARTUP_TIMEOUT)
         t0 = time.time()
@@ -195,13 +230,13 @@ def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: 
             w.send(f"go {t0!r}")
         reached: dict[int, dict] = {}
         finals: dict[int, dict] = {}
-        while time.time() - t0 < cap and len(reached) < peers:
+        while time.time() - t0 < cap and len(reached) < len(workers):
             for i, w in enumerate(workers):
                 with contextlib.suppress(queue.Empty):
                     while True:
                         got = w.events.get_nowait()
                         if got is None:
-                            raise RuntimeError(f"peer {i} exited during training:\n" + "".join(w.stderr[-15:]))
+                            raise RuntimeError(f"process {i} exited during training:\n" + "".join(w.stderr[-15:]))
                         if got["event"] == "reached":
                             reached[i] = got
                         elif got["event"] == "final":
@@ -214,8 +249,10 @@ def run_swarm(command: Callable[[int, str | None], list[str]], peers: int, cap: 
             if i not in finals:
                 with contextlib.suppress(RuntimeError):
                     finals[i] = w.expect("final", STOP_TIMEOUT)
-        return {"reached": reached, "finals": finals, "stopped": stopped, "version": first.get("version"),
-                "stderr": [w.stderr[-5:] for w in workers]}
+        return {"reached": {i: r for i, r in reached.items() if i < peers},
+                "finals": {i: f for i, f in finals.items() if i < peers}, "stopped": stopped,
+                "version": first.get("version"), "stderr": [w.stderr[-5:] for w in workers],
+                "beside": [{"reached": reached.get(i), "final": finals.get(i)} for i in range(peers, len(workers))]}
     finally:
         for w in workers:
             w.kill()

@@ -25,16 +25,22 @@ the time the links themselves need for an all-reduce's traffic), so that the bou
 Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
 
 Then each of --systems (potluck's sync, sync 8-bit, DiLoCo, DiLoCo with 8-bit changes, Streaming
-DiLoCo, Streaming DiLoCo with 4-bit changes; torchft and hivemind from the python of
-.venv-torchft and .venv-hivemind where they exist, else reported as not installed) trains the
-digits task (--workload digits: the demo's CNN, 38K parameters; wide: an MLP of 6.7M parameters,
-where bandwidth sets the pace) from a common start on the same links until --target test
-accuracy or --cap seconds: time to target, and each system's ratio to potluck's sync (above 1:
-sync is faster). torchft 0.2.0 as benchmarks/torchft_compare.py runs it (lighthouse on peer 0,
-one flat all-reduce of the gradients per step over Gloo, bound to the namespace's TAP device by
-GLOO_SOCKET_IFNAME; its servers advertise the namespace's address), and its DiLoCo
-(`torchft_diloco`: DiLoCo's settings as potluck's `diloco` system); hivemind 1.1.12 with
-`hivemind.Optimizer` and potluck sync's settings, its DHT and daemon on the namespace's address.
+DiLoCo, Streaming DiLoCo with 4-bit changes; torchft and hivemind from the python of .venv-torchft
+and .venv-hivemind where they exist, else reported as not installed) trains the digits task
+(--workload digits: the demo's CNN, 38K parameters; wide: an MLP of 6.7M parameters, where
+bandwidth sets the pace) from a common start on the same links until --target test accuracy or
+--cap seconds, or (--workload lm) a byte-level language model of 6.3M parameters, nearly all one
+table of hashed contexts (cheap steps, 25 MB a float32 round), on the standard library's source
+until a validation loss that one process alone reaches in about a minute: time to target, and each
+system's ratio to potluck's sync (above 1: sync is faster). With --alone BATCH, one more process
+trains beside each system from the same start, alone (Adam on batches of BATCH, no network), with a
+peer's share of the same cores: the swarm against one machine at equal wall time (ratio
+alone/system above 1: the swarm got there sooner). torchft 0.2.0 as benchmarks/torchft_compare.py
+runs it (lighthouse on peer 0, one flat all-reduce of the gradients per step over Gloo, bound to
+the namespace's TAP device by GLOO_SOCKET_IFNAME; its servers advertise the namespace's address),
+and its DiLoCo (`torchft_diloco`: DiLoCo's settings as potluck's `diloco` system); hivemind 1.1.12
+with `hivemind.Optimizer` and potluck sync's settings, its DHT and daemon on the namespace's
+address.
 
 Prints one JSON object per line, e.g.
   {"metric": "allreduce_seconds", "profile": "wan", "compression": "none", "value": 0.9, "unit": "s",
@@ -46,7 +52,8 @@ Prints one JSON object per line, e.g.
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,gloo] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
-           [--workload digits|wide] [--local-steps 8] [--target 0.95] [--cap 90]
+           [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9]
+           [--target 0.95] [--cap 90] [--alone 32]
 """
 
 from __future__ import annotations
@@ -100,7 +107,9 @@ def sweep() -> None:
     for line in sh("ip", "netns", "list").splitlines():
         name = line.split()[0] if line.strip() else ""
         if name.startswith(PREFIX):
-            for pid in sh("ip", "netns", "pids", name).split():
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                                  timeout=COMMAND_TIMEOUT).stdout  # (empty if it is gone meanwhile)
+            for pid in pids.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=COMMAND_TIMEOUT)
@@ -327,6 +336,76 @@ WIDE_HIDDEN = 2560
 WIDE_TORCHFT_TIMEOUT = 60.0  # s, torchft's collectives and quorums on the wide workload
 
 
+# The "lm" workload: a byte-level language model of 6.3M parameters, nearly all of them one table
+# (the two previous bytes, hashed into LM_BUCKETS rows), so a step costs little compute and each
+# float32 round moves 25 MB: communication sets the pace, as the issue's "5-10M parameters where
+# communication dominates" asks. One process alone (batches of 32 windows, a core of its own)
+# reaches LM_TARGET in about a minute: 50 s here on 2026-12-06 (1.55 at 40 s, 1.47 at 60 s).
+LM_BUCKETS = 65536
+LM_WIDTH = 96
+LM_CONTEXT = 64  # bytes per window; a sample is a window
+LM_LR = 1e-3  # Adam; 3e-3 plateaus within 30 s, where a target's crossing time is mostly noise
+LM_TARGET = 1.50  # validation loss, nats per byte
+LM_VALIDATION_WINDOWS = 256  # held-out windows scored (16K bytes: about 20 ms a score on a core)
+LM_EVAL_EVERY = 2.0  # s between scores: a score at each epoch would cost sync peers a fifth of their CPU
+
+
+def make_lm() -> Any:
+    """The "lm" workload's model, the same initial weights on every call: logits for the next
+    byte from the sum of the current byte's embedding and its hashed 3-byte context's row."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class HashedBytes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(LM_BUCKETS, LM_WIDTH)
+            self.byte = nn.Embedding(256, LM_WIDTH)
+            self.head = nn.Linear(LM_WIDTH, 256)
+            nn.init.normal_(self.table.weight, std=0.02)
+            nn.init.normal_(self.byte.weight, std=0.02)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            previous, before = F.pad(x, (1, 0))[:, :-1], F.pad(x, (2, 0))[:, :-2]
+            rows = (x * 257 + previous * 65599 + before * 31) % LM_BUCKETS
+            return self.head(torch.tanh(self.byte(x) + self.table(rows)))
+
+    torch.manual_seed(0)
+    return HashedBytes()
+
+
+class LMTask:
+    """The "lm" workload's batches (random training windows) and score (validation loss on fixed
+    held-out windows; the target is reached at or below it), as `training.train_until_stopped` takes them."""
+
+    eval_every = LM_EVAL_EVERY
+    eval_at_epochs = False
+
+    def __init__(self, data: dict, target: float):
+        import torch
+
+        from potluck.workloads import lm
+        self.lm, self.train, self.target = lm, data["train"], target
+        generator = torch.Generator().manual_seed(0)
+        starts = torch.randint(0, len(data["val"]) - LM_CONTEXT - 1, (LM_VALIDATION_WINDOWS,), generator=generator)
+        self.validation = lm.windows(data["val"], starts, LM_CONTEXT)
+
+    def batch(self, generator: Any, size: int) -> tuple[Any, Any]:
+        import torch
+        starts = torch.randint(0, len(self.train) - LM_CONTEXT - 1, (size,), generator=generator)
+        return self.lm.windows(self.train, starts, LM_CONTEXT)
+
+    def loss(self, model: Any, x: Any, y: Any) -> Any:
+        return self.lm.lm_loss(model, x, y)
+
+    def score(self, model: Any) -> float:
+        return self.lm.evaluate(model, self.validation)["val_loss"]
+
+    def reached(self, score: float) -> bool:
+        return score <= self.target
+
+
 def make_wide() -> Any:
     """The "wide" workload's model: 64 -> 2560 -> 2560 -> 10, the same initial weights on every call."""
     import torch
@@ -334,6 +413,30 @@ def make_wide() -> Any:
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(64, WIDE_HIDDEN), nn.ReLU(), nn.Linear(WIDE_HIDDEN, WIDE_HIDDEN),
                          nn.ReLU(), nn.Linear(WIDE_HIDDEN, 10))
+
+
+class LoneAdam:
+    """One process training alone (`--alone`): Adam at the swarms' `lr`, on batches of `batch`; an
+    "epoch" is every global batch of samples (256), so it evaluates as often per sample as a sync
+    swarm's peer does, and as often in time as every process does."""
+
+    def __init__(self, model: Any, batch: int, lr: float):
+        import torch
+        import torchft_compare as base
+        self.adam = torch.optim.Adam(model.parameters(), lr)
+        self.steps_per_epoch = max(1, base.GLOBAL_BATCH // batch)
+        self.steps = 0
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad()
+
+    def step(self) -> None:
+        self.adam.step()
+        self.steps += 1
+
+    @property
+    def local_epoch(self) -> int:
+        return self.steps // self.steps_per_epoch
 
 
 def train_worker(args: argparse.Namespace) -> None:
@@ -353,44 +456,53 @@ def train_worker(args: argparse.Namespace) -> None:
     from potluck.cli.tasks import make_model
     torch.set_num_threads(1)
     data = torch.load(args.data)
-    model = make_wide() if args.workload == "wide" else make_model()
+    model = {"wide": make_wide, "lm": make_lm}.get(args.workload, make_model)()
+    task = LMTask(data, args.target) if args.workload == "lm" else None
+    lr = LM_LR if args.workload == "lm" else base.LR
     slowdown = base.SLOWDOWN if args.rank == base.SLOW_RANK else 1.0
     if args.train.startswith("torchft"):
         diloco = args.train == "torchft_diloco"
-        # (an all-reduce of the wide model takes over 4 s on these links: past torchft_compare's 5 s)
-        timeout = WIDE_TORCHFT_TIMEOUT if args.workload == "wide" else base.TORCHFT_TIMEOUT
+        # (an all-reduce of the wide or lm model takes over 4 s on these links: past torchft_compare's 5 s)
+        timeout = base.TORCHFT_TIMEOUT if args.workload == "digits" else WIDE_TORCHFT_TIMEOUT
         address, opt, closers = base.torchft_peer(args, model, host=host, timeout_s=timeout, diloco=diloco,
-                                                  sync_every=args.local_steps)
+                                                  sync_every=args.local_steps, lr=lr, outer_lr=args.outer_lr,
+                                                  outer_momentum=args.outer_momentum)
         say(event="ready", address=address, version=None)
         train_until_stopped(args, model, opt, opt.zero_grad, closers, data, slowdown=slowdown,
-                            local_batch=base.POTLUCK_LOCAL_BATCH if diloco else base.GLOBAL_BATCH // args.peers)
+                            local_batch=base.POTLUCK_LOCAL_BATCH if diloco else base.GLOBAL_BATCH // args.peers,
+                            task=task)
         return
     if args.train == "hivemind":
         import hivemind
         dht = hivemind.DHT(start=True, initial_peers=[args.initial] if args.initial else None,
                            host_maddrs=[f"/ip4/{host}/tcp/0"])
         opt = hivemind.Optimizer(dht=dht, run_id=RUN_ID, params=model.parameters(),
-                                 optimizer=lambda p: torch.optim.Adam(p, base.LR), target_batch_size=base.GLOBAL_BATCH,
+                                 optimizer=lambda p: torch.optim.Adam(p, lr), target_batch_size=base.GLOBAL_BATCH,
                                  batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
                                  average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=MATCHMAKING_TIME,
                                  averaging_timeout=base.AVERAGING_TIMEOUT, verbose=False)
         say(event="ready", address=str(dht.get_visible_maddrs()[0]), version=hivemind.__version__)
         # hivemind's documented loop calls zero_grad (it accumulates into its own buffers)
         train_until_stopped(args, model, opt, opt.zero_grad, [opt.shutdown, dht.shutdown], data,
-                            local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown)
+                            local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown, task=task)
+        return
+    if args.train == "alone":
+        opt = LoneAdam(model, args.alone, lr)
+        say(event="ready", address=None, version=None)
+        train_until_stopped(args, model, opt, opt.zero_grad, [], data, local_batch=args.alone, task=task)
         return
     import potluck
     peer = potluck.Peer(host=host, initial_peers=[args.initial] if args.initial else [])
     options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": MATCHMAKING_TIME,
                "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
     if "local_steps" in options:
-        options["local_steps"] = args.local_steps
-    opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, base.LR),
+        options.update(local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, lr),
                             target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
                             **options)
     say(event="ready", address=peer.addresses[0], version=None)
     train_until_stopped(args, model, opt, None, [opt.shutdown, peer.shutdown], data,
-                        local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown)
+                        local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown, task=task)
 
 
 def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
@@ -402,6 +514,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
     try:
         for system in args.systems.split(","):
             params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
+                      "outer": [args.outer_lr, args.outer_momentum],
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
@@ -414,16 +527,26 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
             def command(rank: int, initial: str | None, system: str = system, python: str = python) -> list[str]:
                 return ["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
                         "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
-                        "--local-steps", str(args.local_steps),
+                        "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
+                        "--outer-momentum", str(args.outer_momentum),
                         "--target", str(args.target), *(["--initial", initial] if initial else [])]
+            beside = [[sys.executable, __file__, "--train", "alone", "--alone", str(args.alone), "--data", data,
+                       "--workload", args.workload, "--target", str(args.target)]] if args.alone else []
             try:
-                raw = run_swarm(command, args.peers, args.cap)
+                raw = run_swarm(command, args.peers, args.cap, beside=beside)
             except Exception as e:  # noqa: BLE001 - reported, and the other systems run
                 print(json.dumps({"metric": "time_to_accuracy", "system": system, "value": None, "unit": "s",
                                   **params, "error": f"{type(e).__name__}: {e}"[-2000:]}), flush=True)
                 continue
             rows, figures[system] = rows_for(system, args.peers, raw, params)
+            if args.workload == "lm":  # (rows_for names the score after the digits' accuracy)
+                rows[0]["final_val_loss"] = rows[0].pop("final_accuracy")
+                rows[0]["measured"] = "wall time from the common start until the first peer's validation loss <= target"
+                rows[1]["unit"] = "(s, epoch, validation loss)"
             print(json.dumps(rows[0]), flush=True)
+            print(json.dumps(rows[1]), flush=True)
+            if args.alone:
+                print_alone(raw["beside"][0], system, figures[system], args, params)
         for system, seconds in figures.items():  # above 1: potluck's sync is faster
             if system != "sync" and "sync" in figures:
                 row = {"metric": "time_to_accuracy_ratio", "unit": f"{system}/sync", "profile": profile,
@@ -438,12 +561,30 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                           "unit": "s", "dropped_frames": switch.dropped}), flush=True)
 
 
+def print_alone(lone: dict, system: str, swarm: float | None, args: argparse.Namespace, params: dict) -> None:
+    """The lone process's time to target beside `system`'s swarm, and its ratio (above 1: the swarm
+    got there sooner)."""
+    seconds = None if lone["reached"] is None else round(lone["reached"]["seconds"], 2)
+    final = lone["final"] or {}
+    score = "final_val_loss" if args.workload == "lm" else "final_accuracy"
+    print(json.dumps({"metric": "time_to_accuracy", "system": "alone", "beside": system, "batch": args.alone,
+                      "value": seconds, "unit": "s", "steps": final.get("samples", 0) // args.alone,
+                      score: final.get("accuracy"), "curve": (final.get("curve") or [])[::10], **params}), flush=True)
+    row = {"metric": "time_to_accuracy_ratio", "unit": f"alone/{system}", "batch": args.alone,
+           "value": round(seconds / swarm, 2) if seconds and swarm else None, **params}
+    if swarm and not seconds:
+        row["at_least"] = round(args.cap / swarm, 2)
+    print(json.dumps(row), flush=True)
+
+
 def parse_count(text: str) -> int:
     scale = {"K": 10**3, "M": 10**6}.get(text[-1:].upper(), 1)
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def main() -> None:
+    from torchft_compare import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM  # potluck's defaults (the paper's)
+    base_outer = (DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="wan,home,lossy")
     parser.add_argument("--peers", type=int, default=4)
@@ -458,12 +599,25 @@ def main() -> None:
                         help="the wan profile, 1M floats, 3 rounds, both codecs (under two minutes)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
                         help="training systems for time to target ('' for none)")
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (digits)")
+    parser.add_argument("--target", type=float, default=None,
+                        help=f"test accuracy to reach (digits, wide: default 0.95) or validation loss to reach "
+                             f"(lm: default {LM_TARGET})")
     parser.add_argument("--local-steps", type=int, default=8,
                         help="inner steps per outer step of the DiLoCo systems, potluck's and torchft's (default 8)")
-    parser.add_argument("--workload", choices=["digits", "wide"], default="digits",
-                        help="time to target: the demo's CNN, or a 6.7M-parameter MLP on the same digits")
+    parser.add_argument("--outer-lr", type=float, default=base_outer[0],
+                        help=f"the DiLoCo systems' outer learning rate, potluck's and torchft's alike "
+                             f"(default {base_outer[0]})")
+    parser.add_argument("--outer-momentum", type=float, default=base_outer[1],
+                        help=f"their outer Nesterov momentum (default {base_outer[1]}; 0 and lr 1: the plain "
+                             "average)")
+    parser.add_argument("--workload", choices=["digits", "wide", "lm"], default="digits",
+                        help="time to target: the demo's CNN, a 6.7M-parameter MLP on the same digits, or a "
+                             "6.3M-parameter byte-level language model (hashed contexts) on the standard library's "
+                             "source")
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per system at most")
+    parser.add_argument("--alone", type=int, default=0, metavar="BATCH",
+                        help="with each system, one more process trains alone (Adam on batches of BATCH, no "
+                             "network) from the same start on the same cores: the swarm against one machine")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
@@ -483,13 +637,20 @@ def main() -> None:
         sys.exit(f"--allreduce takes potluck, gloo and tcp, not {args.allreduce!r}")
     if args.short:
         args.rounds, args.floats, args.systems, args.target, args.cap = 3, parse_count("1M"), "sync_8bit", 0.9, 30.0
+    if args.target is None:
+        args.target = LM_TARGET if args.workload == "lm" else 0.95
     import torch
 
     from potluck.cli.tasks import load_data
+    from potluck.workloads import lm
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            data = str(Path(tmp) / "digits.pt")
-            torch.save(load_data(), data)
+            data = str(Path(tmp) / "data.pt")
+            if args.workload == "lm":  # this python's standard library, for every venv's workers alike
+                corpus = lm.load_corpus()
+                torch.save({"train": corpus.train, "val": corpus.val}, data)
+            else:
+                torch.save(load_data(), data)
             os.chmod(tmp, 0o755)
             for profile in profiles:
                 seconds: dict[tuple[str, str], float] = {}
