@@ -52,7 +52,7 @@ Prints one JSON object per line, e.g.
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,gloo] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
-           [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9]
+           [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-delay 1]
            [--target 0.95] [--cap 90] [--alone 32]
 """
 
@@ -347,7 +347,7 @@ LM_CONTEXT = 64  # bytes per window; a sample is a window
 LM_LR = 1e-3  # Adam; 3e-3 plateaus within 30 s, where a target's crossing time is mostly noise
 LM_TARGET = 1.50  # validation loss, nats per byte
 LM_VALIDATION_WINDOWS = 256  # held-out windows scored (16K bytes: about 20 ms a score on a core)
-LM_EVAL_EVERY = 2.0  # s between scores: a score at each epoch would cost sync peers a fifth of their CPU
+LM_EVAL_EVERY = 2.0  # s between scores, by time only: one per sync epoch (2 steps of ~60 ms) costs a sixth more
 
 
 def make_lm() -> Any:
@@ -497,6 +497,8 @@ def train_worker(args: argparse.Namespace) -> None:
                "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
     if "local_steps" in options:
         options.update(local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        if args.outer_delay is not None:
+            options["outer_delay"] = args.outer_delay
     opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, lr),
                             target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
                             **options)
@@ -514,7 +516,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
     try:
         for system in args.systems.split(","):
             params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
-                      "outer": [args.outer_lr, args.outer_momentum],
+                      "outer": [args.outer_lr, args.outer_momentum], "outer_delay": args.outer_delay,
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
@@ -529,6 +531,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                         "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
                         "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
                         "--outer-momentum", str(args.outer_momentum),
+                        *(["--outer-delay", str(args.outer_delay)] if args.outer_delay is not None else []),
                         "--target", str(args.target), *(["--initial", initial] if initial else [])]
             beside = [[sys.executable, __file__, "--train", "alone", "--alone", str(args.alone), "--data", data,
                        "--workload", args.workload, "--target", str(args.target)]] if args.alone else []
@@ -610,6 +613,9 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=base_outer[1],
                         help=f"their outer Nesterov momentum (default {base_outer[1]}; 0 and lr 1: the plain "
                              "average)")
+    parser.add_argument("--outer-delay", type=int, default=None,
+                        help="inner steps each outer round of potluck's DiLoCo systems overlaps (default: each "
+                             "system's own, 1 for Streaming DiLoCo, 0 otherwise); under local steps / fragments")
     parser.add_argument("--workload", choices=["digits", "wide", "lm"], default="digits",
                         help="time to target: the demo's CNN, a 6.7M-parameter MLP on the same digits, or a "
                              "6.3M-parameter byte-level language model (hashed contexts) on the standard library's "
