@@ -376,20 +376,16 @@ def make_lm() -> Any:
 
 
 class LMTask:
-    """The "lm" workload's batches (random training windows) and score (validation loss on fixed
-    held-out windows; the target is reached at or below it), as `training.train_until_stopped` takes them."""
+    """The "lm" workload's batches (random training windows) and score (validation loss on the
+    parent's held-out windows, the same for every process; the target is reached at or below it),
+    as `training.train_until_stopped` takes them."""
 
     eval_every = LM_EVAL_EVERY
     eval_at_epochs = False
 
     def __init__(self, data: dict, target: float):
-        import torch
-
         from potluck.workloads import lm
-        self.lm, self.train, self.target = lm, data["train"], target
-        generator = torch.Generator().manual_seed(0)
-        starts = torch.randint(0, len(data["val"]) - LM_CONTEXT - 1, (LM_VALIDATION_WINDOWS,), generator=generator)
-        self.validation = lm.windows(data["val"], starts, LM_CONTEXT)
+        self.lm, self.train, self.validation, self.target = lm, data["train"], data["validation"], target
 
     def batch(self, generator: Any, size: int) -> tuple[Any, Any]:
         import torch
@@ -654,7 +650,8 @@ def main() -> None:
             data = str(Path(tmp) / "data.pt")
             if args.workload == "lm":  # this python's standard library, for every venv's workers alike
                 corpus = lm.load_corpus()
-                torch.save({"train": corpus.train, "val": corpus.val}, data)
+                torch.save({"train": corpus.train,
+                            "validation": lm.validation_sample(corpus, LM_CONTEXT, LM_VALIDATION_WINDOWS)}, data)
             else:
                 torch.save(load_data(), data)
             os.chmod(tmp, 0o755)
