@@ -10,7 +10,9 @@ here has no sch_netem, so delay and loss cannot be done with tc. Profiles (per p
 
 Every peer holds --floats float32 values and averages them with the others (`potluck.Averager`,
 a butterfly all-reduce: the primitive of the sync mode) once as a warm-up, then --rounds times,
-each round started together (the parent's barrier), with each --compression codec. Reported: the
+each round started together (the parent's barrier), with each --compression codec; the peers are
+told their links' rates (`bandwidth`: the load split uses them and the all-reduce paces its sends
+to the uplink), or measure them (`--allreduce potluck_measured`). Reported: the
 median round's all-reduce time (the slowest member's step minus its matchmaking) against the
 bandwidth bound 2(N-1)/N x size / uplink (an 8-bit codec: a quarter of the size), the whole
 step (`step_s`), bytes each peer sent per round, the peers' own estimates of their upload and
@@ -21,7 +23,8 @@ same float32 values are also averaged by torch.distributed's Gloo all-reduce (th
 torchft's flat all-reduce; `"engine": "gloo"`): what a mature ring all-reduce gets from the same
 emulated links; and `tcp` moves the butterfly's bytes and nothing else (each peer sends 2/N of
 the values' bytes to each other peer over plain TCP, all at once, a quarter as many for a codec:
-the time the links themselves need for an all-reduce's traffic), so that the bound is read against what the links allow.
+the time the links themselves need for an all-reduce's traffic; `tcp_paced` the same with each
+flow paced to its share of the uplink), so that the bound is read against what the links allow.
 Namespaces are removed whatever happens, and leftovers of a crashed run before starting.
 
 Then each of --systems (potluck's sync, sync 8-bit, DiLoCo, DiLoCo with 8-bit changes, Streaming
@@ -31,7 +34,8 @@ and .venv-hivemind where they exist, else reported as not installed) trains the 
 bandwidth sets the pace) from a common start on the same links until --target test accuracy or
 --cap seconds, or (--workload lm) a byte-level language model of 6.3M parameters, nearly all one
 table of hashed contexts (cheap steps, 25 MB a float32 round), on the standard library's source
-until a validation loss that one process alone reaches in about a minute: time to target, and each
+until a validation loss that one process alone reaches in about a minute (potluck's peers told
+their links' rates, or measuring them with --measure-bandwidth): time to target, and each
 system's ratio to potluck's sync (above 1: sync is faster). With --alone BATCH, one more process
 trains beside each system from the same start, alone (Adam on batches of BATCH, no network), with a
 peer's share of the same cores: the swarm against one machine at equal wall time (ratio
@@ -50,10 +54,10 @@ Prints one JSON object per line, e.g.
   {"metric": "time_to_accuracy_ratio", "unit": "torchft/sync", "profile": "wan", "value": 0.94}
 
 Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--peers 4]
-           [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,gloo] [--short]
+           [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,tcp_paced,...] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
            [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-delay 1]
-           [--target 0.95] [--cap 90] [--alone 32]
+           [--target 0.95] [--cap 90] [--alone 32] [--measure-bandwidth]
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def run_profile(args: argparse.Namespace, profile: str, compression: str, engine
             command = ["ip", "netns", "exec", f"{PREFIX}{rank}", sys.executable, __file__, "--worker",
                        "--rank", str(rank), "--peers", str(args.peers), "--floats", str(args.floats),
                        "--rounds", str(args.rounds), "--initial", initial, "--compression", compression,
-                       "--allreduce", engine]
+                       "--allreduce", engine, "--profile", profile]
             env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
             return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         procs.append(spawn(0, ""))
@@ -230,7 +234,8 @@ def gloo_worker(args: argparse.Namespace) -> None:
 def tcp_worker(args: argparse.Namespace) -> None:
     """The links' own reference: at each "go", send 2/N of the values' bytes to every other peer
     and receive as much from each, all at once over plain TCP (the butterfly's traffic without its
-    computation, framing or encryption); reports as `worker` does."""
+    computation, framing or encryption); reports as `worker` does. "tcp_paced": each flow paced
+    to its share of the uplink."""
     import socket
     import threading
     share = 2 * 4 * args.floats // args.peers // (1 if args.compression == "none" else 4)  # (8-bit: a quarter)
@@ -257,6 +262,10 @@ def tcp_worker(args: argparse.Namespace) -> None:
         if not outgoing:  # the warm-up round connects (every listener is up by the first go)
             outgoing = [socket.create_connection((f"{SUBNET}.{r + 1}", TCP_PORT), timeout=STEP_TIMEOUT) for r in others]
             incoming = [listener.accept()[0] for _ in others]
+            if args.allreduce == "tcp_paced":  # each flow a share of the uplink (the kernel paces it)
+                for sock in outgoing:
+                    sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_MAX_PACING_RATE", 47),
+                                    int(PROFILES[args.profile][0] / len(others)))
         threads = [threading.Thread(target=send, args=(s,)) for s in outgoing] + \
                   [threading.Thread(target=receive, args=(s,)) for s in incoming]
         for thread in threads:
@@ -270,6 +279,17 @@ def tcp_worker(args: argparse.Namespace) -> None:
                           - sent, "upload_estimate": None, "download_estimate": None}), flush=True)
 
 
+def told_bandwidth(args: argparse.Namespace) -> tuple[float, float] | None:
+    """What potluck's peers are told of their links: the profile's rates, as a user who knows
+    theirs gives them (the load split then uses them and the all-reduce paces its sends to the
+    upload); None where they measure their links instead (--allreduce potluck_measured,
+    --measure-bandwidth)."""
+    if args.allreduce == "potluck_measured" or args.measure_bandwidth:
+        return None
+    up, down, _, _ = PROFILES[args.profile]
+    return up, down
+
+
 def worker(args: argparse.Namespace) -> None:
     """One peer: join, then at each "go" on stdin average its values once and print how long it
     took (`seconds`, of which `matchmaking`), the bytes it sent and its bandwidth estimates."""
@@ -280,7 +300,7 @@ def worker(args: argparse.Namespace) -> None:
     peer = potluck.Peer(host=f"{SUBNET}.{args.rank + 1}", initial_peers=[args.initial] if args.initial else [])
     mine = torch.full((args.floats,), float(args.rank))
     avg = potluck.Averager(peer, [mine], RUN_ID, target_group_size=args.peers, min_group_size=args.peers,
-                           compression=args.compression)
+                           compression=args.compression, bandwidth=told_bandwidth(args))
     form_group = avg.matchmaker.form_group
     matchmaking: list[float] = []
 
@@ -326,6 +346,8 @@ SYSTEMS = {
                               "outer_compression": "blockwise4"},
 }
 # the python of each one's venv
+# --allreduce's engines (potluck's, then the references)
+ENGINES = ("potluck", "potluck_measured", "gloo", "tcp", "tcp_paced")
 OTHERS = {"torchft": ".venv-torchft", "torchft_diloco": ".venv-torchft", "hivemind": ".venv-hivemind"}
 
 
@@ -497,7 +519,7 @@ def train_worker(args: argparse.Namespace) -> None:
             options["outer_delay"] = args.outer_delay
     opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, lr),
                             target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
-                            **options)
+                            bandwidth=told_bandwidth(args), **options)
     say(event="ready", address=peer.addresses[0], version=None)
     train_until_stopped(args, model, opt, None, [opt.shutdown, peer.shutdown], data,
                         local_batch=base.POTLUCK_LOCAL_BATCH, slowdown=slowdown, task=task)
@@ -512,6 +534,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
     try:
         for system in args.systems.split(","):
             params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
+                      "bandwidth": "measured" if args.measure_bandwidth else "told",
                       "outer": [args.outer_lr, args.outer_momentum], "outer_delay": args.outer_delay,
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
@@ -528,7 +551,9 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                         "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
                         "--outer-momentum", str(args.outer_momentum),
                         *(["--outer-delay", str(args.outer_delay)] if args.outer_delay is not None else []),
-                        "--target", str(args.target), *(["--initial", initial] if initial else [])]
+                        "--target", str(args.target), "--profile", profile,
+                        *(["--measure-bandwidth"] if args.measure_bandwidth else []),
+                        *(["--initial", initial] if initial else [])]
             beside = [[sys.executable, __file__, "--train", "alone", "--alone", str(args.alone), "--data", data,
                        "--workload", args.workload, "--target", str(args.target)]] if args.alone else []
             try:
@@ -592,8 +617,10 @@ def main() -> None:
     parser.add_argument("--compression", default="none,blockwise8",
                         help="codecs to run, comma-separated (none: float32; blockwise8: 8-bit)")
     parser.add_argument("--allreduce", default="potluck",
-                        help="all-reduce engines, comma-separated: potluck (with each codec); references in "
-                             "float32: gloo (torch.distributed's), tcp (the butterfly's bytes over plain TCP)")
+                        help="all-reduce engines, comma-separated: potluck (told its link's rates), "
+                             "potluck_measured (measuring them); references: gloo (torch.distributed's, float32), "
+                             "tcp (the butterfly's bytes over plain TCP), tcp_paced (each flow paced to its "
+                             "share of the uplink)")
     parser.add_argument("--short", "--quick", action="store_true",
                         help="the wan profile, 1M floats, 3 rounds, both codecs (under two minutes)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, *OTHERS]),
@@ -620,6 +647,9 @@ def main() -> None:
     parser.add_argument("--alone", type=int, default=0, metavar="BATCH",
                         help="with each system, one more process trains alone (Adam on batches of BATCH, no "
                              "network) from the same start on the same cores: the swarm against one machine")
+    parser.add_argument("--measure-bandwidth", action="store_true",
+                        help="time to target: potluck's peers measure their links instead of being told the "
+                             "profile's rates (the all-reduce then does not pace its sends)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--train", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
@@ -627,7 +657,7 @@ def main() -> None:
     parser.add_argument("--initial", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        {"gloo": gloo_worker, "tcp": tcp_worker}.get(args.allreduce, worker)(args)
+        {"gloo": gloo_worker, "tcp": tcp_worker, "tcp_paced": tcp_worker}.get(args.allreduce, worker)(args)
         return
     if args.train:
         train_worker(args)
@@ -635,8 +665,8 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("wan.py needs root (network namespaces)")
     profiles = ["wan"] if args.short else args.profile.split(",")
-    if set(args.allreduce.split(",")) - {"potluck", "gloo", "tcp", ""}:
-        sys.exit(f"--allreduce takes potluck, gloo and tcp, not {args.allreduce!r}")
+    if set(args.allreduce.split(",")) - {*ENGINES, ""}:
+        sys.exit(f"--allreduce takes {', '.join(ENGINES)}, not {args.allreduce!r}")
     if args.short:
         args.rounds, args.floats, args.systems, args.target, args.cap = 3, parse_count("1M"), "sync_8bit", 0.9, 30.0
     if args.target is None:
@@ -664,10 +694,11 @@ def main() -> None:
                             seconds[engine, compression] = result["value"]
                             print(json.dumps(result), flush=True)
                 for (engine, compression), value in seconds.items():
-                    if engine == "potluck" and ("tcp", compression) in seconds:
-                        print(json.dumps({"metric": "allreduce_over_links", "profile": profile,
-                                          "compression": compression, "unit": "potluck/tcp",
-                                          "value": round(value / seconds["tcp", compression], 2)}), flush=True)
+                    for reference in ("tcp", "tcp_paced"):
+                        if engine.startswith("potluck") and (reference, compression) in seconds:
+                            print(json.dumps({"metric": "allreduce_over_links", "profile": profile,
+                                              "compression": compression, "unit": f"{engine}/{reference}",
+                                              "value": round(value / seconds[reference, compression], 2)}), flush=True)
                 if args.systems:
                     train_profile(args, profile, data)
     finally:

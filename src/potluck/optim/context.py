@@ -134,12 +134,13 @@ class RunSettings:
     matchmaking_time: float
     averaging_timeout: float
     fingerprint: str | None = None  # of the run schema: peers with another are never grouped
+    bandwidth: float | tuple[float, float] | None = None  # this peer's link, if the user gave it
 
     def averaging(self) -> dict[str, Any]:
         """The options of every averager of the run (each averages tensors that exist anyway)."""
         return dict(compression=self.compression, role=self.role, matchmaking_time=self.matchmaking_time,
                     allreduce_timeout=self.averaging_timeout, copy=False, aggregation=self.aggregation,
-                    fingerprint=self.fingerprint)
+                    fingerprint=self.fingerprint, bandwidth=self.bandwidth)
 
 
 @dataclass

@@ -86,6 +86,10 @@ class Optimizer(torch.optim.Optimizer):
             join) of the sync and diloco modes; "mean" where an authority admits the peers, with
             powersgd_rank, and in the moshpit mode.
         matchmaking_time, averaging_timeout: seconds a round's group gathers; its all-reduce's deadline.
+        bandwidth: this peer's link in bytes/s, one number for up and down or (up, down): the
+            rounds' load split takes it instead of measuring, and over TCP (Linux) they pace their
+            sends to the upload, which keeps a long link's queue short (see `Averager`). Give the
+            real rate (a speed test's): a smaller one slows the rounds down to it.
         load_state: download the swarm's state at start (newcomers), within `load_state_timeout`.
         start: join the run now (see `astart`).
         verify: `potluck.optim.Verified(model, loss, dataset)` for verified training (sync mode,
@@ -110,6 +114,7 @@ class Optimizer(torch.optim.Optimizer):
                  target_batch_size: int, batch_size_per_step: int, scheduler: Any = None, *,
                  mode: str | ModeOptions = "sync", role: Role | str = Role.NODE, compression: Any = "none",
                  aggregation: str | None = None, matchmaking_time: float = 1.0, averaging_timeout: float = 30.0,
+                 bandwidth: float | tuple[float, float] | None = None,
                  load_state: bool = True, load_state_timeout: float = 30.0, start: bool = True,
                  verify: Verified | None = None, **options: Any):
         options = mode_options(mode, options)
@@ -133,7 +138,7 @@ class Optimizer(torch.optim.Optimizer):
         verified = None if verify is None else {"dataset": verify.dataset_digest(), "batch_size": batch_size_per_step}
         self.schema = run_schema(self.inner, options, target_batch_size, compression, aggregation, verified)
         settings = RunSettings(target_batch_size, batch_size_per_step, Role(role), compression, aggregation,
-                               matchmaking_time, averaging_timeout, self.schema.fingerprint)
+                               matchmaking_time, averaging_timeout, self.schema.fingerprint, bandwidth)
         trained = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
         options.check(len(trained))
         # Moshpit averages the state every round; the other modes only now and then (a record of
