@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import ssl
-import struct
 import sys
-import termios
 from asyncio import sslproto
 from typing import Any
 
@@ -55,7 +52,7 @@ from potluck.net.membership import GuestHandlers, MembershipGate
 from potluck.net.origins import UNKNOWN_ORIGIN, Origin, Shares, origin_of
 from potluck.net.relay import Circuits, RelayRefused, StreamPipe, accept_stop
 from potluck.net.tcp_punch import TCPPunch
-from potluck.net.tcp_sockets import announceable_hosts, listening_sockets
+from potluck.net.tcp_sockets import announceable_hosts, cap_pacing, listening_sockets, unacknowledged
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
@@ -76,12 +73,6 @@ _TLS_SHUTDOWN = {"ssl_shutdown_timeout": TLS_SHUTDOWN_TIMEOUT} if sys.version_in
 # does not read stays with the call sending it (counted: net.connection), at most 2 MiB with the link.
 WRITE_PIECE = 1 * 2**20
 WRITE_HIGH_WATER = 2 * 2**20
-# The ioctl that reads a TCP socket's unacknowledged bytes (SIOCOUTQ, Linux only).
-_SEND_QUEUE = getattr(termios, "TIOCOUTQ", None) if sys.platform.startswith("linux") else None
-# The socket option that caps a TCP socket's pacing rate in bytes/s (SO_MAX_PACING_RATE, Linux
-# only; -1 lifts the cap), and the largest rate it takes as a C int.
-_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47) if sys.platform.startswith("linux") else None
-_MAX_PACING_VALUE = 2**31 - 1
 # How long close() waits for sockets to finish closing.
 CLOSE_TIMEOUT = 3.0
 # After accept() fails for want of file descriptors or memory, wait this long before the next try
@@ -821,27 +812,16 @@ class TCPLink(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return 0
-        queued = transport.get_write_buffer_size()
         sock = transport.get_extra_info("socket")
-        if sock is not None and _SEND_QUEUE is not None:
-            with contextlib.suppress(OSError, ValueError):  # a socket closing under us
-                queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SEND_QUEUE, b"\0\0\0\0"))[0]
-        return queued
+        return transport.get_write_buffer_size() + (0 if sock is None else unacknowledged(sock))
 
     def pace(self, rate: float | None) -> None:
-        """Send at most `rate` bytes/s (None: as fast as TCP's congestion control goes). The kernel
-        spaces the packets out, so a link shared by several of our connections is not overfilled
-        and its queue (and the acknowledgements of what we receive, queued behind it) stays short.
-        Linux only; elsewhere, and on a relayed link, this does nothing."""
+        """Send at most `rate` bytes/s (None: as fast as congestion control goes; `TransferStats.pace`
+        says why). Linux only; elsewhere, and on a relayed link, this does nothing."""
         transport = self._transport
-        if transport is None or transport.is_closing() or self.relay is not None or _MAX_PACING_RATE is None:
-            return  # (a relayed link's socket is the relay's, shared)
-        sock = transport.get_extra_info("socket")
-        if sock is None:
-            return
-        value = -1 if rate is None else max(1, min(_MAX_PACING_VALUE, int(rate)))
-        with contextlib.suppress(OSError):  # a socket closing under us
-            sock.setsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, value)
+        sock = None if transport is None or transport.is_closing() else transport.get_extra_info("socket")
+        if sock is not None and self.relay is None:  # (a relayed link's socket is the relay's, shared)
+            cap_pacing(sock, rate)
 
     def close(self, reason: str | None = None) -> None:
         """Close now: pending calls fail at once, without waiting for the TLS goodbye."""

@@ -1,17 +1,51 @@
-"""The listening side of the TCP transport (`net.tcp`): bound, listening sockets for a host, and
-the addresses a wildcard bind stands for."""
+"""The sockets of the TCP transport (`net.tcp`): bound, listening sockets for a host, the
+addresses a wildcard bind stands for, and what a connected socket says or is told of its sending
+(unacknowledged bytes, a pacing cap)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import fcntl
 import ipaddress
 import socket
+import struct
+import sys
+import termios
+from typing import Any
 
-__all__ = ["LISTEN_BACKLOG", "announceable_hosts", "listening_sockets"]
+__all__ = ["LISTEN_BACKLOG", "announceable_hosts", "cap_pacing", "listening_sockets", "unacknowledged"]
 
 # Pending connections the OS queues for us to accept (asyncio's create_server uses 100).
 LISTEN_BACKLOG = 1024
+_LINUX = sys.platform.startswith("linux")
+# The ioctl that reads a TCP socket's unacknowledged bytes (SIOCOUTQ, Linux only).
+_SEND_QUEUE = getattr(termios, "TIOCOUTQ", None) if _LINUX else None
+# The socket option that caps a TCP socket's pacing rate in bytes/s (SO_MAX_PACING_RATE, Linux
+# only; -1 lifts the cap), and the largest rate it takes as a C int.
+_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47) if _LINUX else None
+_MAX_PACING_VALUE = 2**31 - 1
+
+
+def unacknowledged(sock: Any) -> int:
+    """Bytes in a connected TCP socket's send queue that the other side has not acknowledged
+    (Linux; 0 elsewhere, or for a socket closing under us)."""
+    if _SEND_QUEUE is None:
+        return 0
+    with contextlib.suppress(OSError, ValueError):
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SEND_QUEUE, b"\0\0\0\0"))[0]
+    return 0
+
+
+def cap_pacing(sock: Any, rate: float | None) -> None:
+    """Let a connected TCP socket send at most `rate` bytes/s (None: no cap), the kernel spacing
+    its packets out (Linux; nothing elsewhere, or for a socket closing under us)."""
+    if _MAX_PACING_RATE is None:
+        return
+    value = -1 if rate is None else max(1, min(_MAX_PACING_VALUE, int(rate)))
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, value)
 
 
 async def listening_sockets(host: str, port: int) -> list[socket.socket]:
