@@ -498,3 +498,30 @@ def test_an_8_bit_all_reduce_sends_about_a_quarter_of_a_float32_one_checks_inclu
     assert sent["none"] > 2 * 4 * (1 << 19) * 3 / 4, sent  # each peer sends 3/4 of its vector twice
     assert sent["blockwise8"] < 0.3 * sent["none"], sent
     assert sent["uniform8"] < 0.8 * sent["none"], sent
+
+
+def test_a_step_announces_the_state_again_without_waiting_for_the_dht(monkeypatch):
+    """The first step's state record is stored before the step returns (newcomers then find the
+    peer); later steps store it in the background, one store at a time, the next with the round
+    it was asked at (a DHT store over a WAN: round trips the step need not wait for)."""
+    async def main():
+        net, peers = await make_swarm(2)
+        avgs = [Averager(p, [torch.full((8,), float(i))], "announce", target_group_size=2, matchmaking_time=0.5)
+                for i, p in enumerate(peers)]
+        await asyncio.gather(*(a.astep() for a in avgs))
+        found = await peers[0].dht.aget(avgs[0].names.donors, latest=True)
+        assert found is not None and len(found.value) == 2  # both stored before their first step returned
+        stored, release, real = [], asyncio.Event(), Averager.announce_state
+
+        async def held(self):
+            stored.append(self.round)
+            await release.wait()
+            await real(self)
+        monkeypatch.setattr(Averager, "announce_state", held)
+        await asyncio.gather(*(a.astep() for a in avgs))  # returns with both stores held
+        await asyncio.gather(*(a.astep() for a in avgs))
+        assert stored == [2, 2]  # the third step's store waits for the second's, not beside it
+        release.set()
+        await asyncio.sleep(1)
+        assert stored == [2, 2, 3, 3]
+    run_virtual(main())

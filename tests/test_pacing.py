@@ -1,6 +1,8 @@
-"""Paced all-reduce sends: a peer that knows its upload (`Averager(bandwidth=...)`) shares it
-between the links with data waiting (`TransferStats.pace`, `TCPLink.pace`), so the round's flows
-fill the uplink without overfilling its queue; each link is unpaced once the step is over."""
+"""The all-reduce on slow links. Paced sends: a peer that knows its upload (`Averager(bandwidth=...)`)
+shares it between the links with data waiting (`TransferStats.pace`, `TCPLink.pace`), so the
+round's flows fill the uplink without overfilling its queue; each link is unpaced once the step is
+over. Smaller chunks where the group's links are slow (`chunk_elements`), so the last result
+does not crawl out long after the last piece came."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import torch
 
 import potluck
 from potluck.averaging import Averager
+from potluck.averaging.allreduce import CHUNK_ELEMENTS, AllReduceService, chunk_elements
+from potluck.averaging.allreduce.member import MIN_CHUNK_ELEMENTS
 from potluck.averaging.allreduce.transfer_stats import MIN_LINK_PACE, PACE_IDLE_BYTES, TransferStats
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
 from potluck.net.tcp import TCPLink, TCPTransport
 from potluck.optim import Optimizer
+from tests.emulated_swarm import make_swarm
 
 MiB = 2**20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
@@ -180,3 +185,36 @@ def test_the_optimizer_gives_its_averagers_the_bandwidth_it_was_told():
         with pytest.raises(ValueError, match="bandwidth"):
             Optimizer(peer, "told", [param], lambda p: torch.optim.SGD(p, 0.1), batch_size_per_step=1,
                       target_batch_size=2, bandwidth=0, start=False)
+
+
+def test_a_group_on_slow_links_streams_smaller_chunks_and_every_member_picks_the_same():
+    assert chunk_elements([(100e6, 100e6)] * 4) == CHUNK_ELEMENTS  # the default estimate: as before
+    assert chunk_elements([(1e9, 1e9)] * 16) == CHUNK_ELEMENTS
+    assert chunk_elements([(12.5e6, 12.5e6)] * 4) == 2**16  # 100 Mbit/s: 256 KiB in 0.13 s of a sixth
+    assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)]) == MIN_CHUNK_ELEMENTS
+    assert chunk_elements([(1.0, 1.0)] * 4) == MIN_CHUNK_ELEMENTS
+    assert chunk_elements([(1.0, 1.0)]) == CHUNK_ELEMENTS  # alone: nothing streamed
+
+
+def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch):
+    """Four peers told 100 Mbit/s links average 1M floats: their all-reduce streams chunks of
+    2^16 elements, and the mean is exact."""
+    chunks = []
+    real = AllReduceService.run
+
+    async def spy(self, *args, **kwargs):
+        chunks.append(kwargs.get("chunk"))
+        return await real(self, *args, **kwargs)
+    monkeypatch.setattr(AllReduceService, "run", spy)
+
+    async def main():
+        net, peers = await make_swarm(4, bandwidth=12.5e6, latency=0.025)
+        values = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        avgs = [Averager(p, [v], "slow", target_group_size=4, min_group_size=4, matchmaking_time=1.0,
+                         bandwidth=12.5e6) for p, v in zip(peers, values, strict=True)]
+        await asyncio.gather(*(a.astep() for a in avgs))
+        expected = torch.stack(values).mean(0)
+        for a in avgs:
+            torch.testing.assert_close(a._tensors[0], expected, rtol=0, atol=1e-6)
+        assert chunks == [2**16] * 4
+    run_virtual(main())
