@@ -24,12 +24,14 @@ from potluck.averaging.allreduce.transfer_stats import MIN_LINK_PACE, PACE_IDLE_
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
 from potluck.net.tcp import TCPLink, TCPTransport
+from potluck.net.tcp_sockets import PACED_QUEUE_MIN, PACED_QUEUE_SECONDS
 from potluck.optim import Optimizer
 from tests.emulated_swarm import make_swarm
 
 MiB = 2**20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 UNLIMITED = 2**32 - 1  # what the socket reads back once its pace is lifted (~0U)
 
 
@@ -89,7 +91,7 @@ def _pacing(sock: socket.socket) -> int:
 
 
 @linux_only
-def test_a_tcp_link_caps_its_socket_and_lifts_the_cap():
+def test_a_tcp_link_caps_its_socket_and_its_queues_and_lifts_the_caps():
     async def main():
         peers = [TCPTransport(Identity.generate(), host="127.0.0.1") for _ in range(2)]
         for p in peers:
@@ -103,12 +105,21 @@ def test_a_tcp_link_caps_its_socket_and_lifts_the_cap():
             stream = await peers[0].open_stream(peers[1].peer_id, "echo")
             link = stream.connection.link
             sock = link._transport.get_extra_info("socket")
+            default_high = link._transport.get_write_buffer_limits()[1]
             link.pace(12.5e6)
             assert _pacing(sock) == 12_500_000
+            # ... and queues 20 ms of that at most, in the kernel and in the transport's buffer
+            queue = int(12.5e6 * PACED_QUEUE_SECONDS)
+            assert sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT) == queue
+            assert link._transport.get_write_buffer_limits()[1] == queue < default_high
             await stream.send(b"x" * 100_000)
             assert len(await stream.recv(timeout=10)) == 100_000
+            link.pace(20e3)  # a crawl still queues a frame or two
+            assert sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT) == PACED_QUEUE_MIN
             link.pace(None)
             assert _pacing(sock) in (UNLIMITED, 2**64 - 1)
+            assert sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT) == 0  # the system's default again
+            assert link._transport.get_write_buffer_limits()[1] == default_high
             await stream.close()
         finally:
             for p in peers:

@@ -52,7 +52,7 @@ from potluck.net.membership import GuestHandlers, MembershipGate
 from potluck.net.origins import UNKNOWN_ORIGIN, Origin, Shares, origin_of
 from potluck.net.relay import Circuits, RelayRefused, StreamPipe, accept_stop
 from potluck.net.tcp_punch import TCPPunch
-from potluck.net.tcp_sockets import announceable_hosts, cap_pacing, listening_sockets, unacknowledged
+from potluck.net.tcp_sockets import announceable_hosts, listening_sockets, pace_socket, unacknowledged
 from potluck.net.transport import KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_ADDRESSES_PER_PEER, Transport
 
 logger = logging.getLogger(__name__)
@@ -816,12 +816,12 @@ class TCPLink(asyncio.BufferedProtocol):
         return transport.get_write_buffer_size() + (0 if sock is None else unacknowledged(sock))
 
     def pace(self, rate: float | None) -> None:
-        """Send at most `rate` bytes/s (None: as fast as congestion control goes; `TransferStats.pace`
-        says why). Linux only; elsewhere, and on a relayed link, this does nothing."""
+        """Send at most `rate` bytes/s, queueing little (None: as fast as congestion control goes;
+        `TransferStats.pace` says why). Linux only; elsewhere, and on a relayed link, nothing."""
         transport = self._transport
         sock = None if transport is None or transport.is_closing() else transport.get_extra_info("socket")
         if sock is not None and self.relay is None:  # (a relayed link's socket is the relay's, shared)
-            cap_pacing(sock, rate)
+            transport.set_write_buffer_limits(high=pace_socket(sock, rate) or WRITE_HIGH_WATER)  # type: ignore[attr-defined]
 
     def close(self, reason: str | None = None) -> None:
         """Close now: pending calls fail at once, without waiting for the TLS goodbye."""
