@@ -226,9 +226,9 @@ def test_a_peer_that_rejoined_without_the_state_is_repaired_by_its_next_round():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mode", "epochs", "updates"), [("sync", 30, [29, 30, 29, 29]), ("diloco", 80, [79, 79, 77, 77])])
+@pytest.mark.parametrize(("mode", "epochs"), [("sync", 30), ("diloco", 80)])
 def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splitting_the_swarm(
-        mode: str, epochs: int, updates: list[int]) -> None:
+        mode: str, epochs: int) -> None:
     """Three of four peers stall 7 s in epoch 3 (idle after 5 s); the second peer, which nobody
     follows, steps on alone (to epoch 10 in sync mode). Back, the three ignored it (it claims more
     epochs than they support) and it them (they trained behind it): two swarms to the end, two
@@ -238,7 +238,10 @@ def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splittin
     overtake its lead, catch up with it, and average their differing outer parameters.)"""
     result = run(seed=3, epochs=epochs, mode=mode, target=64, compute=(0.02,) * 4, stall=((0, 2, 3), 3, 7.0))
     assert result["epochs"] == [epochs] * 4 and len(set(result["digests"])) == 1, result
-    assert [len(record) for record in result["samples"]] == updates, result  # the epochs each applied
+    # each applied nearly every epoch itself (at most 3 taken from the others, around the stall;
+    # which ones depends on when rounds end: [29, 30, 29, 29] and [79, 79, 77, 77] before the
+    # commit stopped waiting for the decision to reach the members)
+    assert all(epochs - 3 <= len(record) <= epochs for record in result["samples"]), result
 
 
 def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():

@@ -63,7 +63,8 @@ async def claim_ahead(made_up: potluck.Peer, opts: list[Optimizer], lead: int = 
 
 async def scenario(made_up: int, lead: int = 1, **mode: Any) -> dict[str, Any]:
     """Two honest Optimizers train SECONDS of virtual time beside `made_up` ids (on one host) that
-    claim to be `lead` epochs ahead; what they ended with."""
+    claim to be `lead` epochs ahead, then on to the epoch after the latest of theirs (so that a
+    round under way ends together, not with one of them alone); what they ended with."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=3)
     peers: list[potluck.Peer] = []
@@ -81,9 +82,15 @@ async def scenario(made_up: int, lead: int = 1, **mode: Any) -> dict[str, Any]:
     claims = [asyncio.ensure_future(claim_ahead(p, opts, lead)) for p in peers[2:]]
     began = loop.time()
 
+    stop: list[int] = []  # once the time is up, the epoch both train to: a round under way ends together
+
     async def train(i: int) -> None:
         generator = torch.Generator().manual_seed(i)
-        while loop.time() - began < SECONDS:
+        while loop.time() - began < 3 * SECONDS:
+            if loop.time() - began >= SECONDS:
+                stop[:] = stop or [max(o.local_epoch for o in opts) + 1]
+                if opts[i].local_epoch >= stop[0]:
+                    break
             x = torch.randn(BATCH, 16, generator=generator)
             torch.nn.functional.cross_entropy(models[i](x), (x[:, 0] > 0).long()).backward()
             await asyncio.sleep(COMPUTE)

@@ -5,6 +5,7 @@ must stay within a stated bound, and the attacker must be identified (banned and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import sys
@@ -18,6 +19,7 @@ from potluck.averaging.allreduce import AllReduceRun, AllReduceService, reductio
 from potluck.averaging.allreduce.messages import ResultChunk, ResultFinal
 from potluck.averaging.allreduce.reducer import ShardReducer
 from potluck.compression import get_codec
+from potluck.core.errors import AveragingError
 from potluck.core.virtual_time import run_virtual
 from tests.adversarial.members import N, assert_refused, group_of_four, step_together, warnings_naming
 
@@ -168,4 +170,37 @@ def test_a_reducer_that_sends_one_member_another_result_is_caught_by_its_own_sig
             results = await step_together(avgs, HONEST_FIRST)
         assert_refused(results, avgs[:3], vectors, avgs[3])
         assert all("different results" in str(r) for r in results[:3] if r is not results[1])
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_that_says_it_answered_checks_it_refused_has_its_result_used_by_nobody(monkeypatch):
+    """The coordinator commits once every member's checks are answered, on the reducers' word,
+    while the members go through the answers. The attacker reduces its shard to 1e6, refuses
+    every check of it, and says from the start that it answered everyone's. Bound: the step ends
+    at once rather than at a deadline, and every honest peer, which finishes its checks before
+    it uses a result, keeps its own tensors."""
+    claimed = []
+
+    def claiming_state(self, original):
+        state = original(self)
+        claimed.append(state.outcome.committed)
+        return dataclasses.replace(state, answered={j: (0, tuple(range(len(self.group.peers)))) for j in self.reducers})
+
+    def refusing_check(self, original, request):
+        raise AveragingError("not answering")
+
+    async def main():
+        avgs, vectors = await group_of_four("claimed-answers", matchmaking_time=1.0)
+        reduce_to_1e6(monkeypatch, avgs[3].transport)
+        attacker_runs(monkeypatch, avgs[3], "state", claiming_state)
+        attacker_runs(monkeypatch, avgs[3], "answer_check", refusing_check)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await step_together(avgs, HONEST_FIRST)
+        assert loop.time() - start < 5.0  # (matchmaking 1 s; the step's timeout is 30 s)
+        assert claimed
+        for result, averager, vector in zip(results[:3], avgs[:3], vectors, strict=False):
+            assert isinstance(result, AveragingError) and "could not be checked" in str(result), result
+            assert torch.equal(averager._tensors[0], vector)
     run_virtual(main())

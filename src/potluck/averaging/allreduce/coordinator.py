@@ -4,7 +4,7 @@ The coordinator is the first member that can be dialed and is alive (`Group.coor
 member runs one, active only while its member coordinates. It decides the senders every shard
 averages (the intersection of what the reducers received, checked against the senders' own
 roots), gives the shards of dead reducers to survivors, and commits once every live receiver
-holds every shard final and has checked it, or aborts. It reaches its member through
+holds every shard final and has checked it, or had its checks answered, or aborts. It reaches its member through
 `CoordinatorHost`, which that member implements.
 """
 
@@ -233,12 +233,12 @@ class Coordinator:
             assignment = self._reassign(dict(out.assignment), live_reducers)
             self._publish(Outcome(1, senders, assignment, False, digests=digests))
             return
-        # After a decision: commit once every live receiver holds every shard.
+        # After a decision: commit once every live receiver holds every shard, and has checked
+        # them or had its checks answered (it then finishes them before using the result).
         cut = self._cut_off()
         receivers = [i for i in self.run.group.receivers if i not in dead and i not in cut]
-        shards = set(out.assignment)
-        holding = [i for i in receivers if i in self.states and set(self.states[i].final) >= shards
-                   and self.states[i].checked >= out.version]
+        holding = [i for i in receivers if i in self.states and self._holds(i)
+                   and (self.states[i].checked >= out.version or self._answered(i))]
         if len(holding) == len(receivers):
             proof = self._equivocation(receivers)
             if proof is not None:
@@ -259,6 +259,33 @@ class Coordinator:
             self._publish(Outcome(out.version + 1, out.senders, self._reassign(dict(out.assignment), live_reducers),
                                   False, digests=out.digests))
 
+    def _holds(self, member: int) -> bool:
+        """Whether `member` holds every shard final: so it says, or it holds the early FINAL of a
+        shard its first reducer still reduces, over the senders decided (the commit settles it
+        there, so the commit need not wait for the decision to reach the member and its word)."""
+        state, out = self.states[member], self.outcome
+        for j, reducer in out.assignment.items():
+            final = state.finals.get(j)
+            if j not in state.final and (final is None or final.version != 0 or final.senders != out.senders
+                                         or reducer != j):
+                return False
+        return True
+
+    def _answered(self, member: int) -> bool:
+        """Whether the reducer of every shard `member` holds from another answered its check of
+        the FINAL it holds. A reducer's word for it: one that says so falsely leaves that member
+        to fail its check after the commit, as one that does not answer does before it."""
+        for j, reducer in self.outcome.assignment.items():
+            final, state = self.states[member].finals.get(j), self.states.get(reducer)
+            if reducer == member:
+                continue
+            if final is None or state is None:
+                return False
+            version, members = state.answered.get(j, (-1, ()))
+            if version != final.version or member not in members:
+                return False
+        return True
+
     def _cut_off(self) -> set[int]:
         """Receivers not waited for: each reported a reducer dead that answered me, and lacks its
         shard (a liar, or a member that lost its link to that reducer: it fails alone, at once,
@@ -276,7 +303,7 @@ class Coordinator:
             seen: dict[tuple[int, tuple[int, ...]], dict[bytes, bytes]] = {}  # (version, senders) -> root -> sig
             for i in receivers:
                 final = self.states[i].finals.get(j)
-                if final is None or self.states[i].version < out.version:
+                if final is None or self.states[i].version < out.version and r != j:
                     continue  # it may not know yet that the shard moved to `r`
                 message = final_message(group.group_id, j, final.version, final.senders, final.root)
                 if not group.peers[r].verify(final.signature, message):

@@ -6,10 +6,11 @@ chunks that come back into its result; as a reducer it runs the `ShardReducer` o
 `Coordinator` itself while it coordinates) and, once it holds every shard final, checks one
 random block of every other reducer's work. Reducers send an early FINAL as they report (see
 reducer.py): holding one of every shard over the same senders, a member checks them while the
-coordinator decides, and a decision that names those senders finds it final and checked, or
-nearly (the commit comes three one-way trips after the decision instead of five: the FINALs, the
-check's round trip, the word of it). It reaches the network through `RunService`, which the
-all-reduce service implements.
+coordinator decides, and a decision that names those senders finds it final and its checks on
+their way. As reducer it tells the coordinator whose checks it answered, and the coordinator
+commits once every member's are (two one-way trips after the decision instead of five: the
+FINALs, the check's round trip, the word of it); a member finishes its checks before it returns
+the result. It reaches the network through `RunService`, which the all-reduce service implements.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ from potluck.core.runner import retrieve_exception
 from potluck.net.connection import Stream
 from potluck.net.identity import PeerID
 
-__all__ = ["CHUNK_ELEMENTS", "REGISTRATION_WAIT", "SENDER_TIMEOUT", "AllReduceRun", "Pieces", "RunService",
-           "chunk_elements"]
+__all__ = ["CHUNK_ELEMENTS", "REGISTRATION_WAIT", "SENDER_TIMEOUT", "SYNC_CALLS", "AllReduceRun", "Pieces",
+           "RunService", "chunk_elements"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ CHUNK_SECONDS = 0.15
 SENDER_TIMEOUT = 10.0
 # Streams may arrive before this peer has started the same step; they wait this long for it.
 REGISTRATION_WAIT = 10.0
+# Calls to the coordinator a member keeps open. Its state changes several times a round trip as
+# the last results and checks come in, and each change goes out at once in a new call; the answer
+# to an earlier one (a decision) may be on its way: cancelling it, as members did, lost it, and
+# over 50 ms WAN links decisions and commits arrived 50-110 ms late (benchmarks/wan.py).
+SYNC_CALLS = 8
 
 # A reducer's answer to a check: sender -> (weight, its chunk digests, the block digests of the
 # chunk checked, the values of the blocks checked, its seal of the piece).
@@ -243,6 +249,8 @@ class AllReduceRun:
                         self._start_exchange(j, j)
                 self.coordinator.maybe_take_over()
                 await self._follow_outcomes()
+                if self.outcome.committed and self.role != Role.AUX and set(self.group.shards) <= self.final:
+                    await self._finish_checks()
                 if self.sealed is not None and not self.outcome.aborted:
                     self._seal_my_shards()  # before _close lets go of the pieces
         except TimeoutError:
@@ -433,11 +441,19 @@ class AllReduceRun:
             raise AveragingError(f"member {reducer}'s signature does not match its result of shard {shard}")
         self.finals[shard] = SignedFinal(final.version, final.senders, root, final.signature)
 
+    async def _finish_checks(self) -> None:
+        """The group commits once my checks are answered (`Coordinator`), perhaps before I have
+        gone through the answers: I finish them before the result is used."""
+        while self.checked < self.outcome.version:
+            self.state_changed.clear()
+            self._maybe_check()
+            await self.state_changed.wait()
+
     def _maybe_check(self) -> None:
         """Once I hold every shard's final result under a decision, check the reducers' work;
         before any decision, once I hold an early FINAL of every shard over the same senders."""
         out = self.outcome
-        if self.role == Role.AUX or out.committed or out.aborted or self._early:
+        if self.role == Role.AUX or out.aborted or self._early:
             return  # (the early check calls again once done)
         if out.version == 0:
             finals = [self.finals.get(j) for j in out.assignment]
@@ -573,6 +589,7 @@ class AllReduceRun:
         if checked in self.checked_by:
             raise AveragingError("this member checked that result already")  # one check each: no amplification
         self.checked_by.add(checked)
+        self._changed()  # the coordinator may commit once every check is answered
         values = slice(first * VERIFY_BLOCK, (first + count) * VERIFY_BLOCK)
         whole = red.payloads is not None and first == 0 and count == blocks  # the sender's own payload
 
@@ -594,50 +611,79 @@ class AllReduceRun:
         """What I know, for the coordinator."""
         return MemberState(self.me, tuple(sorted(self.dead)), {j: tuple(c) for j, c in self.reports.items()},
                            tuple(sorted(self.final)), self.outcome.version, self.outcome, self.repair_failed,
-                           dict(self.sent), dict(self.received), self.checked, dict(self.finals))
+                           dict(self.sent), dict(self.received), self.checked, dict(self.finals), self._answered())
+
+    def _answered(self) -> dict[int, tuple[int, tuple[int, ...]]]:
+        """Whose checks of my shards' FINALs I answered: shard -> (the FINAL's version, members)."""
+        return {j: (red.final_version, tuple(sorted(m for m, s, v in self.checked_by
+                                                    if s == j and v == red.final_version)))
+                for j, red in self.reducers.items() if red.final_senders is not None}
 
     async def _follow_outcomes(self) -> None:
-        """Send my state to the coordinator and apply its decisions until commit or abort."""
-        while not (self.outcome.committed or self.outcome.aborted):
-            coordinator = self.current_coordinator()
-            if coordinator is None:
-                self.outcome.aborted = "no coordinator left alive"
-                return
-            self.state_changed.clear()
-            if coordinator == self.me:
-                self.coordinator.update(self.state())
-                waiter = asyncio.ensure_future(self.coordinator.wait_newer(self.outcome.version, self.dead))
-            else:
-                waiter = asyncio.ensure_future(self.service.sync(self, coordinator))
-            changed = asyncio.ensure_future(self.state_changed.wait())
-            try:
-                await asyncio.wait([waiter, changed], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed.cancel()
-                if not waiter.done():
-                    waiter.cancel()
-                waiter.add_done_callback(retrieve_exception)  # superseded by a newer attempt
-            if waiter.done() and not waiter.cancelled():
-                error = waiter.exception()
-                if error is None:
-                    reply = waiter.result()
-                    if coordinator != self.me and not reply.outcome.decided_by(self.group, coordinator):
-                        # Its own signature on each decision is what lets a coordinator that takes
-                        # over carry them on; one without it cannot be shown to anyone.
-                        self.ban(coordinator, "as coordinator, it sent a decision it had not signed")
-                        self.mark_dead(coordinator)
-                        continue
-                    for member in reply.dead:
-                        self.mark_dead(member)
-                    self.apply(reply.outcome)
-                elif isinstance(error, RemoteError):
+        """Send my state to the coordinator and apply its decisions until commit or abort. A change
+        of my state sends it again, without dropping the calls before it (SYNC_CALLS)."""
+        calls: list[tuple[int, asyncio.Future]] = []  # (coordinator, call) under way, the newest last
+        try:
+            while True:
+                retry = False
+                for entry in [e for e in calls if e[1].done()]:
+                    calls.remove(entry)
+                    if not entry[1].cancelled():
+                        retry = self._take_reply(*entry) or retry
+                if self.outcome.committed or self.outcome.aborted:
+                    return
+                if retry:
                     await asyncio.sleep(0.05)  # it has not yet seen what we saw; ask again shortly
-                elif isinstance(error, NetworkError):
-                    self.mark_dead(coordinator)
+                    continue
+                coordinator = self.current_coordinator()
+                if coordinator is None:
+                    self.outcome.aborted = "no coordinator left alive"
+                    return
+                keep = [e for e in calls if e[0] == coordinator != self.me][1 - SYNC_CALLS:]
+                for entry in calls:
+                    if entry not in keep:
+                        entry[1].cancel()
+                calls = keep
+                self.state_changed.clear()
+                if coordinator == self.me:
+                    self.coordinator.update(self.state())
+                    call = asyncio.ensure_future(self.coordinator.wait_newer(self.outcome.version, self.dead))
                 else:
-                    # A new error: raising the stored one would tie its traceback (this frame) to
-                    # the waiter that stores it, a cycle holding the whole run.
-                    raise AveragingError(f"coordination failed: {error}") from error
+                    call = asyncio.ensure_future(self.service.sync(self, coordinator))
+                call.add_done_callback(retrieve_exception)  # (one superseded and cancelled holds none)
+                calls.append((coordinator, call))
+                changed = asyncio.ensure_future(self.state_changed.wait())
+                try:
+                    await asyncio.wait([c for _, c in calls] + [changed], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+        finally:
+            for _, call in calls:
+                call.cancel()
+
+    def _take_reply(self, coordinator: int, call: asyncio.Future) -> bool:
+        """Apply the answer of a call to `coordinator`; True if it should be asked again shortly."""
+        error = call.exception()
+        if error is None:
+            reply = call.result()
+            if coordinator != self.me and not reply.outcome.decided_by(self.group, coordinator):
+                # Its own signature on each decision is what lets a coordinator that takes
+                # over carry them on; one without it cannot be shown to anyone.
+                self.ban(coordinator, "as coordinator, it sent a decision it had not signed")
+                self.mark_dead(coordinator)
+                return False
+            for member in reply.dead:
+                self.mark_dead(member)
+            self.apply(reply.outcome)
+            return False
+        if isinstance(error, RemoteError):
+            return True
+        if isinstance(error, NetworkError):
+            self.mark_dead(coordinator)
+            return False
+        # A new error: raising the stored one would tie its traceback (this frame) to the call
+        # that stores it, a cycle holding the whole run.
+        raise AveragingError(f"coordination failed: {error}") from error
 
     def current_coordinator(self) -> int | None:
         for i in self.group.coordinators():
@@ -655,24 +701,27 @@ class AllReduceRun:
         proof = outcome.equivocation
         if proof is not None and proof.holds(self.group):
             self.ban(proof.reducer, f"as reducer of shard {proof.shard}, it signed two different results of it")
-        if terminal or outcome.version == previous.version:
+        if outcome.aborted:
             return
-        for shard, reducer in outcome.assignment.items():
-            if reducer == self.me:
-                red = self.reducers.get(shard)
-                if red is None:
-                    self._add_reducer(shard, outcome.senders)
-                elif red.exact is None:
-                    red.finalize(outcome.senders, outcome.version)
-            if self.role != Role.AUX and previous.assignment.get(shard) != reducer:
-                self.final.discard(shard)
-                self.finals.pop(shard, None)
-                self._start_exchange(shard, reducer)
+        if not terminal and outcome.version != previous.version:
+            for shard, reducer in outcome.assignment.items():
+                if reducer == self.me:
+                    red = self.reducers.get(shard)
+                    if red is None:
+                        self._add_reducer(shard, outcome.senders)
+                    elif red.exact is None:
+                        red.finalize(outcome.senders, outcome.version)
+                if self.role != Role.AUX and previous.assignment.get(shard) != reducer:
+                    self.final.discard(shard)
+                    self.finals.pop(shard, None)
+                    self._start_exchange(shard, reducer)
+        # The decision (or the commit, which may come first: `Coordinator`) names the early FINALs' senders.
         settled = {j for j, f in self.finals.items() if self._settles(f)}
         if not settled <= self.final:
-            self.final |= settled  # the decision names the early FINALs' senders
+            self.final |= settled
             self._changed()
-        self._maybe_check()
+        if not terminal:
+            self._maybe_check()
 
     async def _finalize_exact(self, red: ShardReducer) -> None:
         """A replacement reducer: wait for every sender of S*, then reduce and send FINAL."""

@@ -185,7 +185,9 @@ class MemberState(Message, what="member state"):
     dead, its reducers' reports (shard -> senders complete), the shards it has final results of,
     the outcome version it last saw and that outcome, and why a repair failed (if it did); for
     accountability, the roots of the pieces it sent (shard -> root) and of those its reducers
-    received (shard -> sender -> root), and the outcome version whose results it has checked."""
+    received (shard -> sender -> root), the outcome version whose results it has checked, and, as
+    a reducer, whose checks of its FINALs it answered (shard -> (the FINAL's version, members)),
+    which lets the coordinator commit while those members finish their checks."""
 
     member: int = _member("m")
     dead: tuple[int, ...] = _members("dead")
@@ -198,6 +200,8 @@ class MemberState(Message, what="member state"):
     received: dict[int, dict[int, bytes]] = Dict("recv", _member(), Dict(None, _member(), _digest(), "n"), "n")
     checked: int = Int("chk", 0, MAX_VERSION, default=0)
     finals: dict[int, SignedFinal] = Dict("fin", _member(), Nested(None, SignedFinal), "n")  # what reducers signed me
+    answered: dict[int, tuple[int, tuple[int, ...]]] = Dict("ans", _member(), Tuple(None, (Int(None, 0, MAX_VERSION),
+                                                                                           _members())), "n")
 
 
 class StepRef(Message, what="averaging request"):
