@@ -86,6 +86,16 @@ async def average(services, group, vectors, weights, crash_at=None, crash=(), ne
     return [None if i in crash else r for i, r in enumerate(results)]
 
 
+async def average_four(size, latency=0.02, **kwargs):
+    """Four nodes over links of `latency` average `size` random floats each, weighted 1 to 4:
+    their services, vectors, weights and results."""
+    net, transports, services = await swarm(4, latency=latency)
+    group = make_group(transports, ["node"] * 4, size)
+    vectors = [torch.randn(size) for _ in range(4)]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    return services, vectors, weights, await average(services, group, vectors, weights, **kwargs)
+
+
 def weighted_mean(vectors, weights, members):
     total = sum(weights[i] for i in members)
     return sum(vectors[i] * (weights[i] / total) for i in members)
@@ -215,11 +225,7 @@ def test_the_commit_does_not_wait_for_the_decision_to_reach_the_members(monkeypa
     monkeypatch.setattr(AllReduceRun, "apply", deaf_apply)
 
     async def main():
-        net, transports, services = await swarm(4, latency=0.02)
-        group = make_group(transports, ["node"] * 4, 8_000)
-        vectors = [torch.randn(8_000) for _ in range(4)]
-        weights = [1.0, 2.0, 3.0, 4.0]
-        results = await average(services, group, vectors, weights, timeout=10.0)
+        _, vectors, weights, results = await average_four(8_000, timeout=10.0)
         check_survivors_identical(results, [0, 1, 2, 3], weighted_mean(vectors, weights, [0, 1, 2, 3]))
     run_virtual(main())
 
@@ -251,11 +257,7 @@ def test_a_decision_naming_fewer_senders_than_the_early_finals_is_reduced_again(
     monkeypatch.setattr(ShardReducer, "_seal", noting_seal)
 
     async def main():
-        net, transports, services = await swarm(4, latency=0.02)
-        group = make_group(transports, ["node"] * 4, 40_000)
-        vectors = [torch.randn(40_000) for _ in range(4)]
-        weights = [1.0, 2.0, 3.0, 4.0]
-        results = await average(services, group, vectors, weights)
+        services, vectors, weights, results = await average_four(40_000)
         check_survivors_identical(results, [0, 1, 2], weighted_mean(vectors, weights, [0, 1, 2]))
         assert all(len(services[i].banned) == 0 for i in range(3)), [list(services[i].banned) for i in range(3)]
     run_virtual(main())

@@ -4,8 +4,8 @@ The coordinator is the first member that can be dialed and is alive (`Group.coor
 member runs one, active only while its member coordinates. It decides the senders every shard
 averages (the intersection of what the reducers received, checked against the senders' own
 roots), gives the shards of dead reducers to survivors, and commits once every live receiver
-holds every shard final and has checked it, or had its checks answered, or aborts. It reaches its member through
-`CoordinatorHost`, which that member implements.
+holds every shard final and has checked it (or had its checks answered), or aborts. It reaches
+its member through `CoordinatorHost`, which that member implements.
 """
 
 from __future__ import annotations
