@@ -503,7 +503,8 @@ def test_an_8_bit_all_reduce_sends_about_a_quarter_of_a_float32_one_checks_inclu
 def test_a_step_announces_the_state_again_without_waiting_for_the_dht(monkeypatch):
     """The first step's state record is stored before the step returns (newcomers then find the
     peer); later steps store it in the background, one store at a time, the next with the round
-    it was asked at (a DHT store over a WAN: round trips the step need not wait for)."""
+    it was asked at (a DHT store over a WAN: round trips the step need not wait for). Shutting
+    down stops a store under way: it would announce a state nobody serves."""
     async def main():
         net, peers = await make_swarm(2)
         avgs = [Averager(p, [torch.full((8,), float(i))], "announce", target_group_size=2, matchmaking_time=0.5)
@@ -511,17 +512,26 @@ def test_a_step_announces_the_state_again_without_waiting_for_the_dht(monkeypatc
         await asyncio.gather(*(a.astep() for a in avgs))
         found = await peers[0].dht.aget(avgs[0].names.donors, latest=True)
         assert found is not None and len(found.value) == 2  # both stored before their first step returned
-        stored, release, real = [], asyncio.Event(), Averager.announce_state
+        stored, done, release, real = [], [], asyncio.Event(), Averager.announce_state
 
         async def held(self):
-            stored.append(self.round)
+            asked = self.round
+            stored.append(asked)
             await release.wait()
             await real(self)
+            done.append(asked)
         monkeypatch.setattr(Averager, "announce_state", held)
         await asyncio.gather(*(a.astep() for a in avgs))  # returns with both stores held
         await asyncio.gather(*(a.astep() for a in avgs))
         assert stored == [2, 2]  # the third step's store waits for the second's, not beside it
         release.set()
         await asyncio.sleep(1)
-        assert stored == [2, 2, 3, 3]
+        assert stored == [2, 2, 3, 3] and done == [2, 2, 3, 3]
+        release.clear()
+        await asyncio.gather(*(a.astep() for a in avgs))  # the fourth step's stores, held
+        for a in avgs:
+            a.shutdown()
+        release.set()
+        await asyncio.sleep(1)
+        assert stored == [2, 2, 3, 3, 4, 4] and done == [2, 2, 3, 3]
     run_virtual(main())

@@ -207,9 +207,11 @@ def test_a_group_on_slow_links_streams_smaller_chunks_and_every_member_picks_the
     assert chunk_elements([(1.0, 1.0)]) == CHUNK_ELEMENTS  # alone: nothing streamed
 
 
-def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch):
+@pytest.mark.parametrize(("keep_sealed", "chunk"), [(False, 2**16), (True, CHUNK_ELEMENTS)])
+def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch, keep_sealed, chunk):
     """Four peers told 100 Mbit/s links average 1M floats: their all-reduce streams chunks of
-    2^16 elements, and the mean is exact."""
+    2^16 elements, and the mean is exact. Verified training's averagers (`keep_sealed`) keep the
+    default chunk: their accusations locate blocks by it."""
     chunks = []
     real = AllReduceService.run
 
@@ -222,10 +224,10 @@ def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatc
         net, peers = await make_swarm(4, bandwidth=12.5e6, latency=0.025)
         values = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         avgs = [Averager(p, [v], "slow", target_group_size=4, min_group_size=4, matchmaking_time=1.0,
-                         bandwidth=12.5e6) for p, v in zip(peers, values, strict=True)]
+                         bandwidth=12.5e6, keep_sealed=keep_sealed) for p, v in zip(peers, values, strict=True)]
         await asyncio.gather(*(a.astep() for a in avgs))
         expected = torch.stack(values).mean(0)
         for a in avgs:
             torch.testing.assert_close(a._tensors[0], expected, rtol=0, atol=1e-6)
-        assert chunks == [2**16] * 4
+        assert chunks == [chunk] * 4
     run_virtual(main())

@@ -539,6 +539,8 @@ class Averager:
     def shutdown(self) -> None:
         """Stop serving this averager's matchmaking and state."""
         self.matchmaker.close()
+        self._announce_asked = False
+        _discard(self._announcing)  # (it would announce a state nobody serves any more)
         if self.state_server is not None:
             self.state_server.close()
 
