@@ -26,7 +26,8 @@ width), the median and the sort pick existing values, and the iteration count de
 those bits. When every piece equals x, both return x.
 
 Bounding a liar does not name it: `far_pieces` does, for a piece blatantly far from the rest
-(OUTLIER_FACTOR times the median distance from the robust centre; see allreduce.reducer.ShardReducer).
+(OUTLIER_FACTOR times the median distance from the robust centre, over a reducer's shard; see
+allreduce.reducer.ShardReducer._name).
 """
 
 from __future__ import annotations
