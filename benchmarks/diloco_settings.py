@@ -10,13 +10,16 @@ same outer parameters then), against the lone process's.
 
 Workloads: "lm", the byte-level GPT of `potluck demo --task lm` (Adam 3e-3, 16 windows a step,
 validation windows of held-out standard-library files); "digits", the CNN of `potluck demo`
-(Adam 6e-3, 32 images a step, test loss on the held-out digits).
+(Adam 6e-3, 32 images a step, test loss on the held-out digits); "wan_lm", the language model of
+`benchmarks/wan.py --workload lm` (6.3M parameters, nearly all one table of hashed contexts; Adam
+1e-3, 32 windows a step), whose settings that benchmark's runs over emulated links use.
 
 Prints one JSON object per line, e.g.
   {"task": "lm", "setting": "H20 lr1.0 m0.0", "steps": 500, "val_loss": 2.0, "alone_val_loss": 2.2, ...}
 
 Usage: python benchmarks/diloco_settings.py [--task lm] [--peers 4] [--steps 500]
-           [--settings 20:0.7:0.9,20:1.0:0.0,...]   (local_steps:outer_lr:outer_momentum)
+           [--settings 20:0.7:0.9,20:1.0:0.0:mean,...]   (local_steps:outer_lr:outer_momentum[:aggregation])
+           [--alone-steps 2048 --alone-every 128] [--only-alone]
 """
 
 from __future__ import annotations
@@ -42,7 +45,14 @@ class Task:
 
     def __init__(self, name: str):
         self.name = name
-        if name == "lm":
+        if name == "wan_lm":
+            import wan  # this directory
+
+            from potluck.workloads import lm
+            self.wan, self.corpus = wan, lm.load_corpus()
+            self.sample = lm.validation_sample(self.corpus, wan.LM_CONTEXT, wan.LM_VALIDATION_WINDOWS)
+            self.lr, self.batch = wan.LM_LR, 32
+        elif name == "lm":
             from potluck.cli import demo_lm
             from potluck.workloads import lm
             self.corpus, self.config = lm.load_corpus(), lm.LMConfig()
@@ -54,6 +64,8 @@ class Task:
             self.lr, self.batch = demo.LEARNING_RATE, demo.LOCAL_BATCH
 
     def model(self) -> torch.nn.Module:
+        if self.name == "wan_lm":
+            return self.wan.make_lm()
         if self.name == "lm":
             from potluck.workloads import lm
             return lm.make_lm(self.config)
@@ -62,6 +74,12 @@ class Task:
         return tasks.make_model()
 
     def batches(self, rank: int):
+        if self.name == "wan_lm":
+            from potluck.workloads import lm
+            generator, train = torch.Generator().manual_seed(100 + rank), self.corpus.train
+            while True:
+                starts = torch.randint(0, len(train) - self.wan.LM_CONTEXT - 1, (self.batch,), generator=generator)
+                yield lm.windows(train, starts, self.wan.LM_CONTEXT)
         if self.name == "lm":
             from potluck.workloads import lm
             data = lm.batches(self.corpus, self.batch, self.config.context, rank=rank, seed=0)
@@ -73,41 +91,47 @@ class Task:
             yield self.x[index], self.y[index]
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.name == "lm":
+        if self.name in ("lm", "wan_lm"):
             from potluck.workloads import lm
             return lm.lm_loss(model, x, y)
         return torch.nn.functional.cross_entropy(model(x), y)
 
     def val_loss(self, model: torch.nn.Module) -> float:
-        if self.name == "lm":
+        if self.name in ("lm", "wan_lm"):
             from potluck.workloads import lm
             return lm.evaluate(model, self.sample)["val_loss"]
         from potluck.cli import tasks
         return tasks.test_loss(model, self.x_test, self.y_test)
 
 
-def alone(task: Task, steps: int) -> float:
+def alone(task: Task, steps: int, every: int = 0) -> list[tuple[int, float]]:
+    """The lone process's validation loss after `steps` steps, and after every `every` (0: only at
+    the end) as (steps, loss) pairs: how many steps alone match a swarm's loss."""
     model = task.model()
     opt = torch.optim.Adam(model.parameters(), task.lr)
     data = task.batches(0)
-    for _ in range(steps):
+    curve = []
+    for step in range(1, steps + 1):
         opt.zero_grad()
         task.loss(model, *next(data)).backward()
         opt.step()
-    return task.val_loss(model)
+        if step == steps or (every and step % every == 0):
+            curve.append((step, round(task.val_loss(model), 4)))
+    return curve
 
 
-async def swarm(task: Task, peers: int, steps: int, mode: DiLoCo) -> dict[str, Any]:
+async def swarm(task: Task, peers: int, steps: int, mode: DiLoCo, aggregation: str | None = None) -> dict[str, Any]:
     async with emulated_peers(peers) as nodes:
-        return await train_swarm(task, nodes, steps, mode)
+        return await train_swarm(task, nodes, steps, mode, aggregation)
 
 
-async def train_swarm(task: Task, nodes: list[Any], steps: int, mode: DiLoCo) -> dict[str, Any]:
+async def train_swarm(task: Task, nodes: list[Any], steps: int, mode: DiLoCo,
+                      aggregation: str | None = None) -> dict[str, Any]:
     peers = len(nodes)
     models = [task.model() for _ in nodes]
     optimizers = [Optimizer(peer, "settings", model.parameters(), lambda p: torch.optim.Adam(p, task.lr),
                             target_batch_size=peers * task.batch, batch_size_per_step=task.batch, mode=mode,
-                            matchmaking_time=1.0, load_state=False, start=False)
+                            matchmaking_time=1.0, load_state=False, start=False, aggregation=aggregation)
                   for peer, model in zip(nodes, models, strict=True)]
     for opt in optimizers:
         await opt.astart()
@@ -132,21 +156,31 @@ async def train_swarm(task: Task, nodes: list[Any], steps: int, mode: DiLoCo) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=["lm", "digits"], default="lm")
+    parser.add_argument("--task", choices=["lm", "digits", "wan_lm"], default="lm")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500, help="inner steps per peer (and the lone process's steps)")
-    parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="local_steps:outer_lr:outer_momentum, ...")
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS,
+                        help="local_steps:outer_lr:outer_momentum[:aggregation], ... (aggregation: the "
+                             "Optimizer's default, or mean, centered_clip, trimmed_mean)")
+    parser.add_argument("--alone-steps", type=int, default=0,
+                        help="let the lone process train on to this many steps (its curve: --alone-every)")
+    parser.add_argument("--alone-every", type=int, default=0,
+                        help="also report the lone process's loss every this many steps")
+    parser.add_argument("--only-alone", action="store_true", help="run the lone process only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     task = Task(args.task)
-    baseline = round(alone(task, args.steps), 4)
-    print(json.dumps({"task": args.task, "setting": "alone", "steps": args.steps, "val_loss": baseline}), flush=True)
-    for setting in args.settings.split(","):
-        h, lr, momentum = setting.split(":")
+    curve = alone(task, max(args.steps, args.alone_steps), args.alone_every)
+    baseline = dict(curve)[args.steps] if args.steps in dict(curve) else alone(task, args.steps)[-1][1]
+    print(json.dumps({"task": args.task, "setting": "alone", "steps": args.steps, "val_loss": baseline,
+                      **({"curve": curve} if args.alone_every else {})}), flush=True)
+    for setting in [] if args.only_alone else args.settings.split(","):
+        h, lr, momentum, *aggregation = setting.split(":")
         mode = DiLoCo(local_steps=int(h), outer_lr=float(lr), outer_momentum=float(momentum))
-        result = run_in_virtual_time(swarm(task, args.peers, args.steps, mode))
-        print(json.dumps({"task": args.task, "setting": f"H{h} lr{lr} m{momentum}", "peers": args.peers,
+        result = run_in_virtual_time(swarm(task, args.peers, args.steps, mode, *aggregation))
+        label = " ".join([f"H{h} lr{lr} m{momentum}", *aggregation])
+        print(json.dumps({"task": args.task, "setting": label, "peers": args.peers,
                           "steps": args.steps, **result, "alone_val_loss": baseline,
                           "swarm_ahead": result["val_loss"] < baseline}), flush=True)
 

@@ -57,6 +57,7 @@ Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--pee
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,tcp_paced,...] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
            [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-delay 1]
+           [--aggregation mean]
            [--target 0.95] [--cap 90] [--alone 32] [--measure-bandwidth]
 """
 
@@ -517,6 +518,8 @@ def train_worker(args: argparse.Namespace) -> None:
         options.update(local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
         if args.outer_delay is not None:
             options["outer_delay"] = args.outer_delay
+    if args.aggregation:
+        options["aggregation"] = args.aggregation
     opt = potluck.Optimizer(peer, RUN_ID, model.parameters(), lambda p: torch.optim.Adam(p, lr),
                             target_batch_size=base.GLOBAL_BATCH, batch_size_per_step=base.POTLUCK_LOCAL_BATCH,
                             bandwidth=told_bandwidth(args), **options)
@@ -536,6 +539,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
             params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
                       "bandwidth": "measured" if args.measure_bandwidth else "told",
                       "outer": [args.outer_lr, args.outer_momentum], "outer_delay": args.outer_delay,
+                      "aggregation": args.aggregation,
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
@@ -551,6 +555,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                         "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
                         "--outer-momentum", str(args.outer_momentum),
                         *(["--outer-delay", str(args.outer_delay)] if args.outer_delay is not None else []),
+                        *(["--aggregation", args.aggregation] if args.aggregation else []),
                         "--target", str(args.target), "--profile", profile,
                         *(["--measure-bandwidth"] if args.measure_bandwidth else []),
                         *(["--initial", initial] if initial else [])]
@@ -639,6 +644,9 @@ def main() -> None:
     parser.add_argument("--outer-delay", type=int, default=None,
                         help="inner steps each outer round of potluck's DiLoCo systems overlaps (default: each "
                              "system's own, 1 for Streaming DiLoCo, 0 otherwise); under local steps / fragments")
+    parser.add_argument("--aggregation", choices=["mean", "centered_clip", "trimmed_mean"], default=None,
+                        help="how potluck's systems aggregate each round (default: each system's own, CenteredClip "
+                             "in these open runs, the mean for sync_mean)")
     parser.add_argument("--workload", choices=["digits", "wide", "lm"], default="digits",
                         help="time to target: the demo's CNN, a 6.7M-parameter MLP on the same digits, or a "
                              "6.3M-parameter byte-level language model (hashed contexts) on the standard library's "
