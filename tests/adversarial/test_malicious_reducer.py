@@ -204,3 +204,31 @@ def test_a_reducer_that_says_it_answered_checks_it_refused_has_its_result_used_b
             assert isinstance(result, AveragingError) and "could not be checked" in str(result), result
             assert torch.equal(averager._tensors[0], vector)
     run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_that_reports_the_leaders_piece_missing_does_not_make_the_others_shun_the_leader(monkeypatch):
+    """The attacker's reducer reports the leader's piece as not delivered, so the step goes on
+    without it. Each member that saw the leader take no part in its own group used to refuse it
+    and its subnet for an hour (`hold_against`, for silent leaders): one lie per round split a
+    swarm from its honest leaders. A member now holds a leader to that only on its own reducers'
+    word. Bound: the step ends for every honest member, and none of them shuns the leader."""
+    original = ShardReducer._report
+    attackers = []
+
+    def framing(self):
+        if self.host.service.transport in attackers:
+            self.left_out = {**self.left_out, 0: "made up"}  # member 0 leads (an honest one: HONEST_FIRST)
+        return original(self)
+
+    async def main():
+        avgs, _ = await group_of_four("framed-leader", matchmaking_time=1.0)
+        attackers.append(avgs[3].transport)
+        monkeypatch.setattr(ShardReducer, "_report", framing)
+        results = await step_together(avgs, HONEST_FIRST)
+        assert not any(isinstance(r, BaseException) for r in results[:3]), results
+        leader = next(a.transport.peer_id for a in avgs[:3] if str(a.transport.peer_id) == results[0].peers[0])
+        assert str(leader) not in results[0].contributors  # the lie took it out of the step
+        followers = [a for a in avgs[:3] if a.transport.peer_id != leader]
+        assert len(followers) == 2 and not any(a.matchmaker._held_leader(leader) for a in followers)
+    run_virtual(main())

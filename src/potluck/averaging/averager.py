@@ -368,13 +368,20 @@ class Averager:
                                                            sender_timeout=self.sender_timeout)
             if parts is not None:
                 await run_in_thread(self._assign, torch.cat([p.reshape(-1) for p in parts]))
-        if me != 0 and 0 not in contributors and group.roles[0] != Role.AUX:
+        if me != 0 and 0 not in contributors and group.roles[0] != Role.AUX and not self._reached_us(group, 0):
             self.matchmaker.hold_against(group.peers[0], "formed a group it took no part in")
         self._advance(me, group.group_id)
         await self._announce_after_step()
         return StepResult(len(group.peers), [str(p) for p in group.peers], gathered, key,
                           [str(group.peers[i]) for i in contributors], group=group if sealed is not None else None,
                           sealed={str(group.peers[i]): blocks for i, blocks in (sealed or {}).items()})
+
+    def _reached_us(self, group: Group, sender: int) -> bool:
+        """Whether `sender`'s piece reached one of our reducers whole in `group`'s step, just
+        finished: then it took part, whatever other reducers reported (one that reported it
+        missing, a lie or not, would otherwise make us shun an honest leader for an hour)."""
+        tombstone = self.service.finished.get(group.group_id)
+        return tombstone is not None and any(sender in got for got in tombstone.state.received.values())
 
     # -- state for newcomers ------------------------------------------------------------------------
     def _get_state(self) -> tuple[int, Any, list[torch.Tensor]]:
