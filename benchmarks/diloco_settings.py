@@ -104,9 +104,9 @@ class Task:
         return tasks.test_loss(model, self.x_test, self.y_test)
 
 
-def alone(task: Task, steps: int, every: int = 0) -> list[tuple[int, float]]:
-    """The lone process's validation loss after `steps` steps, and after every `every` (0: only at
-    the end) as (steps, loss) pairs: how many steps alone match a swarm's loss."""
+def alone(task: Task, steps: int, every: int = 0, at: int = 0) -> list[tuple[int, float]]:
+    """The lone process's validation loss after `steps` steps, after step `at` and after every
+    `every` (0: neither) as (steps, loss) pairs: how many steps alone match a swarm's loss."""
     model = task.model()
     opt = torch.optim.Adam(model.parameters(), task.lr)
     data = task.batches(0)
@@ -115,7 +115,7 @@ def alone(task: Task, steps: int, every: int = 0) -> list[tuple[int, float]]:
         opt.zero_grad()
         task.loss(model, *next(data)).backward()
         opt.step()
-        if step == steps or (every and step % every == 0):
+        if step in (steps, at) or (every and step % every == 0):
             curve.append((step, round(task.val_loss(model), 4)))
     return curve
 
@@ -171,8 +171,8 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     task = Task(args.task)
-    curve = alone(task, max(args.steps, args.alone_steps), args.alone_every)
-    baseline = dict(curve)[args.steps] if args.steps in dict(curve) else alone(task, args.steps)[-1][1]
+    curve = alone(task, max(args.steps, args.alone_steps), args.alone_every, at=args.steps)
+    baseline = dict(curve)[args.steps]
     print(json.dumps({"task": args.task, "setting": "alone", "steps": args.steps, "val_loss": baseline,
                       **({"curve": curve} if args.alone_every else {})}), flush=True)
     for setting in [] if args.only_alone else args.settings.split(","):

@@ -434,9 +434,9 @@ class ShardReducer:
                                  measure=True)
         self._measured(c, distances)
 
-    def _measured(self, c: int, distances: Mapping[int, float]) -> None:
+    def _measured(self, c: int, distances: dict[int, float]) -> None:
         if distances:  # (the mean measures none) the last reduction of chunk `c` counts
-            self.distances[c] = dict(distances)
+            self.distances[c] = distances
 
     def _name(self) -> None:
         """Name the senders whose contribution to this shard is blatantly not honest
