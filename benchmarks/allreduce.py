@@ -31,7 +31,8 @@ Prints one JSON object per line, e.g.
 A system that cannot run prints a line with an "error" field instead of its figures.
 
 Usage: python benchmarks/allreduce.py [--quick] [--peers 4] [--floats 16M,1M] [--steps 3]
-           [--parts potluck,trusted,hivemind,emulated] [--emulated-peers 8] [--emulated-floats 16M]
+           [--parts potluck,trusted,hivemind,emulated] [--compression none|blockwise8|...]
+           [--emulated-peers 8] [--emulated-floats 16M]
            [--bandwidth 50e6] [--latency 0.005] [--matchmaking-time 1.0] [--hivemind-python PATH]
 """
 
@@ -133,7 +134,7 @@ def run_potluck_worker(args: argparse.Namespace) -> None:
     if args.rank == 0:
         worker_say(event="address", address=peer.addresses[0])
     avg = Averager(peer, [mine], "bench", target_group_size=args.peers, min_group_size=args.peers,
-                   compression="none", matchmaking_time=args.matchmaking_time)
+                   compression=args.compression, matchmaking_time=args.matchmaking_time)
     form_group = avg.matchmaker.form_group
     matchmaking: list[float] = []
 
@@ -224,7 +225,8 @@ def session_cpu_seconds(sessions: set[int]) -> float:
 def measure_real(system: str, python: str, insecure: bool, args: argparse.Namespace, floats: int) -> dict:
     """Run one scenario; returns the per-step, per-peer times and the checks."""
     base = [python, __file__, "--worker", system, "--peers", str(args.peers), "--floats", str(floats),
-            "--steps", str(args.steps), "--matchmaking-time", str(args.matchmaking_time)]
+            "--steps", str(args.steps), "--matchmaking-time", str(args.matchmaking_time),
+            "--compression", args.compression]
     if insecure:
         base.append("--insecure")
     if args.cold_leader:
@@ -259,12 +261,13 @@ def measure_real(system: str, python: str, insecure: bool, args: argparse.Namesp
             w.kill()
 
 
-def real_rows(system: str, tls: bool, floats: int, raw: dict, common: dict) -> tuple[list[dict], float | None]:
+def real_rows(system: str, tls: bool, floats: int, raw: dict, common: dict,
+              compression: str = "none") -> tuple[list[dict], float | None]:
     timed = raw["steps"][1:]
     errors = [s["error"] for step in raw["steps"] for s in step if s["error"]]
     per_step = [max(s["seconds"] for s in step) for step in timed]
     hashes = {d["hash"] for d in raw["done"]}
-    params = {"system": system, "tls": tls, "peers": len(raw["done"]), "floats": floats,
+    params = {"system": system, "tls": tls, "peers": len(raw["done"]), "floats": floats, "compression": compression,
               "mbytes_per_peer": round(4 * floats / MB, 1), "steps": len(timed), **common}
     if raw.get("version"):
         params["version"] = raw["version"]
@@ -558,6 +561,8 @@ def main() -> None:
                         help="potluck (TLS), trusted (potluck, insecure=True), hivemind, emulated, "
                              "cpu (potluck's CPU per step against moving the same bytes through TLS alone, "
                              "in this process)")
+    parser.add_argument("--compression", default="none",
+                        help="potluck's codec in the real-process parts (hivemind's always sends float32)")
     parser.add_argument("--matchmaking-time", type=float, default=1.0,
                         help="potluck's matchmaking_time and hivemind's min_matchmaking_time (s)")
     parser.add_argument("--emulated-peers", type=int, default=8)
@@ -606,7 +611,8 @@ def main() -> None:
                 emit({"metric": "step_seconds", "value": None, "unit": "s", **params,
                       "error": f"{type(e).__name__}: {e}"[-3000:]})
                 continue
-            rows, figures[part] = real_rows(system, not insecure, floats, raw, common)
+            rows, figures[part] = real_rows(system, not insecure, floats, raw, common,
+                                            "none" if system == "hivemind" else args.compression)
             for row in rows:
                 emit(row)
         for part in ("potluck", "trusted"):

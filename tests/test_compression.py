@@ -613,3 +613,47 @@ def test_sparse_sends_exactly_the_nonzeros() -> None:
     codec = get_codec("sparse")
     assert torch.equal(round_trip(codec, x), x)
     assert len(serialization.dumps(codec.encode(x))) < 8 * 104 + 100
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bit patterns (so that -0.0 and 0.0 differ)."""
+    return t.detach().reshape(-1).contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("name", [*STATELESS, "topk"])
+@pytest.mark.parametrize("shape", [(7,), (4097,), (3, 5, 7), (1021, 1031)], ids=str)
+def test_encode_received_is_what_a_peer_decodes_bit_for_bit(name: str, shape: tuple[int, ...]) -> None:
+    """A sender digests `encode_received`'s values as what its peers decode (the all-reduce's
+    checks compare digests): a block codec computes them without decoding its own payload, and
+    must get every bit a peer gets, the sign of zero included."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=generator)
+    flat = x.view(-1)
+    flat[: flat.numel() // 3] = 0.0  # whole blocks of zeros
+    flat[1::7] = -0.0
+    codec = codec_for(name)
+    payload, received = codec.encode_received(x)
+    decoded = codec_for(name).decode(serialization.loads(serialization.dumps(payload)))
+    assert received.shape == decoded.shape == x.shape
+    assert torch.equal(bits(received.float()), bits(decoded.float()))
+
+
+@pytest.mark.parametrize("name", ["blockwise8", "blockwise4"])
+def test_block_codecs_decode_each_code_over_code_max_times_its_scale(name: str) -> None:
+    """What every version of potluck must decode alike (peers compare digests of it): value =
+    float32(code / code_max) * its block's scale, bit for bit; an all-zero block's scale is +0.0."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(64 * 9 + 5, generator=generator) * torch.logspace(-30, 30, 64 * 9 + 5)
+    x[64:128] = -0.0
+    codec = codec_for(name)
+    payload = codec.encode(x)
+    if name == "blockwise4":
+        pairs = torch.stack([payload["codes"] & 0x0F, payload["codes"] >> 4], dim=1).reshape(-1)[: x.numel()]
+        codes, code_max = pairs.to(torch.float32) - 7, 7
+    else:
+        codes, code_max = payload["codes"].to(torch.float32), 127
+    scales = payload["scales"].repeat_interleave(64)[: x.numel()]
+    assert torch.equal(bits(payload["scales"][1:2]), bits(torch.zeros(1)))
+    expected = (codes / code_max) * scales
+    assert torch.equal(bits(codec.decode(payload)), bits(expected))
+    assert torch.equal(bits(codec.encode_received(x)[1]), bits(expected))

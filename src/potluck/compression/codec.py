@@ -48,6 +48,12 @@ class Codec(ABC):
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         """The payload for `tensor`; CompressionError if it holds nan/inf or cannot be encoded."""
 
+    def encode_received(self, tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """`encode(tensor)`, and the tensor a peer decodes from that payload: what a sender digests
+        and signs as sent. Codecs that can skip the checks of their own payload override it."""
+        payload = self.encode(tensor)
+        return payload, self.decode(payload, tensor.numel())
+
     def decode(self, payload: Mapping[str, Any], numel: int | None = None, *, most: int | None = None,
                ) -> torch.Tensor:
         """The tensor a payload stands for, after strict checks; CompressionError on any flaw.

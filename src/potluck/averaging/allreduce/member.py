@@ -57,7 +57,7 @@ from potluck.averaging.allreduce.reducer import ShardReducer, reduce_aside, runs
 from potluck.averaging.allreduce.reduction import (
     as_received,
     decode_chunk,
-    encode_chunk,
+    encode_received,
     encodes_blocks_alone,
     reduce_chunk,
     wire_form,
@@ -353,16 +353,15 @@ class AllReduceRun:
                 for lo in range(start, end, self.chunk):
                     hi = min(end, lo + self.chunk)
                     try:
-                        payload = encode_chunk(self.codec, self.vector[lo:hi])
+                        payload, received = encode_received(self.codec, self.vector[lo:hi])
                     except Exception as e:  # noqa: BLE001 - any codec failure: abstain, never hang
                         self._refuse(f"{type(e).__name__}: {e}")
                         break
                     await self.stats.send(channel, payload)
-                    if digests is not None:
-                        try:
-                            digests.append(chunk_digest(as_received(self.codec, self.vector[lo:hi], payload)))
-                        except PotluckError:
-                            digests = None  # the reducer refuses this chunk as well: I send no root
+                    if received is None:
+                        digests = None  # the reducer refuses this chunk as well: I send no root
+                    elif digests is not None:
+                        digests.append(chunk_digest(received))
                 else:
                     if digests is not None:
                         root = piece_root(self.weight, digests)
@@ -423,8 +422,8 @@ class AllReduceRun:
 
     def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
                    results: Mapping[int, torch.Tensor]) -> bytes:
-        """My signature, as reducer of `shard`, of the result I send (as receivers decode it)."""
-        digests = [chunk_digest(as_received(self.codec, results[c])) for c in sorted(results)]
+        """My signature, as reducer of `shard`, of the result I send, given as receivers decode it."""
+        digests = [chunk_digest(results[c]) for c in sorted(results)]
         message = final_message(self.group.group_id, shard, version, senders, result_root(digests))
         return self.service.sign(message)
 

@@ -26,9 +26,10 @@ from potluck.averaging.allreduce.buffers import BufferPool
 from potluck.averaging.allreduce.group import Group
 from potluck.averaging.allreduce.messages import PieceSeal, ResultChunk, ResultFinal
 from potluck.averaging.allreduce.reduction import (
+    as_received,
     blatant_senders,
     decode_chunk,
-    encode_chunk,
+    encode_received,
     encodes_blocks_alone,
     reduce_chunk,
 )
@@ -97,7 +98,8 @@ class ReducerHost(Protocol):
 
     def sign_final(self, shard: int, senders: tuple[int, ...], version: int,
                    results: Mapping[int, torch.Tensor]) -> bytes:
-        """The member's signature of this result of `shard` (see accountability.final_message)."""
+        """The member's signature of this result of `shard` (see accountability.final_message),
+        given each chunk as its receivers decode it."""
 
 
 class ShardReducer:
@@ -149,7 +151,8 @@ class ShardReducer:
         self.named: dict[int, str] = {}  # sender -> why it is blatantly not honest (warned once per step)
         self.suspicion = suspicion
         self.left_out: dict[int, str] = {}  # complete senders reported as not delivered, and why
-        self.results: dict[int, torch.Tensor] = {}
+        # chunk -> its result as sent, and as its receivers decode it (what FINAL signs)
+        self.published: dict[int, tuple[ResultChunk, torch.Tensor | None]] = {}
         self.outboxes: dict[int, asyncio.Queue] = {}
         self.reported = False
         self.final_senders: tuple[int, ...] | None = None
@@ -253,7 +256,7 @@ class ShardReducer:
         self.pieces.clear()
         if self.payloads is not None:
             self.payloads.clear()
-        self.results.clear()
+        self.published.clear()
         for buffer in self._buffers:
             self.pool.give(buffer)
         self._buffers.clear()
@@ -271,8 +274,8 @@ class ShardReducer:
             raise AveragingError("the averaging step is over here")
         outbox: asyncio.Queue = asyncio.Queue()
         self.outboxes[sender] = outbox
-        for c in sorted(self.results):  # a late receiver gets what was already reduced
-            outbox.put_nowait(ResultChunk(c, encode_chunk(self.codec, self.results[c])))
+        for c in sorted(self.published):  # a late receiver gets what was already reduced
+            outbox.put_nowait(self.published[c][0])
         if self.final_senders is not None:
             outbox.put_nowait(ResultFinal(self.final_senders, self.final_version, self.final_signature))
             if self.confirmed:
@@ -422,8 +425,9 @@ class ShardReducer:
         """Chunk `c`, reduced over `senders` into `self.reduced`, goes to every receiver."""
         lo, hi = self.chunk_range(c)
         self.reduced_with[c] = senders
-        self.results[c] = self.reduced[lo:hi]
-        payload = ResultChunk(c, encode_chunk(self.codec, self.results[c]))
+        encoded, received = encode_received(self.codec, self.reduced[lo:hi])
+        payload = ResultChunk(c, encoded)
+        self.published[c] = (payload, received)
         for box in self.outboxes.values():
             box.put_nowait(payload)
 
@@ -574,7 +578,6 @@ class ShardReducer:
         self._buffers.append(fresh)
         fresh[:self.size].copy_(self.reduced)
         self.reduced = fresh[:self.size]
-        self.results = {c: self.reduced[slice(*self.chunk_range(c))] for c in self.results}
 
     @property
     def finalizing(self) -> bool:
@@ -592,7 +595,7 @@ class ShardReducer:
             if host is None or self.closed:
                 return
             signature = await asyncio.get_running_loop().run_in_executor(  # hashes the shard: off the loop
-                _REDUCTIONS, host.sign_final, self.shard, senders, version, dict(self.results))
+                _REDUCTIONS, host.sign_final, self.shard, senders, version, self._received())
             if not self.closed:
                 self._seal(senders, version, signature)
         finally:
@@ -601,13 +604,19 @@ class ShardReducer:
         if decided is not None:
             self.finalize(*decided)
 
+    def _received(self) -> dict[int, torch.Tensor]:
+        """Each chunk's result as its receivers decode it (a codec whose results they refuse
+        raises here, as they would)."""
+        return {c: as_received(self.codec, self.reduced[slice(*self.chunk_range(c))]) if received is None
+                else received for c, (_, received) in self.published.items()}
+
     def _seal(self, senders: tuple[int, ...], version: int, signature: bytes | None = None) -> None:
         """Sign the result over `senders` (unless signed already) and send FINAL to every receiver."""
         host = self._host()
         if signature is not None:
             self.final_signature = signature
         elif host is not None:
-            self.final_signature = host.sign_final(self.shard, senders, version, self.results)
+            self.final_signature = host.sign_final(self.shard, senders, version, self._received())
         self.final_senders, self.final_version = senders, version
         for box in self.outboxes.values():
             box.put_nowait(ResultFinal(senders, version, self.final_signature))

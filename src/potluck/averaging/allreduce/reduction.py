@@ -24,7 +24,8 @@ from potluck.core.tensors import all_finite
 
 __all__ = [
     "BLOCKWISE_CODECS", "MAX_WEIGHT_OVER_MEDIAN", "NAMED_WEIGHT_OVER_MEDIAN", "VALUEWISE_CODECS",
-    "as_received", "blatant_senders", "bounded_weights", "decode_chunk", "encode_chunk", "encodes_blocks_alone",
+    "as_received", "blatant_senders", "bounded_weights", "decode_chunk", "encode_chunk", "encode_received",
+    "encodes_blocks_alone",
     "reduce_chunk", "weighted_chunk", "wire_form",
 ]
 
@@ -144,12 +145,29 @@ def decode_chunk(codec: Any, payload: Any, numel: int) -> torch.Tensor:
     return t
 
 
-def as_received(codec: Any, t: torch.Tensor, payload: Any = None) -> torch.Tensor:
-    """What a peer decodes from `t` encoded by `codec` (`payload`, if already encoded): `t`
-    itself for float32 under "none", which sends the values as they are (no second pass)."""
+def as_received(codec: Any, t: torch.Tensor) -> torch.Tensor:
+    """What a peer decodes from `t` encoded by `codec`: `t` itself for float32 under "none",
+    which sends the values as they are (no second pass)."""
     if getattr(codec, "name", None) == "none" and t.dtype == torch.float32:
         return t
-    return decode_chunk(codec, encode_chunk(codec, t) if payload is None else payload, t.numel())
+    payload, received = encode_received(codec, t)
+    return decode_chunk(codec, payload, t.numel()) if received is None else received  # (raises why)
+
+
+def encode_received(codec: Any, t: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+    """`t` encoded by `codec`, and what a peer decodes from that (flat float32; None if a peer
+    refuses it), without checking our own payload as a peer's where the codec can
+    (`Codec.encode_received`): a sender digests what it sent."""
+    if getattr(codec, "name", None) == "none" and t.dtype == torch.float32:
+        return encode_chunk(codec, t), t
+    if isinstance(codec, Codec) and not codec.stateful:
+        payload, received = codec.encode_received(t)
+        return payload, received.reshape(-1)
+    payload = encode_chunk(codec, t)
+    try:
+        return payload, decode_chunk(codec, payload, t.numel())
+    except PotluckError:
+        return payload, None
 
 
 def encodes_blocks_alone(codec: Any) -> bool:
