@@ -21,6 +21,7 @@ from potluck.averaging import Averager
 from potluck.averaging.allreduce import CHUNK_ELEMENTS, AllReduceService, chunk_elements
 from potluck.averaging.allreduce.member import MIN_CHUNK_ELEMENTS
 from potluck.averaging.allreduce.transfer_stats import MIN_LINK_PACE, PACE_IDLE_BYTES, TransferStats
+from potluck.compression import get_codec
 from potluck.core.virtual_time import run_virtual
 from potluck.net.identity import Identity
 from potluck.net.tcp import TCPLink, TCPTransport
@@ -205,12 +206,19 @@ def test_a_group_on_slow_links_streams_smaller_chunks_and_every_member_picks_the
     assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)]) == MIN_CHUNK_ELEMENTS
     assert chunk_elements([(1.0, 1.0)] * 4) == MIN_CHUNK_ELEMENTS
     assert chunk_elements([(1.0, 1.0)]) == CHUNK_ELEMENTS  # alone: nothing streamed
+    # a codec's chunk takes as long on the wire: 8x the float32 elements under 4 bits (capped)
+    assert chunk_elements([(12.5e6, 12.5e6)] * 4, get_codec("blockwise8").wire_bytes) == 2**18
+    assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)], get_codec("blockwise4").wire_bytes) == 2**16
+    assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)], get_codec("none").wire_bytes) \
+        == MIN_CHUNK_ELEMENTS
 
 
-@pytest.mark.parametrize(("keep_sealed", "chunk"), [(False, 2**16), (True, CHUNK_ELEMENTS)])
-def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch, keep_sealed, chunk):
+@pytest.mark.parametrize(("keep_sealed", "compression", "chunk"),
+                         [(False, "none", 2**16), (True, "none", CHUNK_ELEMENTS), (False, "blockwise4", 2**18)])
+def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch, keep_sealed, compression, chunk):
     """Four peers told 100 Mbit/s links average 1M floats: their all-reduce streams chunks of
-    2^16 elements, and the mean is exact. Verified training's averagers (`keep_sealed`) keep the
+    2^16 elements, and the mean is exact; under 4 bits a chunk's bytes take as long with 8x the
+    elements (capped at CHUNK_ELEMENTS). Verified training's averagers (`keep_sealed`) keep the
     default chunk: their accusations locate blocks by it."""
     chunks = []
     real = AllReduceService.run
@@ -224,10 +232,12 @@ def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatc
         net, peers = await make_swarm(4, bandwidth=12.5e6, latency=0.025)
         values = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         avgs = [Averager(p, [v], "slow", target_group_size=4, min_group_size=4, matchmaking_time=1.0,
-                         bandwidth=12.5e6, keep_sealed=keep_sealed) for p, v in zip(peers, values, strict=True)]
+                         bandwidth=12.5e6, keep_sealed=keep_sealed, compression=compression)
+                for p, v in zip(peers, values, strict=True)]
         await asyncio.gather(*(a.astep() for a in avgs))
         expected = torch.stack(values).mean(0)
-        for a in avgs:
-            torch.testing.assert_close(a._tensors[0], expected, rtol=0, atol=1e-6)
+        for a in avgs:  # (4-bit codes: within a seventh of a block's absmax, there about 5)
+            torch.testing.assert_close(a._tensors[0], expected, rtol=0, atol=1e-6 if compression == "none" else 0.8)
+            assert torch.equal(a._tensors[0], avgs[0]._tensors[0])
         assert chunks == [chunk] * 4
     run_virtual(main())

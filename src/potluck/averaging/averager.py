@@ -347,7 +347,8 @@ class Averager:
             stats = TransferStats(pace=self.bandwidth if self._configured else None)
             claims = tuple(claim_digest(m) for m in formed.metadata)
             # (verified training's accusations locate blocks by the default chunk: it keeps that)
-            chunk = CHUNK_ELEMENTS if self.keep_sealed else chunk_elements(formed.bandwidths)
+            chunk = CHUNK_ELEMENTS if self.keep_sealed else \
+                chunk_elements(formed.bandwidths, self.codec.wire_bytes)
             try:
                 result, contributors = await self.service.run(
                     group, vector, weight, self.codec, self.allreduce_timeout, sender_timeout=self.sender_timeout,

@@ -34,6 +34,9 @@ class Codec(ABC):
     name: ClassVar[str]
     # True when encode keeps state (error feedback): use one instance per tensor.
     stateful: ClassVar[bool] = False
+    # About how many bytes one float32 element takes on the wire (the all-reduce sizes its
+    # chunks by the time their bytes take on a link); 4 where it depends on the values.
+    wire_bytes: ClassVar[float] = 4.0
 
     def params(self) -> dict[str, Any]:
         """The constructor parameters, msgpack-able; `get_codec(self.spec)` rebuilds the codec."""

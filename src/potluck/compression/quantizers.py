@@ -102,6 +102,7 @@ class Float16(Codec):
     """
 
     name = "fp16"
+    wire_bytes = 2.0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         x = self._checked(tensor)
@@ -134,6 +135,7 @@ class ScaledFloat16(Codec):
     """
 
     name = "scaled_fp16"
+    wire_bytes = 2.0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         x = finite_float32(tensor, self.name)
@@ -201,6 +203,7 @@ class Uniform8Bit(Codec):
     """
 
     name = "uniform8"
+    wire_bytes = 1.0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         x = finite_float32(tensor, self.name)
@@ -256,6 +259,7 @@ class Quantile8Bit(Codec):
     """
 
     name = "quantile8"
+    wire_bytes = 1.0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
         x = finite_float32(tensor, self.name)
@@ -401,6 +405,7 @@ class Blockwise8Bit(_BlockScaled):
     """
 
     name = "blockwise8"
+    wire_bytes = 1.0
     code_max, offset = _INT8_MAX, 0
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:
@@ -429,6 +434,7 @@ class Blockwise4Bit(_BlockScaled):
     """
 
     name = "blockwise4"
+    wire_bytes = 0.5
     code_max, offset = _INT4_MAX, _INT4_MAX
 
     def encode(self, tensor: torch.Tensor) -> dict[str, Any]:

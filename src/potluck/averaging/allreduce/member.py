@@ -100,16 +100,18 @@ SYNC_CALLS = 8
 Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor, bytes]]
 
 
-def chunk_elements(bandwidths: Sequence[tuple[float, float]]) -> int:
+def chunk_elements(bandwidths: Sequence[tuple[float, float]], wire_bytes: float = 4.0) -> int:
     """Elements per chunk for a group whose members declared these (upload, download) bytes/s
     (`FormedGroup.bandwidths`: every member has the same, so every member picks the same): the
-    largest power of two up to CHUNK_ELEMENTS whose float32 bytes cross the slowest member's
-    share of its link (one of the 2 x (N - 1) flows of a round) within CHUNK_SECONDS."""
+    largest power of two up to CHUNK_ELEMENTS whose bytes on the wire (`wire_bytes` an element:
+    the group's codec's `Codec.wire_bytes`) cross the slowest member's share of its link (one of
+    the 2 x (N - 1) flows of a round) within CHUNK_SECONDS. Under 4 bits, 8x the float32 chunk:
+    each chunk costs both ends CPU for its messages, digests and calls of the codec."""
     if len(bandwidths) < 2:
         return CHUNK_ELEMENTS
     share = min(min(up, down) for up, down in bandwidths) / (2 * (len(bandwidths) - 1))
     chunk = CHUNK_ELEMENTS
-    while chunk > MIN_CHUNK_ELEMENTS and 4 * chunk > share * CHUNK_SECONDS:
+    while chunk > MIN_CHUNK_ELEMENTS and wire_bytes * chunk > share * CHUNK_SECONDS:
         chunk //= 2
     return chunk
 
