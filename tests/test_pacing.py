@@ -211,15 +211,22 @@ def test_a_group_on_slow_links_streams_smaller_chunks_and_every_member_picks_the
     assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)], get_codec("blockwise4").wire_bytes) == 2**16
     assert chunk_elements([(12.5e6, 12.5e6)] * 3 + [(2.5e6, 12.5e6)], get_codec("none").wire_bytes) \
         == MIN_CHUNK_ELEMENTS
+    # and a shard in at least PIPELINE_CHUNKS chunks, so that its results stream while pieces come
+    assert chunk_elements([(12.5e6, 12.5e6)] * 4, 1.0, shard=250_000) == 2**16
+    assert chunk_elements([(12.5e6, 12.5e6)] * 4, 1.0, shard=1_640_000) == 2**18
+    assert chunk_elements([(100e6, 100e6)] * 4, 4.0, shard=10_000) == MIN_CHUNK_ELEMENTS
 
 
-@pytest.mark.parametrize(("keep_sealed", "compression", "chunk"),
-                         [(False, "none", 2**16), (True, "none", CHUNK_ELEMENTS), (False, "blockwise4", 2**18)])
-def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch, keep_sealed, compression, chunk):
+@pytest.mark.parametrize(("keep_sealed", "compression", "floats", "chunk"),
+                         [(False, "none", 10**6, 2**16), (True, "none", 10**6, CHUNK_ELEMENTS),
+                          (False, "blockwise4", 10**6, 2**16), (False, "blockwise4", 4 * 10**6, 2**18)])
+def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatch, keep_sealed, compression,
+                                                                       floats, chunk):
     """Four peers told 100 Mbit/s links average 1M floats: their all-reduce streams chunks of
     2^16 elements, and the mean is exact; under 4 bits a chunk's bytes take as long with 8x the
-    elements (capped at CHUNK_ELEMENTS). Verified training's averagers (`keep_sealed`) keep the
-    default chunk: their accusations locate blocks by it."""
+    elements (capped at CHUNK_ELEMENTS), where the shards are big enough to be cut in
+    PIPELINE_CHUNKS of them. Verified training's averagers (`keep_sealed`) keep the default
+    chunk: their accusations locate blocks by it."""
     chunks = []
     real = AllReduceService.run
 
@@ -230,7 +237,7 @@ def test_averagers_told_a_slow_link_average_exactly_in_smaller_chunks(monkeypatc
 
     async def main():
         net, peers = await make_swarm(4, bandwidth=12.5e6, latency=0.025)
-        values = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        values = [torch.randn(floats, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         avgs = [Averager(p, [v], "slow", target_group_size=4, min_group_size=4, matchmaking_time=1.0,
                          bandwidth=12.5e6, keep_sealed=keep_sealed, compression=compression)
                 for p, v in zip(peers, values, strict=True)]

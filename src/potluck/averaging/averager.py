@@ -348,7 +348,7 @@ class Averager:
             claims = tuple(claim_digest(m) for m in formed.metadata)
             # (verified training's accusations locate blocks by the default chunk: it keeps that)
             chunk = CHUNK_ELEMENTS if self.keep_sealed else \
-                chunk_elements(formed.bandwidths, self.codec.wire_bytes)
+                chunk_elements(formed.bandwidths, self.codec.wire_bytes, max(group.part_sizes))
             try:
                 result, contributors = await self.service.run(
                     group, vector, weight, self.codec, self.allreduce_timeout, sender_timeout=self.sender_timeout,

@@ -85,6 +85,10 @@ CHUNK_ELEMENTS = 2**18
 # (benchmarks/wan.py). Not smaller everywhere: on loopback, 4x the chunks cost 35% more CPU.
 MIN_CHUNK_ELEMENTS = 2**14
 CHUNK_SECONDS = 0.15
+# A reducer sends a chunk's result once all its pieces are in: a shard in one chunk is not
+# pipelined at all. 1M floats in 8 bits over 50 ms, 100 Mbit/s links: 0.37 s a round in one
+# chunk per shard, 0.33 s in four (benchmarks/wan.py).
+PIPELINE_CHUNKS = 3
 # A sender that sends nothing for this long is excluded (it stalled or died silently).
 SENDER_TIMEOUT = 10.0
 # Streams may arrive before this peer has started the same step; they wait this long for it.
@@ -100,18 +104,21 @@ SYNC_CALLS = 8
 Pieces = dict[int, tuple[float, list[bytes], list[bytes], torch.Tensor, bytes]]
 
 
-def chunk_elements(bandwidths: Sequence[tuple[float, float]], wire_bytes: float = 4.0) -> int:
+def chunk_elements(bandwidths: Sequence[tuple[float, float]], wire_bytes: float = 4.0,
+                   shard: int | None = None) -> int:
     """Elements per chunk for a group whose members declared these (upload, download) bytes/s
     (`FormedGroup.bandwidths`: every member has the same, so every member picks the same): the
     largest power of two up to CHUNK_ELEMENTS whose bytes on the wire (`wire_bytes` an element:
     the group's codec's `Codec.wire_bytes`) cross the slowest member's share of its link (one of
-    the 2 x (N - 1) flows of a round) within CHUNK_SECONDS. Under 4 bits, 8x the float32 chunk:
-    each chunk costs both ends CPU for its messages, digests and calls of the codec."""
+    the 2 x (N - 1) flows of a round) within CHUNK_SECONDS, and that cuts the largest `shard` in
+    at least PIPELINE_CHUNKS. Under 4 bits, up to 8x the float32 chunk: each chunk costs both
+    ends CPU for its messages, digests and calls of the codec."""
     if len(bandwidths) < 2:
         return CHUNK_ELEMENTS
     share = min(min(up, down) for up, down in bandwidths) / (2 * (len(bandwidths) - 1))
     chunk = CHUNK_ELEMENTS
-    while chunk > MIN_CHUNK_ELEMENTS and wire_bytes * chunk > share * CHUNK_SECONDS:
+    while chunk > MIN_CHUNK_ELEMENTS and (wire_bytes * chunk > share * CHUNK_SECONDS
+                                          or shard is not None and PIPELINE_CHUNKS * chunk > shard):
         chunk //= 2
     return chunk
 
