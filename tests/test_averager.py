@@ -170,6 +170,26 @@ def test_peers_with_a_different_schema_do_not_average_together():
 
 
 @pytest.mark.timeout(60)
+def test_peers_whose_versions_compute_the_reduction_differently_do_not_average_together(monkeypatch):
+    """Members check each other's reductions bit for bit and must cut the same chunks: a peer of a
+    version that computes either differently (`allreduce.ARITHMETIC`) would fail its group's
+    checks and be banned. Its schema differs instead, so the two never meet in a group."""
+    from potluck.averaging import averager
+    async def main():
+        net, peers = await make_swarm(4)
+        same = [Averager(p, [torch.full((4,), float(i))], "versions", matchmaking_time=0.5)
+                for i, p in enumerate(peers[:3])]
+        monkeypatch.setattr(averager, "ARITHMETIC", averager.ARITHMETIC - 1)
+        older = Averager(peers[3], [torch.zeros(4)], "versions", matchmaking_time=0.5)
+        assert older.schema != same[0].schema
+        results = await asyncio.gather(*(a.astep(timeout=10) for a in [*same, older]), return_exceptions=True)
+        assert all(r.group_size == 3 for r in results[:3])
+        assert isinstance(results[3], AveragingError)
+        assert torch.equal(older._tensors[0], torch.zeros(4))
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_client_and_aux_averagers_take_part():
     async def main():
         net, peers = await make_swarm(4, client_mode=(2,))

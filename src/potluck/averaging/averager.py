@@ -22,6 +22,7 @@ import torch
 
 from potluck.averaging.accountability import SealedBlock, ban_list, claim_digest, exclusions
 from potluck.averaging.allreduce import (
+    ARITHMETIC,
     CHUNK_ELEMENTS,
     SENDER_TIMEOUT,
     AllReduceService,
@@ -205,7 +206,8 @@ class Averager:
         # the persistent ones (potluck.averaging.suspicion); the mean has no robust centre to keep.
         self.suspicion = None if aggregation == "mean" else SuspicionLedger(exclusions(self.transport),
                                                                              ban_list(self.transport), track=deviations)
-        settings = {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation}
+        settings = {**self.codec.spec, "powersgd": powersgd_rank, "aggregation": aggregation,
+                    "arithmetic": ARITHMETIC}
         if fingerprint is not None:  # (left out otherwise: the schema of an Averager of the user's is unchanged)
             settings["fingerprint"] = fingerprint
         self.schema = _schema(self._tensors, settings)

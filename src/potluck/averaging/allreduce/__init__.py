@@ -33,10 +33,11 @@ Modules, each importing only those above it:
 from potluck.averaging.allreduce.buffers import MAX_POOLED_BYTES, BufferPool
 from potluck.averaging.allreduce.group import Group
 from potluck.averaging.allreduce.member import CHUNK_ELEMENTS, SENDER_TIMEOUT, AllReduceRun, chunk_elements
+from potluck.averaging.allreduce.reduction import ARITHMETIC
 from potluck.averaging.allreduce.service import AllReduceService
 from potluck.averaging.allreduce.transfer_stats import TransferStats
 
 __all__ = [
-    "CHUNK_ELEMENTS", "MAX_POOLED_BYTES", "SENDER_TIMEOUT", "AllReduceRun", "AllReduceService", "BufferPool", "Group",
+    "ARITHMETIC", "CHUNK_ELEMENTS", "MAX_POOLED_BYTES", "SENDER_TIMEOUT", "AllReduceRun", "AllReduceService", "BufferPool", "Group",
     "TransferStats", "chunk_elements",
 ]

@@ -23,12 +23,18 @@ from potluck.core.errors import AveragingError, PotluckError
 from potluck.core.tensors import all_finite
 
 __all__ = [
-    "BLOCKWISE_CODECS", "MAX_WEIGHT_OVER_MEDIAN", "NAMED_WEIGHT_OVER_MEDIAN", "VALUEWISE_CODECS",
+    "ARITHMETIC", "BLOCKWISE_CODECS", "MAX_WEIGHT_OVER_MEDIAN", "NAMED_WEIGHT_OVER_MEDIAN", "VALUEWISE_CODECS",
     "as_received", "blatant_senders", "bounded_weights", "decode_chunk", "encode_chunk", "encode_received",
     "encodes_blocks_alone",
     "reduce_chunk", "weighted_chunk", "wire_form",
 ]
 
+# What the members of a group must compute alike, bit for bit: the chunks' sizes
+# (`member.chunk_elements`) and the reductions (`potluck.averaging.robust`). Part of every
+# averager's schema, so that peers of versions that differ there form groups apart instead of
+# failing each other's checks (and banning each other); raise it with any change to either.
+# 2: chunks sized by their bytes on the wire.
+ARITHMETIC = 2
 # A sender's weight (its own claim, e.g. its samples) counts for at most this many times the
 # median weight of the senders of the chunk: a member claiming 1e30 weighs as much as two typical
 # members, not all of them. Honest peers twice as fast as the median lose a little weight (in
