@@ -38,6 +38,6 @@ from potluck.averaging.allreduce.service import AllReduceService
 from potluck.averaging.allreduce.transfer_stats import TransferStats
 
 __all__ = [
-    "ARITHMETIC", "CHUNK_ELEMENTS", "MAX_POOLED_BYTES", "SENDER_TIMEOUT", "AllReduceRun", "AllReduceService", "BufferPool", "Group",
-    "TransferStats", "chunk_elements",
+    "ARITHMETIC", "CHUNK_ELEMENTS", "MAX_POOLED_BYTES", "SENDER_TIMEOUT", "AllReduceRun", "AllReduceService",
+    "BufferPool", "Group", "TransferStats", "chunk_elements",
 ]
