@@ -162,6 +162,7 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
     threading.Thread(target=lambda: (read_line(WORKER_IDLE_TIMEOUT), stop.set()), daemon=True).start()
     generator = torch.Generator().manual_seed(1000 + args.rank)
     samples, last_eval, last_epoch, reached = 0, 0.0, -1, None
+    in_step = 0.0  # seconds inside opt.step(): the wrapped optimizer's step, and any wait for the network
     curve: list[tuple[float, int, float]] = []
     error = None
     try:
@@ -174,7 +175,9 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
             loss.backward()
             if slowdown > 1:
                 time.sleep((time.perf_counter() - started) * (slowdown - 1))
+            stepped = time.perf_counter()
             opt.step()
+            in_step += time.perf_counter() - stepped
             samples += local_batch
             epoch = opt.local_epoch
             if (epoch != last_epoch and task.eval_at_epochs) or time.monotonic() - last_eval >= task.eval_every:
@@ -190,7 +193,7 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
             error = f"{type(e).__name__}: {e}"
     final = task.score(model)
     say(event="final", accuracy=final, epoch=opt.local_epoch, samples=samples, reached=reached,
-        curve=curve[-400:], error=error)
+        curve=curve[-400:], error=error, in_step_seconds=round(in_step, 2))
     for close in closers:
         with contextlib.suppress(Exception):
             close()
@@ -274,7 +277,9 @@ def rows_for(system: str, peers: int, raw: dict, common: dict) -> tuple[list[dic
            "epoch_at_target": min((r["epoch"] for r in raw["reached"].values()), default=None),
            "trained_seconds": round(raw["stopped"], 1),
            "final_accuracy": [round(f["accuracy"], 4) for f in finals.values()],
-           "final_epochs": epochs, "samples": sum(f["samples"] for f in finals.values()), **params}
+           "final_epochs": epochs, "samples": sum(f["samples"] for f in finals.values()),
+           "per_peer_samples": [f["samples"] for f in finals.values()],
+           "per_peer_in_step_seconds": [f.get("in_step_seconds") for f in finals.values()], **params}
     if first is None:
         row["result"] = f"not reached within {common['cap_s']} s"
     if errors:
