@@ -657,3 +657,11 @@ def test_block_codecs_decode_each_code_over_code_max_times_its_scale(name: str) 
     expected = (codes / code_max) * scales
     assert torch.equal(bits(codec.decode(payload)), bits(expected))
     assert torch.equal(bits(codec.encode_received(x)[1]), bits(expected))
+
+
+@pytest.mark.parametrize("name", ["blockwise8", "blockwise4"])
+def test_block_codecs_refusing_non_finite_input_name_its_shape(name: str) -> None:
+    x = torch.randn(100, 100)
+    x[50, 7] = math.nan
+    with pytest.raises(CompressionError, match=r"shape \[100, 100\] with 1 nan"):
+        codec_for(name).encode(x)

@@ -339,19 +339,20 @@ class _BlockScaled(Codec):
         """The flat stored codes (code + offset) as float32, and the blocks' scales; refuses
         non-finite input. The blocks' max and min both check the values and give their absmax,
         and the codes are computed in one buffer (temporaries cost page faults)."""
-        values = check_float_tensor(tensor, self.name).to(torch.float32).contiguous().reshape(-1)
+        x = check_float_tensor(tensor, self.name).to(torch.float32).contiguous()
+        values = x.reshape(-1)
         stored = torch.empty_like(values)
         scales = []
         for block, out in zip(_blocks(values, self.block), _blocks(stored, self.block), strict=True):
             # (a nan or inf in a block shows in its max or min; abs: +0.0, never -0.0, for zeros;
-            # amax and amin are each 10x faster than aminmax over a dimension, and abs().amax())
+            # amax and amin together: 10x faster than aminmax over a dimension, 1.3x abs().amax())
             absmax = torch.maximum(block.amax(dim=1).abs_(), block.amin(dim=1).abs_())
             safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)  # all-zero blocks stay 0
             torch.div(block, safe, out=out).mul_(self.code_max).round_()
             scales.append(absmax)
         scales = torch.cat(scales) if scales else values.new_empty(0)
         if scales.numel() and not torch.isfinite(scales).all():
-            value_range(values, self.name)  # raises, counting the non-finite values
+            value_range(x, self.name)  # raises, counting the non-finite values
         if self.offset:
             stored.add_(self.offset)
         return stored, scales
