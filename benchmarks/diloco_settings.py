@@ -18,7 +18,9 @@ Prints one JSON object per line, e.g.
   {"task": "lm", "setting": "H20 lr1.0 m0.0", "steps": 500, "val_loss": 2.0, "alone_val_loss": 2.2, ...}
 
 Usage: python benchmarks/diloco_settings.py [--task lm] [--peers 4] [--steps 500]
-           [--settings 20:0.7:0.9,20:1.0:0.0:mean,...]   (local_steps:outer_lr:outer_momentum[:aggregation])
+           [--settings 20:0.7:0.9,20:1.0:0.0:mean,32:0.7:0.9:mean:fragments=2:outer_delay=1,...]
+           (local_steps:outer_lr:outer_momentum[:aggregation][:option=value...]: options of Streaming
+           DiLoCo, `potluck.optim.DiLoCo`'s fragments, outer_delay, mixing, outer_compression)
            [--alone-steps 2048 --alone-every 128] [--only-alone]
 """
 
@@ -160,8 +162,9 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500, help="inner steps per peer (and the lone process's steps)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
-                        help="local_steps:outer_lr:outer_momentum[:aggregation], ... (aggregation: the "
-                             "Optimizer's default, or mean, centered_clip, trimmed_mean)")
+                        help="local_steps:outer_lr:outer_momentum[:aggregation][:option=value...], ... "
+                             "(aggregation: the Optimizer's default, or mean, centered_clip, trimmed_mean; "
+                             "options: Streaming DiLoCo's fragments, outer_delay, mixing, outer_compression)")
     parser.add_argument("--alone-steps", type=int, default=0,
                         help="let the lone process train on to this many steps (its curve: --alone-every)")
     parser.add_argument("--alone-every", type=int, default=0,
@@ -176,10 +179,14 @@ def main() -> None:
     print(json.dumps({"task": args.task, "setting": "alone", "steps": args.steps, "val_loss": baseline,
                       **({"curve": curve} if args.alone_every else {})}), flush=True)
     for setting in [] if args.only_alone else args.settings.split(","):
-        h, lr, momentum, *aggregation = setting.split(":")
-        mode = DiLoCo(local_steps=int(h), outer_lr=float(lr), outer_momentum=float(momentum))
+        h, lr, momentum, *rest = setting.split(":")
+        aggregation = [r for r in rest if "=" not in r]
+        streaming = dict(r.split("=", 1) for r in rest if "=" in r)
+        options = {k: v if k == "outer_compression" else float(v) if k == "mixing" else int(v)
+                   for k, v in streaming.items()}
+        mode = DiLoCo(local_steps=int(h), outer_lr=float(lr), outer_momentum=float(momentum), **options)
         result = run_in_virtual_time(swarm(task, args.peers, args.steps, mode, *aggregation))
-        label = " ".join([f"H{h} lr{lr} m{momentum}", *aggregation])
+        label = " ".join([f"H{h} lr{lr} m{momentum}", *aggregation, *(f"{k}={v}" for k, v in streaming.items())])
         print(json.dumps({"task": args.task, "setting": label, "peers": args.peers,
                           "steps": args.steps, **result, "alone_val_loss": baseline,
                           "swarm_ahead": result["val_loss"] < baseline}), flush=True)
