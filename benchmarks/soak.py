@@ -19,11 +19,15 @@ digests at that epoch are compared.
 Figures per scenario (one JSON object per line):
   rss_growth_after_warmup  MB: the peak RSS after --warmup seconds minus the peak RSS before (per
                            peer process; "peer": "all" for the emulated process)
+  heap_growth_after_warmup MB: the same for the memory malloc has handed out and not had back (glibc's
+                           mallinfo2: heap and mmapped chunks in use; null elsewhere). A leak grows
+                           both; RSS growing alone is freed memory glibc keeps (fragmented arenas,
+                           which `malloc_trim` would return), not a leak
   epochs_per_minute        epochs the swarm advanced per minute of training
   longest_stall            s: the longest time a peer saw no new epoch (from the start to the stop)
   params_identical         true if every peer's parameters have one digest at the final epoch
   catch_ups                state downloads of peers that fell behind: read RSS with it (see the row)
-  rss_over_time            the samples: [seconds since start, MB, epoch]
+  rss_over_time            the samples: [seconds since start, MB, epoch]; heap_over_time likewise
 
 Usage: python benchmarks/soak.py [--quick] [--minutes 10] [--warmup S] [--sample S]
            [--scenarios processes,emulated] [--plot rss.png]
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import hashlib
 import os
@@ -89,6 +94,25 @@ def rss_mb(pid: int | str = "self") -> float | None:
         return None
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_mb() -> float | None:
+    """MB that glibc's malloc has handed out and not had back, heap and mmapped chunks (tensors,
+    large buffers; Python's small objects live in arenas of their own): what this process holds.
+    None without glibc 2.33's mallinfo2."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
 class Trainer:
     """One peer's training loop: random batches, `opt.step()`, a record of every epoch reached."""
 
@@ -142,6 +166,13 @@ def run_worker(args: argparse.Namespace) -> None:
         t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
         trainer = Trainer(model, opt, 1000 + args.rank, t0, lambda t, e: say(event="epoch", t=t, epoch=e))
 
+        def report_heap() -> None:  # the parent reads RSS from /proc; the heap only we can read
+            while not trainer.stop.wait(args.sample):
+                mb = heap_mb()
+                if mb is not None:
+                    say(event="heap", t=round(time.time() - t0, 2), mb=round(mb, 1))
+        threading.Thread(target=report_heap, daemon=True).start()
+
         def listen() -> None:  # "finish <epoch>", then "stop"
             trainer.finish(int(read_line(WORKER_IDLE_TIMEOUT).split()[1]))
             read_line(WORKER_IDLE_TIMEOUT)
@@ -160,6 +191,7 @@ class PeerRecord:
     """What one peer (or, emulated, one process) showed: RSS samples, epochs, final digests."""
 
     samples: list[tuple[float, float, int]] = field(default_factory=list)  # (s, MB, epoch)
+    heap: list[tuple[float, float, int]] = field(default_factory=list)  # (s, MB in use by malloc, epoch)
     epochs: list[tuple[float, int]] = field(default_factory=list)  # (s, epoch) at each new epoch
     final: dict = field(default_factory=dict)
 
@@ -170,7 +202,7 @@ class PeerRecord:
 
 def run_processes(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int]:
     """Train with real peer processes; returns their records, the training seconds and the finish epoch."""
-    base = [sys.executable, __file__, "--worker"]
+    base = [sys.executable, __file__, "--worker", "--sample", str(args.sample)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers: list[Worker] = []
@@ -195,6 +227,8 @@ def run_processes(args: argparse.Namespace) -> tuple[list[PeerRecord], float, in
                             raise RuntimeError("a peer process exited during training:\n" + "".join(w.stderr[-15:]))
                         if got["event"] == "epoch":
                             record.epochs.append((got["t"], got["epoch"]))
+                        elif got["event"] == "heap":
+                            record.heap.append((got["t"], got["mb"], record.epoch))
                         elif got["event"] == "final":
                             record.final = got
         sample(lambda: [rss_mb(w.proc.pid) for w in workers], records, t0, args, drain)
@@ -245,7 +279,7 @@ def run_emulated(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int
         def drain() -> None:  # the process's epoch, for its RSS samples: the swarm's newest
             if max(r.epoch for r in records) > process.epoch:
                 process.epochs.append((time.time() - t0, max(r.epoch for r in records)))
-        sample(lambda: [rss_mb()], [process], t0, args, drain)
+        sample(lambda: [rss_mb()], [process], t0, args, drain, heap=True)
         trained = time.time() - t0
         finish = max(r.epoch for r in records) + FINISH_EPOCHS
         for t in trainers:
@@ -269,8 +303,9 @@ def run_emulated(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int
 
 
 def sample(read: Callable[[], list[float | None]], records: list[PeerRecord], t0: float,
-           args: argparse.Namespace, drain: Callable[[], None]) -> None:
-    """Sample RSS every args.sample seconds until args.seconds of training have passed."""
+           args: argparse.Namespace, drain: Callable[[], None], heap: bool = False) -> None:
+    """Sample RSS (and with `heap`, this process's malloc in use, for its one record) every
+    args.sample seconds until args.seconds of training have passed."""
     next_sample = t0
     while (now := time.time()) - t0 < args.seconds:
         drain()
@@ -278,22 +313,28 @@ def sample(read: Callable[[], list[float | None]], records: list[PeerRecord], t0
             for record, mb in zip(records, read(), strict=True):
                 if mb is not None:
                     record.samples.append((round(now - t0, 2), round(mb, 1), record.epoch))
+            if heap and (mb := heap_mb()) is not None:
+                records[0].heap.append((round(now - t0, 2), round(mb, 1), records[0].epoch))
             next_sample = now + args.sample
         time.sleep(min(0.1, max(0.0, next_sample - time.time())))
 
 
 def rss_rows(name: str, record: PeerRecord, warmup: float, params: dict) -> list[dict]:
-    """RSS growth: the peak after the warm-up over the peak during it. Peak over peak, because RSS
-    saw-tooths within an epoch or two (buffers freed and reused); growth means the teeth rise."""
-    during = [mb for t, mb, _ in record.samples if t < warmup]
-    after = [mb for t, mb, _ in record.samples if t >= warmup]
-    row = {"metric": "rss_growth_after_warmup", "value": None, "unit": "MB", "peer": name, **params,
-           "measured": "peak RSS after the warm-up minus peak RSS during it"}
-    if during and after:
-        row.update(value=round(max(after) - max(during), 1), warmup_peak_mb=max(during), peak_mb=max(after),
-                   final_mb=after[-1], first_mb=during[0])
-    return [row, {"metric": "rss_over_time", "value": None, "unit": "[s, MB, epoch]", "peer": name,
-                  "samples": record.samples, **params}]
+    """RSS and heap growth: the peak after the warm-up over the peak during it. Peak over peak,
+    because memory saw-tooths within an epoch or two (buffers freed and reused); growth means the
+    teeth rise."""
+    rows = []
+    for what, samples, measured in (("rss", record.samples, "RSS"), ("heap", record.heap, "malloc's memory in use")):
+        during = [mb for t, mb, _ in samples if t < warmup]
+        after = [mb for t, mb, _ in samples if t >= warmup]
+        row = {"metric": f"{what}_growth_after_warmup", "value": None, "unit": "MB", "peer": name, **params,
+               "measured": f"peak {measured} after the warm-up minus the peak during it"}
+        if during and after:
+            row.update(value=round(max(after) - max(during), 1), warmup_peak_mb=max(during), peak_mb=max(after),
+                       final_mb=after[-1], first_mb=during[0])
+        rows += [row, {"metric": f"{what}_over_time", "value": None, "unit": "[s, MB, epoch]", "peer": name,
+                       "samples": samples, **params}]
+    return rows
 
 
 def summarize(scenario: str, records: list[PeerRecord], trained: float, finish: int,
@@ -339,12 +380,17 @@ def plot(path: str, results: dict[str, list[dict]]) -> None:
         for row in rows:
             if row["metric"] == "rss_over_time" and row["samples"]:
                 ts, mbs, _ = zip(*row["samples"], strict=True)
-                ax.plot(ts, mbs, label=f"{scenario}, " + ("one process, all peers" if row["peer"] == "all"
-                                                          else f"peer {row['peer']}"))
+                line, = ax.plot(ts, mbs, label=f"{scenario}, " + ("one process, all peers" if row["peer"] == "all"
+                                                                  else f"peer {row['peer']}"))
+                heap = next((r["samples"] for r in rows
+                             if r["metric"] == "heap_over_time" and r["peer"] == row["peer"]), None)
+                if heap:
+                    ht, hmb, _ = zip(*heap, strict=True)
+                    ax.plot(ht, hmb, linestyle="--", color=line.get_color(), label="  its malloc in use")
     ax.axvline(next(iter(results.values()))[0]["warmup_s"], color="grey", linestyle=":", label="end of warm-up")
     ax.set_xlabel("seconds of training")
-    ax.set_ylabel("RSS (MB)")
-    ax.set_title("potluck soak: RSS over time")
+    ax.set_ylabel("MB")
+    ax.set_title("potluck soak: RSS (solid) and malloc's memory in use (dashed) over time")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -9,6 +9,7 @@ figures. The bounds are generous on purpose: before issue 12's fixes each peer g
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 
@@ -45,6 +46,11 @@ def test_two_peer_processes_keep_memory_flat_epochs_advancing_and_params_identic
         samples = rows[("rss_over_time", peer)]["samples"]
         assert growth["value"] is not None and growth["value"] <= MAX_GROWTH_MB, \
             f"peer {peer}: RSS grew by {growth['value']} MB after the warm-up; [s, MB, epoch]: {samples}"
+        heap = rows[("heap_growth_after_warmup", peer)]  # what the peer holds, as glibc's malloc counts it
+        if platform.libc_ver()[0] == "glibc":
+            assert heap["value"] is not None and heap["value"] <= MAX_GROWTH_MB, \
+                f"peer {peer}: malloc's memory in use grew by {heap['value']} MB after the warm-up: " \
+                f"{rows[('heap_over_time', peer)]['samples']}"
     stall = rows[("longest_stall", None)]
     assert stall["value"] < STALL_LIMIT_SECONDS, f"epochs stopped advancing for {stall['value']} s: {stall}"
     assert min(rows[("epochs_per_minute", None)]["epochs_at_stop"]) > 0
