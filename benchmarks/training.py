@@ -71,8 +71,12 @@ def emit(row: dict) -> None:
 
 
 # == worker side ====================================================================================
+_SAYING = threading.Lock()  # workers' threads say things too: one whole line at a time
+
+
 def say(**event: Any) -> None:
-    print("@@" + json.dumps(event), flush=True)
+    with _SAYING:
+        print("@@" + json.dumps(event), flush=True)
 
 
 def read_line(timeout: float) -> str:
@@ -163,6 +167,8 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
     generator = torch.Generator().manual_seed(1000 + args.rank)
     samples, last_eval, last_epoch, reached = 0, 0.0, -1, None
     in_step = 0.0  # seconds inside opt.step(): the wrapped optimizer's step, and any wait for the network
+    in_step_cpu = 0.0  # of which this thread computed (wall minus CPU: waiting for the network, a core or the GIL)
+    thread_cpu, process_cpu = time.thread_time(), time.process_time()  # the loop's CPU, and the process's
     curve: list[tuple[float, int, float]] = []
     error = None
     try:
@@ -175,9 +181,10 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
             loss.backward()
             if slowdown > 1:
                 time.sleep((time.perf_counter() - started) * (slowdown - 1))
-            stepped = time.perf_counter()
+            stepped, stepped_cpu = time.perf_counter(), time.thread_time()
             opt.step()
             in_step += time.perf_counter() - stepped
+            in_step_cpu += time.thread_time() - stepped_cpu
             samples += local_batch
             epoch = opt.local_epoch
             if (epoch != last_epoch and task.eval_at_epochs) or time.monotonic() - last_eval >= task.eval_every:
@@ -191,9 +198,11 @@ def train_until_stopped(args: argparse.Namespace, model: Any, opt: Any, zero_gra
     except Exception as e:  # noqa: BLE001 - reported to the parent
         if not stop.is_set():  # after "stop", peers leaving mid-round is the shutdown, not a failure
             error = f"{type(e).__name__}: {e}"
+    thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
     final = task.score(model)
     say(event="final", accuracy=final, epoch=opt.local_epoch, samples=samples, reached=reached,
-        curve=curve[-400:], error=error, in_step_seconds=round(in_step, 2))
+        curve=curve[-400:], error=error, in_step_seconds=round(in_step, 2), in_step_cpu_seconds=round(in_step_cpu, 2),
+        train_cpu_seconds=round(thread_cpu, 2), process_cpu_seconds=round(process_cpu, 2))
     for close in closers:
         with contextlib.suppress(Exception):
             close()
@@ -279,7 +288,9 @@ def rows_for(system: str, peers: int, raw: dict, common: dict) -> tuple[list[dic
            "final_accuracy": [round(f["accuracy"], 4) for f in finals.values()],
            "final_epochs": epochs, "samples": sum(f["samples"] for f in finals.values()),
            "per_peer_samples": [f["samples"] for f in finals.values()],
-           "per_peer_in_step_seconds": [f.get("in_step_seconds") for f in finals.values()], **params}
+           "per_peer_in_step_seconds": [f.get("in_step_seconds") for f in finals.values()],
+           **{f"per_peer_{k}": [f.get(k) for f in finals.values()]
+              for k in ("in_step_cpu_seconds", "train_cpu_seconds", "process_cpu_seconds")}, **params}
     if first is None:
         row["result"] = f"not reached within {common['cap_s']} s"
     if errors:

@@ -598,7 +598,8 @@ def print_alone(lone: dict, system: str, swarm: float | None, args: argparse.Nam
     score = "final_val_loss" if args.workload == "lm" else "final_accuracy"
     print(json.dumps({"metric": "time_to_accuracy", "system": "alone", "beside": system, "batch": args.alone,
                       "value": seconds, "unit": "s", "steps": final.get("samples", 0) // args.alone,
-                      "in_step_seconds": final.get("in_step_seconds"),
+                      **{k: final.get(k) for k in ("in_step_seconds", "in_step_cpu_seconds", "train_cpu_seconds",
+                                                   "process_cpu_seconds")},
                       score: final.get("accuracy"), "curve": (final.get("curve") or [])[::10], **params}), flush=True)
     row = {"metric": "time_to_accuracy_ratio", "unit": f"alone/{system}", "batch": args.alone,
            "value": round(seconds / swarm, 2) if seconds and swarm else None, **params}
