@@ -6,6 +6,7 @@ import asyncio
 import copy
 import hashlib
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from potluck.cli.tasks import accuracy, load_data, make_model
 from potluck.core.runner import run_in_thread
 from potluck.optim import EpochEvent, Optimizer
 from potluck.optim import context as context_module
+from potluck.optim import diloco as diloco_module
 from potluck.optim.progress import RoundNote
 from potluck.optim.sync import MAX_ROUND_ATTEMPTS
 from tests import forkserver
@@ -659,6 +661,54 @@ def test_inner_steps_that_are_not_a_rounds_skip_the_event_loop(monkeypatch, opti
         assert opt.context.samples_processed == 32 * BATCH
         if "outer_delay" not in options:
             assert opt.context.tally.samples == 0  # (Streaming DiLoCo's round in flight holds its samples)
+    finally:
+        opt.shutdown()
+        peer.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 32},
+                                     {"mode": "diloco", "local_steps": 64, "fragments": 2}], ids=["diloco", "streaming"])
+def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop(monkeypatch, options):
+    """Steps skip the event loop for up to QUIET_SECONDS (a second: a hop cost wan.py's language
+    model a third of its step), except one that could join a round another peer has entered: it
+    joins at that step, with its steps so far, as when every step hopped."""
+    monkeypatch.setattr(context_module, "QUIET_SECONDS", 0.0)  # the first steps hop: our speed is measured there
+    monkeypatch.setattr(diloco_module, "JOIN_WINDOW_FRACTION", 0.0)  # any step past the first few joins early
+    peer = potluck.Peer(host="127.0.0.1")
+    try:
+        model = make_model()
+        opt = Optimizer(peer, f"joins-{len(options)}", model.parameters(), lambda p: torch.optim.Adam(p, LR),
+                        target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, **options)
+        hops = []
+        original = peer.run
+
+        def counting(*args, **kwargs):
+            hops.append(1)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(peer, "run", counting)
+        generator = torch.Generator().manual_seed(0)
+
+        def step() -> None:
+            batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
+            torch.nn.functional.cross_entropy(model(X[batch]), Y[batch]).backward()
+            opt.step()
+        for _ in range(2):
+            step()
+        monkeypatch.setattr(context_module, "QUIET_SECONDS", 3600.0)
+        for _ in range(2):
+            step()
+        assert len(hops) == 2 and opt.training.steps == 4  # quiet: nobody is in a round
+        monkeypatch.setattr(opt.context, "in_round", lambda reports: True)  # another peer entered ours
+        deadline = time.monotonic() + 10
+        while not opt.context.others_averaging:  # the loop sees it at its next progress
+            assert time.monotonic() < deadline, "the progress loop never saw the other peer's round"
+            time.sleep(0.02)
+        step()
+        assert len(hops) == 3 and opt.training.steps == 0  # on the loop, where the round began
+        step()
+        if "fragments" not in options:  # 1 step of 32 is too few to join anyone's round: quiet again
+            assert len(hops) == 3 and opt.training.steps == 1
     finally:
         opt.shutdown()
         peer.shutdown()

@@ -75,9 +75,12 @@ SPEED_SMOOTHING = 0.3
 # An inner step that needs nothing of the event loop (not its round's, DiLoCo) is counted in the
 # caller's thread: a hop to the loop thread and back cost 0.28 ms a step on an idle 2-core
 # machine and 1.2-1.3 ms with five processes on it (against 2.3 and 5.1 ms steps of the demo's
-# CNN). The loop still sees a step at least this often (wall seconds), so a round another peer
-# began is joined at most this much later than its report arrived.
-QUIET_SECONDS = 0.05
+# CNN); more while the loop works on a round (its thread must be scheduled and get the GIL).
+# Steps longer than the former bound (0.05 s: wan.py's language model's, 80-160 ms) all hopped.
+# The loop sees every step that could join a round another peer is in (`others_averaging`,
+# refreshed with progress: a round is joined as soon as before), and at least one this often
+# (wall seconds) for its speed estimate, which others read to plan rounds; a fifth of the idle floor.
+QUIET_SECONDS = 1.0
 # A peer further behind than this many epochs drops its accumulated gradients when it catches up.
 MAX_STALE_EPOCHS = 1
 # A peer two or more epochs past a peer of its last group that still trains is ignored by it
@@ -202,6 +205,7 @@ class RunContext:
         self.last_step_time: float | None = None
         self.quiet_steps = 0  # steps counted in the caller's thread since the last step on the loop
         self.last_hop = float("-inf")  # wall time (monotonic) the last step on the loop ended
+        self.others_averaging = False  # another live peer is in a round of our epoch (as of the last progress)
         # loop time our current epoch (or part of it) began: the members' samples in its round
         # accumulated since about then (see ProgressTracker.averaged)
         self.epoch_began: float | None = None
@@ -241,9 +245,11 @@ class RunContext:
         self.last_step_time = now
         self.samples_processed += steps * self.settings.batch_size_per_step
 
-    def quiet(self) -> bool:
-        """In the caller's thread: may this step skip the event loop (see QUIET_SECONDS)?"""
-        return self.mismatch is None and time.monotonic() - self.last_hop < QUIET_SECONDS
+    def quiet(self, joinable: bool) -> bool:
+        """In the caller's thread: may this step skip the event loop (see QUIET_SECONDS)? Not if
+        it could join a round another peer is in (`joinable`: the mode's own rule)."""
+        return self.mismatch is None and not (joinable and self.others_averaging) \
+            and time.monotonic() - self.last_hop < QUIET_SECONDS
 
     def count_quiet_step(self) -> None:
         """In the caller's thread: an inner step taken there, counted without the loop (its
@@ -313,12 +319,19 @@ class RunContext:
                     if self._may_be_odd() and not self._checking_model and self.now() >= self._next_model_check:
                         self._next_model_check = self.now() + MODEL_CHECK_INTERVAL
                         self.spawn(self._check_model())
-            roster = self.members(self.progress().reports)
+            reports = self.progress().reports
+            self.others_averaging = self.in_round(reports)
+            roster = self.members(reports)
             if roster != self.roster:
                 self.roster, self.roster_since = roster, self.now()
                 self.publish()  # our view, for the others' `expected`
             tick += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
+
+    def in_round(self, reports: Iterable[PeerProgress]) -> bool:
+        """Another live peer has entered the outer round of our epoch."""
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return any(r.peer_id != me and r.averaging and r.epoch == self.epoch and r.live(now) for r in reports)
 
     def _outsiders(self) -> bool:
         """A live peer that trains, other than us, is not among our neighbors."""

@@ -69,7 +69,8 @@ class DiLoCoTraining(TrainingMode):
 
     def quiet_step(self) -> bool:
         """Not the round's step (see `RunContext.quiet`): counted in the caller's thread."""
-        if self.steps + 1 >= self.options.local_steps or not self.context.quiet():
+        steps, due = self.steps + 1, self.options.local_steps
+        if steps >= due or not self.context.quiet(joinable=may_join(self.context, steps, due)):
             return False
         self.context.count_quiet_step()
         self.steps += 1
@@ -164,12 +165,14 @@ def round_begun(context: RunContext, steps: int, due: int) -> bool:
     JOIN_WINDOW_FRACTION of its matchmaking window: join it now, with fewer inner steps (weighted
     by our samples). Waiting for all of ours, a slower peer came after the window, stepped alone,
     and fell further behind every round: two peers of unequal speed never met again."""
+    return may_join(context, steps, due) and context.in_round(context.progress().reports)
+
+
+def may_join(context: RunContext, steps: int, due: int) -> bool:
+    """`round_begun` without the others: whether our steps so far would join another's round
+    (cheap: the caller's thread asks it of its quiet steps)."""
     speed, settings = context.samples_per_second, context.settings
     if steps * MIN_JOIN_STEP_FRACTION < due or speed <= 0:
         return False
     rest = (due - steps) * settings.batch_size_per_step / speed
-    if rest < JOIN_WINDOW_FRACTION * settings.matchmaking_time:
-        return False  # we come in time with all our steps
-    now, me = context.peer.dht.get_time(), context.peer.peer_id
-    return any(r.peer_id != me and r.averaging and r.epoch == context.epoch and r.live(now)
-               for r in context.progress().reports)
+    return rest >= JOIN_WINDOW_FRACTION * settings.matchmaking_time  # else we come in time with all our steps

@@ -40,7 +40,7 @@ from potluck.compression import TopK, get_codec
 from potluck.core.errors import AveragingError
 from potluck.core.runner import retrieve_exception, run_in_thread
 from potluck.optim.context import RunContext
-from potluck.optim.diloco import round_begun
+from potluck.optim.diloco import may_join, round_begun
 from potluck.optim.modes import DiLoCo, TrainingMode
 from potluck.optim.moshpit import place_on_grid
 from potluck.optim.progress import RoundNote
@@ -168,9 +168,9 @@ class StreamingDiLoCo(TrainingMode):
     def quiet_step(self) -> bool:
         """Neither a round's start nor a landing (see `RunContext.quiet`): counted in the
         caller's thread."""
-        flight = self.flight
-        if self.steps + 1 >= self.interval or (flight is not None and flight.steps_left <= 1) \
-                or not self.context.quiet():
+        flight, steps = self.flight, self.steps + 1
+        if steps >= self.interval or (flight is not None and flight.steps_left <= 1) \
+                or not self.context.quiet(joinable=flight is None and may_join(self.context, steps, self.interval)):
             return False
         self.context.count_quiet_step()
         self.steps += 1
