@@ -9,6 +9,7 @@ outer points differed, averages those right after). The local parameters are not
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from potluck.net.emulated import EmulatedNetwork
 from potluck.optim import Optimizer
 from potluck.optim.modes import DiLoCo
 from potluck.optim.state import tensor_digest
-from potluck.optim.streaming import ErrorFeedback, Fragment, StreamingDiLoCo, split_fragments
+from potluck.optim.streaming import ErrorFeedback, Fragment, StreamingDiLoCo, cut, split_fragments
 
 BATCH = 8
 WIDE = 16384  # the hidden layer of the model whose rounds' bytes are counted
@@ -216,12 +217,13 @@ def test_4bit_and_topk_pseudo_gradients_cut_the_bytes_of_a_round():
         per_sample[str(compression)] = result["per_sample"]
         return sum(sizes) / len(sizes)
 
-    # Fragment 0 is the first layer's weight, 16 x 16384: 1 MiB at 4 bytes a value. A peer sends
-    # the other its half (512 KiB) and the average of its own half back (512 KiB), and each round
-    # about 35 KB more (matchmaking, and the members' check of a block of 4096 float32 values of
-    # each other's result), which no codec shrinks.
+    # Fragment 0 is the first half of the model's 344,068 values (rows 0-10751 of the first layer's
+    # weight, 16384 x 16: fragments are cut between rows), 688,128 bytes at 4 a value. A peer sends
+    # the other its half and the average of its own half back, and each round about 35 KB more
+    # (matchmaking, and the members' check of a block of 4096 float32 values of each other's
+    # result), which no codec shrinks.
     dense = mean_round_bytes("none")
-    assert 2**20 < dense < 2**20 + 60_000
+    assert 688_128 < dense < 688_128 + 60_000
     # 4-bit: 1/8 of the values' bytes (and a scale per 4096 of them).
     assert dense / mean_round_bytes("blockwise4") > 5.5
     # Top 1% (error feedback keeps the rest for later): 8 bytes per value kept, 2% of the dense
@@ -257,19 +259,46 @@ def test_error_feedback_sends_what_it_holds_back_later():
 
 
 def test_fragments_split_parameters_in_order_into_about_equal_parts():
-    assert split_fragments([512, 32, 128, 4], 2) == [range(0, 1), range(1, 4)]
-    assert split_fragments([10] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert split_fragments([1, 1, 100], 3) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert split_fragments([5], 1) == [range(0, 1)]
+    """Pieces are (parameter, first row, end row). Whole tensors where the shares end between
+    them; else a tensor is cut between rows: the lm workload of benchmarks/wan.py is one table of
+    6.3M values and 0.1M others, and cut between tensors only, one fragment held 98% of it."""
+    assert split_fragments([(10,)] * 8, 4) == [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10), (3, 0, 10)],
+                                               [(4, 0, 10), (5, 0, 10)], [(6, 0, 10), (7, 0, 10)]]
+    assert split_fragments([(512,), (32,), (128,), (4,)], 2) == [[(0, 0, 338)],
+                                                                 [(0, 338, 512), (1, 0, 32), (2, 0, 128), (3, 0, 4)]]
+    table = [(24576, 256), (256, 256), (256, 256), (256,)]  # wan.py's lm model: 6.4M values
+    fragments = split_fragments(table, 4)
+    assert [pieces[0] for pieces in fragments] == [(0, 0, 6272), (0, 6272, 12544), (0, 12544, 18817), (0, 18817, 24576)]
+    sizes = [sum((end - first) * math.prod(table[i][1:]) for i, first, end in pieces) for pieces in fragments]
+    assert sum(sizes) == sum(math.prod(s) for s in table) and max(sizes) - min(sizes) <= 256
+    # every fragment at least one row, scalars (one row each) and tensors without rows (nothing to average)
+    assert split_fragments([(1,), (1,), (100,)], 3) == [[(0, 0, 1), (1, 0, 1), (2, 0, 32)], [(2, 32, 66)], [(2, 66, 100)]]
+    assert split_fragments([(), (3, 4), ()], 3) == [[(0, 0, 1), (1, 0, 1)], [(1, 1, 2)], [(1, 2, 3), (2, 0, 1)]]
+    assert split_fragments([(0, 5), (4,)], 2) == [[(1, 0, 2)], [(1, 2, 4)]]
+    assert split_fragments([(5,)], 1) == [[(0, 0, 5)]]
+    with pytest.raises(ValueError):
+        split_fragments([(2,)], 3)
+
+
+def test_a_fragment_cut_inside_a_tensor_steps_that_tensor_in_place():
+    """A fragment's pieces of a tensor are views of its rows: the outer step and the mixing
+    reach the parameters themselves, and each fragment's round moves only its own rows."""
+    params = [torch.zeros(6, 2), torch.zeros(2)]
+    pieces = split_fragments([p.shape for p in params], 2)
+    assert pieces == [[(0, 0, 4)], [(0, 4, 6), (1, 0, 2)]]
+    first = [cut(params[i], piece) for piece in pieces[0] for i in (piece[0],)]
+    torch._foreach_add_(first, 1.0)
+    assert params[0][:4].eq(1).all() and params[0][4:].eq(0).all() and params[1].eq(0).all()
+    assert cut(params[1], (1, 0, 2)) is params[1]  # whole tensors are the tensors themselves
 
 
 def test_streaming_options_are_checked_when_the_optimizer_is_built():
-    DiLoCo(local_steps=4, fragments=2, outer_delay=1, outer_compression="blockwise4").check(parameters=4)
+    DiLoCo(local_steps=4, fragments=2, outer_delay=1, outer_compression="blockwise4").check(rows=4)
     for options in [DiLoCo(local_steps=4, fragments=3), DiLoCo(local_steps=4, fragments=2, outer_delay=2),
                     DiLoCo(local_steps=5, fragments=5), DiLoCo(local_steps=4, fragments=2, mixing=1.5),
                     DiLoCo(local_steps=4, fragments=0)]:
         with pytest.raises(ValueError):
-            options.check(parameters=4)
+            options.check(rows=4)
     from potluck.core.errors import CompressionError
     with pytest.raises(CompressionError):
         DiLoCo(local_steps=4, outer_compression="blockwise3").check(4)

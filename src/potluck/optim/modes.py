@@ -31,6 +31,10 @@ __all__ = ["MAX_FRAGMENTS", "DiLoCo", "ModeOptions", "Moshpit", "Sync", "Trainin
 # Each fragment runs two averagers (a matchmaking key and a round per epoch each); the paper's
 # models use a few to a few dozen fragments (one per few layers). More is a misconfiguration.
 MAX_FRAGMENTS = 64
+# How Streaming DiLoCo cuts the parameters into fragments (`streaming.split_fragments`), part of
+# the schema of runs with fragments: peers whose versions cut differently are told that their run
+# differs, rather than averaging fragments that do not match. 2: between rows, inside tensors too.
+FRAGMENT_SPLIT = 2
 
 
 class TrainingMode(ABC):
@@ -74,8 +78,9 @@ class ModeOptions:
     # (every other option is part of the run's schema: `shared_settings`).
     own_choices: ClassVar[tuple[str, ...]] = ()
 
-    def check(self, parameters: int) -> None:
-        """ValueError (or CompressionError for a codec) on options that cannot work."""
+    def check(self, rows: int) -> None:
+        """ValueError (or CompressionError for a codec) on options that cannot work, for trained
+        parameters of `rows` rows in all (along their first dimension; a scalar is one)."""
 
     def shared_settings(self) -> dict[str, Any]:
         """The options every peer of a run must share (part of its schema), by `<mode>.<option>`:
@@ -145,9 +150,10 @@ class DiLoCo(ModeOptions):
     """DiLoCo: `local_steps` inner steps of the wrapped optimizer, then an outer step (Nesterov,
     `outer_lr`, `outer_momentum`) on the averaged change of the parameters.
 
-    fragments: Streaming DiLoCo: split the parameters (in order, about equal sizes) into this
-        many fragments; fragment i's outer round comes every `local_steps` steps, offset by
-        i * local_steps / fragments (a multiple of fragments). An epoch is one fragment's round.
+    fragments: Streaming DiLoCo: split the parameters (in order, about equal sizes, cutting a
+        tensor between rows where need be) into this many fragments; fragment i's outer round
+        comes every `local_steps` steps, offset by i * local_steps / fragments (a multiple of
+        fragments). An epoch is one fragment's round.
     outer_delay: inner steps a fragment's round runs in the background before it is applied
         (less than local_steps / fragments); the local parameters then take
         `mixing * local + (1 - mixing) * outer` (paper: mixing 0.5).
@@ -171,12 +177,12 @@ class DiLoCo(ModeOptions):
         """Anything beyond plain DiLoCo: fragments, a delay or a codec (Streaming DiLoCo)."""
         return self.fragments > 1 or self.outer_delay > 0 or get_codec(self.outer_compression).name != "none"
 
-    def check(self, parameters: int) -> None:
+    def check(self, rows: int) -> None:
         fragments, delay, mixing = self.fragments, self.outer_delay, self.mixing
         if isinstance(fragments, bool) or not isinstance(fragments, int) \
-                or not 1 <= fragments <= min(MAX_FRAGMENTS, max(parameters, 1)):
-            raise ValueError(f"fragments must be an int in 1..{min(MAX_FRAGMENTS, parameters)} "
-                             f"(at most one per parameter tensor), got {fragments!r}")
+                or not 1 <= fragments <= min(MAX_FRAGMENTS, max(rows, 1)):
+            raise ValueError(f"fragments must be an int in 1..{min(MAX_FRAGMENTS, rows)} "
+                             f"(at most one per row of the parameters), got {fragments!r}")
         if self.local_steps % fragments:
             raise ValueError(f"local_steps ({self.local_steps}) must be a multiple of fragments ({fragments}): "
                              "a fragment's round starts every local_steps / fragments steps")
@@ -187,6 +193,12 @@ class DiLoCo(ModeOptions):
         if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
             raise ValueError(f"mixing must be a number in [0, 1], got {mixing!r}")
         get_codec(self.outer_compression)  # parsed (and refused) now, not at the first round
+
+    def shared_settings(self) -> dict[str, Any]:
+        shared = super().shared_settings()
+        if self.fragments > 1:  # (left out otherwise: the schema of a run without fragments is unchanged)
+            shared["diloco.fragment_split"] = FRAGMENT_SPLIT
+        return shared
 
     def wire_codec(self) -> Codec:
         """What the fragment averagers send pseudo-gradients with: a top-k thins them before the

@@ -140,7 +140,7 @@ class Optimizer(torch.optim.Optimizer):
         settings = RunSettings(target_batch_size, batch_size_per_step, Role(role), compression, aggregation,
                                matchmaking_time, averaging_timeout, self.schema.fingerprint, bandwidth)
         trained = [p for g in self.inner.param_groups for p in g["params"] if p.requires_grad]
-        options.check(len(trained))
+        options.check(sum(p.shape[0] if p.dim() else 1 for p in trained))
         # Moshpit averages the state every round; the other modes only now and then (a record of
         # deviations would collect too few steps there, at two state sizes of memory)
         state_averaging = {**settings.averaging(), "compression": options.state_codec(compression),

@@ -1,7 +1,8 @@
 """Streaming DiLoCo (arXiv 2501.18512): DiLoCo's outer loop one fragment of the model at a time,
 overlapped with the inner steps, with compressed pseudo-gradients.
 
-The model's parameters are split, in parameter order, into `fragments` groups of about equal size.
+The model's parameters are split, in parameter order, into `fragments` runs of about equal size
+(cut between rows inside a tensor where a run's share ends: `split_fragments`).
 Every `local_steps / fragments` inner steps one fragment's outer round starts (fragment
 `epoch % fragments`): so each fragment is synchronized every `local_steps` steps, staggered by
 `local_steps / fragments`, and the peak traffic is one fragment's, not the model's. A round:
@@ -28,7 +29,9 @@ averager's flat buffers of one fragment.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +49,7 @@ from potluck.optim.moshpit import place_on_grid
 from potluck.optim.progress import RoundNote
 from potluck.optim.state import tensor_digest
 
-__all__ = ["ErrorFeedback", "StreamingDiLoCo", "split_fragments"]
+__all__ = ["ErrorFeedback", "StreamingDiLoCo", "cut", "split_fragments"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +58,41 @@ logger = logging.getLogger(__name__)
 MAX_ROUNDS_REJOINED = 1
 
 
-def split_fragments(sizes: Sequence[int], fragments: int) -> list[range]:
-    """Consecutive index ranges of `sizes` (parameter numels, in parameter order), `fragments` of
-    them, each non-empty, cut where the running total passes each k / fragments of the whole."""
-    total, bounds, running = sum(sizes), [0], 0
-    for index, size in enumerate(sizes):
-        running += size
-        left = len(sizes) - index - 1  # tensors after this one
-        need = fragments - len(bounds)  # cuts still to make
-        if need > 0 and left >= need and (running * fragments >= len(bounds) * total or left == need):
-            bounds.append(index + 1)
-    bounds.append(len(sizes))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+Piece = tuple[int, int, int]  # (parameter index, first row, end row): rows along dim 0; a scalar has one
+
+
+def split_fragments(shapes: Sequence[Sequence[int]], fragments: int) -> list[list[Piece]]:
+    """The parameters (in order) cut into `fragments` consecutive runs of about equal numbers of
+    values, each non-empty: a run ends at the row where its share does, inside a tensor if need
+    be. Cut only between tensors, a model that is mostly one embedding table put nearly all of it
+    in one fragment, whose rounds then moved the whole model's bytes (every other round, while
+    the others moved almost nothing). ValueError if there are fewer rows than fragments."""
+    rows = [s[0] if len(s) else 1 for s in shapes]
+    sizes = [math.prod(s) if len(s) else 1 for s in shapes]
+    starts = list(itertools.accumulate(rows, initial=0))  # each tensor's first row, counting all rows
+    if not 1 <= fragments <= starts[-1]:
+        raise ValueError(f"cannot cut {starts[-1]} rows into {fragments} fragments")
+    total, cuts, before = sum(sizes), [0], 0  # cuts: rows (counting all) where each fragment begins
+    for i, (n, size) in enumerate(zip(rows, sizes, strict=True)):
+        while len(cuts) < fragments and before + size > len(cuts) * total / fragments:
+            within = round((len(cuts) * total / fragments - before) / (size / n)) if n else 0
+            cuts.append(starts[i] + within)
+        before += size
+    cuts += [starts[-1]] * (fragments - len(cuts))
+    for k in range(1, fragments):  # every fragment at least one row, in order
+        cuts[k] = min(max(cuts[k], cuts[k - 1] + 1), starts[-1] - (fragments - k))
+    cuts.append(starts[-1])
+    return [[(i, max(a, first) - first, min(b, end) - first)  # (a tensor without rows holds nothing to average)
+             for i, (first, end) in enumerate(itertools.pairwise(starts)) if max(a, first) < min(b, end)]
+            for a, b in itertools.pairwise(cuts)]
+
+
+def cut(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """A fragment's piece of `tensor`: the tensor itself if whole, else a view of its rows."""
+    _, first, end = piece
+    if tensor.dim() == 0 or (first == 0 and end == tensor.shape[0]):
+        return tensor
+    return tensor.detach()[first:end]
 
 
 class ErrorFeedback:
@@ -100,8 +126,9 @@ class ErrorFeedback:
 
 @dataclass
 class Fragment:
-    """One fragment of the model: its parameters, its slices of the outer parameters and
-    momentum (views of the mode's own lists: one set of tensors), and its two averagers."""
+    """One fragment of the model: its parameters (whole tensors and views of rows), its slices of
+    the outer parameters and momentum (views of the mode's own lists: one set of tensors), and
+    its two averagers."""
 
     index: int
     params: list[torch.Tensor]
@@ -151,14 +178,16 @@ class StreamingDiLoCo(TrainingMode):
         averaging = context.settings.averaging()
         wire = {**averaging, "compression": options.wire_codec().spec, "grid": self.grid}
         spec = get_codec(options.outer_compression)
-        for i, span in enumerate(split_fragments([p.numel() for p in params], options.fragments)):
-            deltas = await run_in_thread(lambda span=span: [torch.zeros_like(params[k]) for k in span])
+        for i, pieces in enumerate(split_fragments([p.shape for p in params], options.fragments)):
+            mine, outers, moments = ([cut(tensors[piece[0]], piece) for piece in pieces]
+                                     for tensors in (params, outer, momentum))
+            deltas = await run_in_thread(lambda mine=mine: [torch.zeros_like(p) for p in mine])
             self.fragments.append(Fragment(
-                i, [params[k] for k in span], [outer[k] for k in span], [momentum[k] for k in span],
+                i, mine, outers, moments,
                 Averager(context.peer, deltas, context.run_id, name=f"delta{i}", allow_state_sharing=False, **wire),
-                Averager(context.peer, [outer[k] for k in span] + [momentum[k] for k in span], context.run_id,
+                Averager(context.peer, outers + moments, context.run_id,
                          name=f"outer{i}", allow_state_sharing=False, deviations=False, **averaging),
-                ErrorFeedback(options.outer_compression, len(span)) if isinstance(spec, TopK) else None))
+                ErrorFeedback(options.outer_compression, len(pieces)) if isinstance(spec, TopK) else None))
         # The fragments' rounds meet the same peers: one memory of the last group for all, so a
         # later fragment's first round asks the last leader directly, as a repeated round does
         # (no DHT declaration, no matchmaking window: once per run, not once per fragment).
