@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import threading
@@ -628,57 +629,15 @@ def test_every_mode_takes_the_inner_step_in_the_callers_thread(swarm, options):
     assert all(m.opt.local_epoch >= 6 for m in members)
 
 
-@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 8},
-                                     {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 2}],
-                         ids=["diloco", "streaming"])
-def test_inner_steps_that_are_not_a_rounds_skip_the_event_loop(monkeypatch, options):
-    """DiLoCo's inner steps between rounds are counted in the caller's thread: a hop to the
-    event loop and back cost a 5-process machine 1.2-1.3 ms a step (25% of the demo CNN's). The
-    loop still sees each round's step (and one every QUIET_SECONDS), and counts every sample."""
-    monkeypatch.setattr(context_module, "QUIET_SECONDS", 3600.0)  # (only the rounds' steps hop)
+@contextlib.contextmanager
+def lone_optimizer_counting_hops(monkeypatch, name: str, options: dict):
+    """A lone peer's Optimizer; yields it, the list its steps on the event loop append to, and a
+    function that trains one step."""
     peer = potluck.Peer(host="127.0.0.1")
+    opt = None
     try:
         model = make_model()
-        opt = Optimizer(peer, f"quiet-{len(options)}", model.parameters(), lambda p: torch.optim.Adam(p, LR),
-                        target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, **options)
-        hops = []
-        original = peer.run
-
-        def counting(*args, **kwargs):
-            hops.append(1)
-            return original(*args, **kwargs)
-        monkeypatch.setattr(peer, "run", counting)
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(32):
-            batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
-            torch.nn.functional.cross_entropy(model(X[batch]), Y[batch]).backward()
-            opt.step()
-        rounds = 32 // (options["local_steps"] // options.get("fragments", 1))
-        landed = rounds - 1 if "outer_delay" in options else rounds  # (the last one lands 2 steps later)
-        # the first step (nothing seen yet), each round's start, and with a delay each landing
-        assert len(hops) == 1 + rounds + (landed if "outer_delay" in options else 0), hops
-        assert opt.local_epoch == landed
-        assert opt.context.samples_processed == 32 * BATCH
-        if "outer_delay" not in options:
-            assert opt.context.tally.samples == 0  # (Streaming DiLoCo's round in flight holds its samples)
-    finally:
-        opt.shutdown()
-        peer.shutdown()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 32},
-                                     {"mode": "diloco", "local_steps": 64, "fragments": 2}], ids=["diloco", "streaming"])
-def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop(monkeypatch, options):
-    """Steps skip the event loop for up to QUIET_SECONDS (a second: a hop cost wan.py's language
-    model a third of its step), except one that could join a round another peer has entered: it
-    joins at that step, with its steps so far, as when every step hopped."""
-    monkeypatch.setattr(context_module, "QUIET_SECONDS", 0.0)  # the first steps hop: our speed is measured there
-    monkeypatch.setattr(diloco_module, "JOIN_WINDOW_FRACTION", 0.0)  # any step past the first few joins early
-    peer = potluck.Peer(host="127.0.0.1")
-    try:
-        model = make_model()
-        opt = Optimizer(peer, f"joins-{len(options)}", model.parameters(), lambda p: torch.optim.Adam(p, LR),
+        opt = Optimizer(peer, name, model.parameters(), lambda p: torch.optim.Adam(p, LR),
                         target_batch_size=TARGET, batch_size_per_step=BATCH, load_state=False, **options)
         hops = []
         original = peer.run
@@ -693,6 +652,44 @@ def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop
             batch = torch.randint(0, len(Y), (BATCH,), generator=generator)
             torch.nn.functional.cross_entropy(model(X[batch]), Y[batch]).backward()
             opt.step()
+        yield opt, hops, step
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        peer.shutdown()
+
+
+@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 8},
+                                     {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 2}],
+                         ids=["diloco", "streaming"])
+def test_inner_steps_that_are_not_a_rounds_skip_the_event_loop(monkeypatch, options):
+    """DiLoCo's inner steps between rounds are counted in the caller's thread: a hop to the
+    event loop and back cost a 5-process machine 1.2-1.3 ms a step (25% of the demo CNN's). The
+    loop still sees each round's step (and one every QUIET_SECONDS), and counts every sample."""
+    monkeypatch.setattr(context_module, "QUIET_SECONDS", 3600.0)  # (only the rounds' steps hop)
+    with lone_optimizer_counting_hops(monkeypatch, f"quiet-{len(options)}", options) as (opt, hops, step):
+        for _ in range(32):
+            step()
+        rounds = 32 // (options["local_steps"] // options.get("fragments", 1))
+        landed = rounds - 1 if "outer_delay" in options else rounds  # (the last one lands 2 steps later)
+        # the first step (nothing seen yet), each round's start, and with a delay each landing
+        assert len(hops) == 1 + rounds + (landed if "outer_delay" in options else 0), hops
+        assert opt.local_epoch == landed
+        assert opt.context.samples_processed == 32 * BATCH
+        if "outer_delay" not in options:
+            assert opt.context.tally.samples == 0  # (Streaming DiLoCo's round in flight holds its samples)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{"mode": "diloco", "local_steps": 32},
+                                     {"mode": "diloco", "local_steps": 64, "fragments": 2}], ids=["diloco", "streaming"])
+def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop(monkeypatch, options):
+    """Steps skip the event loop for up to QUIET_SECONDS (a second: with 0.05 s, every step of a
+    language model went through the loop thread), except one that could join a round another
+    peer has entered: it joins at that step, with its steps so far, as when every step hopped."""
+    monkeypatch.setattr(context_module, "QUIET_SECONDS", 0.0)  # the first steps hop: our speed is measured there
+    monkeypatch.setattr(diloco_module, "JOIN_WINDOW_FRACTION", 0.0)  # any step past the first few joins early
+    with lone_optimizer_counting_hops(monkeypatch, f"joins-{len(options)}", options) as (opt, hops, step):
         for _ in range(2):
             step()
         monkeypatch.setattr(context_module, "QUIET_SECONDS", 3600.0)
@@ -709,9 +706,6 @@ def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop
         step()
         if "fragments" not in options:  # 1 step of 32 is too few to join anyone's round: quiet again
             assert len(hops) == 3 and opt.training.steps == 1
-    finally:
-        opt.shutdown()
-        peer.shutdown()
 
 
 @pytest.mark.timeout(60)
