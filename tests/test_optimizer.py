@@ -696,7 +696,7 @@ def test_a_quiet_step_that_could_join_another_peers_round_goes_to_the_event_loop
         for _ in range(2):
             step()
         assert len(hops) == 2 and opt.training.steps == 4  # quiet: nobody is in a round
-        monkeypatch.setattr(opt.context, "in_round", lambda reports: True)  # another peer entered ours
+        monkeypatch.setattr(opt.context, "another_in_round", lambda reports: True)  # another peer entered ours
         deadline = time.monotonic() + 10
         while not opt.context.others_averaging:  # the loop sees it at its next progress
             assert time.monotonic() < deadline, "the progress loop never saw the other peer's round"

@@ -320,7 +320,7 @@ class RunContext:
                         self._next_model_check = self.now() + MODEL_CHECK_INTERVAL
                         self.spawn(self._check_model())
             reports = self.progress().reports
-            self.others_averaging = self.in_round(reports)
+            self.others_averaging = self.another_in_round(reports)
             roster = self.members(reports)
             if roster != self.roster:
                 self.roster, self.roster_since = roster, self.now()
@@ -328,7 +328,7 @@ class RunContext:
             tick += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
 
-    def in_round(self, reports: Iterable[PeerProgress]) -> bool:
+    def another_in_round(self, reports: Iterable[PeerProgress]) -> bool:
         """Another live peer has entered the outer round of our epoch."""
         now, me = self.peer.dht.get_time(), self.peer.peer_id
         return any(r.peer_id != me and r.averaging and r.epoch == self.epoch and r.live(now) for r in reports)

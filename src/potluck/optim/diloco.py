@@ -165,7 +165,7 @@ def round_begun(context: RunContext, steps: int, due: int) -> bool:
     JOIN_WINDOW_FRACTION of its matchmaking window: join it now, with fewer inner steps (weighted
     by our samples). Waiting for all of ours, a slower peer came after the window, stepped alone,
     and fell further behind every round: two peers of unequal speed never met again."""
-    return may_join(context, steps, due) and context.in_round(context.progress().reports)
+    return may_join(context, steps, due) and context.another_in_round(context.progress().reports)
 
 
 def may_join(context: RunContext, steps: int, due: int) -> bool:
