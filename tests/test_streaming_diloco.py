@@ -311,6 +311,17 @@ def test_streaming_options_are_checked_when_the_optimizer_is_built():
 
 
 @pytest.mark.timeout(120)
+def test_the_schema_of_a_run_with_fragments_names_how_they_are_cut():
+    """Peers whose versions cut fragments differently must not average them (the same shapes can
+    hold other rows): runs with fragments carry `diloco.fragment_split`; others keep their schema.
+    Fragments are bounded by rows, not tensors: one 8 x 2 table can be cut in 8."""
+    from potluck.optim.modes import FRAGMENT_SPLIT
+    assert DiLoCo(local_steps=4, fragments=2).shared_settings()["diloco.fragment_split"] == FRAGMENT_SPLIT
+    assert "diloco.fragment_split" not in DiLoCo(local_steps=4).shared_settings()
+    DiLoCo(local_steps=8, fragments=8).check(rows=8)
+    assert len(split_fragments([(8, 2)], 8)) == 8
+
+
 def test_moshpit_grid_groups_apply_to_the_fragment_rounds():
     # Four peers on a 2x2 grid: each fragment round averages within pairs (cells from the peers'
     # ranks, the dimension turning each round), and each pair leaves it with one outer point.
