@@ -41,10 +41,11 @@ def digest(model: torch.nn.Module) -> str:
 
 async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
                 aggregation: str = "mean", stall: Stall | None = None, average_state_every: int = 1,
-                settle: float = 0.0) -> dict:
+                settle: float = 0.0, extra: dict | None = None) -> dict:
     """Train len(compute) peers for `epochs` epochs; what each ended with, and when. `stall`:
     (peer or peers, epoch, seconds): one batch of each in that epoch takes that long. `settle`:
-    seconds between the peers' start and their first batch (they see each other meanwhile)."""
+    seconds between the peers' start and their first batch (they see each other meanwhile).
+    `extra`: the mode's options, over the defaults below."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
@@ -54,6 +55,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
     models = [make_model(seed) for _ in peers]
     options = {"average_state_every": average_state_every} if mode == "sync" else \
         dict(mode="diloco", local_steps=4, fragments=2) if mode == "streaming" else dict(mode=mode, local_steps=4)
+    options = {**options, **(extra or {})}
     optimizers = [Optimizer(peer, "virtual", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
                             target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
                             start=False, aggregation=aggregation, **options)
@@ -100,6 +102,9 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
     try:
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 600)
         return {"digests": [digest(m) for m in models], "epochs": [o.local_epoch for o in optimizers],
+                # DiLoCo's outer parameters: the same across a swarm (Streaming DiLoCo's local ones differ)
+                "outer": [hashlib.sha256(b"".join(p.numpy().tobytes() for p in o.training.outer)).hexdigest()
+                          if hasattr(o.training, "outer") else None for o in optimizers],
                 "seconds": sorted(finished), "samples": per_epoch, "groups": groups, "state_dht": state_dht,
                 "grids": [o.state_averager.grid for o in optimizers],
                 "first_update": min(applied) - start if applied else None,
@@ -119,12 +124,13 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
         compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean",
-        stall: Stall | None = None, average_state_every: int = 1, settle: float = 0.0) -> dict:
+        stall: Stall | None = None, average_state_every: int = 1, settle: float = 0.0,
+        extra: dict | None = None) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
-        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall, average_state_every, settle),
-                          timeout=300)
+        return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall, average_state_every, settle,
+                                extra), timeout=300)
     finally:
         release_runner()
 
@@ -242,6 +248,21 @@ def test_a_peer_that_trained_ahead_alone_waits_for_its_group_instead_of_splittin
     # which ones depends on when rounds end: [29, 30, 29, 29] and [79, 79, 77, 77] before the
     # commit stopped waiting for the decision to reach the members)
     assert all(epochs - 3 <= len(record) <= epochs for record in result["samples"]), result
+
+
+@pytest.mark.timeout(300)
+def test_a_streaming_diloco_peer_whose_rounds_alone_cost_nothing_waits_for_its_group_behind() -> None:
+    """As above, over the emulated WAN (`benchmarks/wan.py`, lm workload, `outer_delay` 8): three
+    peers spent 4 s repairing a fragment while the fourth went on. Its rounds alone were over
+    within their delay (inner steps that go on meanwhile), so stepping alone cost it nothing, unlike
+    a DiLoCo peer above: it was two epochs ahead before the three were back, they ignored it and
+    it them, and it trained alone to the end. Here a round's delay, 7 steps of 0.15 s, covers the
+    matchmaking window (1 s), and three peers stall 4 s: the fourth now puts off its next round
+    (taking inner steps) while peers of its last group train behind it, and all four end on one
+    outer point."""
+    result = run(seed=3, epochs=30, mode="streaming", target=64, compute=(0.15,) * 4, stall=((0, 2, 3), 3, 4.0),
+                 extra={"local_steps": 16, "outer_delay": 7})
+    assert result["epochs"] == [30] * 4 and len(set(result["outer"])) == 1, result
 
 
 def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():

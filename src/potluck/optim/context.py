@@ -88,7 +88,8 @@ MAX_STALE_EPOCHS = 1
 # of its own, it keeps its update instead of stepping on alone until that peer is one epoch behind
 # (it then catches up with us), unless the peer's epoch has not risen for this many of our group's
 # epochs: a peer that claims to train and never advances (stuck, or lying) holds us back at most
-# that long per epoch.
+# that long per epoch. DiLoCo's modes put off their next outer round instead (`holds_round`), and
+# take inner steps meanwhile.
 HOLD_PATIENCE_EPOCHS = 4
 # A peer that has not called step() for this many of its own step intervals (and at least
 # IDLE_FLOOR_SECONDS) reports itself idle: others stop waiting for it (e.g. it finished its work
@@ -353,8 +354,8 @@ class RunContext:
         highest, now = max(r.epoch for r in behind), self.now()
         if self.held is None or highest > self.held[0]:
             if self.held is None:
-                logger.info("epoch %d: %d peer(s) of our last group train behind us (epoch %d); keeping our "
-                            "update until they come within one epoch", epoch, len(behind), highest)
+                logger.info("epoch %d: %d peer(s) of our last group train behind us (epoch %d); waiting for "
+                            "them to come within one epoch", epoch, len(behind), highest)
             self.held = (highest, now)
         patience = max(self.settings.matchmaking_time, HOLD_PATIENCE_EPOCHS * self.group_epoch_seconds)
         if now - self.held[1] <= patience:
@@ -363,6 +364,21 @@ class RunContext:
                        epoch, highest, now - self.held[1])
         self.held = (highest, now)  # (patience again for the next epoch)
         return False
+
+    def holds_round(self) -> bool:
+        """DiLoCo's modes: whether to put off our next outer round (and keep taking inner steps):
+        no other live peer trains on our epoch or past it, and `holds` says to wait for the peers
+        of our last group behind us. A round alone is over within a delayed round's inner steps
+        (Streaming DiLoCo with `outer_delay`), so stepping on alone cost nothing: while the others
+        spent 4 s repairing a fragment, one peer went two epochs ahead of them over the emulated
+        WAN, and the run stayed two swarms to the end."""
+        reports, now, me = self.progress().reports, self.peer.dht.get_time(), self.peer.peer_id
+        level = any(r.peer_id != me and r.epoch >= self.epoch and not r.idle and r.live(now) for r in reports)
+        return not level and self.holds(reports, self.epoch)
+
+    def epoch_seconds(self) -> float:
+        """How long our current epoch (or part of it) has run."""
+        return 0.0 if self.epoch_began is None else self.now() - self.epoch_began
 
     def grouped(self, seconds: float) -> None:
         """An epoch of `seconds` ended in a round with others: the group's pace (`holds`), unless

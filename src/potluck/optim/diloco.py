@@ -90,12 +90,14 @@ class DiLoCoTraining(TrainingMode):
         """Outer step: average the parameter change of the last `local_steps` steps, then apply
         it to the shared starting point with Nesterov momentum."""
         context, tally = self.context, self.context.tally
-        self.steps = 0
         swarm_epoch = context.progress().epoch
         if swarm_epoch > context.epoch:
-            tally.samples = 0
+            self.steps = tally.samples = 0
             await context.catch_up(swarm_epoch, restart=self.restart)
             return
+        if context.holds_round():
+            return  # due again at our next step
+        self.steps = 0
         await self.context.compute(self._take_change)
         result = None
         try:
@@ -123,6 +125,7 @@ class DiLoCoTraining(TrainingMode):
                     return
                 result = task.result()
                 context.group_formed(result.peers, context.roster)  # they hear our progress at once
+                context.grouped(context.epoch_seconds())  # (the patience of `holds_round`)
                 context.record_round(context.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                      result.contributors)
         except AveragingError as e:

@@ -218,7 +218,6 @@ class StreamingDiLoCo(TrainingMode):
                 await self._land()
         if self.steps >= self.interval or (self.flight is None and round_begun(self.context, self.steps,
                                                                                self.interval)):
-            self.steps = 0
             await self._launch()
 
     async def restart(self) -> None:
@@ -229,8 +228,12 @@ class StreamingDiLoCo(TrainingMode):
         context, tally = self.context, self.context.tally
         swarm_epoch = context.progress().epoch
         if swarm_epoch > context.epoch:  # the others are ahead: rejoin them
+            self.steps = 0
             await self._rejoin(swarm_epoch)
             return
+        if context.holds_round():
+            return  # due again at our next step
+        self.steps = 0
         fragment = self.fragments[context.epoch % len(self.fragments)]
         await self.context.compute(self._take_change, fragment)
         task = None
@@ -276,6 +279,7 @@ class StreamingDiLoCo(TrainingMode):
                 result = flight.task.result()
                 # they hear our progress at once (a grid's cells are not everyone: no no-shows there)
                 context.group_formed(result.peers, context.roster if self.grid is None else ())
+                context.grouped(context.epoch_seconds())  # (the patience of `holds_round`)
                 context.record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                      result.contributors)
             except AveragingError as e:

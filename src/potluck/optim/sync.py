@@ -284,7 +284,7 @@ class SyncTraining(TrainingMode):
         task = asyncio.ensure_future(self.grad_averager.astep(
             weight=weight, gather=gather, group_key=f"epoch{epoch}.{tally.part}", target_group_size=expected,
             members=members, no_shows=context.no_shows(), proceed=self._enough))
-        duration = 0.0 if context.epoch_began is None else context.now() - context.epoch_began
+        duration = context.epoch_seconds()
         pending = _Round(task, epoch, expected, samples, members, duration, scale, tally.part, params,
                          frozenset(str(r.peer_id) for r in others))
         if self.options.delay_updates:
