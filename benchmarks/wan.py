@@ -68,6 +68,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -685,6 +686,9 @@ def main() -> None:
 
     from potluck.cli.tasks import load_data
     from potluck.workloads import lm
+    # A kill (timeout, a CI step's end) ends us through the sweep below, not around it: the
+    # namespaces stayed, with the workers in them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             data = str(Path(tmp) / "data.pt")
