@@ -91,10 +91,17 @@ def run(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [{}, {"fragments": 2, "outer_delay": 1}], ids=["diloco", "streaming"])
-def test_diloco_peers_of_unequal_speed_take_every_outer_step_together(options: dict[str, Any]):
+@pytest.mark.parametrize(("options", "waits"), [({}, 0), ({"fragments": 2, "outer_delay": 1}, 0),
+                                               ({"fragments": 2, "outer_delay": INTERVAL - 1}, 6 * 8)],
+                         ids=["diloco", "streaming", "streaming-long-delay"])
+def test_diloco_peers_of_unequal_speed_take_every_outer_step_together(options: dict[str, Any], waits: int):
     # Streaming DiLoCo: an epoch is one fragment's round, every INTERVAL steps (a round runs in
-    # the background for one inner step); the whole outer state is compared after each one.
+    # the background for `outer_delay` inner steps); the whole outer state is compared after each
+    # one. With a delay of nearly an interval the slower peer is still in its delay when the
+    # faster one's next round is due: the faster one waits (taking inner steps) until the slower
+    # one lands, which it does once it hears the faster one landed: `waits`, a few of the faster
+    # one's steps a round (it used to sit out the slower one's whole delay: 356 steps, not 199).
+    delay = options.get("outer_delay", 0)
     result = run(6, options)
     outer = result["outer"]
     assert result["epochs"] == [6, 6], result
@@ -105,8 +112,8 @@ def test_diloco_peers_of_unequal_speed_take_every_outer_step_together(options: d
         assert set(digests) == {0, 1} and len(set(digests.values())) == 1, (epoch, result)
     assert result["failed"] == [0, 0], result
     # The faster peer sets the pace; the slower one joins each round with fewer inner steps.
-    # (with a delayed round, the last one lands one step after the round's interval)
-    assert 6 * INTERVAL <= result["steps"][0] <= 6 * INTERVAL + 1, result
+    # (with a delayed round, the last one lands `delay` steps after the round's interval)
+    assert 6 * INTERVAL <= result["steps"][0] <= 6 * INTERVAL + delay + waits, result
     assert result["steps"][1] < 0.75 * result["steps"][0], result
 
 

@@ -265,6 +265,19 @@ def test_a_streaming_diloco_peer_whose_rounds_alone_cost_nothing_waits_for_its_g
     assert result["epochs"] == [30] * 4 and len(set(result["outer"])) == 1, result
 
 
+@pytest.mark.timeout(300)
+def test_a_slower_streaming_diloco_peer_lands_its_round_once_a_faster_one_has() -> None:
+    """Two peers and one half as fast, each round delayed over 7 of its 8 steps: the slower one
+    was still in its delay when the faster two began the next round, whose window closed
+    without it. It applied 12 of 30 updates itself (rejoins and repairs for the rest), and ended
+    on another outer point. Now it lands its round once another peer has applied it, and joins
+    the next: every peer applies all 30, on one outer point."""
+    result = run(seed=3, epochs=30, mode="streaming", target=64, compute=(0.15, 0.15, 0.3),
+                 extra={"local_steps": 16, "outer_delay": 7})
+    assert result["epochs"] == [30] * 3 and len(set(result["outer"])) == 1, result
+    assert [len(record) for record in result["samples"]] == [30] * 3, result
+
+
 def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():
     """The hold above, against a peer of our last group that claims to train on an old epoch
     and never advances (stuck, or lying): we keep our update for HOLD_PATIENCE_EPOCHS of our

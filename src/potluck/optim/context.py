@@ -207,6 +207,7 @@ class RunContext:
         self.quiet_steps = 0  # steps counted in the caller's thread since the last step on the loop
         self.last_hop = float("-inf")  # wall time (monotonic) the last step on the loop ended
         self.others_averaging = False  # another live peer is in a round of our epoch (as of the last progress)
+        self.others_applied = 0  # the most epochs another live peer has applied (as of the last progress)
         # loop time our current epoch (or part of it) began: the members' samples in its round
         # accumulated since about then (see ProgressTracker.averaged)
         self.epoch_began: float | None = None
@@ -322,6 +323,7 @@ class RunContext:
                         self.spawn(self._check_model())
             reports = self.progress().reports
             self.others_averaging = self.another_in_round(reports)
+            self.others_applied = self.applied_by_others(reports)
             roster = self.members(reports)
             if roster != self.roster:
                 self.roster, self.roster_since = roster, self.now()
@@ -333,6 +335,11 @@ class RunContext:
         """Another live peer has entered the outer round of our epoch."""
         now, me = self.peer.dht.get_time(), self.peer.peer_id
         return any(r.peer_id != me and r.averaging and r.epoch == self.epoch and r.live(now) for r in reports)
+
+    def applied_by_others(self, reports: Iterable[PeerProgress]) -> int:
+        """The most epochs another live peer has applied."""
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return max((r.done for r in reports if r.peer_id != me and r.live(now)), default=0)
 
     def _outsiders(self) -> bool:
         """A live peer that trains, other than us, is not among our neighbors."""

@@ -198,7 +198,8 @@ class StreamingDiLoCo(TrainingMode):
         """Neither a round's start nor a landing (see `RunContext.quiet`): counted in the
         caller's thread."""
         flight, steps = self.flight, self.steps + 1
-        if steps >= self.interval or (flight is not None and flight.steps_left <= 1) \
+        if steps >= self.interval or (flight is not None and (flight.steps_left <= 1
+                                                              or flight.epoch < self.context.others_applied)) \
                 or not self.context.quiet(joinable=flight is None and may_join(self.context, steps, self.interval)):
             return False
         self.context.count_quiet_step()
@@ -208,13 +209,17 @@ class StreamingDiLoCo(TrainingMode):
         return True
 
     async def step(self) -> None:
-        """One inner step: apply the round in flight when its delay is over, and start the next
-        fragment's round when it is due."""
-        await self.context.inner_step()
+        """One inner step: apply the round in flight when its delay is over, or once another peer
+        has applied it (that one is faster: it waits for us, `RunContext.holds_round`), and start
+        the next fragment's round when it is due."""
+        context = self.context
+        await context.inner_step()
         self.steps += 1
         if self.flight is not None:
             self.flight.steps_left -= 1
-            if self.flight.steps_left <= 0:
+            # A peer 2.5x as fast as another, with a delay of nearly a round's interval, waited
+            # at every round for the slower one to sit out its delay: the slower one's pace.
+            if self.flight.steps_left <= 0 or self.flight.epoch < context.applied_by_others(context.progress().reports):
                 await self._land()
         if self.steps >= self.interval or (self.flight is None and round_begun(self.context, self.steps,
                                                                                self.interval)):
