@@ -155,7 +155,8 @@ class DiLoCo(ModeOptions):
         comes every `local_steps` steps, offset by i * local_steps / fragments (a multiple of
         fragments). An epoch is one fragment's round.
     outer_delay: inner steps a fragment's round runs in the background before it is applied
-        (less than local_steps / fragments); the local parameters then take
+        (less than local_steps / fragments; fewer once another peer of the round has applied
+        it); the local parameters then take
         `mixing * local + (1 - mixing) * outer` (paper: mixing 0.5).
     outer_compression: codec for the pseudo-gradients on the wire, e.g. "blockwise4",
         {"name": "topk", "ratio": 0.01} (top-k with error feedback per fragment).

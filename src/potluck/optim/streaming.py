@@ -10,7 +10,8 @@ Every `local_steps / fragments` inner steps one fragment's outer round starts (f
    fragment's delta buffers; with a top-k codec only the largest values are kept there, and what
    was left out is added to that fragment's next pseudo-gradient (error feedback);
 2. the fragment's averager averages it with the group in the background, the wire codec
-   (`outer_compression`) compressing it, while the inner steps go on for `outer_delay` more steps;
+   (`outer_compression`) compressing it, while the inner steps go on for `outer_delay` more steps
+   (fewer once another peer has applied the round: it is faster, and waits for us);
 3. the averaged pseudo-gradient moves the fragment's outer parameters (Nesterov, as DiLoCo), and
    the local parameters take `mixing * local + (1 - mixing) * outer` (the paper's rule: with
    `outer_delay` > 0 the local ones have moved on since the round began; with 0 they are the
