@@ -337,7 +337,8 @@ class RunContext:
         return any(r.peer_id != me and r.averaging and r.epoch == self.epoch and r.live(now) for r in reports)
 
     def applied_by_others(self, reports: Iterable[PeerProgress]) -> int:
-        """The most epochs another live peer has applied."""
+        """The most epochs another live peer has applied (in `progress()`'s reports, a lead over
+        ours counts only if backed: `ProgressTracker._backed`)."""
         now, me = self.peer.dht.get_time(), self.peer.peer_id
         return max((r.done for r in reports if r.peer_id != me and r.live(now)), default=0)
 
