@@ -222,8 +222,7 @@ class StreamingDiLoCo(TrainingMode):
             # at every round for the slower one to sit out its delay: the slower one's pace.
             if self.flight.steps_left <= 0 or self.flight.epoch < context.applied_by_others(context.progress().reports):
                 await self._land()
-        if self.steps >= self.interval or (self.flight is None and round_begun(self.context, self.steps,
-                                                                               self.interval)):
+        if self.steps >= self.interval or (self.flight is None and round_begun(context, self.steps, self.interval)):
             await self._launch()
 
     async def restart(self) -> None:
