@@ -311,6 +311,27 @@ def test_a_peer_behind_that_never_advances_holds_us_back_at_most_our_patience():
     assert not context.holds([r for r in reports(3) if r.peer_id != "behind"], 11)
 
 
+def test_a_diloco_round_is_put_off_only_while_nobody_else_is_on_our_epoch():
+    """`RunContext.holds_round`: a peer of our last group behind us holds our next outer round,
+    unless another live peer trains on our epoch or past it (we are not alone ahead: the swarm
+    goes on with us, and the one behind catches up with both); an idle or silent one there does
+    not count."""
+    now = 100.0
+    context = RunContext.__new__(RunContext)  # (only what the hold reads)
+    context.peer = types.SimpleNamespace(peer_id="me", dht=types.SimpleNamespace(get_time=lambda: now))
+    context.tracker = types.SimpleNamespace(is_neighbor={"behind", "level"}.__contains__)
+    context.settings = types.SimpleNamespace(matchmaking_time=1.0)
+    context.now = lambda: now
+    context.held, context.epoch = None, 10
+    context.grouped(2.0)
+    behind = PeerProgress("behind", 9, 8, 100.0, now)
+    assert context.holds_round([behind])
+    assert not context.holds_round([behind, PeerProgress("level", 10, 8, 100.0, now)])
+    assert not context.holds_round([behind, PeerProgress("stranger", 11, 8, 100.0, now)])
+    assert context.holds_round([behind, PeerProgress("level", 10, 8, 100.0, now, idle=True)])
+    assert context.holds_round([behind, PeerProgress("level", 10, 8, 100.0, now - 5)])
+
+
 def test_a_round_closes_at_the_views_count_once_every_peer_of_it_publishes_the_same_view():
     """`RunContext.expected`, asked while a group gathers: our view's count once each other peer
     of it publishes the same view (then everyone sees everyone), or once ours has been unchanged

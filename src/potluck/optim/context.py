@@ -20,7 +20,7 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -331,16 +331,19 @@ class RunContext:
             tick += 1
             await asyncio.sleep(PROGRESS_INTERVAL)
 
+    def _live_others(self, reports: Iterable[PeerProgress]) -> Iterator[PeerProgress]:
+        """The reports of other peers that are live (reported within LIVE_SECONDS)."""
+        now, me = self.peer.dht.get_time(), self.peer.peer_id
+        return (r for r in reports if r.peer_id != me and r.live(now))
+
     def another_in_round(self, reports: Iterable[PeerProgress]) -> bool:
         """Another live peer has entered the outer round of our epoch."""
-        now, me = self.peer.dht.get_time(), self.peer.peer_id
-        return any(r.peer_id != me and r.averaging and r.epoch == self.epoch and r.live(now) for r in reports)
+        return any(r.averaging and r.epoch == self.epoch for r in self._live_others(reports))
 
     def applied_by_others(self, reports: Iterable[PeerProgress]) -> int:
         """The most epochs another live peer has applied (in `progress()`'s reports, a lead over
         ours counts only if backed: `ProgressTracker._backed`)."""
-        now, me = self.peer.dht.get_time(), self.peer.peer_id
-        return max((r.done for r in reports if r.peer_id != me and r.live(now)), default=0)
+        return max((r.done for r in self._live_others(reports)), default=0)
 
     def _outsiders(self) -> bool:
         """A live peer that trains, other than us, is not among our neighbors."""
@@ -353,9 +356,8 @@ class RunContext:
         """Whether to keep our update rather than apply it alone past `epoch` (HOLD_PATIENCE_EPOCHS):
         a peer of our last group trains (live, not idle) behind us, and its epoch rose within our
         patience."""
-        dht_now, me = self.peer.dht.get_time(), self.peer.peer_id
-        behind = [r for r in reports if r.peer_id != me and self.tracker.is_neighbor(r.peer_id) and r.epoch < epoch
-                  and not r.idle and r.live(dht_now)]
+        behind = [r for r in self._live_others(reports)
+                  if self.tracker.is_neighbor(r.peer_id) and r.epoch < epoch and not r.idle]
         if not behind:
             self.held = None
             return False
@@ -373,15 +375,15 @@ class RunContext:
         self.held = (highest, now)  # (patience again for the next epoch)
         return False
 
-    def holds_round(self) -> bool:
+    def holds_round(self, reports: Iterable[PeerProgress]) -> bool:
         """DiLoCo's modes: whether to put off our next outer round (and keep taking inner steps):
         no other live peer trains on our epoch or past it, and `holds` says to wait for the peers
-        of our last group behind us. A round alone is over within a delayed round's inner steps
-        (Streaming DiLoCo with `outer_delay`), so stepping on alone cost nothing: while the others
-        spent 4 s repairing a fragment, one peer went two epochs ahead of them over the emulated
-        WAN, and the run stayed two swarms to the end."""
-        reports, now, me = self.progress().reports, self.peer.dht.get_time(), self.peer.peer_id
-        level = any(r.peer_id != me and r.epoch >= self.epoch and not r.idle and r.live(now) for r in reports)
+        of our last group behind us (`reports`: `progress()`'s). A round alone is over within a
+        delayed round's inner steps (Streaming DiLoCo with `outer_delay`), so stepping on alone
+        cost nothing: while the others spent 4 s repairing a fragment, one peer went two epochs
+        ahead of them over the emulated WAN, and the run stayed two swarms to the end."""
+        reports = list(reports)
+        level = any(r.epoch >= self.epoch and not r.idle for r in self._live_others(reports))
         return not level and self.holds(reports, self.epoch)
 
     def epoch_seconds(self) -> float:

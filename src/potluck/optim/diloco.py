@@ -90,12 +90,12 @@ class DiLoCoTraining(TrainingMode):
         """Outer step: average the parameter change of the last `local_steps` steps, then apply
         it to the shared starting point with Nesterov momentum."""
         context, tally = self.context, self.context.tally
-        swarm_epoch = context.progress().epoch
-        if swarm_epoch > context.epoch:
+        progress = context.progress()
+        if progress.epoch > context.epoch:
             self.steps = tally.samples = 0
-            await context.catch_up(swarm_epoch, restart=self.restart)
+            await context.catch_up(progress.epoch, restart=self.restart)
             return
-        if context.holds_round():
+        if context.holds_round(progress.reports):
             return  # due again at our next step
         self.steps = 0
         await self.context.compute(self._take_change)

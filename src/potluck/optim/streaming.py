@@ -231,12 +231,12 @@ class StreamingDiLoCo(TrainingMode):
 
     async def _launch(self) -> None:
         context, tally = self.context, self.context.tally
-        swarm_epoch = context.progress().epoch
-        if swarm_epoch > context.epoch:  # the others are ahead: rejoin them
+        progress = context.progress()
+        if progress.epoch > context.epoch:  # the others are ahead: rejoin them
             self.steps = 0
-            await self._rejoin(swarm_epoch)
+            await self._rejoin(progress.epoch)
             return
-        if context.holds_round():
+        if context.holds_round(progress.reports):
             return  # due again at our next step
         self.steps = 0
         fragment = self.fragments[context.epoch % len(self.fragments)]
