@@ -41,11 +41,12 @@ def digest(model: torch.nn.Module) -> str:
 
 async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[float, ...] = COMPUTE_SECONDS,
                 aggregation: str = "mean", stall: Stall | None = None, average_state_every: int = 1,
-                settle: float = 0.0, extra: dict | None = None) -> dict:
+                settle: float = 0.0, extra: dict | None = None, late: float | None = None) -> dict:
     """Train len(compute) peers for `epochs` epochs; what each ended with, and when. `stall`:
     (peer or peers, epoch, seconds): one batch of each in that epoch takes that long. `settle`:
     seconds between the peers' start and their first batch (they see each other meanwhile).
-    `extra`: the mode's options, over the defaults below."""
+    `extra`: the mode's options, over the defaults below. `late`: the last peer joins this many
+    seconds after the others' first batch, downloading the swarm's state."""
     loop = asyncio.get_running_loop()
     network = EmulatedNetwork(latency=0.01, seed=seed)
     peers: list[potluck.Peer] = []
@@ -57,9 +58,10 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
         dict(mode="diloco", local_steps=4, fragments=2) if mode == "streaming" else dict(mode=mode, local_steps=4)
     options = {**options, **(extra or {})}
     optimizers = [Optimizer(peer, "virtual", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
-                            target_batch_size=target, batch_size_per_step=BATCH, load_state=False,
+                            target_batch_size=target, batch_size_per_step=BATCH,
+                            load_state=late is not None and i == len(peers) - 1,
                             start=False, aggregation=aggregation, **options)
-                  for peer, model in zip(peers, models, strict=True)]
+                  for i, (peer, model) in enumerate(zip(peers, models, strict=True))]
     per_epoch: list[list[int]] = [[] for _ in optimizers]  # the swarm's samples behind each epoch applied
     groups: list[int] = []  # sizes of the state averager's groups (moshpit)
     state_dht: list[str] = []  # group keys the state averagers looked up or declared in the DHT
@@ -74,10 +76,18 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
             return result
         opt.state_averager.astep = recording
     applied: list[float] = []  # when each epoch's update was applied, on any peer
-    for opt, record in zip(optimizers, per_epoch, strict=True):
+    repairs: list[str] = []  # group keys of the outer points' repair rounds (Streaming DiLoCo's)
+
+    async def started(opt: Optimizer, record: list[int]) -> None:
         await opt.astart()
         opt.register_epoch_hook(lambda event, record=record: (record.append(event.samples), applied.append(loop.time()))
                                 if event.how == "update" else None)
+        for fragment in getattr(opt.training, "fragments", ()):
+            astep = fragment.outer_averager.astep
+            fragment.outer_averager.astep = lambda *a, _astep=astep, **kw: repairs.append(kw["group_key"]) or _astep(*a, **kw)
+    for opt, record in zip(optimizers, per_epoch, strict=True):
+        if late is None or opt is not optimizers[-1]:
+            await started(opt, record)
     await asyncio.sleep(settle)
     start = loop.time()
     finished: list[float] = []
@@ -86,6 +96,9 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 
     async def train(index: int) -> None:
         model, opt = models[index], optimizers[index]
+        if late is not None and index == len(peers) - 1:
+            await asyncio.sleep(late)
+            await started(opt, per_epoch[index])
         generator = torch.Generator().manual_seed(seed * 100 + index)
         while opt.local_epoch < epochs:
             x = torch.randn(BATCH, 16, generator=generator)
@@ -106,6 +119,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
                 "outer": [hashlib.sha256(b"".join(p.numpy().tobytes() for p in o.training.outer)).hexdigest()
                           if hasattr(o.training, "outer") else None for o in optimizers],
                 "seconds": sorted(finished), "samples": per_epoch, "groups": groups, "state_dht": state_dht,
+                "repairs": repairs,
                 "grids": [o.state_averager.grid for o in optimizers],
                 "first_update": min(applied) - start if applied else None,
                 "ids": [str(p.peer_id) for p in peers],  # and the views each peer last heard the others publish:
@@ -125,12 +139,12 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
 def run(seed: int, epochs: int = 6, mode: str = "sync", target: int = TARGET,
         compute: tuple[float, ...] = COMPUTE_SECONDS, aggregation: str = "mean",
         stall: Stall | None = None, average_state_every: int = 1, settle: float = 0.0,
-        extra: dict | None = None) -> dict:
+        extra: dict | None = None, late: float | None = None) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
         assert isinstance(runner.loop, VirtualTimeLoop)
         return runner.run(swarm(seed, epochs, mode, target, compute, aggregation, stall, average_state_every, settle,
-                                extra), timeout=300)
+                                extra, late), timeout=300)
     finally:
         release_runner()
 
@@ -438,13 +452,29 @@ def test_a_first_diloco_round_closes_once_all_peers_of_a_settled_view_are_in(mod
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["diloco", "streaming"])
+def test_a_newcomer_to_a_diloco_run_takes_the_outer_point_and_needs_no_repair(mode: str) -> None:
+    """A fourth peer joins a DiLoCo run in progress, between rounds. It used to download a donor's local
+    parameters, which the donor's inner steps since the last round had moved: its outer point
+    differed from everyone's, and its first round (of each fragment) was followed by a repair
+    round, a whole state's all-reduce that every member waits for. Donors now serve their outer
+    parameters: no repair, one outer point. (One that arrives too late in an epoch for the
+    others to see it before their round misses that round, and is repaired in its next.)"""
+    result = run(seed=3, epochs=10, mode=mode, target=64, compute=(0.05,) * 4, late=2.0, extra={"local_steps": 16})
+    assert result["epochs"] == [10] * 4 and len(set(result["outer"])) == 1, result
+    assert result["groups"] == [] and result["repairs"] == [], result
+    assert len(result["samples"][3]) >= 6, result  # it applied the rounds after it joined itself
+
+
 def test_a_state_round_after_a_round_meets_its_leader_without_the_dht():
     """A state round follows a round among the same peers: its members ask that round's leader
     directly (one memory of the last group for both averagers). Declaring in the DHT again, with
     a 0.5 s window over loaded WAN links, left every member of a DiLoCo repair round alone
     (`benchmarks/wan.py --workload wide`: "only 1 peer(s) gathered under 'outer-state2/all'"),
     and the peers apart until the next repair."""
-    result = run(seed=5, epochs=4, mode="diloco")  # (the peers start apart: see the test above)
+    # (the first peer stalls through a round and rejoins without the state: the state round repairs it)
+    result = run(seed=5, epochs=6, mode="diloco", stall=(0, 2, 1.0))
     assert len(set(result["digests"])) == 1, result
     assert result["groups"] and max(result["groups"]) == 3, result  # state rounds of the three happened
     assert result["state_dht"] == [], result["state_dht"]

@@ -236,6 +236,10 @@ class Averager:
             self.service.pool.pin_memory = True
         import scipy.optimize  # noqa: F401 - load it now, not on the event loop when we first lead a group
         self.state_metadata: Any = None  # shared with newcomers alongside the tensors
+        # What newcomers download in place of the averaged tensors, if set: tensors alike to them
+        # in shape and dtype, written only under this averager's lock (DiLoCo's outer parameters
+        # in place of the local ones: `ModelState.serve`).
+        self.served_tensors: list[torch.Tensor] | None = None
         self.state_server = None
         self._announced = False  # after a step of ours (see _announce_after_step)
         self._announcing: asyncio.Future | None = None  # the store of our state record under way
@@ -388,7 +392,8 @@ class Averager:
 
     # -- state for newcomers ------------------------------------------------------------------------
     def _get_state(self) -> tuple[int, Any, list[torch.Tensor]]:
-        return self.round, self.state_metadata, self._tensors  # called under self._lock
+        served = self._tensors if self.served_tensors is None else self.served_tensors
+        return self.round, self.state_metadata, served  # called under self._lock
 
     async def _announce_after_step(self) -> None:
         """Announce our state after a step: the first time before the step returns (newcomers then

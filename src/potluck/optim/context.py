@@ -611,7 +611,10 @@ class RunContext:
         # The swarm's epoch now, with the state we got (or ours, if none came): the next state
         # averaging repairs the difference. Waiting for a state of the very epoch instead, a peer
         # whose download takes an epoch or more (a slow link) would download forever, a round late.
-        self.move_to(max(epoch, self.progress().epoch))
+        # With a state, the epoch our view supports now: the peer whose lead we followed may not
+        # hold the state the download chose (it no longer leads us then), and jumping to its epoch
+        # skipped the rounds between (three DiLoCo peers behind one that trained on alone).
+        self.move_to(self.progress().epoch if not self.departed else max(epoch, self.progress().epoch))
         if behind > MAX_STALE_EPOCHS:
             if drop is not None:
                 await drop()

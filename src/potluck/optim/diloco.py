@@ -58,6 +58,7 @@ class DiLoCoTraining(TrainingMode):
         context = self.context
         params = context.state.params
         self.outer = await run_in_thread(lambda: [p.detach().clone() for p in params])
+        context.state.serve(self.outer)  # (written under the state's lock: `_outer_step`, `restart`)
         zeros = await run_in_thread(lambda: [torch.zeros_like(p) for p in params])
         self.delta_averager = Averager(context.peer, zeros, context.run_id, name="delta", allow_state_sharing=False,
                                        **context.settings.averaging())
@@ -84,7 +85,7 @@ class DiLoCoTraining(TrainingMode):
 
     async def restart(self) -> None:
         """Start the next inner steps from the state just downloaded."""
-        await self.context.compute(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
+        await self.context.compute(self.context.state.copy_params_to, self.outer)
 
     async def _round(self) -> None:
         """Outer step: average the parameter change of the last `local_steps` steps, then apply

@@ -60,6 +60,22 @@ class ModelState:
     def tensors(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params] + self.optimizer_tensors() + self.extra
 
+    def serve(self, params: list[torch.Tensor]) -> None:
+        """Newcomers download `params` (one tensor per parameter, alike) in place of the
+        parameters, with the rest of the state: DiLoCo's outer parameters, the point every member
+        of the last round shares. Given the local ones, which the donor's inner steps since that
+        round moved, a newcomer's outer point differed from everyone's, and its first round of
+        every fragment was followed by a repair round (about 4 s each over 100 Mbit/s links,
+        blocking every member). The caller writes `params` only under `lock()`."""
+        if [(p.shape, p.dtype) for p in params] != [(p.shape, p.dtype) for p in self.params]:
+            raise ValueError("the tensors served in place of the parameters must be alike to them")
+        self.averager.served_tensors = [p.detach() for p in params] + self.optimizer_tensors() + self.extra
+
+    def copy_params_to(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the parameters into `tensors` (served ones: under the lock, never seen half-written)."""
+        with self.lock(), torch.no_grad():
+            torch._foreach_copy_(tensors, [p.detach() for p in self.params])
+
     @contextlib.contextmanager
     def lock(self) -> Iterator[list[torch.Tensor]]:
         """Hold the state still (no round or snapshot reads it meanwhile); yields its tensors."""

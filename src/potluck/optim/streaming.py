@@ -176,6 +176,10 @@ class StreamingDiLoCo(TrainingMode):
         context, options = self.context, self.options
         params, momentum = context.state.params, self.momentum
         self.outer = outer = await run_in_thread(lambda: [p.detach().clone() for p in params])
+        # Newcomers take the outer point, written under the state's lock (`_outer_step`, `restart`),
+        # except by a repair's averager: a snapshot taken during one may hold half of its result,
+        # and that fragment is then repaired in the newcomer's next round of it, as before.
+        context.state.serve(outer)
         averaging = context.settings.averaging()
         wire = {**averaging, "compression": options.wire_codec().spec, "grid": self.grid}
         spec = get_codec(options.outer_compression)
@@ -227,7 +231,7 @@ class StreamingDiLoCo(TrainingMode):
 
     async def restart(self) -> None:
         """Start the next inner steps from the state just downloaded."""
-        await self.context.compute(torch._foreach_copy_, self.outer, [p.detach() for p in self.context.state.params])
+        await self.context.compute(self.context.state.copy_params_to, self.outer)
 
     async def _launch(self) -> None:
         context, tally = self.context, self.context.tally
