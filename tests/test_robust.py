@@ -111,8 +111,10 @@ def test_bits_do_not_depend_on_the_thread_count(kind):
 def test_centered_clip_gives_the_bits_it_gave_before_its_rewrite_for_speed():
     """Members check a reducer by recomputing its result bit for bit, so a change of CenteredClip's
     arithmetic would have peers of two versions accuse each other. These bits (results and
-    distances, from inputs exact on any CPU) are those of the version before the rewrite with
-    fewer, whole-tensor ops and numpy for the radius and coefficients."""
+    distances, from inputs exact on any CPU) were those of the version before the rewrite with
+    fewer, whole-tensor ops and numpy for the radius and coefficients; since 2026-12-07 those of
+    float32 sums of squares (a deliberate change of the arithmetic: peers of the versions before
+    and after it cannot train together)."""
     import hashlib
 
     from potluck.averaging.robust import centered_clip
@@ -135,7 +137,7 @@ def test_centered_clip_gives_the_bits_it_gave_before_its_rewrite_for_speed():
         distances = centered_clip(pieces, out)
         digest.update(out.numpy().tobytes())
         digest.update(repr(distances).encode())
-    assert digest.hexdigest() == "29740ebf121fcfa585e96c08a97fe447c24489fca2642179e6a2c4ba91bff2e7"
+    assert digest.hexdigest() == "c626e3ef60bfddfed677badd1cea0e2bf2ea39b3ea1e93210a694ce61441f24b"
 
 
 def test_zero_weights_take_no_part_unless_every_weight_is_zero():
@@ -252,6 +254,24 @@ def test_values_whose_differences_overflow_float32_are_outvoted_not_spread(kind)
     honest = [torch.full((100,), -3e38), torch.full((100,), -3e38 + 1e32), torch.full((100,), -2.9e38)]
     result = run(kind, [*honest, torch.full((100,), 3.4e38)])
     assert torch.isfinite(result).all() and (result <= -2.9e38).all()
+
+
+def test_sums_of_squares_are_float32_unless_one_overflows_it_then_float64():
+    """CenteredClip's norms: float32 sums (a third of float64's cost) within float32's precision
+    of the exact ones; a call where one overflows float32 (a square of 2e19 does), though its
+    values do not, is summed in float64, so a far piece's norm stays finite and it is clipped,
+    not left out as if its difference overflowed."""
+    from potluck.averaging.robust import _row_sums_of_squares
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(3, 5000, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]])
+    exact = (rows.double() ** 2).sum(dim=1)
+    got = torch.tensor(_row_sums_of_squares(rows), dtype=torch.float64)
+    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+    assert torch.equal(got, got.float().double())  # summed in float32
+    rows[2, 0] = 2e19
+    got = torch.tensor(_row_sums_of_squares(rows), dtype=torch.float64)
+    assert torch.isfinite(got).all() and torch.allclose(got, (rows.double() ** 2).sum(dim=1), rtol=1e-12, atol=0)
+    assert not torch.equal(got[:2], got[:2].float().double())  # the whole call in float64
 
 
 @pytest.mark.timeout(60)
