@@ -68,8 +68,6 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
     held_out = batch(torch.Generator().manual_seed(999))
     losses = [_loss(models[1], held_out)]
     crashed: list[int] = []
-    repairing = [0] * peers  # steps each peer ended while a repair of its was under way
-    start = asyncio.get_running_loop().time()
 
     async def train(index: int) -> None:
         model, opt = models[index], optimizers[index]
@@ -79,7 +77,6 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
             torch.nn.functional.cross_entropy(model(x), y).backward()
             await asyncio.sleep(COMPUTE_SECONDS)
             await opt.astep()
-            repairing[index] += any(not r.done() for r in getattr(opt.training, "repairs", {}).values())
             if index == 0 and kill is not None and kill(opt):
                 network.crash(nodes[0].transport.peer_id)
                 crashed.append(opt.local_epoch)
@@ -94,8 +91,7 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
                 "params": [tensor_digest(list(m.parameters())) for m in models],
                 "records": [list(o.tracker.rounds) for o in optimizers],
                 "peers": [str(n.peer_id) for n in nodes],
-                "outer": [tensor_digest(o.training.outer) for o in optimizers], "repairing": repairing,
-                "seconds": asyncio.get_running_loop().time() - start}
+                "outer": [tensor_digest(o.training.outer) for o in optimizers]}
     finally:
         for opt in optimizers:
             opt.shutdown()
@@ -132,18 +128,13 @@ def _record(index: int, opt: Optimizer, node: potluck.Peer, rounds: dict,
                             if event.how == "update" else None)
     step = engine.step
 
-    async def recording_step() -> None:  # a round is applied within a step (repaired in the background)
+    async def recording_step() -> None:  # a round is applied (and repaired if need be) within a step
         groups.clear()
         landed.clear()
         await step()
         if groups and landed:
-            fragment, group = landed[-1], rounds.setdefault(groups[0], {})
-            repair = engine.repairs.get(fragment.index)
-            if repair is None:
-                group[index] = tensor_digest(fragment.outer + fragment.momentum)
-            else:  # the outer point once the repair is over (nothing else moves it before)
-                repair.add_done_callback(lambda _: group.__setitem__(index, tensor_digest(fragment.outer +
-                                                                                          fragment.momentum)))
+            fragment = landed[-1]
+            rounds.setdefault(groups[0], {})[index] = tensor_digest(fragment.outer + fragment.momentum)
     engine.step = recording_step
 
 
@@ -183,18 +174,16 @@ def test_fragment_outer_parameters_are_identical_across_each_round_and_local_one
 
 
 @pytest.mark.timeout(120)
-def test_a_repair_meets_the_rounds_group_and_the_inner_steps_go_on_meanwhile():
+def test_a_repair_meets_the_rounds_group_over_slow_links():
     """Peers that start apart repair each fragment's outer point after its first round, over
     slow links (20 KB/s up). Each repair declared itself in the DHT, and every member gathered
     alone: the outer points stayed apart to the end (three of them). A repair now meets the
-    round's group as the next round does, and runs in the background (it blocked every member's
-    steps: 3-6 s each over the emulated WAN): the peers take inner steps while it runs."""
+    round's group as the next round does."""
     result = run(3, 12, dict(fragments=2, local_steps=16, outer_delay=6, outer_compression="blockwise4"),
                  apart=True, upload=20_000)
     assert result["epochs"] == [12] * 3 and len(set(result["outer"])) == 1, result
     for group_id, digests in result["rounds"].items():
         assert len(set(digests.values())) == 1, f"round {group_id.hex()}: outer points differ after it: {digests}"
-    assert min(result["repairing"]) >= 8, result["repairing"]  # steps while a repair was under way
 
 
 @pytest.mark.timeout(120)

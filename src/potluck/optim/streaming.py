@@ -19,8 +19,7 @@ Every `local_steps / fragments` inner steps one fragment's outer round starts (f
 The outer parameters and momentum of a fragment are what stay identical across a round's group:
 each member applies the same averaged pseudo-gradient to them. Members whose outer points differ
 (one stepped alone after a failed round, a newcomer) notice it from the digests in their round
-notes, and average the fragment's outer parameters and momentum with the group, in the
-background: the fragment's next round waits for it.
+notes, and average the fragment's outer parameters and momentum with the group.
 
 Memory, model-sized buffers beyond the model and the wrapped optimizer: the outer parameters, the
 outer momentum, the delta buffers (each split among the fragments: 1 model each), plus the error
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from potluck.averaging.averager import Averager
+from potluck.averaging.averager import Averager, StepResult
 from potluck.compression import TopK, get_codec
 from potluck.core.errors import AveragingError
 from potluck.core.runner import retrieve_exception, run_in_thread
@@ -167,9 +166,6 @@ class StreamingDiLoCo(TrainingMode):
         self.outer: list[torch.Tensor] = []  # the outer parameters (see start)
         self.fragments: list[Fragment] = []
         self.flight: Flight | None = None
-        # Each fragment's repair under way (`_repair`), in the background: the fragment's outer
-        # point is not used again until its next round starts (`_launch` waits for it there).
-        self.repairs: dict[int, asyncio.Future] = {}
         # Moshpit groups for the rounds, placed at each round (see `_launch`); a repair meets
         # exactly the round's group.
         self.grid: tuple[int, ...] | None = None if options.grid is None else tuple(options.grid)
@@ -200,8 +196,9 @@ class StreamingDiLoCo(TrainingMode):
         # The fragments' rounds meet the same peers: one memory of the last group for all, so a
         # later fragment's first round asks the last leader directly, as a repeated round does
         # (no DHT declaration, no matchmaking window: once per run, not once per fragment).
-        # A repair meets the round's group too: without that memory, each declared itself in the
-        # DHT, and over slow links every member gathered alone (`RunContext.share_last_group`).
+        # A repair (`_repair`, right after its round) meets that round's group too: declared in
+        # the DHT, over slow links every member of it gathered alone, and the outer points stayed
+        # apart for good. (It blocks the steps, so no round's matchmaking runs beside it.)
         last = self.fragments[0].averager.matchmaker.last
         for fragment in self.fragments:
             fragment.averager.matchmaker.last = fragment.outer_averager.matchmaker.last = last
@@ -251,9 +248,6 @@ class StreamingDiLoCo(TrainingMode):
             return  # due again at our next step
         self.steps = 0
         fragment = self.fragments[context.epoch % len(self.fragments)]
-        repair = self.repairs.pop(fragment.index, None)
-        if repair is not None:
-            await repair  # (over long before, unless the fragments' rounds are shorter than a repair)
         await self.context.compute(self._take_change, fragment)
         task = None
         if context.anyone_else():
@@ -308,10 +302,7 @@ class StreamingDiLoCo(TrainingMode):
         context.tally.samples = max(0, context.tally.samples - flight.samples)
         context.advance_epoch()
         if result is not None and len({RoundNote.read(m).outer for m in result.gathered.values()}) > 1:
-            # In the background: blocking, a repair (the fragment's outer parameters and momentum
-            # in float32) held every member's steps 3-6 s over the emulated WAN, several a run.
-            self.repairs[fragment.index] = asyncio.ensure_future(
-                self._repair(fragment, frozenset(result.peers), f"outer-state{context.epoch}"))
+            await self._repair(fragment, result)
 
     async def _rejoin(self, epoch: int) -> None:
         """The swarm is at `epoch`, ahead of us. One round behind (a slower peer, whose group
@@ -322,7 +313,6 @@ class StreamingDiLoCo(TrainingMode):
         context = self.context
         context.tally.samples = 0
         if epoch - context.epoch > MAX_ROUNDS_REJOINED:
-            await self._drop_repairs()  # (the download writes what they average)
             await context.catch_up(epoch, restart=self.restart)
             return
         logger.info("fragment round %d went on without us; rejoining the swarm at round %d", context.epoch, epoch)
@@ -351,28 +341,18 @@ class StreamingDiLoCo(TrainingMode):
             else:  # mixing * local + (1 - mixing) * outer
                 torch._foreach_lerp_(fragment.params, fragment.outer, 1.0 - options.mixing)
 
-    async def _repair(self, fragment: Fragment, peers: frozenset[str], key: str) -> None:
+    async def _repair(self, fragment: Fragment, result: StepResult) -> None:
         """The group's outer points differed: average them (and the momentum) with the group;
-        the local parameters move with their outer point. (A background task: its tensor math
-        runs in the pool, not in a caller's thread, which may have returned meanwhile.)"""
+        the local parameters move with their outer point."""
         logger.info("fragment %d: the group's outer parameters differ; averaging them", fragment.index)
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        before = await run_in_thread(lambda: [t.clone() for t in fragment.outer])
+        before = await self.context.compute(lambda: [t.clone() for t in fragment.outer])
         try:
-            await fragment.outer_averager.astep(group_key=key, target_group_size=len(peers), members=peers)
+            await fragment.outer_averager.astep(group_key=f"outer-state{self.context.epoch}",
+                                                target_group_size=len(result.peers), members=frozenset(result.peers))
         except AveragingError as e:
             logger.warning("fragment %d: averaging the outer parameters failed (%s)", fragment.index, e)
             return
-        await run_in_thread(self._follow, fragment, before)
-        logger.info("fragment %d: outer parameters averaged in %.1f s", fragment.index, loop.time() - began)
-
-    async def _drop_repairs(self) -> None:
-        """Cancel the repairs under way, and wait until they have stopped."""
-        repairs, self.repairs = list(self.repairs.values()), {}
-        for repair in repairs:
-            repair.cancel()
-        await asyncio.gather(*repairs, return_exceptions=True)
+        await self.context.compute(self._follow, fragment, before)
 
     def _follow(self, fragment: Fragment, before: list[torch.Tensor]) -> None:
         state = self.context.state
@@ -386,11 +366,9 @@ class StreamingDiLoCo(TrainingMode):
 
     def shutdown(self) -> None:
         """Stop the round in flight (from any thread) and the fragments' averagers."""
-        tasks = [*([] if self.flight is None or self.flight.task is None else [self.flight.task]),
-                 *list(self.repairs.values())]
-        for task in tasks:
-            if not task.get_loop().is_closed():
-                task.get_loop().call_soon_threadsafe(_drop, task)
+        task = None if self.flight is None else self.flight.task
+        if task is not None and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(_drop, task)
         for fragment in self.fragments:
             fragment.averager.shutdown()
             fragment.outer_averager.shutdown()
