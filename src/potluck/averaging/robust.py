@@ -264,14 +264,16 @@ class _SquareSums:
         self.trees: dict[torch.dtype, _Tree] = {}  # the scratch of each precision, made when first used
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        for dtype in (torch.float32, torch.float64):
-            tree = self.trees.get(dtype)
-            if tree is None:
-                tree = self.trees[dtype] = _Tree(*self.shape, dtype, self.device)
-            root = tree(t)
-            if dtype == torch.float64 or bool(torch.isfinite(root).all()):
-                break
+        root = self._tree(torch.float32)(t)
+        if not bool(torch.isfinite(root).all()):
+            root = self._tree(torch.float64)(t)
         return root.to(torch.float64, copy=True)
+
+    def _tree(self, dtype: torch.dtype) -> _Tree:
+        tree = self.trees.get(dtype)
+        if tree is None:
+            tree = self.trees[dtype] = _Tree(*self.shape, dtype, self.device)
+        return tree
 
 
 class _Tree:

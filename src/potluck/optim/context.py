@@ -614,7 +614,8 @@ class RunContext:
         # With a state, the epoch our view supports now: the peer whose lead we followed may not
         # hold the state the download chose (it no longer leads us then), and jumping to its epoch
         # skipped the rounds between (three DiLoCo peers behind one that trained on alone).
-        self.move_to(self.progress().epoch if not self.departed else max(epoch, self.progress().epoch))
+        supported = self.progress().epoch
+        self.move_to(max(epoch, supported) if self.departed else supported)
         if behind > MAX_STALE_EPOCHS:
             if drop is not None:
                 await drop()
