@@ -1,5 +1,5 @@
 """`potluck demo --mode moe`, run as a user runs it, shortened: experts on two servers, one killed,
-the trainers' own parameters identical after every epoch."""
+the trainers' own parameters identical after every update both took."""
 
 from __future__ import annotations
 

@@ -378,6 +378,7 @@ def record_reduced_shards(member: Member) -> list[tuple]:
 @pytest.mark.timeout(240)
 def test_delayed_updates_overlap_averaging_and_keep_peers_identical(swarm):
     members = swarm(3, "delayed", delay_updates=True)
+    meet(members)
     train(members, 20)
     assert all(m.opt.local_epoch == 20 for m in members)
     assert len({digest(m.model) for m in members}) == 1

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -77,11 +78,18 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
         opt.state_averager.astep = recording
     applied: list[float] = []  # when each epoch's update was applied, on any peer
     repairs: list[str] = []  # group keys of the outer points' repair rounds (Streaming DiLoCo's)
+    caught: list[tuple[int, int]] = []  # (epoch a peer caught up to, the newest any other peer had applied then)
+
+    def changed(event: Any, opt: Optimizer, record: list[int]) -> None:
+        if event.how == "update":
+            record.append(event.samples)
+            applied.append(loop.time())
+        elif event.how == "caught_up":
+            caught.append((event.epoch, max(o.local_epoch for o in optimizers if o is not opt)))
 
     async def started(opt: Optimizer, record: list[int]) -> None:
         await opt.astart()
-        opt.register_epoch_hook(lambda event, record=record: (record.append(event.samples), applied.append(loop.time()))
-                                if event.how == "update" else None)
+        opt.register_epoch_hook(lambda event, opt=opt, record=record: changed(event, opt, record))
         for fragment in getattr(opt.training, "fragments", ()):
             astep = fragment.outer_averager.astep
             fragment.outer_averager.astep = lambda *a, _astep=astep, **kw: repairs.append(kw["group_key"]) or _astep(*a, **kw)
@@ -119,7 +127,7 @@ async def swarm(seed: int, epochs: int, mode: str, target: int, compute: tuple[f
                 "outer": [hashlib.sha256(b"".join(p.numpy().tobytes() for p in o.training.outer)).hexdigest()
                           if hasattr(o.training, "outer") else None for o in optimizers],
                 "seconds": sorted(finished), "samples": per_epoch, "groups": groups, "state_dht": state_dht,
-                "repairs": repairs,
+                "repairs": repairs, "caught": caught,
                 "grids": [o.state_averager.grid for o in optimizers],
                 "first_update": min(applied) - start if applied else None,
                 "ids": [str(p.peer_id) for p in peers],  # and the views each peer last heard the others publish:
@@ -452,6 +460,17 @@ def test_a_first_diloco_round_closes_once_all_peers_of_a_settled_view_are_in(mod
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("stall", [(2, 5, 1.6), (1, 2, 3.0)])
+def test_a_straggler_under_delayed_updates_catches_up_to_an_epoch_that_was_applied(stall: Stall) -> None:
+    """With `delay_updates` a peer reports the epoch its new samples count towards: one past the
+    update it has applied while that update averages. A straggler caught up to that epoch, one
+    past every state: it then claimed an update nobody had applied, and the others ignored the
+    lead (a sync peer ended at epoch 21 of a 20-epoch run). It moves to the epoch applied."""
+    result = run(seed=1, epochs=10, target=64, compute=(0.02, 0.02, 0.03), stall=stall, extra={"delay_updates": True})
+    assert result["epochs"] == [10] * 3 and len(set(result["digests"])) == 1, result
+    assert result["caught"] and all(epoch <= applied for epoch, applied in result["caught"]), result["caught"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["diloco", "streaming"])
 def test_a_newcomer_to_a_diloco_run_takes_the_outer_point_and_needs_no_repair(mode: str) -> None:

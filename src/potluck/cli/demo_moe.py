@@ -4,7 +4,7 @@ Each trainer's model is input layer -> RemoteMixtureOfExperts over a 2x4 grid of
 classifier. The experts live on two expert-server processes (grid rows 0 and 1) and learn from
 both trainers' gradients with the servers' own optimizers; the trainers' own parameters (input
 layer, gate, classifier) are trained data parallel with `potluck.Optimizer` (sync mode), so after
-every epoch they are the same on both trainers. Midway one server is killed: its experts
+every update they both take they are the same on both trainers. Midway one server is killed: its experts
 vanish from the DHT and the trainers go on with the survivors. The parent prints a progress line
 and writes report.json and loss.png.
 """
@@ -133,7 +133,13 @@ def _trainer(spec: dict) -> int:
         opt = _shared_optimizer(peer, model)
         _emit({"address": peer.addresses[0], "experts_at_start": len(peer.run(_alive_experts(peer), 30))})
         generator = torch.Generator().manual_seed(spec["seed"])
-        digests: dict[int, str] = {}  # the shared parameters right after each epoch
+        # The shared parameters after each epoch this trainer reached by an update (a round
+        # with the other, or alone). One that reached an epoch by catching up (it started late,
+        # or missed a round) holds no update of it: a state download, or its own parameters
+        # until its next round repairs them (sync mode's rejoin), so those are not compared.
+        digests: dict[int, str] = {}
+        updates: set[int] = set()
+        opt.register_epoch_hook(lambda event: updates.add(event.epoch) if event.how == "update" else None)
         loss_ema, step, failed, last, started = None, 0, 0, 0.0, time.time()
         while not stop.is_set():
             batch = torch.randint(0, len(y), (BATCH,), generator=generator)
@@ -145,7 +151,7 @@ def _trainer(spec: dict) -> int:
             loss.backward()
             epoch = opt.local_epoch
             opt.step()
-            if opt.local_epoch != epoch:
+            if opt.local_epoch != epoch and opt.local_epoch in updates:
                 digests[opt.local_epoch] = params_digest(list(model.parameters()))
             step += 1
             loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
@@ -270,15 +276,16 @@ def _report(args: argparse.Namespace, out: Path, workers: list[WorkerProcess], s
     if shared["last_epoch"] is not None:
         print(f"shared parameters (input layer, gate, classifier): the trainers' sha256 digests "
               f"{'agree' if shared['agree_at_last_epoch'] else 'DIFFER'} after epoch {shared['last_epoch']} "
-              f"(they agreed after {shared['epochs_agreeing']} of the {shared['epochs_compared']} epochs "
+              f"(they agreed after {shared['epochs_agreeing']} of the {shared['epochs_compared']} updates "
               f"all took)")
     print(f"report: {out / 'report.json'}, plot: {out / 'loss.png'} ({report['wall_seconds']} s)")
     return 0
 
 
 def _shared_parameters(trainers: list[WorkerProcess]) -> dict:
-    """Whether the trainers' shared parameters were identical after the epochs they all took (one
-    may have stopped an epoch later than another, so the last common one is compared)."""
+    """Whether the trainers' shared parameters were identical after the updates they all took
+    (one may have started or stopped an epoch later than another, or caught up with a round it
+    missed, so the last common one is compared)."""
     digests = [{int(e): d for e, d in t.final["digests"].items()} for t in trainers]
     common = sorted(set.intersection(*(set(d) for d in digests)))
     agreeing = [e for e in common if len({d[e] for d in digests}) == 1]

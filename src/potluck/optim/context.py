@@ -613,8 +613,10 @@ class RunContext:
         # whose download takes an epoch or more (a slow link) would download forever, a round late.
         # With a state, the epoch our view supports now: the peer whose lead we followed may not
         # hold the state the download chose (it no longer leads us then), and jumping to its epoch
-        # skipped the rounds between (three DiLoCo peers behind one that trained on alone).
-        supported = self.progress().epoch
+        # skipped the rounds between (three DiLoCo peers behind one that trained on alone). The
+        # epoch applied, not the one accumulating: with delayed updates that is one past any
+        # state, and a straggler moved there stood an epoch ahead of everyone.
+        supported = self.progress().applied
         self.move_to(max(epoch, supported) if self.departed else supported)
         if behind > MAX_STALE_EPOCHS:
             if drop is not None:

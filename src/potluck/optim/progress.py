@@ -186,6 +186,12 @@ class GlobalProgress:
     reports: tuple[PeerProgress, ...] = ()
     part: int = 0  # the newest part of `epoch` any peer reports
 
+    @property
+    def applied(self) -> int:
+        """The newest epoch whose update a peer has applied: `epoch`, or one less while that
+        peer's delayed update still averages (its new samples count towards the next epoch)."""
+        return max((r.done for r in self.reports), default=0)
+
 
 class ProgressTracker:
     """Publishes this peer's progress and reads everyone's (async; the Optimizer drives it)."""

@@ -133,7 +133,7 @@ class SyncTraining(TrainingMode):
         if progress.epoch == context.epoch + 1 and self.options.delay_updates:
             await self._update_epoch(progress)  # others started this epoch's round: join it now
         elif progress.epoch > context.epoch:
-            await self._catch_up(progress.epoch)  # the round is over: we are a straggler
+            await self._catch_up(progress.applied)  # the round is over: we are a straggler
         elif progress.part > tally.part and progress.epoch == context.epoch:
             tally.part = progress.part  # a short round we were not in: our samples still count
         elif progress.eta_seconds == 0 or (self.part_due is not None and context.now() >= self.part_due):
