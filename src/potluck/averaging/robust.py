@@ -52,9 +52,10 @@ AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
 # pulls a full tau every iteration (measured: 0.5 medians, measured from the coordinate-wise
 # median, gave 2 of 5 liars 0.75 honest spreads per round; benchmarks/byzantine.py, docs/security.md).
 CLIP_RADIUS = 1.25
-# Rows up to which the lower median is taken by a sorting network (`lower_median`): 63
-# comparators for 16; beyond, torch's median is as fast.
-MEDIAN_NETWORK_ROWS = 16
+# Rows up to which order statistics come from a sorting network of elementwise minimums and
+# maximums (`lower_median`, `trimmed_mean`): 63 comparators for 16; beyond, torch's median is as
+# fast. Against torch's sort along the rows, 45x faster for 4 rows of 787,500 values and 18x for 8.
+NETWORK_ROWS = 16
 # CenteredClip's iterations at most: with the honest pieces unclipped, each iteration shrinks the
 # distance to the fixed point by a factor of at most f / n (the clipped liars' share), so from the
 # median start 10 leave it within 1e-3 of the radius even with f / n = 1/2 (the BTARD paper's
@@ -120,8 +121,8 @@ def trimmed_mean(pieces: Sequence[torch.Tensor], out: torch.Tensor, measure: boo
     """Coordinate-wise trimmed mean of `pieces` into `out` (see the module docstring); with
     `measure`, the distance of each piece from it (else [])."""
     k = trimmed_count(len(pieces))
-    rows = torch.stack(list(pieces)).sort(dim=0, stable=True).values if k else list(pieces)
-    _running_mean([rows[r] for r in range(k, len(pieces) - k)], out)
+    rows = _sorted_rows(list(pieces)) if k else list(pieces)
+    _running_mean(rows[k:len(pieces) - k], out)
     if not measure:
         return []
     return [math.sqrt(s) for s in _row_sums_of_squares(torch.stack(list(pieces)).sub_(out))]
@@ -202,16 +203,24 @@ def _clip_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def lower_median(x: torch.Tensor) -> torch.Tensor:
     """The lower median along the first dimension (the value of rank (n - 1) // 2): by a sorting
-    network of elementwise minimums and maximums up to MEDIAN_NETWORK_ROWS rows (4-6x faster than
-    torch's median for 4-8 rows), torch's median beyond. An order statistic: the same value either
-    way (the network picks existing values too)."""
+    network up to NETWORK_ROWS rows (4-6x faster than torch's median for 4-8 rows), torch's median
+    beyond. An order statistic: the same value either way."""
     n = x.shape[0]
-    if n > MEDIAN_NETWORK_ROWS:
+    if n > NETWORK_ROWS:
         return x.median(dim=0).values
-    rows = list(x.unbind(0))
-    for a, b in _sorting_network(n):
+    return _sorted_rows(list(x.unbind(0)))[(n - 1) // 2].clone()
+
+
+def _sorted_rows(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`rows` sorted coordinate by coordinate, smallest first: by a sorting network of elementwise
+    minimums and maximums up to NETWORK_ROWS rows, else torch's stable sort. The same values either
+    way, a zero's sign aside (the network moves existing values; the pieces are finite:
+    `reduction` refuses others)."""
+    if len(rows) > NETWORK_ROWS:
+        return list(torch.stack(rows).sort(dim=0, stable=True).values.unbind(0))
+    for a, b in _sorting_network(len(rows)):
         rows[a], rows[b] = torch.minimum(rows[a], rows[b]), torch.maximum(rows[a], rows[b])
-    return rows[(n - 1) // 2].clone()
+    return rows
 
 
 def _sorting_network(n: int) -> list[tuple[int, int]]:
