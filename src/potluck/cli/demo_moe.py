@@ -4,9 +4,9 @@ Each trainer's model is input layer -> RemoteMixtureOfExperts over a 2x4 grid of
 classifier. The experts live on two expert-server processes (grid rows 0 and 1) and learn from
 both trainers' gradients with the servers' own optimizers; the trainers' own parameters (input
 layer, gate, classifier) are trained data parallel with `potluck.Optimizer` (sync mode), so after
-every update they both take they are the same on both trainers. Midway one server is killed: its experts
-vanish from the DHT and the trainers go on with the survivors. The parent prints a progress line
-and writes report.json and loss.png.
+every update both take they are the same on both trainers. Midway one server is killed: its
+experts vanish from the DHT and the trainers go on with the survivors. The parent prints a
+progress line and writes report.json and loss.png.
 """
 
 from __future__ import annotations
