@@ -113,6 +113,37 @@ def test_members_whose_leader_left_or_stays_away_form_a_group_without_it(leader_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("computing", [True, False])
+def test_a_member_before_its_late_leader_waits_for_it_only_while_it_computes(computing):
+    """A member begins 0.6 windows before its last leader, past its first wait (half its window).
+    A leader that computed meanwhile (the optimizer's progress view says so) is late, not gone:
+    the member asks again and all four meet. Before, it went to the DHT and gathered alone while
+    the leader, gathering its last members without the DHT, waited out its window for it. A
+    leader that computed nothing (stalled) is not waited for past the first wait, as before."""
+    async def main():
+        net, peers = await make_swarm(4)
+        avgs = averagers(peers)
+        first = await asyncio.gather(*(a.astep(group_key="e0", members=ids(peers)) for a in avgs))
+        lead = next(i for i, p in enumerate(peers) if str(p.transport.peer_id) == first[0].peers[0])
+        early = (lead + 1) % 4
+        asked = []
+        avgs[early].matchmaker.last.computed = lambda peer, since: asked.append(str(peer)) or computing
+
+        async def step(i: int):
+            if i != early:
+                await asyncio.sleep(0.6 * WINDOW)
+            return await avgs[i].astep(group_key="e1", members=ids(peers))
+        results = await asyncio.gather(*(step(i) for i in range(4)), return_exceptions=True)
+        sizes = [getattr(r, "group_size", "failed") for r in results]
+        assert asked and set(asked) == {first[0].peers[0]}, asked  # about its last leader only
+        if computing:
+            assert sizes == [4] * 4, results
+        else:
+            assert sizes[early] == "failed" and sorted(sizes[:early] + sizes[early + 1:]) == [3] * 3, results
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
 def test_only_members_of_the_last_group_may_ask_to_be_held_by_its_leader():
     async def main():
         net, peers = await make_swarm(3)
@@ -173,6 +204,15 @@ def test_progress_is_taken_only_from_neighbors_and_only_about_themselves():
         assert abs(report.time - a.dht.get_time()) < 0.2
         merged = a.merged({})
         assert set(merged) == {b.peer_id}
+        # A neighbor computes while its progress moves; the same numbers again are no step.
+        since = a.dht.get_time()
+        await asyncio.sleep(0.1)
+        await b.report(3, 96, 100.0, 3, store=False)
+        await asyncio.sleep(0.1)
+        assert not a.computed_since(b.peer_id, since)
+        await b.report(3, 104, 100.0, 3, store=False)
+        await asyncio.sleep(0.1)
+        assert a.computed_since(b.peer_id, since) and not a.computed_since(stranger.peer_id, 0.0)
         for t in trackers:
             t.close()
     run_virtual(main())

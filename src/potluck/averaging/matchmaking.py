@@ -111,6 +111,15 @@ REJOIN_WAIT = 5.0
 # A returning member asks to be held for this part of its window; a leader that has not started
 # gathering by then is late or gone, and the member uses the DHT in the rest of the window.
 REJOIN_FRACTION = 0.5
+# ... unless the leader has computed meanwhile (`LastGroup.computed`): it is late, not stalled or
+# gone, and the member asks again, for this part of its window each time, until this part of it
+# has passed. Over the emulated WAN a leader on a loaded machine began a round 0.53 s after a
+# member whose hold was 0.5 s: the member gathered alone through the DHT while the leader, which
+# gathers its last members without the DHT, waited out its window for it; the round failed, and
+# two repairs followed (about 10 s). A stalled leader computes nothing, and is not waited for. A
+# leader that says it computes and never gathers costs its members one round, as one that fails
+# their joins does (they look for their next group through the DHT).
+LATE_LEADER_FRACTION = 0.9
 # Longest group key a join request may name (ours are an epoch, a part and a grid cell).
 MAX_KEY_CHARS = 512
 # Hand-overs a follower follows in one join: honest leaders hand over once each, to an earlier
@@ -127,6 +136,9 @@ class LastGroup:
 
     leader: PeerID | None = None
     members: frozenset[PeerID] = frozenset()
+    # Whether a peer has computed (its progress moved) since a DHT time: tells a late leader from
+    # a stalled one (LATE_LEADER_FRACTION). The optimizer's progress view; None: never known.
+    computed: Callable[[PeerID, float], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -400,7 +412,7 @@ class Matchmaker:
         leader = self.last.leader if self.last.leader != self.transport.peer_id else None
         if leader is not None:
             await _settle(0.0, ready)  # our own check first: a failing peer must not join
-            rejoined = await self._rejoin(leader, group_key, me, window * REJOIN_FRACTION, give_up)
+            rejoined = await self._rejoin(leader, group_key, me, window, give_up)
             if rejoined is not None:
                 return rejoined
         gathering: _Gathering | None = None
@@ -471,12 +483,25 @@ class Matchmaker:
         gathering.done.set_result(JoinMoved(leader))
         gathering.settled.set()
 
-    async def _rejoin(self, leader: PeerID, group_key: str, me: Candidate, wait: float,
+    async def _rejoin(self, leader: PeerID, group_key: str, me: Candidate, window: float,
                       give_up: float) -> FormedGroup | None:
-        """Ask our last leader to take us again (it may hold us `wait` seconds before it gathers);
-        None if it will not (it is open to newcomers, late, or gone): then we use the DHT."""
+        """Ask our last leader to take us again (it may hold us REJOIN_FRACTION of our `window`
+        before it gathers; again while it computes, up to LATE_LEADER_FRACTION); None if it will
+        not (it is open to newcomers, stalled, or gone): then we use the DHT."""
+        wait, last = window * REJOIN_FRACTION, self.dht.get_time() + window * LATE_LEADER_FRACTION
+        computed = self.last.computed
         try:
-            return await self._join(leader, group_key, me, give_up, set(), rejoin_wait=wait)
+            while True:
+                asked = self.dht.get_time()
+                joined = await self._join(leader, group_key, me, give_up, set(), rejoin_wait=wait)
+                now = self.dht.get_time()
+                # Held for the whole wait, the leader not gathering yet: late if it computed meanwhile.
+                if joined is not None or computed is None or now - asked < wait or not computed(leader, asked):
+                    return joined
+                wait = min(window * (1 - REJOIN_FRACTION) / 2, last - now)
+                if wait <= 0:
+                    return None
+                logger.debug("our last leader %s is late but computing: asking again", leader)
         except AveragingError as e:
             logger.debug("rejoining %s failed: %s", leader, e)
             return None

@@ -674,7 +674,15 @@ class RunContext:
         the last group for both, so a state round asks that round's leader directly instead of
         declaring itself in the DHT. Over loaded WAN links the DHT's 0.5 s window left every member
         of a DiLoCo repair round alone (`benchmarks/wan.py --workload wide`), and the swarm apart."""
-        self.state.averager.matchmaker.last = averager.matchmaker.last
+        last = self.state.averager.matchmaker.last = averager.matchmaker.last
+        last.computed = self.computes_towards_us  # a late last leader is waited for, a stalled one not
+
+    def computes_towards_us(self, peer: Any, since: float) -> bool:
+        """Whether `peer` (our last leader) has computed since DHT time `since` towards a round we
+        may be in, not past our epoch: it is late for our round, not stalled or gone."""
+        report = self.tracker.pushed.get(str(peer))
+        return report is not None and report.epoch <= self.accumulating_epoch \
+            and self.tracker.computed_since(peer, since)
 
     async def average_state(self, key: str, expected: int, members: frozenset[str] | None = None) -> None:
         """Average parameters and statistics in place with a group (untouched if the round fails)."""

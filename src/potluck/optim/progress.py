@@ -240,6 +240,7 @@ class ProgressTracker:
         self._averaged: dict[str, tuple[int, float, float]] = {}
         self._over_averaged: set[str] = set()  # peers now far over what they averaged with (named once each)
         self._rounds: list[RoundRecord] = []  # our latest rounds, as published (record_round)
+        self._moved: dict[str, float] = {}  # neighbor -> DHT time its pushed progress last moved
         transport.add_handler(self.method, self._on_push)
 
     def close(self) -> None:
@@ -338,7 +339,18 @@ class ProgressTracker:
             return
         report = _parse(sender, request, self.dht.get_time())
         if report is not None and self.counts(report):
+            old = self.pushed.get(sender)
+            if old is None or (old.epoch, old.samples, old.done) != (report.epoch, report.samples, report.done):
+                self._moved.pop(sender, None)  # re-inserted as the newest
+                self._moved[sender] = self.dht.get_time()
+                for peer in list(self._moved)[:max(0, len(self._moved) - MAX_NEIGHBORS)]:
+                    del self._moved[peer]
             self.pushed = {**self.pushed, sender: report}
+
+    def computed_since(self, peer: Any, since: float) -> bool:
+        """Whether neighbor `peer` reported progress (a step, an epoch) after DHT time `since`: it
+        is computing, not stalled (`LastGroup.computed`)."""
+        return self._moved.get(str(peer), float("-inf")) > since
 
     def counts(self, report: PeerProgress) -> bool:
         """Whether `report` counts in our view: it names our fingerprint, or none (a record of an

@@ -200,6 +200,7 @@ class StreamingDiLoCo(TrainingMode):
         # the DHT, over slow links every member of it gathered alone, and the outer points stayed
         # apart for good. (It blocks the steps, so no round's matchmaking runs beside it.)
         last = self.fragments[0].averager.matchmaker.last
+        last.computed = self.context.computes_towards_us  # a late last leader is waited for, a stalled one not
         for fragment in self.fragments:
             fragment.averager.matchmaker.last = fragment.outer_averager.matchmaker.last = last
 
