@@ -12,7 +12,8 @@ A group meets again without the DHT: a member asks the leader of its last group 
 leader whose caller knows that exactly that group's members take part (`members`) closes the
 group as soon as they are back, with no declaration and no settling. A leader that is open to
 newcomers turns its old members away, and they fall back to the DHT like everyone else; so does a
-member whose leader does not gather in time. This saves the DHT's part of every epoch's
+member whose leader does not gather in time (one that computes meanwhile is late, not gone: it is
+asked again, `LATE_LEADER_FRACTION`). This saves the DHT's part of every epoch's
 matchmaking in a stable swarm (most of a round on a fast network). Averagers that meet the same
 peers can share that memory (`LastGroup`): Streaming DiLoCo's fragments meet through the DHT once.
 
@@ -488,17 +489,19 @@ class Matchmaker:
         """Ask our last leader to take us again (it may hold us REJOIN_FRACTION of our `window`
         before it gathers; again while it computes, up to LATE_LEADER_FRACTION); None if it will
         not (it is open to newcomers, stalled, or gone): then we use the DHT."""
-        wait, last = window * REJOIN_FRACTION, self.dht.get_time() + window * LATE_LEADER_FRACTION
+        wait, until = window * REJOIN_FRACTION, self.dht.get_time() + window * LATE_LEADER_FRACTION
         computed = self.last.computed
         try:
             while True:
                 asked = self.dht.get_time()
                 joined = await self._join(leader, group_key, me, give_up, set(), rejoin_wait=wait)
                 now = self.dht.get_time()
-                # Held for the whole wait, the leader not gathering yet: late if it computed meanwhile.
-                if joined is not None or computed is None or now - asked < wait or not computed(leader, asked):
+                # Held for the whole wait (a refusal for another reason comes at once), the leader
+                # not gathering yet: late if it computed meanwhile.
+                held = now - asked >= 0.9 * min(wait, REJOIN_WAIT)
+                if joined is not None or computed is None or not held or not computed(leader, asked):
                     return joined
-                wait = min(window * (1 - REJOIN_FRACTION) / 2, last - now)
+                wait = min(window * (1 - REJOIN_FRACTION) / 2, until - now)
                 if wait <= 0:
                     return None
                 logger.debug("our last leader %s is late but computing: asking again", leader)
