@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from potluck.averaging import Averager
+from potluck.averaging.matchmaking import BEGIN_SLACK
+from potluck.core.errors import AveragingError
 from potluck.core.names import RunNames
 from potluck.core.virtual_time import run_virtual
 from potluck.optim.progress import ProgressTracker
@@ -140,6 +142,27 @@ def test_a_member_before_its_late_leader_waits_for_it_only_while_it_computes(com
             assert sizes == [4] * 4, results
         else:
             assert sizes[early] == "failed" and sorted(sizes[:early] + sizes[early + 1:]) == [3] * 3, results
+    run_virtual(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_that_says_it_computes_and_never_gathers_costs_its_member_one_window():
+    """A last leader whose progress keeps moving but that never begins the round (stuck, or
+    lying) is asked again only until LATE_LEADER_FRACTION of the member's window: the member then
+    looks in the DHT and its round ends with its window, not BEGIN_SLACK later."""
+    async def main():
+        net, peers = await make_swarm(4)
+        avgs = averagers(peers)
+        first = await asyncio.gather(*(a.astep(group_key="e0", members=ids(peers)) for a in avgs))
+        lead = next(i for i, p in enumerate(peers) if str(p.transport.peer_id) == first[0].peers[0])
+        member = avgs[(lead + 1) % 4]
+        asked = []
+        member.matchmaker.last.computed = lambda peer, since: asked.append(since) or True
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(AveragingError):
+            await member.astep(group_key="e1", members=ids(peers))
+        assert len(asked) >= 2 and loop.time() - began < WINDOW + BEGIN_SLACK / 2, (asked, loop.time() - began)
     run_virtual(main())
 
 

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from potluck.core.bounded import drop_oldest
 from potluck.core.errors import MalformedMessage, NetworkError, PotluckError
 from potluck.core.names import RunNames
 from potluck.core.wire import Bool, Bytes, Dict, Int, List, Message, Nested, Number, Text, Tuple, number_value
@@ -254,8 +255,7 @@ class ProgressTracker:
         for peer in chosen:
             self._grouped.pop(peer, None)  # re-inserted as the newest
             self._grouped[peer] = None
-        for peer in list(self._grouped)[:max(0, len(self._grouped) - MAX_AVERAGED_PEERS)]:
-            del self._grouped[peer]
+        drop_oldest(self._grouped, MAX_AVERAGED_PEERS)
         self.pushed = {peer: r for peer, r in self.pushed.items() if peer in self._neighbors}
 
     def in_recent_groups(self, peer: str) -> bool:
@@ -307,8 +307,7 @@ class ProgressTracker:
             if peer != self.peer_id:
                 self._averaged.pop(peer, None)  # re-inserted as the newest
                 self._averaged[peer] = (n, n / duration, now)
-        for peer in list(self._averaged)[:max(0, len(self._averaged) - MAX_AVERAGED_PEERS)]:
-            del self._averaged[peer]
+        drop_oldest(self._averaged, MAX_AVERAGED_PEERS)
 
     @property
     def rounds(self) -> tuple[RoundRecord, ...]:
@@ -343,8 +342,7 @@ class ProgressTracker:
             if old is None or (old.epoch, old.samples, old.done) != (report.epoch, report.samples, report.done):
                 self._moved.pop(sender, None)  # re-inserted as the newest
                 self._moved[sender] = self.dht.get_time()
-                for peer in list(self._moved)[:max(0, len(self._moved) - MAX_NEIGHBORS)]:
-                    del self._moved[peer]
+                drop_oldest(self._moved, MAX_NEIGHBORS)
             self.pushed = {**self.pushed, sender: report}
 
     def computed_since(self, peer: Any, since: float) -> bool:
