@@ -19,15 +19,20 @@ import weakref
 import pytest
 import torch
 
+import potluck
 from potluck.averaging import Averager
 from potluck.averaging.allreduce import AllReduceRun, AllReduceService, BufferPool
 from potluck.averaging.allreduce.buffers import POOL_GRANULE
 from potluck.averaging.matchmaking import Matchmaker
+from potluck.core.dht_time import event_loop_clock
 from potluck.core.errors import AveragingError, PeerUnreachable
 from potluck.core.names import RunNames
-from potluck.core.virtual_time import run_virtual
+from potluck.core.runner import acquire_runner, release_runner
+from potluck.core.virtual_time import run_virtual, virtual_time_loop
 from potluck.net import Identity, TCPTransport
+from potluck.net.emulated import EmulatedNetwork
 from potluck.net.transport import IDLE_BULK_SECONDS
+from potluck.optim import Optimizer
 from tests.conftest import LOOP_KINDS
 from tests.emulated_swarm import make_swarm
 from tests.test_allreduce import CODEC, average, make_group, swarm, weighted_mean
@@ -354,6 +359,56 @@ def test_matchmaking_formed_or_failed_leaves_no_cyclic_garbage_nor_gatherings():
         for m in makers:
             m.close()
     run_virtual(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "diloco", "streaming"])
+def test_an_optimizers_rounds_and_its_shutdown_leave_no_cyclic_garbage(mode):
+    """Three peers train a few epochs: their rounds leave nothing for the GC, and an optimizer
+    shut down and dropped is freed at once (its context, averagers, state server and last group
+    with it), not when the GC next runs; so is its peer, shut down after it."""
+    options = {"sync": dict(average_state_every=1), "diloco": dict(mode="diloco", local_steps=4),
+               "streaming": dict(mode="diloco", local_steps=4, fragments=2)}[mode]
+    torch.optim.SGD([torch.zeros(1)], 0.1)  # torch's lazy imports on a first optimizer, outside the watch
+
+    async def main():
+        network = EmulatedNetwork(latency=0.01, seed=1)
+        peers: list[potluck.Peer] = []
+        for _ in range(3):
+            peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
+                                                   clock=event_loop_clock()))
+        models = [torch.nn.Linear(8, 2) for _ in peers]
+        optimizers = [Optimizer(peer, "life", model.parameters(), lambda p: torch.optim.SGD(p, 0.1),
+                                target_batch_size=64, batch_size_per_step=8, start=False, **options)
+                      for peer, model in zip(peers, models, strict=True)]
+
+        async def train(model, opt, epochs: int, seconds: float) -> None:
+            while opt.local_epoch < epochs:
+                model(torch.randn(8, 8)).square().mean().backward()
+                await asyncio.sleep(seconds)
+                await opt.astep()
+        with gc_saving_garbage():
+            for opt in optimizers:
+                await opt.astart()
+            for epochs in (2, 5):  # the first groups form, then the steady rounds
+                await asyncio.gather(*(train(m, o, epochs, 0.02 * (1 + i))
+                                       for i, (m, o) in enumerate(zip(models, optimizers, strict=True))))
+                assert cyclic_garbage() == []
+            watched = [weakref.ref(o) for o in optimizers] + [weakref.ref(o.context) for o in optimizers]
+            for opt in optimizers:
+                opt.shutdown()
+            await asyncio.sleep(1.0)  # virtual time: the background tasks end
+            del optimizers, opt
+            assert [w for w in watched if w() is not None] == []
+            assert cyclic_garbage() == []
+            for peer in peers:
+                await peer.ashutdown()
+            assert cyclic_garbage() == []
+    runner = acquire_runner(virtual_time_loop)  # (a Peer runs on potluck's loop)
+    try:
+        runner.run(main(), timeout=100)
+    finally:
+        release_runner()
 
 
 @pytest.mark.timeout(60)

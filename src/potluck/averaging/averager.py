@@ -558,6 +558,7 @@ class Averager:
         _discard(self._announcing)  # (it would announce a state nobody serves any more)
         if self.state_server is not None:
             self.state_server.close()
+            self.state_server = None  # (it calls back into us: a cycle only the GC would free)
 
 
 def _smoothed(estimate: float, measured: float, seen: bool) -> float:

@@ -359,6 +359,7 @@ class Matchmaker:
 
     def close(self) -> None:
         self.transport.remove_handler(self.names.join)
+        self.last.computed = None  # the owner's callback: a closed matchmaker asks nothing, holds nothing of it
         for gathering in self._gatherings.values():
             if not gathering.done.done():
                 gathering.done.set_result("averager shut down")

@@ -307,6 +307,13 @@ class RunContext:
     def start_progress(self) -> None:
         self.epoch_began = self.now()
         self._progress_task = asyncio.ensure_future(self._progress_loop())
+        # Dropped once it ends: a cancelled task keeps its CancelledError, whose traceback holds
+        # the loop's frame and so this context (a cycle only the GC would free).
+        self._progress_task.add_done_callback(self._progress_ended)
+
+    def _progress_ended(self, task: asyncio.Future) -> None:
+        if self._progress_task is task:
+            self._progress_task = None
 
     async def _progress_loop(self) -> None:
         tick = 0
@@ -715,9 +722,10 @@ class RunContext:
 
     def stop(self) -> None:
         """Stop publishing progress (from any thread); the peer itself stays up."""
-        loop = None if self._progress_task is None else self._progress_task.get_loop()
+        task = self._progress_task  # (read once: it is dropped when it ends, in the loop's thread)
+        loop = None if task is None else task.get_loop()
         if loop is not None and not loop.is_closed():  # (a closed loop cancelled it already)
-            loop.call_soon_threadsafe(self._progress_task.cancel)
+            loop.call_soon_threadsafe(task.cancel)
         self.tracker.close()
         self.state.averager.shutdown()
 
