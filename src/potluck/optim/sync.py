@@ -116,6 +116,8 @@ class SyncTraining(TrainingMode):
         return self.validation.batch(self.context.epoch, str(self.context.peer.peer_id), self.batches)
 
     def shutdown(self) -> None:
+        if self.pending is not None:  # a delayed round under way ends with the averager: nobody reads it
+            self.pending.task.add_done_callback(retrieve_exception)
         if self.grad_averager is not None:
             self.grad_averager.shutdown()
 
@@ -127,7 +129,13 @@ class SyncTraining(TrainingMode):
             tally.samples += context.settings.batch_size_per_step  # (here: reports read it meanwhile)
         if self.pending is not None:
             if not self.pending.task.done():
-                return  # the last epoch's averaging is still running in the background
+                if not (self.grad_averager.forming and context.round_is_over(self.pending.epoch)):
+                    return  # the last epoch's averaging is still running in the background
+                # No group yet, and the swarm's round is over: none will come (as `wait_for_round`).
+                # Waiting out the window, a straggler opened each next round a window late, the
+                # others counting it in and waiting for it: every epoch took a window.
+                self.pending.task.cancel()
+                await asyncio.wait([self.pending.task])
             await self._finish_update(self.pending)
         progress = context.progress()
         if progress.epoch == context.epoch + 1 and self.options.delay_updates:
