@@ -387,23 +387,27 @@ def test_an_optimizers_rounds_and_its_shutdown_leave_no_cyclic_garbage(mode):
                 model(torch.randn(8, 8)).square().mean().backward()
                 await asyncio.sleep(seconds)
                 await opt.astep()
-        with gc_saving_garbage():
-            for opt in optimizers:
-                await opt.astart()
-            for epochs in (2, 5):  # the first groups form, then the steady rounds
-                await asyncio.gather(*(train(m, o, epochs, 0.02 * (1 + i))
-                                       for i, (m, o) in enumerate(zip(models, optimizers, strict=True))))
+        try:
+            with gc_saving_garbage():
+                for opt in optimizers:
+                    await opt.astart()
+                for epochs in (2, 5):  # the first groups form, then the steady rounds
+                    await asyncio.gather(*(train(m, o, epochs, 0.02 * (1 + i))
+                                           for i, (m, o) in enumerate(zip(models, optimizers, strict=True))))
+                    assert cyclic_garbage() == []
+                watched = [weakref.ref(o) for o in optimizers] + [weakref.ref(o.context) for o in optimizers]
+                for opt in optimizers:
+                    opt.shutdown()
+                await asyncio.sleep(1.0)  # virtual time: the background tasks end
+                del optimizers, opt
+                assert [w for w in watched if w() is not None] == []
                 assert cyclic_garbage() == []
-            watched = [weakref.ref(o) for o in optimizers] + [weakref.ref(o.context) for o in optimizers]
-            for opt in optimizers:
-                opt.shutdown()
-            await asyncio.sleep(1.0)  # virtual time: the background tasks end
-            del optimizers, opt
-            assert [w for w in watched if w() is not None] == []
-            assert cyclic_garbage() == []
+                while peers:
+                    await peers.pop().ashutdown()
+                assert cyclic_garbage() == []
+        finally:  # (peers left up would keep the shared loop from the next test)
             for peer in peers:
                 await peer.ashutdown()
-            assert cyclic_garbage() == []
     runner = acquire_runner(virtual_time_loop)  # (a Peer runs on potluck's loop)
     try:
         runner.run(main(), timeout=100)

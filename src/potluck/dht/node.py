@@ -289,6 +289,9 @@ class DHTNode:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        # A cancelled task keeps its CancelledError, whose traceback holds the task's frame and so
+        # this node: dropped, a node shut down is freed without the cyclic GC.
+        self._upkeep_task = self._republish_task = None
 
     async def wait_idle(self, timeout: float = OPERATION_TIMEOUT) -> None:
         """Wait until the background work started so far (hand-offs, caching stores, pings, the
