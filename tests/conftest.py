@@ -22,10 +22,11 @@ LOOP_KINDS = ["asyncio", "uvloop"]
 
 
 def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """A fresh loop of `kind`, as potluck makes its own (`potluck.core.runner.new_event_loop`)."""
     if kind == "uvloop":
         import uvloop
-        return uvloop.new_event_loop
-    return asyncio.new_event_loop
+        return lambda: compat.count_cancellations(uvloop.new_event_loop())
+    return lambda: compat.count_cancellations(asyncio.new_event_loop())
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from potluck.core import compat
 from potluck.core.errors import DeadlineExceeded
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         except ImportError:
             pass
         else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
+            return compat.count_cancellations(uvloop.new_event_loop())
+    return compat.count_cancellations(asyncio.new_event_loop())
 
 
 class LoopRunner:

@@ -71,6 +71,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # (the job's own future, the one its caller awaits), in the order they were submitted
         self._executor_jobs: list[tuple[asyncio.Future[Any], asyncio.Future[Any]]] = []
         super().__init__(selector=_VirtualSelector(self))
+        compat.count_cancellations(self)
 
     def time(self) -> float:
         return self._now
