@@ -46,3 +46,57 @@ def test_compat_gives_the_standard_library_objects_on_this_python():
         assert compat.timeout is asyncio.timeout and compat.TaskGroup is asyncio.TaskGroup
         assert compat.ExceptionGroup is ExceptionGroup  # noqa: F821 - a builtin from 3.11 on
     assert compat.tomllib.loads("a = 1") == {"a": 1}
+
+
+def test_compat_timeouts_behave_as_3_11s_in_potlucks_loops(arun):
+    """What potluck relies on of `compat.timeout` (on 3.10 its own `_Deadline`): an expired deadline
+    raises TimeoutError and the task goes on; a cancellation from outside stays a cancellation, even
+    when it comes as the deadline passes; of nested deadlines only the one that expired converts."""
+    import asyncio
+
+    async def scenario():
+        async with compat.timeout(0.01) as deadline:
+            assert deadline.when() is not None and not deadline.expired()
+        try:
+            async with compat.timeout(0.01) as deadline:
+                await asyncio.sleep(1)
+        except TimeoutError:
+            assert deadline.expired()
+        else:
+            raise AssertionError("the deadline did not expire")
+        async with compat.timeout(None) as unbounded:
+            await asyncio.sleep(0.01)
+        assert unbounded.when() is None and not unbounded.expired()
+
+        try:  # the outer deadline expires while the inner one is pending: only the outer converts
+            async with compat.timeout(0.01) as outer:
+                try:
+                    async with compat.timeout(5):
+                        await asyncio.sleep(1)
+                except TimeoutError:
+                    raise AssertionError("the inner deadline converted the outer one's cancellation")
+        except TimeoutError:
+            assert outer.expired()
+        async with compat.timeout(5):  # and the inner one expiring leaves the outer one alone
+            try:
+                async with compat.timeout(0.01):
+                    await asyncio.sleep(1)
+            except TimeoutError:
+                pass
+            await asyncio.sleep(0.02)
+
+        async def cancelled_as_it_expires():
+            loop = asyncio.get_running_loop()
+            me = asyncio.current_task()
+            async with compat.timeout_at(loop.time() + 0.05):
+                loop.call_at(loop.time() + 0.05, me.cancel)  # same moment: both requests pending
+                await asyncio.sleep(1)
+        task = asyncio.ensure_future(cancelled_as_it_expires())
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert task.cancelled(), "a cancellation from outside became a TimeoutError"
+        return True
+
+    assert arun(scenario(), timeout=30)

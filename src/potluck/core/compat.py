@@ -26,7 +26,6 @@ else:  # pragma: no cover - exercised on 3.10 only
     from taskgroup import Runner, TaskGroup
     from taskgroup import timeout_at as _wrapping_timeout_at
     from taskgroup.tasks import task_factory as _counting_task
-    from taskgroup.timeouts import _Timeout
 
     def count_cancellations(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """`loop`, its tasks made of the backport's class, which counts cancellations as 3.11's
@@ -35,12 +34,51 @@ else:  # pragma: no cover - exercised on 3.10 only
             loop.set_task_factory(_counting_task)
         return loop
 
+    class _Deadline:
+        """3.11's `asyncio.Timeout` as potluck uses it (entered once, its deadline fixed), for a
+        task that counts its cancellations: at the deadline it cancels the task, and on exit turns
+        that cancellation into TimeoutError unless another was requested meanwhile."""
+
+        def __init__(self, when: float | None) -> None:
+            self._when, self._task, self._handle, self._expired = when, None, None, False
+
+        def when(self) -> float | None:
+            return self._when
+
+        def expired(self) -> bool:
+            return self._expired
+
+        async def __aenter__(self) -> _Deadline:
+            task = asyncio.current_task()
+            if task is None:
+                raise RuntimeError("a timeout must be used inside a task")
+            self._task, self._cancelling = task, task.cancelling()
+            if self._when is not None:
+                loop = asyncio.get_running_loop()
+                if self._when <= loop.time():
+                    self._handle = loop.call_soon(self._expire)
+                else:
+                    self._handle = loop.call_at(self._when, self._expire)
+            return self
+
+        async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+            if self._handle is not None:
+                self._handle.cancel()
+                self._handle = None
+            task, self._task = self._task, None
+            if self._expired and task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
+
+        def _expire(self) -> None:
+            self._handle, self._expired = None, True
+            self._task.cancel()
+
     def timeout_at(when: float | None) -> Any:
-        """3.11's `asyncio.timeout_at`. In a task that counts its cancellations, the backport's plain
-        timeout; elsewhere its public one, which first wraps the task to count them: its exit stack
-        and that wrapping left reference cycles on every use (garbage for the cyclic GC)."""
+        """3.11's `asyncio.timeout_at`. In a task that counts its cancellations, `_Deadline`;
+        elsewhere the backport's public one, which first wraps the task to count them: its exit
+        stack and that wrapping left reference cycles on every use (garbage for the cyclic GC)."""
         task = asyncio.current_task()
-        return _Timeout(when) if hasattr(task, "uncancel") else _wrapping_timeout_at(when)
+        return _Deadline(when) if hasattr(task, "uncancel") else _wrapping_timeout_at(when)
 
     def timeout(delay: float | None) -> Any:
         """3.11's `asyncio.timeout` (see `timeout_at`)."""
