@@ -74,7 +74,7 @@ def test_compat_timeouts_behave_as_3_11s_in_potlucks_loops(arun):
                     async with compat.timeout(5):
                         await asyncio.sleep(1)
                 except TimeoutError:
-                    raise AssertionError("the inner deadline converted the outer one's cancellation")
+                    raise AssertionError("the inner deadline converted the outer one's cancellation") from None
         except TimeoutError:
             assert outer.expired()
         async with compat.timeout(5):  # and the inner one expiring leaves the outer one alone
