@@ -537,9 +537,18 @@ class RunContext:
         """Wait for `epoch`'s round; cancel it if we have no group yet and the round is over."""
         while not task.done():
             await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
-            if not task.done() and averager.forming and self.round_is_over(epoch):
-                task.cancel()
-                await asyncio.wait([task])
+            await self.give_up_round(task, averager, epoch)
+
+    async def give_up_round(self, task: asyncio.Future, averager: Averager, epoch: int) -> bool:
+        """Cancel `epoch`'s round `task` (and wait for it) if it has no group yet and the swarm's
+        round of that epoch is over: none will come. Whether it did. Waiting out the window
+        instead, a straggler opened each next round a window late while the others, counting it
+        in, waited for it: every epoch took a window."""
+        if task.done() or not (averager.forming and self.round_is_over(epoch)):
+            return False
+        task.cancel()
+        await asyncio.wait([task])
+        return True
 
     def record_round(self, epoch: int, notes: dict[str, RoundNote], contributors: list[str],
                      keeper: str | None = None) -> None:

@@ -128,15 +128,11 @@ class SyncTraining(TrainingMode):
         elif context.settings.role != Role.AUX:
             tally.samples += context.settings.batch_size_per_step  # (here: reports read it meanwhile)
         if self.pending is not None:
-            if not self.pending.task.done():
-                if not (self.grad_averager.forming and context.round_is_over(self.pending.epoch)):
-                    return  # the last epoch's averaging is still running in the background
-                # No group yet, and the swarm's round is over: none will come (as `wait_for_round`).
-                # Waiting out the window, a straggler opened each next round a window late, the
-                # others counting it in and waiting for it: every epoch took a window.
-                self.pending.task.cancel()
-                await asyncio.wait([self.pending.task])
-            await self._finish_update(self.pending)
+            pending = self.pending
+            if not pending.task.done() and not await context.give_up_round(pending.task, self.grad_averager,
+                                                                            pending.epoch):
+                return  # the last epoch's averaging is still running in the background
+            await self._finish_update(pending)
         progress = context.progress()
         if progress.epoch == context.epoch + 1 and self.options.delay_updates:
             await self._update_epoch(progress)  # others started this epoch's round: join it now
