@@ -39,7 +39,10 @@ their links' rates, or measuring them with --measure-bandwidth): time to target,
 system's ratio to potluck's sync (above 1: sync is faster). With --alone BATCH, one more process
 trains beside each system from the same start, alone (Adam on batches of BATCH, no network), with a
 peer's share of the same cores: the swarm against one machine at equal wall time (ratio
-alone/system above 1: the swarm got there sooner). torchft 0.2.0 as benchmarks/torchft_compare.py
+alone/system above 1: the swarm got there sooner). With --cpus CORES every training process runs in
+a CPU cgroup of its own, capped at CORES cores: machines of equal compute (without it a process
+takes whatever cores the others leave idle, so the lone process's share depends on the system
+beside it). torchft 0.2.0 as benchmarks/torchft_compare.py
 runs it (lighthouse on peer 0, one flat all-reduce of the gradients per step over Gloo, bound to
 the namespace's TAP device by GLOO_SOCKET_IFNAME; its servers advertise the namespace's address),
 and its DiLoCo (`torchft_diloco`: DiLoCo's settings as potluck's `diloco` system); hivemind 1.1.12
@@ -58,7 +61,7 @@ Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--pee
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
            [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-delay 1]
            [--aggregation mean]
-           [--target 0.95] [--cap 90] [--alone 32] [--measure-bandwidth]
+           [--target 0.95] [--cap 90] [--alone 32] [--cpus 0.35] [--measure-bandwidth]
 """
 
 from __future__ import annotations
@@ -101,6 +104,58 @@ TCP_PORT = 29562  # the plain-TCP reference's listener on every peer
 MATCHMAKING_TIME = 1.0
 
 
+# --cpus: every training process (a peer, the lone process) in a CPU cgroup of its own, capped at
+# that many cores: machines of equal compute. Without it they share the machine's cores as the
+# scheduler hands them out, and a process gets what the others leave idle: the lone process beside
+# a swarm whose peers wait for their rounds then trains on more than one peer's share.
+CGROUP_PREFIX = "potluck-wan-cpu-"
+CGROUP_PERIOD_US = 100_000
+
+
+def cgroup_root() -> Path:
+    """The CPU controller's hierarchy: cgroup v1's cpu controller, or v2's unified one."""
+    for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+        if (root / "cpu.cfs_quota_us").exists() or "cpu" in _read(root / "cgroup.subtree_control").split():
+            return root
+    sys.exit("--cpus needs the cgroup cpu controller (/sys/fs/cgroup/cpu, or cpu in cgroup v2's subtree_control)")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def cpu_capped(command: list[str], name: str, cores: float | None) -> list[str]:
+    """`command`, run in the cgroup `name` (made now) whose processes share at most `cores` cores
+    (`command` unchanged if `cores` is None)."""
+    if cores is None:
+        return command
+    group = cgroup_root() / f"{CGROUP_PREFIX}{name}"
+    group.mkdir(exist_ok=True)
+    quota = max(1000, round(cores * CGROUP_PERIOD_US))
+    if (group / "cpu.cfs_quota_us").exists():
+        (group / "cpu.cfs_period_us").write_text(str(CGROUP_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {CGROUP_PERIOD_US}")
+    # the shell joins the group, then becomes the command (its children join with it)
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"), *command]
+
+
+def remove_cgroups() -> None:
+    """Delete our CPU cgroups (once their processes are gone: a few tries while they exit)."""
+    for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+        for group in root.glob(f"{CGROUP_PREFIX}*"):
+            for _ in range(20):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
 def sh(*args: str) -> str:
     result = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     if result.returncode != 0:
@@ -119,6 +174,7 @@ def sweep() -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+    remove_cgroups()
 
 
 def build(peers: int, profile: str):
@@ -540,7 +596,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
             params = {"profile": profile, "workload": args.workload, "local_steps": args.local_steps,
                       "bandwidth": "measured" if args.measure_bandwidth else "told",
                       "outer": [args.outer_lr, args.outer_momentum], "outer_delay": args.outer_delay,
-                      "aggregation": args.aggregation,
+                      "aggregation": args.aggregation, "cpus": args.cpus,
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
                       "command": " ".join(["python", "benchmarks/wan.py", *sys.argv[1:]])}
@@ -551,7 +607,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                 continue
 
             def command(rank: int, initial: str | None, system: str = system, python: str = python) -> list[str]:
-                return ["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
+                return cpu_capped(["ip", "netns", "exec", f"{PREFIX}{rank}", python, __file__, "--train", system,
                         "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
                         "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
                         "--outer-momentum", str(args.outer_momentum),
@@ -559,9 +615,10 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                         *(["--aggregation", args.aggregation] if args.aggregation else []),
                         "--target", str(args.target), "--profile", profile,
                         *(["--measure-bandwidth"] if args.measure_bandwidth else []),
-                        *(["--initial", initial] if initial else [])]
-            beside = [[sys.executable, __file__, "--train", "alone", "--alone", str(args.alone), "--data", data,
-                       "--workload", args.workload, "--target", str(args.target)]] if args.alone else []
+                        *(["--initial", initial] if initial else [])], f"peer{rank}", args.cpus)
+            beside = [cpu_capped([sys.executable, __file__, "--train", "alone", "--alone", str(args.alone),
+                                  "--data", data, "--workload", args.workload, "--target", str(args.target)],
+                                 "alone", args.cpus)] if args.alone else []
             try:
                 raw = run_swarm(command, args.peers, args.cap, beside=beside)
             except Exception as e:  # noqa: BLE001 - reported, and the other systems run
@@ -658,6 +715,10 @@ def main() -> None:
     parser.add_argument("--alone", type=int, default=0, metavar="BATCH",
                         help="with each system, one more process trains alone (Adam on batches of BATCH, no "
                              "network) from the same start on the same cores: the swarm against one machine")
+    parser.add_argument("--cpus", type=float, default=None, metavar="CORES",
+                        help="time to target: each training process (a peer, the lone process) in a CPU cgroup "
+                             "of its own capped at CORES cores, machines of equal compute (default: no cap, the "
+                             "processes share the cores as the scheduler gives them)")
     parser.add_argument("--measure-bandwidth", action="store_true",
                         help="time to target: potluck's peers measure their links instead of being told the "
                              "profile's rates (the all-reduce then does not pace its sends)")
