@@ -743,6 +743,11 @@ def main() -> None:
         args.rounds, args.floats, args.systems, args.target, args.cap = 3, parse_count("1M"), "sync_8bit", 0.9, 30.0
     if args.target is None:
         args.target = LM_TARGET if args.workload == "lm" else 0.95
+    processes = args.peers + (1 if args.alone else 0)
+    if args.cpus is not None and processes * args.cpus > (os.cpu_count() or 1):
+        print(f"wan.py: {processes} processes x {args.cpus:g} cores is more than this machine's {os.cpu_count()}: "
+              f"the caps will not bind; pass --cpus {0.9 * (os.cpu_count() or 1) / processes:.2f} or less",
+              file=sys.stderr)
     import torch
 
     from potluck.cli.tasks import load_data
