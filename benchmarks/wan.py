@@ -110,11 +110,12 @@ MATCHMAKING_TIME = 1.0
 # a swarm whose peers wait for their rounds then trains on more than one peer's share.
 CGROUP_PREFIX = "potluck-wan-cpu-"
 CGROUP_PERIOD_US = 100_000
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup"))  # cgroup v1's cpu controller, v2's unified tree
 
 
 def cgroup_root() -> Path:
     """The CPU controller's hierarchy: cgroup v1's cpu controller, or v2's unified one."""
-    for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+    for root in CGROUP_ROOTS:
         if (root / "cpu.cfs_quota_us").exists() or "cpu" in _read(root / "cgroup.subtree_control").split():
             return root
     sys.exit("--cpus needs the cgroup cpu controller (/sys/fs/cgroup/cpu, or cpu in cgroup v2's subtree_control)")
@@ -146,7 +147,7 @@ def cpu_capped(command: list[str], name: str, cores: float | None) -> list[str]:
 
 def remove_cgroups() -> None:
     """Delete our CPU cgroups (once their processes are gone: a few tries while they exit)."""
-    for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+    for root in CGROUP_ROOTS:
         for group in root.glob(f"{CGROUP_PREFIX}*"):
             for _ in range(20):
                 try:
