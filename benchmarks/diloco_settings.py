@@ -12,7 +12,8 @@ Workloads: "lm", the byte-level GPT of `potluck demo --task lm` (Adam 3e-3, 16 w
 validation windows of held-out standard-library files); "digits", the CNN of `potluck demo`
 (Adam 6e-3, 32 images a step, test loss on the held-out digits); "wan_lm", the language model of
 `benchmarks/wan.py --workload lm` (6.3M parameters, nearly all one table of hashed contexts; Adam
-1e-3, 32 windows a step), whose settings that benchmark's runs over emulated links use.
+at `wan.LM_LR` on `wan.LM_BATCH` windows a step, one process's best: benchmarks/lm_alone.py),
+whose settings that benchmark's runs over emulated links use.
 
 Prints one JSON object per line, e.g.
   {"task": "lm", "setting": "H20 lr1.0 m0.0", "steps": 500, "val_loss": 2.0, "alone_val_loss": 2.2, ...}
@@ -53,7 +54,7 @@ class Task:
             from potluck.workloads import lm
             self.wan, self.corpus = wan, lm.load_corpus()
             self.sample = lm.validation_sample(self.corpus, wan.LM_CONTEXT, wan.LM_VALIDATION_WINDOWS)
-            self.lr, self.batch = wan.LM_LR, 32
+            self.lr, self.batch = wan.LM_LR, wan.LM_BATCH
         elif name == "lm":
             from potluck.cli import demo_lm
             from potluck.workloads import lm
