@@ -29,8 +29,6 @@ import time
 import torch
 import wan
 
-from potluck.workloads import lm
-
 
 def steps_to_target(task: wan.LMTask, batch: int, lr: float, every: int, max_steps: int) -> dict:
     """Train a fresh model (the swarms' start) alone until the target; what it took."""
@@ -64,10 +62,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=wan.LM_TARGET)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    corpus = lm.load_corpus()
-    data = {"train": corpus.train,
-            "validation": lm.validation_sample(corpus, wan.LM_CONTEXT, wan.LM_VALIDATION_WINDOWS)}
-    task = wan.LMTask(data, args.target)
+    task = wan.LMTask(wan.lm_data(), args.target)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for lr in (float(r) for r in args.lrs.split(",")):

@@ -461,6 +461,14 @@ def make_lm() -> Any:
     return HashedBytes()
 
 
+def lm_data() -> dict:
+    """The "lm" workload's data as `LMTask` takes it: the training text, and the held-out windows
+    every process scores on (the same ones everywhere)."""
+    from potluck.workloads import lm
+    corpus = lm.load_corpus()
+    return {"train": corpus.train, "validation": lm.validation_sample(corpus, LM_CONTEXT, LM_VALIDATION_WINDOWS)}
+
+
 class LMTask:
     """The "lm" workload's batches (random training windows) and score (validation loss on the
     parent's held-out windows, the same for every process; the target is reached at or below it),
@@ -684,8 +692,7 @@ def parse_count(text: str) -> int:
 
 def main() -> None:
     import torchft_compare as base
-    from torchft_compare import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM  # potluck's defaults (the paper's)
-    base_outer = (DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM)
+    base_outer = (base.DILOCO_OUTER_LR, base.DILOCO_OUTER_MOMENTUM)  # potluck's defaults (the paper's)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="wan,home,lossy")
     parser.add_argument("--peers", type=int, default=4)
@@ -775,7 +782,6 @@ def main() -> None:
     import torch
 
     from potluck.cli.tasks import load_data
-    from potluck.workloads import lm
     # A kill (timeout, a CI step's end) ends us through the sweep below, not around it: the
     # namespaces stayed, with the workers in them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -783,9 +789,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             data = str(Path(tmp) / "data.pt")
             if args.workload == "lm":  # this python's standard library, for every venv's workers alike
-                corpus = lm.load_corpus()
-                torch.save({"train": corpus.train,
-                            "validation": lm.validation_sample(corpus, LM_CONTEXT, LM_VALIDATION_WINDOWS)}, data)
+                torch.save(lm_data(), data)
             else:
                 torch.save(load_data(), data)
             os.chmod(tmp, 0o755)

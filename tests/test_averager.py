@@ -78,7 +78,7 @@ def test_100_peers_with_target_group_size_8_average_in_many_groups_at_once():
 
 
 @pytest.mark.scenario
-@pytest.mark.timeout(240)  # 64 peers in virtual time: 20-25 s of CPU, 57 s on a slow day of this machine
+@pytest.mark.timeout(240)  # 64 peers in virtual time: 57 s alone on a slow evening of a 2-core machine
 def test_moshpit_with_peers_leaving_still_converges_geometrically():
     async def main():
         net, peers = await make_swarm(64, latency=0.002)
