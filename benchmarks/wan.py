@@ -60,7 +60,7 @@ Usage: sudo .venv/bin/python benchmarks/wan.py [--profile wan,home,lossy] [--pee
            [--floats 1M] [--rounds 5] [--compression none,blockwise8] [--allreduce potluck,tcp_paced,...] [--short]
            [--systems sync,sync_8bit,diloco,...,torchft,torchft_diloco,hivemind]
            [--workload digits|wide|lm] [--local-steps 8] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-delay 1]
-           [--aggregation mean] [--lr 1e-3] [--local-batch 32]
+           [--aggregation mean] [--lr 1e-3] [--local-batch 32] [--matchmaking-time 1]
            [--target 0.95] [--cap 90] [--alone 32] [--cpus 0.35] [--measure-bandwidth]
 """
 
@@ -98,9 +98,11 @@ STEP_TIMEOUT = 60.0  # one averaging round (6.57M floats take ~5 s on the wan pr
 RUN_ID = "wan"
 GLOO_PORT = 29561  # the reference all-reduce's rendezvous (a TCPStore on peer 0)
 TCP_PORT = 29562  # the plain-TCP reference's listener on every peer
-# potluck's and hivemind's matchmaking window: the Optimizer's default. torchft_compare.py's 0.5 s
-# (for loopback) split DiLoCo swarms here: DHT declarations over loaded 50 ms links came too late
-# for peers 0.4 s apart, and pairs and lone peers went on apart (docs/benchmarks.md).
+# potluck's and hivemind's matchmaking window (--matchmaking-time): the Optimizer's default.
+# torchft_compare.py's 0.5 s (for loopback) split DiLoCo swarms here: DHT declarations over loaded
+# 50 ms links came too late for peers 0.4 s apart, and pairs and lone peers went on apart
+# (docs/benchmarks.md). A peer joins a round only between its steps: with steps of 0.5-1 s (the lm
+# workload under --cpus 0.35) 1 s was too short, and most Streaming DiLoCo rounds gathered one peer.
 MATCHMAKING_TIME = 1.0
 
 
@@ -571,7 +573,7 @@ def train_worker(args: argparse.Namespace) -> None:
         opt = hivemind.Optimizer(dht=dht, run_id=RUN_ID, params=model.parameters(),
                                  optimizer=lambda p: torch.optim.Adam(p, lr), target_batch_size=global_batch,
                                  batch_size_per_step=batch,
-                                 average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=MATCHMAKING_TIME,
+                                 average_state_every=base.AVERAGE_STATE_EVERY, matchmaking_time=args.matchmaking_time,
                                  averaging_timeout=base.AVERAGING_TIMEOUT, verbose=False)
         say(event="ready", address=str(dht.get_visible_maddrs()[0]), version=hivemind.__version__)
         # hivemind's documented loop calls zero_grad (it accumulates into its own buffers)
@@ -585,7 +587,7 @@ def train_worker(args: argparse.Namespace) -> None:
         return
     import potluck
     peer = potluck.Peer(host=host, initial_peers=[args.initial] if args.initial else [])
-    options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": MATCHMAKING_TIME,
+    options = {"average_state_every": base.AVERAGE_STATE_EVERY, "matchmaking_time": args.matchmaking_time,
                "averaging_timeout": base.AVERAGING_TIMEOUT, **SYSTEMS[args.train]}
     if "local_steps" in options:
         options.update(local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
@@ -613,6 +615,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                       "bandwidth": "measured" if args.measure_bandwidth else "told",
                       "outer": [args.outer_lr, args.outer_momentum], "outer_delay": args.outer_delay,
                       "aggregation": args.aggregation, "cpus": args.cpus, "local_batch": args.local_batch,
+                      "matchmaking_time": args.matchmaking_time,
                       "lr": args.lr,
                       "target": args.target, "cap_s": args.cap,
                       "date": datetime.date.today().isoformat(),
@@ -628,7 +631,7 @@ def train_profile(args: argparse.Namespace, profile: str, data: str) -> None:
                         "--rank", str(rank), "--peers", str(args.peers), "--data", data, "--workload", args.workload,
                         "--local-steps", str(args.local_steps), "--outer-lr", str(args.outer_lr),
                         "--outer-momentum", str(args.outer_momentum), "--local-batch", str(args.local_batch),
-                        "--lr", str(args.lr),
+                        "--lr", str(args.lr), "--matchmaking-time", str(args.matchmaking_time),
                         *(["--outer-delay", str(args.outer_delay)] if args.outer_delay is not None else []),
                         *(["--aggregation", args.aggregation] if args.aggregation else []),
                         "--target", str(args.target), "--profile", profile,
@@ -738,6 +741,9 @@ def main() -> None:
                              f"ones grows with it (default: the workload's, {LM_BATCH} for lm, "
                              f"{base.POTLUCK_LOCAL_BATCH} otherwise; global {base.GLOBAL_BATCH} at "
                              f"{base.POTLUCK_LOCAL_BATCH})")
+    parser.add_argument("--matchmaking-time", type=float, default=MATCHMAKING_TIME,
+                        help=f"seconds potluck's and hivemind's rounds gather their group (default "
+                             f"{MATCHMAKING_TIME}, the Optimizer's); over a peer's step time, or peers miss rounds")
     parser.add_argument("--cap", type=float, default=90.0, help="seconds of training per system at most")
     parser.add_argument("--alone", type=int, default=0, metavar="BATCH",
                         help="with each system, one more process trains alone (Adam on batches of BATCH, no "
