@@ -44,11 +44,13 @@ def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int = 32, apart: bool = False,
-                kill: Callable[[Optimizer], bool] | None = None, upload: float | None = None) -> dict:
+                kill: Callable[[Optimizer], bool] | None = None, upload: float | None = None,
+                step_seconds: tuple[float, ...] | None = None) -> dict:
     """Train `peers` peers until `epochs` fragment rounds (from different starting points if
     `apart`); peer 0 is crashed when `kill(its optimizer)` says so after a step. Records, per fragment round that a group completed, each
     member's digest of that fragment's outer parameters and momentum once it is applied. `upload`:
-    each peer's upload rate, bytes/s."""
+    each peer's upload rate, bytes/s. `step_seconds`: each peer's compute time a step (else
+    COMPUTE_SECONDS)."""
     network = EmulatedNetwork(latency=0.01, seed=1)
     nodes: list[potluck.Peer] = []
     for _ in range(peers):
@@ -75,7 +77,7 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
         while opt.local_epoch < epochs:
             x, y = batch(generator)
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            await asyncio.sleep(COMPUTE_SECONDS)
+            await asyncio.sleep(COMPUTE_SECONDS if step_seconds is None else step_seconds[index])
             await opt.astep()
             if index == 0 and kill is not None and kill(opt):
                 network.crash(nodes[0].transport.peer_id)
@@ -86,7 +88,7 @@ async def swarm(peers: int, epochs: int, options: dict[str, Any], *, width: int 
         await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(peers))), 600)
         losses.append(_loss(models[1], held_out))
         return {"rounds": rounds, "epochs": [o.local_epoch for o in optimizers], "losses": losses,
-                "round_bytes": round_bytes, "crashed": crashed,
+                "round_bytes": round_bytes, "crashed": crashed, "failed": [o.context.failed_rounds for o in optimizers],
                 "aggregations": {f.averager.aggregation for o in optimizers for f in o.training.fragments}, "per_sample": optimizers[1].bytes_per_sample(),
                 "params": [tensor_digest(list(m.parameters())) for m in models],
                 "records": [list(o.tracker.rounds) for o in optimizers],
@@ -184,6 +186,17 @@ def test_a_repair_meets_the_rounds_group_over_slow_links():
     assert result["epochs"] == [12] * 3 and len(set(result["outer"])) == 1, result
     for group_id, digests in result["rounds"].items():
         assert len(set(digests.values())) == 1, f"round {group_id.hex()}: outer points differ after it: {digests}"
+
+
+@pytest.mark.timeout(120)
+def test_peers_whose_steps_outlast_the_matchmaking_window_still_meet():
+    """A peer joins a round only between two of its steps. Peers with 0.6 s steps, one at 1.2 s,
+    in the run's 0.5 s window: most rounds gathered fewer than all, many only one peer. A round's
+    window now covers two of the slowest training peer's steps (`RunContext.round_window`)."""
+    result = run(4, 8, dict(fragments=2, local_steps=16, outer_delay=4), step_seconds=(0.6, 0.6, 1.2, 0.6))
+    assert result["epochs"] == [8] * 4 and result["failed"] == [0] * 4, result
+    sizes = [len(record.samples) for record in result["records"][0]]  # each round peer 0 completed
+    assert len(sizes) == 8 and set(sizes) == {4}, sizes
 
 
 @pytest.mark.timeout(120)

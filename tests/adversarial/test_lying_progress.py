@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ from potluck.core.virtual_time import run_virtual
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.optim import Optimizer
-from potluck.optim.context import PROGRESS_INTERVAL
+from potluck.optim.context import MAX_ROUND_WINDOW_FACTOR, PROGRESS_INTERVAL, RunContext
 from potluck.optim.progress import (
     AVERAGED_SLACK,
     LIVE_SECONDS,
@@ -359,3 +360,23 @@ def test_claimed_samples_count_at_most_what_was_averaged_with(caplog: pytest.Log
     assert progress.samples <= 2000 + 2 * 500 + AVERAGED_SLACK * 20
     assert warnings_naming(caplog, liar, "but averaged 20 samples")
     assert not warnings_naming(caplog, stranger, "")
+
+
+def test_a_peer_claiming_to_crawl_stretches_a_diloco_rounds_window_at_most_the_factor() -> None:
+    """A DiLoCo round's window covers two of the slowest training peer's steps as its report claims
+    them (a slow peer joins only between its steps): a made-up id that claims a crawl, and then
+    does not come, stretches our rounds' windows at most MAX_ROUND_WINDOW_FACTOR times the run's
+    matchmaking_time. Idle peers and peers in a round are not waited for."""
+    def window(*reports: PeerProgress) -> float:
+        context = SimpleNamespace(settings=SimpleNamespace(matchmaking_time=1.0, batch_size_per_step=256),
+                                  progress=lambda: SimpleNamespace(reports=reports), _live_others=iter)
+        return RunContext.round_window(context)  # type: ignore[arg-type]
+
+    def peer(name: str, speed: float, **kwargs: Any) -> PeerProgress:
+        return PeerProgress(name, epoch=3, samples=0, samples_per_second=speed, time=0.0, **kwargs)
+
+    assert window() == 1.0  # nobody else: the run's window
+    assert window(peer("a", 1024.0)) == 1.0  # steps of 0.25 s
+    assert window(peer("a", 1024.0), peer("b", 256 / 1.2)) == pytest.approx(2.4)  # a step of 1.2 s
+    assert window(peer("a", 1024.0), peer("liar", 1e-9)) == MAX_ROUND_WINDOW_FACTOR * 1.0
+    assert window(peer("a", 1024.0), peer("idle", 1e-9, idle=True), peer("in", 1e-9, averaging=True)) == 1.0

@@ -299,9 +299,14 @@ class Averager:
     async def astep(self, weight: float = 1.0, timeout: float | None = None, gather: Any = None, *,
                     group_key: str | None = None, target_group_size: Target = None,
                     members: Collection[str] | None = None, no_shows: Collection[str] = (),
-                    proceed: Callable[[dict[str, Any]], bool] | None = None) -> StepResult:
-        """The async twin of `step`."""
-        budget = timeout or (self.matchmaking_time + self.allreduce_timeout + 10)
+                    proceed: Callable[[dict[str, Any]], bool] | None = None,
+                    matchmaking_time: float | None = None) -> StepResult:
+        """The async twin of `step`; `matchmaking_time`: this round's window, if not the
+        averager's (in (0, DECLARATION_MAX_TTL])."""
+        window = self.matchmaking_time if matchmaking_time is None else matchmaking_time
+        if not 0 < window <= DECLARATION_MAX_TTL:
+            raise ValueError(f"matchmaking_time must be in (0, {DECLARATION_MAX_TTL:.0f}] seconds, got {window}")
+        budget = timeout or (window + self.allreduce_timeout + 10)
         metrics = peer_metrics(self.transport)
         elapsed = stopwatch()
         self._phase = "matchmaking"  # what failed, for metrics; _step moves it on
@@ -309,7 +314,8 @@ class Averager:
             async with compat.timeout(budget):
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
                 doubtful = frozenset(PeerID.from_string(p) for p in no_shows)
-                result = await self._step(weight, gather, group_key, target_group_size, known, proceed, doubtful)
+                result = await self._step(weight, gather, group_key, target_group_size, known, proceed, doubtful,
+                                          window)
         except TimeoutError:
             metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
@@ -323,7 +329,7 @@ class Averager:
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: Target,
                     members: frozenset[PeerID] | None,
                     proceed: Callable[[dict[str, Any]], bool] | None = None,
-                    no_shows: frozenset[PeerID] = frozenset()) -> StepResult:
+                    no_shows: frozenset[PeerID] = frozenset(), window: float | None = None) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
@@ -332,7 +338,7 @@ class Averager:
         snapshot = None if buffer is None else asyncio.ensure_future(run_in_thread(self._flatten, buffer))
         self.forming = True
         try:
-            formed = await self.matchmaker.form_group(key, self.matchmaking_time,
+            formed = await self.matchmaker.form_group(key, window or self.matchmaking_time,
                                                       (self.bandwidth, self.download_bandwidth), metadata=gather,
                                                       target=target, ready=snapshot, members=members,
                                                       no_shows=no_shows)

@@ -120,6 +120,17 @@ MODEL_CHECK_INTERVAL = 1.0
 # honest sync peers: 8 rounds in 10 s against 38). Long: an honest peer that comes is cleared at
 # once, and one that does not come is only waited for less.
 NO_SHOW_SECONDS = 600.0
+# A DiLoCo round's group gathers for at least this many of the slowest training peer's steps
+# (our batch over its reported speed), if that is longer than the run's matchmaking_time: a peer
+# joins a round only between two of its steps, and hears of it up to a progress interval late.
+# Four Streaming DiLoCo peers with 0.6 s steps and one at 1.2 s (virtual time), in a 1 s window:
+# 9 of 36 rounds gathered one peer; in 2 s, none. Capped at 0.35 of a core each over emulated WAN
+# links (benchmarks/wan.py, lm workload), most rounds of a 1 s window gathered one peer.
+ROUND_WINDOW_STEPS = 2.0
+# ... and for at most this many times the run's matchmaking_time: a peer that claims to crawl (and
+# then does not come) stretches our windows that far at most, and a machine's ranks wait for a
+# window that long (`optim.machine`).
+MAX_ROUND_WINDOW_FACTOR = 8.0
 # No-shows remembered (a short string and a float each): the oldest go first.
 MAX_NO_SHOWS = 1024
 # Asking a peer of the run for its schema (its state manifest) takes at most this.
@@ -522,6 +533,17 @@ class RunContext:
         """The no-shows now (see `group_formed`)."""
         now = self.now()
         return frozenset(p for p, until in self._no_shows.items() if until > now)
+
+    def round_window(self) -> float:
+        """Seconds a DiLoCo round's group gathers: the run's matchmaking_time, or ROUND_WINDOW_STEPS
+        of the slowest live training peer's steps, at most MAX_ROUND_WINDOW_FACTOR times as long."""
+        base = self.settings.matchmaking_time
+        speeds = [r.samples_per_second for r in self._live_others(self.progress().reports)
+                  if r.computing and r.samples_per_second > 0]
+        if not speeds:
+            return base
+        step = self.settings.batch_size_per_step / min(speeds)
+        return min(max(base, ROUND_WINDOW_STEPS * step), MAX_ROUND_WINDOW_FACTOR * base)
 
     def anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""

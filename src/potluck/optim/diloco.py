@@ -112,7 +112,7 @@ class DiLoCoTraining(TrainingMode):
                 task = asyncio.ensure_future(self.delta_averager.astep(
                     weight=float(tally.samples), gather=RoundNote(tally.samples, outer=digest).to_wire(),
                     group_key=f"outer{context.epoch}", target_group_size=context.expected,
-                    members=members, no_shows=context.no_shows()))
+                    members=members, no_shows=context.no_shows(), matchmaking_time=context.round_window()))
                 tally.in_round = True  # slower peers see it and join now (round_begun)
                 context.publish()
                 try:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from potluck.core.errors import PotluckError
 from potluck.core.peer_like import PeerLike
+from potluck.optim.context import MAX_ROUND_WINDOW_FACTOR
 from potluck.optim.optimizer import Optimizer
 
 __all__ = ["LOCAL_TIMEOUT", "LocalGroupLost", "MachineOptimizer"]
@@ -90,7 +91,8 @@ class MachineOptimizer:
         self.grads_reduced = grads_reduced or self.sharded
         self.local_timeout = local_timeout
         # Rank 0 may spend a whole round in step(): the others wait for it that long.
-        self._round_budget = options.get("matchmaking_time", 1.0) + options.get("averaging_timeout", 30.0) \
+        self._round_budget = MAX_ROUND_WINDOW_FACTOR * options.get("matchmaking_time", 1.0) \
+            + options.get("averaging_timeout", 30.0) \
             + options.get("load_state_timeout", 30.0) + local_timeout
         self.optimizer: Optimizer | None = None
         self.local_epoch = 0

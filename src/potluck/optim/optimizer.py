@@ -86,6 +86,8 @@ class Optimizer(torch.optim.Optimizer):
             join) of the sync and diloco modes; "mean" where an authority admits the peers, with
             powersgd_rank, and in the moshpit mode.
         matchmaking_time, averaging_timeout: seconds a round's group gathers; its all-reduce's deadline.
+            A DiLoCo round gathers at least two of the slowest training peer's steps (a peer joins
+            only between steps), at most 8x matchmaking_time (`RunContext.round_window`).
         bandwidth: this peer's link in bytes/s, one number for up and down or (up, down): the
             rounds' load split takes it instead of measuring, and over TCP (Linux) they pace their
             sends to the upload, which keeps a long link's queue short (see `Averager`). Give the

@@ -265,7 +265,8 @@ class StreamingDiLoCo(TrainingMode):
                 weight=float(settings.batch_size_per_step * self.options.local_steps),
                 gather=RoundNote(tally.samples, outer=digest).to_wire(),
                 group_key=f"outer{context.epoch}", target_group_size=expected, members=members,
-                no_shows=context.no_shows() if members is not None else ()))
+                no_shows=context.no_shows() if members is not None else (),
+                matchmaking_time=context.round_window()))
             tally.in_round = True  # slower peers see it and join now (round_begun)
             context.publish()
         self.flight = Flight(fragment, context.epoch, task, self.options.outer_delay, tally.samples)
@@ -297,6 +298,7 @@ class StreamingDiLoCo(TrainingMode):
                 context.record_round(flight.epoch, {p: RoundNote.read(m) for p, m in result.gathered.items()},
                                      result.contributors)
             except AveragingError as e:
+                context.failed_rounds += 1
                 logger.warning("fragment %d: averaging failed (%s); using the local change", fragment.index, e)
         await self.context.compute(self._outer_step, fragment)
         # those since it began go to the next round
