@@ -102,7 +102,8 @@ TCP_PORT = 29562  # the plain-TCP reference's listener on every peer
 # torchft_compare.py's 0.5 s (for loopback) split DiLoCo swarms here: DHT declarations over loaded
 # 50 ms links came too late for peers 0.4 s apart, and pairs and lone peers went on apart
 # (docs/benchmarks.md). A peer joins a round only between its steps: with steps of 0.5-1 s (the lm
-# workload under --cpus 0.35) 1 s was too short, and most Streaming DiLoCo rounds gathered one peer.
+# workload under --cpus 0.35) 1 s was too short, and most Streaming DiLoCo rounds gathered one peer,
+# until DiLoCo rounds stretched their windows to the slowest peer's steps (RunContext.round_window).
 MATCHMAKING_TIME = 1.0
 
 
