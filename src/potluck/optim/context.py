@@ -123,9 +123,10 @@ NO_SHOW_SECONDS = 600.0
 # A DiLoCo round's group gathers for at least this many of the slowest training peer's steps
 # (our batch over its reported speed), if that is longer than the run's matchmaking_time: a peer
 # joins a round only between two of its steps, and hears of it up to a progress interval late.
-# Four Streaming DiLoCo peers with 0.6 s steps and one at 1.2 s (virtual time), in a 1 s window:
-# 9 of 36 rounds gathered one peer; in 2 s, none. Capped at 0.35 of a core each over emulated WAN
-# links (benchmarks/wan.py, lm workload), most rounds of a 1 s window gathered one peer.
+# Four Streaming DiLoCo peers, three with 0.6 s steps and one with 1.2 s (virtual time): in a 1 s
+# window 9 of the 36 rounds they entered failed with one peer gathered, in 3 s none; in 0.5 s the
+# slow one missed every round. Capped at 0.35 of a core each over emulated WAN links
+# (benchmarks/wan.py, lm workload), most rounds of a 1 s window gathered one peer.
 ROUND_WINDOW_STEPS = 2.0
 # ... and for at most this many times the run's matchmaking_time: a peer that claims to crawl (and
 # then does not come) stretches our windows that far at most, and a machine's ranks wait for a
