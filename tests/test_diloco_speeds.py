@@ -34,13 +34,14 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
-async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dict:
+async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0,
+                compute: tuple[float, float] = COMPUTE_SECONDS) -> dict:
     """Train the peers until `epochs` outer rounds (the slower peer stalls for `stall` seconds
-    after its STALL_AT_STEP-th step); per epoch, each peer's outer digest once it reached that
-    epoch."""
+    after its STALL_AT_STEP-th step; `compute`: each one's seconds a batch); per epoch, each
+    peer's outer digest once it reached that epoch."""
     network = EmulatedNetwork(latency=0.01, seed=1)
     peers: list[potluck.Peer] = []
-    for _ in COMPUTE_SECONDS:
+    for _ in compute:
         peers.append(await potluck.Peer.create(peers[0].addresses if peers else [], transport=network.transport(),
                                                clock=event_loop_clock()))
     models = [make_model() for _ in peers]
@@ -67,12 +68,12 @@ async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dic
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             stalled = stall if index == 1 and steps[index] == STALL_AT_STEP else 0.0
-            await asyncio.sleep(COMPUTE_SECONDS[index] + stalled)
+            await asyncio.sleep(compute[index] + stalled)
             await opt.astep()
             steps[index] += 1
 
     try:
-        await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 20)  # virtual seconds
+        await asyncio.wait_for(asyncio.gather(*(train(i) for i in range(len(peers)))), 60)  # virtual seconds
         return {"outer": dict(outer), "steps": steps, "epochs": [o.local_epoch for o in optimizers],
                 "failed": [o.context.failed_rounds for o in optimizers]}
     finally:
@@ -82,10 +83,10 @@ async def swarm(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dic
             await peer.ashutdown()
 
 
-def run(epochs: int, options: dict[str, Any], stall: float = 0.0) -> dict:
+def run(epochs: int, options: dict[str, Any], stall: float = 0.0, compute: tuple[float, float] = COMPUTE_SECONDS) -> dict:
     runner = acquire_runner(virtual_time_loop)
     try:
-        return runner.run(swarm(epochs, options, stall), timeout=120)
+        return runner.run(swarm(epochs, options, stall, compute), timeout=120)
     finally:
         release_runner()
 
@@ -128,4 +129,16 @@ def test_a_stalled_peer_follows_its_lone_partner_far_ahead_and_meets_it_again():
     assert result["epochs"] == [10, 10], result
     assert any(set(outer[epoch]) == {0} for epoch in range(3, 7)), result  # the rounds it missed
     for epoch in (8, 9, 10):
+        assert set(outer[epoch]) == {0, 1} and len(set(outer[epoch].values())) == 1, (epoch, result)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_whose_steps_outlast_the_matchmaking_window_meets_every_outer_round():
+    # The slower peer's steps take 0.8 s, the window is 0.5 s: it joins a round only after the
+    # step it is in when the round begins. A round's window now covers two of the slowest peer's
+    # steps (`RunContext.round_window`); both take every outer step together.
+    result = run(4, {}, compute=(0.1, 0.8))
+    outer = result["outer"]
+    assert result["epochs"] == [4, 4] and result["failed"] == [0, 0], result
+    for epoch in range(1, 5):
         assert set(outer[epoch]) == {0, 1} and len(set(outer[epoch].values())) == 1, (epoch, result)

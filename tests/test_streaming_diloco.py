@@ -191,8 +191,8 @@ def test_a_repair_meets_the_rounds_group_over_slow_links():
 @pytest.mark.timeout(120)
 def test_peers_whose_steps_outlast_the_matchmaking_window_still_meet():
     """A peer joins a round only between two of its steps. Peers with 0.6 s steps, one at 1.2 s,
-    in the run's 0.5 s window: most rounds gathered fewer than all, many only one peer. A round's
-    window now covers two of the slowest training peer's steps (`RunContext.round_window`)."""
+    in the run's 0.5 s window: the slow one missed every round (each of peer 0's had 3 members). A
+    round's window now covers two of the slowest training peer's steps (`RunContext.round_window`)."""
     result = run(4, 8, dict(fragments=2, local_steps=16, outer_delay=4), step_seconds=(0.6, 0.6, 1.2, 0.6))
     assert result["epochs"] == [8] * 4 and result["failed"] == [0] * 4, result
     sizes = [len(record.samples) for record in result["records"][0]]  # each round peer 0 completed

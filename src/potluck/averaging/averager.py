@@ -186,9 +186,7 @@ class Averager:
             raise ValueError("Averager needs a non-empty list of floating-point tensors")
         if min_group_size < 1 or (target_group_size is not None and target_group_size < min_group_size):
             raise ValueError("need 1 <= min_group_size <= target_group_size")
-        if not 0 < matchmaking_time <= DECLARATION_MAX_TTL:
-            raise ValueError(f"matchmaking_time must be in (0, {DECLARATION_MAX_TTL:.0f}] seconds (DHT nodes refuse "
-                             f"declarations that live longer), got {matchmaking_time}")
+        _check_window(matchmaking_time)
         self.peer = peer
         self.transport = peer.transport
         self.run_id = run_id
@@ -303,9 +301,7 @@ class Averager:
                     matchmaking_time: float | None = None) -> StepResult:
         """The async twin of `step`; `matchmaking_time`: this round's window, if not the
         averager's (in (0, DECLARATION_MAX_TTL])."""
-        window = self.matchmaking_time if matchmaking_time is None else matchmaking_time
-        if not 0 < window <= DECLARATION_MAX_TTL:
-            raise ValueError(f"matchmaking_time must be in (0, {DECLARATION_MAX_TTL:.0f}] seconds, got {window}")
+        window = self.matchmaking_time if matchmaking_time is None else _check_window(matchmaking_time)
         budget = timeout or (window + self.allreduce_timeout + 10)
         metrics = peer_metrics(self.transport)
         elapsed = stopwatch()
@@ -315,7 +311,7 @@ class Averager:
                 known = None if members is None else frozenset(PeerID.from_string(p) for p in members)
                 doubtful = frozenset(PeerID.from_string(p) for p in no_shows)
                 result = await self._step(weight, gather, group_key, target_group_size, known, proceed, doubtful,
-                                          window)
+                                          window=window)
         except TimeoutError:
             metrics.round_failures.inc(run=self.run_id, averager=self.names.name, kind="timeout")
             raise AveragingError(f"averaging step did not finish within {budget:.1f} s") from None
@@ -329,7 +325,7 @@ class Averager:
     async def _step(self, weight: float, gather: Any, group_key: str | None, target: Target,
                     members: frozenset[PeerID] | None,
                     proceed: Callable[[dict[str, Any]], bool] | None = None,
-                    no_shows: frozenset[PeerID] = frozenset(), window: float | None = None) -> StepResult:
+                    no_shows: frozenset[PeerID] = frozenset(), *, window: float) -> StepResult:
         key = self._group_key() if group_key is None else f"{group_key}/{self._group_key()}"
         # Snapshot (and check) the local tensors while matchmaking talks to the DHT; a peer whose
         # tensors hold NaN/inf fails here, before it joins any group.
@@ -338,7 +334,7 @@ class Averager:
         snapshot = None if buffer is None else asyncio.ensure_future(run_in_thread(self._flatten, buffer))
         self.forming = True
         try:
-            formed = await self.matchmaker.form_group(key, window or self.matchmaking_time,
+            formed = await self.matchmaker.form_group(key, window,
                                                       (self.bandwidth, self.download_bandwidth), metadata=gather,
                                                       target=target, ready=snapshot, members=members,
                                                       no_shows=no_shows)
@@ -599,3 +595,11 @@ def moshpit_grid(peers: int, max_group: int = MOSHPIT_MAX_GROUP) -> tuple[int, .
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_window(matchmaking_time: float) -> float:
+    """`matchmaking_time`, if DHT nodes keep a declaration that long; else ValueError."""
+    if not 0 < matchmaking_time <= DECLARATION_MAX_TTL:
+        raise ValueError(f"matchmaking_time must be in (0, {DECLARATION_MAX_TTL:.0f}] seconds (DHT nodes refuse "
+                         f"declarations that live longer), got {matchmaking_time}")
+    return matchmaking_time
