@@ -73,6 +73,26 @@ def test_a_block_reduced_alone_has_the_bits_it_has_inside_its_chunk(kind):
         assert torch.equal(run(kind, [p[lo:hi] for p in pieces]), whole[lo:hi]), (kind, lo)
 
 
+def test_centered_clip_in_groups_of_blocks_has_the_bits_of_one_group(monkeypatch):
+    """CenteredClip iterates over CLIP_GROUP_ELEMENTS at a time (for the CPU's caches): a group's
+    size changes neither a block's result nor the distances (blocks differ, so their radii and
+    iteration counts differ)."""
+    from potluck.averaging import robust
+    g = torch.Generator().manual_seed(4)
+    size = 7 * VERIFY_BLOCK + 1000
+    pieces = [torch.randn(size, generator=g) * (i + 1) for i in range(4)] + [torch.full((size,), 1e30)]
+    for b in range(7):
+        pieces[b % 4][b * VERIFY_BLOCK:(b + 1) * VERIFY_BLOCK] *= 3.0 + b
+    monkeypatch.setattr(robust, "CLIP_GROUP_ELEMENTS", 1 << 30)
+    whole = torch.empty(size)
+    distances = robust.centered_clip(pieces, whole)
+    for blocks in (1, 2, 3):
+        monkeypatch.setattr(robust, "CLIP_GROUP_ELEMENTS", blocks * len(pieces) * VERIFY_BLOCK)
+        grouped = torch.empty(size)
+        assert robust.centered_clip(pieces, grouped) == distances
+        assert torch.equal(grouped, whole), blocks
+
+
 @pytest.mark.parametrize("n,f", [(4, 1), (8, 1), (8, 2)])
 def test_trimmed_mean_stays_within_the_honest_range_with_up_to_its_trim_count_of_outliers(n, f):
     assert f <= trimmed_count(n)

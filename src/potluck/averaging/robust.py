@@ -63,6 +63,11 @@ NETWORK_ROWS = 16
 CLIP_ITERATIONS = 10
 # CenteredClip stops early once an iteration moves v by at most this fraction of tau.
 CLIP_TOLERANCE = 1e-3
+# CenteredClip iterates over this many values at a time (senders x elements, whole blocks): each
+# iteration passes over the pieces, their differences and their squares several times, and a
+# group's (2 MiB a tensor) stays in the CPU's caches between passes. 2-3x faster than one group
+# of all blocks for 4 x 787,500 values (benchmarks/aggregation.py); fewer groups cost more calls.
+CLIP_GROUP_ELEMENTS = 1 << 19
 # Trimmed mean: the fraction of senders dropped at each end of every coordinate (rounded up,
 # see `trimmed_count`): a quarter tolerates 1 malicious of 4 and 2 of 8.
 TRIM_FRACTION = 0.25
@@ -135,17 +140,25 @@ def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> list[flo
     every sender, as under the elementwise aggregations, instead of a whole chunk from every
     sender (which cost about three times the all-reduce's bytes on slow links). 4096 dimensions
     still concentrate honest distances, as CLIP_RADIUS relies on, and a liar's pull is bounded
-    in every block.
+    in every block. Blocks are clipped CLIP_GROUP_ELEMENTS at a time (the same bits: each block's
+    result depends on that block alone).
     Returns the distance of each piece from the coordinate-wise median it starts from."""
-    x = torch.stack(list(pieces))
-    width = x.shape[1]
+    n, width = len(pieces), out.shape[0]
     full = width // VERIFY_BLOCK * VERIFY_BLOCK
-    squares = [0.0] * len(pieces)
-    for lo, hi, size in ((0, full, VERIFY_BLOCK), (full, width, width - full)):
-        if hi > lo:
-            v, sums = _clip_blocks(x[:, lo:hi].reshape(len(pieces), -1, size))
-            out[lo:hi].copy_(v.reshape(-1))
-            squares = [a + b for a, b in zip(squares, sums.sum(dim=1).tolist(), strict=True)]
+    squares = [0.0] * n
+    if full:
+        blocks = [p[:full].view(-1, VERIFY_BLOCK) for p in pieces]
+        starts = torch.empty(n, full // VERIFY_BLOCK, dtype=torch.float64)
+        results = out[:full].view(-1, VERIFY_BLOCK)
+        group = max(1, CLIP_GROUP_ELEMENTS // (n * VERIFY_BLOCK))
+        for lo in range(0, full // VERIFY_BLOCK, group):
+            x = torch.stack([b[lo:lo + group] for b in blocks])  # the group's copy, in the caches
+            results[lo:lo + group], starts[:, lo:lo + group] = _clip_blocks(x)
+        squares = starts.sum(dim=1).tolist()
+    if width > full:
+        v, sums = _clip_blocks(torch.stack([p[full:] for p in pieces]).unsqueeze(1))
+        out[full:].copy_(v.reshape(-1))
+        squares = [a + b for a, b in zip(squares, sums.sum(dim=1).tolist(), strict=True)]
     return [math.sqrt(s) for s in squares]
 
 
