@@ -147,13 +147,15 @@ def centered_clip(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> list[flo
     full = width // VERIFY_BLOCK * VERIFY_BLOCK
     squares = [0.0] * n
     if full:
-        blocks = [p[:full].view(-1, VERIFY_BLOCK) for p in pieces]
-        starts = torch.empty(n, full // VERIFY_BLOCK, dtype=torch.float64)
-        results = out[:full].view(-1, VERIFY_BLOCK)
+        blocks = [p[:full].reshape(-1, VERIFY_BLOCK) for p in pieces]
+        count = full // VERIFY_BLOCK
+        starts = torch.empty(n, count, dtype=torch.float64)
         group = max(1, CLIP_GROUP_ELEMENTS // (n * VERIFY_BLOCK))
-        for lo in range(0, full // VERIFY_BLOCK, group):
-            x = torch.stack([b[lo:lo + group] for b in blocks])  # the group's copy, in the caches
-            results[lo:lo + group], starts[:, lo:lo + group] = _clip_blocks(x)
+        for lo in range(0, count, group):
+            hi = min(count, lo + group)
+            v, sums = _clip_blocks(torch.stack([b[lo:hi] for b in blocks]))  # the group's copy
+            out[lo * VERIFY_BLOCK:hi * VERIFY_BLOCK].copy_(v.reshape(-1))
+            starts[:, lo:hi] = sums
         squares = starts.sum(dim=1).tolist()
     if width > full:
         v, sums = _clip_blocks(torch.stack([p[full:] for p in pieces]).unsqueeze(1))
