@@ -26,11 +26,12 @@ Figures per scenario (one JSON object per line):
   epochs_per_minute        epochs the swarm advanced per minute of training
   longest_stall            s: the longest time a peer saw no new epoch (from the start to the stop)
   params_identical         true if every peer's parameters have one digest at the final epoch
+                           (null under --mode streaming, whose local parameters differ)
   catch_ups                state downloads of peers that fell behind: read RSS with it (see the row)
   rss_over_time            the samples: [seconds since start, MB, epoch]; heap_over_time likewise
 
 Usage: python benchmarks/soak.py [--quick] [--minutes 10] [--warmup S] [--sample S]
-           [--scenarios processes,emulated] [--plot rss.png]
+           [--scenarios processes,emulated] [--mode sync|diloco|streaming] [--plot rss.png]
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ MIN_WARMUP = 8.0  # s: RSS climbs for the first ~5 s (imports done, first rounds
 WARMUP_FRACTION = 0.2  # of the run, when --warmup is not given (within MIN_WARMUP..MAX_WARMUP)
 DEFAULT_SAMPLE = 2.0  # s between RSS samples
 QUICK_SECONDS = 18.0  # per scenario: both under a minute
+# --mode: the Optimizer's options. DiLoCo's rounds and Streaming DiLoCo's fragments, delayed
+# landings and 4-bit codec keep state of their own (outer points, error feedback, the record of
+# deviations per fragment) that sync mode never makes.
+MODES = {"sync": {},
+         "diloco": {"mode": "diloco", "local_steps": 8},
+         "streaming": {"mode": "diloco", "local_steps": 8, "fragments": 2, "outer_delay": 2,
+                       "outer_compression": "blockwise4"}}
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
@@ -161,7 +169,8 @@ def run_worker(args: argparse.Namespace) -> None:
     model = make_mlp()
     with potluck.Peer(initial_peers=[args.initial] if args.initial else [], host="127.0.0.1") as peer:
         opt = potluck.Optimizer(peer, "soak", model.parameters(), lambda p: torch.optim.Adam(p, LR),
-                                target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, load_state=False)
+                                target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH, load_state=False,
+                                **MODES[args.mode])
         say(event="ready", address=peer.addresses[0])
         t0 = float(read_line(WORKER_IDLE_TIMEOUT).split()[1])  # "go <common start, time.time()>"
         trainer = Trainer(model, opt, 1000 + args.rank, t0, lambda t, e: say(event="epoch", t=t, epoch=e))
@@ -202,7 +211,7 @@ class PeerRecord:
 
 def run_processes(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int]:
     """Train with real peer processes; returns their records, the training seconds and the finish epoch."""
-    base = [sys.executable, __file__, "--worker", "--sample", str(args.sample)]
+    base = [sys.executable, __file__, "--worker", "--sample", str(args.sample), "--mode", args.mode]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers: list[Worker] = []
@@ -268,7 +277,8 @@ def run_emulated(args: argparse.Namespace) -> tuple[list[PeerRecord], float, int
         for peer, model in zip(peers, models, strict=True):
             optimizers.append(potluck.Optimizer(peer, "soak", model.parameters(), lambda p: torch.optim.Adam(p, LR),
                                                 target_batch_size=TARGET_BATCH, batch_size_per_step=LOCAL_BATCH,
-                                                load_state=False, aggregation=args.aggregation))
+                                                load_state=False, aggregation=args.aggregation,
+                                                **MODES[args.mode]))
         t0 = time.time()
         trainers += [Trainer(model, opt, 1000 + i, t0, lambda t, e, r=record: r.epochs.append((t, e)))
                      for i, (model, opt, record) in enumerate(zip(models, optimizers, records, strict=True))]
@@ -365,6 +375,8 @@ def summarize(scenario: str, records: list[PeerRecord], trained: float, finish: 
     row = {"metric": "params_identical", "value": None not in digests and len(set(digests)) == 1, "unit": "bool",
            "finish_epoch": finish, "final_epochs": [r.final.get("epoch") for r in peers], "digests": digests,
            **params}
+    if args.mode == "streaming":  # each fragment lands mixed with the local parameters (`mixing`)
+        row.update(value=None, measured="not compared: Streaming DiLoCo's local parameters differ between peers")
     if errors:
         row["error"] = "; ".join(errors)[:2000]
     rows.append(row)
@@ -407,6 +419,9 @@ def main() -> None:
     parser.add_argument("--scenarios", default="processes,emulated")
     parser.add_argument("--aggregation", default=None,
                         help="the emulated peers' (default: the Optimizer's, CenteredClip in these open runs)")
+    parser.add_argument("--mode", choices=list(MODES), default="sync",
+                        help="the peers' Optimizer: sync, DiLoCo (8 local steps) or Streaming DiLoCo "
+                             "(2 fragments, delay 2, 4-bit)")
     parser.add_argument("--plot", help="write a PNG of RSS over time here")
     args = parse_or_run_worker(parser, run_worker)
     if args is None:
@@ -414,7 +429,7 @@ def main() -> None:
     args.seconds = QUICK_SECONDS if args.quick else args.minutes * 60
     if args.warmup is None:
         args.warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * args.seconds)), 1)
-    common = {"model": "MLP " + "-".join(map(str, MLP_SIZES)), "mode": "sync",
+    common = {"model": "MLP " + "-".join(map(str, MLP_SIZES)), "mode": args.mode,
               "aggregation": args.aggregation or "default", "target_batch_size": TARGET_BATCH,
               "batch_size_per_step": LOCAL_BATCH, "optimizer": "Adam", "sample_s": args.sample,
               "date": datetime.date.today().isoformat(),
