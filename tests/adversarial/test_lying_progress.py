@@ -24,6 +24,7 @@ import torch
 
 import potluck
 from potluck.core.virtual_time import run_virtual
+from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.net.emulated import EmulatedNetwork
 from potluck.net.identity import Identity
 from potluck.optim import Optimizer
@@ -366,9 +367,10 @@ def test_a_peer_claiming_to_crawl_stretches_a_diloco_rounds_window_at_most_the_f
     """A DiLoCo round's window covers two of the slowest training peer's steps as its report claims
     them (a slow peer joins only between its steps): a made-up id that claims a crawl, and then
     does not come, stretches our rounds' windows at most MAX_ROUND_WINDOW_FACTOR times the run's
-    matchmaking_time. Idle peers and peers in a round are not waited for."""
-    def window(*reports: PeerProgress) -> float:
-        context = SimpleNamespace(settings=SimpleNamespace(matchmaking_time=1.0, batch_size_per_step=256),
+    matchmaking_time, and never past what DHT nodes keep a declaration for (a longer window was a
+    ValueError mid-run). Idle peers and peers in a round are not waited for."""
+    def window(*reports: PeerProgress, base: float = 1.0) -> float:
+        context = SimpleNamespace(settings=SimpleNamespace(matchmaking_time=base, batch_size_per_step=256),
                                   progress=lambda: SimpleNamespace(reports=reports), _live_others=iter)
         return RunContext.round_window(context)  # type: ignore[arg-type]
 
@@ -380,3 +382,4 @@ def test_a_peer_claiming_to_crawl_stretches_a_diloco_rounds_window_at_most_the_f
     assert window(peer("a", 1024.0), peer("b", 256 / 1.2)) == pytest.approx(2.4)  # a step of 1.2 s
     assert window(peer("a", 1024.0), peer("liar", 1e-9)) == MAX_ROUND_WINDOW_FACTOR * 1.0
     assert window(peer("a", 1024.0), peer("idle", 1e-9, idle=True), peer("in", 1e-9, averaging=True)) == 1.0
+    assert window(peer("liar", 1e-9), base=100.0) == DECLARATION_MAX_TTL  # not 8 x 100 s

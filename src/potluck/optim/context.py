@@ -36,6 +36,7 @@ from potluck.core.bounded import drop_oldest
 from potluck.core.errors import AveragingError, NetworkError, PotluckError
 from potluck.core.peer_like import PeerLike
 from potluck.core.runner import CallerThread, retrieve_exception, run_in_thread
+from potluck.dht.key_kinds import DECLARATION_MAX_TTL
 from potluck.net.identity import PeerID
 from potluck.optim.progress import (
     GlobalProgress,
@@ -537,14 +538,15 @@ class RunContext:
 
     def round_window(self) -> float:
         """Seconds a DiLoCo round's group gathers: the run's matchmaking_time, or ROUND_WINDOW_STEPS
-        of the slowest live training peer's steps, at most MAX_ROUND_WINDOW_FACTOR times as long."""
+        of the slowest live training peer's steps, at most MAX_ROUND_WINDOW_FACTOR times as long
+        and never past DECLARATION_MAX_TTL (the averager refuses a longer window)."""
         base = self.settings.matchmaking_time
         speeds = [r.samples_per_second for r in self._live_others(self.progress().reports)
                   if r.computing and r.samples_per_second > 0]
         if not speeds:
             return base
         step = self.settings.batch_size_per_step / min(speeds)
-        return min(max(base, ROUND_WINDOW_STEPS * step), MAX_ROUND_WINDOW_FACTOR * base)
+        return min(max(base, ROUND_WINDOW_STEPS * step), MAX_ROUND_WINDOW_FACTOR * base, DECLARATION_MAX_TTL)
 
     def anyone_else(self) -> bool:
         """Some other peer trains (a lone peer does not wait a matchmaking window for nobody)."""
